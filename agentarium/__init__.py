@@ -1,0 +1,1 @@
+"""Agentarium: the rollout layer for agentic RL on NATS JetStream."""

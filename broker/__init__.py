@@ -1,0 +1,22 @@
+"""NATS plumbing: connection settings, topology, provisioning, the embedded server, status."""
+
+from .errors import BrokerError, BrokerUnavailable, ProvisioningError, ServerLaunchError
+from .provision import ProvisionReport, provision
+from .server import NatsServer, find_nats_server, free_port
+from .settings import NatsSettings
+from .topology import Limits, Topology
+
+__all__ = [
+    "BrokerError",
+    "BrokerUnavailable",
+    "Limits",
+    "NatsServer",
+    "NatsSettings",
+    "ProvisionReport",
+    "ProvisioningError",
+    "ServerLaunchError",
+    "Topology",
+    "find_nats_server",
+    "free_port",
+    "provision",
+]

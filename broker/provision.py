@@ -1,0 +1,240 @@
+"""Idempotent provisioning: make every stream, consumer and bucket match its definition.
+
+Provisioning is a diff: each object is created when missing, updated in place when one
+of the settings we own differs, and left alone otherwise, so ``broker init`` is safe to
+run on every start. Changes the server cannot make safely are refused with a message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import nats.js.errors
+import structlog
+from nats.js import JetStreamContext
+from nats.js.api import ConsumerConfig, KeyValueConfig, ObjectStoreConfig, StorageType, StreamConfig
+
+from .errors import ProvisioningError
+from .topology import Limits, Topology
+
+log = structlog.get_logger("agentarium.broker")
+
+# Settings compared for streams (the rest are server defaults we do not own).
+_STREAM_KEYS = (
+    "subjects",
+    "retention",
+    "storage",
+    "discard",
+    "max_msgs",
+    "max_bytes",
+    "max_age",
+    "duplicate_window",
+    "num_replicas",
+    "max_msgs_per_subject",
+)
+_CONSUMER_KEYS = ("filter_subject", "ack_wait", "max_deliver", "max_ack_pending", "max_waiting", "ack_policy")
+_IMMUTABLE = ("retention", "storage")
+
+
+@dataclass
+class ProvisionReport:
+    created: list[str] = field(default_factory=list)
+    updated: list[str] = field(default_factory=list)
+    unchanged: list[str] = field(default_factory=list)
+
+    def merge(self, other: ProvisionReport) -> ProvisionReport:
+        self.created += other.created
+        self.updated += other.updated
+        self.unchanged += other.unchanged
+        return self
+
+
+def _norm(value):
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return sorted(value)
+    return getattr(value, "value", value)
+
+
+def _diff(want, have, keys) -> dict[str, tuple]:
+    out = {}
+    for key in keys:
+        wanted = getattr(want, key, None)
+        if wanted is None:
+            continue
+        if key == "num_replicas" and wanted == 1 and not getattr(have, key, None):
+            continue
+        got = getattr(have, key, None)
+        if _norm(wanted) != _norm(got):
+            out[key] = (got, wanted)
+    return out
+
+
+async def ensure_stream(js: JetStreamContext, want: StreamConfig) -> ProvisionReport:
+    report = ProvisionReport()
+    try:
+        info = await js.stream_info(want.name)
+    except nats.js.errors.NotFoundError:
+        await js.add_stream(want)
+        log.info("stream created", stream=want.name)
+        report.created.append(f"stream {want.name}")
+        return report
+    changes = _diff(want, info.config, _STREAM_KEYS)
+    if not changes:
+        report.unchanged.append(f"stream {want.name}")
+        return report
+    frozen = [k for k in changes if k in _IMMUTABLE]
+    if frozen:
+        raise ProvisioningError(
+            f"stream {want.name}: {frozen} cannot change on an existing stream "
+            f"(have {[changes[k][0] for k in frozen]}, want {[changes[k][1] for k in frozen]}); "
+            "drain it and delete it first, or keep the old setting"
+        )
+    if "num_replicas" in changes and want.retention is not None and _norm(want.retention) == "workqueue":
+        raise ProvisioningError(
+            f"stream {want.name}: changing replicas {changes['num_replicas'][0]} -> "
+            f"{changes['num_replicas'][1]} on a work-queue stream is not safe here: drain the "
+            "queue, delete the stream and run `agentarium broker init` again with --replicas"
+        )
+    merged = info.config
+    for key, (_, wanted) in changes.items():
+        setattr(merged, key, wanted)
+    try:
+        await js.update_stream(merged)
+    except nats.js.errors.APIError as exc:
+        raise ProvisioningError(f"stream {want.name}: update {sorted(changes)} refused: {exc.description}") from exc
+    log.info("stream updated", stream=want.name, changes={k: v[1] for k, v in changes.items()})
+    report.updated.append(f"stream {want.name}")
+    return report
+
+
+async def ensure_consumer(js: JetStreamContext, stream: str, want: ConsumerConfig) -> ProvisionReport:
+    report = ProvisionReport()
+    name = want.durable_name
+    try:
+        info = await js.consumer_info(stream, name)
+    except nats.js.errors.NotFoundError:
+        await js.add_consumer(stream, want)
+        log.info("consumer created", stream=stream, consumer=name)
+        report.created.append(f"consumer {stream}/{name}")
+        return report
+    changes = _diff(want, info.config, _CONSUMER_KEYS)
+    if not changes:
+        report.unchanged.append(f"consumer {stream}/{name}")
+        return report
+    try:
+        await js.add_consumer(stream, want)  # same durable name = update on 2.9+
+    except nats.js.errors.APIError as exc:
+        raise ProvisioningError(
+            f"consumer {stream}/{name}: update {sorted(changes)} refused by the server "
+            f"({exc.description}); delete the consumer when no worker runs and retry"
+        ) from exc
+    log.info("consumer updated", stream=stream, consumer=name, changes={k: v[1] for k, v in changes.items()})
+    report.updated.append(f"consumer {stream}/{name}")
+    return report
+
+
+async def _ensure_bucket_stream(js, stream_name: str, label: str, create, want_settings: dict) -> ProvisionReport:
+    report = ProvisionReport()
+    try:
+        info = await js.stream_info(stream_name)
+    except nats.js.errors.NotFoundError:
+        await create()
+        log.info("bucket created", bucket=label)
+        report.created.append(f"bucket {label}")
+        return report
+    config = info.config
+    changes = {
+        k: (getattr(config, k), v) for k, v in want_settings.items() if _norm(getattr(config, k)) != _norm(v)
+    }
+    if not changes:
+        report.unchanged.append(f"bucket {label}")
+        return report
+    if "num_replicas" in changes:
+        raise ProvisioningError(
+            f"bucket {label}: replicas {changes['num_replicas'][0]} -> {changes['num_replicas'][1]} "
+            "needs a new bucket: copy it out, delete it and run broker init again"
+        )
+    for key, (_, wanted) in changes.items():
+        setattr(config, key, wanted)
+    if config.max_age and config.duplicate_window and config.duplicate_window > config.max_age:
+        config.duplicate_window = config.max_age  # the server refuses a window longer than max age
+    try:
+        await js.update_stream(config)
+    except nats.js.errors.APIError as exc:
+        raise ProvisioningError(f"bucket {label}: update {sorted(changes)} refused: {exc.description}") from exc
+    log.info("bucket updated", bucket=label, changes={k: v[1] for k, v in changes.items()})
+    report.updated.append(f"bucket {label}")
+    return report
+
+
+async def ensure_buckets(js: JetStreamContext, topo: Topology, limits: Limits) -> ProvisionReport:
+    report = ProvisionReport()
+    policy = KeyValueConfig(
+        bucket=topo.policy_bucket,
+        description="latest WeightUpdate per run (JSON)",
+        history=limits.policy_history,
+        storage=StorageType.FILE,
+        replicas=limits.replicas,
+    )
+    workers = KeyValueConfig(
+        bucket=topo.workers_bucket,
+        description="live rollout workers and their counters",
+        history=1,
+        ttl=limits.workers_ttl_s,
+        storage=StorageType.FILE,
+        replicas=limits.replicas,
+    )
+    weights = ObjectStoreConfig(
+        bucket=topo.weights_bucket,
+        description="policy weights (safetensors), <run>/v<version>",
+        storage=StorageType.FILE,
+        replicas=limits.replicas,
+    )
+    report.merge(
+        await _ensure_bucket_stream(
+            js,
+            f"KV_{topo.policy_bucket}",
+            topo.policy_bucket,
+            lambda: js.create_key_value(policy),
+            {"max_msgs_per_subject": limits.policy_history, "num_replicas": limits.replicas},
+        )
+    )
+    report.merge(
+        await _ensure_bucket_stream(
+            js,
+            f"KV_{topo.workers_bucket}",
+            topo.workers_bucket,
+            lambda: js.create_key_value(workers),
+            {"max_age": limits.workers_ttl_s, "num_replicas": limits.replicas},
+        )
+    )
+    report.merge(
+        await _ensure_bucket_stream(
+            js,
+            f"OBJ_{topo.weights_bucket}",
+            topo.weights_bucket,
+            lambda: js.create_object_store(topo.weights_bucket, weights),
+            {"num_replicas": limits.replicas},
+        )
+    )
+    return report
+
+
+async def provision(
+    js: JetStreamContext,
+    topo: Topology,
+    limits: Limits | None = None,
+    *,
+    agents: tuple[str, ...] = (),
+) -> ProvisionReport:
+    """Create or update everything in DESIGN.md's table (and rollout consumers for ``agents``)."""
+    limits = limits or Limits()
+    report = ProvisionReport()
+    for stream in topo.stream_configs(limits):
+        report.merge(await ensure_stream(js, stream))
+    report.merge(await ensure_buckets(js, topo, limits))
+    for agent in agents:
+        report.merge(await ensure_consumer(js, topo.tasks_stream, topo.rollout_consumer_config(agent, limits)))
+    return report

@@ -1,0 +1,170 @@
+"""NATS connection settings: URL, auth (user/password, token, nkey, creds) and TLS.
+
+Every command reads the same environment variables, and flags override them:
+
+    AGENTARIUM_NATS_URL       nats://127.0.0.1:4222 (comma-separated for a cluster)
+    AGENTARIUM_NATS_USER / AGENTARIUM_NATS_PASSWORD
+    AGENTARIUM_NATS_TOKEN
+    AGENTARIUM_NATS_CREDS     a .creds file (JWT + nkey seed)
+    AGENTARIUM_NATS_NKEY      an nkey seed file
+    AGENTARIUM_NATS_TLS_CA / AGENTARIUM_NATS_TLS_CERT / AGENTARIUM_NATS_TLS_KEY
+    AGENTARIUM_PREFIX         subject/stream prefix, default "agentarium"
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import ssl
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+import nats
+import nats.errors
+import structlog
+
+from .errors import BrokerUnavailable
+
+DEFAULT_URL = "nats://127.0.0.1:4222"
+log = structlog.get_logger("agentarium.broker")
+
+_ENV = {
+    "url": "AGENTARIUM_NATS_URL",
+    "user": "AGENTARIUM_NATS_USER",
+    "password": "AGENTARIUM_NATS_PASSWORD",
+    "token": "AGENTARIUM_NATS_TOKEN",
+    "creds_file": "AGENTARIUM_NATS_CREDS",
+    "nkey_seed_file": "AGENTARIUM_NATS_NKEY",
+    "tls_ca": "AGENTARIUM_NATS_TLS_CA",
+    "tls_cert": "AGENTARIUM_NATS_TLS_CERT",
+    "tls_key": "AGENTARIUM_NATS_TLS_KEY",
+    "prefix": "AGENTARIUM_PREFIX",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class NatsSettings:
+    url: str = DEFAULT_URL
+    user: str | None = None
+    password: str | None = None
+    token: str | None = None
+    creds_file: str | None = None
+    nkey_seed_file: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    prefix: str = "agentarium"
+    connect_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        for url in self.servers:
+            if "://" not in url:
+                raise ValueError(f"NATS URL {url!r} needs a scheme, e.g. nats://127.0.0.1:4222")
+        if bool(self.user) != bool(self.password):
+            raise ValueError("NATS user and password go together: set both or neither")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("a TLS client certificate needs its key: set both tls_cert and tls_key")
+
+    @property
+    def servers(self) -> list[str]:
+        return [u.strip() for u in self.url.split(",") if u.strip()]
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> NatsSettings:
+        """Settings from AGENTARIUM_* variables; non-None ``overrides`` (flags) win."""
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {name: env[var] for name, var in _ENV.items() if env.get(var)}
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    def with_url(self, url: str) -> NatsSettings:
+        return replace(self, url=url)
+
+    def redacted(self) -> dict[str, Any]:
+        """For logging the effective config: secrets replaced by '***'."""
+        out = asdict(self)
+        for secret in ("password", "token"):
+            if out[secret]:
+                out[secret] = "***"
+        return out
+
+    def _tls_context(self) -> ssl.SSLContext | None:
+        if not (self.tls_ca or self.tls_cert):
+            return None
+        ctx = ssl.create_default_context(cafile=self.tls_ca)
+        if self.tls_cert:
+            ctx.load_cert_chain(self.tls_cert, self.tls_key)
+        return ctx
+
+    async def connect(self, *, name: str = "agentarium", reconnect_forever: bool = True) -> nats.NATS:
+        """Connect, failing fast with a clear message on a bad URL or bad credentials.
+
+        Long-running services reconnect forever after the first connection, so a broker
+        restart is ridden out; the first connection is not retried for long, so a typo
+        shows at once instead of a hang.
+        """
+        errors: list[str] = []
+
+        async def on_error(exc: Exception) -> None:
+            errors.append(str(exc) or type(exc).__name__)
+            log.warning("nats error", error=str(exc) or type(exc).__name__)
+
+        async def on_disconnect() -> None:
+            log.warning("nats disconnected", servers=self.servers)
+
+        async def on_reconnect() -> None:
+            log.info("nats reconnected", servers=self.servers)
+
+        options: dict[str, Any] = {
+            "servers": self.servers,
+            "name": name,
+            "connect_timeout": self.connect_timeout_s,
+            "allow_reconnect": True,
+            "max_reconnect_attempts": -1 if reconnect_forever else 10,
+            "reconnect_time_wait": 0.5,
+            "error_cb": on_error,
+            "disconnected_cb": on_disconnect,
+            "reconnected_cb": on_reconnect,
+            # Publishes made while disconnected are buffered up to this size.
+            "pending_size": 64 * 1024 * 1024,
+        }
+        if self.user:
+            options.update(user=self.user, password=self.password)
+        if self.token:
+            options["token"] = self.token
+        if self.creds_file:
+            options["user_credentials"] = self.creds_file
+        if self.nkey_seed_file:
+            options["nkeys_seed"] = self.nkey_seed_file
+        tls = self._tls_context()
+        if tls is not None:
+            options["tls"] = tls
+
+        nc = nats.NATS()
+        try:
+            # nats-py retries the first connect in a loop only when asked; bound it in time.
+            await asyncio.wait_for(nc.connect(**options), timeout=self.connect_timeout_s * 2)
+        except (OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
+            await _close_quietly(nc)
+            detail = errors[-1] if errors else (str(exc) or type(exc).__name__)
+            if "authorization" in detail.lower() or "authentication" in detail.lower():
+                raise BrokerUnavailable(
+                    f"NATS at {self.url} refused the credentials ({detail}): check "
+                    "AGENTARIUM_NATS_USER/PASSWORD, TOKEN, CREDS or NKEY"
+                ) from exc
+            raise BrokerUnavailable(
+                f"cannot connect to NATS at {self.url} ({detail}): start one with "
+                "`agentarium broker up`, or set AGENTARIUM_NATS_URL / --nats-url"
+            ) from exc
+        return nc
+
+
+async def _close_quietly(nc: nats.NATS) -> None:
+    try:
+        await nc.close()
+    except Exception:  # closing a half-open client can raise anything; nothing to save
+        pass
+
+
+SETTINGS_FIELDS = tuple(f.name for f in fields(NatsSettings))

@@ -1,0 +1,171 @@
+"""Queue status: what ``agentarium broker status`` shows.
+
+Waiting jobs come from the TASKS stream's per-subject message counts, not the consumer's
+``num_pending``: a job that exhausted its deliveries stays in a work-queue stream but is
+no longer pending for the consumer; the difference is reported as *stranded*.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import nats.js.errors
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from .registry import live_workers
+from .topology import Topology
+
+# Above this many trajectories, runs are not discovered from the per-subject map (one
+# entry per job); name them with --run to count them exactly.
+SUBJECT_MAP_LIMIT = 200_000
+
+
+@dataclass
+class AgentStatus:
+    agent: str
+    waiting: int = 0
+    pending: int = 0
+    in_flight: int = 0
+    redelivered: int = 0
+    dead_lettered: int = 0
+    stranded: int = 0
+    has_consumer: bool = False
+
+
+@dataclass
+class BrokerStatus:
+    agents: list[AgentStatus] = field(default_factory=list)
+    trajectories: dict[str, int] = field(default_factory=dict)
+    workers: list[dict[str, Any]] = field(default_factory=list)
+    policy: dict[str, Any] = field(default_factory=dict)
+    tasks_total: int = 0
+    tasks_bytes: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+async def count_messages(js: JetStreamContext, stream: str, subject_filter: str) -> int:
+    """Exact message count under a filter, via a short-lived consumer (no per-subject map)."""
+    name = f"count-{uuid.uuid4().hex[:12]}"
+    config = ConsumerConfig(
+        name=name,
+        durable_name=name,
+        filter_subject=subject_filter,
+        deliver_policy=DeliverPolicy.ALL,
+        ack_policy=AckPolicy.NONE,
+        inactive_threshold=30.0,
+    )
+    info = await js.add_consumer(stream, config)
+    try:
+        return int(info.num_pending or 0)
+    finally:
+        try:
+            await js.delete_consumer(stream, name)
+        except nats.js.errors.Error:
+            pass  # inactive_threshold removes it anyway
+
+
+async def _subject_counts(js: JetStreamContext, stream: str, subjects_filter: str) -> dict[str, int]:
+    try:
+        info = await js.stream_info(stream, subjects_filter=subjects_filter)
+    except nats.js.errors.NotFoundError:
+        return {}
+    return dict(info.state.subjects or {})
+
+
+async def collect_status(js: JetStreamContext, topo: Topology, *, runs: tuple[str, ...] = ()) -> BrokerStatus:
+    status = BrokerStatus()
+    try:
+        tasks = await js.stream_info(topo.tasks_stream, subjects_filter=f"{topo.prefix}.tasks.>")
+    except nats.js.errors.NotFoundError:
+        status.notes.append(f"stream {topo.tasks_stream} does not exist: run `agentarium broker init`")
+        return status
+    status.tasks_total = tasks.state.messages
+    status.tasks_bytes = tasks.state.bytes
+    per_agent: dict[str, AgentStatus] = {}
+
+    def agent(name: str) -> AgentStatus:
+        return per_agent.setdefault(name, AgentStatus(agent=name))
+
+    for subject, count in (tasks.state.subjects or {}).items():
+        agent(topo.agent_of_subject(subject)).waiting = count
+    for subject, count in (await _subject_counts(js, topo.dead_stream, f"{topo.prefix}.dead.>")).items():
+        agent(subject.rsplit(".", 1)[-1]).dead_lettered = count
+    for info in await js.consumers_info(topo.tasks_stream):
+        if not info.name.startswith("rollout-"):
+            continue
+        row = agent(info.name[len("rollout-") :])
+        row.has_consumer = True
+        row.pending = info.num_pending or 0
+        row.in_flight = info.num_ack_pending or 0
+        row.redelivered = info.num_redelivered or 0
+    for row in per_agent.values():
+        if row.has_consumer:
+            row.stranded = max(0, row.waiting - row.pending - row.in_flight)
+        elif row.waiting:
+            row.stranded = row.waiting
+            status.notes.append(
+                f"agent {row.agent}: {row.waiting} jobs wait with no consumer: start `agentarium consumer --agent {row.agent}=...`"
+            )
+    status.agents = sorted(per_agent.values(), key=lambda a: a.agent)
+
+    traj = await js.stream_info(topo.trajectories_stream)
+    if runs:
+        for run in runs:
+            status.trajectories[run] = await count_messages(js, topo.trajectories_stream, topo.trajectories_filter(run))
+    elif traj.state.messages <= SUBJECT_MAP_LIMIT:
+        for subject, count in (
+            await _subject_counts(js, topo.trajectories_stream, topo.trajectories_filter())
+        ).items():
+            run = subject.split(".")[2]
+            status.trajectories[run] = status.trajectories.get(run, 0) + count
+    else:
+        status.notes.append(f"{traj.state.messages} trajectories stored: pass --run RUN for per-run counts")
+
+    status.workers = await live_workers(js, topo)
+    try:
+        kv = await js.key_value(topo.policy_bucket)
+        for key in await kv.keys():
+            entry = await kv.get(key)
+            if entry.value:
+                status.policy[key] = json.loads(entry.value)
+    except nats.js.errors.NoKeysError:
+        pass
+    except nats.js.errors.NotFoundError:
+        status.notes.append(f"bucket {topo.policy_bucket} does not exist: run `agentarium broker init`")
+    return status
+
+
+def format_status(status: BrokerStatus) -> str:
+    lines = [
+        f"{'agent':<20} {'waiting':>8} {'in flight':>9} {'redelivered':>11} {'dead':>6} {'stranded':>8}",
+    ]
+    for a in status.agents:
+        lines.append(
+            f"{a.agent:<20} {a.waiting:>8} {a.in_flight:>9} {a.redelivered:>11} {a.dead_lettered:>6} {a.stranded:>8}"
+        )
+    if not status.agents:
+        lines.append("(no agents yet)")
+    lines.append("")
+    lines.append("trajectories stored per run:")
+    for run, count in sorted(status.trajectories.items()):
+        version = status.policy.get(run, {}).get("version")
+        suffix = f"  (policy v{version})" if version is not None else ""
+        lines.append(f"  {run:<30} {count:>8}{suffix}")
+    if not status.trajectories:
+        lines.append("  (none)")
+    lines.append("")
+    lines.append(f"live workers: {len(status.workers)}")
+    for w in status.workers:
+        lines.append(
+            f"  {w.get('worker_id', '?'):<32} agent={w.get('agent', '?')} in_flight={w.get('in_flight', 0)} "
+            f"done={w.get('completed', 0)} errors={w.get('errors', 0)} dead={w.get('dead_lettered', 0)}"
+        )
+    lines.extend(f"note: {n}" for n in status.notes)
+    return "\n".join(lines)

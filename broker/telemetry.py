@@ -1,0 +1,102 @@
+"""Tracing and logging setup shared by every process, and trace propagation over NATS.
+
+The producer injects W3C ``traceparent`` into each job's NATS headers and the consumer
+extracts it, so one trace follows a task across processes. Spans are exported over OTLP
+when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set; logs are structlog JSON lines carrying the
+current trace and span ids.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Mapping
+
+import structlog
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import SpanLimits, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+_configured = False
+
+
+def setup_tracing(service_name: str) -> TracerProvider | None:
+    """Install a TracerProvider once per process. Returns None if one is already set."""
+    global _configured
+    if _configured or not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+        return None
+    _configured = True
+    # The train step links many trajectories: raise the default of 128 links per span.
+    provider = TracerProvider(
+        resource=Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", service_name)}),
+        span_limits=SpanLimits(max_links=4096),
+    )
+    if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        try:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        except ImportError:
+            structlog.get_logger("agentarium").warning(
+                "OTEL_EXPORTER_OTLP_ENDPOINT is set but the OTLP exporter is not installed: "
+                "pip install 'agentarium[otlp]'"
+            )
+        else:
+            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    trace.set_tracer_provider(provider)
+    return provider
+
+
+def shutdown_tracing() -> None:
+    provider = trace.get_tracer_provider()
+    if hasattr(provider, "shutdown"):
+        provider.shutdown()
+
+
+def _add_trace_ids(_, __, event_dict):
+    span = trace.get_current_span()
+    ctx = span.get_span_context()
+    if ctx.is_valid:
+        event_dict["trace_id"] = format(ctx.trace_id, "032x")
+        event_dict["span_id"] = format(ctx.span_id, "016x")
+    return event_dict
+
+
+def setup_logging(level: str | None = None, *, json: bool | None = None) -> None:
+    """structlog to stderr: JSON lines (default when not a terminal), with trace ids."""
+    level_name = (level or os.environ.get("AGENTARIUM_LOG_LEVEL", "info")).upper()
+    as_json = (not sys.stderr.isatty()) if json is None else json
+    if os.environ.get("AGENTARIUM_LOG_FORMAT") in ("json", "console"):
+        as_json = os.environ["AGENTARIUM_LOG_FORMAT"] == "json"
+    renderer = structlog.processors.JSONRenderer() if as_json else structlog.dev.ConsoleRenderer()
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            _add_trace_ids,
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level_name, logging.INFO)),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+
+
+def inject_headers(headers: dict[str, str] | None = None, ctx: otel_context.Context | None = None) -> dict[str, str]:
+    """Add ``traceparent``/``tracestate`` for the current (or given) context."""
+    headers = {} if headers is None else headers
+    propagate.inject(headers, context=ctx)
+    return headers
+
+
+def extract_context(headers: Mapping[str, str] | None) -> otel_context.Context:
+    """The remote parent context carried in NATS headers (empty context if none)."""
+    return propagate.extract(dict(headers or {}))
+
+
+def trace_id_hex(span: trace.Span) -> str:
+    ctx = span.get_span_context()
+    return format(ctx.trace_id, "032x") if ctx.is_valid else ""

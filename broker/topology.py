@@ -1,0 +1,179 @@
+"""Names and definitions of every stream, consumer and bucket (DESIGN.md's table).
+
+One place decides every subject, stream name and setting; provisioning, producers,
+consumers, the trainer and status all ask this module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    DiscardPolicy,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from schemas import check_name
+
+GiB = 1024**3
+DAY_S = 86400.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Limits:
+    """Tunable settings; the defaults suit one box to a few hundred workers."""
+
+    replicas: int = 1
+    tasks_max_msgs: int = 1_000_000
+    tasks_max_bytes: int = 4 * GiB
+    # Re-publishing a batch inside this window is deduplicated by the server; a redelivery
+    # later than that is caught by the per-job trajectory subject (see DESIGN.md).
+    duplicate_window_s: float = 3600.0
+    trajectories_max_age_s: float = 30 * DAY_S
+    trajectories_max_bytes: int = -1
+    dead_max_age_s: float = 30 * DAY_S
+    workers_ttl_s: float = 30.0
+    policy_history: int = 5
+    # Rollout consumer defaults (each worker's flags may change ack_wait/attempts).
+    ack_wait_s: float = 60.0
+    attempts: int = 3  # runs of a job; max_deliver = attempts + 1 (the last is dead-lettered)
+    max_ack_pending: int = 20_000  # cluster-wide in-flight jobs per agent; > total concurrency
+    max_waiting: int = 2048  # concurrent pull requests per agent (one per worker batch)
+
+    def __post_init__(self) -> None:
+        if self.replicas not in (1, 3, 5):
+            raise ValueError("replicas must be 1, 3 or 5")
+        if self.attempts < 1:
+            raise ValueError("attempts must be >= 1")
+        if self.duplicate_window_s > self.trajectories_max_age_s:
+            raise ValueError("duplicate window must not exceed the trajectories max age")
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Subjects and names under one prefix (default ``agentarium``)."""
+
+    prefix: str = "agentarium"
+
+    def __post_init__(self) -> None:
+        check_name(self.prefix, "prefix")
+
+    # streams and buckets
+    @property
+    def tasks_stream(self) -> str:
+        return f"{self.prefix.upper()}_TASKS"
+
+    @property
+    def trajectories_stream(self) -> str:
+        return f"{self.prefix.upper()}_TRAJECTORIES"
+
+    @property
+    def dead_stream(self) -> str:
+        return f"{self.prefix.upper()}_DEAD"
+
+    @property
+    def weights_bucket(self) -> str:
+        return f"{self.prefix}-weights"
+
+    @property
+    def policy_bucket(self) -> str:
+        return f"{self.prefix}-policy"
+
+    @property
+    def workers_bucket(self) -> str:
+        return f"{self.prefix}-workers"
+
+    # subjects
+    def tasks_subject(self, agent: str) -> str:
+        return f"{self.prefix}.tasks.{check_name(agent, 'agent')}"
+
+    def trajectory_subject(self, run: str, agent: str, job_id: str) -> str:
+        return (
+            f"{self.prefix}.trajectories.{check_name(run, 'run')}."
+            f"{check_name(agent, 'agent')}.{check_name(job_id, 'job_id')}"
+        )
+
+    def trajectories_filter(self, run: str = "*", agent: str = "*") -> str:
+        run = run if run == "*" else check_name(run, "run")
+        agent = agent if agent == "*" else check_name(agent, "agent")
+        return f"{self.prefix}.trajectories.{run}.{agent}.*"
+
+    def dead_subject(self, agent: str) -> str:
+        # A job whose agent name is itself invalid still has to be dead-lettered somewhere.
+        try:
+            token = check_name(agent, "agent")
+        except ValueError:
+            token = "_invalid"
+        return f"{self.prefix}.dead.{token}"
+
+    def rollout_consumer(self, agent: str) -> str:
+        return f"rollout-{check_name(agent, 'agent')}"
+
+    def agent_of_subject(self, subject: str) -> str:
+        """The <agent> token of a tasks subject (not validated: the caller decides)."""
+        return subject[len(self.prefix) + len(".tasks.") :]
+
+    # definitions
+    def stream_configs(self, limits: Limits) -> list[StreamConfig]:
+        return [
+            StreamConfig(
+                name=self.tasks_stream,
+                subjects=[f"{self.prefix}.tasks.>"],
+                retention=RetentionPolicy.WORK_QUEUE,
+                storage=StorageType.FILE,
+                discard=DiscardPolicy.NEW,
+                max_msgs=limits.tasks_max_msgs,
+                max_bytes=limits.tasks_max_bytes,
+                duplicate_window=limits.duplicate_window_s,
+                num_replicas=limits.replicas,
+                description="rollout jobs, one per message; work queue",
+            ),
+            StreamConfig(
+                name=self.trajectories_stream,
+                subjects=[f"{self.prefix}.trajectories.>"],
+                retention=RetentionPolicy.LIMITS,
+                storage=StorageType.FILE,
+                discard=DiscardPolicy.OLD,
+                max_age=limits.trajectories_max_age_s,
+                max_bytes=limits.trajectories_max_bytes,
+                duplicate_window=120.0,
+                num_replicas=limits.replicas,
+                description="one trajectory per job, on a per-job subject",
+            ),
+            StreamConfig(
+                name=self.dead_stream,
+                subjects=[f"{self.prefix}.dead.>"],
+                retention=RetentionPolicy.LIMITS,
+                storage=StorageType.FILE,
+                discard=DiscardPolicy.OLD,
+                max_age=limits.dead_max_age_s,
+                duplicate_window=120.0,
+                num_replicas=limits.replicas,
+                description="dead-lettered jobs with the reason and last error",
+            ),
+        ]
+
+    def rollout_consumer_config(
+        self,
+        agent: str,
+        limits: Limits,
+        *,
+        ack_wait_s: float | None = None,
+        attempts: int | None = None,
+    ) -> ConsumerConfig:
+        attempts = limits.attempts if attempts is None else attempts
+        return ConsumerConfig(
+            durable_name=self.rollout_consumer(agent),
+            description=f"rollout workers for agent {agent}",
+            filter_subject=self.tasks_subject(agent),
+            deliver_policy=DeliverPolicy.ALL,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=limits.ack_wait_s if ack_wait_s is None else ack_wait_s,
+            max_deliver=attempts + 1,
+            max_ack_pending=limits.max_ack_pending,
+            max_waiting=limits.max_waiting,
+        )

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Idempotent setup: a virtualenv in .venv with the project installed, and a nats-server binary.
+#   ops/setup.sh          runtime packages
+#   ops/setup.sh --test   runtime + test packages
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+extras=""
+[ "${1:-}" = "--test" ] && extras="[test]"
+py=${PYTHON:-python3}
+
+if ! "$py" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+  echo "Agentarium needs Python 3.11 or newer; found: $("$py" --version 2>&1). Set PYTHON=/path/to/python3.11." >&2
+  exit 1
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  if ! "$py" -m venv .venv 2>/dev/null; then
+    echo "python venv is missing: install it (apt-get install python3-venv) and rerun." >&2
+    exit 1
+  fi
+fi
+stamp=".venv/.agentarium-installed${extras}"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  .venv/bin/python -m pip install --quiet --upgrade pip
+  # A CPU build of torch, pinned so pip never pulls a multi-GB CUDA build on a CPU machine.
+  .venv/bin/python -m pip install --quiet "torch==${AGENTARIUM_TORCH_VERSION:-2.13.0}"
+  .venv/bin/python -m pip install --quiet -e ".${extras}"
+  touch "$stamp"
+fi
+
+if ! command -v nats-server >/dev/null 2>&1 && [ ! -x /usr/sbin/nats-server ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "nats-server not found: installing Debian's nats-server package"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nats-server >/dev/null
+  elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null && command -v apt-get >/dev/null 2>&1; then
+    sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nats-server >/dev/null
+  else
+    echo "nats-server not found: install it (sudo apt-get install nats-server, or a release from nats.io)," >&2
+    echo "or point Agentarium at a running server with AGENTARIUM_NATS_URL=nats://host:4222." >&2
+    exit 1
+  fi
+fi
+echo "setup done: .venv ready, nats-server at $(command -v nats-server || echo /usr/sbin/nats-server)"

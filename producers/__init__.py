@@ -1,0 +1,1 @@
+"""Task producers: the SDK that publishes rollout jobs, and the trajectory reader."""

@@ -1,0 +1,30 @@
+"""Agentarium's wire contracts: the only place wire compatibility lives."""
+
+from .codec import JSON_CONTENT_TYPE, MSGPACK_CONTENT_TYPE, decode, encode, encode_json, loads
+from .errors import DecodeError, SchemaError
+from .fields import SCHEMA_VERSION
+from .job import Job, Sampling
+from .names import check_name
+from .trajectory import FINISH_REASONS, STATUSES, LLMCall, Trajectory
+from .weights import WeightUpdate, version_number
+
+__all__ = [
+    "FINISH_REASONS",
+    "JSON_CONTENT_TYPE",
+    "MSGPACK_CONTENT_TYPE",
+    "SCHEMA_VERSION",
+    "STATUSES",
+    "DecodeError",
+    "Job",
+    "LLMCall",
+    "Sampling",
+    "SchemaError",
+    "Trajectory",
+    "WeightUpdate",
+    "check_name",
+    "decode",
+    "encode",
+    "encode_json",
+    "loads",
+    "version_number",
+]

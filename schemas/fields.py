@@ -1,0 +1,248 @@
+"""Field kinds shared by every wire message: validation, coercion and JSON Schema.
+
+A message class lists its fields once, as dataclass fields carrying a ``Kind`` in their
+metadata; decoding, encoding and the exported JSON Schema are all derived from it, so the
+three cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import SchemaError
+from .names import check_name
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Kind:
+    """How one field travels: its JSON Schema and how to read/write it."""
+
+    json_schema: dict[str, Any]
+    read: Callable[[Any, str], Any]
+    write: Callable[[Any, bool], Any] = lambda value, binary: value
+
+
+def _fail(path: str, expected: str, value: Any) -> SchemaError:
+    shown = repr(value)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    return SchemaError(f"{path}: expected {expected}, got {shown}", field=path)
+
+
+def _read_str(value: Any, path: str) -> str:
+    if not isinstance(value, str):
+        raise _fail(path, "a string", value)
+    return value
+
+
+def _read_opt_str(value: Any, path: str) -> str | None:
+    return None if value is None else _read_str(value, path)
+
+
+def _read_int(value: Any, path: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise _fail(path, "an integer", value)
+    return value
+
+
+def _read_float(value: Any, path: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _fail(path, "a number", value)
+    return float(value)
+
+
+def _read_opt_float(value: Any, path: str) -> float | None:
+    return None if value is None else _read_float(value, path)
+
+
+def _read_bool(value: Any, path: str) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(path, "true or false", value)
+    return value
+
+
+def _read_dict(value: Any, path: str) -> dict:
+    if not isinstance(value, dict):
+        raise _fail(path, "an object", value)
+    return value
+
+
+def _read_metrics(value: Any, path: str) -> dict[str, float]:
+    out = {}
+    for key, item in _read_dict(value, path).items():
+        out[_read_str(key, f"{path} key")] = _read_float(item, f"{path}.{key}")
+    return out
+
+
+def _read_name(value: Any, path: str) -> str:
+    return check_name(value, path)
+
+
+def _read_str_list(value: Any, path: str) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return (value,)
+    if not isinstance(value, (list, tuple)):
+        raise _fail(path, "a list of strings", value)
+    return tuple(_read_str(item, f"{path}[{i}]") for i, item in enumerate(value))
+
+
+def _packed(dtype: str, what: str) -> Callable[[Any, str], list]:
+    def read(value: Any, path: str) -> list:
+        if isinstance(value, (bytes, bytearray, memoryview)):
+            if len(value) % 4:
+                raise _fail(path, f"packed {what} (a multiple of 4 bytes)", bytes(value))
+            return np.frombuffer(value, dtype=dtype).tolist()
+        if not isinstance(value, (list, tuple)):
+            raise _fail(path, f"a list of {what}", value)
+        reader = _read_int if dtype.endswith("i4") else _read_float
+        return [reader(item, f"{path}[{i}]") for i, item in enumerate(value)]
+
+    return read
+
+
+def _packed_write(dtype: str) -> Callable[[Any, bool], Any]:
+    def write(value: Any, binary: bool) -> Any:
+        return np.asarray(value, dtype=dtype).tobytes() if binary else list(value)
+
+    return write
+
+
+STR = Kind({"type": "string"}, _read_str)
+OPT_STR = Kind({"type": ["string", "null"]}, _read_opt_str)
+NAME = Kind({"type": "string", "pattern": "^[A-Za-z0-9_-]{1,128}$"}, _read_name)
+INT = Kind({"type": "integer"}, _read_int)
+FLOAT = Kind({"type": "number"}, _read_float)
+OPT_FLOAT = Kind({"type": ["number", "null"]}, _read_opt_float)
+BOOL = Kind({"type": "boolean"}, _read_bool)
+OBJECT = Kind({"type": "object"}, _read_dict)
+METRICS = Kind({"type": "object", "additionalProperties": {"type": "number"}}, _read_metrics)
+STR_LIST = Kind(
+    {"type": "array", "items": {"type": "string"}},
+    _read_str_list,
+    lambda value, binary: list(value),
+)
+TOKENS = Kind(
+    {
+        "type": "array",
+        "items": {"type": "integer"},
+        "description": "token ids; msgpack carries them as packed little-endian int32 bytes",
+    },
+    _packed("<i4", "token ids"),
+    _packed_write("<i4"),
+)
+LOGPROBS = Kind(
+    {
+        "type": "array",
+        "items": {"type": "number"},
+        "description": "log probabilities; msgpack carries them as packed little-endian float32 bytes",
+    },
+    _packed("<f4", "log probabilities"),
+    _packed_write("<f4"),
+)
+
+
+def spec(kind: Kind, default: Any = dataclasses.MISSING, *, doc: str, factory: Any = None) -> Any:
+    """Declare a wire field: its kind, default (absent = required) and documentation."""
+    meta = {"kind": kind, "doc": doc}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def nested(cls: type, *, many: bool = False, default: Any = dataclasses.MISSING, doc: str) -> Any:
+    """A field holding another wire message (or a list of them)."""
+
+    def read(value: Any, path: str) -> Any:
+        if many:
+            if not isinstance(value, (list, tuple)):
+                raise _fail(path, "a list", value)
+            return [cls.from_wire(_read_dict(v, f"{path}[{i}]"), _path=f"{path}[{i}]") for i, v in enumerate(value)]
+        return cls.from_wire(_read_dict(value, path), _path=path)
+
+    def write(value: Any, binary: bool) -> Any:
+        if many:
+            return [v.to_wire(binary=binary) for v in value]
+        return value.to_wire(binary=binary)
+
+    ref = {"$ref": f"#/$defs/{cls.__name__}"}
+    kind = Kind({"type": "array", "items": ref} if many else ref, read, write)
+    kind.json_schema["x-nested"] = cls  # type: ignore[index]
+    meta = {"kind": kind, "doc": doc}
+    if many:
+        return dataclasses.field(default_factory=list, metadata=meta)
+    if default is dataclasses.MISSING:
+        return dataclasses.field(metadata=meta)
+    return dataclasses.field(default_factory=default, metadata=meta)
+
+
+class WireMessage:
+    """Mixin for frozen dataclasses whose fields were declared with ``spec``/``nested``."""
+
+    WIRE_DOC: str = ""
+
+    def to_wire(self, *, binary: bool = True) -> dict[str, Any]:
+        """A plain dict ready for msgpack (``binary``) or JSON (lists instead of bytes)."""
+        out: dict[str, Any] = {"schema_version": SCHEMA_VERSION}
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            out[f.name] = None if value is None else f.metadata["kind"].write(value, binary)
+        return out
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any], *, strict: bool = False, _path: str = ""):
+        """Build the message from a decoded dict.
+
+        Lenient by default (unknown fields ignored, for forward compatibility); ``strict``
+        rejects leftovers. Every error names the field it is about.
+        """
+        prefix = f"{_path}." if _path else f"{cls.__name__.lower()}."
+        if not isinstance(data, dict):
+            raise _fail(prefix.rstrip("."), "an object", data)
+        version = data.get("schema_version", SCHEMA_VERSION)
+        if version is not None and (
+            isinstance(version, bool) or not isinstance(version, int) or version > SCHEMA_VERSION
+        ):
+            raise SchemaError(
+                f"{prefix}schema_version {version!r} is newer than this Agentarium understands "
+                f"({SCHEMA_VERSION}): upgrade the reader",
+                field=f"{prefix}schema_version",
+            )
+        values: dict[str, Any] = {}
+        known = {"schema_version"}
+        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+            known.add(f.name)
+            path = prefix + f.name
+            if f.name not in data or (data[f.name] is None and not _nullable(f)):
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                    raise SchemaError(f"{path}: required field missing", field=path)
+                continue
+            values[f.name] = f.metadata["kind"].read(data[f.name], path)
+        if strict:
+            extra = sorted(set(data) - known)
+            if extra:
+                raise SchemaError(f"{prefix.rstrip('.')}: unknown fields {extra}", field=prefix + extra[0])
+        try:
+            return cls(**values)
+        except SchemaError:
+            raise
+        except (TypeError, ValueError) as exc:
+            raise SchemaError(f"{prefix.rstrip('.')}: {exc}") from exc
+
+
+def _nullable(f: dataclasses.Field) -> bool:
+    kind_type = f.metadata["kind"].json_schema.get("type")
+    return isinstance(kind_type, list) and "null" in kind_type
+
+
+def finite(value: float | None) -> bool:
+    return value is not None and math.isfinite(value)

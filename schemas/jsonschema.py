@@ -1,0 +1,94 @@
+"""JSON Schema export of the wire messages, for producers and readers in other languages.
+
+    python -m schemas.jsonschema          write schemas/json/*.schema.json
+    python -m schemas.jsonschema --check  exit 1 if the checked-in files are stale
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from .fields import SCHEMA_VERSION
+from .job import Job
+from .trajectory import Trajectory
+from .weights import WeightUpdate
+
+OUT_DIR = Path(__file__).parent / "json"
+EXPORTED = {"job": Job, "trajectory": Trajectory, "weight_update": WeightUpdate}
+
+
+def _object_schema(cls: type, defs: dict[str, Any]) -> dict[str, Any]:
+    props: dict[str, Any] = {
+        "schema_version": {
+            "type": "integer",
+            "maximum": SCHEMA_VERSION,
+            "description": f"wire format version; optional, {SCHEMA_VERSION} if absent",
+        }
+    }
+    required = []
+    for f in dataclasses.fields(cls):
+        kind = f.metadata["kind"]
+        schema = {k: v for k, v in kind.json_schema.items() if k != "x-nested"}
+        nested = kind.json_schema.get("x-nested")
+        if nested is not None and nested.__name__ not in defs:
+            defs[nested.__name__] = {}  # reserve the name before recursing
+            defs[nested.__name__] = _object_schema(nested, defs)
+        schema["description"] = f.metadata["doc"]
+        if f.default is not dataclasses.MISSING and isinstance(f.default, (str, int, float, bool, type(None), tuple)):
+            schema["default"] = list(f.default) if isinstance(f.default, tuple) else f.default
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            required.append(f.name)
+        props[f.name] = schema
+    out = {"type": "object", "properties": props, "required": required, "additionalProperties": True}
+    if cls.WIRE_DOC:
+        out["description"] = cls.WIRE_DOC
+    return out
+
+
+def schema_for(cls: type) -> dict[str, Any]:
+    defs: dict[str, Any] = {}
+    body = _object_schema(cls, defs)
+    doc = {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": f"https://agentarium.dev/schemas/v{SCHEMA_VERSION}/{cls.__name__}.json",
+        "title": cls.__name__,
+        **body,
+    }
+    if defs:
+        doc["$defs"] = defs
+    return doc
+
+
+def render_all() -> dict[str, str]:
+    return {
+        f"{name}.schema.json": json.dumps(schema_for(cls), indent=2, sort_keys=False) + "\n"
+        for name, cls in EXPORTED.items()
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="fail if the files on disk are out of date")
+    args = parser.parse_args(argv)
+    stale = []
+    for name, text in render_all().items():
+        path = OUT_DIR / name
+        if args.check:
+            if not path.exists() or path.read_text() != text:
+                stale.append(name)
+        else:
+            OUT_DIR.mkdir(exist_ok=True)
+            path.write_text(text)
+    if stale:
+        print(f"stale JSON Schema files: {stale}; run python -m schemas.jsonschema", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

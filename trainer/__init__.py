@@ -1,0 +1,1 @@
+"""The asynchronous GRPO trainer (see trainer/README in a later issue)."""
