@@ -1,9 +1,9 @@
 """Broker errors, grouped by what the caller should do.
 
-    BrokerError
-    ├── BrokerUnavailable   cannot reach / authenticate to NATS: fix the URL or credentials
-    ├── ProvisioningError   a stream/consumer/bucket cannot be made to match its definition
-    └── ServerLaunchError   the embedded nats-server could not be started
+BrokerError
+├── BrokerUnavailable   cannot reach / authenticate to NATS: fix the URL or credentials
+├── ProvisioningError   a stream/consumer/bucket cannot be made to match its definition
+└── ServerLaunchError   the embedded nats-server could not be started
 """
 
 from __future__ import annotations

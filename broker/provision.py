@@ -32,7 +32,14 @@ _STREAM_KEYS = (
     "num_replicas",
     "max_msgs_per_subject",
 )
-_CONSUMER_KEYS = ("filter_subject", "ack_wait", "max_deliver", "max_ack_pending", "max_waiting", "ack_policy")
+_CONSUMER_KEYS = (
+    "filter_subject",
+    "ack_wait",
+    "max_deliver",
+    "max_ack_pending",
+    "max_waiting",
+    "ack_policy",
+)
 _IMMUTABLE = ("retention", "storage")
 
 
@@ -91,7 +98,11 @@ async def ensure_stream(js: JetStreamContext, want: StreamConfig) -> ProvisionRe
             f"(have {[changes[k][0] for k in frozen]}, want {[changes[k][1] for k in frozen]}); "
             "drain it and delete it first, or keep the old setting"
         )
-    if "num_replicas" in changes and want.retention is not None and _norm(want.retention) == "workqueue":
+    if (
+        "num_replicas" in changes
+        and want.retention is not None
+        and _norm(want.retention) == "workqueue"
+    ):
         raise ProvisioningError(
             f"stream {want.name}: changing replicas {changes['num_replicas'][0]} -> "
             f"{changes['num_replicas'][1]} on a work-queue stream is not safe here: drain the "
@@ -103,13 +114,17 @@ async def ensure_stream(js: JetStreamContext, want: StreamConfig) -> ProvisionRe
     try:
         await js.update_stream(merged)
     except nats.js.errors.APIError as exc:
-        raise ProvisioningError(f"stream {want.name}: update {sorted(changes)} refused: {exc.description}") from exc
+        raise ProvisioningError(
+            f"stream {want.name}: update {sorted(changes)} refused: {exc.description}"
+        ) from exc
     log.info("stream updated", stream=want.name, changes={k: v[1] for k, v in changes.items()})
     report.updated.append(f"stream {want.name}")
     return report
 
 
-async def ensure_consumer(js: JetStreamContext, stream: str, want: ConsumerConfig) -> ProvisionReport:
+async def ensure_consumer(
+    js: JetStreamContext, stream: str, want: ConsumerConfig
+) -> ProvisionReport:
     report = ProvisionReport()
     name = want.durable_name
     try:
@@ -130,12 +145,19 @@ async def ensure_consumer(js: JetStreamContext, stream: str, want: ConsumerConfi
             f"consumer {stream}/{name}: update {sorted(changes)} refused by the server "
             f"({exc.description}); delete the consumer when no worker runs and retry"
         ) from exc
-    log.info("consumer updated", stream=stream, consumer=name, changes={k: v[1] for k, v in changes.items()})
+    log.info(
+        "consumer updated",
+        stream=stream,
+        consumer=name,
+        changes={k: v[1] for k, v in changes.items()},
+    )
     report.updated.append(f"consumer {stream}/{name}")
     return report
 
 
-async def _ensure_bucket_stream(js, stream_name: str, label: str, create, want_settings: dict) -> ProvisionReport:
+async def _ensure_bucket_stream(
+    js, stream_name: str, label: str, create, want_settings: dict
+) -> ProvisionReport:
     report = ProvisionReport()
     try:
         info = await js.stream_info(stream_name)
@@ -146,7 +168,9 @@ async def _ensure_bucket_stream(js, stream_name: str, label: str, create, want_s
         return report
     config = info.config
     changes = {
-        k: (getattr(config, k), v) for k, v in want_settings.items() if _norm(getattr(config, k)) != _norm(v)
+        k: (getattr(config, k), v)
+        for k, v in want_settings.items()
+        if _norm(getattr(config, k)) != _norm(v)
     }
     if not changes:
         report.unchanged.append(f"bucket {label}")
@@ -163,7 +187,9 @@ async def _ensure_bucket_stream(js, stream_name: str, label: str, create, want_s
     try:
         await js.update_stream(config)
     except nats.js.errors.APIError as exc:
-        raise ProvisioningError(f"bucket {label}: update {sorted(changes)} refused: {exc.description}") from exc
+        raise ProvisioningError(
+            f"bucket {label}: update {sorted(changes)} refused: {exc.description}"
+        ) from exc
     log.info("bucket updated", bucket=label, changes={k: v[1] for k, v in changes.items()})
     report.updated.append(f"bucket {label}")
     return report
@@ -236,5 +262,9 @@ async def provision(
         report.merge(await ensure_stream(js, stream))
     report.merge(await ensure_buckets(js, topo, limits))
     for agent in agents:
-        report.merge(await ensure_consumer(js, topo.tasks_stream, topo.rollout_consumer_config(agent, limits)))
+        report.merge(
+            await ensure_consumer(
+                js, topo.tasks_stream, topo.rollout_consumer_config(agent, limits)
+            )
+        )
     return report

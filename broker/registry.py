@@ -16,9 +16,13 @@ from nats.js import JetStreamContext
 from .topology import Topology
 
 
-async def publish_worker(js: JetStreamContext, topo: Topology, worker_id: str, info: dict[str, Any]) -> None:
+async def publish_worker(
+    js: JetStreamContext, topo: Topology, worker_id: str, info: dict[str, Any]
+) -> None:
     kv = await js.key_value(topo.workers_bucket)
-    await kv.put(worker_id, json.dumps({**info, "worker_id": worker_id, "updated_at": time.time()}).encode())
+    await kv.put(
+        worker_id, json.dumps({**info, "worker_id": worker_id, "updated_at": time.time()}).encode()
+    )
 
 
 async def remove_worker(js: JetStreamContext, topo: Topology, worker_id: str) -> None:

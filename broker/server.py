@@ -21,7 +21,9 @@ def find_nats_server(explicit: str | None = None) -> str:
     for candidate in (explicit, os.environ.get("AGENTARIUM_NATS_SERVER")):
         if candidate:
             if not (os.path.isfile(candidate) and os.access(candidate, os.X_OK)):
-                raise ServerLaunchError(f"nats-server binary {candidate!r} does not exist or is not executable")
+                raise ServerLaunchError(
+                    f"nats-server binary {candidate!r} does not exist or is not executable"
+                )
             return candidate
     found = shutil.which("nats-server")
     if found:
@@ -85,7 +87,16 @@ class NatsServer:
         if self.config is not None:
             cmd = [self.binary, "-c", str(self.config)]
         else:
-            cmd = [self.binary, "-js", "-sd", str(self.store_dir), "-a", self.host, "-p", str(self.port)]
+            cmd = [
+                self.binary,
+                "-js",
+                "-sd",
+                str(self.store_dir),
+                "-a",
+                self.host,
+                "-p",
+                str(self.port),
+            ]
             if self.monitor_port is not None:
                 cmd += ["-m", str(self.monitor_port)]
         return cmd + list(self.extra_args)
@@ -96,7 +107,9 @@ class NatsServer:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_file or self.store_dir / "nats-server.log"
         out = None if foreground else open(log_path, "ab")  # noqa: SIM115 - owned by the child
-        self._proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT if out else None)
+        self._proc = subprocess.Popen(
+            self.command(), stdout=out, stderr=subprocess.STDOUT if out else None
+        )
         if out is not None:
             out.close()
         deadline = time.monotonic() + timeout_s
@@ -110,7 +123,9 @@ class NatsServer:
                 return self
             time.sleep(0.02)  # polling a child's socket: there is no event to await
         self.kill()
-        raise ServerLaunchError(f"nats-server did not listen on {self.host}:{self.port} within {timeout_s}s")
+        raise ServerLaunchError(
+            f"nats-server did not listen on {self.host}:{self.port} within {timeout_s}s"
+        )
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Graceful shutdown (SIGTERM); JetStream flushes its store."""

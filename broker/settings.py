@@ -64,7 +64,9 @@ class NatsSettings:
         if bool(self.user) != bool(self.password):
             raise ValueError("NATS user and password go together: set both or neither")
         if bool(self.tls_cert) != bool(self.tls_key):
-            raise ValueError("a TLS client certificate needs its key: set both tls_cert and tls_key")
+            raise ValueError(
+                "a TLS client certificate needs its key: set both tls_cert and tls_key"
+            )
 
     @property
     def servers(self) -> list[str]:
@@ -97,7 +99,9 @@ class NatsSettings:
             ctx.load_cert_chain(self.tls_cert, self.tls_key)
         return ctx
 
-    async def connect(self, *, name: str = "agentarium", reconnect_forever: bool = True) -> nats.NATS:
+    async def connect(
+        self, *, name: str = "agentarium", reconnect_forever: bool = True
+    ) -> nats.NATS:
         """Connect, failing fast with a clear message on a bad URL or bad credentials.
 
         Long-running services reconnect forever after the first connection, so a broker
@@ -145,7 +149,7 @@ class NatsSettings:
         try:
             # nats-py retries the first connect in a loop only when asked; bound it in time.
             await asyncio.wait_for(nc.connect(**options), timeout=self.connect_timeout_s * 2)
-        except (OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
+        except (TimeoutError, OSError, nats.errors.Error) as exc:
             await _close_quietly(nc)
             detail = errors[-1] if errors else (str(exc) or type(exc).__name__)
             if "authorization" in detail.lower() or "authentication" in detail.lower():

@@ -71,7 +71,9 @@ async def count_messages(js: JetStreamContext, stream: str, subject_filter: str)
             pass  # inactive_threshold removes it anyway
 
 
-async def _subject_counts(js: JetStreamContext, stream: str, subjects_filter: str) -> dict[str, int]:
+async def _subject_counts(
+    js: JetStreamContext, stream: str, subjects_filter: str
+) -> dict[str, int]:
     try:
         info = await js.stream_info(stream, subjects_filter=subjects_filter)
     except nats.js.errors.NotFoundError:
@@ -79,12 +81,16 @@ async def _subject_counts(js: JetStreamContext, stream: str, subjects_filter: st
     return dict(info.state.subjects or {})
 
 
-async def collect_status(js: JetStreamContext, topo: Topology, *, runs: tuple[str, ...] = ()) -> BrokerStatus:
+async def collect_status(
+    js: JetStreamContext, topo: Topology, *, runs: tuple[str, ...] = ()
+) -> BrokerStatus:
     status = BrokerStatus()
     try:
         tasks = await js.stream_info(topo.tasks_stream, subjects_filter=f"{topo.prefix}.tasks.>")
     except nats.js.errors.NotFoundError:
-        status.notes.append(f"stream {topo.tasks_stream} does not exist: run `agentarium broker init`")
+        status.notes.append(
+            f"stream {topo.tasks_stream} does not exist: run `agentarium broker init`"
+        )
         return status
     status.tasks_total = tasks.state.messages
     status.tasks_bytes = tasks.state.bytes
@@ -95,7 +101,9 @@ async def collect_status(js: JetStreamContext, topo: Topology, *, runs: tuple[st
 
     for subject, count in (tasks.state.subjects or {}).items():
         agent(topo.agent_of_subject(subject)).waiting = count
-    for subject, count in (await _subject_counts(js, topo.dead_stream, f"{topo.prefix}.dead.>")).items():
+    for subject, count in (
+        await _subject_counts(js, topo.dead_stream, f"{topo.prefix}.dead.>")
+    ).items():
         agent(subject.rsplit(".", 1)[-1]).dead_lettered = count
     for info in await js.consumers_info(topo.tasks_stream):
         if not info.name.startswith("rollout-"):
@@ -118,7 +126,9 @@ async def collect_status(js: JetStreamContext, topo: Topology, *, runs: tuple[st
     traj = await js.stream_info(topo.trajectories_stream)
     if runs:
         for run in runs:
-            status.trajectories[run] = await count_messages(js, topo.trajectories_stream, topo.trajectories_filter(run))
+            status.trajectories[run] = await count_messages(
+                js, topo.trajectories_stream, topo.trajectories_filter(run)
+            )
     elif traj.state.messages <= SUBJECT_MAP_LIMIT:
         for subject, count in (
             await _subject_counts(js, topo.trajectories_stream, topo.trajectories_filter())
@@ -126,7 +136,9 @@ async def collect_status(js: JetStreamContext, topo: Topology, *, runs: tuple[st
             run = subject.split(".")[2]
             status.trajectories[run] = status.trajectories.get(run, 0) + count
     else:
-        status.notes.append(f"{traj.state.messages} trajectories stored: pass --run RUN for per-run counts")
+        status.notes.append(
+            f"{traj.state.messages} trajectories stored: pass --run RUN for per-run counts"
+        )
 
     status.workers = await live_workers(js, topo)
     try:
@@ -138,7 +150,9 @@ async def collect_status(js: JetStreamContext, topo: Topology, *, runs: tuple[st
     except nats.js.errors.NoKeysError:
         pass
     except nats.js.errors.NotFoundError:
-        status.notes.append(f"bucket {topo.policy_bucket} does not exist: run `agentarium broker init`")
+        status.notes.append(
+            f"bucket {topo.policy_bucket} does not exist: run `agentarium broker init`"
+        )
     return status
 
 

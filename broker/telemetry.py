@@ -31,10 +31,14 @@ def setup_tracing(service_name: str) -> TracerProvider | None:
     _configured = True
     # The train step links many trajectories: raise the default of 128 links per span.
     provider = TracerProvider(
-        resource=Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", service_name)}),
+        resource=Resource.create(
+            {"service.name": os.environ.get("OTEL_SERVICE_NAME", service_name)}
+        ),
         span_limits=SpanLimits(max_links=4096),
     )
-    if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+    if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get(
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
+    ):
         try:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         except ImportError:
@@ -79,13 +83,17 @@ def setup_logging(level: str | None = None, *, json: bool | None = None) -> None
             structlog.processors.format_exc_info,
             renderer,
         ],
-        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level_name, logging.INFO)),
+        wrapper_class=structlog.make_filtering_bound_logger(
+            getattr(logging, level_name, logging.INFO)
+        ),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
 
 
-def inject_headers(headers: dict[str, str] | None = None, ctx: otel_context.Context | None = None) -> dict[str, str]:
+def inject_headers(
+    headers: dict[str, str] | None = None, ctx: otel_context.Context | None = None
+) -> dict[str, str]:
     """Add ``traceparent``/``tracestate`` for the current (or given) context."""
     headers = {} if headers is None else headers
     propagate.inject(headers, context=ctx)

@@ -17,6 +17,7 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
+
 from schemas import check_name
 
 GiB = 1024**3

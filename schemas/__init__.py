@@ -1,6 +1,7 @@
 """Agentarium's wire contracts: the only place wire compatibility lives."""
 
 from .codec import JSON_CONTENT_TYPE, MSGPACK_CONTENT_TYPE, decode, encode, encode_json, loads
+from .deadletter import DeadLetter
 from .errors import DecodeError, SchemaError
 from .fields import SCHEMA_VERSION
 from .job import Job, Sampling
@@ -14,6 +15,7 @@ __all__ = [
     "MSGPACK_CONTENT_TYPE",
     "SCHEMA_VERSION",
     "STATUSES",
+    "DeadLetter",
     "DecodeError",
     "Job",
     "LLMCall",

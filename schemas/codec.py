@@ -47,11 +47,15 @@ def loads(payload: bytes, content_type: str | None = None) -> dict[str, Any]:
         kind = "JSON" if is_json(payload, content_type) else "msgpack"
         raise DecodeError(f"payload is not valid {kind}: {exc}", raw=bytes(payload)) from exc
     if not isinstance(data, dict):
-        raise DecodeError(f"payload must be an object/map, got {type(data).__name__}", raw=bytes(payload))
+        raise DecodeError(
+            f"payload must be an object/map, got {type(data).__name__}", raw=bytes(payload)
+        )
     return data
 
 
-def decode(cls: type[M], payload: bytes, content_type: str | None = None, *, strict: bool = False) -> M:
+def decode(
+    cls: type[M], payload: bytes, content_type: str | None = None, *, strict: bool = False
+) -> M:
     """Decode one message of type ``cls``; SchemaError names the bad field."""
     data = loads(payload, content_type)
     try:

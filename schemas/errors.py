@@ -1,7 +1,7 @@
 """Errors raised while encoding or decoding wire messages.
 
-    SchemaError          a message does not match its contract (names the field)
-    └── DecodeError      the bytes are not msgpack/JSON at all (keeps the raw bytes)
+SchemaError          a message does not match its contract (names the field)
+└── DecodeError      the bytes are not msgpack/JSON at all (keeps the raw bytes)
 """
 
 from __future__ import annotations

@@ -166,7 +166,10 @@ def nested(cls: type, *, many: bool = False, default: Any = dataclasses.MISSING,
         if many:
             if not isinstance(value, (list, tuple)):
                 raise _fail(path, "a list", value)
-            return [cls.from_wire(_read_dict(v, f"{path}[{i}]"), _path=f"{path}[{i}]") for i, v in enumerate(value)]
+            return [
+                cls.from_wire(_read_dict(v, f"{path}[{i}]"), _path=f"{path}[{i}]")
+                for i, v in enumerate(value)
+            ]
         return cls.from_wire(_read_dict(value, path), _path=path)
 
     def write(value: Any, binary: bool) -> Any:
@@ -230,7 +233,9 @@ class WireMessage:
         if strict:
             extra = sorted(set(data) - known)
             if extra:
-                raise SchemaError(f"{prefix.rstrip('.')}: unknown fields {extra}", field=prefix + extra[0])
+                raise SchemaError(
+                    f"{prefix.rstrip('.')}: unknown fields {extra}", field=prefix + extra[0]
+                )
         try:
             return cls(**values)
         except SchemaError:

@@ -25,7 +25,9 @@ class Sampling(WireMessage):
         if not 0 < self.top_p <= 1:
             raise SchemaError("sampling.top_p must be in (0, 1]", field="sampling.top_p")
         if self.max_new_tokens < 1:
-            raise SchemaError("sampling.max_new_tokens must be >= 1", field="sampling.max_new_tokens")
+            raise SchemaError(
+                "sampling.max_new_tokens must be >= 1", field="sampling.max_new_tokens"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,14 +44,24 @@ class Job(WireMessage):
     agent: str = spec(NAME, doc="agent name; must equal the <agent> token of the subject")
     task: dict = spec(OBJECT, doc="the user's task payload, any JSON object")
     task_id: str = spec(STR, "", doc="the task this sample belongs to (default: job_id)")
-    group_id: str = spec(STR, "", doc="GRPO group key shared by the G samples of a task (default: job_id)")
+    group_id: str = spec(
+        STR, "", doc="GRPO group key shared by the G samples of a task (default: job_id)"
+    )
     sample_index: int = spec(INT, 0, doc="index of this sample inside its group, 0..group_size-1")
     group_size: int = spec(INT, 1, doc="number of samples in the group")
-    run: str = spec(NAME, "default", doc="run id; trajectories go to agentarium.trajectories.<run>.<agent>.<job_id>")
+    run: str = spec(
+        NAME,
+        "default",
+        doc="run id; trajectories go to agentarium.trajectories.<run>.<agent>.<job_id>",
+    )
     batch_id: str = spec(STR, "", doc="the batch the producer submitted this job in")
-    is_train: bool = spec(BOOL, True, doc="false for evaluation/validation rollouts (never trained on)")
+    is_train: bool = spec(
+        BOOL, True, doc="false for evaluation/validation rollouts (never trained on)"
+    )
     sampling: Sampling = nested(Sampling, default=Sampling, doc="sampling parameters")
-    deadline_s: float = spec(FLOAT, 600.0, doc="wall-clock limit for the rollout; past it status is timeout")
+    deadline_s: float = spec(
+        FLOAT, 600.0, doc="wall-clock limit for the rollout; past it status is timeout"
+    )
     metadata: dict = spec(OBJECT, factory=dict, doc="free-form, copied to the trajectory")
     created_at: float = spec(FLOAT, 0.0, doc="unix time the producer created the job")
 

@@ -1,7 +1,7 @@
 """JSON Schema export of the wire messages, for producers and readers in other languages.
 
-    python -m schemas.jsonschema          write schemas/json/*.schema.json
-    python -m schemas.jsonschema --check  exit 1 if the checked-in files are stale
+python -m schemas.jsonschema          write schemas/json/*.schema.json
+python -m schemas.jsonschema --check  exit 1 if the checked-in files are stale
 """
 
 from __future__ import annotations
@@ -13,13 +13,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .deadletter import DeadLetter
 from .fields import SCHEMA_VERSION
 from .job import Job
 from .trajectory import Trajectory
 from .weights import WeightUpdate
 
 OUT_DIR = Path(__file__).parent / "json"
-EXPORTED = {"job": Job, "trajectory": Trajectory, "weight_update": WeightUpdate}
+EXPORTED = {
+    "job": Job,
+    "trajectory": Trajectory,
+    "weight_update": WeightUpdate,
+    "dead_letter": DeadLetter,
+}
 
 
 def _object_schema(cls: type, defs: dict[str, Any]) -> dict[str, Any]:
@@ -39,12 +45,19 @@ def _object_schema(cls: type, defs: dict[str, Any]) -> dict[str, Any]:
             defs[nested.__name__] = {}  # reserve the name before recursing
             defs[nested.__name__] = _object_schema(nested, defs)
         schema["description"] = f.metadata["doc"]
-        if f.default is not dataclasses.MISSING and isinstance(f.default, (str, int, float, bool, type(None), tuple)):
+        if f.default is not dataclasses.MISSING and isinstance(
+            f.default, (str, int, float, bool, type(None), tuple)
+        ):
             schema["default"] = list(f.default) if isinstance(f.default, tuple) else f.default
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             required.append(f.name)
         props[f.name] = schema
-    out = {"type": "object", "properties": props, "required": required, "additionalProperties": True}
+    out = {
+        "type": "object",
+        "properties": props,
+        "required": required,
+        "additionalProperties": True,
+    }
     if cls.WIRE_DOC:
         out["description"] = cls.WIRE_DOC
     return out
@@ -72,8 +85,12 @@ def render_all() -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check", action="store_true", help="fail if the files on disk are out of date")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="fail if the files on disk are out of date"
+    )
     args = parser.parse_args(argv)
     stale = []
     for name, text in render_all().items():
@@ -85,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
             OUT_DIR.mkdir(exist_ok=True)
             path.write_text(text)
     if stale:
-        print(f"stale JSON Schema files: {stale}; run python -m schemas.jsonschema", file=sys.stderr)
+        print(
+            f"stale JSON Schema files: {stale}; run python -m schemas.jsonschema", file=sys.stderr
+        )
         return 1
     return 0
 

@@ -47,9 +47,13 @@ class LLMCall(WireMessage):
 
     prompt_ids: list[int] = spec(TOKENS, doc="prompt token ids sent to the backend")
     response_ids: list[int] = spec(TOKENS, doc="generated token ids, stop token included")
-    response_logprobs: list[float] = spec(LOGPROBS, doc="logprob of each generated token, aligned with response_ids")
+    response_logprobs: list[float] = spec(
+        LOGPROBS, doc="logprob of each generated token, aligned with response_ids"
+    )
     finish_reason: str = spec(STR, doc="stop | length | abort | tool_calls")
-    weight_version: str = spec(STR, "default", doc="policy version that served the call, as the engine reports it")
+    weight_version: str = spec(
+        STR, "default", doc="policy version that served the call, as the engine reports it"
+    )
     temperature: float = spec(FLOAT, 1.0, doc="sampling temperature used")
     top_p: float = spec(FLOAT, 1.0, doc="top_p used")
     top_k: int = spec(INT, -1, doc="top_k used, -1 = off")
@@ -57,7 +61,9 @@ class LLMCall(WireMessage):
     backend: str = spec(STR, "", doc="the server that answered (URL)")
     model: str = spec(STR, "", doc="model name the call was routed to")
     cached_tokens: int = spec(INT, 0, doc="prompt tokens served from the backend's prefix cache")
-    messages: list[dict] | None = spec(MESSAGES, None, doc="the chat messages rendered into prompt_ids, plus the reply")
+    messages: list[dict] | None = spec(
+        MESSAGES, None, doc="the chat messages rendered into prompt_ids, plus the reply"
+    )
 
     def __post_init__(self) -> None:
         if len(self.response_logprobs) != len(self.response_ids):
@@ -91,24 +97,38 @@ class Trajectory(WireMessage):
     run: str = spec(NAME, "default", doc="run id")
     batch_id: str = spec(STR, "", doc="producer batch id")
     is_train: bool = spec(BOOL, True, doc="false for evaluation rollouts")
-    status: Literal["ok", "error", "timeout"] = spec(STR, doc="ok | error | timeout (error/timeout = infrastructure, never reward 0)")
+    status: Literal["ok", "error", "timeout"] = spec(
+        STR, doc="ok | error | timeout (error/timeout = infrastructure, never reward 0)"
+    )
     reward: float | None = spec(OPT_FLOAT, None, doc="the reward; null unless status is ok")
-    metrics: dict[str, float] = spec(METRICS, factory=dict, doc="named numbers from the agent or reward function")
-    error: str | None = spec(OPT_STR, None, doc="why the rollout failed (traceback for agent errors)")
+    metrics: dict[str, float] = spec(
+        METRICS, factory=dict, doc="named numbers from the agent or reward function"
+    )
+    error: str | None = spec(
+        OPT_STR, None, doc="why the rollout failed (traceback for agent errors)"
+    )
     worker_id: str = spec(STR, "", doc="the consumer process that ran it")
     attempts: int = spec(INT, 1, doc="delivery attempt that produced this trajectory")
     started_at: float = spec(FLOAT, 0.0, doc="unix time the rollout started")
     finished_at: float = spec(FLOAT, 0.0, doc="unix time the rollout ended")
-    trace_id: str = spec(STR, "", doc="OpenTelemetry trace id (32 hex digits), empty when tracing is off")
+    trace_id: str = spec(
+        STR, "", doc="OpenTelemetry trace id (32 hex digits), empty when tracing is off"
+    )
     task: dict = spec(OBJECT, factory=dict, doc="the job's task payload")
     metadata: dict = spec(OBJECT, factory=dict, doc="the job's metadata")
     calls: list[LLMCall] = nested(LLMCall, many=True, doc="every LLM call of the rollout, in order")
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
-            raise SchemaError(f"trajectory.status {self.status!r} is not one of {STATUSES}", field="trajectory.status")
+            raise SchemaError(
+                f"trajectory.status {self.status!r} is not one of {STATUSES}",
+                field="trajectory.status",
+            )
         if self.status == "ok" and not finite(self.reward):
-            raise SchemaError("trajectory.reward must be a finite number when status is ok", field="trajectory.reward")
+            raise SchemaError(
+                "trajectory.reward must be a finite number when status is ok",
+                field="trajectory.reward",
+            )
 
     @property
     def ok(self) -> bool:

@@ -13,12 +13,16 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 @dataclass(frozen=True, kw_only=True)
 class WeightUpdate(WireMessage):
-    WIRE_DOC = "A policy version published by the trainer (value of the agentarium-policy KV key <run>)."
+    WIRE_DOC = (
+        "A policy version published by the trainer (value of the agentarium-policy KV key <run>)."
+    )
 
     run: str = spec(NAME, doc="run id")
     version: int = spec(INT, doc="policy version; engines get it as a decimal string")
     step: int = spec(INT, 0, doc="trainer step that produced it")
-    object: str = spec(STR, doc="object store name (<run>/v<version>) or a path in shared-path mode")
+    object: str = spec(
+        STR, doc="object store name (<run>/v<version>) or a path in shared-path mode"
+    )
     sha256: str = spec(STR, doc="lowercase hex sha256 of the whole file")
     size: int = spec(INT, 0, doc="file size in bytes")
     format: str = spec(STR, "safetensors", doc="file format")
@@ -28,7 +32,9 @@ class WeightUpdate(WireMessage):
         if self.version < 0:
             raise SchemaError("weightupdate.version must be >= 0", field="weightupdate.version")
         if not _SHA256.fullmatch(self.sha256):
-            raise SchemaError("weightupdate.sha256 must be 64 lowercase hex digits", field="weightupdate.sha256")
+            raise SchemaError(
+                "weightupdate.sha256 must be 64 lowercase hex digits", field="weightupdate.sha256"
+            )
 
 
 def version_number(weight_version: str) -> int:
@@ -38,4 +44,6 @@ def version_number(weight_version: str) -> int:
     try:
         return int(weight_version)
     except ValueError:
-        raise SchemaError(f"weight_version {weight_version!r} is not 'default' or a decimal integer") from None
+        raise SchemaError(
+            f"weight_version {weight_version!r} is not 'default' or a decimal integer"
+        ) from None

@@ -1,0 +1,201 @@
+"""Loading user agents and adapting every supported shape to one async call.
+
+Shapes (DESIGN.md "Agents"):
+  async def rollout(task, llm)               llm = the tracing client
+  def rollout(task, llm)                     run in a thread; llm.chat() blocks there
+  async/def rollout(task, endpoint, model)   endpoint = this rollout's tracing proxy URL
+  @ray.remote def rollout(task, endpoint, model)   called with .remote() on Ray
+
+Results: a number, ``{"reward": x, "metrics": {...}}``, or any object; a reward function
+``fn(task, result, trajectory)`` may compute the reward from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import importlib
+import inspect
+import math
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+
+class AgentLoadError(ValueError):
+    """An agent or reward spec could not be imported or has an unsupported shape."""
+
+
+class RewardError(ValueError):
+    """The agent (or reward function) produced no usable reward."""
+
+
+def load_callable(spec: str, what: str = "agent") -> Callable[..., Any]:
+    """Import ``module:attr`` (attr may be dotted)."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise AgentLoadError(f"{what} {spec!r} must look like module.path:function")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise AgentLoadError(f"cannot import {what} module {module_name!r}: {exc}") from exc
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise AgentLoadError(
+                f"{what} {spec!r}: module {module_name!r} has no attribute {attr!r}"
+            ) from None
+    if not callable(obj) and not hasattr(obj, "remote"):
+        raise AgentLoadError(f"{what} {spec!r} is not callable")
+    return obj
+
+
+def _is_ray_remote(fn: Any) -> bool:
+    return type(fn).__name__ == "RemoteFunction" and hasattr(fn, "remote")
+
+
+def _ray_signature_target(fn: Any) -> Callable[..., Any]:
+    return getattr(fn, "_function", fn)
+
+
+@dataclass(frozen=True)
+class AgentSpec:
+    """An agent callable and how to call it."""
+
+    fn: Any
+    style: str  # "llm" | "endpoint"
+    kind: str  # "async" | "sync" | "ray"
+    name: str = ""
+
+    @classmethod
+    def of(cls, fn: Any, name: str = "") -> AgentSpec:
+        kind = "ray" if _is_ray_remote(fn) else ("async" if _is_async(fn) else "sync")
+        target = _ray_signature_target(fn) if kind == "ray" else fn
+        try:
+            params = list(inspect.signature(target).parameters.values())
+        except (TypeError, ValueError) as exc:
+            raise AgentLoadError(
+                f"agent {name or fn!r}: cannot read its signature ({exc})"
+            ) from exc
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        names = [p.name for p in positional]
+        if "endpoint" in names or len(positional) >= 3:
+            style = "endpoint"
+        elif len(positional) == 2:
+            style = "llm"
+        else:
+            raise AgentLoadError(
+                f"agent {name or getattr(fn, '__name__', fn)!r} takes {names}: write "
+                "rollout(task, llm) or rollout(task, endpoint, model)"
+            )
+        if kind == "ray" and style == "llm":
+            raise AgentLoadError(
+                "a Ray remote agent runs in another process and cannot take the llm object: "
+                "write rollout(task, endpoint, model) and call the endpoint (OpenAI-compatible)"
+            )
+        return cls(fn=fn, style=style, kind=kind, name=name or getattr(target, "__name__", "agent"))
+
+
+def _is_async(fn: Any) -> bool:
+    target = fn.func if isinstance(fn, functools.partial) else fn
+    if inspect.iscoroutinefunction(target):
+        return True
+    # a callable object whose __call__ is async
+    return not inspect.isroutine(target) and inspect.iscoroutinefunction(type(target).__call__)
+
+
+class SyncLLM:
+    """A blocking view of the tracing client for sync agents running in a worker thread."""
+
+    def __init__(self, llm: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self._llm = llm
+        self._loop = loop
+
+    def chat(self, messages: list[dict], tools: list[dict] | None = None, **sampling: Any) -> Any:
+        future = asyncio.run_coroutine_threadsafe(
+            self._llm.chat(messages, tools=tools, **sampling), self._loop
+        )
+        return future.result()
+
+    @property
+    def calls(self) -> list:
+        return self._llm.calls
+
+
+class AgentRunner:
+    """Runs one agent shape; sync agents share a bounded thread pool."""
+
+    def __init__(self, spec: AgentSpec, *, model_name: str, threads: int = 64) -> None:
+        self.spec = spec
+        self.model_name = model_name
+        self._pool = (
+            ThreadPoolExecutor(max_workers=threads, thread_name_prefix="agent")
+            if spec.kind == "sync"
+            else None
+        )
+
+    async def run(self, task: dict, *, llm: Any, endpoint: str) -> Any:
+        spec = self.spec
+        args = (task, llm) if spec.style == "llm" else (task, endpoint, self.model_name)
+        if spec.kind == "async":
+            return await spec.fn(*args)
+        if spec.kind == "ray":
+            return await spec.fn.remote(*args)
+        loop = asyncio.get_running_loop()
+        if spec.style == "llm":
+            args = (task, SyncLLM(llm, loop))
+        # copy_context: the agent's own spans nest under the rollout span in the thread too
+        ctx = contextvars.copy_context()
+        return await loop.run_in_executor(self._pool, ctx.run, spec.fn, *args)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, (int, float)):
+        return float(value)
+    try:
+        import numpy as np
+
+        if isinstance(value, np.generic):
+            return float(value)
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        pass
+    return None
+
+
+def extract_reward(result: Any) -> tuple[float | None, dict[str, float]]:
+    """Reward and metrics from an agent or reward-function result (None if absent)."""
+    number = _number(result)
+    if number is not None:
+        return number, {}
+    if isinstance(result, dict):
+        raw, metrics = result.get("reward", result.get("score")), result.get("metrics") or {}
+    else:
+        raw = getattr(result, "reward", getattr(result, "score", None))
+        metrics = getattr(result, "metrics", None) or {}
+    reward = _number(raw)
+    clean = {}
+    if isinstance(metrics, dict):
+        for key, value in metrics.items():
+            v = _number(value)
+            if v is not None and math.isfinite(v):
+                clean[str(key)] = v
+    return reward, clean
+
+
+def finite_reward(reward: float | None) -> float:
+    if reward is None:
+        raise RewardError(
+            "the agent returned no reward: return a number, {'reward': x}, or pass --reward module:fn"
+        )
+    if not math.isfinite(reward):
+        raise RewardError(f"the reward is {reward}: a reward must be a finite number")
+    return reward

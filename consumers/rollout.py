@@ -1,0 +1,183 @@
+"""One rollout: run the agent on a job under a ``rollout`` span and build its Trajectory.
+
+Outcomes are classified here, once:
+  ok        the agent returned and a finite reward was found
+  timeout   the job's deadline passed (calls made so far are kept)
+  error     infrastructure failed (the LLM backend was unreachable after retries):
+            recorded, never scored as reward 0
+  agent error (AgentFailure)  the agent or reward function raised: the worker retries it
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from broker.telemetry import trace_id_hex
+from schemas import Job, Trajectory
+
+from .agents import AgentRunner, extract_reward, finite_reward
+from .errors import LLMError
+from .llm import TracingLLM
+
+tracer = trace.get_tracer("agentarium.consumers")
+
+
+@dataclass
+class AgentFailure(Exception):
+    """The agent (or its reward function) raised; retried by the worker's policy."""
+
+    error: str
+    calls: list = field(default_factory=list)
+    trace_id: str = ""
+
+
+@dataclass(frozen=True)
+class RolloutEnv:
+    """What every rollout of one worker shares."""
+
+    runner: AgentRunner
+    backend: Any
+    template: Any
+    proxy: Any
+    model_name: str
+    worker_id: str
+    reward_fn: Callable[..., Any] | None = None
+
+
+def _tap_failures(llm: TracingLLM, failures: list[BaseException]) -> None:
+    """Remember backend failures even when the agent swallows them (e.g. the OpenAI SDK
+    turns the proxy's 502 into its own exception), so they are classed as infrastructure."""
+    original = llm.chat
+
+    async def chat(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await original(*args, **kwargs)
+        except LLMError as exc:
+            failures.append(exc)
+            raise
+
+    llm.chat = chat  # type: ignore[method-assign]
+
+
+def _trajectory(job: Job, env: RolloutEnv, **fields: Any) -> Trajectory:
+    return Trajectory(
+        job_id=job.job_id,
+        agent=job.agent,
+        task_id=job.task_id,
+        group_id=job.group_id,
+        sample_index=job.sample_index,
+        group_size=job.group_size,
+        run=job.run,
+        batch_id=job.batch_id,
+        is_train=job.is_train,
+        worker_id=env.worker_id,
+        task=job.task,
+        metadata=job.metadata,
+        **fields,
+    )
+
+
+async def run_rollout(
+    job: Job, env: RolloutEnv, *, attempt: int, parent: otel_context.Context | None, subject: str
+) -> Trajectory:
+    """Run the agent once. Returns a Trajectory (ok/timeout/error) or raises AgentFailure."""
+    started = time.time()
+    attributes = {
+        "messaging.system": "nats",
+        "messaging.operation": "process",
+        "messaging.destination.name": subject,
+        "messaging.message.id": job.job_id,
+        "agentarium.agent": job.agent,
+        "agentarium.run": job.run,
+        "agentarium.group_id": job.group_id,
+        "agentarium.attempt": attempt,
+    }
+    with tracer.start_as_current_span(
+        "rollout", context=parent, kind=SpanKind.CONSUMER, attributes=attributes
+    ) as span:
+        trace_id = trace_id_hex(span)
+        llm = TracingLLM(
+            env.backend,
+            env.template,
+            job_sampling=job.sampling,
+            route_key=job.group_id,
+            rid_prefix=job.job_id,
+            model_name=env.model_name,
+            parent_context=otel_context.get_current(),
+        )
+        failures: list[BaseException] = []
+        _tap_failures(llm, failures)
+
+        def done(status: str, **extra: Any) -> Trajectory:
+            span.set_attribute("agentarium.status", status)
+            if status != "ok":
+                span.set_status(Status(StatusCode.ERROR, extra.get("error", status)[:200]))
+            return _trajectory(
+                job,
+                env,
+                status=status,
+                calls=list(llm.calls),
+                attempts=attempt,
+                started_at=started,
+                finished_at=time.time(),
+                trace_id=trace_id,
+                **extra,
+            )
+
+        deadline = asyncio.timeout(job.deadline_s)
+        try:
+            with env.proxy.register(job.job_id, llm):
+                async with deadline:
+                    result = await env.runner.run(
+                        job.task, llm=llm, endpoint=env.proxy.endpoint_for(job.job_id)
+                    )
+        except TimeoutError:
+            if deadline.expired():
+                return done(
+                    "timeout", error=f"rollout exceeded its deadline of {job.deadline_s:g}s"
+                )
+            if failures:
+                return done("error", error=f"LLM backend failed: {failures[-1]}")
+            span.record_exception(sys.exc_info()[1])
+            raise AgentFailure(
+                traceback.format_exc(), calls=list(llm.calls), trace_id=trace_id
+            ) from None
+        except LLMError as exc:
+            return done("error", error=f"LLM backend failed: {exc}")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if failures:
+                return done("error", error=f"LLM backend failed: {failures[-1]}")
+            span.record_exception(exc)
+            raise AgentFailure(
+                traceback.format_exc(), calls=list(llm.calls), trace_id=trace_id
+            ) from exc
+
+        try:
+            reward, metrics = extract_reward(result)
+            if env.reward_fn is not None:
+                provisional = done("ok", reward=0.0, metrics=metrics)
+                reward_result = env.reward_fn(job.task, result, provisional)
+                if asyncio.iscoroutine(reward_result):
+                    reward_result = await reward_result
+                reward, extra = extract_reward(reward_result)
+                metrics = {**metrics, **extra}
+            reward = finite_reward(reward)
+        except Exception as exc:  # RewardError or a failing reward function
+            span.record_exception(exc)
+            raise AgentFailure(
+                traceback.format_exc(), calls=list(llm.calls), trace_id=trace_id
+            ) from exc
+        span.set_attribute("agentarium.reward", reward)
+        return done("ok", reward=reward, metrics=metrics)
