@@ -1,1 +1,45 @@
-"""Agentarium: the rollout layer for agentic RL on NATS JetStream."""
+"""Agentarium: the rollout layer for agentic RL on NATS JetStream.
+
+The names users import live here; they load lazily so ``agentarium --help`` and a
+consumer process do not pay for torch or transformers they do not use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "TaskProducer": "producers",
+    "SubmitResult": "producers",
+    "TrajectoryReader": "producers",
+    "Job": "schemas",
+    "Sampling": "schemas",
+    "Trajectory": "schemas",
+    "LLMCall": "schemas",
+    "WeightUpdate": "schemas",
+    "DeadLetter": "schemas",
+    "ChatResult": "consumers.llm",
+    "TracingLLM": "consumers.llm",
+    "NatsSettings": "broker",
+    "Topology": "broker",
+    "ensure_tiny_model": "agentarium.tiny",
+    "resolve_model": "agentarium.tiny",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'agentarium' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -123,8 +123,17 @@ async def ensure_stream(js: JetStreamContext, want: StreamConfig) -> ProvisionRe
 
 
 async def ensure_consumer(
-    js: JetStreamContext, stream: str, want: ConsumerConfig
+    js: JetStreamContext,
+    stream: str,
+    want: ConsumerConfig,
+    *,
+    keys: tuple[str, ...] = _CONSUMER_KEYS,
 ) -> ProvisionReport:
+    """Create the consumer, or update the settings named in ``keys`` when they differ.
+
+    A worker passes only the keys its own flags decide (ack wait, deliveries), so it never
+    reverts what an operator set with ``broker init`` (max_ack_pending, max_waiting).
+    """
     report = ProvisionReport()
     name = want.durable_name
     try:
@@ -134,12 +143,15 @@ async def ensure_consumer(
         log.info("consumer created", stream=stream, consumer=name)
         report.created.append(f"consumer {stream}/{name}")
         return report
-    changes = _diff(want, info.config, _CONSUMER_KEYS)
+    changes = _diff(want, info.config, keys)
     if not changes:
         report.unchanged.append(f"consumer {stream}/{name}")
         return report
+    merged = info.config
+    for key, (_, wanted) in changes.items():
+        setattr(merged, key, wanted)
     try:
-        await js.add_consumer(stream, want)  # same durable name = update on 2.9+
+        await js.add_consumer(stream, merged)  # same durable name = update on 2.9+
     except nats.js.errors.APIError as exc:
         raise ProvisioningError(
             f"consumer {stream}/{name}: update {sorted(changes)} refused by the server "
@@ -246,6 +258,22 @@ async def ensure_buckets(js: JetStreamContext, topo: Topology, limits: Limits) -
         )
     )
     return report
+
+
+async def ensure_provisioned(
+    js: JetStreamContext, topo: Topology, limits: Limits | None = None
+) -> bool:
+    """Provision with defaults only if the streams are missing (a fresh broker); never
+    touches existing settings, so services may call it on every start. True if it ran."""
+    try:
+        for name in (topo.tasks_stream, topo.trajectories_stream, topo.dead_stream):
+            await js.stream_info(name)
+        await js.key_value(topo.workers_bucket)
+        await js.key_value(topo.policy_bucket)
+        return False
+    except nats.js.errors.NotFoundError:
+        await provision(js, topo, limits)
+        return True
 
 
 async def provision(

@@ -29,7 +29,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from broker.errors import ERR_WRONG_LAST_SEQUENCE
-from broker.provision import ensure_consumer
+from broker.provision import ensure_consumer, ensure_provisioned
 from broker.registry import publish_worker, remove_worker
 from broker.telemetry import extract_context
 from broker.topology import Limits, Topology
@@ -132,7 +132,13 @@ class Worker:
         consumer = self.topo.rollout_consumer_config(
             cfg.agent, self.limits, ack_wait_s=cfg.ack_wait_s, attempts=cfg.retry.attempts
         )
-        await ensure_consumer(self.js, self.topo.tasks_stream, consumer)
+        await ensure_provisioned(self.js, self.topo, self.limits)
+        await ensure_consumer(
+            self.js,
+            self.topo.tasks_stream,
+            consumer,
+            keys=("filter_subject", "ack_policy", "ack_wait", "max_deliver"),
+        )
         self._psub = await self.js.pull_subscribe_bind(
             consumer.durable_name, self.topo.tasks_stream
         )

@@ -1,0 +1,50 @@
+"""The ``agentarium`` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from broker import BrokerError
+
+from .commands import broker_cmd, consumer_cmd, engine_cmd, produce_cmd
+
+EPILOG = """\
+Every command that talks to NATS reads AGENTARIUM_NATS_URL (default nats://127.0.0.1:4222) and the
+other AGENTARIUM_NATS_* variables; flags override them. Logs are JSON lines on stderr
+(AGENTARIUM_LOG_LEVEL, AGENTARIUM_LOG_FORMAT=json|console); spans go to OTLP when
+OTEL_EXPORTER_OTLP_ENDPOINT is set."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="agentarium",
+        description="The rollout layer for agentic RL on NATS JetStream: jobs in, traced trajectories out.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    from . import demo
+
+    demo.register(sub)
+    broker_cmd.register(sub)
+    engine_cmd.register(sub)
+    consumer_cmd.register(sub)
+    produce_cmd.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except BrokerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # bad input the parser could not catch (names, files)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Subcommands of the ``agentarium`` command, one module each."""

@@ -1,0 +1,66 @@
+"""Flags shared by every subcommand that talks to NATS, and helpers to run async bodies."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+from collections.abc import Awaitable, Callable
+
+from broker import NatsSettings
+from broker.telemetry import setup_logging, setup_tracing, shutdown_tracing
+
+
+def add_nats_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "NATS connection",
+        "Each flag overrides its environment variable; by default the server at nats://127.0.0.1:4222.",
+    )
+    group.add_argument("--nats-url", metavar="URL", help="server URL(s), comma-separated (env AGENTARIUM_NATS_URL)")
+    group.add_argument("--nats-user", metavar="USER", help="username (env AGENTARIUM_NATS_USER)")
+    group.add_argument(
+        "--nats-password", metavar="PASSWORD", help="password (env AGENTARIUM_NATS_PASSWORD; prefer the env var)"
+    )
+    group.add_argument("--nats-token", metavar="TOKEN", help="auth token (env AGENTARIUM_NATS_TOKEN)")
+    group.add_argument("--nats-creds", metavar="FILE", help="a .creds file, JWT + nkey (env AGENTARIUM_NATS_CREDS)")
+    group.add_argument("--nats-nkey", metavar="FILE", help="an nkey seed file (env AGENTARIUM_NATS_NKEY)")
+    group.add_argument("--nats-tls-ca", metavar="FILE", help="CA bundle to verify the server (env AGENTARIUM_NATS_TLS_CA)")
+    group.add_argument("--nats-tls-cert", metavar="FILE", help="client certificate (env AGENTARIUM_NATS_TLS_CERT)")
+    group.add_argument("--nats-tls-key", metavar="FILE", help="client key (env AGENTARIUM_NATS_TLS_KEY)")
+    group.add_argument(
+        "--prefix", metavar="NAME", help="subject/stream prefix (env AGENTARIUM_PREFIX, default agentarium)"
+    )
+
+
+def settings_from_args(args: argparse.Namespace) -> NatsSettings:
+    return NatsSettings.from_env(
+        url=args.nats_url,
+        user=args.nats_user,
+        password=args.nats_password,
+        token=args.nats_token,
+        creds_file=args.nats_creds,
+        nkey_seed_file=args.nats_nkey,
+        tls_ca=args.nats_tls_ca,
+        tls_cert=args.nats_tls_cert,
+        tls_key=args.nats_tls_key,
+        prefix=args.prefix,
+    )
+
+
+def run_async(body: Callable[[], Awaitable[int]], *, service: str) -> int:
+    """Run a command body with logging and tracing set up; Ctrl-C exits 130 quietly."""
+    setup_logging()
+    setup_tracing(service)
+    try:
+        return asyncio.run(body())
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        shutdown_tracing()
+
+
+def install_stop_handlers(stop: Callable[[], None]) -> None:
+    """SIGTERM and SIGINT call ``stop`` (drain) instead of killing the loop."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop)

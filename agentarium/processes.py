@@ -1,0 +1,85 @@
+"""Child processes of the demo and tests: the engine and consumers, started as the
+``agentarium`` command would start them, with their readiness awaited, not slept on."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_READY = re.compile(r"engine ready on (http://\S+)")
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    log_path: Path
+    url: str = ""
+    _threads: list[threading.Thread] = field(default_factory=list)
+
+    def terminate(self, timeout_s: float = 30.0) -> int | None:
+        """SIGTERM (the consumer drains), then SIGKILL if it does not exit in time."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    # Five processes share two cores: one torch/BLAS thread each.
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("MKL_NUM_THREADS", "1")
+    env.setdefault("AGENTARIUM_LOG_FORMAT", "json")
+    env.update(extra)
+    return env
+
+
+def _pump(stream, log_file, ready: threading.Event | None, holder: dict) -> None:
+    with open(log_file, "ab") as out:
+        for raw in iter(stream.readline, b""):
+            out.write(raw)
+            out.flush()
+            if ready is not None and not ready.is_set():
+                match = _READY.search(raw.decode(errors="replace"))
+                if match:
+                    holder["url"] = match.group(1)
+                    ready.set()
+    if ready is not None:
+        ready.set()  # exited before ready: the caller sees no url
+
+
+def start_child(name: str, args: list[str], log_dir: Path, *, wait_ready: bool = False,
+                timeout_s: float = 120.0, env: dict[str, str] | None = None) -> Child:
+    """Run ``python -m agentarium ARGS``; with ``wait_ready``, block until it prints its URL."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{name}.log"
+    proc = subprocess.Popen([sys.executable, "-m", "agentarium", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, env=env or child_env())
+    ready = threading.Event() if wait_ready else None
+    holder: dict = {}
+    pump = threading.Thread(target=_pump, args=(proc.stdout, log_path, ready, holder), daemon=True)
+    pump.start()
+    child = Child(name=name, proc=proc, log_path=log_path, _threads=[pump])
+    if ready is not None:
+        if not ready.wait(timeout_s) or "url" not in holder:
+            child.kill()
+            tail = log_path.read_text(errors="replace")[-3000:] if log_path.exists() else ""
+            raise RuntimeError(f"{name} did not become ready within {timeout_s}s; log tail:\n{tail}")
+        child.url = holder["url"]
+    return child

@@ -1,0 +1,50 @@
+"""Agents used by the tests (imported by module path in consumer subprocesses too)."""
+
+from __future__ import annotations
+
+import asyncio
+
+
+async def echo(task: dict, llm) -> dict:
+    result = await llm.chat([{"role": "user", "content": task.get("prompt", "hi")}], max_new_tokens=task.get("max_new_tokens", 3))
+    return {"reward": float(len(result.call.response_ids) % 2), "metrics": {"calls": 1.0}}
+
+
+async def slow(task: dict, llm) -> float:
+    await llm.chat([{"role": "user", "content": task.get("prompt", "hi")}], max_new_tokens=2)
+    await asyncio.sleep(task.get("sleep", 0.3))
+    return 1.0
+
+
+async def always_raises(task: dict, llm) -> float:
+    raise RuntimeError(f"agent bug on task {task.get('n')}")
+
+
+async def flaky(task: dict, llm) -> float:
+    """Fails on the first delivery of each job, then succeeds."""
+    key = task["n"]
+    flaky.seen.setdefault(key, 0)
+    flaky.seen[key] += 1
+    if flaky.seen[key] == 1:
+        raise ValueError("transient agent failure")
+    await llm.chat([{"role": "user", "content": "x"}], max_new_tokens=1)
+    return 0.5
+
+
+flaky.seen = {}
+
+
+async def no_reward(task: dict, llm) -> dict:
+    return {"answer": 42}
+
+
+async def hangs(task: dict, llm) -> float:
+    await asyncio.Event().wait()
+    return 1.0
+
+
+def sync_agent(task: dict, llm) -> float:
+    result = llm.chat([{"role": "user", "content": "sync"}], max_new_tokens=2)
+    return float(len(result.call.response_ids))
+
+

@@ -1,0 +1,273 @@
+"""The rollout worker against a real nats-server, with a fake SGLang fleet (SGLang's shapes)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import msgpack
+import nats.js.errors
+import pytest
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+import agentlib
+from broker import Limits, provision
+from broker.errors import ERR_STREAM_FULL
+from examples import calculator, openai_agent
+from fake_sglang import FakeSGLang
+from producers import TaskProducer, TrajectoryReader
+from schemas import DeadLetter, Job, decode, encode
+from worker_env import tiny_template, worker_for
+
+
+@pytest.fixture
+async def fake():
+    server = FakeSGLang()
+    await server.start()
+    yield server
+    await server.close()
+
+
+@pytest.fixture
+async def two_fakes():
+    servers = [FakeSGLang(), FakeSGLang()]
+    for s in servers:
+        await s.start()
+    yield servers
+    for s in servers:
+        await s.close()
+
+
+async def dead_letters(js, topology) -> list[DeadLetter]:
+    info = await js.stream_info(topology.dead_stream)
+    if not info.state.messages:
+        return []
+    sub = await js.pull_subscribe(f"{topology.prefix}.dead.>", durable=None, stream=topology.dead_stream,
+                                  config=ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL))
+    msgs = await sub.fetch(info.state.messages, timeout=5)
+    await sub.unsubscribe()
+    return [decode(DeadLetter, m.data) for m in msgs]
+
+
+async def test_minimal_json_job_from_plain_nats_py_is_a_group_of_one(js, topology, fake):
+    # Published with nats-py alone: no SDK, JSON, only the three required fields.
+    await js.publish(topology.tasks_subject("echo"), json.dumps(
+        {"job_id": "plain-1", "agent": "echo", "task": {"prompt": "hello"}}).encode())
+    async with worker_for(js, "echo", agentlib.echo, [fake.url]) as worker:
+        counters = await worker.run()
+    assert counters.ok == 1
+    traj = await TrajectoryReader(js, topology).get("default", "echo", "plain-1")
+    assert traj is not None and traj.status == "ok"
+    assert (traj.group_id, traj.task_id, traj.group_size, traj.sample_index) == ("plain-1", "plain-1", 1, 0)
+    call = traj.calls[0]
+    assert call.response_ids == fake.output_ids
+    assert len(call.response_logprobs) == len(call.response_ids)
+    assert call.prompt_ids == fake.requests[0]["input_ids"]
+    assert call.weight_version == "default" and call.backend == fake.url
+    assert (await js.stream_info(topology.tasks_stream)).state.messages == 0
+
+
+async def test_sdk_batch_groups_and_republish_adds_nothing(js, topology, fake):
+    producer = TaskProducer(js, topology)
+    tasks = [{"task_id": f"t{i}", "prompt": f"p{i}"} for i in range(4)]
+    first = await producer.submit("echo", tasks, run="r1", group_size=3)
+    again = await producer.submit("echo", tasks, run="r1", group_size=3)
+    assert again.job_ids == first.job_ids and again.published == 0
+    async with worker_for(js, "echo", agentlib.echo, [fake.url]) as worker:
+        await worker.run()
+    # Re-published after the jobs were consumed: server dedup (window) still holds.
+    await producer.submit("echo", tasks, run="r1", group_size=3)
+    # And past any dedup window: the same job id published raw runs again, but the
+    # per-job trajectory subject refuses a second trajectory.
+    job = Job(job_id=first.job_ids[0], agent="echo", task={"prompt": "again"}, run="r1")
+    await js.publish(topology.tasks_subject("echo"), encode(job))
+    async with worker_for(js, "echo", agentlib.echo, [fake.url]) as worker:
+        counters = await worker.run()
+    assert counters.already_stored == 1
+    trajs = await TrajectoryReader(js, topology).read("r1")
+    assert sorted(t.job_id for t in trajs) == sorted(first.job_ids)
+    groups = {}
+    for t in trajs:
+        groups.setdefault(t.group_id, []).append(t.sample_index)
+    assert len(groups) == 4 and all(sorted(v) == [0, 1, 2] for v in groups.values())
+
+
+async def test_bad_jobs_are_dead_lettered_and_free_a_full_queue(js, topology, fake):
+    await provision(js, topology, Limits(tasks_max_msgs=5))
+    subject = topology.tasks_subject("echo")
+    bad = [
+        b"\xc1\x00 garbage bytes",
+        b"{not json",
+        json.dumps({"job_id": "no-task", "agent": "echo"}).encode(),
+        json.dumps({"job_id": "dotted", "agent": "bad.name", "task": {}}).encode(),
+        msgpack.packb({"job_id": "other", "agent": "someone-else", "task": {}}),
+    ]
+    for payload in bad:
+        await js.publish(subject, payload)
+    with pytest.raises(nats.js.errors.APIError) as full:
+        await js.publish(subject, json.dumps({"job_id": "ok-1", "agent": "echo", "task": {}}).encode())
+    assert full.value.err_code == ERR_STREAM_FULL
+    async with worker_for(js, "echo", agentlib.echo, [fake.url]) as worker:
+        counters = await worker.run()
+    assert counters.dead_lettered == 5 and counters.invalid == 5
+    # The dead-lettered jobs left the work queue: new jobs are accepted and served.
+    await js.publish(subject, json.dumps({"job_id": "ok-1", "agent": "echo", "task": {}}).encode())
+    async with worker_for(js, "echo", agentlib.echo, [fake.url]) as worker:
+        counters = await worker.run()
+    assert counters.ok == 1
+    letters = await dead_letters(js, topology)
+    assert len(letters) == 5
+    errors = " | ".join(letter.error for letter in letters)
+    assert "not valid msgpack" in errors and "not valid JSON" in errors
+    assert "job.task: required field missing" in errors
+    assert "job.agent 'bad.name' is not a valid name" in errors
+    assert "does not match its subject" in errors
+    assert sum(1 for letter in letters if letter.raw) == 2  # undecodable ones keep their bytes
+
+
+async def test_agent_that_always_raises_is_retried_then_dead_lettered(js, topology, fake):
+    producer = TaskProducer(js, topology)
+    result = await producer.submit("boom", [{"n": 1}, {"n": 2}], run="r-boom")
+    async with worker_for(js, "boom", agentlib.always_raises, [fake.url], attempts=3) as worker:
+        counters = await worker.run()
+    assert counters.retried == 4 and counters.dead_lettered == 2
+    trajs = await TrajectoryReader(js, topology).read("r-boom")
+    assert sorted(t.job_id for t in trajs) == sorted(result.job_ids)
+    assert all(t.status == "error" and t.reward is None and "agent bug" in t.error for t in trajs)
+    assert all(t.attempts == 3 for t in trajs)
+    letters = await dead_letters(js, topology)
+    assert {letter.reason for letter in letters} == {"agent_error"}
+    assert all("Traceback" in letter.error and letter.attempts == 3 for letter in letters)
+    assert (await js.stream_info(topology.tasks_stream)).state.messages == 0
+
+
+async def test_retry_timeout_missing_reward_and_sync_agents(js, topology, fake):
+    producer = TaskProducer(js, topology)
+    await producer.submit("flaky", [{"n": i} for i in range(3)], run="mix")
+    await producer.submit("hangs", [{"n": 0}], run="mix", deadline_s=0.3)
+    await producer.submit("noreward", [{"n": 0}], run="mix")
+    await producer.submit("sync", [{"n": 0}], run="mix")
+    async with worker_for(js, "flaky", agentlib.flaky, [fake.url]) as w:
+        assert (await w.run()).retried == 3
+    async with worker_for(js, "hangs", agentlib.hangs, [fake.url]) as w:
+        assert (await w.run()).timeouts == 1
+    async with worker_for(js, "noreward", agentlib.no_reward, [fake.url], attempts=1) as w:
+        assert (await w.run()).dead_lettered == 1
+    async with worker_for(js, "sync", agentlib.sync_agent, [fake.url]) as w:
+        assert (await w.run()).ok == 1
+    by_agent = {t.agent: t for t in await TrajectoryReader(js, topology).read("mix")}
+    assert by_agent["flaky"].status == "ok" and by_agent["flaky"].attempts == 2
+    assert by_agent["hangs"].status == "timeout" and "deadline" in by_agent["hangs"].error
+    assert by_agent["noreward"].status == "error" and "no reward" in by_agent["noreward"].error
+    assert by_agent["sync"].status == "ok" and by_agent["sync"].reward == len(fake.output_ids)
+
+
+async def test_llm_unreachable_is_status_error_not_reward_zero(js, topology):
+    from fake_sglang import dead_url
+
+    await TaskProducer(js, topology).submit("echo", [{"n": 0}], run="down")
+    async with worker_for(js, "echo", agentlib.echo, [dead_url()]) as w:
+        counters = await w.run()
+    assert counters.errors == 1 and counters.dead_lettered == 0
+    [traj] = await TrajectoryReader(js, topology).read("down")
+    assert traj.status == "error" and traj.reward is None and "LLM backend failed" in traj.error
+
+
+async def test_two_engines_groups_stick_to_one_and_spread(js, topology, two_fakes):
+    await TaskProducer(js, topology).submit("echo", [{"task_id": f"g{i}"} for i in range(8)], run="spread",
+                                              group_size=4)
+    async with worker_for(js, "echo", agentlib.echo, [s.url for s in two_fakes], concurrency=32) as w:
+        await w.run()
+    trajs = await TrajectoryReader(js, topology).read("spread")
+    assert len(trajs) == 32
+    per_group: dict[str, set] = {}
+    for t in trajs:
+        per_group.setdefault(t.group_id, set()).add(t.calls[0].backend)
+    assert all(len(backends) == 1 for backends in per_group.values())
+    used = {next(iter(b)) for b in per_group.values()}
+    assert used == {s.url for s in two_fakes}
+
+
+async def test_one_trace_covers_publish_rollout_and_chat(js, topology, fake, span_exporter):
+    result = await TaskProducer(js, topology).submit("echo", [{"prompt": "trace me"}], run="traced")
+    async with worker_for(js, "echo", agentlib.echo, [fake.url]) as w:
+        await w.run()
+    [traj] = await TrajectoryReader(js, topology).read("traced")
+    spans = span_exporter.get_finished_spans()
+    by_name = {}
+    for span in spans:
+        by_name.setdefault(span.name, []).append(span)
+    publish = by_name["publish tasks"][0]
+    rollout = by_name["rollout"][0]
+    chat = by_name["chat tiny"][0]
+    trace_id = format(publish.context.trace_id, "032x")
+    assert traj.trace_id == trace_id
+    assert format(rollout.context.trace_id, "032x") == trace_id == format(chat.context.trace_id, "032x")
+    assert chat.parent.span_id == rollout.context.span_id
+    assert rollout.attributes["messaging.system"] == "nats"
+    assert rollout.kind.name == "CONSUMER" and publish.kind.name == "PRODUCER"
+    assert chat.attributes["gen_ai.usage.output_tokens"] == len(fake.output_ids)
+    assert result.job_ids == [traj.job_id]
+
+
+async def test_openai_sdk_agent_through_proxy_is_traced_token_by_token(js, topology, fake):
+    await TaskProducer(js, topology).submit("oai", [{"prompt": "hi", "answer": "x"}], run="oai")
+    await TaskProducer(js, topology).submit("direct", [{"prompt": "hi"}], run="oai")
+    async with worker_for(js, "oai", openai_agent.rollout, [fake.url]) as w:
+        assert (await w.run()).ok == 1
+    async with worker_for(js, "direct", agentlib.echo, [fake.url]) as w:
+        assert (await w.run()).ok == 1
+    by_agent = {t.agent: t for t in await TrajectoryReader(js, topology).read("oai")}
+    via_proxy, direct = by_agent["oai"].calls[0], by_agent["direct"].calls[0]
+    assert via_proxy.response_ids == direct.response_ids == fake.output_ids
+    assert via_proxy.response_logprobs == direct.response_logprobs
+    assert via_proxy.prompt_ids == fake.requests[0]["input_ids"]
+    assert via_proxy.finish_reason == "stop" and via_proxy.weight_version == "default"
+
+
+async def test_multi_turn_tool_agent_records_every_call_without_tool_tokens(js, topology):
+    template = tiny_template()
+    tool_text = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>'
+    eos = template.eos_token_ids[0]
+    replies = [template.encode(tool_text) + [eos], template.encode("5") + [eos]]
+
+    def reply(body):
+        ids = replies[min(len(server.requests) - 1, 1)]
+        return ids, template.decode(ids[:-1])
+
+    server = FakeSGLang(reply=reply)
+    await server.start()
+    try:
+        await TaskProducer(js, topology).submit("calc", [{"prompt": "What is 2+3?", "answer": "5"}], run="calc")
+        async with worker_for(js, "calc", calculator.rollout, [server.url]) as w:
+            assert (await w.run()).ok == 1
+    finally:
+        await server.close()
+    [traj] = await TrajectoryReader(js, topology).read("calc")
+    assert traj.reward == 1.0 and traj.metrics["tool_uses"] == 1.0
+    first, second = traj.calls
+    assert first.finish_reason == "tool_calls" and second.finish_reason == "stop"
+    assert first.response_ids == replies[0] and second.response_ids == replies[1]
+    # The second prompt extends the first prompt + response, then the tool result.
+    assert second.prompt_ids[: len(first.prompt_ids)] == first.prompt_ids
+    tool_result = template.encode("<tool_response>\n5\n</tool_response>")
+    tail = second.prompt_ids[len(first.prompt_ids) + len(first.response_ids):]
+    assert _contains(tail, tool_result)
+    assert not any(_contains(c.response_ids, tool_result) for c in traj.calls)
+    assert first.messages[-1]["tool_calls"][0]["function"]["name"] == "calculator"
+
+
+def _contains(haystack: list[int], needle: list[int]) -> bool:
+    n = len(needle)
+    return any(haystack[i:i + n] == needle for i in range(len(haystack) - n + 1))
+
+
+async def test_sigterm_style_stop_drains_in_flight_jobs(js, topology, fake):
+    await TaskProducer(js, topology).submit("slow", [{"n": i, "sleep": 0.5} for i in range(4)], run="drain")
+    async with worker_for(js, "slow", agentlib.slow, [fake.url], burst=False, concurrency=4) as w:
+        runner = asyncio.create_task(w.run())
+        await fake.wait_for_requests(4)  # every rollout is in flight
+        w.stop()
+        counters = await asyncio.wait_for(runner, 10)
+    assert counters.ok == 4
+    assert len(await TrajectoryReader(js, topology).read("drain")) == 4

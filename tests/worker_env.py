@@ -1,0 +1,44 @@
+"""Building an in-process rollout worker for tests: real NATS, real worker loop, with the
+LLM fleet being either the real local engine or a fake that follows SGLang's shapes."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from functools import lru_cache
+
+from broker import Topology
+from consumers.agents import AgentRunner, AgentSpec
+from consumers.backends.sglang import SGLangBackend
+from consumers.chat_template import ChatTemplate
+from consumers.proxy import TracingProxy
+from consumers.retry import RetryPolicy
+from consumers.rollout import RolloutEnv
+from consumers.worker import Worker, WorkerConfig
+
+
+@lru_cache(maxsize=1)
+def tiny_template() -> ChatTemplate:
+    from agentarium.tiny import ensure_tiny_model
+
+    return ChatTemplate.from_model_dir(ensure_tiny_model())
+
+
+@asynccontextmanager
+async def worker_for(js, agent_name, agent_fn, llm_urls, *, topology=None, burst=True, concurrency=8,
+                     attempts=3, retry_delay=0.05, ack_wait=30.0, reward_fn=None, worker_id=None, limits=None):
+    backend = SGLangBackend(list(llm_urls), retries=1, backoff=0.01, max_backoff=0.05)
+    proxy = TracingProxy(host="127.0.0.1", port=0, advertised_host="127.0.0.1")
+    await proxy.start()
+    runner = AgentRunner(AgentSpec.of(agent_fn, agent_name), model_name="tiny", threads=8)
+    env = RolloutEnv(runner=runner, backend=backend, template=tiny_template(), proxy=proxy, model_name="tiny",
+                     worker_id=worker_id or f"test-{agent_name}", reward_fn=reward_fn)
+    config = WorkerConfig(agent=agent_name, concurrency=concurrency, burst=burst, ack_wait_s=ack_wait,
+                          fetch_timeout_s=0.3, worker_id=worker_id or f"test-{agent_name}",
+                          retry=RetryPolicy(attempts=attempts, base_delay_s=retry_delay, max_delay_s=retry_delay * 4))
+    worker = Worker(js, topology or Topology(), config, env, limits=limits)
+    try:
+        yield worker
+    finally:
+        runner.close()
+        await proxy.stop()
+        await backend.aclose()
