@@ -80,7 +80,10 @@ class AgentSpec:
             raise AgentLoadError(
                 f"agent {name or fn!r}: cannot read its signature ({exc})"
             ) from exc
-        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        # Only parameters without defaults decide the shape: rollout(task, llm, max_turns=4) is llm-style.
+        positional = [
+            p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+        ]
         names = [p.name for p in positional]
         if "endpoint" in names or len(positional) >= 3:
             style = "endpoint"

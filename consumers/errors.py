@@ -1,10 +1,10 @@
 """Errors raised by the consumer side, grouped by what the caller should do.
 
-    LLMError                 calling an inference backend failed
-    ├── BackendUnavailable   infrastructure: every server failed after retries and failover;
-    │                        the rollout ends with status ``error`` (never reward 0)
-    └── BadRequest           the backend refused the request (HTTP 4xx): retrying the same
-                             request cannot help (prompt too long, bad sampling parameter)
+LLMError                 calling an inference backend failed
+├── BackendUnavailable   infrastructure: every server failed after retries and failover;
+│                        the rollout ends with status ``error`` (never reward 0)
+└── BadRequest           the backend refused the request (HTTP 4xx): retrying the same
+                         request cannot help (prompt too long, bad sampling parameter)
 """
 
 from __future__ import annotations

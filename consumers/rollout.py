@@ -26,7 +26,7 @@ from broker.telemetry import trace_id_hex
 from schemas import Job, Trajectory
 
 from .agents import AgentRunner, extract_reward, finite_reward
-from .errors import LLMError
+from .errors import BackendUnavailable
 from .llm import TracingLLM
 
 tracer = trace.get_tracer("agentarium.consumers")
@@ -52,21 +52,6 @@ class RolloutEnv:
     model_name: str
     worker_id: str
     reward_fn: Callable[..., Any] | None = None
-
-
-def _tap_failures(llm: TracingLLM, failures: list[BaseException]) -> None:
-    """Remember backend failures even when the agent swallows them (e.g. the OpenAI SDK
-    turns the proxy's 502 into its own exception), so they are classed as infrastructure."""
-    original = llm.chat
-
-    async def chat(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return await original(*args, **kwargs)
-        except LLMError as exc:
-            failures.append(exc)
-            raise
-
-    llm.chat = chat  # type: ignore[method-assign]
 
 
 def _trajectory(job: Job, env: RolloutEnv, **fields: Any) -> Trajectory:
@@ -115,8 +100,11 @@ async def run_rollout(
             model_name=env.model_name,
             parent_context=otel_context.get_current(),
         )
-        failures: list[BaseException] = []
-        _tap_failures(llm, failures)
+        # Backend failures the agent may have swallowed (the OpenAI SDK turns the proxy's 503
+        # into its own exception): they make the rollout an infrastructure error.
+        def infra_failure() -> BackendUnavailable | None:
+            found = [e for e in llm.errors if isinstance(e, BackendUnavailable)]
+            return found[-1] if found else None
 
         def done(status: str, **extra: Any) -> Trajectory:
             span.set_attribute("agentarium.status", status)
@@ -146,19 +134,19 @@ async def run_rollout(
                 return done(
                     "timeout", error=f"rollout exceeded its deadline of {job.deadline_s:g}s"
                 )
-            if failures:
-                return done("error", error=f"LLM backend failed: {failures[-1]}")
+            if infra_failure() is not None:
+                return done("error", error=f"LLM backend failed: {infra_failure()}")
             span.record_exception(sys.exc_info()[1])
             raise AgentFailure(
                 traceback.format_exc(), calls=list(llm.calls), trace_id=trace_id
             ) from None
-        except LLMError as exc:
+        except BackendUnavailable as exc:
             return done("error", error=f"LLM backend failed: {exc}")
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            if failures:
-                return done("error", error=f"LLM backend failed: {failures[-1]}")
+            if infra_failure() is not None:
+                return done("error", error=f"LLM backend failed: {infra_failure()}")
             span.record_exception(exc)
             raise AgentFailure(
                 traceback.format_exc(), calls=list(llm.calls), trace_id=trace_id

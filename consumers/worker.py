@@ -181,7 +181,7 @@ class Worker:
             try:
                 msgs = await self._psub.fetch(min(free, cfg.max_fetch), timeout=cfg.fetch_timeout_s)
                 errors_in_row = 0
-            except nats.errors.TimeoutError:
+            except TimeoutError:  # nothing arrived (nats' TimeoutError is a subclass)
                 if cfg.burst and await self._queue_empty():
                     return
                 continue

@@ -1,0 +1,82 @@
+"""The inference backend interface: one ``generate`` call, token ids in, token ids out."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateRequest:
+    """One generation. ``sampling`` is in SGLang's ``sampling_params`` shape (``max_new_tokens``,
+    ``temperature``, ``top_p``, ``top_k``, ``stop``, ``stop_token_ids``, ...).
+
+    ``route_key`` (the job's group_id) pins every sample of a GRPO group to one server so the
+    shared prompt prefix is computed once. ``messages``/``tools`` are only read by chat-native
+    backends (``OpenAICompatBackend``), which cannot take token ids.
+    """
+
+    input_ids: list[int]
+    sampling: dict[str, Any] = field(default_factory=dict)
+    rid: str = ""
+    route_key: str = ""
+    messages: list[dict] | None = None
+    tools: list[dict] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateResult:
+    """What the backend produced; ``output_logprobs`` aligns one-to-one with ``output_ids``.
+
+    ``output_ids`` keep the matched stop token (train on them, so the policy learns to stop);
+    ``text`` is the decoded output with the stop trimmed. ``tool_calls`` is only set by
+    chat-native backends, which parse tool calls themselves.
+    """
+
+    output_ids: list[int]
+    output_logprobs: list[float]
+    text: str
+    finish_reason: FinishReason
+    weight_version: str = "default"
+    cached_tokens: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    backend: str = ""
+    latency_s: float = 0.0
+    tool_calls: list[dict] | None = None
+    meta_info: dict = field(default_factory=dict, repr=False)
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """Anything that can serve a ``GenerateRequest``; the tracing client needs nothing else."""
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetryPolicy:
+    """Capped exponential backoff: ``retries`` more tries after the first, each waiting
+    ``backoff * 2**n`` seconds (at most ``max_backoff``), jittered so that clients which failed
+    together do not come back together."""
+
+    retries: int = 3
+    backoff: float = 0.5
+    max_backoff: float = 8.0
+
+    def __post_init__(self) -> None:
+        if self.retries < 0 or self.backoff < 0 or self.max_backoff < 0:
+            raise ValueError("retries, backoff and max_backoff must be >= 0")
+
+    def delay(self, attempt: int) -> float:
+        """Seconds to wait before retry number ``attempt`` (0-based)."""
+        ceiling = min(self.max_backoff, self.backoff * 2**attempt)
+        return ceiling / 2 + random.uniform(0, ceiling / 2)
+
+
+def retryable_status(status: int) -> bool:
+    """5xx, 408 (timeout) and 429 (overloaded) are worth retrying; other 4xx are our fault."""
+    return status >= 500 or status in (408, 429)

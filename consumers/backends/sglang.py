@@ -1,0 +1,256 @@
+"""SGLangBackend: SGLang's native ``POST /generate`` over one or more servers.
+
+Sends only fields SGLang defines (``input_ids``, ``sampling_params``, ``return_logprob``,
+``logprob_start_len``, ``rid``) and reads ``meta_info`` as SGLANG_API.md describes it. Failure
+handling, from the request's point of view:
+
+- connection errors, timeouts, 408/429/5xx and unusable 200s: retried on the same server with
+  capped exponential backoff, then the server is marked down and the request fails over to
+  another one; when every server has failed, ``BackendUnavailable``;
+- any other 4xx (or an abort SGLang tags with status 400): ``BadRequest``, never retried;
+- ``finish_reason`` abort with no output tokens (a weight update aborted the request before it
+  produced anything): resubmitted up to ``abort_retries`` times.
+
+Each resubmission carries a fresh ``rid`` (``<rid>-r<n>``): the server may still hold the
+first attempt, and SGLang refuses a duplicate request id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import aiohttp
+
+from ..errors import BackendUnavailable, BadRequest
+from .balancer import StickyBalancer
+from .base import GenerateRequest, GenerateResult, RetryPolicy, retryable_status
+
+_FINISH_TYPES = ("stop", "length", "abort")
+
+
+class _ServerFailed(Exception):
+    """One attempt on one server failed in a way worth retrying."""
+
+
+def parse_generate_response(data: Any, *, url: str = "", latency_s: float = 0.0) -> GenerateResult:
+    """A ``/generate`` response as a ``GenerateResult``; raises ValueError when the response
+    cannot be trained on (missing fields, logprobs not aligned with ``output_ids``)."""
+    if isinstance(data, list) and len(data) == 1:
+        data = data[0]
+    if not isinstance(data, dict) or not isinstance(data.get("meta_info"), dict):
+        raise ValueError(f"response has no meta_info object: {str(data)[:200]}")
+    meta = data["meta_info"]
+    triples = meta.get("output_token_logprobs")
+    if not isinstance(triples, list):
+        raise ValueError("meta_info.output_token_logprobs is missing: was return_logprob sent?")
+    output_ids = data.get("output_ids")
+    if output_ids is None:  # older servers: the ids only travel inside the triples
+        output_ids = [t[1] for t in triples]
+    if len(triples) != len(output_ids):
+        raise ValueError(
+            f"{len(triples)} output_token_logprobs for {len(output_ids)} output_ids: not aligned"
+        )
+    logprobs: list[float] = []
+    for i, (triple, token_id) in enumerate(zip(triples, output_ids, strict=True)):
+        logprob, triple_id = triple[0], triple[1]
+        if triple_id != token_id or not isinstance(logprob, (int, float)):
+            raise ValueError(
+                f"output_token_logprobs[{i}] = {triple!r} does not match output_ids[{i}] = {token_id}"
+            )
+        logprobs.append(float(logprob))
+    finish = meta.get("finish_reason")
+    kind = finish.get("type") if isinstance(finish, dict) else finish
+    if kind not in _FINISH_TYPES:
+        raise ValueError(f"unknown finish_reason {finish!r}")
+    return GenerateResult(
+        output_ids=[int(t) for t in output_ids],
+        output_logprobs=logprobs,
+        text=data.get("text") or "",
+        finish_reason=kind,
+        weight_version=str(meta.get("weight_version", "default")),
+        cached_tokens=int(meta.get("cached_tokens") or 0),
+        prompt_tokens=int(meta.get("prompt_tokens") or 0),
+        completion_tokens=int(meta.get("completion_tokens") or len(output_ids)),
+        backend=url,
+        latency_s=latency_s,
+        meta_info=meta,
+    )
+
+
+class SGLangBackend:
+    """Token-in/token-out generation on an SGLang fleet (or the local engine, same API)."""
+
+    def __init__(
+        self,
+        urls: str | Sequence[str],
+        *,
+        retries: int = 3,
+        backoff: float = 0.5,
+        max_backoff: float = 8.0,
+        timeout: float = 600.0,
+        connect_timeout: float = 10.0,
+        abort_retries: int = 3,
+        down_for: float = 10.0,
+        max_route_keys: int = 100_000,
+    ) -> None:
+        urls = [urls] if isinstance(urls, str) else list(urls)
+        self.urls = [u.rstrip("/") for u in urls]
+        self.policy = RetryPolicy(retries=retries, backoff=backoff, max_backoff=max_backoff)
+        self.abort_retries = abort_retries
+        self.balancer = StickyBalancer(self.urls, max_keys=max_route_keys, down_for=down_for)
+        self._timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=connect_timeout)
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        # Created lazily: the constructor may run outside the event loop that will use it.
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(limit=0)  # the fleet, not the client, sets the pace
+            self._session = aiohttp.ClientSession(timeout=self._timeout, connector=connector)
+        return self._session
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> SGLangBackend:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        if not request.input_ids:
+            raise BadRequest(
+                "SGLangBackend needs input_ids: give the tracing client the model's ChatTemplate"
+            )
+        errors: dict[str, str] = {}
+        failed: set[str] = set()
+        attempt = 0  # across servers and resubmissions, for unique rids
+        aborts = 0
+        while True:
+            url = self.balancer.choose(request.route_key, exclude=failed)
+            if url is None:
+                raise BackendUnavailable(
+                    f"all {len(self.urls)} SGLang server(s) failed after retries: "
+                    + "; ".join(f"{u}: {e}" for u, e in errors.items()),
+                    errors=errors,
+                )
+            result = None
+            for retry in range(self.policy.retries + 1):
+                if retry:
+                    await asyncio.sleep(self.policy.delay(retry - 1))
+                try:
+                    result = await self._post(url, request, attempt)
+                    break
+                except _ServerFailed as exc:
+                    errors[url] = str(exc)
+                finally:
+                    attempt += 1
+            if result is None:
+                failed.add(url)
+                self.balancer.mark_down(url)
+                continue
+            self.balancer.mark_up(url)
+            if (
+                result.finish_reason == "abort"
+                and not result.output_ids
+                and aborts < self.abort_retries
+            ):
+                await asyncio.sleep(self.policy.delay(aborts))
+                aborts += 1
+                continue
+            return result
+
+    def _body(self, request: GenerateRequest, attempt: int) -> dict[str, Any]:
+        rid = request.rid if attempt == 0 or not request.rid else f"{request.rid}-r{attempt}"
+        body: dict[str, Any] = {
+            "input_ids": list(request.input_ids),
+            "sampling_params": dict(request.sampling),
+            "return_logprob": True,
+            "logprob_start_len": -1,
+        }
+        if rid:
+            body["rid"] = rid
+        return body
+
+    async def _post(self, url: str, request: GenerateRequest, attempt: int) -> GenerateResult:
+        self.balancer.started(url)
+        start = time.perf_counter()
+        try:
+            async with self.session.post(
+                f"{url}/generate", json=self._body(request, attempt)
+            ) as resp:
+                text = await resp.text()
+                status = resp.status
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise _ServerFailed(f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            self.balancer.finished(url)
+        latency = time.perf_counter() - start
+        if status != 200:
+            if retryable_status(status):
+                raise _ServerFailed(f"HTTP {status}: {text[:300]}")
+            raise BadRequest(
+                f"{url}/generate refused the request (HTTP {status}): {text[:500]}",
+                status=status,
+                url=url,
+                body=text,
+            )
+        try:
+            result = parse_generate_response(json.loads(text), url=url, latency_s=latency)
+        except (ValueError, TypeError, KeyError, IndexError) as exc:
+            raise _ServerFailed(f"unusable response: {exc}") from exc
+        finish = result.meta_info.get("finish_reason")
+        if isinstance(finish, dict) and 400 <= int(finish.get("status_code") or 0) < 500:
+            raise BadRequest(
+                f"{url} aborted the request: {finish.get('message', finish)}",
+                status=int(finish["status_code"]),
+                url=url,
+                body=text,
+            )
+        return result
+
+    async def health(self) -> dict[str, bool]:
+        """``GET /health`` on every server; a healthy answer also clears a down mark."""
+
+        async def one(url: str) -> bool:
+            try:
+                timeout = aiohttp.ClientTimeout(total=5.0)
+                async with self.session.get(f"{url}/health", timeout=timeout) as resp:
+                    ok = resp.status == 200
+            except (aiohttp.ClientError, TimeoutError):
+                ok = False
+            if ok:
+                self.balancer.mark_up(url)
+            return ok
+
+        results = await asyncio.gather(*(one(u) for u in self.urls))
+        return dict(zip(self.urls, results, strict=True))
+
+    async def model_info(self) -> dict[str, Any]:
+        """``GET /model_info`` (``/get_model_info`` on older servers) from the first server
+        that answers; raises ``BackendUnavailable`` when none does."""
+        errors: dict[str, str] = {}
+        for url in self.urls:
+            for path in ("/model_info", "/get_model_info"):
+                try:
+                    async with self.session.get(f"{url}{path}") as resp:
+                        if resp.status == 404:
+                            continue
+                        if resp.status == 200:
+                            return await resp.json(content_type=None)
+                        errors[url] = f"HTTP {resp.status}"
+                        break
+                except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                    errors[url] = f"{type(exc).__name__}: {exc}"
+                    break
+        raise BackendUnavailable(f"no server answered /model_info: {errors}", errors=errors)
+
+    def __repr__(self) -> str:
+        return f"SGLangBackend({self.balancer!r})"

@@ -1,0 +1,331 @@
+"""ChatTemplate: a model's chat template and tokenizer, without importing transformers.
+
+Training needs the exact prompt ids the policy saw, and they must equal what
+``AutoTokenizer.apply_chat_template(..., tokenize=True)`` gives the trainer. Importing
+transformers costs a consumer ~2.5 s and ~250 MB (it pulls torch), so this module rebuilds
+the same pipeline from its parts: the ``tokenizers`` library for ``tokenizer.json`` and a
+jinja2 environment configured exactly as transformers 5 configures it
+(``transformers/utils/chat_template_utils.py``): sandboxed and immutable, ``trim_blocks``,
+``lstrip_blocks``, the ``loopcontrols`` extension, ``raise_exception``, ``strftime_now``, a
+``tojson`` that does not escape HTML, and the special tokens (``bos_token``, ``eos_token``…)
+as template variables. Messages are normalized the same way too (objects to dicts, keys whose
+value is None dropped). Tests pin the ids against transformers itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Tokenizer
+
+# The named special tokens transformers puts in ``special_tokens_map`` (and so in the template).
+SPECIAL_TOKEN_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+# Older names for a message's reasoning; transformers fills ``reasoning_content`` (and
+# ``thinking``, read by gpt-oss templates) from whichever is present.
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # jinja's own tojson escapes <, > and & for HTML, which would change the prompt text.
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+class _Namespace(jinja2.utils.Namespace):
+    # As transformers: refuse dunder-ish attribute names, a sandbox escape route.
+    def __init__(*args: Any, **kwargs: Any) -> None:
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _Namespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _Namespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(
+                f"chat templates cannot store underscore-prefixed attributes, got {name!r}"
+            )
+
+
+class _TemplateDict:
+    # Exposes dict() without giving templates the dict type itself.
+    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    # transformers parses ``{% generation %}…{% endgeneration %}`` (assistant masks); we only
+    # need the text, so the block renders its body unchanged.
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Any) -> str:
+        return caller()
+
+
+def compile_template(source: str) -> jinja2.Template:
+    """Compile a chat template in an environment configured as transformers configures it."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationTag, jinja2.ext.loopcontrols],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _Namespace
+    return env.from_string(source)
+
+
+def plain_data(value: Any) -> Any:
+    """A deep copy made of plain JSON types: dataclasses and pydantic models (the OpenAI SDK's
+    message objects) become dicts, so templates never see rich objects."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, Mapping):
+        return {plain_data(k): plain_data(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [plain_data(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(plain_data(v) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: plain_data(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if callable(getattr(value, "model_dump", None)):
+        return plain_data(value.model_dump())
+    if type(value).__module__ == "numpy" and callable(getattr(value, "item", None)):
+        return plain_data(value.item())  # numpy scalars, e.g. np.bool_(False) must stay falsy
+    return f"<{type(value).__name__}>"
+
+
+def normalize_messages(messages: Sequence[Any]) -> list[dict]:
+    """Messages as transformers feeds them to a template: plain dicts, keys set to None dropped
+    (the OpenAI SDK sends ``content=None`` beside tool calls, which templates would print)."""
+    out = []
+    for message in plain_data(list(messages)):
+        if not isinstance(message, dict):
+            raise TypeError(f"chat messages must be dicts (or message objects), got {message!r}")
+        message = {k: v for k, v in message.items() if v is not None}
+        reasoning = next((message[k] for k in _REASONING_FIELDS if k in message), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        out.append(message)
+    return out
+
+
+def _token_content(value: Any) -> str | None:
+    # tokenizer_config.json stores special tokens as strings or as serialized AddedTokens.
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _load_templates(model_dir: Path, config: dict) -> dict[str, str]:
+    # Same precedence as transformers: chat_template.jinja (+ additional_chat_templates/*.jinja)
+    # win over tokenizer_config.json's chat_template (a string or a list of {name, template}).
+    templates: dict[str, str] = {}
+    jinja_file = model_dir / "chat_template.jinja"
+    if jinja_file.is_file():
+        templates["default"] = jinja_file.read_text(encoding="utf-8")
+    extra_dir = model_dir / "additional_chat_templates"
+    if extra_dir.is_dir():
+        for file in sorted(extra_dir.glob("*.jinja")):
+            templates[file.stem] = file.read_text(encoding="utf-8")
+    if templates:
+        return templates
+    raw = config.get("chat_template")
+    if isinstance(raw, str):
+        return {"default": raw}
+    if isinstance(raw, list):
+        return {item["name"]: item["template"] for item in raw}
+    return {}
+
+
+class ChatTemplate:
+    """A model's chat template plus its tokenizer: messages in, prompt token ids out."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        templates: Mapping[str, str],
+        *,
+        special_tokens: Mapping[str, str] | None = None,
+        eos_token_ids: Sequence[int] = (),
+        name: str = "",
+    ) -> None:
+        if not templates:
+            raise ValueError(
+                f"{name or 'model'} has no chat template: add chat_template.jinja or a "
+                "chat_template entry to tokenizer_config.json"
+            )
+        self.tokenizer = tokenizer
+        self.name = name
+        self.special_tokens = dict(special_tokens or {})
+        self._sources = dict(templates)
+        self._compiled = {key: compile_template(src) for key, src in templates.items()}
+        self._eos_token_ids = tuple(dict.fromkeys(eos_token_ids))
+
+    @classmethod
+    def from_model_dir(cls, path: str | Path) -> ChatTemplate:
+        """Load ``tokenizer.json``, the chat template and special tokens from a model directory."""
+        model_dir = Path(path)
+        tokenizer_file = model_dir / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise FileNotFoundError(
+                f"{tokenizer_file} not found: the model directory needs a fast-tokenizer "
+                "tokenizer.json (save the tokenizer with transformers to create one)"
+            )
+        tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        tokenizer.no_truncation()
+        tokenizer.no_padding()
+        config = _read_json(model_dir / "tokenizer_config.json")
+        # Tokens declared only in tokenizer_config.json are added by transformers at load time.
+        for entry in (config.get("added_tokens_decoder") or {}).values():
+            if tokenizer.token_to_id(entry["content"]) is None:
+                token = AddedToken(
+                    entry["content"],
+                    single_word=entry.get("single_word", False),
+                    lstrip=entry.get("lstrip", False),
+                    rstrip=entry.get("rstrip", False),
+                    normalized=entry.get("normalized", not entry.get("special", False)),
+                    special=entry.get("special", False),
+                )
+                tokenizer.add_tokens([token])
+        legacy = _read_json(model_dir / "special_tokens_map.json")
+        special: dict[str, str] = {}
+        for key in SPECIAL_TOKEN_NAMES:
+            content = _token_content(config.get(key, legacy.get(key)))
+            if content is not None:
+                special[key] = content
+        eos_ids: list[int] = []
+        if "eos_token" in special and tokenizer.token_to_id(special["eos_token"]) is not None:
+            eos_ids.append(tokenizer.token_to_id(special["eos_token"]))
+        # Qwen-style models end turns on <|im_end|> but list <|endoftext|> as well in
+        # generation_config.json: generation must stop on either.
+        for source in ("generation_config.json", "config.json"):
+            value = _read_json(model_dir / source).get("eos_token_id")
+            eos_ids.extend([value] if isinstance(value, int) else list(value or []))
+        return cls(
+            tokenizer,
+            _load_templates(model_dir, config),
+            special_tokens=special,
+            eos_token_ids=eos_ids,
+            name=str(model_dir),
+        )
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Token ids that end a generation: the tokenizer's eos plus generation_config's."""
+        return list(self._eos_token_ids)
+
+    def template_source(self, tools: Sequence[Any] | None = None) -> str:
+        """The template text ``render`` uses (``tool_use`` when tools are given and one exists)."""
+        return self._sources[self._pick(tools)]
+
+    def _pick(self, tools: Sequence[Any] | None) -> str:
+        if tools is not None and "tool_use" in self._compiled:
+            return "tool_use"
+        if "default" in self._compiled:
+            return "default"
+        if len(self._compiled) == 1:
+            return next(iter(self._compiled))
+        raise ValueError(
+            f"{self.name or 'model'} has several chat templates ({sorted(self._compiled)}) "
+            "and none named 'default'"
+        )
+
+    def render(
+        self,
+        messages: Sequence[Any],
+        tools: Sequence[Any] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> str:
+        """The prompt text, as ``apply_chat_template(..., tokenize=False)`` renders it."""
+        if not messages:
+            raise ValueError("cannot render an empty conversation: give at least one message")
+        chat = normalize_messages(messages)
+        tool_schemas = None
+        if tools is not None:
+            tool_schemas = plain_data(list(tools))
+            for tool in tool_schemas:
+                if not isinstance(tool, dict):
+                    raise TypeError(
+                        "tools must be JSON schemas (dicts like {'type': 'function', "
+                        f"'function': {{...}}}}), got {tool!r}"
+                    )
+        variables = {**self.special_tokens, **plain_data(template_kwargs)}
+        return self._compiled[self._pick(tools)].render(
+            messages=chat,
+            tools=tool_schemas,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            **variables,
+        )
+
+    def encode_chat(
+        self,
+        messages: Sequence[Any],
+        tools: Sequence[Any] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> list[int]:
+        """Prompt token ids, identical to ``apply_chat_template(..., tokenize=True)``."""
+        return self.encode(self.render(messages, tools, add_generation_prompt, **template_kwargs))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``; no BOS/EOS added (the template writes its own)."""
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def __repr__(self) -> str:
+        return f"ChatTemplate({self.name!r}, templates={sorted(self._compiled)}, eos={self.eos_token_ids})"

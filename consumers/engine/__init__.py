@@ -1,0 +1,25 @@
+"""The local inference engine: SGLang's native HTTP API on torch + transformers, on the CPU.
+
+It serves any local transformers model directory (the built-in tiny model included) with
+continuous batching, token-level logprobs, pause/continue and in-place weight reloads, so the
+weight syncer and the tracing client have one code path for it and for SGLang.
+
+Reported logprobs are log_softmax(logits / temperature) of each sampled token, before any
+top_p/top_k/min_p truncation (SGLang's default); greedy requests report temperature 1. At
+temperature 1 they are the model's own log-probabilities, as the trainer recomputes them.
+"""
+
+from .engine import LocalEngine
+from .errors import EngineError, InvalidRequest, WeightLoadError
+from .server import RunningServer, make_app, serve, start_server
+
+__all__ = [
+    "EngineError",
+    "InvalidRequest",
+    "LocalEngine",
+    "RunningServer",
+    "WeightLoadError",
+    "make_app",
+    "serve",
+    "start_server",
+]

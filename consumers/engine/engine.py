@@ -1,0 +1,175 @@
+"""`LocalEngine`: the model and its scheduler behind SGLang's request and response shapes,
+usable in-process (`await engine.generate({...})`) or behind the HTTP server in server.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from .errors import InvalidRequest
+from .model import EngineModel
+from .request import parse_generate
+from .scheduler import PAUSE_MODES, Scheduler
+from .sequence import Sequence
+
+log = structlog.get_logger("agentarium.engine")
+
+HEALTH_CHECK_TIMEOUT_S = 20.0
+
+
+class LocalEngine:
+    """A transformers model served with continuous batching on the CPU.
+
+    Every method takes and returns the JSON bodies of the SGLang endpoint of the same name.
+    Use as `async with LocalEngine(path) as engine:`, or call `close()`.
+    """
+
+    def __init__(
+        self,
+        model_path: Path | str,
+        *,
+        threads: int = 1,
+        max_batch: int = 64,
+        batch_window_s: float = 0.002,
+    ) -> None:
+        self.model_path = Path(model_path)
+        self.model = EngineModel(self.model_path, threads=threads)
+        self.scheduler = Scheduler(self.model, max_batch=max_batch, batch_window_s=batch_window_s)
+        log.info(
+            "engine loaded",
+            model_path=str(self.model_path),
+            threads=threads,
+            max_batch=max_batch,
+            batch_window_s=batch_window_s,
+            vocab_size=self.model.vocab_size,
+            context_len=self.model.context_len,
+        )
+
+    def __repr__(self) -> str:
+        return f"<LocalEngine {str(self.model.model_path)!r} {self.scheduler!r}>"
+
+    async def __aenter__(self) -> LocalEngine:
+        self.scheduler.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self.scheduler.close()
+
+    @property
+    def weight_version(self) -> str:
+        return self.scheduler.weight_version
+
+    # ---- /generate ------------------------------------------------------------------------
+
+    async def generate(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Run one `/generate` request; raises InvalidRequest (HTTP 400) for a bad one."""
+        request = parse_generate(
+            body,
+            encode=lambda text: self.model.tokenizer.encode(text).ids,
+            vocab_size=self.model.vocab_size,
+            context_len=self.model.context_len,
+        )
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        seq = Sequence(
+            request,
+            tokenizer=self.model.tokenizer,
+            eos_token_ids=self.model.eos_token_ids,
+            generator=self.scheduler.generator_for(request.sampling.sampling_seed),
+            future=future,
+        )
+        await self.scheduler.submit(seq)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            seq.cancelled = True  # the client went away: free its row at the next step
+            raise
+
+    async def abort_request(self, body: dict[str, Any]) -> int:
+        rid, abort_all = body.get("rid"), bool(body.get("abort_all", False))
+        if not abort_all and not isinstance(rid, str):
+            raise InvalidRequest("abort_request needs a rid (string) or abort_all: true")
+        return await self.scheduler.abort(None if abort_all else rid, message="aborted by request")
+
+    async def health_generate(self) -> bool:
+        """Generate one token, as SGLang's /health_generate does."""
+        if self.scheduler.paused:
+            return False
+        body = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+        try:
+            out = await asyncio.wait_for(self.generate(body), HEALTH_CHECK_TIMEOUT_S)
+        except (TimeoutError, InvalidRequest):
+            return False
+        return out["meta_info"]["finish_reason"]["type"] != "abort"
+
+    # ---- info -----------------------------------------------------------------------------
+
+    def model_info(self) -> dict[str, Any]:
+        config = self.model.config
+        return {
+            "model_path": str(self.model.model_path),
+            "tokenizer_path": str(self.model_path),
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": self.scheduler.weight_version,
+            "model_type": getattr(config, "model_type", None),
+            "architectures": getattr(config, "architectures", None),
+        }
+
+    # ---- weights and control --------------------------------------------------------------
+
+    async def update_weights_from_disk(self, body: dict[str, Any]) -> dict[str, Any]:
+        path = body.get("model_path")
+        if not isinstance(path, str) or not path:
+            raise InvalidRequest("update_weights_from_disk needs model_path (a directory)")
+        load_format = body.get("load_format")
+        if load_format not in (None, "auto", "safetensors"):
+            raise InvalidRequest(
+                f"load_format {load_format!r} is not supported by the local engine: use "
+                "safetensors (or leave it null)"
+            )
+        version = body.get("weight_version")
+        success, message, paused = await self.scheduler.update_weights(
+            Path(path),
+            version=None if version is None else str(version),
+            abort_all=bool(body.get("abort_all_requests", False)),
+        )
+        return {"success": success, "message": message, "num_paused_requests": paused}
+
+    async def pause_generation(self, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        mode = (body or {}).get("mode", "abort")
+        if mode not in PAUSE_MODES:
+            raise InvalidRequest(
+                f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}"
+            )
+        await self.scheduler.pause(mode)
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    async def continue_generation(self, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        await self.scheduler.resume()
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    async def update_weight_version(self, body: dict[str, Any]) -> dict[str, Any]:
+        version = body.get("new_version")
+        if version is None:
+            raise InvalidRequest("update_weight_version needs new_version (a string)")
+        await self.scheduler.set_version(
+            str(version), abort_all=bool(body.get("abort_all_requests", True))
+        )
+        return {
+            "success": True,
+            "message": f"Weight version updated to {version}",
+            "new_version": str(version),
+        }
+
+    def flush_cache(self) -> bool:
+        """There is no prefix cache to flush; like SGLang, refuse while requests run (a pause
+        in retract mode leaves none running: their caches are recomputed on continue)."""
+        s = self.scheduler
+        return s.num_running == 0 and (s.num_waiting == 0 or s.paused)

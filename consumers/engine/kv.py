@@ -1,0 +1,77 @@
+"""A batch's KV cache, left-padded so that sequences of different lengths share one tensor.
+
+Row i of every layer's keys/values holds sequence i's cached tokens right-aligned; `mask`
+marks which columns are real. Rows leave (`select`) and join (`concat`) between decode steps,
+which is all continuous batching needs from the cache. transformers only sees a `DynamicCache`
+filled from these tensors for the length of one forward pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PaddedKV:
+    keys: list[torch.Tensor]  # per layer (B, H_kv, L, D)
+    values: list[torch.Tensor]  # per layer (B, H_kv, L, D)
+    mask: torch.Tensor  # (B, L) int64, 1 = real token
+
+    @property
+    def batch(self) -> int:
+        return int(self.mask.shape[0])
+
+    @property
+    def length(self) -> int:
+        return int(self.mask.shape[1])
+
+    def select(self, rows: list[int]) -> PaddedKV:
+        """Keep `rows` (in that order), dropping the left columns that became all padding."""
+        index = torch.tensor(rows, dtype=torch.long)
+        mask = self.mask.index_select(0, index)
+        lead = int((mask.sum(0) == 0).long().cumprod(0).sum())
+        return PaddedKV(
+            keys=[k.index_select(0, index)[:, :, lead:] for k in self.keys],
+            values=[v.index_select(0, index)[:, :, lead:] for v in self.values],
+            mask=mask[:, lead:],
+        )
+
+    def append_column(self) -> None:
+        """Account for one new real token per row (the decode step wrote its K/V)."""
+        ones = torch.ones((self.batch, 1), dtype=self.mask.dtype)
+        self.mask = torch.cat([self.mask, ones], dim=1)
+
+    @staticmethod
+    def concat(a: PaddedKV, b: PaddedKV) -> PaddedKV:
+        """Stack two batches' rows, left-padding the shorter one."""
+        length = max(a.length, b.length)
+        a, b = a.left_pad(length), b.left_pad(length)
+        return PaddedKV(
+            keys=[torch.cat([x, y]) for x, y in zip(a.keys, b.keys, strict=True)],
+            values=[torch.cat([x, y]) for x, y in zip(a.values, b.values, strict=True)],
+            mask=torch.cat([a.mask, b.mask]),
+        )
+
+    def left_pad(self, length: int) -> PaddedKV:
+        pad = length - self.length
+        if pad <= 0:
+            return self
+        return PaddedKV(
+            keys=[_left_pad(k, pad) for k in self.keys],
+            values=[_left_pad(v, pad) for v in self.values],
+            mask=torch.cat([torch.zeros((self.batch, pad), dtype=self.mask.dtype), self.mask], 1),
+        )
+
+    def zero_padding(self) -> None:
+        """Zero K/V in padding columns: attention weighs them by exactly 0, but 0 * NaN is NaN,
+        and a padding query attends to nothing, which can leave NaN there."""
+        keep = self.mask[:, None, :, None].to(self.keys[0].dtype)  # (B, 1, L, 1)
+        self.keys = [torch.nan_to_num(k) * keep for k in self.keys]
+        self.values = [torch.nan_to_num(v) * keep for v in self.values]
+
+
+def _left_pad(x: torch.Tensor, pad: int) -> torch.Tensor:
+    b, h, _, d = x.shape
+    return torch.cat([x.new_zeros((b, h, pad, d)), x], dim=2)

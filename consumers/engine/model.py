@@ -1,0 +1,213 @@
+"""The engine's model: a transformers causal LM and its tokenizer, batched forward passes over a
+left-padded KV cache, and in-place weight reloads from safetensors.
+
+Everything here is synchronous and runs on the scheduler's worker thread; the scheduler makes
+sure a forward pass and a weight reload never overlap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+from pathlib import Path
+
+import structlog
+import torch
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
+
+from .errors import WeightLoadError
+from .kv import PaddedKV
+
+log = structlog.get_logger("agentarium.engine")
+
+
+class EngineModel:
+    """A local transformers model directory, loaded for batched CPU inference."""
+
+    def __init__(self, model_path: Path, *, threads: int = 1) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+        if threads > 0:
+            torch.set_num_threads(threads)
+        self.model_path = Path(model_path)
+        self.config = AutoConfig.from_pretrained(self.model_path)
+        with _quiet_progress_bars():
+            self.model = AutoModelForCausalLM.from_pretrained(
+                self.model_path, dtype=torch.float32, attn_implementation="sdpa"
+            )
+        self.model.eval()
+        self.tokenizer = _load_tokenizer(self.model_path)
+        text_config = self.config.get_text_config()
+        self.vocab_size = int(text_config.vocab_size)
+        self.context_len = int(getattr(text_config, "max_position_embeddings", 0) or 32768)
+        self.eos_token_ids = _eos_token_ids(self.model_path, text_config)
+        self._cache_cls = DynamicCache
+        params = inspect.signature(self.model.forward).parameters
+        # transformers 5.x renamed past_key_values to cache (the old name warns until 5.40).
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._pad_id = int(self.config.pad_token_id or 0) % self.vocab_size
+
+    # ---- forward passes -------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(
+        self, prompts: list[list[int]], *, all_logits: bool
+    ) -> tuple[torch.Tensor, PaddedKV]:
+        """Run prompts (left-padded into one batch) through the model.
+
+        Returns logits (B, T, V) over every position when `all_logits`, else (B, 1, V) for the
+        last position only, and the prompts' KV cache.
+        """
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self._pad_id, dtype=torch.long)  # (B, T)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)  # (B, T)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+            mask[row, width - len(prompt) :] = 1
+        positions = (mask.cumsum(1) - 1).clamp(min=0)  # (B, T)
+        cache = self._cache_cls()
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=0 if all_logits else 1,
+            **{self._cache_kwarg: cache},
+        )
+        keys, values = _cache_tensors(cache)
+        kv = PaddedKV(keys=keys, values=values, mask=mask)
+        kv.zero_padding()
+        return out.logits.float(), kv
+
+    @torch.inference_mode()
+    def decode(self, kv: PaddedKV, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """One decode step: feed each row its last token; `kv` grows by one column in place.
+
+        Returns logits (B, V).
+        """
+        ids = torch.tensor(tokens, dtype=torch.long)[:, None]  # (B, 1)
+        pos = torch.tensor(positions, dtype=torch.long)[:, None]  # (B, 1)
+        kv.append_column()
+        cache = self._cache_cls(list(zip(kv.keys, kv.values, strict=True)))
+        out = self.model(
+            input_ids=ids,
+            attention_mask=kv.mask,
+            position_ids=pos,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_kwarg: cache},
+        )
+        kv.keys, kv.values = _cache_tensors(cache)
+        return out.logits[:, -1].float()
+
+    # ---- weights --------------------------------------------------------------------------
+
+    def load_weights(self, path: Path) -> str:
+        """Copy the safetensors weights under `path` into the live module (same architecture).
+
+        Raises WeightLoadError, leaving the current weights untouched, when the files are
+        missing or do not fit this model.
+        """
+        path = Path(path)
+        if not path.is_dir():
+            raise WeightLoadError(f"model_path {str(path)!r} is not a directory")
+        self._check_config(path)
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise WeightLoadError(f"no *.safetensors file in {str(path)!r}")
+        state: dict[str, torch.Tensor] = {}
+        for file in files:
+            state.update(load_file(str(file)))
+        current = self.model.state_dict()
+        unexpected = sorted(set(state) - set(current))
+        missing = sorted(set(current) - set(state) - self._derived_keys())
+        if unexpected or missing:
+            raise WeightLoadError(
+                f"weights in {str(path)!r} do not fit the served model "
+                f"({type(self.model).__name__}): missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )
+        for name, tensor in state.items():
+            if tuple(tensor.shape) != tuple(current[name].shape):
+                raise WeightLoadError(
+                    f"weights in {str(path)!r} do not fit the served model: {name} has shape "
+                    f"{tuple(tensor.shape)}, the served model {tuple(current[name].shape)}"
+                )
+        with torch.no_grad():
+            for name, tensor in state.items():
+                current[name].copy_(tensor.to(current[name].dtype))
+        self.model_path = path
+        return f"Succeeded to update model weights from {path} ({len(state)} tensors)."
+
+    def _derived_keys(self) -> set[str]:
+        # A tied output head has no tensor of its own in the checkpoint.
+        if getattr(self.config.get_text_config(), "tie_word_embeddings", False):
+            return {k for k in self.model.state_dict() if k.startswith("lm_head.")}
+        return set()
+
+    def _check_config(self, path: Path) -> None:
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            return
+        theirs = json.loads(config_file.read_text())
+        ours = self.config.to_dict()
+        for key in ("architectures", "model_type"):
+            if theirs.get(key) is not None and theirs.get(key) != ours.get(key):
+                raise WeightLoadError(
+                    f"{str(path)!r} holds a {theirs.get(key)} model, the engine serves "
+                    f"{ours.get(key)}: start another engine for another architecture"
+                )
+
+
+@contextlib.contextmanager
+def _quiet_progress_bars():
+    # A server's stderr carries JSON log lines, not tqdm bars.
+    from transformers.utils import logging as hf_logging
+
+    were_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if were_on:
+            hf_logging.enable_progress_bar()
+
+
+def _cache_tensors(cache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    layers = getattr(cache, "layers", None)
+    if layers is not None:  # transformers >= 4.56
+        return [layer.keys for layer in layers], [layer.values for layer in layers]
+    return list(cache.key_cache), list(cache.value_cache)
+
+
+def _load_tokenizer(model_path: Path) -> Tokenizer:
+    file = model_path / "tokenizer.json"
+    if file.is_file():
+        return Tokenizer.from_file(str(file))
+    from transformers import AutoTokenizer
+
+    backend = getattr(AutoTokenizer.from_pretrained(model_path), "backend_tokenizer", None)
+    if backend is None:
+        raise WeightLoadError(
+            f"{str(model_path)!r} has no tokenizer.json and no fast tokenizer: save one with "
+            "AutoTokenizer.from_pretrained(...).save_pretrained(dir)"
+        )
+    return backend
+
+
+def _eos_token_ids(model_path: Path, text_config) -> frozenset[int]:
+    ids: set[int] = set()
+    for value in (getattr(text_config, "eos_token_id", None), _generation_eos(model_path)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(int(v) for v in value)
+    return frozenset(ids)
+
+
+def _generation_eos(model_path: Path):
+    file = model_path / "generation_config.json"
+    if not file.is_file():
+        return None
+    return json.loads(file.read_text()).get("eos_token_id")

@@ -1,0 +1,333 @@
+"""Continuous batching: one loop steps every running sequence one token per forward pass.
+
+Each step (on a worker thread, so the event loop keeps serving HTTP): one decode pass over the
+running batch, then one prefill pass for newly admitted requests, which join the batch's
+left-padded KV cache; finished rows leave it. A request arriving at an idle engine waits
+`batch_window_s` for companions, so a burst starts as one batch. A row's result does not
+depend on its companions: padding is masked, positions are per row, every row samples with
+its own generator.
+
+Control operations (pause, abort, weight reload, version change) take the step lock, so they
+happen between steps, never during one:
+- pause `abort`: every request in flight or waiting finishes with finish_reason abort.
+- pause `in_place`: running rows keep their KV cache and resume on continue.
+- pause `retract`: running rows drop their cache and re-run their prompt plus the tokens
+  generated so far on continue (with the weights of that moment).
+While paused, new requests wait. A weight reload without a pause holds new requests back
+until the running ones finish, as SGLang's does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections import deque
+
+import structlog
+import torch
+
+from .errors import WeightLoadError
+from .kv import PaddedKV
+from .model import EngineModel
+from .sampling import sample
+from .sequence import Sequence
+
+log = structlog.get_logger("agentarium.engine")
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+class Scheduler:
+    def __init__(
+        self,
+        model: EngineModel,
+        *,
+        max_batch: int = 64,
+        batch_window_s: float = 0.002,
+        max_prefill_tokens: int = 16384,
+    ) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+        self.model = model
+        self.max_batch = max_batch
+        self.batch_window_s = batch_window_s
+        self.max_prefill_tokens = max_prefill_tokens
+        self.weight_version = "default"
+        self.paused = False
+        self.steps = 0
+        self.tokens_generated = 0
+        self._waiting: deque[Sequence] = deque()
+        self._running: list[Sequence] = []
+        self._kv: PaddedKV | None = None
+        self._hold_admission = 0  # weight reloads waiting for the running batch to drain
+        self._step_lock = asyncio.Lock()
+        self._changed = asyncio.Condition()
+        self._task: asyncio.Task | None = None
+        self._rng = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+
+    def __repr__(self) -> str:
+        return (
+            f"<Scheduler running={len(self._running)} waiting={len(self._waiting)} "
+            f"paused={self.paused} steps={self.steps} tokens={self.tokens_generated} "
+            f"weight_version={self.weight_version!r}>"
+        )
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    async def wait_for(self, predicate) -> None:
+        """Wait until `predicate()` holds; it is re-checked after every step and state change."""
+        async with self._changed:
+            await self._changed.wait_for(predicate)
+
+    def generator_for(self, seed: int | None) -> torch.Generator:
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,), generator=self._rng))
+        return torch.Generator().manual_seed(seed)
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="engine-loop")
+            self._task.add_done_callback(_log_crash)
+
+    async def close(self) -> None:
+        """Abort whatever is in flight (after the current step) and stop the loop."""
+        async with self._step_lock:
+            self._abort_all("the engine is shutting down")
+            task, self._task = self._task, None
+            if task is not None:
+                task.cancel()
+        if task is not None:
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+
+    # ---- requests -------------------------------------------------------------------------
+
+    async def submit(self, seq: Sequence) -> None:
+        self.start()
+        self._waiting.append(seq)
+        await self._notify()
+
+    async def abort(self, rid: str | None = None, *, message: str) -> int:
+        """Abort one request by rid, or all of them (rid None); returns how many."""
+        async with self._step_lock:
+            if rid is None:
+                return self._abort_all(message)
+            count = 0
+            for seq in [*self._running, *self._waiting]:
+                if seq.rid == rid:
+                    self._finish_aborted(seq, message)
+                    count += 1
+            self._drop_finished_waiting()
+        await self._notify()
+        return count
+
+    # ---- control --------------------------------------------------------------------------
+
+    async def pause(self, mode: str) -> None:
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        self.paused = True
+        async with self._step_lock:  # the step in flight, if any, ends first
+            if mode == "abort":
+                self._abort_all("aborted by pause_generation(mode='abort'); resubmit")
+            elif mode == "retract":
+                self._waiting.extendleft(reversed(self._running))
+                self._running, self._kv = [], None
+        log.info("engine paused", mode=mode, running=len(self._running))
+        await self._notify()
+
+    async def resume(self) -> None:
+        self.paused = False
+        log.info("engine continued", waiting=len(self._waiting), running=len(self._running))
+        await self._notify()
+
+    async def set_version(self, version: str, *, abort_all: bool = False) -> None:
+        async with self._step_lock:
+            if abort_all:
+                self._abort_all("aborted by update_weight_version(abort_all_requests=true)")
+            self.weight_version = version
+        await self._notify()
+
+    async def update_weights(
+        self, path, *, version: str | None = None, abort_all: bool = False
+    ) -> tuple[bool, str, int]:
+        """Reload weights in place; returns (success, message, num_paused_requests)."""
+        if abort_all:
+            await self.abort(message="aborted by update_weights_from_disk(abort_all_requests=true)")
+
+        def drained() -> bool:
+            return self.paused or not self._running
+
+        self._hold_admission += 1
+        try:
+            while True:
+                await self.wait_for(drained)
+                async with self._step_lock:
+                    # a step that admitted requests may have ended while we waited for the lock
+                    if not drained():
+                        continue
+                    try:
+                        message = await asyncio.to_thread(self.model.load_weights, path)
+                    except WeightLoadError as exc:
+                        log.warning("weight update failed", path=str(path), error=str(exc))
+                        return False, str(exc), 0
+                    if version is not None:
+                        self.weight_version = str(version)
+                        message += f" Weight version updated to {version}."
+                    paused = len(self._running) if self.paused else 0
+                    break
+        finally:
+            self._hold_admission -= 1
+            await self._notify()
+        log.info("weights updated", path=str(path), weight_version=self.weight_version)
+        return True, message, paused
+
+    # ---- the loop -------------------------------------------------------------------------
+
+    def _has_work(self) -> bool:
+        if self.paused:
+            return False
+        return bool(self._running) or (bool(self._waiting) and not self._hold_admission)
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def _loop(self) -> None:
+        while True:
+            async with self._changed:
+                await self._changed.wait_for(self._has_work)
+            if (
+                not self._running
+                and self.batch_window_s > 0
+                and len(self._waiting) < self.max_batch
+            ):
+                await asyncio.sleep(self.batch_window_s)  # let a burst arrive as one batch
+            async with self._step_lock:
+                if not self._has_work():
+                    continue
+                joiners = self._admit()
+                try:
+                    finished = await asyncio.to_thread(self._step, joiners)
+                except Exception as exc:  # a bug or OOM: fail these requests, keep serving
+                    log.exception("engine step failed")
+                    finished = list({id(s): s for s in [*self._running, *joiners]}.values())
+                    for seq in finished:
+                        seq.abort(f"engine step failed: {exc}", status_code=500)
+                    self._running, self._kv = [], None
+            for seq in finished:
+                if not seq.future.done():
+                    seq.future.set_result(seq.response(self.weight_version))
+            await self._notify()
+
+    def _admit(self) -> list[Sequence]:
+        joiners: list[Sequence] = []
+        if self._hold_admission:
+            return joiners
+        width = 0
+        while self._waiting and len(self._running) + len(joiners) < self.max_batch:
+            seq = self._waiting[0]
+            if seq.cancelled or seq.finished:
+                self._waiting.popleft()
+                continue
+            new_width = max(width, len(seq.all_ids))
+            if joiners and new_width * (len(joiners) + 1) > self.max_prefill_tokens:
+                break
+            joiners.append(self._waiting.popleft())
+            width = new_width
+        return joiners
+
+    def _step(self, joiners: list[Sequence]) -> list[Sequence]:
+        """One forward step (worker thread). Returns the sequences that finished."""
+        finished = self._drop_done_rows()
+        version = self.weight_version
+        if self._running:
+            logits = self.model.decode(
+                self._kv,
+                [seq.output_ids[-1] for seq in self._running],
+                [seq.last_position for seq in self._running],
+            )
+            self._append(self._running, logits, version)
+        # A request that wants prompt logprobs needs logits at every prompt position: prefill it
+        # on its own, so the rest of the batch keeps last-position logits (B, 1, V) only.
+        scoring = [[seq] for seq in joiners if seq.wants_input_logprobs]
+        plain = [seq for seq in joiners if not seq.wants_input_logprobs]
+        for group in scoring + ([plain] if plain else []):
+            self._prefill(group, version)
+        self.steps += 1
+        return finished + self._drop_done_rows()
+
+    def _prefill(self, group: list[Sequence], version: str) -> None:
+        scoring = group[0].wants_input_logprobs  # then the group is this one sequence
+        logits, kv = self.model.prefill([seq.all_ids for seq in group], all_logits=scoring)
+        if scoring:
+            seq = group[0]
+            seq.set_input_logprobs(
+                torch.log_softmax(logits[0], dim=-1), seq.request.top_logprobs_num
+            )
+        fresh = {id(seq) for seq in group if seq.params.max_new_tokens == 0}
+        for seq in group:
+            if id(seq) in fresh:
+                seq.finish_reason = {"type": "length", "length": 0}
+        self._append(group, logits[:, -1], version, skip=fresh)
+        self._kv = kv if self._kv is None else PaddedKV.concat(self._kv, kv)
+        self._running.extend(group)
+
+    def _append(self, seqs: list[Sequence], logits: torch.Tensor, version: str, skip=()) -> None:
+        draws = sample(
+            logits,
+            [seq.params for seq in seqs],
+            [seq.generator for seq in seqs],
+            [seq.request.top_logprobs_num if seq.request.return_logprob else 0 for seq in seqs],
+        )
+        for seq, draw in zip(seqs, draws, strict=True):
+            if id(seq) not in skip and not seq.finished:
+                seq.append(draw, version)
+                self.tokens_generated += 1
+
+    def _drop_done_rows(self) -> list[Sequence]:
+        """Remove finished and cancelled rows from the batch; return the finished ones."""
+        keep = [i for i, seq in enumerate(self._running) if not (seq.finished or seq.cancelled)]
+        if len(keep) == len(self._running):
+            return []
+        done = [seq for seq in self._running if seq.finished and not seq.cancelled]
+        self._running = [self._running[i] for i in keep]
+        self._kv = self._kv.select(keep) if keep and self._kv is not None else None
+        return done
+
+    def _abort_all(self, message: str) -> int:
+        seqs = [*self._running, *self._waiting]
+        for seq in seqs:
+            self._finish_aborted(seq, message)
+        self._running, self._kv = [], None
+        self._waiting.clear()
+        if seqs:
+            log.info("requests aborted", count=len(seqs), reason=message)
+        return len(seqs)
+
+    def _finish_aborted(self, seq: Sequence, message: str) -> None:
+        seq.abort(message)
+        if not seq.future.done():
+            seq.future.set_result(seq.response(self.weight_version))
+
+    def _drop_finished_waiting(self) -> None:
+        self._waiting = deque(s for s in self._waiting if not s.finished)
+
+
+def _log_crash(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("engine loop crashed", exc_info=task.exception())

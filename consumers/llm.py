@@ -1,0 +1,271 @@
+"""TracingLLM: the ``llm`` object handed to agents, one per rollout.
+
+``await llm.chat(messages, tools=None, **sampling)`` renders the model's chat template into
+token ids, has the backend generate from those ids, and records the exact prompt and response
+tokens with their logprobs as an ``LLMCall``: what the policy saw and produced, with no
+re-tokenization of text. Tool calls are parsed from the generated text into OpenAI
+``tool_calls``. Every call is a ``chat <model>`` CLIENT span under the rollout's span.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import jinja2
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+
+from schemas import LLMCall, Sampling
+
+from .backends.base import Backend, GenerateRequest
+from .chat_template import ChatTemplate, normalize_messages, plain_data
+from .errors import BadRequest, LLMError
+from .toolcalls import ToolCallError, arguments_as_objects, parse_tool_calls
+
+tracer = trace.get_tracer("agentarium.consumers")
+
+# Per-call keyword → SGLang sampling_params key. The aliases are the OpenAI names, so an agent
+# written against the OpenAI SDK can pass what it already passes.
+SAMPLING_ALIASES = {
+    "max_tokens": "max_new_tokens",
+    "max_completion_tokens": "max_new_tokens",
+    "seed": "sampling_seed",
+}
+SAMPLING_KEYS = frozenset(
+    {
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "max_new_tokens",
+        "min_new_tokens",
+        "stop",
+        "stop_token_ids",
+        "frequency_penalty",
+        "presence_penalty",
+        "repetition_penalty",
+        "ignore_eos",
+        "skip_special_tokens",
+        "no_stop_trim",
+        "json_schema",
+        "regex",
+        "logit_bias",
+        "sampling_seed",
+    }
+)
+
+
+@dataclass(frozen=True)
+class ChatResult:
+    """One chat turn. ``text`` is the generated text as decoded (tool-call blocks included);
+    ``message`` is the OpenAI-style assistant message to append to the conversation."""
+
+    text: str
+    message: dict
+    finish_reason: str
+    call: LLMCall
+    tool_call_errors: list[ToolCallError] = field(default_factory=list)
+
+    @property
+    def tool_calls(self) -> list[dict]:
+        return self.message.get("tool_calls") or []
+
+    @property
+    def content(self) -> str:
+        return self.message.get("content") or ""
+
+
+def _sampling_params(job: Sampling, eos_ids: Sequence[int], overrides: dict[str, Any]) -> dict:
+    params: dict[str, Any] = {
+        "max_new_tokens": job.max_new_tokens,
+        "temperature": job.temperature,
+        "top_p": job.top_p,
+        "top_k": job.top_k,
+    }
+    if job.stop:
+        params["stop"] = list(job.stop)
+    if eos_ids:
+        params["stop_token_ids"] = list(eos_ids)
+    for key, value in overrides.items():
+        key = SAMPLING_ALIASES.get(key, key)
+        if key not in SAMPLING_KEYS:
+            allowed = sorted(SAMPLING_KEYS | set(SAMPLING_ALIASES))
+            raise TypeError(f"llm.chat() got an unknown sampling option {key!r}; known: {allowed}")
+        if value is None:  # clients pass None for "not set"
+            continue
+        if key == "stop":
+            value = [value] if isinstance(value, str) else list(value)
+        params[key] = value
+    if params["temperature"] < 0:
+        raise ValueError(f"temperature must be >= 0, got {params['temperature']}")
+    if not 0 < params["top_p"] <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {params['top_p']}")
+    if params["max_new_tokens"] < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {params['max_new_tokens']}")
+    return params
+
+
+class TracingLLM:
+    """Renders, generates, records and traces every LLM call of one rollout.
+
+    ``template`` may be None only with a chat-native backend (``OpenAICompatBackend``); the
+    calls then carry no token ids. ``route_key`` is the job's group_id (one server per group),
+    ``rid_prefix`` the job id (request ids ``<job>-<nonce>-call-<n>``, unique even when a
+    redelivered job runs again while the first attempt is still on the server).
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        template: ChatTemplate | None,
+        job_sampling: Sampling | None = None,
+        route_key: str = "",
+        rid_prefix: str = "",
+        model_name: str = "",
+        parent_context: otel_context.Context | None = None,
+        *,
+        record_messages: bool = True,
+    ) -> None:
+        self.backend = backend
+        self.template = template
+        self.sampling = job_sampling if job_sampling is not None else Sampling()
+        self.route_key = route_key
+        self.rid_prefix = rid_prefix or "llm"
+        self.model_name = model_name
+        self.parent_context = parent_context
+        self.record_messages = record_messages
+        self.calls: list[LLMCall] = []
+        # Backend errors seen by this rollout, kept even when the agent swallows them (the
+        # OpenAI SDK turns the proxy's 503 into its own exception), so the worker can class
+        # the rollout as an infrastructure failure.
+        self.errors: list[LLMError] = []
+        self._nonce = uuid.uuid4().hex[:6]
+        self._started = 0
+
+    async def chat(
+        self, messages: Sequence[Any], tools: Sequence[Any] | None = None, **sampling: Any
+    ) -> ChatResult:
+        """Generate the assistant's next message; per-call sampling overrides the job's."""
+        chat = normalize_messages(messages)
+        tool_list = plain_data(list(tools)) if tools else None
+        eos = self.template.eos_token_ids if self.template is not None else []
+        params = _sampling_params(self.sampling, eos, sampling)
+        index, self._started = self._started, self._started + 1
+        parent = self._parent_for_call()
+        token = otel_context.attach(parent) if parent is not None else None
+        try:
+            with tracer.start_as_current_span(
+                f"chat {self.model_name}".rstrip(), kind=trace.SpanKind.CLIENT
+            ) as span:
+                return await self._chat(span, index, chat, tool_list, params)
+        except LLMError as exc:
+            self.errors.append(exc)
+            raise
+        finally:
+            if token is not None:
+                otel_context.detach(token)
+
+    def _parent_for_call(self) -> otel_context.Context | None:
+        """The context to attach for one call, or None to keep the current one.
+
+        The worker attaches the rollout context for the whole agent run, so an agent's own
+        spans nest under the rollout and chat spans under them: when the current span belongs
+        to the rollout's trace, keep it. Otherwise (a proxy handler, a thread without the
+        context, no span at all) attach the rollout context, only for this call.
+        """
+        if self.parent_context is None:
+            return None
+        current = trace.get_current_span().get_span_context()
+        rollout = trace.get_current_span(self.parent_context).get_span_context()
+        if current.is_valid and current.trace_id == rollout.trace_id:
+            return None
+        return self.parent_context
+
+    async def _chat(
+        self, span: trace.Span, index: int, chat: list[dict], tools: list | None, params: dict
+    ) -> ChatResult:
+        span.set_attribute("gen_ai.operation.name", "chat")
+        span.set_attribute("gen_ai.request.model", self.model_name)
+        span.set_attribute("gen_ai.request.temperature", float(params["temperature"]))
+        span.set_attribute("gen_ai.request.top_p", float(params["top_p"]))
+        span.set_attribute("gen_ai.request.max_tokens", int(params["max_new_tokens"]))
+        input_ids: list[int] = []
+        if self.template is not None:
+            try:
+                input_ids = self.template.encode_chat(arguments_as_objects(chat), tools=tools)
+            except jinja2.TemplateError as exc:
+                raise BadRequest(f"the chat template refused these messages: {exc}") from exc
+        request = GenerateRequest(
+            input_ids=input_ids,
+            sampling=params,
+            rid=f"{self.rid_prefix}-{self._nonce}-call-{index}",
+            route_key=self.route_key,
+            messages=chat,
+            tools=tools,
+        )
+        start = time.perf_counter()
+        result = await self.backend.generate(request)
+        latency = time.perf_counter() - start
+
+        errors: list[ToolCallError] = []
+        if result.tool_calls is not None:  # a chat-native backend parsed them already
+            content, tool_calls = result.text, result.tool_calls
+        elif tools:
+            parsed = parse_tool_calls(result.text)
+            content, tool_calls, errors = parsed.content, parsed.tool_calls, parsed.errors
+        else:  # no tools offered: the text is the answer, whatever it contains
+            content, tool_calls = result.text, []
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        finish = "tool_calls" if tool_calls else result.finish_reason
+
+        call = LLMCall(
+            prompt_ids=list(input_ids),
+            response_ids=list(result.output_ids),
+            response_logprobs=list(result.output_logprobs),
+            finish_reason=finish,
+            weight_version=result.weight_version,
+            temperature=float(params["temperature"]),
+            top_p=float(params["top_p"]),
+            top_k=int(params.get("top_k", -1)),
+            latency_s=latency,
+            backend=result.backend,
+            model=self.model_name,
+            cached_tokens=result.cached_tokens,
+            messages=[*chat, message] if self.record_messages else None,
+        )
+        self.calls.append(call)
+
+        prompt_tokens = len(input_ids) or result.prompt_tokens
+        output_tokens = len(result.output_ids) or result.completion_tokens
+        span.set_attribute("gen_ai.usage.input_tokens", prompt_tokens)
+        span.set_attribute("gen_ai.usage.output_tokens", output_tokens)
+        span.set_attribute("gen_ai.response.finish_reasons", [finish])
+        span.set_attribute("agentarium.weight_version", result.weight_version)
+        span.set_attribute("agentarium.cached_tokens", result.cached_tokens)
+        if result.backend:
+            address = urlsplit(result.backend)
+            span.set_attribute("server.address", address.hostname or result.backend)
+            if address.port:
+                span.set_attribute("server.port", address.port)
+        if errors:
+            span.set_attribute("agentarium.tool_call_errors", len(errors))
+        return ChatResult(
+            text=result.text,
+            message=message,
+            finish_reason=finish,
+            call=call,
+            tool_call_errors=errors,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"TracingLLM(model={self.model_name!r}, rid_prefix={self.rid_prefix!r}, "
+            f"route_key={self.route_key!r}, calls={len(self.calls)})"
+        )
