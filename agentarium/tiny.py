@@ -188,8 +188,15 @@ def resolve_model(name_or_path: str) -> Path:
 
 def build_tokenizer():
     """The tiny model's `tokenizers.Tokenizer`, built in code (no download)."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
-    from tokenizers import processors
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        normalizers,
+        pre_tokenizers,
+        processors,
+    )
     from tokenizers.models import BPE
 
     vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
@@ -203,9 +210,7 @@ def build_tokenizer():
     )
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    tok.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS]
-    )
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
     assert tok.get_vocab_size() == VOCAB_SIZE, tok.get_vocab_size()
     assert tok.token_to_id("<|im_end|>") == IM_END_ID

@@ -1,0 +1,237 @@
+"""A fake SGLang server for tests: ``POST /generate`` with the exact shapes of SGLANG_API.md.
+(Also ``local_engine``, which starts the real local engine when it is available.)
+
+Instant, configurable answers; scripted failures (HTTP statuses, aborts); a gate to hold
+requests in flight; per-server request counting. It refuses (HTTP 400) any request field that
+SGLang does not define, so a client sending extra fields fails its tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+# GenerateReqInput fields a client of ours may send, and SamplingParams' keys.
+REQUEST_FIELDS = frozenset(
+    {
+        "text",
+        "input_ids",
+        "sampling_params",
+        "rid",
+        "return_logprob",
+        "logprob_start_len",
+        "top_logprobs_num",
+        "return_text_in_logprobs",
+        "stream",
+    }
+)
+SAMPLING_FIELDS = frozenset(
+    {
+        "max_new_tokens",
+        "stop",
+        "stop_token_ids",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "frequency_penalty",
+        "presence_penalty",
+        "repetition_penalty",
+        "min_new_tokens",
+        "n",
+        "json_schema",
+        "regex",
+        "ignore_eos",
+        "skip_special_tokens",
+        "no_stop_trim",
+        "logit_bias",
+        "sampling_seed",
+    }
+)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def dead_url() -> str:
+    """A URL where nothing listens: connections are refused."""
+    return f"http://127.0.0.1:{free_port()}"
+
+
+@contextlib.contextmanager
+def local_engine(model_dir: Path) -> Iterator[str | None]:
+    """The real local engine (``python -m consumers.engine``) on a free port: yields its URL, or
+    None when it cannot start here, so tests can fall back to ``FakeSGLang``."""
+    try:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "consumers.engine",
+                "--model-path",
+                str(model_dir),
+                "--port",
+                "0",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            cwd=Path(__file__).parents[1],
+        )
+    except OSError:
+        yield None
+        return
+    try:
+        line = proc.stdout.readline()  # the engine prints one line once it listens, or exits
+        yield line.split(" on ", 1)[1].strip() if line.startswith("engine ready on") else None
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+class FakeSGLang:
+    """One fake server. ``reply(body) -> (output_ids, text)`` decides the generation; by
+    default it returns ``output_ids`` and ``text`` as configured."""
+
+    def __init__(
+        self,
+        *,
+        output_ids: list[int] | None = None,
+        text: str = "fake reply",
+        reply: Callable[[dict], tuple[list[int], str]] | None = None,
+        weight_version: str = "default",
+        cached_tokens: int = 0,
+    ) -> None:
+        self.output_ids = list(output_ids) if output_ids is not None else [11, 12, 13]
+        self.text = text
+        self.reply = reply
+        self.weight_version = weight_version
+        self.cached_tokens = cached_tokens
+        self.requests: list[dict] = []
+        self.failures: list[int] = []  # HTTP statuses for the next requests, in order
+        self.aborts = 0  # how many of the next requests end in an empty abort
+        self.partial_aborts = 0  # ... in an abort after one token
+        self.misaligned = False  # answer logprobs that do not match output_ids
+        self.gate: asyncio.Event | None = None  # when set, requests wait for it to open
+        self._arrived = asyncio.Condition()
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    @property
+    def count(self) -> int:
+        return len(self.requests)
+
+    async def start(self) -> str:
+        app = web.Application()
+        app.router.add_post("/generate", self._generate)
+        app.router.add_get("/health", lambda r: web.Response(text=""))
+        app.router.add_get("/model_info", self._model_info)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        return self.url
+
+    async def close(self) -> None:
+        if self.gate is not None:
+            self.gate.set()
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def wait_for_requests(self, n: int) -> None:
+        """Return once ``n`` requests have arrived (in flight or done)."""
+        async with self._arrived:
+            await self._arrived.wait_for(lambda: self.count >= n)
+
+    async def _model_info(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "model_path": "/models/fake",
+                "tokenizer_path": "/models/fake",
+                "is_generation": True,
+                "weight_version": self.weight_version,
+            }
+        )
+
+    async def _generate(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        async with self._arrived:
+            self.requests.append(body)
+            self._arrived.notify_all()
+        unknown = set(body) - REQUEST_FIELDS
+        unknown |= {
+            f"sampling_params.{k}" for k in set(body.get("sampling_params", {})) - SAMPLING_FIELDS
+        }
+        if unknown:
+            return web.json_response(
+                {"error": {"message": f"unknown fields {sorted(unknown)}"}}, status=400
+            )
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.failures:
+            status = self.failures.pop(0)
+            return web.json_response({"error": {"message": f"scripted {status}"}}, status=status)
+        prompt = body.get("input_ids") or []
+        if self.aborts:
+            self.aborts -= 1
+            return web.json_response(self._response(body, prompt, [], "", _abort()))
+        if self.reply is not None:
+            output_ids, text = self.reply(body)
+        else:
+            output_ids, text = list(self.output_ids), self.text
+        if self.partial_aborts:
+            self.partial_aborts -= 1
+            return web.json_response(self._response(body, prompt, output_ids[:1], "", _abort()))
+        max_new = body.get("sampling_params", {}).get("max_new_tokens", 1 << 30)
+        if len(output_ids) > max_new:
+            output_ids = output_ids[:max_new]
+            finish: dict[str, Any] = {"type": "length", "length": max_new}
+        else:
+            finish = {"type": "stop", "matched": output_ids[-1] if output_ids else None}
+        return web.json_response(self._response(body, prompt, output_ids, text, finish))
+
+    def _response(
+        self, body: dict, prompt: list[int], output_ids: list[int], text: str, finish: dict
+    ) -> dict:
+        logprobs = [[-0.1 * (i + 1), tid, None] for i, tid in enumerate(output_ids)]
+        if self.misaligned and logprobs:
+            logprobs = logprobs[:-1]
+        return {
+            "text": text,
+            "output_ids": output_ids,
+            "meta_info": {
+                "id": body.get("rid", ""),
+                "finish_reason": finish,
+                "prompt_tokens": len(prompt),
+                "completion_tokens": len(output_ids),
+                "cached_tokens": self.cached_tokens,
+                "weight_version": self.weight_version,
+                "output_token_logprobs": logprobs,
+                "e2e_latency": 0.001,
+            },
+        }
+
+
+def _abort() -> dict:
+    return {
+        "type": "abort",
+        "message": "Abort all requests: weights are being updated",
+        "status_code": None,
+        "err_type": None,
+    }
