@@ -238,7 +238,9 @@ async def test_multi_turn_tool_agent_records_every_call_without_tool_tokens(js, 
     server = FakeSGLang(reply=reply)
     await server.start()
     try:
-        await TaskProducer(js, topology).submit("calc", [{"prompt": "What is 2+3?", "answer": "5"}], run="calc")
+        await TaskProducer(js, topology).submit(
+            "calc", [{"prompt": "What is 2+3?", "answer": "5", "max_new_tokens": 128}], run="calc"
+        )
         async with worker_for(js, "calc", calculator.rollout, [server.url]) as w:
             assert (await w.run()).ok == 1
     finally:

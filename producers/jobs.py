@@ -1,0 +1,150 @@
+"""Expanding tasks into jobs: one job per (task, sample), with deterministic ids.
+
+Ids are digests, never random: the same tasks submitted twice give the same batch id and
+the same job ids, and the broker's dedup on ``Nats-Msg-Id`` turns the second submission
+into a no-op. A GRPO group is the G samples of one task; they share a ``group_id``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from schemas import Job, Sampling, SchemaError, check_name
+
+BATCH_ID_CHARS = 16
+JOB_ID_CHARS = 32
+
+
+def _digest(*parts: Any, chars: int) -> str:
+    # A JSON list is unambiguous where "a" + "bc" and "ab" + "c" would collide.
+    blob = json.dumps(parts, separators=(",", ":"), ensure_ascii=False).encode()
+    return hashlib.sha256(blob).hexdigest()[:chars]
+
+
+def canonical_json(tasks: Sequence[Mapping[str, Any]]) -> str:
+    """Key order and whitespace do not change a batch's identity."""
+    try:
+        return json.dumps(
+            list(tasks), sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+        )
+    except (TypeError, ValueError) as exc:
+        raise SchemaError(
+            f"tasks must be JSON objects (no NaN, no non-JSON values): {exc}", field="task"
+        ) from exc
+
+
+def default_batch_id(
+    agent: str, run: str, group_size: int, is_train: bool, tasks: Sequence[Mapping[str, Any]]
+) -> str:
+    return _digest(
+        "batch", agent, run, group_size, is_train, canonical_json(tasks), chars=BATCH_ID_CHARS
+    )
+
+
+def job_id_for(run: str, batch_id: str, task_id: str, sample_index: int) -> str:
+    return _digest("job", run, batch_id, task_id, sample_index, chars=JOB_ID_CHARS)
+
+
+def group_id_for(run: str, batch_id: str, task_id: str) -> str:
+    return _digest("group", run, batch_id, task_id, chars=JOB_ID_CHARS)
+
+
+def task_id_of(task: Mapping[str, Any], index: int) -> str:
+    """``task_id``, else ``id`` (stringified), else the row index as ``t<index>``."""
+    for key in ("task_id", "id"):
+        value = task.get(key)
+        if value is not None and value != "":
+            return str(value)
+    return f"t{index}"
+
+
+def _task_ids(tasks: Sequence[Mapping[str, Any]]) -> list[str]:
+    seen: dict[str, int] = {}
+    ids = []
+    for index, task in enumerate(tasks):
+        if not isinstance(task, Mapping):
+            raise SchemaError(
+                f"tasks[{index}] must be a JSON object, got {type(task).__name__}",
+                field=f"tasks[{index}]",
+            )
+        task_id = task_id_of(task, index)
+        if task_id in seen:
+            err = SchemaError(
+                f"duplicate task id {task_id!r}: tasks[{seen[task_id]}] and tasks[{index}] "
+                "(give each task a distinct task_id/id, or submit them in separate batches)",
+                field=f"tasks[{index}].task_id",
+            )
+            err.rows = (seen[task_id], index)  # type: ignore[attr-defined]  # the CLI maps them to lines
+            raise err
+        seen[task_id] = index
+        ids.append(task_id)
+    return ids
+
+
+def expand_tasks(
+    agent: str,
+    tasks: Sequence[Mapping[str, Any]],
+    *,
+    run: str = "default",
+    group_size: int = 1,
+    batch_id: str | None = None,
+    is_train: bool = True,
+    sampling: Sampling | None = None,
+    deadline_s: float = 600.0,
+    metadata: Mapping[str, Any] | None = None,
+) -> tuple[str, list[Job]]:
+    """Expand ``tasks`` into ``len(tasks) * group_size`` jobs; returns ``(batch_id, jobs)``.
+
+    Jobs come out task by task, samples ``0..group_size-1`` next to each other. Every
+    name is validated here, before anything reaches the broker.
+    """
+    check_name(agent, "agent")
+    check_name(run, "run")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise SchemaError(
+            f"group_size must be an integer >= 1, got {group_size!r}", field="group_size"
+        )
+    if not (isinstance(deadline_s, (int, float)) and math.isfinite(deadline_s) and deadline_s > 0):
+        raise SchemaError(
+            f"deadline_s must be a positive number of seconds, got {deadline_s!r}",
+            field="deadline_s",
+        )
+    if metadata is not None and not isinstance(metadata, Mapping):
+        raise SchemaError("metadata must be a JSON object", field="metadata")
+    task_ids = _task_ids(tasks)
+    if batch_id is None:
+        batch_id = default_batch_id(agent, run, group_size, is_train, tasks)
+    else:
+        check_name(batch_id, "batch_id")
+    sampling = sampling or Sampling()
+    meta = dict(metadata or {})
+    created_at = time.time()  # not part of any id: ids stay deterministic
+    jobs = []
+    for task, task_id in zip(tasks, task_ids, strict=True):
+        group_id = group_id_for(run, batch_id, task_id)
+        payload = dict(task)
+        for sample_index in range(group_size):
+            jobs.append(
+                Job(
+                    job_id=job_id_for(run, batch_id, task_id, sample_index),
+                    agent=agent,
+                    task=payload,
+                    task_id=task_id,
+                    group_id=group_id,
+                    sample_index=sample_index,
+                    group_size=group_size,
+                    run=run,
+                    batch_id=batch_id,
+                    is_train=is_train,
+                    sampling=sampling,
+                    deadline_s=float(deadline_s),
+                    metadata=meta,
+                    created_at=created_at,
+                )
+            )
+    return batch_id, jobs

@@ -1,0 +1,95 @@
+"""Shared fixtures: a real nats-server per test, clients on it, and in-memory span export.
+
+The chain is ``nats_server -> nats_url -> settings -> nc -> js`` (nats.py's own test
+layout). ``nats_server`` keeps its port and store across ``stop()``/``kill()`` and
+``start()``, so a test can restart the broker under a live client.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from broker import NatsServer, NatsSettings, Topology, provision
+
+_EXPORTER = InMemorySpanExporter()
+
+
+def _install_span_exporter() -> None:
+    """Once per session: export every span to memory. Reuse a provider someone else set."""
+    provider = trace.get_tracer_provider()
+    if isinstance(provider, trace.ProxyTracerProvider):
+        provider = TracerProvider()
+        trace.set_tracer_provider(provider)
+    if hasattr(provider, "add_span_processor"):
+        provider.add_span_processor(SimpleSpanProcessor(_EXPORTER))
+
+
+_install_span_exporter()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def agentarium_home(tmp_path_factory):
+    """One AGENTARIUM_HOME per session, so the tiny model is built once and never in ~/.cache."""
+    home = tmp_path_factory.mktemp("agentarium-home")
+    old = os.environ.get("AGENTARIUM_HOME")
+    os.environ["AGENTARIUM_HOME"] = str(home)
+    yield home
+    if old is None:
+        os.environ.pop("AGENTARIUM_HOME", None)
+    else:
+        os.environ["AGENTARIUM_HOME"] = old
+
+
+@pytest.fixture
+def span_exporter() -> InMemorySpanExporter:
+    """The session's in-memory span exporter, emptied for this test."""
+    _EXPORTER.clear()
+    return _EXPORTER
+
+
+@pytest.fixture
+def nats_server(tmp_path):
+    """A nats-server with JetStream on a free port, store in ``tmp_path/"nats"``."""
+    server = NatsServer(store_dir=tmp_path / "nats").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def nats_url(nats_server) -> str:
+    return nats_server.url
+
+
+@pytest.fixture
+def settings(nats_url) -> NatsSettings:
+    return NatsSettings(url=nats_url)
+
+
+@pytest.fixture
+async def nc(settings):
+    client = await settings.connect(name="agentarium-test")
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
+@pytest.fixture
+def topology() -> Topology:
+    return Topology()
+
+
+@pytest.fixture
+async def js(nc, topology):
+    """JetStream on ``nc``, with every stream, consumer and bucket provisioned."""
+    context = nc.jetstream()
+    await provision(context, topology)
+    return context
