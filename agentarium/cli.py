@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from broker import BrokerError
@@ -44,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # bad input the parser could not catch (names, files)
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `agentarium trajectories show | head`: the reader left, not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -88,7 +88,7 @@ async def _publish_and_watch(args: argparse.Namespace, url: str, out: Path) -> d
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    setup_logging(json=True)
+    setup_logging("warning", json=True)  # the demo prints its own progress; children log to files
     out = Path(args.out).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
     logs = out / "logs"

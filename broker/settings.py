@@ -115,7 +115,8 @@ class NatsSettings:
             log.warning("nats error", error=str(exc) or type(exc).__name__)
 
         async def on_disconnect() -> None:
-            log.warning("nats disconnected", servers=self.servers)
+            if not nc.is_closed:  # also called on our own close(): not worth a warning then
+                log.warning("nats disconnected", servers=self.servers)
 
         async def on_reconnect() -> None:
             log.info("nats reconnected", servers=self.servers)
