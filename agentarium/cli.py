@@ -6,6 +6,9 @@ import argparse
 import os
 import sys
 
+import nats.errors
+import nats.js.errors
+
 from broker import BrokerError
 
 from .commands import broker_cmd, consumer_cmd, engine_cmd, produce_cmd
@@ -44,6 +47,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except ValueError as exc:  # bad input the parser could not catch (names, files)
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except nats.js.errors.NotFoundError as exc:
+        print(
+            f"error: {exc.description or exc}: the broker is not provisioned for Agentarium here; run "
+            "`agentarium broker init` (or check AGENTARIUM_NATS_URL / --nats-url / --prefix)",
+            file=sys.stderr,
+        )
+        return 2
+    except nats.errors.Error as exc:
+        print(f"error: NATS: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `agentarium trajectories show | head`: the reader left, not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -52,8 +52,11 @@ async def _publish_and_watch(args: argparse.Namespace, url: str, out: Path) -> d
     started = time.monotonic()
     result = await producer.submit(args.agent_name, tasks, run=args.run, group_size=args.group_size)
     total = len(result.job_ids)
-    print(f"published run={result.run} batch={result.batch_id} jobs={total} "
-          f"({len(tasks)} tasks x group size {args.group_size})", flush=True)
+    print(
+        f"published run={result.run} batch={result.batch_id} jobs={total} "
+        f"({len(tasks)} tasks x group size {args.group_size})",
+        flush=True,
+    )
     reader = TrajectoryReader(js, topo)
     wanted = set(result.job_ids)
     seen: dict[str, object] = {}
@@ -68,8 +71,10 @@ async def _publish_and_watch(args: argparse.Namespace, url: str, out: Path) -> d
                 ok = [t for t in seen.values() if t.status == "ok"]
                 mean = sum(t.reward for t in ok) / len(ok) if ok else 0.0
                 rate = len(seen) / max(now - started, 1e-9)
-                line = (f"{_bar(len(seen), total)} {len(seen)}/{total} trajectories  ok={len(ok)} "
-                        f"reward_mean={mean:.3f}  {rate:.1f} rollouts/s")
+                line = (
+                    f"{_bar(len(seen), total)} {len(seen)}/{total} trajectories  ok={len(ok)} "
+                    f"reward_mean={mean:.3f}  {rate:.1f} rollouts/s"
+                )
                 print(("\r" + line) if tty else line, end="" if tty else "\n", flush=True)
         if len(seen) == total:
             break
@@ -81,10 +86,14 @@ async def _publish_and_watch(args: argparse.Namespace, url: str, out: Path) -> d
             f.write(json.dumps(traj.to_wire(binary=False)) + "\n")
     await nc.close()
     ok = [t for t in seen.values() if t.status == "ok"]
-    return {"trajectories": len(seen), "ok": len(ok), "seconds": round(elapsed, 2),
-            "rollouts_per_s": round(len(seen) / elapsed, 2),
-            "reward_mean": round(sum(t.reward for t in ok) / len(ok), 4) if ok else None,
-            "groups": len({t.group_id for t in seen.values()})}
+    return {
+        "trajectories": len(seen),
+        "ok": len(ok),
+        "seconds": round(elapsed, 2),
+        "rollouts_per_s": round(len(seen) / elapsed, 2),
+        "reward_mean": round(sum(t.reward for t in ok) / len(ok), 4) if ok else None,
+        "groups": len({t.group_id for t in seen.values()}),
+    }
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -100,14 +109,31 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"nats-server (JetStream) at {server.url}, store {out / 'nats'}")
     children = []
     try:
-        engine = start_child("engine", ["engine", "--model", str(model_dir), "--port", "0"], logs, wait_ready=True)
+        engine = start_child(
+            "engine", ["engine", "--model", str(model_dir), "--port", "0"], logs, wait_ready=True
+        )
         children.append(engine)
         print(f"local engine at {engine.url}")
         for i in range(args.consumers):
-            children.append(start_child(f"consumer-{i}", [
-                "consumer", "--agent", f"{args.agent_name}={args.agent}", "--llm", engine.url,
-                "--model", str(model_dir), "--concurrency", str(args.concurrency), "--nats-url", server.url,
-            ], logs))
+            children.append(
+                start_child(
+                    f"consumer-{i}",
+                    [
+                        "consumer",
+                        "--agent",
+                        f"{args.agent_name}={args.agent}",
+                        "--llm",
+                        engine.url,
+                        "--model",
+                        str(model_dir),
+                        "--concurrency",
+                        str(args.concurrency),
+                        "--nats-url",
+                        server.url,
+                    ],
+                    logs,
+                )
+            )
         print(f"{args.consumers} consumer(s) running {args.agent}; logs in {logs}")
         summary = asyncio.run(_publish_and_watch(args, server.url, out))
     finally:
@@ -121,15 +147,43 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "demo", help="run the whole pipeline locally on the CPU (embedded broker, engine, consumers)",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "demo",
+        help="run the whole pipeline locally on the CPU (embedded broker, engine, consumers)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--out", default="./agentarium-demo", help="output directory: broker store, logs, trajectories (default %(default)s)")
-    p.add_argument("--tasks", default=str(DEFAULT_TASKS), help="task file, one JSON object per line (default: the toy tasks)")
-    p.add_argument("--agent", default="examples.toy:rollout", help="agent function (default %(default)s)")
-    p.add_argument("--agent-name", default="toy", help="agent name on the wire (default %(default)s)")
-    p.add_argument("--group-size", type=int, default=8, help="samples per task, one GRPO group (default %(default)s)")
-    p.add_argument("--consumers", type=int, default=1, help="consumer processes (default %(default)s)")
-    p.add_argument("--concurrency", type=int, default=32, help="rollouts at once per consumer (default %(default)s)")
-    p.add_argument("--run", default=f"demo-{int(time.time())}", help="run id (default: demo-<unix time>)")
+    p.add_argument(
+        "--out",
+        default="./agentarium-demo",
+        help="output directory: broker store, logs, trajectories (default %(default)s)",
+    )
+    p.add_argument(
+        "--tasks",
+        default=str(DEFAULT_TASKS),
+        help="task file, one JSON object per line (default: the toy tasks)",
+    )
+    p.add_argument(
+        "--agent", default="examples.toy:rollout", help="agent function (default %(default)s)"
+    )
+    p.add_argument(
+        "--agent-name", default="toy", help="agent name on the wire (default %(default)s)"
+    )
+    p.add_argument(
+        "--group-size",
+        type=int,
+        default=8,
+        help="samples per task, one GRPO group (default %(default)s)",
+    )
+    p.add_argument(
+        "--consumers", type=int, default=1, help="consumer processes (default %(default)s)"
+    )
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=32,
+        help="rollouts at once per consumer (default %(default)s)",
+    )
+    p.add_argument(
+        "--run", default=f"demo-{int(time.time())}", help="run id (default: demo-<unix time>)"
+    )
     p.set_defaults(func=cmd_demo)

@@ -64,13 +64,24 @@ def _pump(stream, log_file, ready: threading.Event | None, holder: dict) -> None
         ready.set()  # exited before ready: the caller sees no url
 
 
-def start_child(name: str, args: list[str], log_dir: Path, *, wait_ready: bool = False,
-                timeout_s: float = 120.0, env: dict[str, str] | None = None) -> Child:
+def start_child(
+    name: str,
+    args: list[str],
+    log_dir: Path,
+    *,
+    wait_ready: bool = False,
+    timeout_s: float = 120.0,
+    env: dict[str, str] | None = None,
+) -> Child:
     """Run ``python -m agentarium ARGS``; with ``wait_ready``, block until it prints its URL."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
-    proc = subprocess.Popen([sys.executable, "-m", "agentarium", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, env=env or child_env())
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agentarium", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env or child_env(),
+    )
     ready = threading.Event() if wait_ready else None
     holder: dict = {}
     pump = threading.Thread(target=_pump, args=(proc.stdout, log_path, ready, holder), daemon=True)
@@ -80,6 +91,8 @@ def start_child(name: str, args: list[str], log_dir: Path, *, wait_ready: bool =
         if not ready.wait(timeout_s) or "url" not in holder:
             child.kill()
             tail = log_path.read_text(errors="replace")[-3000:] if log_path.exists() else ""
-            raise RuntimeError(f"{name} did not become ready within {timeout_s}s; log tail:\n{tail}")
+            raise RuntimeError(
+                f"{name} did not become ready within {timeout_s}s; log tail:\n{tail}"
+            )
         child.url = holder["url"]
     return child

@@ -21,33 +21,83 @@ log = structlog.get_logger("agentarium.cli")
 def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
     d = Limits()
     g = parser.add_argument_group("stream and consumer settings")
-    g.add_argument("--replicas", type=int, default=d.replicas, choices=(1, 3, 5),
-                   help="replicas of every stream and bucket (3 on a 3-node cluster; default %(default)s)")
-    g.add_argument("--tasks-max-msgs", type=int, default=d.tasks_max_msgs,
-                   help="queue capacity in jobs; producers wait when full (default %(default)s)")
-    g.add_argument("--tasks-max-bytes", type=int, default=d.tasks_max_bytes,
-                   help="queue capacity in bytes (default %(default)s)")
-    g.add_argument("--duplicate-window", type=float, default=d.duplicate_window_s, metavar="SECONDS",
-                   help="server-side dedup window for re-published jobs (default %(default)s)")
-    g.add_argument("--trajectories-max-age", type=float, default=d.trajectories_max_age_s, metavar="SECONDS",
-                   help="how long trajectories are kept (default %(default)s = 30 days)")
-    g.add_argument("--ack-wait", type=float, default=d.ack_wait_s, metavar="SECONDS",
-                   help="redelivery timeout of rollout consumers; workers heartbeat every third of it (default %(default)s)")
-    g.add_argument("--attempts", type=int, default=d.attempts,
-                   help="runs per job before it is dead-lettered (max_deliver = attempts + 1; default %(default)s)")
-    g.add_argument("--max-ack-pending", type=int, default=d.max_ack_pending,
-                   help="in-flight jobs per agent across all workers; keep above total concurrency (default %(default)s)")
-    g.add_argument("--max-waiting", type=int, default=d.max_waiting,
-                   help="concurrent pull requests per agent (default %(default)s)")
-    g.add_argument("--agent", action="append", default=[], metavar="NAME",
-                   help="also create the rollout-NAME consumer (repeatable; workers create theirs on start)")
+    g.add_argument(
+        "--replicas",
+        type=int,
+        default=d.replicas,
+        choices=(1, 3, 5),
+        help="replicas of every stream and bucket (3 on a 3-node cluster; default %(default)s)",
+    )
+    g.add_argument(
+        "--tasks-max-msgs",
+        type=int,
+        default=d.tasks_max_msgs,
+        help="queue capacity in jobs; producers wait when full (default %(default)s)",
+    )
+    g.add_argument(
+        "--tasks-max-bytes",
+        type=int,
+        default=d.tasks_max_bytes,
+        help="queue capacity in bytes (default %(default)s)",
+    )
+    g.add_argument(
+        "--duplicate-window",
+        type=float,
+        default=d.duplicate_window_s,
+        metavar="SECONDS",
+        help="server-side dedup window for re-published jobs (default %(default)s)",
+    )
+    g.add_argument(
+        "--trajectories-max-age",
+        type=float,
+        default=d.trajectories_max_age_s,
+        metavar="SECONDS",
+        help="how long trajectories are kept (default %(default)s = 30 days)",
+    )
+    g.add_argument(
+        "--ack-wait",
+        type=float,
+        default=d.ack_wait_s,
+        metavar="SECONDS",
+        help="redelivery timeout of rollout consumers; workers heartbeat every third of it (default %(default)s)",
+    )
+    g.add_argument(
+        "--attempts",
+        type=int,
+        default=d.attempts,
+        help="runs per job before it is dead-lettered (max_deliver = attempts + 1; default %(default)s)",
+    )
+    g.add_argument(
+        "--max-ack-pending",
+        type=int,
+        default=d.max_ack_pending,
+        help="in-flight jobs per agent across all workers; keep above total concurrency (default %(default)s)",
+    )
+    g.add_argument(
+        "--max-waiting",
+        type=int,
+        default=d.max_waiting,
+        help="concurrent pull requests per agent (default %(default)s)",
+    )
+    g.add_argument(
+        "--agent",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="also create the rollout-NAME consumer (repeatable; workers create theirs on start)",
+    )
 
 
 def _limits(args: argparse.Namespace) -> Limits:
     return Limits(
-        replicas=args.replicas, tasks_max_msgs=args.tasks_max_msgs, tasks_max_bytes=args.tasks_max_bytes,
-        duplicate_window_s=args.duplicate_window, trajectories_max_age_s=args.trajectories_max_age,
-        ack_wait_s=args.ack_wait, attempts=args.attempts, max_ack_pending=args.max_ack_pending,
+        replicas=args.replicas,
+        tasks_max_msgs=args.tasks_max_msgs,
+        tasks_max_bytes=args.tasks_max_bytes,
+        duplicate_window_s=args.duplicate_window,
+        trajectories_max_age_s=args.trajectories_max_age,
+        ack_wait_s=args.ack_wait,
+        attempts=args.attempts,
+        max_ack_pending=args.max_ack_pending,
         max_waiting=args.max_waiting,
     )
 
@@ -58,10 +108,14 @@ async def _init(args: argparse.Namespace, url: str | None = None) -> int:
         settings = settings.with_url(url)
     nc = await settings.connect(name="agentarium-broker-init", reconnect_forever=False)
     try:
-        report = await provision(nc.jetstream(), Topology(settings.prefix), _limits(args), agents=tuple(args.agent))
+        report = await provision(
+            nc.jetstream(), Topology(settings.prefix), _limits(args), agents=tuple(args.agent)
+        )
     finally:
         await nc.close()
-    print(f"created: {len(report.created)}  updated: {len(report.updated)}  unchanged: {len(report.unchanged)}")
+    print(
+        f"created: {len(report.created)}  updated: {len(report.updated)}  unchanged: {len(report.unchanged)}"
+    )
     for line in report.created:
         print(f"  + {line}")
     for line in report.updated:
@@ -75,10 +129,17 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 def cmd_up(args: argparse.Namespace) -> int:
     store = Path(args.store).expanduser()
-    server = NatsServer(store_dir=store, port=args.port, host=args.host, monitor_port=args.monitor_port,
-                        binary=args.nats_server)
+    server = NatsServer(
+        store_dir=store,
+        port=args.port,
+        host=args.host,
+        monitor_port=args.monitor_port,
+        binary=args.nats_server,
+    )
     server.start()
-    print(f"nats-server running at {server.url} (JetStream store {store}); Ctrl-C to stop", flush=True)
+    print(
+        f"nats-server running at {server.url} (JetStream store {store}); Ctrl-C to stop", flush=True
+    )
     try:
         code = run_async(lambda: _init(args, url=server.url), service="agentarium-broker")
         if code:
@@ -96,7 +157,9 @@ async def _status(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     nc = await settings.connect(name="agentarium-status", reconnect_forever=False)
     try:
-        status = await collect_status(nc.jetstream(), Topology(settings.prefix), runs=tuple(args.run))
+        status = await collect_status(
+            nc.jetstream(), Topology(settings.prefix), runs=tuple(args.run)
+        )
     finally:
         await nc.close()
     print(json.dumps(status.to_json(), indent=2) if args.json else format_status(status))
@@ -108,36 +171,64 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    broker = sub.add_parser("broker", help="run, provision and inspect the NATS JetStream broker",
-                            description="Run, provision and inspect the NATS JetStream broker.")
+    broker = sub.add_parser(
+        "broker",
+        help="run, provision and inspect the NATS JetStream broker",
+        description="Run, provision and inspect the NATS JetStream broker.",
+    )
     bsub = broker.add_subparsers(dest="broker_command", required=True, metavar="{up,init,status}")
 
-    up = bsub.add_parser("up", help="run nats-server with JetStream in the foreground and provision it",
-                         description="Run nats-server with JetStream in the foreground (binary from PATH, "
-                         "/usr/sbin or $AGENTARIUM_NATS_SERVER), then create every stream, consumer and bucket.")
+    up = bsub.add_parser(
+        "up",
+        help="run nats-server with JetStream in the foreground and provision it",
+        description="Run nats-server with JetStream in the foreground (binary from PATH, "
+        "/usr/sbin or $AGENTARIUM_NATS_SERVER), then create every stream, consumer and bucket.",
+    )
     up.add_argument("--port", type=int, default=4222, help="client port (default %(default)s)")
-    up.add_argument("--host", default="127.0.0.1", help="listen address (default %(default)s; 0.0.0.0 for all)")
-    up.add_argument("--store", default="~/.cache/agentarium/nats",
-                    help="JetStream store directory (default %(default)s)")
-    up.add_argument("--monitor-port", type=int, default=None, help="HTTP monitoring port (off by default)")
-    up.add_argument("--nats-server", metavar="PATH", help="the nats-server binary (default: search PATH, /usr/sbin)")
+    up.add_argument(
+        "--host", default="127.0.0.1", help="listen address (default %(default)s; 0.0.0.0 for all)"
+    )
+    up.add_argument(
+        "--store",
+        default="~/.cache/agentarium/nats",
+        help="JetStream store directory (default %(default)s)",
+    )
+    up.add_argument(
+        "--monitor-port", type=int, default=None, help="HTTP monitoring port (off by default)"
+    )
+    up.add_argument(
+        "--nats-server",
+        metavar="PATH",
+        help="the nats-server binary (default: search PATH, /usr/sbin)",
+    )
     add_nats_flags(up)
     _add_limit_flags(up)
     up.set_defaults(func=cmd_up)
 
-    init = bsub.add_parser("init", help="create or update every stream, consumer and bucket (idempotent)",
-                           description="Create or update every stream, consumer and bucket of DESIGN.md. "
-                           "Safe to run on every start: only what differs is changed; unsafe changes are refused.")
+    init = bsub.add_parser(
+        "init",
+        help="create or update every stream, consumer and bucket (idempotent)",
+        description="Create or update every stream, consumer and bucket of DESIGN.md. "
+        "Safe to run on every start: only what differs is changed; unsafe changes are refused.",
+    )
     add_nats_flags(init)
     _add_limit_flags(init)
     init.set_defaults(func=cmd_init)
 
-    status = bsub.add_parser("status", help="jobs waiting, in flight, redelivered, dead-lettered; runs; workers",
-                             description="Per agent: jobs waiting, in flight, redelivered, dead-lettered and "
-                             "stranded; trajectories stored per run; live workers; policy versions.")
+    status = bsub.add_parser(
+        "status",
+        help="jobs waiting, in flight, redelivered, dead-lettered; runs; workers",
+        description="Per agent: jobs waiting, in flight, redelivered, dead-lettered and "
+        "stranded; trajectories stored per run; live workers; policy versions.",
+    )
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    status.add_argument("--run", action="append", default=[], metavar="RUN",
-                        help="count trajectories of this run exactly (repeatable)")
+    status.add_argument(
+        "--run",
+        action="append",
+        default=[],
+        metavar="RUN",
+        help="count trajectories of this run exactly (repeatable)",
+    )
     add_nats_flags(status)
     status.set_defaults(func=cmd_status)
 

@@ -16,19 +16,39 @@ def add_nats_flags(parser: argparse.ArgumentParser) -> None:
         "NATS connection",
         "Each flag overrides its environment variable; by default the server at nats://127.0.0.1:4222.",
     )
-    group.add_argument("--nats-url", metavar="URL", help="server URL(s), comma-separated (env AGENTARIUM_NATS_URL)")
+    group.add_argument(
+        "--nats-url", metavar="URL", help="server URL(s), comma-separated (env AGENTARIUM_NATS_URL)"
+    )
     group.add_argument("--nats-user", metavar="USER", help="username (env AGENTARIUM_NATS_USER)")
     group.add_argument(
-        "--nats-password", metavar="PASSWORD", help="password (env AGENTARIUM_NATS_PASSWORD; prefer the env var)"
+        "--nats-password",
+        metavar="PASSWORD",
+        help="password (env AGENTARIUM_NATS_PASSWORD; prefer the env var)",
     )
-    group.add_argument("--nats-token", metavar="TOKEN", help="auth token (env AGENTARIUM_NATS_TOKEN)")
-    group.add_argument("--nats-creds", metavar="FILE", help="a .creds file, JWT + nkey (env AGENTARIUM_NATS_CREDS)")
-    group.add_argument("--nats-nkey", metavar="FILE", help="an nkey seed file (env AGENTARIUM_NATS_NKEY)")
-    group.add_argument("--nats-tls-ca", metavar="FILE", help="CA bundle to verify the server (env AGENTARIUM_NATS_TLS_CA)")
-    group.add_argument("--nats-tls-cert", metavar="FILE", help="client certificate (env AGENTARIUM_NATS_TLS_CERT)")
-    group.add_argument("--nats-tls-key", metavar="FILE", help="client key (env AGENTARIUM_NATS_TLS_KEY)")
     group.add_argument(
-        "--prefix", metavar="NAME", help="subject/stream prefix (env AGENTARIUM_PREFIX, default agentarium)"
+        "--nats-token", metavar="TOKEN", help="auth token (env AGENTARIUM_NATS_TOKEN)"
+    )
+    group.add_argument(
+        "--nats-creds", metavar="FILE", help="a .creds file, JWT + nkey (env AGENTARIUM_NATS_CREDS)"
+    )
+    group.add_argument(
+        "--nats-nkey", metavar="FILE", help="an nkey seed file (env AGENTARIUM_NATS_NKEY)"
+    )
+    group.add_argument(
+        "--nats-tls-ca",
+        metavar="FILE",
+        help="CA bundle to verify the server (env AGENTARIUM_NATS_TLS_CA)",
+    )
+    group.add_argument(
+        "--nats-tls-cert", metavar="FILE", help="client certificate (env AGENTARIUM_NATS_TLS_CERT)"
+    )
+    group.add_argument(
+        "--nats-tls-key", metavar="FILE", help="client key (env AGENTARIUM_NATS_TLS_KEY)"
+    )
+    group.add_argument(
+        "--prefix",
+        metavar="NAME",
+        help="subject/stream prefix (env AGENTARIUM_PREFIX, default agentarium)",
     )
 
 

@@ -10,16 +10,22 @@ from .common import add_nats_flags, run_async, settings_from_args
 
 
 def cmd_produce(args: argparse.Namespace) -> int:
-    return run_async(lambda: producers_cli.run_produce(args, settings_from_args(args)), service="agentarium-producer")
+    return run_async(
+        lambda: producers_cli.run_produce(args, settings_from_args(args)),
+        service="agentarium-producer",
+    )
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    return run_async(lambda: producers_cli.run_show(args, settings_from_args(args)), service="agentarium-reader")
+    return run_async(
+        lambda: producers_cli.run_show(args, settings_from_args(args)), service="agentarium-reader"
+    )
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     produce = sub.add_parser(
-        "produce", help="publish tasks from a JSONL file as rollout jobs",
+        "produce",
+        help="publish tasks from a JSONL file as rollout jobs",
         description="Publish tasks (one JSON object per line) as rollout jobs, expanded into G jobs per task "
         "that share a group_id. Job ids are derived from (run, batch, task, sample), so publishing the same "
         "file twice adds nothing. Prints the run id and batch id.",
@@ -28,11 +34,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_nats_flags(produce)
     produce.set_defaults(func=cmd_produce)
 
-    traj = sub.add_parser("trajectories", help="read stored trajectories back",
-                          description="Read stored trajectories back.")
+    traj = sub.add_parser(
+        "trajectories",
+        help="read stored trajectories back",
+        description="Read stored trajectories back.",
+    )
     tsub = traj.add_subparsers(dest="trajectories_command", required=True, metavar="{show}")
     show = tsub.add_parser(
-        "show", help="print a run's trajectories as a table or JSON lines",
+        "show",
+        help="print a run's trajectories as a table or JSON lines",
         description="Print a run's trajectories as a readable table, or as JSON lines (token arrays as lists) "
         "for other tools.",
     )
