@@ -1,4 +1,6 @@
-"""A fake SGLang server for tests: ``POST /generate`` with the exact shapes of SGLANG_API.md.
+"""A fake SGLang server for tests: ``POST /generate`` with the exact shapes of SGLANG_API.md,
+and the weight endpoints (``/pause_generation``, ``/update_weights_from_disk``,
+``/continue_generation``), recorded in order in ``control``.
 (Also ``local_engine``, which starts the real local engine when it is available.)
 
 Instant, configurable answers; scripted failures (HTTP statuses, aborts); a gate to hold
@@ -56,6 +58,12 @@ SAMPLING_FIELDS = frozenset(
         "sampling_seed",
     }
 )
+
+# UpdateWeightFromDiskReqInput fields as SGLANG_API.md lists them; pause modes.
+UPDATE_WEIGHTS_FIELDS = frozenset(
+    {"model_path", "load_format", "weight_version", "flush_cache", "abort_all_requests"}
+)
+PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 def free_port() -> int:
@@ -128,6 +136,9 @@ class FakeSGLang:
         self.partial_aborts = 0  # ... in an abort after one token
         self.misaligned = False  # answer logprobs that do not match output_ids
         self.gate: asyncio.Event | None = None  # when set, requests wait for it to open
+        self.control: list[tuple[str, dict]] = []  # (path, body) of weight/control calls
+        self.update_failures = 0  # how many of the next weight updates fail
+        self.paused = False
         self._arrived = asyncio.Condition()
         self._runner: web.AppRunner | None = None
         self.url = ""
@@ -141,6 +152,9 @@ class FakeSGLang:
         app.router.add_post("/generate", self._generate)
         app.router.add_get("/health", lambda r: web.Response(text=""))
         app.router.add_get("/model_info", self._model_info)
+        app.router.add_post("/pause_generation", self._pause)
+        app.router.add_post("/continue_generation", self._continue)
+        app.router.add_post("/update_weights_from_disk", self._update_weights)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -167,6 +181,46 @@ class FakeSGLang:
                 "is_generation": True,
                 "weight_version": self.weight_version,
             }
+        )
+
+    async def _pause(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.control.append(("/pause_generation", body))
+        if set(body) - {"mode"} or body.get("mode", "abort") not in PAUSE_MODES:
+            return web.json_response({"error": {"message": f"bad pause {body}"}}, status=400)
+        self.paused = True
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def _continue(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.control.append(("/continue_generation", body))
+        self.paused = False
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def _update_weights(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.control.append(("/update_weights_from_disk", body))
+        unknown = set(body) - UPDATE_WEIGHTS_FIELDS
+        path = Path(str(body.get("model_path", "")))
+        if unknown:
+            message = f"unknown fields {sorted(unknown)}"
+        elif not path.is_dir() or not any(path.glob("*.safetensors")):
+            message = f"no safetensors weights in {str(path)!r}"
+        elif self.update_failures:
+            self.update_failures -= 1
+            message = "scripted update failure"
+        else:
+            if body.get("weight_version") is not None:
+                self.weight_version = str(body["weight_version"])
+            return web.json_response(
+                {
+                    "success": True,
+                    "message": "Succeeded to update model weights.",
+                    "num_paused_requests": 0,
+                }
+            )
+        return web.json_response(
+            {"success": False, "message": message, "num_paused_requests": 0}, status=400
         )
 
     async def _generate(self, request: web.Request) -> web.Response:

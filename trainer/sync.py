@@ -1,0 +1,625 @@
+"""The weight syncer: keeps a fleet of engines on a run's latest policy version.
+
+It runs beside the engines, sharing their filesystem (SGLang reads new weights from its own
+disk). It watches the policy KV key ``<run>`` (the initial value included), and for each new
+WeightUpdate:
+
+1. asks every engine its ``/model_info`` ``weight_version`` and leaves alone those already at
+   this version or a newer one;
+2. gets the safetensors into ``<weights_dir>/<run>/v<version>/model.safetensors`` (streamed from
+   the object store, or copied from the trainer's shared path) and verifies its sha256 — or, with
+   ``shared_path``, verifies the trainer's file in place and loads it from there;
+3. reloads each engine that needs it, concurrently, with one sequence for SGLang and the local
+   engine alike: ``POST /pause_generation {"mode": "in_place"}`` →
+   ``POST /update_weights_from_disk {"model_path", "load_format": null, "weight_version",
+   "flush_cache": true, "abort_all_requests": false}`` → ``POST /continue_generation {}``, the
+   last one sent whatever happened before it, so a failed update never leaves an engine paused;
+4. keeps the newest ``keep`` local copies.
+
+Updates that arrive while a reload runs are coalesced: only the newest is applied next. Every
+``recheck_s`` the syncer also reads the KV key directly (a watch that silently died after a
+broker restart is then replaced) and re-checks the engines, so an engine that restarted on its
+original weights is brought back to the current version. A version whose bytes fail
+verification, or were pruned before we fetched them, is not retried; the next one is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import nats.errors
+import nats.js.errors
+import structlog
+from nats.js import JetStreamContext
+
+from broker import NatsSettings, Topology
+from broker.provision import ensure_provisioned
+from schemas import check_name
+from schemas.codec import decode
+from schemas.errors import SchemaError
+from schemas.weights import WeightUpdate, version_number
+
+from .weights import (
+    WeightNotFound,
+    WeightsError,
+    WeightStore,
+    WeightVerificationError,
+    is_shared_path,
+    local_versions,
+    verify_file,
+)
+
+log = structlog.get_logger("agentarium.sync")
+
+PAUSE_MODES = ("in_place", "retract", "abort")
+CONTROL_TIMEOUT_S = 30.0  # pause, continue, model_info
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncConfig:
+    """What one syncer keeps in step: a run, its engines, and where weights land on disk."""
+
+    run: str
+    engines: tuple[str, ...]
+    weights_dir: Path
+    shared_path: bool = False
+    keep: int = 2
+    pause_mode: str = "in_place"
+    recheck_s: float = 30.0
+    update_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        check_name(self.run, "run")
+        if not self.engines:
+            raise ValueError("give at least one --engine URL (e.g. http://127.0.0.1:30000)")
+        for url in self.engines:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"engine URL {url!r} needs http:// or https://")
+        if self.keep < 1:
+            raise ValueError("--keep must be >= 1: the loaded version is always kept")
+        if self.pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}")
+        if self.recheck_s <= 0 or self.update_timeout_s <= 0:
+            raise ValueError("--recheck-s and --update-timeout-s must be positive")
+
+    def describe(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["weights_dir"] = str(self.weights_dir)
+        out["engines"] = list(self.engines)
+        return out
+
+
+@dataclass(frozen=True)
+class EngineResult:
+    """What happened to one engine for one version: ``updated``, ``skipped`` or ``failed``."""
+
+    url: str
+    status: str
+    before: str | None
+    message: str = ""
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    version: int
+    engines: tuple[EngineResult, ...]
+    model_path: str | None = None
+    fetch_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return all(r.status != "failed" for r in self.engines)
+
+    def __str__(self) -> str:
+        lines = [f"version {self.version}: " + ("ok" if self.ok else "FAILED")]
+        for r in self.engines:
+            lines.append(f"  {r.url}: {r.status} (was {r.before}) {r.message}".rstrip())
+        return "\n".join(lines)
+
+
+@dataclass
+class _Counters:
+    seen: int = 0
+    applied: int = 0
+    failed: int = 0
+    bad_versions: set[int] = field(default_factory=set)
+
+
+class EngineCallError(Exception):
+    """An engine endpoint could not be reached or answered an error."""
+
+
+class WeightSyncer:
+    """Watches the policy KV for ``config.run`` and reloads ``config.engines``.
+
+    ``await syncer.run()`` until ``syncer.stop()``; ``await syncer.sync_once()`` applies the
+    current version once (the run-until-done mode scripts and tests use).
+    """
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        config: SyncConfig,
+        *,
+        topology: Topology | None = None,
+        store: WeightStore | None = None,
+    ) -> None:
+        self.js = js
+        self.config = config
+        self.topology = topology or Topology()
+        self.store = store or WeightStore(js, self.topology)
+        self.counters = _Counters()
+        self.last_result: SyncResult | None = None
+        self._latest: WeightUpdate | None = None
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self._http: aiohttp.ClientSession | None = None
+        self._ready: dict[int, Path] = {}  # versions fetched and verified: their directories
+
+    def __repr__(self) -> str:
+        c = self.counters
+        latest = None if self._latest is None else self._latest.version
+        return (
+            f"<WeightSyncer run={self.config.run} engines={len(self.config.engines)} "
+            f"latest={latest} seen={c.seen} applied={c.applied} failed={c.failed}>"
+        )
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+
+    async def __aenter__(self) -> WeightSyncer:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def stop(self) -> None:
+        """Ask ``run()`` to return once the reload in progress, if any, has finished."""
+        self._stopping = True
+        self._wake.set()
+
+    # ---- the service loop --------------------------------------------------------------------
+
+    async def run(self) -> None:
+        log.info("weight syncer starting", **self.config.describe())
+        watch = asyncio.create_task(self._watch(), name="policy-watch")
+        try:
+            while not self._stopping:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self.config.recheck_s)
+                self._wake.clear()
+                if self._stopping or self._latest is None:
+                    continue
+                if self._latest.version in self.counters.bad_versions:
+                    continue  # reported once; wait for the next version
+                try:
+                    await self.apply(self._latest)
+                except Exception:  # one bad round must not end the service
+                    log.exception("sync round failed", version=self._latest.version)
+        finally:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
+            await self.close()
+            log.info("weight syncer stopped", syncer=repr(self))
+
+    async def sync_once(self) -> SyncResult | None:
+        """Apply the run's current version to every engine; None when nothing is published."""
+        update = await self.store.latest(self.config.run)
+        if update is None:
+            log.info("nothing published yet", run=self.config.run)
+            return None
+        self._offer(update)
+        try:
+            return await self.apply(update)
+        finally:
+            await self.close()
+
+    async def _watch(self) -> None:
+        """Feed ``_offer`` from a KV watch, re-created after any failure; poll when idle."""
+        backoff = 0.5
+        while True:
+            watcher = None
+            try:
+                kv = await self.js.key_value(self.topology.policy_bucket)
+                watcher = await kv.watch(self.config.run)
+                backoff = 0.5
+                while True:
+                    try:
+                        entry = await watcher.updates(timeout=self.config.recheck_s)
+                    except nats.errors.TimeoutError:
+                        try:
+                            entry = await kv.get(self.config.run)
+                        except nats.js.errors.KeyNotFoundError:
+                            entry = None
+                    if entry is not None and entry.value:
+                        self._offer_bytes(entry.value)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning(
+                    "policy watch failed; retrying",
+                    error=str(exc) or type(exc).__name__,
+                    retry_in_s=backoff,
+                )
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 10.0)
+            finally:
+                if watcher is not None:
+                    with contextlib.suppress(Exception):
+                        await watcher.stop()
+
+    def _offer_bytes(self, payload: bytes) -> None:
+        try:
+            update = decode(WeightUpdate, payload)
+        except SchemaError as exc:
+            log.error("policy KV holds an invalid WeightUpdate; ignored", error=str(exc))
+            return
+        self._offer(update)
+
+    def _offer(self, update: WeightUpdate) -> None:
+        if update.run != self.config.run:
+            log.warning("WeightUpdate for another run ignored", run=update.run)
+            return
+        current = self._latest
+        if current is not None and update.version <= current.version:
+            if update.version < current.version:
+                log.warning(
+                    "older version published after a newer one; ignored (a trainer restarted "
+                    "without --resume?)",
+                    version=update.version,
+                    latest=current.version,
+                )
+            return
+        self._latest = update
+        self.counters.seen += 1
+        self._wake.set()
+
+    # ---- one version -------------------------------------------------------------------------
+
+    async def apply(self, update: WeightUpdate) -> SyncResult:
+        """Bring every engine to ``update`` (engines at it or newer are skipped)."""
+        http = self._session()
+        before = await asyncio.gather(*(_engine_version(http, u) for u in self.config.engines))
+        results: dict[str, EngineResult] = {}
+        need = []
+        for url, version in zip(self.config.engines, before, strict=True):
+            number = _as_number(version)
+            if number is not None and number >= update.version:
+                results[url] = EngineResult(url, "skipped", version, "already at this version")
+                if number > update.version:
+                    log.warning(
+                        "engine is ahead of the published version; left alone",
+                        engine=url,
+                        engine_version=version,
+                        version=update.version,
+                    )
+            else:
+                need.append((url, version))
+        model_dir: Path | None = None
+        fetch_s = 0.0
+        if need:
+            started = time.perf_counter()
+            try:
+                model_dir = await self._weights_for(update)
+            except WeightsError as exc:
+                if isinstance(exc, WeightVerificationError | WeightNotFound):
+                    self.counters.bad_versions.add(update.version)
+                log.error("weights unavailable", version=update.version, error=str(exc))
+                for url, version in need:
+                    results[url] = EngineResult(url, "failed", version, str(exc))
+                need = []
+            fetch_s = time.perf_counter() - started
+        reloads = await asyncio.gather(
+            *(self._reload(http, url, version, model_dir, update) for url, version in need)
+        )
+        for result in reloads:
+            results[result.url] = result
+        out = SyncResult(
+            version=update.version,
+            engines=tuple(results[u] for u in self.config.engines),
+            model_path=None if model_dir is None else str(model_dir),
+            fetch_s=round(fetch_s, 3),
+        )
+        if any(r.status == "updated" for r in out.engines):
+            self.counters.applied += 1
+            self._prune_local(update.run)
+        if not out.ok:
+            self.counters.failed += 1
+        if need or not out.ok:
+            log.info(
+                "sync round",
+                version=update.version,
+                ok=out.ok,
+                fetch_s=out.fetch_s,
+                engines=[f"{r.url}={r.status}" for r in out.engines],
+            )
+        self.last_result = out
+        return out
+
+    async def _weights_for(self, update: WeightUpdate) -> Path:
+        """The verified directory to hand the engines for this version."""
+        if update.version in self.counters.bad_versions:
+            raise WeightVerificationError(
+                f"version {update.version} already failed to fetch or verify; waiting for the next"
+            )
+        if update.version in self._ready:
+            return self._ready[update.version]
+        if update.format != "safetensors":
+            raise WeightVerificationError(f"format {update.format!r} is not safetensors")
+        if is_shared_path(update) and self.config.shared_path:
+            await asyncio.to_thread(verify_file, update.object, update)
+            directory = Path(update.object).parent
+        else:
+            dest = self.config.weights_dir / update.run / f"v{update.version}"
+            directory = (await self.store.fetch(update, dest)).parent
+        self._ready = {update.version: directory}
+        return directory
+
+    async def _reload(
+        self,
+        http: aiohttp.ClientSession,
+        url: str,
+        before: str | None,
+        model_dir: Path | None,
+        update: WeightUpdate,
+    ) -> EngineResult:
+        assert model_dir is not None
+        started = time.perf_counter()
+        ok, message = await reload_engine(
+            http,
+            url,
+            model_path=str(model_dir),
+            weight_version=str(update.version),
+            pause_mode=self.config.pause_mode,
+            update_timeout_s=self.config.update_timeout_s,
+        )
+        seconds = round(time.perf_counter() - started, 3)
+        (log.info if ok else log.error)(
+            "engine reloaded" if ok else "engine reload failed",
+            engine=url,
+            version=update.version,
+            seconds=seconds,
+            message=message,
+        )
+        return EngineResult(url, "updated" if ok else "failed", before, message, seconds)
+
+    def _prune_local(self, run: str) -> None:
+        run_dir = self.config.weights_dir / run
+        loaded = self._ready
+        for version in local_versions(run_dir)[: -self.config.keep]:
+            if version not in loaded:
+                shutil.rmtree(run_dir / f"v{version}", ignore_errors=True)
+
+    def _session(self) -> aiohttp.ClientSession:
+        if self._http is None or self._http.closed:
+            self._http = aiohttp.ClientSession()
+        return self._http
+
+
+# ---- the engine's HTTP endpoints --------------------------------------------------------------
+
+
+async def reload_engine(
+    http: aiohttp.ClientSession,
+    url: str,
+    *,
+    model_path: str,
+    weight_version: str,
+    pause_mode: str = "in_place",
+    update_timeout_s: float = 600.0,
+) -> tuple[bool, str]:
+    """pause → update_weights_from_disk → continue on one engine; returns (success, message).
+
+    ``/continue_generation`` is always sent, even after a failed pause or update; a failed
+    pause only means the update waits for requests in flight, as SGLang does without one.
+    """
+    notes: list[str] = []
+    try:
+        await _post(http, url, "/pause_generation", {"mode": pause_mode}, CONTROL_TIMEOUT_S)
+    except EngineCallError as exc:
+        notes.append(f"pause failed ({exc}); updated without it")
+    try:
+        body = {
+            "model_path": model_path,
+            "load_format": None,
+            "weight_version": weight_version,
+            "flush_cache": True,
+            "abort_all_requests": False,
+        }
+        answer = await _post(
+            http, url, "/update_weights_from_disk", body, update_timeout_s, allow_400=True
+        )
+        ok = answer.get("success") is True
+        notes.insert(0, str(answer.get("message", "")))
+    except EngineCallError as exc:
+        ok = False
+        notes.insert(0, f"update failed: {exc}")
+    finally:
+        try:
+            # shielded: a syncer cancelled mid-update must still un-pause the engine
+            await asyncio.shield(_post(http, url, "/continue_generation", {}, CONTROL_TIMEOUT_S))
+        except EngineCallError as exc:
+            ok = False
+            notes.append(f"continue_generation failed: {exc}")
+    return ok, "; ".join(n for n in notes if n)
+
+
+async def _post(
+    http: aiohttp.ClientSession,
+    url: str,
+    path: str,
+    body: dict,
+    timeout_s: float,
+    *,
+    allow_400: bool = False,
+) -> dict:
+    try:
+        async with http.post(
+            url.rstrip("/") + path, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as resp:
+            text = await resp.text()
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise EngineCallError(f"{path}: {str(exc) or type(exc).__name__}") from exc
+    try:
+        data = json.loads(text) if text.strip() else {}
+    except ValueError:
+        data = None
+    if resp.status == 200 or (allow_400 and resp.status == 400 and isinstance(data, dict)):
+        return data if isinstance(data, dict) else {}
+    raise EngineCallError(f"{path} answered HTTP {resp.status}: {text[:200]}")
+
+
+async def _engine_version(http: aiohttp.ClientSession, url: str) -> str | None:
+    """The engine's ``weight_version``, or None when it cannot be read (then it is reloaded)."""
+    for path in ("/model_info", "/get_model_info"):  # older SGLang has only the second
+        try:
+            async with http.get(
+                url.rstrip("/") + path, timeout=aiohttp.ClientTimeout(total=CONTROL_TIMEOUT_S)
+            ) as resp:
+                if resp.status == 404:
+                    continue
+                if resp.status != 200:
+                    return None
+                data = await resp.json(content_type=None)
+                version = data.get("weight_version") if isinstance(data, dict) else None
+                return None if version is None else str(version)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            log.warning("engine unreachable", engine=url, error=str(exc) or type(exc).__name__)
+            return None
+    return None
+
+
+def _as_number(weight_version: str | None) -> int | None:
+    if weight_version is None:
+        return None
+    try:
+        return version_number(weight_version)
+    except SchemaError:
+        return None  # a version string we did not publish: reload to a known one
+
+
+# ---- the command --------------------------------------------------------------------------------
+
+
+def default_weights_dir() -> Path:
+    """``$AGENTARIUM_HOME/weights`` (default ``~/.cache/agentarium/weights``)."""
+    home = os.environ.get("AGENTARIUM_HOME")
+    base = Path(home).expanduser() if home else Path.home() / ".cache" / "agentarium"
+    return base / "weights"
+
+
+def add_sync_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``agentarium sync`` (NATS connection flags are added by the caller)."""
+    parser.add_argument("--run", required=True, help="run id whose policy versions to follow")
+    parser.add_argument(
+        "--engine",
+        dest="engines",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="engine base URL (SGLang or the local engine), e.g. http://127.0.0.1:30000; "
+        "repeat for every engine that shares this machine's disk",
+    )
+    parser.add_argument(
+        "--weights-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="local directory the engines read new weights from, as DIR/RUN/vN/"
+        "model.safetensors (default $AGENTARIUM_HOME/weights, i.e. ~/.cache/agentarium/weights)",
+    )
+    parser.add_argument(
+        "--shared-path",
+        action="store_true",
+        help="the trainer publishes to a shared filesystem (its --weights-dir) mounted at the "
+        "same path here: verify and load those files in place instead of copying them into "
+        "--weights-dir",
+    )
+    parser.add_argument(
+        "--keep",
+        type=int,
+        default=2,
+        metavar="K",
+        help="local versions to keep in --weights-dir (default %(default)s)",
+    )
+    parser.add_argument(
+        "--pause-mode",
+        choices=PAUSE_MODES,
+        default="in_place",
+        help="how /pause_generation holds requests during a reload (default %(default)s)",
+    )
+    parser.add_argument(
+        "--recheck-s",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="also re-read the policy KV and re-check every engine's version this often, to "
+        "catch a restarted engine or a lost watch (default %(default)s)",
+    )
+    parser.add_argument(
+        "--update-timeout-s",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="longest wait for one engine's /update_weights_from_disk (default %(default)s)",
+    )
+    parser.add_argument(
+        "--once",
+        action="store_true",
+        help="apply the current version to every engine and exit (status 1 if any failed)",
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> SyncConfig:
+    return SyncConfig(
+        run=args.run,
+        engines=tuple(args.engines),
+        weights_dir=(args.weights_dir or default_weights_dir()).expanduser().resolve(),
+        shared_path=args.shared_path,
+        keep=args.keep,
+        pause_mode=args.pause_mode,
+        recheck_s=args.recheck_s,
+        update_timeout_s=args.update_timeout_s,
+    )
+
+
+async def run_sync(args: argparse.Namespace, settings: NatsSettings) -> int:
+    """``agentarium sync``: run the syncer until SIGTERM/SIGINT (or once with --once)."""
+    config = config_from_args(args)
+    log.info("sync config", nats=settings.redacted(), once=args.once, **config.describe())
+    nc = await settings.connect(name=f"agentarium-sync-{config.run}")
+    try:
+        js = nc.jetstream()
+        topology = Topology(settings.prefix)
+        await ensure_provisioned(js, topology)
+        syncer = WeightSyncer(js, config, topology=topology)
+        if args.once:
+            result = await syncer.sync_once()
+            if result is None:
+                print(f"run {config.run}: no version published yet")
+                return 0
+            print(result)
+            return 0 if result.ok else 1
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, syncer.stop)
+        await syncer.run()
+        return 0
+    finally:
+        await nc.close()
