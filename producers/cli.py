@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from typing import IO, Any
 
 import nats.js.errors
+import structlog
 from nats.js import JetStreamContext
 
 from broker import Limits, NatsSettings, Topology
@@ -26,6 +27,8 @@ from .errors import ProducerError
 from .jobs import expand_tasks
 from .reader import TrajectoryReader
 from .sdk import TaskProducer
+
+log = structlog.get_logger("agentarium.producers")
 
 PROGRESS_MIN_JOBS = 2000  # below this a batch is over before a progress line helps
 PROGRESS_EVERY_S = 1.0
@@ -219,6 +222,18 @@ async def run_produce(args: argparse.Namespace, settings: NatsSettings) -> int:
         else:
             print(f"error: {exc}", file=sys.stderr)
         return 2
+    log.info(
+        "produce",
+        agent=args.agent,
+        run=args.run,
+        batch_id=batch_id,
+        tasks=len(tasks),
+        jobs=len(jobs),
+        group_size=args.group_size,
+        is_train=not args.eval,
+        max_in_flight=args.max_in_flight,
+        nats=settings.redacted(),
+    )
     topology = Topology(prefix=settings.prefix)
     producer = await TaskProducer.connect(
         settings, topology=topology, max_in_flight=args.max_in_flight
@@ -290,22 +305,17 @@ def _emit(t: Trajectory, as_json: bool) -> None:
 
 async def run_show(args: argparse.Namespace, settings: NatsSettings) -> int:
     topology = Topology(prefix=settings.prefix)
+    topology.trajectories_filter(args.run, args.agent)  # bad names fail here, before connecting
     nc = await settings.connect(name="agentarium-reader")
     try:
         reader = TrajectoryReader(nc.jetstream(), topology)
         if not args.json:
             print(table_header(), flush=True)
-        shown = 0
-        if args.follow:
-            with contextlib.suppress(asyncio.CancelledError):
-                async for t in reader.follow(args.run, args.agent):
-                    if args.status is None or t.status == args.status:
-                        _emit(t, args.json)
-                        shown += 1
-        else:
-            for t in await reader.read(args.run, args.agent, status=args.status):
-                _emit(t, args.json)
-                shown += 1
+        try:
+            shown = await _show(reader, args)
+        except ProducerError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
         if not args.json:
             print(f"{shown} trajectories", file=sys.stderr)
         if reader.skipped:
@@ -314,3 +324,18 @@ async def run_show(args: argparse.Namespace, settings: NatsSettings) -> int:
     finally:
         with contextlib.suppress(Exception):
             await nc.close()
+
+
+async def _show(reader: TrajectoryReader, args: argparse.Namespace) -> int:
+    shown = 0
+    if args.follow:
+        with contextlib.suppress(asyncio.CancelledError):  # Ctrl-C: stop following, print the count
+            async for t in reader.follow(args.run, args.agent):
+                if args.status is None or t.status == args.status:
+                    _emit(t, args.json)
+                    shown += 1
+    else:
+        for t in await reader.read(args.run, args.agent, status=args.status):
+            _emit(t, args.json)
+            shown += 1
+    return shown

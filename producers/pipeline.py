@@ -97,13 +97,12 @@ class Pipeline:
         self.on_progress = on_progress
         self.published = 0
         self.duplicates = 0
-        self.busy = 0  # jobs holding a slot: in flight or backing off
         self.sent = 0
         self.error: BaseException | None = None
         self.inflight: dict[str, Entry] = {}  # by reply token; insertion order = send order
         self.ready: collections.deque[Entry] = collections.deque()  # backed off, due again
         self.wake = asyncio.Event()
-        self.holding: set[Entry] = set()  # the jobs that hold a slot
+        self.holding: set[Entry] = set()  # jobs holding a slot: in flight or backing off
         self.timers: dict[Entry, asyncio.TimerHandle] = {}
         self.tasks: set[asyncio.Task] = set()
         self.loop = asyncio.get_running_loop()
@@ -121,15 +120,14 @@ class Pipeline:
                 if self.ready:
                     await self._send(self.ready.popleft())
                     continue
-                if not exhausted and self.busy < self.p.max_in_flight:
+                if not exhausted and len(self.holding) < self.p.max_in_flight:
                     entry = next(fresh, None)
                     if entry is not None:
-                        self.busy += 1
                         self.holding.add(entry)
                         await self._send(entry)
                         continue
                     exhausted = True
-                if exhausted and self.busy == 0:
+                if exhausted and not self.holding:
                     break
                 await self.wake.wait()
         finally:
@@ -242,7 +240,6 @@ class Pipeline:
     def _finish(
         self, entry: Entry, *, duplicate: bool = False, error: BaseException | None = None
     ) -> None:
-        self.busy -= 1
         self.holding.discard(entry)
         if entry.span is not None:
             if entry.attempt:

@@ -25,7 +25,10 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from broker import Topology
+from broker.errors import ERR_STREAM_NOT_FOUND
 from schemas import STATUSES, SchemaError, Trajectory, decode
+
+from .errors import StreamMissing
 
 log = structlog.get_logger("agentarium.producers")
 
@@ -73,19 +76,24 @@ class _Cursor:
             if self.last_seq
             else {"deliver_policy": DeliverPolicy.ALL}
         )
-        info = await self.js.add_consumer(
-            self.stream,
-            ConsumerConfig(
-                ack_policy=AckPolicy.NONE,
-                filter_subject=self.filter,
-                inactive_threshold=INACTIVE_S,
-                mem_storage=True,
-                description="agentarium trajectory reader",
-                **start,
-            ),
-        )
+        try:
+            info = await self.js.add_consumer(self.stream, self._config(start))
+        except nats.js.errors.NotFoundError as exc:
+            raise StreamMissing(
+                f"stream {self.stream} does not exist: run `agentarium broker init` (or broker.provision) first"
+            ) from exc
         self.name = info.name
         self.pending = info.num_pending or 0
+
+    def _config(self, start: dict[str, Any]) -> ConsumerConfig:
+        return ConsumerConfig(
+            ack_policy=AckPolicy.NONE,
+            filter_subject=self.filter,
+            inactive_threshold=INACTIVE_S,
+            mem_storage=True,
+            description="agentarium trajectory reader",
+            **start,
+        )
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):  # best effort: the inactive threshold cleans up anyway
@@ -104,7 +112,7 @@ class _Cursor:
         )
 
     async def _recover(self) -> None:
-        """No answer for a whole request: find out whether our consumer still exists."""
+        """A request went unanswered or was cut short: is our consumer still there?"""
         try:
             info = await self.js.consumer_info(self.stream, self.name)
             self.pending = info.num_pending or 0
@@ -116,12 +124,17 @@ class _Cursor:
             )
             await self._create()
 
+    async def _try_recover(self) -> None:
+        # A broker still restarting answers nothing useful yet: the next round tries again.
+        with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
+            await self._recover()
+
     async def messages(self, *, until_caught_up: bool) -> AsyncIterator[Msg]:
         """Raw messages in stream order; ``until_caught_up`` stops once nothing is pending."""
-        if until_caught_up and self.pending == 0:
-            return
         outstanding = 0
         while True:
+            if until_caught_up and self.pending == 0:
+                return
             if outstanding <= 0:  # a late reply from an older request can push it below zero
                 outstanding = min(self.batch, self.pending) if until_caught_up else self.batch
                 try:
@@ -130,10 +143,9 @@ class _Cursor:
                     nats.errors.OutboundBufferLimitError,
                     nats.errors.ConnectionReconnectingError,
                 ):
+                    # Reconnecting with a full outgoing buffer: no event to await, so wait a bit.
                     outstanding = 0
-                    await asyncio.sleep(
-                        0.5
-                    )  # reconnecting and the buffer is full: nothing to await
+                    await asyncio.sleep(0.5)
                     continue
             try:
                 msg = self._queue.get_nowait()
@@ -143,30 +155,24 @@ class _Cursor:
                         msg = await self._queue.get()
                 except TimeoutError:
                     outstanding = 0
-                    with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
-                        await self._recover()
-                    if until_caught_up and self.pending == 0:
-                        return
+                    await self._try_recover()
                     continue
             status = msg.headers.get("Status") if msg.headers else None
             if status is not None:
                 if status in _STATUS_DONE:
                     outstanding = 0
-                    if until_caught_up:
-                        # The request ended without filling: nothing more is stored right now.
-                        if status != "409":
-                            return
-                        await self._recover()
-                    elif status == "409":
-                        await self._recover()
+                    if (
+                        status == "409"
+                    ):  # the request was cut short (consumer deleted, leader change)
+                        await self._try_recover()
+                    elif until_caught_up:
+                        return  # it expired unfilled: nothing more is stored right now
                 continue  # 100 = idle heartbeat
             outstanding -= 1
             meta = msg.metadata
             self.last_seq = meta.sequence.stream
             self.pending = meta.num_pending
             yield msg
-            if until_caught_up and self.pending == 0:
-                return
 
 
 class TrajectoryReader:
@@ -240,7 +246,11 @@ class TrajectoryReader:
         subject = self.topology.trajectory_subject(run, agent, job_id)
         try:
             raw = await self.js.get_last_msg(self.topology.trajectories_stream, subject)
-        except nats.js.errors.NotFoundError:
+        except nats.js.errors.NotFoundError as exc:
+            if exc.err_code == ERR_STREAM_NOT_FOUND:
+                raise StreamMissing(
+                    f"stream {self.topology.trajectories_stream} does not exist: run `agentarium broker init` first"
+                ) from exc
             return None
         return self._decode(raw.data, raw.headers, subject)
 
