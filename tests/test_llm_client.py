@@ -12,9 +12,6 @@ import pytest
 from fake_sglang import FakeSGLang, dead_url, local_engine
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from agentarium.tiny import ensure_tiny_model
 from consumers.backends import GenerateRequest, GenerateResult, SGLangBackend
@@ -83,16 +80,8 @@ async def backend(engine_url, fakes):
 
 
 @pytest.fixture
-def spans():
-    provider = trace.get_tracer_provider()
-    if not isinstance(provider, TracerProvider):
-        provider = TracerProvider()
-        trace.set_tracer_provider(provider)
-    exporter = InMemorySpanExporter()
-    processor = SimpleSpanProcessor(exporter)
-    provider.add_span_processor(processor)
-    yield exporter
-    processor.shutdown()
+def spans(span_exporter):
+    return span_exporter
 
 
 def make_llm(backend, template, **kwargs) -> TracingLLM:
