@@ -1,9 +1,13 @@
-"""``agentarium demo``: the whole pipeline on one machine, on embedded defaults.
+"""``agentarium demo``: the whole RL loop on one CPU machine, on embedded defaults.
 
-A local nats-server (JetStream store under --out), the local CPU engine with the tiny
-model, rollout consumers running the toy agent; the task file is published as GRPO
-groups and progress is shown until every trajectory is stored. The trainer joins here
-(the ``--train`` seam) once it exists.
+A local nats-server (JetStream store under --out), the local CPU engine serving the tiny
+model, rollout consumers running the toy agent, the GRPO trainer and the weight syncer.
+The toy task is "repeat the digit": the prompt names a digit and the reward is 1 when the
+reply is that digit, so the right answer depends on the prompt and the best constant
+policy scores 0.1. The model starts random (~1/263 per token) and learns from GRPO alone.
+Tasks are fed continuously, a little ahead of the trainer, so rollouts never stop.
+
+``--rollouts-only`` runs just the rollout half: publish a task file, wait for every trajectory.
 """
 
 from __future__ import annotations
@@ -11,109 +15,200 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import sys
 import time
 from pathlib import Path
 
 from broker import NatsServer, NatsSettings, Topology, provision
+from broker.status import count_messages
 from broker.telemetry import setup_logging
 from producers import TaskProducer, TrajectoryReader
 
-from .processes import start_child
+from .processes import Child, start_child
 from .tiny import ensure_tiny_model
 
 DEFAULT_TASKS = Path(__file__).resolve().parent.parent / "examples" / "toy_tasks.jsonl"
+BEST_CONSTANT_ACCURACY = 0.1  # always answering one digit is right for 1 prompt in 10
 
 
-def _bar(done: int, total: int, width: int = 30) -> str:
-    filled = int(width * done / max(total, 1))
+def _bar(done: float, total: float, width: int = 24) -> str:
+    filled = int(width * min(done / max(total, 1e-9), 1.0))
     return "[" + "#" * filled + "." * (width - filled) + "]"
 
 
-def _read_tasks(path: Path) -> list[dict]:
+class Display:
+    """One status line, rewritten in place on a terminal, printed every few seconds otherwise."""
+
+    def __init__(self) -> None:
+        self.tty = sys.stdout.isatty()
+        self._last = 0.0
+
+    def show(self, line: str, *, force: bool = False) -> None:
+        now = time.monotonic()
+        if self.tty:
+            print("\r" + line.ljust(110), end="", flush=True)
+        elif force or now - self._last >= 5:
+            print(line, flush=True)
+            self._last = now
+
+    def done(self) -> None:
+        if self.tty:
+            print()
+
+
+def _digit_tasks(rng: random.Random, n: int, prefix: str) -> list[dict]:
     tasks = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                tasks.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{number}: not a JSON object ({exc})") from None
+    for i in range(n):
+        d = rng.randrange(10)
+        tasks.append(
+            {
+                "task_id": f"{prefix}-{i}",
+                "prompt": f"repeat {d}",
+                "answer": str(d),
+                "max_new_tokens": 1,
+            }
+        )
     return tasks
 
 
-async def _publish_and_watch(args: argparse.Namespace, url: str, out: Path) -> dict:
-    settings = NatsSettings(url=url)
-    nc = await settings.connect(name="agentarium-demo")
+def _last_row(path: Path) -> dict | None:
+    from trainer.metrics import read_metrics
+
+    try:
+        rows = read_metrics(path)
+    except (FileNotFoundError, KeyError, ValueError):
+        return None
+    return rows[-1] if rows else None
+
+
+async def _feed_and_watch(args: argparse.Namespace, url: str, out: Path, trainer: Child) -> None:
+    nc = await NatsSettings(url=url).connect(name="agentarium-demo")
     js = nc.jetstream()
     topo = Topology()
-    await provision(js, topo, agents=(args.agent_name,))
-    tasks = _read_tasks(Path(args.tasks))
     producer = TaskProducer(js, topo)
+    rng = random.Random(args.seed)
+    display = Display()
+    metrics = out / "metrics.csv"
     started = time.monotonic()
-    result = await producer.submit(args.agent_name, tasks, run=args.run, group_size=args.group_size)
+    deadline = started + args.minutes * 60
+    published_groups = 0
+    step = 0
+    row = None
+    try:
+        while step < args.steps and time.monotonic() < deadline and trainer.proc.poll() is None:
+            # Stay `ahead` steps in front of the trainer: enough to keep rollouts busy, few
+            # enough that trajectories are not many versions stale when they are trained on.
+            while published_groups < (step + args.ahead) * args.groups_per_step:
+                batch = _digit_tasks(rng, args.groups_per_step, f"b{published_groups}")
+                await producer.submit(
+                    args.agent_name, batch, run=args.run, group_size=args.group_size
+                )
+                published_groups += len(batch)
+            row = _last_row(metrics) or row
+            step = int(row["step"]) if row else 0
+            stored = await count_messages(
+                js, topo.trajectories_stream, topo.trajectories_filter(args.run)
+            )
+            elapsed = time.monotonic() - started
+            if row:
+                line = (
+                    f"{_bar(step, args.steps)} step {step}/{args.steps} v{row['version']} "
+                    f"reward {float(row['reward_mean']):.2f}  {stored / elapsed:.0f} rollouts/s  "
+                    f"stale-dropped {row['dropped_stale']}  {elapsed:.0f}s"
+                )
+            else:
+                line = f"{_bar(0, 1)} waiting for the first step ({stored} rollouts stored, {elapsed:.0f}s)"
+            display.show(line)
+            await asyncio.sleep(0.5)  # a status refresh tick, not a wait for an event
+        display.done()
+    finally:
+        await nc.close()
+
+
+def _report(out: Path, elapsed: float) -> int:
+    from trainer.metrics import plot_metrics, read_metrics
+
+    metrics = out / "metrics.csv"
+    rows = read_metrics(metrics) if metrics.exists() else []
+    if not rows:
+        print("no training step completed: see the logs in", out / "logs")
+        return 1
+    png = plot_metrics(metrics, out / "reward.png")
+    rewards = [float(r["reward_mean"]) for r in rows]
+    n = min(20, len(rewards) // 2) or 1
+    first, last = sum(rewards[:n]) / n, sum(rewards[-n:]) / n
+    print(f"{len(rows)} steps in {elapsed:.0f}s; policy version {rows[-1]['version']}")
+    print(
+        f"accuracy: first {n} steps {first:.2f} -> last {n} steps {last:.2f} "
+        f"(best constant policy: {BEST_CONSTANT_ACCURACY:.2f}; gain {last - first:+.2f})"
+    )
+    print(f"metrics: {metrics}")
+    print(f"reward plot: {png}")
+    return 0
+
+
+async def _rollouts_only(args: argparse.Namespace, url: str, out: Path) -> dict:
+    nc = await NatsSettings(url=url).connect(name="agentarium-demo")
+    js = nc.jetstream()
+    topo = Topology()
+    tasks = [json.loads(line) for line in Path(args.tasks).read_text().splitlines() if line.strip()]
+    started = time.monotonic()
+    result = await TaskProducer(js, topo).submit(
+        args.agent_name, tasks, run=args.run, group_size=args.group_size
+    )
     total = len(result.job_ids)
     print(
         f"published run={result.run} batch={result.batch_id} jobs={total} "
         f"({len(tasks)} tasks x group size {args.group_size})",
         flush=True,
     )
-    reader = TrajectoryReader(js, topo)
-    wanted = set(result.job_ids)
-    seen: dict[str, object] = {}
-    tty = sys.stdout.isatty()
-    last_print = 0.0
-    async for traj in reader.follow(args.run, args.agent_name):
-        if traj.job_id in wanted and traj.job_id not in seen:
-            seen[traj.job_id] = traj
-            now = time.monotonic()
-            if tty or now - last_print > 2 or len(seen) == total:
-                last_print = now
-                ok = [t for t in seen.values() if t.status == "ok"]
-                mean = sum(t.reward for t in ok) / len(ok) if ok else 0.0
-                rate = len(seen) / max(now - started, 1e-9)
-                line = (
-                    f"{_bar(len(seen), total)} {len(seen)}/{total} trajectories  ok={len(ok)} "
-                    f"reward_mean={mean:.3f}  {rate:.1f} rollouts/s"
-                )
-                print(("\r" + line) if tty else line, end="" if tty else "\n", flush=True)
-        if len(seen) == total:
-            break
-    if tty:
-        print()
+    display = Display()
+
+    def progress(done: int, _total: int) -> None:
+        rate = done / max(time.monotonic() - started, 1e-9)
+        display.show(
+            f"{_bar(done, total)} {done}/{total} trajectories  {rate:.0f} rollouts/s",
+            force=done == total,
+        )
+
+    found = await TrajectoryReader(js, topo).wait_for(
+        args.run, result.job_ids, on_progress=progress
+    )
+    display.done()
     elapsed = time.monotonic() - started
     with open(out / "trajectories.jsonl", "w") as f:
-        for traj in seen.values():
+        for traj in found.values():
             f.write(json.dumps(traj.to_wire(binary=False)) + "\n")
     await nc.close()
-    ok = [t for t in seen.values() if t.status == "ok"]
+    ok = [t for t in found.values() if t.status == "ok"]
     return {
-        "trajectories": len(seen),
+        "trajectories": len(found),
         "ok": len(ok),
         "seconds": round(elapsed, 2),
-        "rollouts_per_s": round(len(seen) / elapsed, 2),
+        "rollouts_per_s": round(len(found) / elapsed, 1),
         "reward_mean": round(sum(t.reward for t in ok) / len(ok), 4) if ok else None,
-        "groups": len({t.group_id for t in seen.values()}),
     }
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     setup_logging("warning", json=True)  # the demo prints its own progress; children log to files
     out = Path(args.out).expanduser().resolve()
-    out.mkdir(parents=True, exist_ok=True)
     logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
     model_dir = ensure_tiny_model()
     print(f"tiny model: {model_dir}")
-    logs.mkdir(exist_ok=True)
-    server = NatsServer(store_dir=out / "nats", log_file=logs / "nats-server.log")
-    server.start()
+    server = NatsServer(store_dir=out / "nats", log_file=logs / "nats-server.log").start()
     print(f"nats-server (JetStream) at {server.url}, store {out / 'nats'}")
-    children = []
+    nats = ["--nats-url", server.url]
+    children: list[Child] = []
+    started = time.monotonic()
     try:
+        asyncio.run(_provision(server.url, args.agent_name))
         engine = start_child(
             "engine", ["engine", "--model", str(model_dir), "--port", "0"], logs, wait_ready=True
         )
         children.append(engine)
-        print(f"local engine at {engine.url}")
         for i in range(args.consumers):
             children.append(
                 start_child(
@@ -128,45 +223,109 @@ def cmd_demo(args: argparse.Namespace) -> int:
                         str(model_dir),
                         "--concurrency",
                         str(args.concurrency),
-                        "--nats-url",
-                        server.url,
+                        *nats,
                     ],
                     logs,
                 )
             )
-        print(f"{args.consumers} consumer(s) running {args.agent}; logs in {logs}")
-        summary = asyncio.run(_publish_and_watch(args, server.url, out))
+        print(
+            f"local engine at {engine.url}; {args.consumers} consumer(s) running {args.agent}; logs in {logs}"
+        )
+        if args.rollouts_only:
+            summary = asyncio.run(_rollouts_only(args, server.url, out))
+            print(json.dumps(summary))
+            print(f"trajectories written to {out / 'trajectories.jsonl'}")
+            return 0 if summary["trajectories"] else 1
+        children.append(
+            start_child(
+                "sync",
+                [
+                    "sync",
+                    "--run",
+                    args.run,
+                    "--engine",
+                    engine.url,
+                    "--weights-dir",
+                    str(out / "weights"),
+                    *nats,
+                ],
+                logs,
+            )
+        )
+        trainer = start_child(
+            "trainer",
+            [
+                "trainer",
+                "--run",
+                args.run,
+                "--agent",
+                args.agent_name,
+                "--model",
+                str(model_dir),
+                "--group-size",
+                str(args.group_size),
+                "--groups-per-step",
+                str(args.groups_per_step),
+                "--lr",
+                str(args.lr),
+                "--publish-every",
+                "1",
+                "--max-staleness",
+                str(args.max_staleness),
+                "--metrics",
+                str(out / "metrics.csv"),
+                "--checkpoint-dir",
+                str(out / "checkpoints"),
+                "--max-steps",
+                str(args.steps),
+                "--torch-threads",
+                "1",
+                "--seed",
+                str(args.seed),
+                *nats,
+            ],
+            logs,
+        )
+        children.append(trainer)
+        print(
+            f"trainer and weight syncer running; run {args.run}: {args.groups_per_step} groups x "
+            f"{args.group_size} per step, up to {args.steps} steps or {args.minutes:g} minutes"
+        )
+        asyncio.run(_feed_and_watch(args, server.url, out, trainer))
     finally:
         for child in reversed(children):
             child.terminate()
         server.stop()
-    print(json.dumps(summary))
-    print(f"trajectories written to {out / 'trajectories.jsonl'}")
-    return 0 if summary["trajectories"] else 1
+    return _report(out, time.monotonic() - started)
+
+
+async def _provision(url: str, agent: str) -> None:
+    nc = await NatsSettings(url=url).connect(name="agentarium-demo")
+    await provision(nc.jetstream(), Topology(), agents=(agent,))
+    await nc.close()
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "demo",
-        help="run the whole pipeline locally on the CPU (embedded broker, engine, consumers)",
+        help="the whole RL loop locally on the CPU: broker, engine, consumers, trainer, syncer",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "--out",
         default="./agentarium-demo",
-        help="output directory: broker store, logs, trajectories (default %(default)s)",
+        help="output directory: broker store, logs, metrics.csv, reward.png (default %(default)s)",
+    )
+    p.add_argument("--steps", type=int, default=300, help="training steps (default %(default)s)")
+    p.add_argument(
+        "--minutes",
+        type=float,
+        default=10.0,
+        help="stop after this long at most (default %(default)s)",
     )
     p.add_argument(
-        "--tasks",
-        default=str(DEFAULT_TASKS),
-        help="task file, one JSON object per line (default: the toy tasks)",
-    )
-    p.add_argument(
-        "--agent", default="examples.toy:rollout", help="agent function (default %(default)s)"
-    )
-    p.add_argument(
-        "--agent-name", default="toy", help="agent name on the wire (default %(default)s)"
+        "--groups-per-step", type=int, default=16, help="GRPO groups per step (default %(default)s)"
     )
     p.add_argument(
         "--group-size",
@@ -175,15 +334,52 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="samples per task, one GRPO group (default %(default)s)",
     )
     p.add_argument(
+        "--lr",
+        type=float,
+        default=3e-3,
+        help="learning rate of the tiny model (default %(default)s)",
+    )
+    p.add_argument(
+        "--max-staleness",
+        type=int,
+        default=4,
+        help="drop trajectories more than this many versions old (default %(default)s)",
+    )
+    p.add_argument(
+        "--ahead",
+        type=int,
+        default=2,
+        help="steps' worth of tasks kept queued ahead of the trainer (default %(default)s)",
+    )
+    p.add_argument(
         "--consumers", type=int, default=1, help="consumer processes (default %(default)s)"
     )
     p.add_argument(
         "--concurrency",
         type=int,
-        default=32,
+        default=64,
         help="rollouts at once per consumer (default %(default)s)",
     )
     p.add_argument(
+        "--seed", type=int, default=0, help="seed for tasks and the trainer (default %(default)s)"
+    )
+    p.add_argument(
         "--run", default=f"demo-{int(time.time())}", help="run id (default: demo-<unix time>)"
+    )
+    p.add_argument(
+        "--agent", default="examples.toy:rollout", help="agent function (default %(default)s)"
+    )
+    p.add_argument(
+        "--agent-name", default="toy", help="agent name on the wire (default %(default)s)"
+    )
+    p.add_argument(
+        "--rollouts-only",
+        action="store_true",
+        help="no training: publish --tasks once and wait for every trajectory",
+    )
+    p.add_argument(
+        "--tasks",
+        default=str(DEFAULT_TASKS),
+        help="task file for --rollouts-only (default: the toy tasks)",
     )
     p.set_defaults(func=cmd_demo)

@@ -1,0 +1,246 @@
+"""The trajectory collector against a real nats-server: trajectories are published straight to
+their per-job subjects, as rollout workers store them."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from nats.js.api import AckPolicy
+
+from schemas import LLMCall, Trajectory, encode
+from trainer.collector import Collector, CollectorConfig
+from trainer.groups import BUFFERED, DUPLICATE, REDELIVERED, GroupBuffer
+
+RUN, AGENT = "r1", "toy"
+
+
+class FakeClock:
+    """Group ages only: the collector's own waits use real time."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def traj(
+    job, group, reward=1.0, *, size=4, status="ok", version="default", is_train=True, top_p=1.0
+) -> Trajectory:
+    call = LLMCall(
+        prompt_ids=[1, 2, 3],
+        response_ids=[4, 5],
+        response_logprobs=[-0.5, -0.25],
+        finish_reason="stop",
+        weight_version=version,
+        top_p=top_p,
+    )
+    return Trajectory(
+        job_id=job,
+        agent=AGENT,
+        task_id=group,
+        group_id=group,
+        group_size=size,
+        run=RUN,
+        status=status,
+        reward=reward if status == "ok" else None,
+        is_train=is_train,
+        error=None if status == "ok" else "backend down",
+        calls=[call],
+        trace_id="ab" * 16,
+    )
+
+
+async def publish(js, topology, *trajectories: Trajectory) -> None:
+    for t in trajectories:
+        await js.publish(topology.trajectory_subject(t.run, t.agent, t.job_id), encode(t))
+
+
+@pytest.fixture
+def clock():
+    return FakeClock()
+
+
+@pytest.fixture
+async def make_collector(js, topology, clock):
+    made = []
+
+    async def make(*, seen=(), **overrides):
+        config = CollectorConfig(
+            run=RUN, agent=AGENT, group_timeout_s=60.0, fetch_timeout_s=0.2, **overrides
+        )
+        collector = Collector(js, topology, config, seen=seen, clock=clock)
+        await collector.start()
+        made.append(collector)
+        return collector
+
+    yield make
+    for collector in made:
+        await collector.close()
+
+
+TAKE = {"version": 0, "max_staleness": 4}
+
+
+async def test_groups_released_when_complete_validation_skipped(js, topology, make_collector):
+    await publish(js, topology, *(traj(f"a{i}", "ga", float(i % 2)) for i in range(4)))
+    await publish(js, topology, *(traj(f"b{i}", "gb") for i in range(3)))  # one member missing
+    await publish(js, topology, traj("v0", "gv", is_train=False), traj("v1", "gv", is_train=False))
+    # another run and another agent on the same stream never reach this consumer
+    other = traj("x0", "gx").__class__(**{**traj("x0", "gx").__dict__, "run": "r2"})
+    await publish(js, topology, other)
+    collector = await make_collector()
+    await collector.wait_received(9)
+    groups = await collector.take(1, timeout=10, **TAKE)
+    assert [g.group_id for g in groups] == ["ga"]
+    samples = groups[0].samples
+    assert sorted(s.trajectory.job_id for s in samples) == ["a0", "a1", "a2", "a3"]
+    assert sorted(s.advantage for s in samples) == pytest.approx(
+        [-0.866025] * 2 + [0.866025] * 2, abs=1e-5
+    )
+    c = collector.counters
+    assert (c.received, c.validation_skipped, c.groups_complete, c.groups_used) == (9, 2, 1, 1)
+    assert collector.buffer.open_count == 1  # gb waits for its fourth member
+    with pytest.raises(TimeoutError):
+        await collector.take(1, timeout=0.5, **TAKE)
+
+    info = await js.consumer_info(topology.trajectories_stream, "trainer-r1")
+    cfg = info.config
+    assert cfg.ack_policy == AckPolicy.EXPLICIT and cfg.max_deliver == -1
+    assert cfg.filter_subject == "agentarium.trajectories.r1.toy.*"
+    assert cfg.ack_wait == 300 and cfg.max_ack_pending == 20_000
+    assert info.num_ack_pending == 7  # validation acked; ga and gb held
+
+    await collector.ack(groups)
+    info = await js.consumer_info(topology.trajectories_stream, "trainer-r1")
+    assert info.num_ack_pending == 3
+
+
+async def test_timeout_releases_short_groups_and_drops_tiny_ones(
+    js, topology, make_collector, clock
+):
+    collector = await make_collector()
+    await publish(js, topology, *(traj(f"s{i}", "short", float(i)) for i in range(3)))
+    await publish(js, topology, traj("t0", "tiny"), traj("t1", "tiny", status="error"))
+    await collector.wait_received(5)
+    with pytest.raises(TimeoutError):
+        await collector.take(1, timeout=0.3, **TAKE)
+    clock.now += 61
+    groups = await collector.take(1, timeout=10, **TAKE)
+    assert groups[0].group_id == "short" and groups[0].timed_out and len(groups[0].samples) == 3
+    c = collector.counters
+    assert (c.groups_timed_out, c.dropped_incomplete, c.failed_members) == (1, 1, 1)
+    # the dropped group was acked at once; a late member of a closed group is acked as late
+    await publish(js, topology, traj("s3", "short"))
+    await collector.wait_received(6)
+    assert collector.counters.late == 1
+    # only the used group stays pending, awaiting its checkpoint (the late ack is async:
+    # the server state is the only thing to observe, so poll it, bounded)
+    assert await ack_pending_becomes(js, topology, 3)
+
+
+async def test_error_and_refused_members_are_out_of_statistics(js, topology, make_collector):
+    await publish(
+        js,
+        topology,
+        traj("e0", "g", 1.0, size=5),
+        traj("e1", "g", 0.0, size=5),
+        traj("e2", "g", 0.0, size=5),
+        traj("e3", "g", status="timeout", size=5),
+        traj("e4", "g", 1.0, top_p=0.9, size=5),
+    )
+    collector = await make_collector()
+    (group,) = await collector.take(1, timeout=10, **TAKE)
+    by_job = {s.trajectory.job_id: s.advantage for s in group.samples}
+    # statistics over the three ok members only: mean 1/3, std sqrt(1/3)
+    assert by_job == pytest.approx({"e0": 1.154700, "e1": -0.577350, "e2": -0.577350}, abs=1e-5)
+    assert sorted(group.other_job_ids) == ["e3", "e4"]
+    assert (collector.counters.failed_members, collector.counters.refused) == (1, 1)
+
+
+async def test_stale_members_dropped_or_weighted_and_counted(js, topology, make_collector):
+    await publish(
+        js,
+        topology,
+        *(traj(f"d{i}", "mixed", float(i % 2), version=str(v)) for i, v in enumerate([1, 4, 4, 5])),
+    )
+    await publish(
+        js, topology, *(traj(f"o{i}", "old", float(i % 2), version="default") for i in range(4))
+    )
+    collector = await make_collector()
+    await collector.wait_received(8)
+    # version 5, max staleness 2: "old" (staleness 5) is entirely stale, d0 (4) too
+    groups = await collector.take(1, version=5, max_staleness=2, timeout=10)
+    assert [g.group_id for g in groups] == ["mixed"]
+    assert sorted(s.trajectory.job_id for s in groups[0].samples) == ["d1", "d2", "d3"]
+    assert sorted(groups[0].staleness) == [0, 1, 1, 4]
+    c = collector.counters
+    assert (c.dropped_stale, c.tis_weighted) == (5, 0)
+    assert "d0" in groups[0].other_job_ids
+
+
+async def test_stale_policy_tis_keeps_stale_members_weighted(js, topology, make_collector):
+    await publish(
+        js,
+        topology,
+        *(traj(f"w{i}", "g", float(i % 2), version=str(v)) for i, v in enumerate([0, 3, 3, 3])),
+    )
+    collector = await make_collector()
+    (group,) = await collector.take(1, version=3, max_staleness=1, stale_policy="tis", timeout=10)
+    flags = {s.trajectory.job_id: (s.tis, s.staleness) for s in group.samples}
+    assert flags == {"w0": (True, 3), "w1": (False, 0), "w2": (False, 0), "w3": (False, 0)}
+    assert (collector.counters.tis_weighted, collector.counters.dropped_stale) == (1, 0)
+
+
+async def test_flat_groups_filtered_when_asked_oldest_first(js, topology, make_collector):
+    await publish(
+        js, topology, *(traj(f"n{i}", "new", float(i % 2), version="2") for i in range(4))
+    )
+    await publish(js, topology, *(traj(f"f{i}", "flat", 1.0) for i in range(4)))
+    await publish(
+        js, topology, *(traj(f"p{i}", "older", float(i % 2), version="1") for i in range(4))
+    )
+    collector = await make_collector()
+    await collector.wait_received(12)
+    groups = await collector.take(2, version=2, max_staleness=4, filter_flat=True, timeout=10)
+    assert [g.group_id for g in groups] == ["older", "new"]  # oldest policy version first
+    assert collector.counters.dropped_flat == 1
+
+
+async def test_restart_redelivers_unacked_at_once_and_dedups_trained(js, topology, make_collector):
+    await publish(js, topology, *(traj(f"a{i}", "ga", float(i % 2)) for i in range(4)))
+    await publish(js, topology, *(traj(f"b{i}", "gb", float(i % 2)) for i in range(4)))
+    first = await make_collector()
+    used = await first.take(1, timeout=10, **TAKE)
+    await first.close()  # "killed" after a checkpoint listed group ga, before its acks
+    trained = used[0].trained_job_ids
+    second = await make_collector(seen=trained)
+    (group,) = await second.take(1, timeout=10, **TAKE)  # no ack_wait to sit out
+    assert group.group_id == "gb"
+    assert second.counters.duplicates == 4
+    await second.ack([group])
+    info = await js.consumer_info(topology.trajectories_stream, "trainer-r1")
+    assert info.num_ack_pending == 0 and info.num_pending == 0
+
+
+def test_buffer_redelivery_replaces_the_handle_and_dedups_after_done():
+    buffer = GroupBuffer(group_timeout_s=60)
+    t = traj("j0", "g", size=2)
+    assert buffer.add(t, "delivery-1", 0.0) == BUFFERED
+    assert buffer.add(t, "delivery-2", 1.0) == REDELIVERED
+    assert buffer.live_handles() == ["delivery-2"]
+    buffer.add(traj("j1", "g", 0.0, size=2), "delivery-3", 1.0)
+    (group,), _ = buffer.select(1, version=0, max_staleness=0)
+    assert group.handles == ["delivery-2", "delivery-3"]
+    buffer.done([group])
+    assert buffer.add(t, "delivery-4", 2.0) == DUPLICATE and buffer.live_handles() == []
+
+
+async def ack_pending_becomes(js, topology, n: int, timeout: float = 5.0) -> bool:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        info = await js.consumer_info(topology.trajectories_stream, "trainer-r1")
+        if info.num_ack_pending == n or asyncio.get_running_loop().time() > deadline:
+            return info.num_ack_pending == n
+        await asyncio.sleep(0.02)

@@ -1,0 +1,227 @@
+"""GRPO math against hand-computed values: advantages, log-probs, clipped loss, k3 KL,
+truncated IS weights, the three aggregations, and masks (no gradient from observations)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from schemas import LLMCall, Trajectory
+from trainer.batch import Sample, advantages, build_rows, collate, refusal
+from trainer.grpo import (
+    aggregate,
+    clipped_surrogate,
+    group_advantages,
+    grpo_loss,
+    k3_kl,
+    token_logprobs,
+    truncated_is_weights,
+)
+
+torch.set_num_threads(1)
+
+
+def test_group_advantages_with_and_without_std():
+    adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), eps=0.0)
+    # mean 0.5, unbiased std sqrt(4 * 0.25 / 3) = 0.57735
+    assert adv.tolist() == pytest.approx([0.866025, -0.866025, -0.866025, 0.866025], abs=1e-6)
+    adv = group_advantages(torch.tensor([1.0, 2.0, 3.0, 4.0]), eps=0.0)
+    assert adv.tolist() == pytest.approx([-1.161895, -0.387298, 0.387298, 1.161895], abs=1e-6)
+    raw = group_advantages(torch.tensor([1.0, 2.0, 3.0, 4.0]), std_norm=False)
+    assert raw.tolist() == [-1.5, -0.5, 0.5, 1.5]
+    assert group_advantages(torch.tensor([0.7, 0.7, 0.7])).tolist() == [0.0, 0.0, 0.0]
+    assert advantages([0.0, 1.0], std_norm=False) == [-0.5, 0.5]
+
+
+def test_token_logprobs_at_the_sampling_temperature():
+    logits = torch.tensor([[[0.0, math.log(3.0)]]])  # (1, 1, 2): probs 0.25, 0.75 at T = 1
+    target = torch.tensor([[1]])
+    assert token_logprobs(logits, target).item() == pytest.approx(math.log(0.75))
+    # T = 2: logits / 2 -> probs proportional to 1 and sqrt(3)
+    want = math.log(math.sqrt(3) / (1 + math.sqrt(3)))
+    assert token_logprobs(logits, target, 2.0).item() == pytest.approx(want)
+    assert token_logprobs(logits, target, torch.tensor([[2.0]])).item() == pytest.approx(want)
+
+
+def test_clipped_surrogate_both_sides():
+    ratios = torch.tensor([[1.5, 0.5, 0.5, 1.5, 1.1]])
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0, 1.0]])
+    old = torch.zeros_like(ratios)
+    logprobs = ratios.log().requires_grad_(True)
+    loss, clipped, ratio = clipped_surrogate(logprobs, old, adv, clip_low=0.2, clip_high=0.28)
+    # A>0, r=1.5 > 1.28: clipped high, -1.28; A>0, r=0.5: unclipped, -0.5;
+    # A<0, r=0.5 < 0.8: clipped low, +0.8; A<0, r=1.5: unclipped, +1.5; A>0, r=1.1: -1.1.
+    assert loss.tolist()[0] == pytest.approx([-1.28, -0.5, 0.8, 1.5, -1.1])
+    assert clipped.tolist()[0] == [True, False, True, False, False]
+    assert ratio.tolist()[0] == pytest.approx(ratios.tolist()[0])
+    loss.sum().backward()
+    # d(-r A)/d logp = -r A where unclipped, 0 where clipped
+    assert logprobs.grad.tolist()[0] == pytest.approx([0.0, -0.5, 0.0, 1.5, -1.1])
+
+
+def test_k3_kl_and_truncated_is_weights():
+    lp = torch.tensor([[math.log(0.5), math.log(0.3)]])
+    ref = torch.tensor([[math.log(0.25), math.log(0.3)]])
+    # exp(log .5) - log .5 - 1 = 0.5 + 0.693147 - 1
+    assert k3_kl(lp, ref).tolist()[0] == pytest.approx([0.193147, 0.0], abs=1e-6)
+    current = torch.tensor([[math.log(0.9), math.log(0.3)]])
+    rollout = torch.tensor([[math.log(0.3), math.log(0.6)]])
+    assert truncated_is_weights(current, rollout).tolist()[0] == pytest.approx([2.0, 0.5])
+    assert truncated_is_weights(current, rollout, clip=5.0).tolist()[0] == pytest.approx([3.0, 0.5])
+
+
+AGG_LOSS = torch.tensor([[1.0, 2.0, 3.0, 100.0], [6.0, 100.0, 100.0, 100.0], [100.0] * 4])
+AGG_MASK = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]])
+
+
+@pytest.mark.parametrize(
+    ("mode", "kwargs", "want"),
+    [
+        ("token-mean", {}, 12 / 4),  # (1 + 2 + 3 + 6) / 4 tokens
+        ("seq-mean-token-mean", {}, (6 / 3 + 6 / 1) / 2),  # per-row means, then over 2 rows
+        ("seq-mean-token-sum-norm", {"norm_tokens": 4}, (6 / 4 + 6 / 4) / 2),
+        ("token-mean", {"total_tokens": 8}, 12 / 8),  # a shard of a bigger batch
+        ("seq-mean-token-mean", {"total_seqs": 4}, (2 + 6) / 4),
+    ],
+)
+def test_aggregations(mode, kwargs, want):
+    assert aggregate(AGG_LOSS, AGG_MASK, mode, **kwargs).item() == pytest.approx(want)
+
+
+def test_grpo_loss_adds_kl_and_ignores_masked_garbage():
+    lp = torch.tensor([[math.log(0.5), -50.0]])
+    old = torch.tensor([[math.log(0.5), 0.0]])  # ratio 1 on the real token
+    ref = torch.tensor([[math.log(0.25), 40.0]])  # exp(40 + 50) overflows: must stay masked
+    adv = torch.tensor([[2.0, 2.0]])
+    mask = torch.tensor([[True, False]])
+    loss, sums = grpo_loss(
+        lp.requires_grad_(True),
+        old,
+        adv,
+        mask,
+        clip_low=0.2,
+        clip_high=0.2,
+        ref_logprobs=ref,
+        kl_coef=0.1,
+    )
+    assert loss.item() == pytest.approx(-2.0 + 0.1 * 0.193147, abs=1e-6)
+    assert sums.tokens == 1 and sums.kl == pytest.approx(0.193147, abs=1e-6)
+    loss.backward()
+    assert torch.isfinite(lp.grad).all() and lp.grad[0, 1] == 0
+
+
+def _call(prompt, response, logprobs, **kw) -> LLMCall:
+    return LLMCall(
+        prompt_ids=prompt,
+        response_ids=response,
+        response_logprobs=logprobs,
+        finish_reason="stop",
+        **kw,
+    )
+
+
+def _traj(calls, reward=1.0, job="j1", **kw) -> Trajectory:
+    return Trajectory(
+        job_id=job,
+        agent="a",
+        task_id="t",
+        group_id="g",
+        status="ok",
+        reward=reward,
+        calls=calls,
+        **kw,
+    )
+
+
+def test_multi_turn_concat_masks_observations_and_falls_back_on_mismatch():
+    first = _call([1, 2, 3], [4, 5], [-0.1, -0.2])
+    # the second prompt extends the first prompt + response with observation tokens 6, 7
+    second = _call([1, 2, 3, 4, 5, 6, 7], [8], [-0.3], temperature=0.7)
+    rows, stats = build_rows([Sample(_traj([first, second]), 0.5)])
+    assert stats.concatenated == 1 and stats.prefix_mismatches == 0 and len(rows) == 1
+    row = rows[0]
+    assert row.input_ids == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert row.loss_mask == [0, 0, 0, 1, 1, 0, 0, 1]
+    assert row.old_logprobs == pytest.approx([0, 0, 0, -0.1, -0.2, 0, 0, -0.3])
+    assert row.temperature == pytest.approx([1, 1, 1, 1, 1, 1, 1, 0.7])
+    # a re-rendered history (token 5 became 9) cannot be concatenated: one row per call
+    other = _call([1, 2, 3, 4, 9, 6, 7], [8], [-0.3])
+    rows, stats = build_rows([Sample(_traj([first, other]), 0.5)])
+    assert stats.prefix_mismatches == 1 and len(rows) == 2
+    rows, stats = build_rows([Sample(_traj([first, second]), 0.5)], multi_turn="per-call")
+    assert len(rows) == 2 and stats.concatenated == 0
+
+
+def test_observation_tokens_contribute_no_gradient():
+    first = _call([1, 2, 3], [4, 5], [-1.0, -1.2])
+    second = _call([1, 2, 3, 4, 5, 6, 7], [8], [-0.9])
+    rows, _ = build_rows([Sample(_traj([first, second]), 1.0)])
+    batch = collate(rows, pad_id=0)
+    logits = torch.randn(
+        1, batch.input_ids.shape[1], 10, generator=torch.Generator().manual_seed(0)
+    )
+    logits.requires_grad_(True)
+    lp = token_logprobs(logits[:, :-1], batch.input_ids[:, 1:], batch.temperature[:, 1:])
+    loss, _ = grpo_loss(
+        lp,
+        batch.old_logprobs[:, 1:],
+        batch.advantages[:, 1:],
+        batch.loss_mask[:, 1:],
+        clip_low=0.2,
+        clip_high=0.2,
+    )
+    loss.backward()
+    per_position = logits.grad.abs().sum(-1)[0]  # (T,): position t predicts token t + 1
+    predicts_model_token = batch.loss_mask[0, 1:].tolist() + [False]
+    for t, is_model in enumerate(predicts_model_token):
+        assert (per_position[t] > 0) == is_model, (t, per_position.tolist())
+
+
+def test_unreproducible_sampling_is_refused():
+    assert refusal(_traj([_call([1], [2], [-1.0])])) is None
+    assert "top_p=0.9" in refusal(_traj([_call([1], [2], [-1.0], top_p=0.9)]))
+    assert "top_k=20" in refusal(_traj([_call([1], [2], [-1.0], top_k=20)]))
+    assert "greedy" in refusal(_traj([_call([1], [2], [-1.0], temperature=0.0)]))
+    with pytest.raises(AssertionError, match="cannot be reproduced"):
+        build_rows([Sample(_traj([_call([1], [2], [-1.0], top_p=0.5)]), 1.0)])
+
+
+def test_micro_batches_and_shards_add_up_to_the_whole_batch(tmp_path):
+    from agentarium.tiny import ensure_tiny_model
+    from trainer.step import StepSettings, Totals, forward_backward, load_model
+
+    model = load_model(ensure_tiny_model(), "cpu")
+    samples = [
+        Sample(
+            _traj(
+                [
+                    _call(
+                        [257, 10 + i, 11, 12], [48 + i, 258][: 1 + i % 2], [-2.0, -1.5][: 1 + i % 2]
+                    )
+                ],
+                job=f"j{i}",
+            ),
+            advantage=(-1) ** i * 0.5 * (i + 1),
+        )
+        for i in range(5)
+    ]
+    batch = collate(build_rows(samples)[0], pad_id=256)
+    totals = Totals.of(batch)
+
+    def grads(settings, parts):
+        model.zero_grad(set_to_none=True)
+        loss = 0.0
+        for part in parts:
+            loss += forward_backward(model, None, part, settings, totals, "cpu")[0]
+        return loss, [p.grad.clone() for p in model.parameters()]
+
+    for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        whole = grads(StepSettings(loss_agg=agg, loss_norm_tokens=8), [batch])
+        micro = grads(StepSettings(loss_agg=agg, loss_norm_tokens=8, micro_batch_size=2), [batch])
+        sharded = grads(StepSettings(loss_agg=agg, loss_norm_tokens=8), batch.shards(2))
+        for other in (micro, sharded):
+            assert other[0] == pytest.approx(whole[0], abs=1e-6)
+            for a, b in zip(whole[1], other[1], strict=True):
+                torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)

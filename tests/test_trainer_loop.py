@@ -1,0 +1,183 @@
+"""The Trainer in-process on a real nats-server: publishing hook and versions, the train step
+span's links, metrics CSV and plot, and settings refused at the edge."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from agentarium.tiny import ensure_tiny_model
+from schemas import LLMCall, Trajectory, encode
+from trainer.cli import add_trainer_arguments, config_from_args
+from trainer.config import TrainerConfig
+from trainer.errors import TrainerConfigError
+from trainer.loop import Trainer, WeightPublisher
+from trainer.metrics import COLUMNS, plot_metrics, read_metrics
+
+torch.set_num_threads(1)
+RUN, AGENT = "loop", "toy"
+
+
+class RecordingPublisher:
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int, float]] = []
+
+    async def publish(self, model, version: int, step: int) -> None:
+        self.calls.append((version, step, float(model.lm_head.weight.detach().sum())))
+
+    async def latest_version(self) -> int | None:
+        return None
+
+
+async def publish_groups(js, topology, groups: int, *, version="default", prefix="j"):
+    for g in range(groups):
+        for i in range(4):
+            call = LLMCall(
+                prompt_ids=[257, 48 + g, 258],
+                response_ids=[48 + i, 258],
+                response_logprobs=[-5.5, -5.6],
+                finish_reason="stop",
+                weight_version=version,
+            )
+            traj = Trajectory(
+                job_id=f"{prefix}{g}-{i}",
+                agent=AGENT,
+                task_id=f"t{g}",
+                group_id=f"{prefix}g{g}",
+                group_size=4,
+                run=RUN,
+                status="ok",
+                reward=float(i == g % 4),
+                calls=[call],
+                trace_id=f"{g + 1:016x}{i + 1:016x}",
+            )
+            await js.publish(topology.trajectory_subject(RUN, AGENT, traj.job_id), encode(traj))
+
+
+def config(tmp_path, **overrides) -> TrainerConfig:
+    values = dict(
+        run=RUN,
+        agent=AGENT,
+        model_dir=str(ensure_tiny_model()),
+        group_size=4,
+        groups_per_step=2,
+        lr=1e-3,
+        metrics_path=str(tmp_path / "metrics.csv"),
+    )
+    return TrainerConfig(**{**values, **overrides})
+
+
+async def test_publishes_versions_links_trajectories_and_writes_metrics(
+    js, topology, tmp_path, span_exporter
+):
+    await publish_groups(js, topology, 4)
+    publisher = RecordingPublisher()
+    assert isinstance(publisher, WeightPublisher)
+    trainer = Trainer(config(tmp_path, publish_every=1), js, topology=topology, publisher=publisher)
+    summary = await trainer.run(max_steps=2)
+    assert (summary.steps, summary.version, summary.trained) == (2, 2, 16)
+    assert [(v, s) for v, s, _ in publisher.calls] == [(1, 1), (2, 2)]
+    assert publisher.calls[0][2] != publisher.calls[1][2]  # the live, updated model
+
+    steps = [s for s in span_exporter.get_finished_spans() if s.name == "train step"]
+    assert len(steps) == 2
+    linked = {f"{link.context.trace_id:032x}" for s in steps for link in s.links}
+    assert linked == {f"{g + 1:016x}{i + 1:016x}" for g in range(4) for i in range(4)}
+    assert all(link.attributes["agentarium.job_id"] for s in steps for link in s.links)
+
+    rows = read_metrics(tmp_path / "metrics.csv")
+    assert [int(r["step"]) for r in rows] == [1, 2] and tuple(rows[0])[: len(COLUMNS)] == COLUMNS
+    assert [int(r["version"]) for r in rows] == [0, 1]  # the version the step's data was judged by
+    assert rows[0]["reward_mean"] == "0.25" and rows[0]["staleness_hist"] == "0:8"
+    assert float(rows[0]["tokens_per_s"]) > 0 and int(rows[0]["tokens"]) == 8 * 5
+    info = await js.consumer_info(topology.trajectories_stream, f"trainer-{RUN}")
+    assert info.num_ack_pending == 0  # no checkpoint dir: acked after each step
+
+    png = plot_metrics(tmp_path / "metrics.csv", tmp_path / "reward.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+async def test_stale_trajectories_dropped_against_published_versions(js, topology, tmp_path):
+    await publish_groups(js, topology, 2, version="default", prefix="old")
+    await publish_groups(js, topology, 2, version="3", prefix="new")
+    publisher = RecordingPublisher()
+    publisher.latest_version = _returns(3)  # a predecessor published up to version 3
+    trainer = Trainer(
+        config(tmp_path, max_staleness=1, checkpoint_dir=str(tmp_path / "c")),
+        js,
+        topology=topology,
+        publisher=publisher,
+        resume=True,
+    )
+    # resume without a checkpoint starts fresh; the version still comes from the publisher
+    summary = await trainer.run(max_steps=1)
+    assert summary.trained == 8 and summary.counters["dropped_stale"] == 8
+    row = read_metrics(tmp_path / "metrics.csv")[0]
+    assert (row["dropped_stale"], row["version"]) == ("8", "3")
+
+
+def _returns(value):
+    async def latest_version():
+        return value
+
+    return latest_version
+
+
+def test_fallback_png_writer_without_matplotlib(tmp_path, monkeypatch):
+    import builtins
+
+    (tmp_path / "m.csv").write_text("step,reward_mean\n1,0.1\n2,0.4\n3,0.3\n")
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    data = plot_metrics(tmp_path / "m.csv", tmp_path / "r.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and b"IHDR" in data and b"IEND" in data
+
+
+def test_cli_flags_map_to_config_and_bad_values_say_what_to_fix(tmp_path):
+    parser = argparse.ArgumentParser()
+    add_trainer_arguments(parser)
+    help_text = parser.format_help()
+    for flag in (
+        "--max-staleness",
+        "--stale-policy",
+        "--loss-agg",
+        "--no-std-norm",
+        "--ray-workers",
+        "--filter-flat-groups",
+        "--publish-every",
+        "--kl-coef",
+        "--resume",
+        "--metrics",
+    ):
+        assert flag in help_text
+    args = parser.parse_args(
+        [
+            "--run",
+            "r",
+            "--agent",
+            "a",
+            "--model",
+            str(ensure_tiny_model()),
+            "--no-std-norm",
+            "--stale-policy",
+            "tis",
+            "--clip-high",
+            "0.28",
+        ]
+    )
+    cfg = config_from_args(args)
+    assert (cfg.std_norm, cfg.stale_policy, cfg.clip_high) == (False, "tis", 0.28)
+    with pytest.raises(TrainerConfigError, match="--clip-low must be in"):
+        config(tmp_path, clip_low=1.5)
+    with pytest.raises(TrainerConfigError, match="no config.json"):
+        config(tmp_path, model_dir=str(tmp_path))
+    with pytest.raises(TrainerConfigError, match="run"):
+        config(tmp_path, run="a.b")

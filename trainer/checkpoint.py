@@ -1,0 +1,204 @@
+"""Checkpoints: model, optimizer, step, version, RNG and the job ids trained since the last one.
+
+Layout under ``--checkpoint-dir``::
+
+    step-00000010/
+        model.safetensors     the policy's state dict (no pickle)
+        optimizer.pt          AdamW state (torch.save; loaded with weights_only=True)
+        rng.pt                torch CPU (and CUDA) RNG states
+        state.json            step, version, run, agent, seed, python RNG, job ids, counters
+
+A checkpoint is written into a private temporary directory, fsynced, then renamed into place:
+a directory named ``step-*`` with a ``state.json`` is complete, whatever killed the writer.
+Pruning keeps the newest ``keep`` checkpoints whole and only deletes the weight files of older
+ones: their ``state.json`` stays, because the job id lists of every checkpoint together say
+which trajectories have been trained (the dedup set of a resumed trainer, and the test's
+exactly-once check).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .errors import CheckpointError
+
+_PREFIX = "step-"
+_WEIGHT_FILES = ("model.safetensors", "optimizer.pt", "rng.pt")
+
+
+@dataclass(frozen=True)
+class Loaded:
+    path: Path
+    state: dict
+    model_state: dict[str, torch.Tensor]
+    optimizer_state: dict
+    rng: dict
+
+    @property
+    def step(self) -> int:
+        return int(self.state["step"])
+
+    @property
+    def version(self) -> int:
+        return int(self.state["version"])
+
+
+class Checkpoints:
+    def __init__(self, directory: str | Path, *, keep: int = 3) -> None:
+        assert keep >= 1, "keep at least one checkpoint"
+        self.directory = Path(directory)
+        self.keep = keep
+
+    def __repr__(self) -> str:
+        return f"<Checkpoints {self.directory} keep={self.keep}>"
+
+    # ---- reading -----------------------------------------------------------------------
+    def steps(self) -> list[Path]:
+        """Complete checkpoint directories, oldest first."""
+        if not self.directory.is_dir():
+            return []
+        found = [
+            p
+            for p in self.directory.iterdir()
+            if p.is_dir() and p.name.startswith(_PREFIX) and (p / "state.json").is_file()
+        ]
+        return sorted(found, key=lambda p: int(p.name[len(_PREFIX) :]))
+
+    def history(self) -> list[dict]:
+        """Every checkpoint's state.json, oldest first (pruned ones included)."""
+        return [self._state(p) for p in self.steps()]
+
+    def seen_job_ids(self) -> set[str]:
+        """Job ids trained or consumed by any checkpointed step."""
+        seen: set[str] = set()
+        for state in self.history():
+            seen.update(state["trained_job_ids"])
+            seen.update(state["consumed_job_ids"])
+        return seen
+
+    def latest(self) -> Path | None:
+        whole = [p for p in self.steps() if (p / "model.safetensors").is_file()]
+        return whole[-1] if whole else None
+
+    def load(self, path: Path, *, map_location: str | torch.device = "cpu") -> Loaded:
+        try:
+            state = self._state(path)
+            model_state = load_file(str(path / "model.safetensors"), device=str(map_location))
+            optimizer_state = torch.load(
+                path / "optimizer.pt", map_location=map_location, weights_only=True
+            )
+            rng = torch.load(path / "rng.pt", weights_only=True)
+        except (OSError, ValueError, RuntimeError, KeyError) as exc:
+            raise CheckpointError(
+                f"checkpoint {path} is unreadable ({exc}): delete it to resume from the one "
+                "before, or start without --resume"
+            ) from exc
+        return Loaded(path, state, model_state, optimizer_state, rng)
+
+    def _state(self, path: Path) -> dict:
+        try:
+            return json.loads((path / "state.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"checkpoint {path}: state.json unreadable ({exc})") from exc
+
+    # ---- writing -----------------------------------------------------------------------
+    def save(
+        self,
+        *,
+        step: int,
+        version: int,
+        model_state: dict[str, torch.Tensor],
+        optimizer_state: dict,
+        trained_job_ids: Iterable[str],
+        consumed_job_ids: Iterable[str],
+        extra: dict | None = None,
+    ) -> Path:
+        """Write one checkpoint atomically and prune old weights; returns its directory."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        final = self.directory / f"{_PREFIX}{step:08d}"
+        if final.exists():
+            raise CheckpointError(f"checkpoint {final} exists already: two trainers on one run?")
+        tmp = self.directory / f".{final.name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            save_file(_unshared(model_state), str(tmp / "model.safetensors"))
+            torch.save(optimizer_state, tmp / "optimizer.pt")
+            rng = {"torch": torch.get_rng_state()}
+            if torch.cuda.is_available():
+                rng["cuda"] = torch.cuda.get_rng_state_all()
+            torch.save(rng, tmp / "rng.pt")
+            state = {
+                "step": step,
+                "version": version,
+                "created_at": time.time(),
+                "python_rng": _python_rng(),
+                "trained_job_ids": list(trained_job_ids),
+                "consumed_job_ids": list(consumed_job_ids),
+                **(extra or {}),
+            }
+            (tmp / "state.json").write_text(json.dumps(state, indent=1) + "\n")
+            for path in tmp.iterdir():
+                _fsync(path)
+            _fsync(tmp)
+            os.rename(tmp, final)
+            _fsync(self.directory)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self._prune()
+        return final
+
+    def clean_partial(self) -> None:
+        """Remove temporary directories a killed writer left behind."""
+        if self.directory.is_dir():
+            for path in self.directory.glob(f".{_PREFIX}*.tmp-*"):
+                shutil.rmtree(path, ignore_errors=True)
+
+    def _prune(self) -> None:
+        whole = [p for p in self.steps() if (p / "model.safetensors").is_file()]
+        for path in whole[: -self.keep]:
+            for name in _WEIGHT_FILES:
+                (path / name).unlink(missing_ok=True)
+
+
+def restore_rng(rng: dict, state: dict) -> None:
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    version, internal, gauss = state["python_rng"]
+    random.setstate((version, tuple(internal), gauss))
+
+
+def _python_rng() -> list:
+    version, internal, gauss = random.getstate()
+    return [version, list(internal), gauss]
+
+
+def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses tensors sharing memory (tied embeddings): store a copy of each."""
+    out, seen = {}, set()
+    for name, tensor in state.items():
+        tensor = tensor.detach().cpu()
+        key = tensor.untyped_storage().data_ptr()
+        out[name] = tensor.clone() if key in seen else tensor.contiguous()
+        seen.add(key)
+    return out
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,319 @@
+"""The trajectory collector: a durable pull consumer on TRAJECTORIES feeding the group buffer.
+
+One consumer per run, ``trainer-<run>``, filtered to ``<prefix>.trajectories.<run>.<agent>.*``:
+
+- explicit acks, no delivery limit (``max_deliver = -1``): a trajectory waits in the buffer or
+  in a not-yet-checkpointed step for as long as it takes, and is never dead-lettered;
+- ``max_ack_pending`` above the buffer plus a checkpoint interval's worth of trained-but-unacked
+  trajectories, or partial groups would block delivery of their own missing members;
+- a generous ``ack_wait`` (5 min by default), with ``in_progress()`` on every unacked message
+  every third of it.
+
+Acks: validation, duplicate, late and undecodable trajectories at once; dropped groups (flat,
+too small, all stale, timed out short) at once; used groups only when the trainer says a
+checkpoint covers their step (``ack``), so a trainer killed at any moment loses nothing.
+
+Start-up resets the consumer: it is deleted and created again from its ack floor + 1, so what
+a killed trainer left unacked is delivered at once rather than after ``ack_wait``. Messages
+above the floor that were acked already come back too; the buffer recognises them from the
+checkpoints' job id lists (duplicates) or drops them again by the same rule. One trainer per
+run: a second one would reset the first one's consumer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import nats.errors
+import nats.js.errors
+import structlog
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from broker import Topology
+from schemas import SchemaError, Trajectory, check_name, decode
+
+from .batch import refusal
+from .config import TrainerConfig
+from .groups import ACK_NOW, Group, GroupBuffer
+
+log = structlog.get_logger("agentarium.trainer")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectorConfig:
+    run: str
+    agent: str
+    group_timeout_s: float = 600.0
+    min_members: int = 2
+    ack_wait_s: float = 300.0
+    max_ack_pending: int = 20_000
+    fetch_batch: int = 256
+    fetch_timeout_s: float = 1.0
+    prefetch_groups: int = 64  # stop pulling while this many complete groups wait
+
+    def __post_init__(self) -> None:
+        check_name(self.run, "run")
+        check_name(self.agent, "agent")
+        if self.ack_wait_s < 3:
+            raise ValueError("ack_wait_s must be >= 3 (heartbeats go every third of it)")
+
+    @classmethod
+    def from_trainer(cls, config: TrainerConfig) -> CollectorConfig:
+        return cls(
+            run=config.run,
+            agent=config.agent,
+            group_timeout_s=config.group_timeout_s,
+            min_members=config.min_group_members,
+            ack_wait_s=config.ack_wait_s,
+            max_ack_pending=config.max_ack_pending,
+            prefetch_groups=4 * config.groups_per_step,
+        )
+
+    @property
+    def durable(self) -> str:
+        return f"trainer-{self.run}"
+
+    def consumer_config(self, topology: Topology, start_seq: int | None = None) -> ConsumerConfig:
+        return ConsumerConfig(
+            durable_name=self.durable,
+            description=f"GRPO trainer for run {self.run}",
+            filter_subject=topology.trajectories_filter(self.run, self.agent),
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE if start_seq else DeliverPolicy.ALL,
+            opt_start_seq=start_seq or None,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=self.ack_wait_s,
+            max_deliver=-1,
+            max_ack_pending=self.max_ack_pending,
+        )
+
+
+class Collector:
+    """Pulls trajectories in the background; ``take`` hands out groups, ``ack`` retires them."""
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        topology: Topology,
+        config: CollectorConfig,
+        *,
+        seen: Iterable[str] = (),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.js = js
+        self.topology = topology
+        self.config = config
+        self.clock = clock
+        self.buffer = GroupBuffer(
+            group_timeout_s=config.group_timeout_s, min_members=config.min_members, seen=seen
+        )
+        self._psub = None
+        self._tasks: list[asyncio.Task] = []
+        self._changed = asyncio.Event()  # the buffer gained something
+        self._taken = asyncio.Event()  # groups left the buffer: room to pull again
+
+    def __repr__(self) -> str:
+        return f"<Collector {self.config.durable} {self.buffer!r}>"
+
+    @property
+    def counters(self):
+        return self.buffer.counters
+
+    async def start(self) -> None:
+        stream = self.topology.trajectories_stream
+        start_seq = None
+        try:
+            info = await self.js.consumer_info(stream, self.config.durable)
+            start_seq = info.ack_floor.stream_seq + 1 if info.ack_floor else None
+            await self.js.delete_consumer(stream, self.config.durable)
+        except nats.js.errors.NotFoundError:
+            pass
+        consumer = self.config.consumer_config(self.topology, start_seq)
+        await self.js.add_consumer(stream, consumer)
+        self._psub = await self.js.pull_subscribe_bind(self.config.durable, stream)
+        log.info(
+            "collector started",
+            consumer=self.config.durable,
+            filter=consumer.filter_subject,
+            start_seq=start_seq,
+            ack_wait_s=consumer.ack_wait,
+            max_ack_pending=consumer.max_ack_pending,
+        )
+        self._tasks = [
+            asyncio.create_task(self._pull_loop()),
+            asyncio.create_task(self._heartbeat_loop()),
+        ]
+
+    async def close(self) -> None:
+        """Stop pulling; unacked messages stay with the consumer for the next trainer."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        if self._psub is not None:
+            try:
+                await self._psub.unsubscribe()
+            except Exception:  # a closed connection: nothing left to release
+                pass
+            self._psub = None
+
+    async def take(
+        self,
+        n: int,
+        *,
+        version: int,
+        max_staleness: int,
+        stale_policy: str = "drop",
+        filter_flat: bool = False,
+        std_norm: bool = True,
+        eps: float = 1e-6,
+        stop: asyncio.Event | None = None,
+        timeout: float | None = None,
+    ) -> list[Group] | None:
+        """Wait for n usable groups (oldest first). None if ``stop`` was set first; on
+        ``timeout`` a TimeoutError, the groups gathered so far going back to the buffer."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        chosen: list[Group] = []
+        while True:
+            self._changed.clear()
+            await self._ack_dropped(self.buffer.expire(self.clock()))
+            got, dropped = self.buffer.select(
+                n - len(chosen),
+                version=version,
+                max_staleness=max_staleness,
+                stale_policy=stale_policy,
+                filter_flat=filter_flat,
+                std_norm=std_norm,
+                eps=eps,
+            )
+            chosen += got
+            await self._ack_dropped(dropped)
+            if got or dropped:
+                self._taken.set()
+            if len(chosen) == n:
+                return chosen
+            if stop is not None and stop.is_set():
+                self.buffer.requeue(chosen)
+                return None
+            wait = self.config.fetch_timeout_s
+            if deadline is not None:
+                wait = min(wait, deadline - time.monotonic())
+                if wait <= 0:
+                    self.buffer.requeue(chosen)
+                    raise TimeoutError(f"{len(chosen)} of {n} groups ready: {self!r}")
+            waiters = [asyncio.create_task(self._changed.wait())]
+            if stop is not None:
+                waiters.append(asyncio.create_task(stop.wait()))
+            try:
+                await asyncio.wait(waiters, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for waiter in waiters:
+                    waiter.cancel()
+
+    async def wait_received(self, n: int, *, timeout: float = 30.0) -> None:
+        """Wait until n trajectories have been delivered (tests, progress displays)."""
+        async with asyncio.timeout(timeout):
+            while self.buffer.counters.received < n:
+                self._changed.clear()
+                await self._changed.wait()
+
+    async def ack(self, groups: list[Group]) -> None:
+        """Ack every member of groups a checkpoint now covers (waiting for the server)."""
+        await self._ack_all([h for g in groups for h in g.handles])
+        self.buffer.done(groups)
+
+    async def _ack_dropped(self, groups: list[Group]) -> None:
+        if groups:
+            await self.ack(groups)
+
+    async def _ack_all(self, msgs: list[Msg]) -> None:
+        for start in range(0, len(msgs), 256):
+            chunk = msgs[start : start + 256]
+            results = await asyncio.gather(
+                *(m.ack_sync(timeout=5.0) for m in chunk), return_exceptions=True
+            )
+            failed = [r for r in results if isinstance(r, BaseException)]
+            if failed:
+                # The message comes back after ack_wait and is recognised as a duplicate.
+                log.warning("acks failed", failed=len(failed), error=str(failed[0]))
+
+    async def _pull_loop(self) -> None:
+        cfg = self.config
+        errors_in_row = 0
+        while True:
+            if self.buffer.ready_count >= cfg.prefetch_groups:
+                self._taken.clear()
+                try:
+                    await asyncio.wait_for(self._taken.wait(), timeout=cfg.fetch_timeout_s)
+                except TimeoutError:
+                    pass
+                continue
+            try:
+                msgs = await self._psub.fetch(cfg.fetch_batch, timeout=cfg.fetch_timeout_s)
+                errors_in_row = 0
+            except TimeoutError:  # nothing arrived (nats' TimeoutError is a subclass)
+                msgs = []
+            except (nats.errors.Error, nats.js.errors.Error, OSError) as exc:
+                errors_in_row += 1
+                log.warning("trajectory fetch failed; retrying", error=str(exc) or repr(exc))
+                await asyncio.sleep(min(5.0, 0.1 * 2**errors_in_row))
+                continue
+            for msg in msgs:
+                await self._receive(msg)
+            await self._ack_dropped(self.buffer.expire(self.clock()))
+            if msgs:
+                self._changed.set()
+
+    async def _receive(self, msg: Msg) -> None:
+        headers = msg.headers or {}
+        try:
+            trajectory = decode(Trajectory, msg.data, headers.get("Content-Type"))
+        except SchemaError as exc:
+            self.buffer.counters.received += 1
+            self.buffer.counters.invalid += 1
+            log.warning(
+                "undecodable trajectory acked and skipped", subject=msg.subject, error=str(exc)
+            )
+            await _ack_quietly(msg)
+            return
+        refused = self.buffer.counters.refused
+        outcome = self.buffer.add(trajectory, msg, self.clock())
+        if outcome in ACK_NOW:
+            await _ack_quietly(msg)
+        elif self.buffer.counters.refused > refused and _power_of_ten(refused + 1):
+            log.warning(
+                "trajectory kept out of training: sample with temperature > 0, top_p 1 and "
+                "top_k -1 to train on it",
+                job_id=trajectory.job_id,
+                reason=refusal(trajectory),
+                refused_so_far=refused + 1,
+            )
+
+    async def _heartbeat_loop(self) -> None:
+        """in_progress() on every unacked message, so nothing is redelivered while it waits."""
+        period = self.config.ack_wait_s / 3
+        while True:
+            await asyncio.sleep(period)
+            for msg in self.buffer.live_handles():
+                try:
+                    await msg.in_progress()
+                except Exception as exc:  # a lost heartbeat risks only a redelivery (deduped)
+                    log.debug("heartbeat failed", error=str(exc))
+
+
+def _power_of_ten(n: int) -> bool:
+    """Log the 1st, 10th, 100th... occurrence: visible, without flooding."""
+    while n % 10 == 0:
+        n //= 10
+    return n == 1
+
+
+async def _ack_quietly(msg: Msg) -> None:
+    try:
+        await msg.ack()
+    except Exception as exc:  # redelivered later and acked again by the same rule
+        log.debug("ack failed", error=str(exc))

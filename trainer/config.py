@@ -1,0 +1,128 @@
+"""TrainerConfig: every setting of the asynchronous GRPO trainer, validated once at the edge."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from schemas import check_name
+
+from .errors import TrainerConfigError
+
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+STALE_POLICIES = ("drop", "tis")
+MULTI_TURN = ("concat", "per-call")
+DEVICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+    """Settings of one trainer process; the CLI flags map one to one onto these fields."""
+
+    run: str
+    agent: str
+    model_dir: str
+    # batch shape
+    group_size: int = 8  # G: expected members per group (groups complete at their own group_size)
+    groups_per_step: int = 16  # B: groups per optimizer step
+    micro_batch_size: int = 0  # rows per forward/backward; 0 = the whole (shard of the) batch
+    # optimisation
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = 1.0
+    seed: int = 0
+    # GRPO loss
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    kl_coef: float = 0.0
+    loss_agg: str = "token-mean"
+    loss_norm_tokens: int = 1024  # the constant divisor of seq-mean-token-sum-norm (Dr. GRPO)
+    std_norm: bool = True
+    adv_eps: float = 1e-6
+    multi_turn: str = "concat"
+    # off-policy control and group buffering
+    max_staleness: int = 4
+    stale_policy: str = "drop"
+    tis_clip: float = 2.0
+    filter_flat_groups: bool = False
+    group_timeout_s: float = 600.0
+    min_group_members: int = 2
+    ack_wait_s: float = 300.0
+    # outputs
+    publish_every: int = 1
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 10
+    keep_checkpoints: int = 3
+    metrics_path: str | None = None
+    device: str = "cpu"
+    ray_workers: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("run", "agent"):
+            try:
+                check_name(getattr(self, name), name)
+            except ValueError as exc:
+                raise TrainerConfigError(str(exc)) from None
+        if not (Path(self.model_dir) / "config.json").is_file():
+            raise TrainerConfigError(
+                f"--model {self.model_dir!r} is not a transformers model directory "
+                "(no config.json): pass 'tiny' or the path of a local model directory"
+            )
+        _positive(self, "group_size", "groups_per_step", "publish_every", "checkpoint_every")
+        _positive(self, "keep_checkpoints", "loss_norm_tokens", "tis_clip", "ack_wait_s")
+        _positive(self, "group_timeout_s")
+        _at_least(self, 0, "micro_batch_size", "max_staleness", "ray_workers", "kl_coef")
+        _at_least(self, 0, "weight_decay", "grad_clip", "lr", "adv_eps")
+        if self.min_group_members < 2:
+            raise TrainerConfigError(
+                "min_group_members must be >= 2: a group of one has advantage 0 and teaches nothing"
+            )
+        if not 0 <= self.clip_low < 1:
+            raise TrainerConfigError(f"--clip-low must be in [0, 1), got {self.clip_low}")
+        if self.clip_high < 0:
+            raise TrainerConfigError(f"--clip-high must be >= 0, got {self.clip_high}")
+        _choice(self, "loss_agg", LOSS_AGGS, "--loss-agg")
+        _choice(self, "stale_policy", STALE_POLICIES, "--stale-policy")
+        _choice(self, "multi_turn", MULTI_TURN, "--multi-turn")
+        _choice(self, "device", DEVICES, "--device")
+        if self.ack_wait_s < 3:
+            raise TrainerConfigError("ack_wait_s must be >= 3 (heartbeats go every third of it)")
+
+    @property
+    def max_ack_pending(self) -> int:
+        """Unacked trajectories the consumer may hold: a full buffer of partial groups plus a
+        checkpoint interval's worth of trained-but-unacked ones, doubled for late stragglers.
+        Below that, partial groups would block delivery of their own missing members."""
+        buffer = 4 * self.groups_per_step * self.group_size
+        held = (self.checkpoint_every + 1) * self.groups_per_step * self.group_size
+        return 2 * (buffer + held) + 1024
+
+    def to_log(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["max_ack_pending"] = self.max_ack_pending
+        return out
+
+
+def _positive(config: TrainerConfig, *names: str) -> None:
+    for name in names:
+        if not getattr(config, name) > 0:
+            raise TrainerConfigError(f"{_flag(name)} must be > 0, got {getattr(config, name)}")
+
+
+def _at_least(config: TrainerConfig, low: float, *names: str) -> None:
+    for name in names:
+        if getattr(config, name) < low:
+            raise TrainerConfigError(f"{_flag(name)} must be >= {low}, got {getattr(config, name)}")
+
+
+def _choice(config: TrainerConfig, name: str, allowed: tuple[str, ...], flag: str) -> None:
+    if getattr(config, name) not in allowed:
+        raise TrainerConfigError(
+            f"{flag} {getattr(config, name)!r} is not one of {', '.join(allowed)}"
+        )
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")

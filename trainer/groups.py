@@ -1,0 +1,292 @@
+"""The group buffer: trajectories in, complete GRPO groups out, with every drop counted.
+
+Pure bookkeeping (no NATS): the collector feeds it trajectories with an opaque message handle
+and acks what it is told to. Rules (DESIGN.md "Trainer: asynchronous GRPO"):
+
+- ``is_train = false`` trajectories are skipped (acked at once) and counted.
+- Dedup by job id: a redelivery of a buffered or in-training job replaces the stored handle
+  (the newest delivery is the live one); a job already trained (or consumed by a trained
+  group) is a duplicate, acked at once.
+- Members are buffered by ``group_id``. A group is released when all ``group_size`` members
+  arrived, or after ``group_timeout_s`` from its first member if it has >= ``min_members`` ok
+  members; otherwise it is dropped then. Members arriving after their group closed are late.
+- ``error`` / ``timeout`` members and refused ones (top_p < 1, top_k > 0, greedy) stay in the
+  group's membership but out of its statistics.
+- At ``select`` time: groups with fewer than ``min_members`` ok members are dropped; flat groups
+  (all rewards equal) are dropped if asked; each ok member's staleness is the current version
+  minus the oldest policy version among its calls; beyond ``max_staleness`` it is dropped
+  (``drop``) or kept with truncated importance weights (``tis``). The oldest complete groups
+  go first, so slow rollouts are trained before they go stale rather than starved.
+
+A dropped group is acked at once (dropped on purpose); a used group is acked by the trainer
+once a checkpoint covers its step, all members together, so a replay after a crash rebuilds
+the very same group.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from schemas import SchemaError, Trajectory, version_number
+
+from .batch import Sample, advantages, refusal
+
+# What ``add`` did with a trajectory; the first four mean "ack it now".
+VALIDATION, DUPLICATE, LATE, INVALID = "validation", "duplicate", "late", "invalid"
+BUFFERED, REDELIVERED = "buffered", "redelivered"
+ACK_NOW = frozenset({VALIDATION, DUPLICATE, LATE, INVALID})
+
+_CLOSED_MEMORY = 200_000  # group ids remembered as closed (late members are recognised)
+
+
+@dataclass(eq=False)
+class Member:
+    trajectory: Trajectory
+    handle: Any
+    version: int | None  # oldest policy version among its calls; None without calls
+    refused: str | None = None
+
+    @property
+    def job_id(self) -> str:
+        return self.trajectory.job_id
+
+    @property
+    def trainable(self) -> bool:
+        return self.trajectory.ok and self.refused is None
+
+
+@dataclass(eq=False)
+class Group:
+    group_id: str
+    group_size: int
+    first_arrival: float
+    members: dict[str, Member] = field(default_factory=dict)
+    timed_out: bool = False
+    # Set by select():
+    samples: list[Sample] = field(default_factory=list)
+    staleness: list[int] = field(default_factory=list)  # every ok member evaluated
+    stale_dropped: int = 0
+
+    @property
+    def ok(self) -> list[Member]:
+        return [m for m in self.members.values() if m.trainable]
+
+    @property
+    def complete(self) -> bool:
+        return len(self.members) >= self.group_size
+
+    @property
+    def handles(self) -> list[Any]:
+        return [m.handle for m in self.members.values()]
+
+    @property
+    def trained_job_ids(self) -> list[str]:
+        return [s.trajectory.job_id for s in self.samples]
+
+    @property
+    def other_job_ids(self) -> list[str]:
+        """Members consumed with the group but not trained (failed, refused, stale)."""
+        trained = set(self.trained_job_ids)
+        return [j for j in self.members if j not in trained]
+
+    @property
+    def oldest_version(self) -> int:
+        versions = [m.version for m in self.members.values() if m.version is not None]
+        return min(versions, default=0)
+
+
+@dataclass
+class BufferCounters:
+    received: int = 0
+    validation_skipped: int = 0
+    duplicates: int = 0
+    redelivered: int = 0
+    late: int = 0
+    invalid: int = 0
+    failed_members: int = 0  # status error/timeout: out of statistics
+    refused: int = 0  # unreproducible sampling
+    groups_complete: int = 0
+    groups_timed_out: int = 0  # released short after the timeout
+    dropped_incomplete: int = 0  # groups: timed out with too few ok members
+    dropped_small: int = 0  # groups: complete but fewer than min ok members
+    dropped_flat: int = 0  # groups: all rewards equal
+    dropped_stale: int = 0  # trajectories
+    tis_weighted: int = 0  # trajectories
+    groups_used: int = 0
+
+
+class GroupBuffer:
+    def __init__(
+        self,
+        *,
+        group_timeout_s: float,
+        min_members: int = 2,
+        seen: Iterable[str] = (),
+    ) -> None:
+        assert min_members >= 2, "a group needs at least two ok members for an advantage"
+        self.group_timeout_s = group_timeout_s
+        self.min_members = min_members
+        self.counters = BufferCounters()
+        self._seen: set[str] = set(seen)  # trained or consumed: duplicates from now on
+        self._live: dict[str, Member] = {}  # buffered, ready or in training (unacked)
+        self._open: dict[str, Group] = {}
+        self._ready: list[Group] = []
+        self._closed: OrderedDict[str, None] = OrderedDict()
+
+    def __repr__(self) -> str:
+        c = self.counters
+        return (
+            f"<GroupBuffer open={len(self._open)} ready={len(self._ready)} live={len(self._live)} "
+            f"used={c.groups_used} stale={c.dropped_stale} flat={c.dropped_flat}>"
+        )
+
+    @property
+    def ready_count(self) -> int:
+        return len(self._ready)
+
+    @property
+    def open_count(self) -> int:
+        return len(self._open)
+
+    def live_handles(self) -> list[Any]:
+        """Every handle not yet acked (buffered, ready, or used by a step awaiting a checkpoint)."""
+        return [m.handle for m in self._live.values()]
+
+    def add(self, trajectory: Trajectory, handle: Any, now: float) -> str:
+        """Take one delivered trajectory; the result says whether to ack it now (ACK_NOW)."""
+        c = self.counters
+        c.received += 1
+        job_id = trajectory.job_id
+        if not trajectory.is_train:
+            c.validation_skipped += 1
+            return VALIDATION
+        if job_id in self._live:
+            self._live[job_id].handle = handle
+            c.redelivered += 1
+            return REDELIVERED
+        if job_id in self._seen:
+            c.duplicates += 1
+            return DUPLICATE
+        if trajectory.group_id in self._closed:
+            c.late += 1
+            return LATE
+        try:
+            versions = [version_number(call.weight_version) for call in trajectory.calls]
+        except SchemaError:
+            c.invalid += 1
+            return INVALID
+        member = Member(trajectory, handle, min(versions) if versions else None)
+        if trajectory.ok:
+            member.refused = refusal(trajectory)
+            c.refused += member.refused is not None
+        else:
+            c.failed_members += 1
+        group = self._open.get(trajectory.group_id)
+        if group is None:
+            group = Group(trajectory.group_id, max(trajectory.group_size, 1), now)
+            self._open[group.group_id] = group
+        group.members[job_id] = member
+        self._live[job_id] = member
+        if group.complete:
+            c.groups_complete += 1
+            self._release(group)
+        return BUFFERED
+
+    def expire(self, now: float) -> list[Group]:
+        """Release or drop groups open longer than the timeout; returns the dropped ones."""
+        dropped = []
+        for group in list(self._open.values()):
+            if now - group.first_arrival < self.group_timeout_s:
+                continue
+            group.timed_out = True
+            if len(group.ok) >= self.min_members:
+                self.counters.groups_timed_out += 1
+                self._release(group)
+            else:
+                self.counters.dropped_incomplete += 1
+                self._close(group)
+                dropped.append(group)
+        return dropped
+
+    def select(
+        self,
+        n: int,
+        *,
+        version: int,
+        max_staleness: int,
+        stale_policy: str = "drop",
+        filter_flat: bool = False,
+        std_norm: bool = True,
+        eps: float = 1e-6,
+    ) -> tuple[list[Group], list[Group]]:
+        """Up to n groups for the next step, oldest first, and the groups dropped on the way."""
+        assert stale_policy in ("drop", "tis"), stale_policy
+        c = self.counters
+        chosen: list[Group] = []
+        dropped: list[Group] = []
+        self._ready.sort(key=lambda g: (g.oldest_version, g.first_arrival))
+        for group in list(self._ready):
+            if len(chosen) == n:
+                break
+            self._ready.remove(group)
+            ok = group.ok
+            rewards = [float(m.trajectory.reward) for m in ok]
+            if len(ok) < self.min_members:
+                c.dropped_small += 1
+                dropped.append(group)
+                continue
+            if filter_flat and max(rewards) - min(rewards) <= 1e-12:
+                c.dropped_flat += 1
+                dropped.append(group)
+                continue
+            advs = advantages(rewards, std_norm=std_norm, eps=eps)
+            group.samples, group.staleness, group.stale_dropped = [], [], 0
+            for member, adv in zip(ok, advs, strict=True):
+                stale = version - member.version if member.version is not None else 0
+                group.staleness.append(stale)
+                too_old = stale > max_staleness
+                if too_old and stale_policy == "drop":
+                    group.stale_dropped += 1
+                    continue
+                group.samples.append(Sample(member.trajectory, adv, stale, too_old))
+            c.dropped_stale += group.stale_dropped
+            if group.samples:
+                c.tis_weighted += sum(s.tis for s in group.samples)
+                c.groups_used += 1
+                chosen.append(group)
+            else:
+                dropped.append(group)
+        return chosen, dropped
+
+    def requeue(self, groups: Iterable[Group]) -> None:
+        """Put selected groups back (a take that timed out or was stopped), undoing counts."""
+        c = self.counters
+        for group in groups:
+            c.dropped_stale -= group.stale_dropped
+            c.tis_weighted -= sum(s.tis for s in group.samples)
+            c.groups_used -= 1
+            group.samples, group.staleness, group.stale_dropped = [], [], 0
+            self._ready.append(group)
+
+    def done(self, groups: Iterable[Group]) -> None:
+        """The groups' messages are acked: forget their handles, remember their job ids."""
+        for group in groups:
+            for job_id in group.members:
+                self._live.pop(job_id, None)
+                self._seen.add(job_id)
+
+    def staleness_histogram(self, groups: Iterable[Group]) -> dict[int, int]:
+        return dict(sorted(Counter(s for g in groups for s in g.staleness).items()))
+
+    def _release(self, group: Group) -> None:
+        self._ready.append(group)
+        self._close(group)
+
+    def _close(self, group: Group) -> None:
+        self._open.pop(group.group_id, None)
+        self._closed[group.group_id] = None
+        while len(self._closed) > _CLOSED_MEMORY:
+            self._closed.popitem(last=False)

@@ -1,0 +1,225 @@
+"""GRPO's math as pure torch functions: advantages, token log-probs, the clipped loss, k3 KL,
+truncated importance weights and the three loss aggregations.
+
+The algorithm (one optimizer step on B groups of G rollouts of the same task):
+
+    A_i      = (r_i - mean(r)) / (std(r) + eps)                      per group, std optional
+    ratio_t  = exp(logp_theta(y_t) - logp_old(y_t))                  per model token
+    l_t      = -min(ratio_t A_i, clip(ratio_t, 1 - clip_low, 1 + clip_high) A_i) * w_t
+               + kl_coef * k3_t,   k3_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1
+    loss     = aggregate(l, mask)                                    mask = model tokens only
+
+Departures from textbook GRPO (DeepSeekMath, 2024), each on purpose:
+
+1. logp_old is what the inference engine recorded while sampling (the behaviour policy), not a
+   trainer recomputation: rollouts are asynchronous, so the ratio corrects for the policy lag
+   (and for engine/trainer numerical drift) instead of being 1 on the first update.
+2. One optimizer step per batch (the paper's mu = 1); fresh data does the rest.
+3. Separate clip_low / clip_high (DAPO's "clip-higher"); the defaults are symmetric (0.2).
+4. The default aggregation is token-mean (DAPO): every model token of the batch weighs the
+   same. The paper's per-sequence mean is ``seq-mean-token-mean``; Dr. GRPO's sum over tokens
+   divided by a constant is ``seq-mean-token-sum-norm``.
+5. The KL term is off by default (kl_coef = 0); when on, it is the k3 estimator against the
+   frozen initial model, added per token inside the aggregation as in the paper.
+6. std normalisation is optional (Dr. GRPO drops it); std is the unbiased sample std
+   (Bessel), as in TRL and verl.
+7. Trajectories older than ``max_staleness`` policy versions are either dropped or trained by
+   truncated importance sampling (``tis``): for those rows the ratio is taken against the
+   trainer's current policy (so it is 1 and only carries the gradient), and each token is
+   weighted by w_t = min(pi_current / pi_rollout, tis_clip), detached (tis_clip = 2).
+8. Log-probs are taken at each call's sampling temperature, log_softmax(logits / T), which is
+   what SGLang and the local engine report; top_p / top_k samples are refused upstream because
+   their log-probs cannot be reproduced.
+9. Infrastructure failures (status error / timeout) are kept out of group statistics, groups
+   may be released short after a timeout (>= 2 ok members), and groups whose rewards are all
+   equal may be filtered out (DAPO's dynamic sampling); see trainer/groups.py.
+
+Shapes: B rows, T positions, V vocabulary. Functions take tensors aligned on target positions
+(the caller shifts logits and ids by one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def group_advantages(rewards: torch.Tensor, *, std_norm: bool = True, eps: float = 1e-6):
+    """(G,) rewards of one group -> (G,) advantages: r - mean, divided by (std + eps) if asked."""
+    assert rewards.dim() == 1 and rewards.numel() >= 1, "rewards must be a non-empty (G,) tensor"
+    rewards = rewards.to(torch.float64)
+    centred = rewards - rewards.mean()  # (G,)
+    if not std_norm:
+        return centred
+    std = rewards.std(unbiased=True) if rewards.numel() > 1 else rewards.new_zeros(())
+    return centred / (std + eps)  # (G,)
+
+
+def token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor | float = 1.0
+) -> torch.Tensor:
+    """log softmax(logits / T) at the target ids: (B, T, V), (B, T) -> (B, T), in float32.
+
+    ``temperature`` is a float, or a (B, T) / (B, 1) tensor (each call's sampling temperature).
+    """
+    logits = logits.float()
+    if isinstance(temperature, torch.Tensor):
+        logits = logits / temperature.to(logits.dtype).unsqueeze(-1)  # (B, T, V)
+    elif temperature != 1.0:
+        logits = logits / temperature
+    logprobs = torch.log_softmax(logits, dim=-1)  # (B, T, V)
+    return logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, T)
+
+
+@torch.no_grad()
+def token_entropy(logits: torch.Tensor, temperature: torch.Tensor | float = 1.0) -> torch.Tensor:
+    """Entropy of the (tempered) next-token distribution: (B, T, V) -> (B, T). For metrics."""
+    logits = logits.float()
+    if isinstance(temperature, torch.Tensor):
+        logits = logits / temperature.to(logits.dtype).unsqueeze(-1)
+    elif temperature != 1.0:
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, dim=-1)  # (B, T, V)
+    return -(logp.exp() * logp).sum(-1)  # (B, T)
+
+
+def clipped_surrogate(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO's pessimistic surrogate, negated: (B, T) each -> (loss, clipped, ratio), all (B, T).
+
+    ``clipped`` marks tokens where the clipped branch is taken and differs from the unclipped
+    one: their gradient is zero (ratio above 1 + clip_high with A > 0, or below 1 - clip_low
+    with A < 0).
+    """
+    ratio = torch.exp(logprobs - old_logprobs)  # (B, T)
+    unclipped = ratio * advantages  # (B, T)
+    clipped_ratio = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    clipped = clipped_ratio * advantages  # (B, T)
+    loss = -torch.minimum(unclipped, clipped)  # (B, T)
+    was_clipped = clipped < unclipped  # strict: ties keep the gradient
+    return loss, was_clipped, ratio
+
+
+def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator of KL(pi_theta || pi_ref) per token: (B, T) -> (B, T), >= 0."""
+    log_ratio = ref_logprobs - logprobs  # (B, T)
+    return torch.exp(log_ratio) - log_ratio - 1.0
+
+
+def truncated_is_weights(
+    proximal_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, *, clip: float = 2.0
+) -> torch.Tensor:
+    """min(pi_proximal / pi_behaviour, clip) per token, detached: (B, T) -> (B, T)."""
+    with torch.no_grad():
+        return torch.exp(proximal_logprobs - behaviour_logprobs).clamp(max=clip)
+
+
+def aggregate(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    *,
+    total_tokens: float | None = None,
+    total_seqs: float | None = None,
+    norm_tokens: float | None = None,
+) -> torch.Tensor:
+    """Reduce a (B, T) per-token loss over the (B, T) mask to a scalar.
+
+    token-mean               sum(m l) / sum(m)
+    seq-mean-token-mean      mean over rows of sum_t(m l) / sum_t(m)
+    seq-mean-token-sum-norm  mean over rows of sum_t(m l) / norm_tokens (a constant)
+
+    ``total_tokens`` / ``total_seqs`` are the whole batch's counts when this call sees only a
+    micro-batch or one data-parallel shard: the partial results then add up to the full loss.
+    Rows with no model token count for nothing in any mode.
+    """
+    masked = torch.where(mask.bool(), per_token, torch.zeros_like(per_token))  # (B, T)
+    row_tokens = mask.to(per_token.dtype).sum(-1)  # (B,)
+    if mode == "token-mean":
+        denom = total_tokens if total_tokens is not None else float(row_tokens.sum())
+        return masked.sum() / max(denom, 1.0)
+    seqs = total_seqs if total_seqs is not None else float((row_tokens > 0).sum())
+    if mode == "seq-mean-token-mean":
+        per_row = masked.sum(-1) / row_tokens.clamp(min=1.0)  # (B,)
+        return per_row.sum() / max(seqs, 1.0)
+    if mode == "seq-mean-token-sum-norm":
+        assert norm_tokens is not None and norm_tokens > 0, (
+            "seq-mean-token-sum-norm needs norm_tokens"
+        )
+        return masked.sum() / norm_tokens / max(seqs, 1.0)
+    raise ValueError(f"loss aggregation {mode!r} is not one of {AGGREGATIONS}")
+
+
+@dataclass
+class LossSums:
+    """Per-token statistics summed over model tokens, so micro-batches and shards add up."""
+
+    tokens: float = 0.0
+    clipped: float = 0.0
+    kl: float = 0.0
+    entropy: float = 0.0
+    ratio: float = 0.0
+
+    def __iadd__(self, other: LossSums) -> LossSums:
+        for name in ("tokens", "clipped", "kl", "entropy", "ratio"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        return self
+
+
+def grpo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    mode: str = "token-mean",
+    is_weights: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    total_tokens: float | None = None,
+    total_seqs: float | None = None,
+    norm_tokens: float | None = None,
+) -> tuple[torch.Tensor, LossSums]:
+    """The aggregated GRPO loss of (B, T) inputs, and its summed statistics."""
+    m = mask.bool()
+    # Padding and prompt positions hold arbitrary values; pinning them to the current log-probs
+    # keeps exp() finite there, so no inf * 0 = NaN can leak into the gradient.
+    old_logprobs = torch.where(m, old_logprobs, logprobs.detach())
+    if ref_logprobs is not None:
+        ref_logprobs = torch.where(m, ref_logprobs, logprobs.detach())
+    per_token, clipped, ratio = clipped_surrogate(
+        logprobs, old_logprobs, advantages, clip_low=clip_low, clip_high=clip_high
+    )  # (B, T)
+    if is_weights is not None:
+        per_token = per_token * is_weights
+    kl = torch.zeros_like(per_token)
+    if ref_logprobs is not None:
+        kl = k3_kl(logprobs, ref_logprobs)  # (B, T)
+        if kl_coef:
+            per_token = per_token + kl_coef * kl
+    loss = aggregate(
+        per_token,
+        mask,
+        mode,
+        total_tokens=total_tokens,
+        total_seqs=total_seqs,
+        norm_tokens=norm_tokens,
+    )
+    sums = LossSums(
+        tokens=float(m.sum()),
+        clipped=float(clipped[m].sum()),
+        kl=float(kl.detach()[m].sum()),
+        ratio=float(ratio.detach()[m].sum()),
+    )
+    return loss, sums

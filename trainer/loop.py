@@ -1,0 +1,399 @@
+"""The Trainer: asynchronous GRPO as one loop.
+
+    while steps remain:
+        groups  = await collector.take(B)            # oldest complete groups, staleness applied
+        batch   = collate(build_rows(samples))       # (B, T) tensors, loss on model tokens only
+        stats   = updater.step(batch, seed(step))    # forward, GRPO loss, backward, clip, AdamW
+        metrics.record(step)                         # CSV + OpenTelemetry
+        every publish_every steps:    version += 1; await publisher.publish(model, version, step)
+        every checkpoint_every steps: checkpoint, then ack the groups it covers
+
+The algorithm and its departures from textbook GRPO are in trainer/grpo.py; grouping,
+dedup and staleness rules in trainer/groups.py; delivery in trainer/collector.py.
+
+Generation never waits for training: the collector keeps pulling while a step runs (the
+update runs in a worker thread), and staleness is measured in published versions.
+Trajectories are acked only once a checkpoint covers the step that used them, so a trainer
+killed at any moment and restarted with ``resume=True`` trains every ok trajectory exactly
+once. Without a checkpoint directory nothing can be resumed, and groups are acked right after
+their step. ``stop()`` (SIGTERM) finishes the current step, checkpoints and returns.
+
+The per-step seed is derived from (seed, step), so a resumed run draws what the killed one
+would have drawn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import structlog
+import torch
+from nats.js import JetStreamContext
+from opentelemetry import trace
+from opentelemetry.trace import INVALID_SPAN_ID, Link, SpanContext, TraceFlags
+
+from broker import Topology
+from broker.telemetry import extract_context
+
+from .batch import Sample, build_rows, collate
+from .checkpoint import Checkpoints, restore_rng
+from .collector import Collector, CollectorConfig
+from .config import TrainerConfig
+from .errors import TrainerConfigError
+from .groups import Group
+from .metrics import MetricsSink, StepMetrics
+
+log = structlog.get_logger("agentarium.trainer")
+tracer = trace.get_tracer("agentarium.trainer")
+
+LINKS_PER_SPAN = 4096  # broker.telemetry raises the SDK's default of 128 to this
+
+
+@runtime_checkable
+class WeightPublisher(Protocol):
+    """Makes a new policy version available to the fleet (trainer/weights.py has the real one).
+
+    ``publish`` must return only once the version is durable (object store, then KV). A
+    publisher may also offer ``async latest_version() -> int | None``: a resumed trainer then
+    numbers its next version above anything a killed predecessor published after its last
+    checkpoint, so one version number never names two different sets of weights.
+    """
+
+    async def publish(self, model: torch.nn.Module, version: int, step: int) -> None: ...
+
+
+def step_seed(seed: int, step: int) -> int:
+    """A per-step seed from (seed, step): independent of how many steps ran in this process."""
+    return (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + 1) % (2**63)
+
+
+@dataclass
+class TrainSummary:
+    steps: int
+    version: int
+    trained: int  # trajectories trained in this process
+    counters: dict = field(default_factory=dict)
+    checkpoint: str | None = None
+
+
+class Trainer:
+    def __init__(
+        self,
+        config: TrainerConfig,
+        js: JetStreamContext,
+        *,
+        topology: Topology | None = None,
+        publisher: WeightPublisher | None = None,
+        resume: bool = False,
+        updater=None,
+    ) -> None:
+        self.config = config
+        self.js = js
+        self.topology = topology or Topology()
+        self.publisher = publisher
+        self.resume = resume
+        self.step = 0
+        self.version = 0
+        self.trained = 0
+        self._updater = updater
+        self._stop = asyncio.Event()
+        self._pending: list[Group] = []  # used since the last checkpoint, unacked
+        self.checkpoints = (
+            Checkpoints(config.checkpoint_dir, keep=config.keep_checkpoints)
+            if config.checkpoint_dir
+            else None
+        )
+        self.collector: Collector | None = None
+        self.last_checkpoint = None
+
+    def __repr__(self) -> str:
+        return (
+            f"<Trainer run={self.config.run} step={self.step} version={self.version} "
+            f"trained={self.trained} pending_groups={len(self._pending)}>"
+        )
+
+    def stop(self) -> None:
+        """Finish the current step, checkpoint, and return from run() (what SIGTERM does)."""
+        self._stop.set()
+
+    async def run(self, max_steps: int | None = None) -> TrainSummary:
+        """Train until ``max_steps`` (counted from step 0, across resumes) or stop()."""
+        cfg = self.config
+        metrics = None
+        failed = False
+        try:
+            seen = await self._setup()
+            # Never let one version number name two sets of weights: continue above whatever
+            # was published for this run already (by a predecessor killed after publishing).
+            latest_version = getattr(self.publisher, "latest_version", None)
+            if latest_version is not None:
+                self.version = max(self.version, int(await latest_version() or 0))
+            self.collector = Collector(
+                self.js, self.topology, CollectorConfig.from_trainer(cfg), seen=seen
+            )
+            metrics = MetricsSink(
+                cfg.metrics_path,
+                attributes={"run": cfg.run, "agent": cfg.agent},
+                append=self.resume,
+            )
+            await self.collector.start()
+            log.info("trainer started", step=self.step, version=self.version, resumed=self.resume)
+            while not self._stop.is_set() and (max_steps is None or self.step < max_steps):
+                waited = time.monotonic()
+                groups = await self.collector.take(
+                    cfg.groups_per_step,
+                    version=self.version,
+                    max_staleness=cfg.max_staleness,
+                    stale_policy=cfg.stale_policy,
+                    filter_flat=cfg.filter_flat_groups,
+                    std_norm=cfg.std_norm,
+                    eps=cfg.adv_eps,
+                    stop=self._stop,
+                )
+                if groups is None:
+                    break
+                metrics.record(await self._train_step(groups, wait_s=time.monotonic() - waited))
+                if self.publisher is not None and self.step % cfg.publish_every == 0:
+                    await self._publish()
+                if self.checkpoints is None:
+                    groups, self._pending = self._pending, []
+                    await self.collector.ack(groups)
+                elif self.step % cfg.checkpoint_every == 0:
+                    await self._checkpoint()
+        except BaseException:
+            failed = True  # no checkpoint of a half-known state: the last one stands
+            raise
+        finally:
+            try:
+                if not failed and self._pending and self.checkpoints is not None:
+                    await self._checkpoint()
+            finally:
+                if self.collector is not None:
+                    await self.collector.close()
+                if metrics is not None:
+                    metrics.close()
+                if self._updater is not None:
+                    self._updater.close()
+                counters = vars(self.collector.counters) if self.collector else {}
+                log.info("trainer stopped", trainer=repr(self), counters=counters)
+        return TrainSummary(
+            steps=self.step,
+            version=self.version,
+            trained=self.trained,
+            counters=dict(vars(self.collector.counters)),
+            checkpoint=str(self.last_checkpoint) if self.last_checkpoint else None,
+        )
+
+    # ---- one step ------------------------------------------------------------------------
+    async def _train_step(self, groups: list[Group], *, wait_s: float) -> StepMetrics:
+        cfg = self.config
+        samples: list[Sample] = [s for g in groups for s in g.samples]
+        started = time.monotonic()
+        links = _links(groups)
+        with tracer.start_as_current_span("train step", links=links[:LINKS_PER_SPAN]) as span:
+            for start in range(LINKS_PER_SPAN, len(links), LINKS_PER_SPAN):
+                # Past one span's limit: child spans carry the rest of the links.
+                chunk = links[start : start + LINKS_PER_SPAN]
+                with tracer.start_as_current_span("train step links", links=chunk):
+                    pass
+            rows, built = build_rows(samples, multi_turn=cfg.multi_turn)
+            if rows:
+                batch = collate(rows, pad_id=self._pad_id)
+                stats = await asyncio.to_thread(
+                    self._updater.step, batch, step_seed(cfg.seed, self.step + 1)
+                )
+            else:  # nothing generated a token (e.g. agents that never called the model)
+                from .step import StepStats
+
+                stats = StepStats()
+            self.step += 1
+            self.trained += len(samples)
+            self._pending.extend(groups)
+            step_s = time.monotonic() - started
+            rewards = [float(s.trajectory.reward) for s in samples]
+            staleness = [x for g in groups for x in g.staleness]
+            c = self.collector.counters
+            row = StepMetrics(
+                step=self.step,
+                version=self.version,
+                reward_mean=statistics.fmean(rewards) if rewards else 0.0,
+                reward_std=statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+                loss=stats.loss,
+                kl=stats.kl,
+                clip_frac=stats.clip_frac,
+                entropy=stats.entropy,
+                tokens=stats.tokens,
+                tokens_per_s=stats.tokens / step_s if step_s > 0 else 0.0,
+                step_s=step_s,
+                groups_used=len(groups),
+                dropped_stale=c.dropped_stale,
+                dropped_flat=c.dropped_flat,
+                staleness_max=max(staleness, default=0),
+                staleness_mean=statistics.fmean(staleness) if staleness else 0.0,
+                staleness_hist=self.collector.buffer.staleness_histogram(groups),
+                model_tokens=stats.model_tokens,
+                rows=stats.rows,
+                grad_norm=stats.grad_norm,
+                ratio_mean=stats.ratio_mean,
+                wait_s=wait_s,
+                tis_weighted=c.tis_weighted,
+                prefix_mismatches=built.prefix_mismatches,
+                failed_members=c.failed_members,
+                refused=c.refused,
+                validation_skipped=c.validation_skipped,
+            )
+            span.set_attributes(
+                {
+                    "agentarium.run": cfg.run,
+                    "agentarium.step": self.step,
+                    "agentarium.version": self.version,
+                    "agentarium.groups": len(groups),
+                    "agentarium.trajectories": len(samples),
+                    "agentarium.tokens": stats.tokens,
+                    "agentarium.loss": stats.loss,
+                    "agentarium.reward_mean": row.reward_mean,
+                }
+            )
+        log.info(
+            "step done",
+            step=self.step,
+            version=self.version,
+            reward_mean=round(row.reward_mean, 4),
+            loss=round(row.loss, 6),
+            groups=len(groups),
+            tokens=row.tokens,
+            step_s=round(step_s, 3),
+            dropped_stale=row.dropped_stale,
+        )
+        return row
+
+    # ---- publish, checkpoint, ack ----------------------------------------------------------
+    async def _publish(self) -> None:
+        version = self.version + 1
+        started = time.monotonic()
+        model = await asyncio.to_thread(self._updater.publishable_model)
+        await self.publisher.publish(model, version, self.step)
+        self.version = version
+        log.info(
+            "version published",
+            version=version,
+            step=self.step,
+            publish_s=round(time.monotonic() - started, 3),
+        )
+
+    async def _checkpoint(self) -> None:
+        groups, self._pending = self._pending, []
+        model_state, optimizer_state = await asyncio.to_thread(self._updater.state)
+        path = await asyncio.to_thread(
+            self.checkpoints.save,
+            step=self.step,
+            version=self.version,
+            model_state=model_state,
+            optimizer_state=optimizer_state,
+            trained_job_ids=[j for g in groups for j in g.trained_job_ids],
+            consumed_job_ids=[j for g in groups for j in g.other_job_ids],
+            extra={"run": self.config.run, "agent": self.config.agent, "seed": self.config.seed},
+        )
+        self.last_checkpoint = path
+        log.info(
+            "checkpoint saved",
+            step=self.step,
+            version=self.version,
+            path=str(path),
+            groups=len(groups),
+        )
+        await self.collector.ack(groups)
+
+    # ---- setup ------------------------------------------------------------------------------
+    async def _setup(self) -> set[str]:
+        """Build the updater, restore a checkpoint if resuming; returns the seen job ids."""
+        cfg = self.config
+        if self._updater is None:
+            self._updater = await asyncio.to_thread(_make_updater, cfg)
+        model = self._updater.publishable_model()
+        self._pad_id = _pad_id(model)
+        seen: set[str] = set()
+        if self.checkpoints is None:
+            if self.resume:
+                raise TrainerConfigError("--resume needs --checkpoint-dir")
+            return seen
+        self.checkpoints.clean_partial()
+        latest = self.checkpoints.latest()
+        if latest is not None and not self.resume:
+            raise TrainerConfigError(
+                f"{cfg.checkpoint_dir} holds checkpoints already (latest {latest.name}): pass "
+                "--resume to continue that run, or point --checkpoint-dir at an empty directory"
+            )
+        if latest is None:
+            if self.resume:
+                log.warning(
+                    "resume asked but no checkpoint found; starting fresh",
+                    checkpoint_dir=cfg.checkpoint_dir,
+                )
+            return seen
+        loaded = await asyncio.to_thread(self.checkpoints.load, latest)
+        if (loaded.state.get("run"), loaded.state.get("agent")) != (cfg.run, cfg.agent):
+            raise TrainerConfigError(
+                f"checkpoint {latest} belongs to run {loaded.state.get('run')!r} agent "
+                f"{loaded.state.get('agent')!r}, not {cfg.run!r}/{cfg.agent!r}"
+            )
+        await asyncio.to_thread(
+            self._updater.load_state, loaded.model_state, loaded.optimizer_state
+        )
+        restore_rng(loaded.rng, loaded.state)
+        self.step, self.version = loaded.step, loaded.version
+        seen = self.checkpoints.seen_job_ids()
+        log.info(
+            "resumed", checkpoint=str(latest), step=self.step, version=self.version, seen=len(seen)
+        )
+        return seen
+
+
+def _make_updater(config: TrainerConfig):
+    if config.ray_workers > 0:
+        from .ray_dp import RayDataParallel
+
+        return RayDataParallel(config, config.ray_workers)
+    from .step import LocalUpdater
+
+    return LocalUpdater(config)
+
+
+def _pad_id(model) -> int:
+    pad = getattr(model.config, "pad_token_id", None)
+    if pad is None:
+        eos = getattr(model.config, "eos_token_id", None)
+        pad = eos[0] if isinstance(eos, list) else eos
+    return int(pad or 0)
+
+
+def _links(groups: list[Group]) -> list[Link]:
+    """One link per used trajectory: to its publisher's span when the message carries a
+    traceparent, else to its trace (the trajectory records only a trace id)."""
+    links = []
+    for group in groups:
+        for sample in group.samples:
+            traj = sample.trajectory
+            attrs = {"agentarium.job_id": traj.job_id, "agentarium.group_id": traj.group_id}
+            member = group.members.get(traj.job_id)
+            headers = getattr(getattr(member, "handle", None), "headers", None) or {}
+            parent = trace.get_current_span(extract_context(headers)).get_span_context()
+            if parent.is_valid:
+                links.append(Link(parent, attrs))
+            elif len(traj.trace_id) == 32:
+                try:
+                    trace_id = int(traj.trace_id, 16)
+                except ValueError:
+                    continue
+                ctx = SpanContext(
+                    trace_id,
+                    INVALID_SPAN_ID,
+                    is_remote=True,
+                    trace_flags=TraceFlags(TraceFlags.SAMPLED),
+                )
+                links.append(Link(ctx, attrs))
+    return links

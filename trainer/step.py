@@ -1,0 +1,215 @@
+"""One GRPO update on a transformers causal LM: forward, loss, backward, clip, AdamW.
+
+``forward_backward`` is shared by the single-process updater below and each data-parallel
+worker (trainer/ray_dp.py): it accumulates gradients for a batch or a shard of one, with the
+loss normalised by the *whole* batch's counts, so shards' gradients sum to the full gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .batch import Batch
+from .config import TrainerConfig
+from .grpo import LossSums, grpo_loss, token_entropy, token_logprobs, truncated_is_weights
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepSettings:
+    """The part of TrainerConfig a step needs (plain values: it travels to Ray actors)."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    kl_coef: float = 0.0
+    loss_agg: str = "token-mean"
+    loss_norm_tokens: int = 1024
+    tis_clip: float = 2.0
+    micro_batch_size: int = 0
+    grad_clip: float = 1.0
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+
+    @classmethod
+    def from_config(cls, config: TrainerConfig) -> StepSettings:
+        return cls(**{k: getattr(config, k) for k in cls.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
+class Totals:
+    """Whole-batch normalisers: model tokens and rows with at least one model token."""
+
+    tokens: float
+    seqs: float
+
+    @classmethod
+    def of(cls, batch: Batch) -> Totals:
+        shifted = batch.loss_mask[:, 1:]
+        return cls(float(shifted.sum()), float((shifted.sum(-1) > 0).sum()))
+
+
+@dataclass
+class StepStats:
+    loss: float = 0.0
+    kl: float = 0.0  # mean k3 KL to the reference per model token (0 when kl_coef is 0)
+    clip_frac: float = 0.0
+    entropy: float = 0.0
+    ratio_mean: float = 0.0
+    grad_norm: float = 0.0
+    rows: int = 0
+    model_tokens: int = 0
+    tokens: int = 0  # every real token processed, prompts included
+
+    @classmethod
+    def from_sums(cls, loss: float, sums: LossSums, grad_norm: float, batch: Batch) -> StepStats:
+        n = max(sums.tokens, 1.0)
+        return cls(
+            loss=loss,
+            kl=sums.kl / n,
+            clip_frac=sums.clipped / n,
+            entropy=sums.entropy / n,
+            ratio_mean=sums.ratio / n,
+            grad_norm=grad_norm,
+            rows=batch.rows,
+            model_tokens=int(sums.tokens),
+            tokens=batch.tokens,
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def load_model(model_dir: str | Path, device: str | torch.device, *, trainable: bool = True):
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a per-load progress bar is noise in service logs
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model.to(device)
+    if trainable:
+        model.train()
+    else:
+        model.eval()
+        model.requires_grad_(False)
+    return model
+
+
+def forward_backward(
+    model,
+    ref_model,
+    batch: Batch,
+    settings: StepSettings,
+    totals: Totals,
+    device: str | torch.device,
+) -> tuple[float, LossSums]:
+    """Accumulate this batch's (or shard's) gradient; returns its share of the loss."""
+    loss_total, sums = 0.0, LossSums()
+    if batch.rows == 0:
+        return loss_total, sums
+    for micro in batch.micro_batches(settings.micro_batch_size):
+        mb = micro.to(device)
+        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+        logits = logits[:, :-1]  # (b, T-1, V): position t predicts token t + 1
+        targets = mb.input_ids[:, 1:]  # (b, T-1)
+        temperature = mb.temperature[:, 1:]  # (b, T-1)
+        mask = mb.loss_mask[:, 1:]  # (b, T-1)
+        behaviour = mb.old_logprobs[:, 1:]  # (b, T-1)
+        logprobs = token_logprobs(logits, targets, temperature)  # (b, T-1)
+        tis_rows = mb.tis.unsqueeze(-1)  # (b, 1)
+        # Too-stale rows (stale_policy tis): ratio against the current policy, weighted by
+        # min(pi_current / pi_rollout, tis_clip); see trainer/grpo.py.
+        old = torch.where(tis_rows, logprobs.detach(), behaviour)  # (b, T-1)
+        is_weights = None
+        if bool(mb.tis.any()):
+            w = truncated_is_weights(logprobs.detach(), behaviour, clip=settings.tis_clip)
+            is_weights = torch.where(tis_rows, w, torch.ones_like(w))  # (b, T-1)
+        ref = None
+        if ref_model is not None and settings.kl_coef > 0:
+            with torch.no_grad():
+                ref_logits = ref_model(
+                    input_ids=mb.input_ids, attention_mask=mb.attention_mask
+                ).logits[:, :-1]
+                ref = token_logprobs(ref_logits, targets, temperature)  # (b, T-1)
+        loss, part = grpo_loss(
+            logprobs,
+            old,
+            mb.advantages[:, 1:],
+            mask,
+            clip_low=settings.clip_low,
+            clip_high=settings.clip_high,
+            mode=settings.loss_agg,
+            is_weights=is_weights,
+            ref_logprobs=ref,
+            kl_coef=settings.kl_coef,
+            total_tokens=totals.tokens,
+            total_seqs=totals.seqs,
+            norm_tokens=settings.loss_norm_tokens,
+        )
+        part.entropy = float(token_entropy(logits.detach(), temperature)[mask].sum())
+        loss.backward()
+        loss_total += float(loss.detach())
+        sums += part
+    return loss_total, sums
+
+
+def make_optimizer(model, settings: StepSettings) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=settings.lr,
+        betas=tuple(settings.adam_betas),
+        weight_decay=settings.weight_decay,
+    )
+
+
+def apply_update(model, optimizer: torch.optim.Optimizer, grad_clip: float) -> float:
+    """Clip the accumulated gradient (if grad_clip > 0), step, zero; returns the grad norm."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if grad_clip > 0:
+        norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
+    else:
+        norm = math.sqrt(sum(float(p.grad.detach().pow(2).sum()) for p in params))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
+class LocalUpdater:
+    """Model, frozen reference and optimizer in this process (``--ray-workers 0``)."""
+
+    def __init__(self, config: TrainerConfig) -> None:
+        self.settings = StepSettings.from_config(config)
+        self.device = torch.device(config.device)
+        self.model = load_model(config.model_dir, self.device)
+        self.ref_model = (
+            load_model(config.model_dir, self.device, trainable=False)
+            if config.kl_coef > 0
+            else None
+        )
+        self.optimizer = make_optimizer(self.model, self.settings)
+
+    def step(self, batch: Batch, seed: int) -> StepStats:
+        torch.manual_seed(seed)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss, sums = forward_backward(
+            self.model, self.ref_model, batch, self.settings, Totals.of(batch), self.device
+        )
+        grad_norm = apply_update(self.model, self.optimizer, self.settings.grad_clip)
+        return StepStats.from_sums(loss, sums, grad_norm, batch)
+
+    def state(self) -> tuple[dict, dict]:
+        return self.model.state_dict(), self.optimizer.state_dict()
+
+    def load_state(self, model_state: dict, optimizer_state: dict) -> None:
+        self.model.load_state_dict(model_state)
+        self.optimizer.load_state_dict(optimizer_state)
+
+    def publishable_model(self):
+        """The model to hand to a WeightPublisher (this process holds the live one)."""
+        return self.model
+
+    def close(self) -> None:
+        pass
