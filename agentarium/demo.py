@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import json
 import random
+import signal
 import sys
 import time
 from pathlib import Path
@@ -191,7 +192,12 @@ async def _rollouts_only(args: argparse.Namespace, url: str, out: Path) -> dict:
     }
 
 
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM: clean up children and the broker like Ctrl-C does
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, _interrupt)
     setup_logging("warning", json=True)  # the demo prints its own progress; children log to files
     out = Path(args.out).expanduser().resolve()
     logs = out / "logs"

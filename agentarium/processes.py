@@ -50,6 +50,18 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the parent dies (Linux), so a killed
+    demo or test never leaves engines and consumers behind."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the parent's finally blocks still terminate children
+
+
 def _pump(stream, log_file, ready: threading.Event | None, holder: dict) -> None:
     with open(log_file, "ab") as out:
         for raw in iter(stream.readline, b""):
@@ -81,6 +93,7 @@ def start_child(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         env=env or child_env(),
+        preexec_fn=_die_with_parent,
     )
     ready = threading.Event() if wait_ready else None
     holder: dict = {}
