@@ -1,0 +1,68 @@
+# syntax=docker/dockerfile:1
+# One image for the Agentarium services: `agentarium consumer | engine | trainer | sync | broker init`.
+#
+#   docker build -t agentarium .                                   # CPU (torch CPU build)
+#   docker build -t agentarium:gpu \
+#     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .   # CUDA torch, for the trainer
+#   docker run --rm agentarium consumer --help
+#
+# Multi-stage: build tools live in the builder only; the runtime stage gets the virtualenv and
+# tini. No model is baked in: `--model tiny` is created at first start under $AGENTARIUM_HOME
+# (a volume), and real models are mounted or downloaded by the engine (SGLang has its own image).
+
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS builder
+# torch is pinned and taken from PyTorch's own index, so a CPU image never pulls CUDA wheels.
+# The GPU variant only changes the index (the CUDA libraries come as wheels; the host needs the
+# NVIDIA driver and container toolkit).
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# Extras of the agentarium package: otlp exports spans to OTEL_EXPORTER_OTLP_ENDPOINT.
+ARG EXTRAS=otlp
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONDONTWRITEBYTECODE=1
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends build-essential \
+ && rm -rf /var/lib/apt/lists/*
+RUN python -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+# The biggest layer first, so a source change does not reinstall torch.
+RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY agentarium ./agentarium
+COPY broker ./broker
+COPY consumers ./consumers
+COPY producers ./producers
+COPY schemas ./schemas
+COPY trainer ./trainer
+COPY examples ./examples
+# hadolint ignore=DL3013
+RUN pip install ".[${EXTRAS}]" \
+ && python -c "import agentarium.cli, broker, consumers, producers, schemas, trainer"
+
+FROM ${PYTHON_IMAGE} AS runtime
+# tini as PID 1: forwards SIGTERM (consumers drain on it) and reaps children.
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends tini \
+ && rm -rf /var/lib/apt/lists/* \
+ && useradd --create-home --uid 10001 --user-group agentarium \
+ && mkdir -p /var/lib/agentarium /weights \
+ && chown agentarium:agentarium /var/lib/agentarium /weights
+COPY --from=builder /opt/venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    AGENTARIUM_HOME=/var/lib/agentarium \
+    AGENTARIUM_LOG_FORMAT=json
+USER 10001:10001
+WORKDIR /home/agentarium
+VOLUME ["/var/lib/agentarium"]
+# The local engine's port (SGLang's default); consumers' tracing proxies pick free ports.
+EXPOSE 30000
+ENTRYPOINT ["/usr/bin/tini", "--", "agentarium"]
+CMD ["--help"]

@@ -1,0 +1,297 @@
+"""ops/nats/auth.conf: one user per role, least privilege, passwords from the environment.
+
+Each role does its job with the calls the real services make; a role stepping outside its job
+is refused by the server; wrong credentials make the CLI fail fast with a clear message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import secrets
+import subprocess
+import sys
+import time
+
+import agentlib
+import nats
+import nats.errors
+import nats.js.errors
+import pytest
+from fake_sglang import FakeSGLang
+from nats.js.api import AckPolicy, ConsumerConfig
+from nats_configs import ROOT, single_node
+from worker_env import worker_for
+
+from agentarium.processes import child_env
+from broker import Topology, provision
+from broker.provision import ensure_provisioned
+from producers import TaskProducer, TrajectoryReader
+
+ROLES = ("admin", "producer", "consumer", "trainer", "sync", "orchestrator")
+REFUSED_TIMEOUT_S = 1.0  # a refused JetStream request gets no answer: don't wait long for it
+
+
+@pytest.fixture(scope="module")
+def passwords():
+    return {role: secrets.token_urlsafe(12) for role in ROLES}
+
+
+@pytest.fixture
+def auth_server(tmp_path, passwords, monkeypatch):
+    """nats-server -c auth.conf, with each role's password in the server's environment."""
+    for role, password in passwords.items():
+        monkeypatch.setenv(
+            f"AGENTARIUM_{role.upper()}_PASSWORD", password
+        )  # NatsServer inherits it
+    server = single_node(tmp_path, config="auth.conf").server.start()
+    yield server
+    server.stop()
+
+
+class Login:
+    """A connection as one role, recording the server's asynchronous errors (refusals)."""
+
+    def __init__(self, nc: nats.NATS, errors: list[str]):
+        self.nc = nc
+        self.errors = errors
+        self.js = nc.jetstream()
+        self.js_short = nc.jetstream(timeout=REFUSED_TIMEOUT_S)
+
+    def refused(self, fragment: str) -> bool:
+        # nats-py lowercases the server's message
+        return any(
+            "permissions violation" in e.lower() and fragment.lower() in e.lower()
+            for e in self.errors
+        )
+
+
+@pytest.fixture
+async def login(auth_server, passwords):
+    opened = []
+
+    async def connect(role: str) -> Login:
+        errors: list[str] = []
+
+        async def on_error(exc):
+            errors.append(str(exc))
+
+        nc = await nats.connect(
+            auth_server.url,
+            user=role,
+            password=passwords[role],
+            error_cb=on_error,
+            max_reconnect_attempts=0,
+            connect_timeout=3,
+        )
+        opened.append(nc)
+        return Login(nc, errors)
+
+    yield connect
+    for nc in opened:
+        await nc.close()
+
+
+@pytest.fixture
+async def admin(login):
+    who = await login("admin")
+    await provision(who.js, Topology())
+    return who
+
+
+async def settle(who: Login) -> None:
+    """The server answers a refused publish asynchronously: a round trip makes sure it arrived."""
+    await who.nc.flush(timeout=2)
+
+
+@pytest.fixture
+async def fake():
+    server = FakeSGLang()
+    await server.start()
+    yield server
+    await server.close()
+
+
+def cli(*args: str, user: str, password: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    env = child_env(AGENTARIUM_NATS_USER=user, AGENTARIUM_NATS_PASSWORD=password)
+    return subprocess.run(
+        [sys.executable, "-m", "agentarium", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=env,
+    )
+
+
+async def test_the_pipeline_runs_with_one_user_per_role(
+    admin, login, fake, auth_server, passwords, tmp_path
+):
+    topo = Topology()
+    consumer, trainer, sync, orchestrator = [
+        await login(r) for r in ("consumer", "trainer", "sync", "orchestrator")
+    ]
+    # producer: `agentarium produce` (checks the streams, publishes, PubAcks on its inbox)
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(
+        "".join(json.dumps({"task_id": f"t{i}", "prompt": f"say {i}"}) + "\n" for i in range(4))
+    )
+    produced = await asyncio.to_thread(
+        cli,
+        "produce",
+        "--agent",
+        "echo",
+        "--file",
+        str(tasks),
+        "--run",
+        "auth",
+        "--group-size",
+        "2",
+        "--nats-url",
+        auth_server.url,
+        user="producer",
+        password=passwords["producer"],
+    )
+    assert produced.returncode == 0, produced.stderr[-2000:]
+    assert "published=8" in produced.stdout, produced.stdout
+    # orchestrator: publishes jobs too
+    more = await TaskProducer(orchestrator.js, topo).submit("echo", [{"task_id": "o1"}], run="auth")
+    assert more.published == 1
+    # a job for another agent on this subject is dead-lettered by the consumer
+    await orchestrator.js.publish(
+        topo.tasks_subject("echo"),
+        json.dumps({"job_id": "misrouted", "agent": "other", "task": {}}).encode(),
+    )
+
+    # consumer: creates its durable, pulls, stores trajectories, dead-letters, acks, registers
+    async with worker_for(
+        consumer.js, "echo", agentlib.echo, [fake.url], worker_id="auth-worker"
+    ) as worker:
+        counters = await worker.run()
+    assert counters.ok == 9 and counters.dead_lettered == 1, counters
+    assert (await admin.js.stream_info(topo.tasks_stream)).state.messages == 0
+    assert (await admin.js.stream_info(topo.dead_stream)).state.messages == 1
+
+    # orchestrator: reads them back
+    trajectories = await TrajectoryReader(orchestrator.js, topo).read("auth")
+    assert len(trajectories) == 9 and set(more.job_ids) < {t.job_id for t in trajectories}
+
+    # trainer and sync check at start that every stream and bucket exists
+    assert not await ensure_provisioned(trainer.js, topo)
+    assert not await ensure_provisioned(sync.js, topo)
+    # trainer: its own durable consumer on TRAJECTORIES; weights into the object store; policy KV
+    await trainer.js.add_consumer(
+        topo.trajectories_stream,
+        ConsumerConfig(
+            durable_name="trainer-auth",
+            filter_subject=topo.trajectories_filter("auth"),
+            ack_policy=AckPolicy.EXPLICIT,
+        ),
+    )
+    sub = await trainer.js.pull_subscribe_bind("trainer-auth", topo.trajectories_stream)
+    msgs = await sub.fetch(9, timeout=5)
+    assert len(msgs) == 9
+    for msg in msgs:
+        await msg.ack()
+    await sub.unsubscribe()
+    weights = b"\x00\x01" * 300_000  # several chunks
+    obs = await trainer.js.object_store(topo.weights_bucket)
+    await obs.put("auth/v1", weights)
+    await obs.put("auth/v1", weights)  # a re-publish purges the old chunks
+    policy = await trainer.js.key_value(topo.policy_bucket)
+    await policy.put(
+        "auth", json.dumps({"run": "auth", "version": 1, "object": "auth/v1"}).encode()
+    )
+
+    # sync: watches the policy, streams the weights to a file (ordered consumers, flow control)
+    kv = await sync.js.key_value(topo.policy_bucket)
+    watcher = await kv.watch("auth")
+    entry = await watcher.updates(timeout=5)
+    assert json.loads(entry.value)["version"] == 1
+    await watcher.stop()
+    assert json.loads((await kv.get("auth")).value)["object"] == "auth/v1"
+    sink = io.BytesIO()
+    await (await sync.js.object_store(topo.weights_bucket)).get("auth/v1", writeinto=sink)
+    assert sink.getvalue() == weights
+
+    # consumer: reads the policy KV
+    ckv = await consumer.js.key_value(topo.policy_bucket)
+    assert json.loads((await ckv.get("auth")).value)["version"] == 1
+
+    for who in (consumer, trainer, sync, orchestrator):
+        await settle(who)
+        assert not who.errors, who.errors
+
+
+async def test_a_consumer_cannot_publish_weights_or_a_policy(admin, login):
+    topo = Topology()
+    policy = await admin.js.key_value(topo.policy_bucket)
+    await policy.put("guarded", b'{"version": 1}')
+    consumer = await login("consumer")
+
+    kv = await consumer.js_short.key_value(topo.policy_bucket)  # reading is allowed
+    with pytest.raises(nats.errors.TimeoutError):
+        await kv.put("guarded", b'{"version": 99}')
+    await settle(consumer)
+    assert consumer.refused("$KV.agentarium-policy.guarded"), consumer.errors
+
+    with pytest.raises((nats.errors.TimeoutError, nats.js.errors.Error)):
+        await consumer.js_short.object_store(topo.weights_bucket)
+    with pytest.raises(nats.errors.TimeoutError):  # even straight to the bucket's subjects
+        await consumer.js_short.publish("$O.agentarium-weights.C.forged", b"weights")
+    await settle(consumer)
+    assert consumer.refused("$O.agentarium-weights"), consumer.errors
+
+    assert (await policy.get("guarded")).value == b'{"version": 1}'
+    assert (await admin.js.stream_info(f"OBJ_{topo.weights_bucket}")).state.messages == 0
+
+
+async def test_a_producer_cannot_read_trajectories_or_publish_them(admin, login):
+    topo = Topology()
+    producer = await login("producer")
+    with pytest.raises((nats.errors.TimeoutError, nats.js.errors.Error)):
+        await TrajectoryReader(producer.js_short, topo).read("auth")
+    with pytest.raises((nats.errors.TimeoutError, nats.js.errors.Error)):
+        await producer.js_short.get_last_msg(
+            topo.trajectories_stream, topo.trajectory_subject("r", "a", "j")
+        )
+    await producer.nc.subscribe("agentarium.trajectories.>")  # refused asynchronously
+    await producer.nc.publish(topo.trajectory_subject("r", "a", "forged"), b"{}")
+    await settle(producer)
+    assert producer.refused('Subscription to "agentarium.trajectories.>"'), producer.errors
+    assert producer.refused('Publish to "agentarium.trajectories.r.a.forged"'), producer.errors
+    assert (await admin.js.stream_info(topo.trajectories_stream)).state.messages == 0
+
+
+async def test_sync_and_orchestrator_cannot_change_weights_or_policy(admin, login):
+    topo = Topology()
+    for role in ("sync", "orchestrator"):
+        who = await login(role)
+        with pytest.raises(nats.errors.TimeoutError):
+            await who.js_short.publish(f"$KV.{topo.policy_bucket}.forged", b"{}")
+        await settle(who)
+        assert who.refused(f"$KV.{topo.policy_bucket}.forged"), (role, who.errors)
+    assert (await admin.js.stream_info(f"KV_{topo.policy_bucket}")).state.messages == 0
+
+
+def test_wrong_credentials_fail_fast_with_a_clear_message(auth_server):
+    started = time.monotonic()
+    proc = cli(
+        "broker",
+        "status",
+        "--nats-url",
+        auth_server.url,
+        "--nats-user",
+        "x",
+        "--nats-password",
+        "wrong",
+        user="",
+        password="",
+    )
+    elapsed = time.monotonic() - started
+    assert proc.returncode != 0
+    assert "credentials" in proc.stderr, proc.stderr
+    # Python start-up included. nats-py retries a refused login ~10 times (about 5 s) before
+    # the CLI reports it; failing on the first refusal would make this about 1.5 s.
+    assert elapsed < 15, f"took {elapsed:.1f}s"

@@ -1,0 +1,224 @@
+"""A 3-node JetStream cluster started from ops/nats/cluster-{a,b,c}.conf, R3 streams: a batch of
+2,048 jobs runs while the TASKS stream's leader is SIGKILLed and later restarted, and every job
+ends with exactly one trajectory. Prints how long publishing stalled."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+
+import agentlib
+import nats.errors
+import nats.js.errors
+import pytest
+from fake_sglang import FakeSGLang
+from nats_configs import cluster, wait_healthy
+from worker_env import worker_for
+
+from agentarium.processes import child_env
+from broker import Limits, NatsSettings, Topology, provision
+from broker.registry import live_workers
+from producers import TaskProducer, TrajectoryReader
+
+GROUPS, GROUP_SIZE = 256, 8  # 2,048 jobs
+KILL_AFTER = 512  # acked publishes before the leader is killed: publishing is in full swing
+
+
+@pytest.fixture
+def nodes(tmp_path):
+    nodes = cluster(tmp_path)
+    for node in nodes.values():
+        node.server.start()
+    try:
+        yield nodes
+    finally:
+        for node in nodes.values():
+            node.server.stop()
+
+
+async def connect(nodes, name: str):
+    return await NatsSettings(url=",".join(n.url for n in nodes.values())).connect(name=name)
+
+
+async def until(predicate, timeout_s: float, what: str):
+    """Poll an async predicate (server-side state has no event to await); bounded. A request
+    that fails (a reconnecting client, an election) counts as not yet."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            result = await predicate()
+        except (nats.errors.Error, nats.js.errors.Error, TimeoutError):
+            result = False
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not reached within {timeout_s}s")
+        await asyncio.sleep(0.25)
+
+
+@pytest.mark.timeout(180)
+async def test_tasks_leader_killed_and_restarted_mid_batch(nodes, capsys):
+    topo = Topology()
+    await wait_healthy(list(nodes.values()))
+    admin = await connect(nodes, "test-admin")
+    js = admin.jetstream()
+    # The consumer is made with the workers' ack_wait up front, so starting workers changes nothing.
+    limits = Limits(replicas=3, ack_wait_s=5)
+    report = await provision(js, topo, limits, agents=("echo",))
+    assert "stream AGENTARIUM_TASKS" in report.created
+    for stream in (
+        topo.tasks_stream,
+        topo.trajectories_stream,
+        topo.dead_stream,
+        f"KV_{topo.policy_bucket}",
+        f"KV_{topo.workers_bucket}",
+        f"OBJ_{topo.weights_bucket}",
+    ):
+        info = await js.stream_info(stream)
+        assert info.config.num_replicas == 3 and len(info.cluster.replicas) == 2, stream
+
+    # `agentarium broker init --replicas 3` on the cluster: the same definitions, nothing to change
+    urls = ",".join(n.url for n in nodes.values())
+    init = await asyncio.to_thread(
+        subprocess.run,
+        [
+            sys.executable,
+            "-m",
+            "agentarium",
+            "broker",
+            "init",
+            "--replicas",
+            "3",
+            "--ack-wait",
+            "5",
+            "--agent",
+            "echo",
+            "--nats-url",
+            urls,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=child_env(),
+    )
+    assert init.returncode == 0, init.stderr[-2000:]
+    assert "created: 0  updated: 0" in init.stdout, init.stdout
+
+    async def consumer_led():  # a new R3 consumer answers only once its group elected a leader
+        info = await js.consumer_info(topo.tasks_stream, topo.rollout_consumer("echo"), timeout=1)
+        return info.cluster and info.cluster.leader
+
+    await until(consumer_led, 30, "rollout-echo has a leader")
+    fake = FakeSGLang()
+    await fake.start()
+    worker_ncs = [await connect(nodes, f"test-worker-{i}") for i in range(2)]
+    producer_nc = await connect(nodes, "test-producer")
+    acks: list[float] = []
+    kill_now = asyncio.Event()
+
+    def on_progress(done: int, total: int) -> None:
+        acks.append(time.monotonic())
+        if done == KILL_AFTER:
+            kill_now.set()
+
+    tasks = [{"task_id": f"t{i}", "prompt": f"say {i}", "max_new_tokens": 2} for i in range(GROUPS)]
+    started = time.monotonic()
+    try:
+        async with (
+            worker_for(
+                worker_ncs[0].jetstream(),
+                "echo",
+                agentlib.echo,
+                [fake.url],
+                burst=False,
+                concurrency=32,
+                ack_wait=5,
+                worker_id="w0",
+                limits=limits,
+            ) as w0,
+            worker_for(
+                worker_ncs[1].jetstream(),
+                "echo",
+                agentlib.echo,
+                [fake.url],
+                burst=False,
+                concurrency=32,
+                ack_wait=5,
+                worker_id="w1",
+                limits=limits,
+            ) as w1,
+        ):
+            runs = [asyncio.create_task(w.run()) for w in (w0, w1)]
+            producer = TaskProducer(producer_nc.jetstream(), topo)
+
+            async def registered():  # a worker registers once past its start-up requests
+                return {"w0", "w1"} <= {w["worker_id"] for w in await live_workers(js, topo)}
+
+            await until(registered, 30, "both workers registered")
+            victim = nodes[(await js.stream_info(topo.tasks_stream)).cluster.leader]
+            submit = asyncio.create_task(
+                producer.submit(
+                    "echo", tasks, run="failover", group_size=GROUP_SIZE, on_progress=on_progress
+                )
+            )
+            await asyncio.wait_for(kill_now.wait(), 60)
+            killed_at = time.monotonic()
+            victim.server.kill()  # SIGKILL: no lame duck, no flush
+            acked_at_kill = len(acks)
+
+            result = await asyncio.wait_for(submit, 90)
+            published_s = time.monotonic() - started
+            victim.server.start()  # same port, same store: it rejoins and catches up
+            assert result.published == GROUPS * GROUP_SIZE and result.duplicates == 0
+
+            reader = TrajectoryReader(js, topo)
+            await reader.wait_for("failover", result.job_ids, timeout=90)
+            stored_s = time.monotonic() - started
+
+            async def drained():
+                info = await js.consumer_info(topo.tasks_stream, topo.rollout_consumer("echo"))
+                return not info.num_pending and not info.num_ack_pending
+
+            await until(drained, 30, "all jobs acked")  # lost acks come back after ack_wait
+            for w in (w0, w1):
+                w.stop()
+            counters = await asyncio.wait_for(asyncio.gather(*runs), 60)
+
+            trajectories = await reader.read("failover")
+            ids = [t.job_id for t in trajectories]
+            assert len(ids) == len(set(ids)) == GROUPS * GROUP_SIZE
+            assert set(ids) == set(result.job_ids)
+            assert all(t.status == "ok" for t in trajectories), {t.status for t in trajectories}
+            # Exactly one stored message per job: no duplicate hid behind the reader's view.
+            stored = (await js.stream_info(topo.trajectories_stream)).state.messages
+            assert stored == GROUPS * GROUP_SIZE
+            assert (await js.stream_info(topo.tasks_stream)).state.messages == 0
+            assert (await js.stream_info(topo.dead_stream)).state.messages == 0
+            assert sum(c.ok for c in counters) >= stored
+
+            async def rejoined():
+                info = await js.stream_info(topo.tasks_stream)
+                peers = {p.name: p for p in info.cluster.replicas or []}
+                return victim.name in peers and peers[victim.name].current
+
+            await until(rejoined, 30, f"{victim.name} current again as a TASKS replica")
+    finally:
+        await fake.close()
+        for nc in (*worker_ncs, producer_nc, admin):
+            await nc.close()
+
+    # The stall: the longest stretch without a single publish ack, from the kill on. (Acks
+    # right after the kill are answers the old leader sent before it died.)
+    times = [killed_at] + [t for t in acks[acked_at_kill:] if t > killed_at]
+    gaps = [(b - a, a) for a, b in zip(times, times[1:], strict=False)]
+    stall, stall_from = max(gaps) if gaps else (float("nan"), killed_at)
+    with capsys.disabled():
+        print(
+            f"\n[cluster] SIGKILL of the TASKS leader {victim.name} after {acked_at_kill} of "
+            f"{GROUPS * GROUP_SIZE} publishes were acked: publishing stalled {stall:.2f}s (no ack "
+            f"from {stall_from - killed_at:.2f}s to {stall_from - killed_at + stall:.2f}s after the "
+            f"kill); all published in {published_s:.1f}s, all stored in {stored_s:.1f}s; "
+            f"redeliveries found already stored: {sum(c.already_stored for c in counters)}"
+        )

