@@ -274,6 +274,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 str(args.groups_per_step),
                 "--lr",
                 str(args.lr),
+                "--entropy-coef",
+                str(args.entropy_coef),
                 "--publish-every",
                 "1",
                 "--max-staleness",
@@ -342,8 +344,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--lr",
         type=float,
-        default=3e-3,
+        default=1e-3,
         help="learning rate of the tiny model (default %(default)s)",
+    )
+    p.add_argument(
+        "--entropy-coef",
+        type=float,
+        default=0.02,
+        help="entropy bonus keeping the random tiny policy exploring until it learns (default %(default)s)",
     )
     p.add_argument(
         "--max-staleness",

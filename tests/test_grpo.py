@@ -16,6 +16,7 @@ from trainer.grpo import (
     group_advantages,
     grpo_loss,
     k3_kl,
+    token_entropy,
     token_logprobs,
     truncated_is_weights,
 )
@@ -225,3 +226,29 @@ def test_micro_batches_and_shards_add_up_to_the_whole_batch(tmp_path):
             assert other[0] == pytest.approx(whole[0], abs=1e-6)
             for a, b in zip(whole[1], other[1], strict=True):
                 torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
+
+
+def test_entropy_bonus_lowers_the_loss_by_coef_times_mean_entropy():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 5, requires_grad=True)
+    targets = torch.tensor([[1, 2, 3], [0, 4, 1]])
+    mask = torch.tensor([[0, 1, 1], [1, 1, 0]], dtype=torch.bool)
+    logprobs = token_logprobs(logits, targets, 1.0)
+    entropy = token_entropy(logits, 1.0)
+    adv = torch.tensor([[0.5] * 3, [-0.5] * 3])
+    base, _ = grpo_loss(logprobs, logprobs.detach(), adv, mask, clip_low=0.2, clip_high=0.2)
+    bonus, _ = grpo_loss(
+        logprobs,
+        logprobs.detach(),
+        adv,
+        mask,
+        clip_low=0.2,
+        clip_high=0.2,
+        entropy=entropy,
+        entropy_coef=0.1,
+    )
+    expected = base - 0.1 * entropy[mask].mean()
+    assert torch.allclose(bonus, expected, atol=1e-6)
+    # the bonus pushes toward higher entropy: its gradient on the logits is not zero
+    (grad,) = torch.autograd.grad(bonus - base, logits)
+    assert grad[mask].abs().sum() > 0 and grad[~mask].abs().sum() == 0

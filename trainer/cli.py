@@ -116,6 +116,13 @@ def add_trainer_arguments(parser: argparse.ArgumentParser) -> None:
         help="weight of the k3 KL to the frozen initial model; 0 = off, no reference model loaded (default %(default)s)",
     )
     g.add_argument(
+        "--entropy-coef",
+        type=float,
+        default=0.0,
+        help="weight of an entropy bonus on model tokens; small values (0.01-0.05) stop a tiny policy "
+        "collapsing onto one answer before it learns (default %(default)s)",
+    )
+    g.add_argument(
         "--loss-agg",
         choices=LOSS_AGGS,
         default="token-mean",
@@ -263,6 +270,7 @@ def config_from_args(args: argparse.Namespace) -> TrainerConfig:
         clip_low=args.clip_low,
         clip_high=args.clip_high,
         kl_coef=args.kl_coef,
+        entropy_coef=args.entropy_coef,
         loss_agg=args.loss_agg,
         loss_norm_tokens=args.loss_norm_tokens,
         std_norm=not args.no_std_norm,

@@ -37,6 +37,7 @@ class TrainerConfig:
     clip_low: float = 0.2
     clip_high: float = 0.2
     kl_coef: float = 0.0
+    entropy_coef: float = 0.0  # a bonus on the policy entropy of model tokens (not textbook GRPO)
     loss_agg: str = "token-mean"
     loss_norm_tokens: int = 1024  # the constant divisor of seq-mean-token-sum-norm (Dr. GRPO)
     std_norm: bool = True
@@ -73,7 +74,9 @@ class TrainerConfig:
         _positive(self, "group_size", "groups_per_step", "publish_every", "checkpoint_every")
         _positive(self, "keep_checkpoints", "loss_norm_tokens", "tis_clip", "ack_wait_s")
         _positive(self, "group_timeout_s")
-        _at_least(self, 0, "micro_batch_size", "max_staleness", "ray_workers", "kl_coef")
+        _at_least(
+            self, 0, "micro_batch_size", "max_staleness", "ray_workers", "kl_coef", "entropy_coef"
+        )
         _at_least(self, 0, "weight_decay", "grad_clip", "lr", "adv_eps")
         if self.min_group_members < 2:
             raise TrainerConfigError(

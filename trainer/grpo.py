@@ -6,7 +6,7 @@ The algorithm (one optimizer step on B groups of G rollouts of the same task):
     A_i      = (r_i - mean(r)) / (std(r) + eps)                      per group, std optional
     ratio_t  = exp(logp_theta(y_t) - logp_old(y_t))                  per model token
     l_t      = -min(ratio_t A_i, clip(ratio_t, 1 - clip_low, 1 + clip_high) A_i) * w_t
-               + kl_coef * k3_t,   k3_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1
+               + kl_coef * k3_t - entropy_coef * H_t,   k3_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1
     loss     = aggregate(l, mask)                                    mask = model tokens only
 
 Departures from textbook GRPO (DeepSeekMath, 2024), each on purpose:
@@ -30,7 +30,10 @@ Departures from textbook GRPO (DeepSeekMath, 2024), each on purpose:
 8. Log-probs are taken at each call's sampling temperature, log_softmax(logits / T), which is
    what SGLang and the local engine report; top_p / top_k samples are refused upstream because
    their log-probs cannot be reproduced.
-9. Infrastructure failures (status error / timeout) are kept out of group statistics, groups
+9. An optional entropy bonus (entropy_coef, off by default), H_t the entropy of the policy at
+   each model token: a tiny randomly initialised policy otherwise collapses onto one answer
+   for every prompt, after which every group is flat and GRPO has no gradient left.
+10. Infrastructure failures (status error / timeout) are kept out of group statistics, groups
    may be released short after a timeout (>= 2 ok members), and groups whose rewards are all
    equal may be filtered out (DAPO's dynamic sampling); see trainer/groups.py.
 
@@ -74,9 +77,9 @@ def token_logprobs(
     return logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, T)
 
 
-@torch.no_grad()
 def token_entropy(logits: torch.Tensor, temperature: torch.Tensor | float = 1.0) -> torch.Tensor:
-    """Entropy of the (tempered) next-token distribution: (B, T, V) -> (B, T). For metrics."""
+    """Entropy of the (tempered) next-token distribution: (B, T, V) -> (B, T). Differentiable
+    (the entropy bonus); pass detached logits when it is only a metric."""
     logits = logits.float()
     if isinstance(temperature, torch.Tensor):
         logits = logits / temperature.to(logits.dtype).unsqueeze(-1)
@@ -187,6 +190,8 @@ def grpo_loss(
     is_weights: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
     total_tokens: float | None = None,
     total_seqs: float | None = None,
     norm_tokens: float | None = None,
@@ -208,6 +213,10 @@ def grpo_loss(
         kl = k3_kl(logprobs, ref_logprobs)  # (B, T)
         if kl_coef:
             per_token = per_token + kl_coef * kl
+    if entropy is not None and entropy_coef:
+        # Entropy bonus: keeps a tiny policy exploring instead of collapsing onto one answer
+        # while groups are still flat (see the module docstring).
+        per_token = per_token - entropy_coef * torch.where(m, entropy, torch.zeros_like(entropy))
     loss = aggregate(
         per_token,
         mask,

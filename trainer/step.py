@@ -25,6 +25,7 @@ class StepSettings:
     clip_low: float = 0.2
     clip_high: float = 0.2
     kl_coef: float = 0.0
+    entropy_coef: float = 0.0
     loss_agg: str = "token-mean"
     loss_norm_tokens: int = 1024
     tis_clip: float = 2.0
@@ -134,6 +135,9 @@ def forward_backward(
                     input_ids=mb.input_ids, attention_mask=mb.attention_mask
                 ).logits[:, :-1]
                 ref = token_logprobs(ref_logits, targets, temperature)  # (b, T-1)
+        entropy = None
+        if settings.entropy_coef > 0:
+            entropy = token_entropy(logits, temperature)  # (b, T-1), with gradient
         loss, part = grpo_loss(
             logprobs,
             old,
@@ -145,11 +149,15 @@ def forward_backward(
             is_weights=is_weights,
             ref_logprobs=ref,
             kl_coef=settings.kl_coef,
+            entropy=entropy,
+            entropy_coef=settings.entropy_coef,
             total_tokens=totals.tokens,
             total_seqs=totals.seqs,
             norm_tokens=settings.loss_norm_tokens,
         )
-        part.entropy = float(token_entropy(logits.detach(), temperature)[mask].sum())
+        if entropy is None:
+            entropy = token_entropy(logits.detach(), temperature)
+        part.entropy = float(entropy.detach()[mask].sum())
         loss.backward()
         loss_total += float(loss.detach())
         sums += part
