@@ -12,6 +12,7 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "AgentOrchestrator": "agentarium.orchestrator",
     "TaskProducer": "producers",
     "SubmitResult": "producers",
     "TrajectoryReader": "producers",

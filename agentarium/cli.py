@@ -11,7 +11,7 @@ import nats.js.errors
 
 from broker import BrokerError
 
-from .commands import broker_cmd, consumer_cmd, engine_cmd, produce_cmd, trainer_cmd
+from .commands import broker_cmd, consumer_cmd, engine_cmd, eval_cmd, produce_cmd, trainer_cmd
 
 EPILOG = """\
 Every command that talks to NATS reads AGENTARIUM_NATS_URL (default nats://127.0.0.1:4222) and the
@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine_cmd.register(sub)
     consumer_cmd.register(sub)
     produce_cmd.register(sub)
+    eval_cmd.register(sub)  # after produce: it adds `export` to `trajectories`
     trainer_cmd.register(sub)
     return parser
 

@@ -78,7 +78,9 @@ def _diff(want, have, keys) -> dict[str, tuple]:
     return out
 
 
-async def ensure_stream(js: JetStreamContext, want: StreamConfig) -> ProvisionReport:
+async def ensure_stream(
+    js: JetStreamContext, want: StreamConfig, *, update: bool = True
+) -> ProvisionReport:
     report = ProvisionReport()
     try:
         info = await js.stream_info(want.name)
@@ -87,7 +89,7 @@ async def ensure_stream(js: JetStreamContext, want: StreamConfig) -> ProvisionRe
         log.info("stream created", stream=want.name)
         report.created.append(f"stream {want.name}")
         return report
-    changes = _diff(want, info.config, _STREAM_KEYS)
+    changes = _diff(want, info.config, _STREAM_KEYS) if update else {}
     if not changes:
         report.unchanged.append(f"stream {want.name}")
         return report
@@ -168,7 +170,7 @@ async def ensure_consumer(
 
 
 async def _ensure_bucket_stream(
-    js, stream_name: str, label: str, create, want_settings: dict
+    js, stream_name: str, label: str, create, want_settings: dict, *, update: bool = True
 ) -> ProvisionReport:
     report = ProvisionReport()
     try:
@@ -179,11 +181,15 @@ async def _ensure_bucket_stream(
         report.created.append(f"bucket {label}")
         return report
     config = info.config
-    changes = {
-        k: (getattr(config, k), v)
-        for k, v in want_settings.items()
-        if _norm(getattr(config, k)) != _norm(v)
-    }
+    changes = (
+        {}
+        if not update
+        else {
+            k: (getattr(config, k), v)
+            for k, v in want_settings.items()
+            if _norm(getattr(config, k)) != _norm(v)
+        }
+    )
     if not changes:
         report.unchanged.append(f"bucket {label}")
         return report
@@ -207,7 +213,9 @@ async def _ensure_bucket_stream(
     return report
 
 
-async def ensure_buckets(js: JetStreamContext, topo: Topology, limits: Limits) -> ProvisionReport:
+async def ensure_buckets(
+    js: JetStreamContext, topo: Topology, limits: Limits, *, update: bool = True
+) -> ProvisionReport:
     report = ProvisionReport()
     policy = KeyValueConfig(
         bucket=topo.policy_bucket,
@@ -237,6 +245,7 @@ async def ensure_buckets(js: JetStreamContext, topo: Topology, limits: Limits) -
             topo.policy_bucket,
             lambda: js.create_key_value(policy),
             {"max_msgs_per_subject": limits.policy_history, "num_replicas": limits.replicas},
+            update=update,
         )
     )
     report.merge(
@@ -246,6 +255,7 @@ async def ensure_buckets(js: JetStreamContext, topo: Topology, limits: Limits) -
             topo.workers_bucket,
             lambda: js.create_key_value(workers),
             {"max_age": limits.workers_ttl_s, "num_replicas": limits.replicas},
+            update=update,
         )
     )
     report.merge(
@@ -255,6 +265,7 @@ async def ensure_buckets(js: JetStreamContext, topo: Topology, limits: Limits) -
             topo.weights_bucket,
             lambda: js.create_object_store(topo.weights_bucket, weights),
             {"num_replicas": limits.replicas},
+            update=update,
         )
     )
     return report
@@ -263,17 +274,20 @@ async def ensure_buckets(js: JetStreamContext, topo: Topology, limits: Limits) -
 async def ensure_provisioned(
     js: JetStreamContext, topo: Topology, limits: Limits | None = None
 ) -> bool:
-    """Provision with defaults only if the streams are missing (a fresh broker); never
-    touches existing settings, so services may call it on every start. True if it ran."""
-    try:
+    """Create whatever is missing (with ``limits`` or defaults) and never update what exists,
+    so every service may call it on start without reverting an operator's ``broker init``.
+    Returns True if anything was created. On a cluster run ``broker init --replicas 3``
+    first: a stream created here gets ``limits``' replicas."""
+    try:  # the common case, and all a least-privilege role may look at: everything exists
         for name in (topo.tasks_stream, topo.trajectories_stream, topo.dead_stream):
             await js.stream_info(name)
         await js.key_value(topo.workers_bucket)
         await js.key_value(topo.policy_bucket)
         return False
     except nats.js.errors.NotFoundError:
-        await provision(js, topo, limits)
-        return True
+        pass
+    report = await provision(js, topo, limits, update=False)
+    return bool(report.created)
 
 
 async def provision(
@@ -282,17 +296,22 @@ async def provision(
     limits: Limits | None = None,
     *,
     agents: tuple[str, ...] = (),
+    update: bool = True,
 ) -> ProvisionReport:
-    """Create or update everything in DESIGN.md's table (and rollout consumers for ``agents``)."""
+    """Create or update everything in DESIGN.md's table (and rollout consumers for ``agents``).
+    With ``update=False`` existing objects are left exactly as they are."""
     limits = limits or Limits()
     report = ProvisionReport()
     for stream in topo.stream_configs(limits):
-        report.merge(await ensure_stream(js, stream))
-    report.merge(await ensure_buckets(js, topo, limits))
+        report.merge(await ensure_stream(js, stream, update=update))
+    report.merge(await ensure_buckets(js, topo, limits, update=update))
     for agent in agents:
         report.merge(
             await ensure_consumer(
-                js, topo.tasks_stream, topo.rollout_consumer_config(agent, limits)
+                js,
+                topo.tasks_stream,
+                topo.rollout_consumer_config(agent, limits),
+                keys=_CONSUMER_KEYS if update else (),
             )
         )
     return report

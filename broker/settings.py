@@ -110,9 +110,15 @@ class NatsSettings:
         """
         errors: list[str] = []
 
+        refused = asyncio.Event()
+
         async def on_error(exc: Exception) -> None:
-            errors.append(str(exc) or type(exc).__name__)
-            log.warning("nats error", error=str(exc) or type(exc).__name__)
+            detail = str(exc) or type(exc).__name__
+            errors.append(detail)
+            if _is_auth_error(detail) and not nc.is_connected:
+                refused.set()  # nats-py would retry a refused login ~10 times: stop at the first
+                return
+            log.warning("nats error", error=detail)
 
         async def on_disconnect() -> None:
             if not nc.is_closed:  # also called on our own close(): not worth a warning then
@@ -147,13 +153,23 @@ class NatsSettings:
             options["tls"] = tls
 
         nc = nats.NATS()
+        connecting = asyncio.create_task(nc.connect(**options))
+        refusal = asyncio.create_task(refused.wait())
         try:
-            # nats-py retries the first connect in a loop only when asked; bound it in time.
-            await asyncio.wait_for(nc.connect(**options), timeout=self.connect_timeout_s * 2)
+            # The first connection is bounded in time; a refused login ends it at once.
+            done, _ = await asyncio.wait(
+                {connecting, refusal},
+                timeout=self.connect_timeout_s * 2,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            if connecting not in done:
+                connecting.cancel()
+                raise nats.errors.Error(errors[-1] if errors else "timed out")
+            connecting.result()
         except (TimeoutError, OSError, nats.errors.Error) as exc:
             await _close_quietly(nc)
             detail = errors[-1] if errors else (str(exc) or type(exc).__name__)
-            if "authorization" in detail.lower() or "authentication" in detail.lower():
+            if _is_auth_error(detail):
                 raise BrokerUnavailable(
                     f"NATS at {self.url} refused the credentials ({detail}): check "
                     "AGENTARIUM_NATS_USER/PASSWORD, TOKEN, CREDS or NKEY"
@@ -162,7 +178,14 @@ class NatsSettings:
                 f"cannot connect to NATS at {self.url} ({detail}): start one with "
                 "`agentarium broker up`, or set AGENTARIUM_NATS_URL / --nats-url"
             ) from exc
+        finally:
+            refusal.cancel()
         return nc
+
+
+def _is_auth_error(detail: str) -> bool:
+    lowered = detail.lower()
+    return "authorization" in lowered or "authentication" in lowered
 
 
 async def _close_quietly(nc: nats.NATS) -> None:

@@ -41,4 +41,13 @@ if ! command -v nats-server >/dev/null 2>&1 && [ ! -x /usr/sbin/nats-server ]; t
     exit 1
   fi
 fi
+if [ -n "$extras" ] && ! command -v docker-compose >/dev/null 2>&1; then
+  # The deploy-file tests validate docker-compose.yml with `docker-compose config` (no engine needed).
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker-compose >/dev/null) \
+      || echo "note: docker-compose could not be installed; the compose validation test will skip"
+  else
+    echo "note: docker-compose not installed; the compose validation test will skip"
+  fi
+fi
 echo "setup done: .venv ready, nats-server at $(command -v nats-server || echo /usr/sbin/nats-server)"

@@ -59,6 +59,14 @@ class Login:
         self.js = nc.jetstream()
         self.js_short = nc.jetstream(timeout=REFUSED_TIMEOUT_S)
 
+    async def wait_refused(self, fragment: str, timeout: float = 3.0) -> bool:
+        """The server's -ERR reaches nats-py's error callback asynchronously (a task), even
+        after a flush: wait for it, bounded."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while not self.refused(fragment) and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+        return self.refused(fragment)
+
     def refused(self, fragment: str) -> bool:
         # nats-py lowercases the server's message
         return any(
@@ -234,14 +242,14 @@ async def test_a_consumer_cannot_publish_weights_or_a_policy(admin, login):
     with pytest.raises(nats.errors.TimeoutError):
         await kv.put("guarded", b'{"version": 99}')
     await settle(consumer)
-    assert consumer.refused("$KV.agentarium-policy.guarded"), consumer.errors
+    assert await consumer.wait_refused("$KV.agentarium-policy.guarded"), consumer.errors
 
     with pytest.raises((nats.errors.TimeoutError, nats.js.errors.Error)):
         await consumer.js_short.object_store(topo.weights_bucket)
     with pytest.raises(nats.errors.TimeoutError):  # even straight to the bucket's subjects
         await consumer.js_short.publish("$O.agentarium-weights.C.forged", b"weights")
     await settle(consumer)
-    assert consumer.refused("$O.agentarium-weights"), consumer.errors
+    assert await consumer.wait_refused("$O.agentarium-weights"), consumer.errors
 
     assert (await policy.get("guarded")).value == b'{"version": 1}'
     assert (await admin.js.stream_info(f"OBJ_{topo.weights_bucket}")).state.messages == 0
@@ -259,8 +267,8 @@ async def test_a_producer_cannot_read_trajectories_or_publish_them(admin, login)
     await producer.nc.subscribe("agentarium.trajectories.>")  # refused asynchronously
     await producer.nc.publish(topo.trajectory_subject("r", "a", "forged"), b"{}")
     await settle(producer)
-    assert producer.refused('Subscription to "agentarium.trajectories.>"'), producer.errors
-    assert producer.refused('Publish to "agentarium.trajectories.r.a.forged"'), producer.errors
+    assert await producer.wait_refused('Subscription to "agentarium.trajectories.>"'), producer.errors
+    assert await producer.wait_refused('Publish to "agentarium.trajectories.r.a.forged"'), producer.errors
     assert (await admin.js.stream_info(topo.trajectories_stream)).state.messages == 0
 
 
@@ -271,7 +279,7 @@ async def test_sync_and_orchestrator_cannot_change_weights_or_policy(admin, logi
         with pytest.raises(nats.errors.TimeoutError):
             await who.js_short.publish(f"$KV.{topo.policy_bucket}.forged", b"{}")
         await settle(who)
-        assert who.refused(f"$KV.{topo.policy_bucket}.forged"), (role, who.errors)
+        assert await who.wait_refused(f"$KV.{topo.policy_bucket}.forged"), (role, who.errors)
     assert (await admin.js.stream_info(f"KV_{topo.policy_bucket}")).state.messages == 0
 
 

@@ -1,0 +1,261 @@
+"""What an RL framework passes as ``data``, turned into jobs: validated before anything is sent.
+
+Accepted shapes:
+- a list of task dicts (one row each);
+- a dict of equal-length columns (lists or numpy arrays), as verl's ``non_tensor_batch``;
+- an object with a ``non_tensor_batch`` dict (a verl ``DataProto``): its columns.
+
+The agent of each row comes from its ``agent_name`` column, else from ``data_source`` when
+that names a registered agent, else the default agent. Every problem (no rows, ragged
+columns, a row without an agent, an agent nobody registered, two rows with one task id) is
+a ``BatchDataError`` that says what to change, raised before the first publish.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from producers.jobs import group_id_for, job_id_for, task_id_of
+from schemas import Job, Sampling
+
+AGENT_COLUMNS = ("agent_name", "data_source")
+_SHOW = 5  # rows named in an error message
+
+
+class BatchDataError(ValueError):
+    """The batch cannot be turned into jobs; the message says what to fix."""
+
+
+@dataclass(frozen=True)
+class BatchRow:
+    """One task of the batch, with its agent and its id inside the batch."""
+
+    index: int
+    agent: str
+    task_id: str
+    task: dict
+
+
+def plain(value: Any) -> Any:
+    """numpy arrays and scalars (and tuples) as JSON-ready Python values, recursively."""
+    if isinstance(value, np.ndarray):
+        return [plain(v) for v in value.tolist()] if value.dtype == object else value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, Mapping):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
+
+
+def _names(indices: Sequence[int]) -> str:
+    shown = ", ".join(str(i) for i in indices[:_SHOW])
+    return shown + (f" and {len(indices) - _SHOW} more" if len(indices) > _SHOW else "")
+
+
+def _is_column(value: Any) -> bool:
+    return isinstance(value, (list, tuple, np.ndarray))
+
+
+def _column_rows(columns: Mapping[str, Any]) -> list[dict]:
+    if not columns:
+        raise BatchDataError("the batch is empty: pass at least one task")
+    not_columns = [k for k, v in columns.items() if not _is_column(v)]
+    if len(not_columns) == len(columns):
+        raise BatchDataError(
+            "data is a dict whose values are not columns: it looks like a single task; pass a "
+            "list of task dicts ([task]) or a dict of equal-length lists/arrays"
+        )
+    if not_columns:
+        raise BatchDataError(
+            f"columns {not_columns} are not lists or arrays while the others are: every value of "
+            "a column dict must be a list or numpy array with one entry per row"
+        )
+    lengths = {k: len(v) for k, v in columns.items()}
+    if len(set(lengths.values())) > 1:
+        detail = ", ".join(f"{k}={n}" for k, n in lengths.items())
+        raise BatchDataError(
+            f"ragged columns ({detail}): every column needs one entry per row; pad or drop the "
+            "short ones"
+        )
+    n = next(iter(lengths.values()))
+    plain_columns = {str(k): plain(v) for k, v in columns.items()}
+    return [{k: col[i] for k, col in plain_columns.items()} for i in range(n)]
+
+
+def rows_of(data: Any) -> list[dict]:
+    """The batch as a list of plain task dicts (no validation of agents yet)."""
+    if data is None:
+        raise BatchDataError("data is None: pass a list of task dicts or a dict of columns")
+    non_tensor = getattr(data, "non_tensor_batch", None)
+    if isinstance(non_tensor, Mapping):
+        data = non_tensor
+    if isinstance(data, Mapping):
+        return _column_rows(data)
+    if isinstance(data, (str, bytes)) or not isinstance(data, (Sequence, np.ndarray)):
+        raise BatchDataError(
+            f"data is a {type(data).__name__}: pass a list of task dicts or a dict of columns"
+        )
+    rows = []
+    bad = []
+    for i, row in enumerate(data):
+        if isinstance(row, Mapping):
+            rows.append(plain(row))
+        else:
+            bad.append(i)
+    if bad:
+        raise BatchDataError(
+            f"rows {_names(bad)} are not dicts (first: {type(data[bad[0]]).__name__}): every task "
+            "must be a dict of JSON values"
+        )
+    if not rows:
+        raise BatchDataError("the batch is empty: pass at least one task")
+    return rows
+
+
+def _agent_of(
+    row: dict, registered: Collection[str], default: str | None
+) -> tuple[str | None, str]:
+    """(agent, problem); problem is '' when the row has an agent."""
+    name = row.get("agent_name")
+    if name not in (None, ""):
+        name = str(name)
+        return (name, "") if name in registered else (None, f"unknown:{name}")
+    source = row.get("data_source")
+    if source not in (None, "") and str(source) in registered:
+        return str(source), ""
+    if default is not None:
+        return default, ""
+    return None, "missing" if source in (None, "") else f"source:{source}"
+
+
+def normalize(
+    data: Any, *, registered: Collection[str], default_agent: str | None
+) -> list[BatchRow]:
+    """Rows with their agent and task id, or a BatchDataError naming every problem."""
+    if not registered:
+        raise BatchDataError(
+            "no agent is registered: call register_agent_type(name, fn, ...) before submitting data"
+        )
+    if default_agent is not None and default_agent not in registered:
+        raise BatchDataError(
+            f"default agent {default_agent!r} is not registered (registered: {sorted(registered)})"
+        )
+    rows = rows_of(data)
+    problems: dict[str, list[int]] = {}
+    out: list[BatchRow] = []
+    seen: dict[str, int] = {}
+    for index, row in enumerate(rows):
+        agent, problem = _agent_of(row, registered, default_agent)
+        if problem:
+            problems.setdefault(problem, []).append(index)
+            continue
+        try:
+            json.dumps(row, allow_nan=True)
+        except (TypeError, ValueError) as exc:
+            raise BatchDataError(
+                f"row {index} cannot be sent as JSON ({exc}): tasks hold JSON values only "
+                "(str, numbers, bools, lists, dicts); convert tensors with .tolist()"
+            ) from None
+        has_id = any(row.get(k) not in (None, "") for k in ("task_id", "id"))
+        task_id = task_id_of(row, index) if has_id else f"row{index}"
+        if task_id in seen:
+            raise BatchDataError(
+                f"rows {seen[task_id]} and {index} share task id {task_id!r}: give each row a "
+                "distinct task_id/id (if your framework already repeated each prompt n times, pass "
+                "each prompt once and set group_size=n)"
+            )
+        seen[task_id] = index
+        out.append(BatchRow(index=index, agent=str(agent), task_id=task_id, task=row))
+    if problems:
+        raise BatchDataError(_describe(problems, sorted(registered)))
+    return out
+
+
+def _describe(problems: dict[str, list[int]], registered: list[str]) -> str:
+    lines = []
+    for problem, indices in problems.items():
+        if problem == "missing":
+            lines.append(
+                f"rows {_names(indices)} name no agent and {len(registered)} agents are registered "
+                f"({', '.join(registered)}): add an agent_name column, or pass agent=NAME to "
+                "initialize_batch_processing (or default_agent= to the orchestrator)"
+            )
+        elif problem.startswith("unknown:"):
+            lines.append(
+                f"rows {_names(indices)} ask for agent {problem[8:]!r}, which is not registered "
+                f"(registered: {', '.join(registered)}): register it with register_agent_type "
+                "or fix the agent_name column"
+            )
+        else:
+            lines.append(
+                f"rows {_names(indices)} have data_source {problem[7:]!r}, which is not a "
+                f"registered agent (registered: {', '.join(registered)}), and there is no default "
+                "agent: add an agent_name column or pass agent=NAME"
+            )
+    return "; ".join(lines)
+
+
+def batch_id_for(
+    run: str, sequence: int, rows: Sequence[BatchRow], group_size: int, is_train: bool
+) -> str:
+    """``b<sequence>-<digest>``: a new id for every batch of this orchestrator's run, stable
+    for the same (run, position, content), so a restarted trainer re-submitting its step adds
+    nothing."""
+    blob = json.dumps(
+        [run, sequence, group_size, is_train, [(r.agent, r.task_id, r.task) for r in rows]],
+        sort_keys=True,
+        separators=(",", ":"),
+        default=str,
+    ).encode()
+    return f"b{sequence:06d}-{hashlib.sha256(blob).hexdigest()[:12]}"
+
+
+def expand(
+    rows: Sequence[BatchRow],
+    *,
+    run: str,
+    batch_id: str,
+    group_size: int,
+    is_train: bool,
+    sampling: Sampling | None = None,
+    deadline_s: float = 600.0,
+    metadata: Mapping[str, Any] | None = None,
+) -> list[Job]:
+    """``group_size`` jobs per row, samples of one row next to each other, ids deterministic."""
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise BatchDataError(f"group_size must be an integer >= 1, got {group_size!r}")
+    if not (isinstance(deadline_s, (int, float)) and math.isfinite(deadline_s) and deadline_s > 0):
+        raise BatchDataError(f"deadline_s must be a positive number, got {deadline_s!r}")
+    sampling = sampling or Sampling()
+    meta = dict(metadata or {})
+    jobs = []
+    for row in rows:
+        group_id = group_id_for(run, batch_id, row.task_id)
+        for sample in range(group_size):
+            jobs.append(
+                Job(
+                    job_id=job_id_for(run, batch_id, row.task_id, sample),
+                    agent=row.agent,
+                    task=row.task,
+                    task_id=row.task_id,
+                    group_id=group_id,
+                    sample_index=sample,
+                    group_size=group_size,
+                    run=run,
+                    batch_id=batch_id,
+                    is_train=is_train,
+                    sampling=sampling,
+                    deadline_s=float(deadline_s),
+                    metadata={**meta, "row": row.index},
+                )
+            )
+    return jobs

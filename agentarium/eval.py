@@ -1,0 +1,378 @@
+"""``agentarium eval run``: every task K times through the rollout consumers, resumable.
+
+Each (task, attempt) is a job with a deterministic id: ``job_id_for(run, "eval", task, attempt)``
+(a retry of a failed pair uses the batch ``eval-retry<n>``, since a job id holds one
+trajectory forever). The broker's TRAJECTORIES stream is the record of what ran: a rerun
+reads it first, so ``--resume`` after a crash or Ctrl-C publishes only the pairs without an ok
+trajectory (jobs still queued are deduplicated, jobs in flight in a killed process are
+redelivered), and a finished eval does nothing and says so. ``results.jsonl`` in the output
+directory is rebuilt from the stream on every run and appended to as trajectories arrive.
+
+The rollouts run in this process when the agent is given as ``NAME=module:function`` (with
+``--llm`` SGLang servers, or ``--openai-base`` for an OpenAI-compatible API, text only),
+otherwise on whatever ``agentarium consumer`` services serve the agent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import sys
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from broker import NatsSettings, Topology
+from broker.provision import ensure_provisioned
+from consumers.agents import load_callable
+from consumers.chat_template import ChatTemplate
+from producers import TaskProducer, TrajectoryReader
+from producers.jobs import group_id_for, job_id_for, task_id_of
+from schemas import Job, Sampling, Trajectory, check_name
+
+from . import eval_report as report
+from .cross_sampling import CrossSamplingBackend
+from .local_consumers import ConsumerSpec, LLMTarget, LocalConsumer, normalize_urls
+from .progress import ProgressBar
+from .tiny import resolve_model
+from .trajectory_feed import TrajectoryFeed
+
+log = structlog.get_logger("agentarium.eval")
+
+MANIFEST = "eval.json"
+BATCH = "eval"
+IDENTITY = ("agent", "tasks_sha256", "k", "run")
+
+
+class EvalError(ValueError):
+    """The eval cannot run as asked; the message says what to change."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    agent: str
+    agent_fn: str | None  # module:function for an in-process consumer; None: running consumers
+    tasks_file: Path
+    k: int = 1
+    out_dir: Path | None = None
+    run: str | None = None
+    llm: tuple[str, ...] = ()
+    openai_base: str | None = None
+    api_key: str | None = None
+    model: str = (
+        "tiny"  # tokenizer dir (or tiny) with --llm; the API's model name with --openai-base
+    )
+    model_name: str | None = None
+    cross_model: str | None = None
+    cross_model_name: str = "cross"
+    cross_ratio: float = 0.0
+    resume: bool = False
+    concurrency: int = 32
+    deadline_s: float = 600.0
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    ack_wait_s: float = 60.0
+    attempts: int = 3
+    timeout_s: float | None = None
+    success_threshold: float = 1.0
+    seed: int | None = None
+    reward: str | None = None
+
+
+def read_tasks(path: Path) -> tuple[list[dict], list[str], str]:
+    """Tasks, their ids (task_id/id, else the line's position) and the file's sha256."""
+    raw = path.read_bytes()
+    tasks = []
+    for number, line in enumerate(raw.decode().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            task = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise EvalError(f"{path}:{number}: not JSON ({exc})") from None
+        if not isinstance(task, dict):
+            raise EvalError(f"{path}:{number}: a task must be a JSON object")
+        tasks.append(task)
+    if not tasks:
+        raise EvalError(f"{path} has no tasks: write one JSON object per line")
+    ids = [task_id_of(t, i) for i, t in enumerate(tasks)]
+    seen: dict[str, int] = {}
+    for i, task_id in enumerate(ids):
+        if task_id in seen:
+            raise EvalError(
+                f"tasks {seen[task_id]} and {i} of {path} share the id {task_id!r}: "
+                "give every task a distinct task_id"
+            )
+        seen[task_id] = i
+    return tasks, ids, hashlib.sha256(raw).hexdigest()
+
+
+def default_run(cfg: EvalConfig, tasks_sha: str) -> str:
+    model = cfg.openai_base or ",".join(cfg.llm) or "consumers"
+    blob = json.dumps(
+        [cfg.agent, tasks_sha, cfg.k, model, cfg.model, cfg.cross_model, cfg.cross_ratio]
+    )
+    return f"eval-{cfg.agent}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"[:128]
+
+
+def job_for(run: str, task: dict, task_id: str, attempt: int, retry: int, cfg: EvalConfig) -> Job:
+    batch = BATCH if retry == 0 else f"{BATCH}-retry{retry}"
+    sampling = {}
+    if cfg.max_new_tokens:
+        sampling["max_new_tokens"] = cfg.max_new_tokens
+    if cfg.temperature is not None:
+        sampling["temperature"] = cfg.temperature
+    return Job(
+        job_id=job_id_for(run, batch, task_id, attempt),
+        agent=cfg.agent,
+        task=task,
+        task_id=task_id,
+        group_id=group_id_for(run, BATCH, task_id),
+        sample_index=attempt,
+        group_size=cfg.k,
+        run=run,
+        batch_id=batch,
+        is_train=False,
+        sampling=Sampling(**sampling),
+        deadline_s=cfg.deadline_s,
+        metadata={"eval": True, "retry": retry},
+    )
+
+
+class EvalRun:
+    """One invocation of ``eval run``; ``await run()`` returns the process exit code."""
+
+    def __init__(
+        self, cfg: EvalConfig, settings: NatsSettings, out=sys.stdout, err=sys.stderr
+    ) -> None:
+        self.cfg = cfg
+        self.settings = settings
+        self.out = out
+        self.err = err
+        self.tasks, self.task_ids, self.tasks_sha = read_tasks(cfg.tasks_file)
+        self.run_id = cfg.run or default_run(cfg, self.tasks_sha)
+        check_name(self.run_id, "run")
+        check_name(cfg.agent, "agent")
+        if cfg.k < 1:
+            raise EvalError("--k must be >= 1")
+        self.out_dir = cfg.out_dir or Path("evals") / self.run_id
+        self.primary_name = cfg.model_name or (
+            cfg.model if cfg.openai_base else Path(cfg.model).name
+        )
+        if cfg.cross_model and not cfg.agent_fn:
+            raise EvalError(
+                "cross-sampling wraps the consumer's backend, so it needs an in-process "
+                "consumer: pass --agent NAME=module:function"
+            )
+        if cfg.agent_fn and not (cfg.llm or cfg.openai_base):
+            raise EvalError(
+                "an in-process consumer needs an LLM: pass --llm URL (SGLang or "
+                "`agentarium engine`) or --openai-base URL --model NAME"
+            )
+
+    def manifest(self) -> dict[str, Any]:
+        cfg = self.cfg
+        return {
+            "version": 1,
+            "agent": cfg.agent,
+            "run": self.run_id,
+            "k": cfg.k,
+            "tasks_file": str(cfg.tasks_file),
+            "tasks_sha256": self.tasks_sha,
+            "task_ids": self.task_ids,
+            "model": self.primary_name,
+            "cross_model": cfg.cross_model_name if cfg.cross_model else None,
+            "cross_ratio": cfg.cross_ratio if cfg.cross_model else 0.0,
+            "success_threshold": cfg.success_threshold,
+            "config": {
+                k: str(v) if isinstance(v, Path) else v
+                for k, v in asdict(cfg).items()
+                if k not in ("api_key",)
+            },
+        }
+
+    def _check_out_dir(self) -> None:
+        path = self.out_dir / MANIFEST
+        if not path.exists():
+            return
+        old = json.loads(path.read_text())
+        changed = [key for key in IDENTITY if old.get(key) != self.manifest()[key]]
+        if changed:
+            raise EvalError(
+                f"{self.out_dir} holds another eval (different {', '.join(changed)}): "
+                "choose another --out"
+            )
+
+    def _say(self, text: str) -> None:
+        print(text, file=self.err, flush=True)
+
+    async def run(self) -> int:
+        cfg = self.cfg
+        self._check_out_dir()
+        existed = (self.out_dir / MANIFEST).exists()
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / MANIFEST).write_text(json.dumps(self.manifest(), indent=2) + "\n")
+        nc = await self.settings.connect(name="agentarium-eval")
+        js = nc.jetstream()
+        topology = Topology(self.settings.prefix)
+        consumer = None
+        feed = TrajectoryFeed(js, topology, self.run_id)
+        try:
+            await ensure_provisioned(js, topology)
+            await feed.start()  # before reading, so nothing stored in between is missed
+            stored = await TrajectoryReader(js, topology).read(self.run_id, cfg.agent)
+            final, pending = self._plan(stored)
+            results_path = self.out_dir / report.RESULTS
+            report.write_results(results_path, report.ordered(final, self.task_ids))
+            if not pending:
+                self._say(
+                    f"nothing to do: all {len(self.tasks)} x {cfg.k} (task, attempt) pairs "
+                    f"of run {self.run_id} already have a result in {self.out_dir}"
+                )
+                return self._finish(final)
+            if existed and not cfg.resume:
+                raise EvalError(
+                    f"{self.out_dir} holds an unfinished eval ({len(final)} of "
+                    f"{len(self.tasks) * cfg.k} pairs done): pass --resume to run the "
+                    f"other {len(pending)}"
+                )
+            self._say(
+                f"eval run {self.run_id}: {len(pending)} of {len(self.tasks) * cfg.k} "
+                f"(task, attempt) pairs to run" + (f" ({len(final)} kept)" if final else "")
+            )
+            if cfg.agent_fn:
+                consumer = await self._start_consumer(js, topology)
+            progress = ProgressBar(len(pending), label="pairs", stream=self.err, every_s=5.0)
+            with open(results_path, "a") as sink:
+
+                def on_result(traj: Trajectory) -> None:
+                    line = report.result_line(traj, self.primary_name)
+                    report.append_result(sink, line)
+                    key = (traj.task_id, traj.sample_index)
+                    if line["status"] == "ok" or key not in final or final[key]["status"] != "ok":
+                        final[key] = line
+                    progress.update(traj)
+
+                feed.expect([j.job_id for j in pending], on_result)
+                published, duplicates = await TaskProducer(js, topology).publish_jobs(pending)
+                if duplicates:
+                    await feed.lookup(pending)
+                try:
+                    await feed.wait(cfg.timeout_s)
+                except TimeoutError as exc:
+                    self._say(f"error: {exc}")
+                finally:
+                    progress.close()
+            report.write_results(results_path, report.ordered(final, self.task_ids))
+            return self._finish(final)
+        finally:
+            await feed.close()
+            if consumer is not None:
+                await consumer.stop()
+            await nc.close()
+
+    def _plan(self, stored: list[Trajectory]) -> tuple[dict, list[Job]]:
+        """Results that stand, and the jobs still to run."""
+        by_pair: dict[tuple[str, int], list[Trajectory]] = defaultdict(list)
+        for traj in stored:
+            by_pair[(traj.task_id, traj.sample_index)].append(traj)
+        final: dict[tuple[str, int], dict] = {}
+        pending: list[Job] = []
+        for task, task_id in zip(self.tasks, self.task_ids, strict=True):
+            for attempt in range(self.cfg.k):
+                trajs = by_pair.get((task_id, attempt), [])
+                ok = [t for t in trajs if t.ok]
+                if ok:
+                    final[(task_id, attempt)] = report.result_line(ok[0], self.primary_name)
+                elif trajs and not self.cfg.resume:
+                    final[(task_id, attempt)] = report.result_line(trajs[-1], self.primary_name)
+                else:
+                    pending.append(
+                        job_for(self.run_id, task, task_id, attempt, len(trajs), self.cfg)
+                    )
+        return final, pending
+
+    async def _start_consumer(self, js: Any, topology: Topology) -> LocalConsumer:
+        cfg = self.cfg
+        fn = load_callable(cfg.agent_fn, "agent")
+        reward_fn = load_callable(cfg.reward, "reward function") if cfg.reward else None
+        if cfg.openai_base:
+            target = LLMTarget(
+                openai_base=cfg.openai_base.rstrip("/"), openai_model=cfg.model, api_key=cfg.api_key
+            )
+            template, model_dir = None, None
+        else:
+            target = LLMTarget(urls=tuple(normalize_urls(list(cfg.llm))))
+            model_dir = str(resolve_model(cfg.model))
+            template = ChatTemplate.from_model_dir(model_dir)
+        backend = target.backend()
+        if cfg.cross_model:
+            second = (
+                LLMTarget(
+                    openai_base=cfg.cross_model.rstrip("/"),
+                    openai_model=cfg.cross_model_name,
+                    api_key=cfg.api_key,
+                )
+                if cfg.openai_base
+                else LLMTarget(urls=tuple(normalize_urls(cfg.cross_model)))
+            )
+            backend = CrossSamplingBackend(
+                backend,
+                second.backend(),
+                cfg.cross_ratio,
+                primary_name=self.primary_name,
+                secondary_name=cfg.cross_model_name,
+                seed=cfg.seed,
+            )
+        spec = ConsumerSpec(
+            agent=cfg.agent,
+            fn=fn,
+            target=target,
+            model_dir=model_dir,
+            model_name=self.primary_name,
+            concurrency=cfg.concurrency,
+            proxy_host="127.0.0.1",
+            advertise_host="127.0.0.1",
+            attempts=cfg.attempts,
+            ack_wait_s=cfg.ack_wait_s,
+            reward_fn=reward_fn,
+            worker_id=f"{self.run_id}-{cfg.agent}"[:120],
+        )
+        return await LocalConsumer(js, topology, spec, template=template, backend=backend).start()
+
+    def _finish(self, final: dict) -> int:
+        cfg = self.cfg
+        summary = report.summarize(
+            final, k=cfg.k, tasks=len(self.tasks), success_threshold=cfg.success_threshold
+        )
+        summary["run"] = self.run_id
+        (self.out_dir / report.SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
+        title = f"eval {self.run_id}: agent {cfg.agent} ({self.out_dir})"
+        print(report.format_table(summary, title=title), file=self.out, flush=True)
+        return 0 if summary["missing"] == 0 else 1
+
+
+def print_summary(out_dir: Path, out=sys.stdout) -> int:
+    """``eval summary DIR``: the table again, from results.jsonl and eval.json."""
+    manifest_path = out_dir / MANIFEST
+    if not manifest_path.exists():
+        raise EvalError(f"{out_dir} has no {MANIFEST}: pass the --out directory of an eval run")
+    manifest = json.loads(manifest_path.read_text())
+    final = report.final_results(report.read_results(out_dir / report.RESULTS))
+    summary = report.summarize(
+        final,
+        k=manifest["k"],
+        tasks=len(manifest["task_ids"]),
+        success_threshold=manifest.get("success_threshold", 1.0),
+    )
+    title = f"eval {manifest['run']}: agent {manifest['agent']} ({out_dir})"
+    print(report.format_table(summary, title=title), file=out, flush=True)
+    return 0
+
+
+def run_eval(cfg: EvalConfig, settings: NatsSettings) -> int:
+    return asyncio.run(EvalRun(cfg, settings).run())

@@ -1,0 +1,234 @@
+"""Rollout consumers inside the calling process: a ``consumers.worker.Worker`` per agent, with
+its own tracing proxy and backend, run as a task on the current event loop.
+
+The orchestrator runs these on its background loop when there is no Ray cluster; each Ray
+consumer actor runs exactly the same thing in its own process. ``LLMTarget`` says where an
+agent's LLM calls go: SGLang-compatible servers (token ids, trainable) or an
+OpenAI-compatible ``/v1`` endpoint (text only, for evaluation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+from nats.js import JetStreamContext
+
+from broker import Topology
+from consumers.agents import AgentRunner, AgentSpec
+from consumers.backends import OpenAICompatBackend, SGLangBackend
+from consumers.chat_template import ChatTemplate
+from consumers.proxy import TracingProxy
+from consumers.retry import RetryPolicy
+from consumers.rollout import RolloutEnv
+from consumers.worker import Counters, Worker, WorkerConfig, default_worker_id
+
+log = structlog.get_logger("agentarium.consumers")
+
+PORT_SCAN = 64  # ports tried upwards from a base port before giving up
+
+
+def normalize_urls(urls: str | Sequence[str] | None) -> list[str]:
+    """``host:port`` gets ``http://``; trailing slashes go; a comma-separated string splits."""
+    if urls is None:
+        return []
+    if isinstance(urls, str):
+        urls = [u for u in urls.split(",") if u.strip()]
+    out = []
+    for url in urls:
+        url = str(url).strip().rstrip("/")
+        out.append(url if "://" in url else f"http://{url}")
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class LLMTarget:
+    """Where an agent's LLM calls go. ``openai_base`` (a URL ending in /v1) wins over ``urls``."""
+
+    urls: tuple[str, ...] = ()
+    openai_base: str = ""
+    openai_model: str = ""
+    api_key: str | None = None
+
+    @classmethod
+    def of(
+        cls, endpoint: str | Sequence[str] | None, default_urls: Sequence[str], model: str
+    ) -> LLMTarget:
+        urls = normalize_urls(endpoint) or list(default_urls)
+        if len(urls) == 1 and urls[0].endswith("/v1"):
+            return cls(openai_base=urls[0], openai_model=model)
+        if not urls:
+            raise ValueError(
+                "no LLM server for this agent: pass server_addresses to AgentOrchestrator, or an "
+                "endpoint (SGLang URL, or an OpenAI-compatible base URL ending in /v1) to "
+                "register_agent_type"
+            )
+        return cls(urls=tuple(urls))
+
+    @property
+    def trainable(self) -> bool:
+        return not self.openai_base
+
+    def backend(self, *, retries: int = 3, timeout: float = 600.0) -> Any:
+        if self.openai_base:
+            return OpenAICompatBackend(
+                self.openai_base, self.openai_model, self.api_key, retries=retries, timeout=timeout
+            )
+        return SGLangBackend(list(self.urls), retries=retries, timeout=timeout)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConsumerSpec:
+    """Everything one in-process (or in-actor) consumer needs; picklable for Ray."""
+
+    agent: str
+    fn: Any
+    target: LLMTarget
+    model_dir: str | None  # tokenizer + chat template; None for OpenAI-compatible targets
+    model_name: str
+    concurrency: int = 64
+    proxy_host: str = "0.0.0.0"
+    proxy_port: int = 0  # 0: any free port; else a base port scanned upwards
+    advertise_host: str | None = None
+    attempts: int = 3
+    retry_delay_s: float = 1.0
+    ack_wait_s: float = 60.0
+    drain_grace_s: float = 10.0
+    llm_retries: int = 3
+    llm_timeout_s: float = 600.0
+    worker_id: str = field(default_factory=default_worker_id)
+    reward_fn: Any = None
+
+
+async def start_proxy(host: str, base_port: int, advertise_host: str | None) -> TracingProxy:
+    """A tracing proxy on ``base_port`` or the first free port above it (0: any free port), so
+    several consumers on one node, each starting from its own offset, never collide."""
+    if not base_port:
+        proxy = TracingProxy(host=host, port=0, advertised_host=advertise_host)
+        await proxy.start()
+        return proxy
+    last: OSError | None = None
+    for port in range(base_port, base_port + PORT_SCAN):
+        proxy = TracingProxy(host=host, port=port, advertised_host=advertise_host)
+        try:
+            await proxy.start()
+            return proxy
+        except OSError as exc:
+            last = exc
+            await proxy.close()
+    raise OSError(
+        f"no free port for the tracing proxy in {base_port}..{base_port + PORT_SCAN - 1} on "
+        f"{host} ({last}): pass another proxy_port, or 0 for any free port"
+    )
+
+
+class LocalConsumer:
+    """One running worker; ``await start()`` returns once it pulls, ``await stop()`` drains it."""
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        topology: Topology,
+        spec: ConsumerSpec,
+        *,
+        template: ChatTemplate | None = None,
+        backend: Any = None,
+    ) -> None:
+        self.js = js
+        self.topology = topology
+        self.spec = spec
+        self._template = template
+        self.proxy: TracingProxy | None = None
+        self.worker: Worker | None = None
+        self._backend: Any = backend  # None: built from spec.target
+        self._runner: AgentRunner | None = None
+        self._task: asyncio.Task | None = None
+
+    @property
+    def endpoint_base(self) -> str:
+        return self.proxy.base_url if self.proxy else ""
+
+    async def start(self) -> LocalConsumer:
+        spec = self.spec
+        template = self._template
+        if template is None and spec.model_dir is not None:
+            template = ChatTemplate.from_model_dir(Path(spec.model_dir))
+        if template is None and spec.target.trainable:
+            raise ValueError(
+                f"agent {spec.agent!r}: SGLang servers take token ids, so the model's tokenizer is "
+                "needed: pass model='tiny' or a model directory"
+            )
+        agent = AgentSpec.of(spec.fn, spec.agent)
+        self.proxy = await start_proxy(spec.proxy_host, spec.proxy_port, spec.advertise_host)
+        if self._backend is None:
+            self._backend = spec.target.backend(
+                retries=spec.llm_retries, timeout=spec.llm_timeout_s
+            )
+        self._runner = AgentRunner(
+            agent, model_name=spec.model_name, threads=max(4, min(spec.concurrency, 256))
+        )
+        env = RolloutEnv(
+            runner=self._runner,
+            backend=self._backend,
+            template=template,
+            proxy=self.proxy,
+            model_name=spec.model_name,
+            worker_id=spec.worker_id,
+            reward_fn=spec.reward_fn,
+        )
+        config = WorkerConfig(
+            agent=spec.agent,
+            concurrency=spec.concurrency,
+            ack_wait_s=spec.ack_wait_s,
+            fetch_timeout_s=0.5,
+            drain_grace_s=spec.drain_grace_s,
+            worker_id=spec.worker_id,
+            retry=RetryPolicy(
+                attempts=spec.attempts,
+                base_delay_s=spec.retry_delay_s,
+                max_delay_s=max(60.0, spec.retry_delay_s),
+            ),
+        )
+        self.worker = Worker(self.js, self.topology, config, env)
+        self._task = asyncio.create_task(self.worker.run(), name=f"worker-{spec.agent}")
+        log.info(
+            "in-process consumer started",
+            agent=spec.agent,
+            style=agent.style,
+            kind=agent.kind,
+            proxy=self.proxy.base_url,
+            worker_id=spec.worker_id,
+        )
+        return self
+
+    @property
+    def failed(self) -> BaseException | None:
+        """The worker's crash, if it stopped by itself."""
+        if self._task is not None and self._task.done() and not self._task.cancelled():
+            return self._task.exception()
+        return None
+
+    async def stop(self) -> Counters | None:
+        counters = None
+        if self.worker is not None and self._task is not None:
+            self.worker.stop()
+            try:
+                counters = await asyncio.wait_for(
+                    asyncio.shield(self._task), self.spec.drain_grace_s + 5
+                )
+            except (TimeoutError, Exception):  # noqa: BLE001 - stopping: report, do not raise
+                self._task.cancel()
+                with contextlib.suppress(BaseException):
+                    await self._task
+        if self._runner is not None:
+            self._runner.close()
+        if self.proxy is not None:
+            await self.proxy.close()
+        if self._backend is not None:
+            await self._backend.aclose()
+        return counters

@@ -1,0 +1,157 @@
+"""The orchestrator's async core: broker connection, consumers, publishing, waiting.
+
+It composes the pieces that never import each other: ``producers`` publishes the jobs,
+``consumers`` run them (in this process, in Ray actors, or as external ``agentarium consumer``
+services), and a ``TrajectoryFeed`` collects the trajectories of the jobs being waited for.
+Without a NATS URL it starts an embedded ``nats-server`` in a temporary directory, so the
+seed's three-line integration needs no service to be running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import tempfile
+import weakref
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from broker import Limits, NatsServer, NatsSettings, Topology
+from broker.provision import ensure_provisioned
+from consumers.chat_template import ChatTemplate
+from producers import TaskProducer
+from schemas import Job, Trajectory
+
+from .local_consumers import ConsumerSpec, LocalConsumer
+from .ray_consumers import RayConfig, RayConsumerPool
+from .trajectory_feed import TrajectoryFeed
+
+log = structlog.get_logger("agentarium.orchestrator")
+
+WATCH_EVERY_S = 1.0
+
+
+def _stop_embedded(server: NatsServer, store: Path) -> None:
+    """Stop an embedded nats-server and remove its store; also runs at exit if the
+    orchestrator was never closed, so no nats-server outlives the training script."""
+    server.stop()
+    shutil.rmtree(store, ignore_errors=True)
+
+
+class RolloutCore:
+    """Runs on the orchestrator's event loop; every method is a coroutine or cheap."""
+
+    def __init__(
+        self,
+        *,
+        settings: NatsSettings | None,
+        run: str,
+        limits: Limits | None = None,
+        ray_config: RayConfig | None = None,
+    ) -> None:
+        self.settings = settings
+        self.run = run
+        self.limits = limits or Limits()
+        self.ray_config = ray_config
+        self.topology = Topology(settings.prefix if settings else "agentarium")
+        self.server: NatsServer | None = None
+        self._stop_server: weakref.finalize | None = None
+        self.nc: Any = None
+        self.js: Any = None
+        self.producer: TaskProducer | None = None
+        self.feed: TrajectoryFeed | None = None
+        self.local: dict[str, LocalConsumer] = {}
+        self.pool: RayConsumerPool | None = None
+
+    async def start(self) -> None:
+        if self.settings is None:
+            store = Path(tempfile.mkdtemp(prefix="agentarium-nats-"))
+            # The server is a child process; starting it blocks briefly (it polls the port).
+            self.server = await asyncio.to_thread(NatsServer(store_dir=store).start)
+            self._stop_server = weakref.finalize(self, _stop_embedded, self.server, store)
+            self.settings = NatsSettings(url=self.server.url)
+            log.info("embedded nats-server started", url=self.server.url, store=str(store))
+        self.nc = await self.settings.connect(name="agentarium-orchestrator")
+        self.js = self.nc.jetstream()
+        await ensure_provisioned(self.js, self.topology, self.limits)
+        self.producer = TaskProducer(self.js, self.topology)
+        self.feed = TrajectoryFeed(self.js, self.topology, self.run)
+        await self.feed.start()
+
+    # ---- consumers -------------------------------------------------------------------------
+    async def start_local(self, spec: ConsumerSpec, template: ChatTemplate | None) -> str:
+        consumer = LocalConsumer(self.js, self.topology, spec, template=template)
+        await consumer.start()
+        self.local[spec.agent] = consumer
+        return consumer.endpoint_base
+
+    async def start_ray(self, spec: ConsumerSpec, model_ref: str | None) -> list[str]:
+        if self.pool is None:
+            assert self.ray_config is not None, "start_ray needs a ray_config"
+            self.pool = await asyncio.to_thread(RayConsumerPool, self.ray_config, self.settings)
+        return await self.pool.start_agent(spec, model_ref)
+
+    def _consumer_failure(self) -> str | None:
+        for name, consumer in self.local.items():
+            failure = consumer.failed
+            if failure is not None:
+                return f"the in-process consumer of agent {name!r} stopped: {failure!r}"
+        return None
+
+    # ---- batches ---------------------------------------------------------------------------
+    async def submit(
+        self, jobs: Sequence[Job], on_result: Callable[[Trajectory], None] | None = None
+    ) -> tuple[int, int]:
+        """Expect the jobs' trajectories, publish the jobs; returns (published, duplicates)."""
+        assert self.producer is not None and self.feed is not None, "start() first"
+        self.feed.expect([j.job_id for j in jobs], on_result)
+        published, duplicates = await self.producer.publish_jobs(jobs)
+        if duplicates:
+            # Submitted before (a restarted trainer, a resumed eval): some may be stored already.
+            await self.feed.lookup(jobs)
+        return published, duplicates
+
+    async def wait(self, timeout: float | None = None) -> dict[str, Trajectory]:
+        """Every expected trajectory, or TimeoutError; fails early if a local consumer died."""
+        assert self.feed is not None
+        waiting = asyncio.create_task(self.feed.wait(timeout))
+        try:
+            while True:
+                done, _ = await asyncio.wait({waiting}, timeout=WATCH_EVERY_S)
+                if done:
+                    return waiting.result()
+                failure = self._consumer_failure()
+                if failure is not None:
+                    raise RuntimeError(f"{failure}; {self.feed.missing} trajectories missing")
+        finally:
+            if not waiting.done():
+                waiting.cancel()
+                with contextlib.suppress(BaseException):
+                    await waiting
+
+    def clear(self) -> None:
+        if self.feed is not None:
+            self.feed.clear()
+
+    # ---- shutdown --------------------------------------------------------------------------
+    async def close(self) -> None:
+        for consumer in list(self.local.values()):
+            with contextlib.suppress(Exception):
+                await consumer.stop()
+        self.local.clear()
+        if self.pool is not None:
+            with contextlib.suppress(Exception):
+                await self.pool.stop()
+            self.pool = None
+        if self.feed is not None:
+            await self.feed.close()
+        if self.nc is not None and not self.nc.is_closed:
+            with contextlib.suppress(Exception):
+                await self.nc.close()
+        if self._stop_server is not None:
+            await asyncio.to_thread(self._stop_server)  # runs once, whoever calls it first
+            self.server = None

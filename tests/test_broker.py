@@ -1,0 +1,111 @@
+"""Provisioning, status and the broker commands against a real nats-server."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from broker import Limits, NatsSettings, ProvisioningError, Topology, provision
+from broker.errors import BrokerUnavailable
+from broker.provision import ensure_provisioned
+from broker.status import collect_status, format_status
+from producers import TaskProducer
+
+
+async def test_provision_is_idempotent_and_a_diff(nc, topology):
+    js = nc.jetstream()
+    first = await provision(js, topology, agents=("toy",))
+    assert len(first.created) == 7 and not first.updated
+    again = await provision(js, topology, agents=("toy",))
+    assert not again.created and not again.updated and len(again.unchanged) == 7
+    changed = await provision(js, topology, Limits(tasks_max_msgs=50, ack_wait_s=20), agents=("toy",))
+    assert changed.updated == ["stream AGENTARIUM_TASKS", "consumer AGENTARIUM_TASKS/rollout-toy"]
+    info = await js.stream_info(topology.tasks_stream)
+    assert info.config.max_msgs == 50 and info.config.duplicate_window == 3600
+    consumer = await js.consumer_info(topology.tasks_stream, "rollout-toy")
+    assert consumer.config.ack_wait == 20 and consumer.config.max_deliver == 4
+
+
+async def test_unsafe_change_is_refused_with_a_message(nc, topology):
+    js = nc.jetstream()
+    await provision(js, topology)
+    with pytest.raises(ProvisioningError, match="work-queue stream is not safe"):
+        await provision(js, topology, Limits(replicas=3))
+
+
+async def test_ensure_provisioned_creates_only_what_is_missing(nc, topology):
+    js = nc.jetstream()
+    await provision(js, topology, Limits(tasks_max_msgs=10, workers_ttl_s=7))
+    await js.delete_key_value(topology.policy_bucket)
+    assert await ensure_provisioned(js, topology) is True
+    assert (await js.stream_info(topology.tasks_stream)).config.max_msgs == 10  # not reverted
+    assert (await js.stream_info(f"KV_{topology.workers_bucket}")).config.max_age == 7
+    await js.key_value(topology.policy_bucket)  # recreated
+    assert await ensure_provisioned(js, topology) is False
+
+
+async def test_status_counts_waiting_stranded_and_runs(js, topology):
+    await TaskProducer(js, topology).submit("nobody", [{"n": i} for i in range(3)], run="r")
+    status = await collect_status(js, topology)
+    [row] = status.agents
+    assert (row.agent, row.waiting, row.stranded, row.has_consumer) == ("nobody", 3, 3, False)
+    assert any("no consumer" in note for note in status.notes)
+    text = format_status(status)
+    assert "nobody" in text and "live workers: 0" in text
+
+
+def agentarium(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "agentarium", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_broker_init_and_status_commands(nats_url):
+    init = agentarium("broker", "init", "--nats-url", nats_url, "--agent", "toy")
+    assert init.returncode == 0, init.stderr
+    assert "created: 7" in init.stdout
+    assert "created: 0  updated: 0  unchanged: 7" in agentarium("broker", "init", "--nats-url", nats_url,
+                                                                "--agent", "toy").stdout
+    status = agentarium("broker", "status", "--json", "--nats-url", nats_url)
+    assert status.returncode == 0, status.stderr
+    data = json.loads(status.stdout)
+    assert data["agents"][0]["agent"] == "toy" and data["agents"][0]["has_consumer"] is True
+
+
+def test_commands_fail_fast_without_a_broker():
+    from broker import free_port
+
+    result = agentarium("broker", "status", "--nats-url", f"nats://127.0.0.1:{free_port()}", timeout=30)
+    assert result.returncode == 2
+    assert "cannot connect to NATS" in result.stderr and "agentarium broker up" in result.stderr
+
+
+async def test_connect_error_is_translated():
+    from broker import free_port
+
+    with pytest.raises(BrokerUnavailable, match="cannot connect"):
+        await NatsSettings(url=f"nats://127.0.0.1:{free_port()}", connect_timeout_s=1).connect()
+
+
+def test_settings_from_env_and_validation():
+    env = {"AGENTARIUM_NATS_URL": "nats://a:1,nats://b:2", "AGENTARIUM_NATS_TOKEN": "t"}
+    settings = NatsSettings.from_env(env, prefix="x")
+    assert settings.servers == ["nats://a:1", "nats://b:2"] and settings.prefix == "x"
+    assert settings.redacted()["token"] == "***"
+    assert NatsSettings.from_env(env, url="nats://c:3").url == "nats://c:3"
+    with pytest.raises(ValueError, match="needs a scheme"):
+        NatsSettings(url="localhost:4222")
+    with pytest.raises(ValueError, match="go together"):
+        NatsSettings(user="u")
+
+
+def test_topology_rejects_names_that_would_reroute():
+    topo = Topology()
+    assert topo.tasks_subject("toy") == "agentarium.tasks.toy"
+    assert topo.trajectory_subject("r1", "toy", "j-1") == "agentarium.trajectories.r1.toy.j-1"
+    for bad in ("a.b", "a*", "a>", "a b", ""):
+        with pytest.raises(ValueError, match="not a valid name"):
+            topo.tasks_subject(bad)
+    assert topo.dead_subject("a.b") == "agentarium.dead._invalid"

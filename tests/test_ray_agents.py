@@ -1,0 +1,71 @@
+"""The seed's LangChain agent as a Ray remote function, on a local Ray cluster (2 CPUs), with the
+orchestrator's rollout consumers running as Ray actors: every ChatOpenAI call is traced with
+its token ids through the actor's proxy. One Ray session for the whole module (Ray is slow
+to start)."""
+
+from __future__ import annotations
+
+import pytest
+from orchestrator_env import ThreadedFake
+
+from agentarium import AgentOrchestrator
+from broker import free_port
+
+ray = pytest.importorskip("ray")
+
+try:
+    import langchain_openai  # noqa: F401
+except ImportError:  # pragma: no cover - the test extra installs it
+    print("langchain-openai is not installed (pip install langchain-openai): skipping")
+    pytest.skip(
+        "langchain-openai is not installed (pip install langchain-openai)", allow_module_level=True
+    )
+
+from examples.langchain_agent import rollout  # noqa: E402  (after the skip: it imports ray)
+
+OUTPUT = [52, 50, 258]  # "4", "2", <|im_end|>
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_seed_langchain_agent_on_ray_actors(ray_cluster, nats_url):
+    base = free_port()
+    with (
+        ThreadedFake(output_ids=OUTPUT, text="42") as fake,
+        AgentOrchestrator(
+            server_addresses=[fake.url],
+            proxy_port=base,
+            nats_url=nats_url,
+            ray_config={"num_actors": 2, "num_cpus": 0.1},
+            advertise_host="127.0.0.1",
+            group_size=2,
+            progress=False,
+        ) as orch,
+    ):
+        endpoints = orch.register_agent_type("langchain", rollout, None, "tiny")
+        # two actors on one node: distinct proxy ports from the base port upwards
+        ports = sorted(int(e.rsplit(":", 1)[1]) for e in endpoints)
+        assert len(set(ports)) == 2 and ports[0] >= base and ports[1] < base + 64
+        tasks = [{"prompt": "What is 6 x 7?", "answer": "42"}, {"prompt": "2 + 3?", "answer": "5"}]
+        orch.initialize_batch_processing(data=tasks, is_train=True)
+        assert orch.wait_for_batch_completion(timeout=120)["ok"] == 4
+        trajectories = orch.trajectories()
+        batch, metrics = orch.generate_training_batch(max_prompt_length=128, max_response_length=8)
+        orch.reset_orchestrator_state()
+        served = fake.server.requests
+
+    assert [t.reward for t in trajectories] == [1.0, 1.0, 0.0, 0.0]
+    for traj in trajectories:
+        [call] = traj.calls
+        assert call.response_ids == OUTPUT and len(call.response_logprobs) == 3
+        assert call.prompt_ids in [r["input_ids"] for r in served]  # the exact tokens sent
+        assert call.messages[-1]["content"] == "42" and call.model == "tiny"
+        assert traj.worker_id.rsplit("-", 1)[1] in ("ray0", "ray1")
+    assert batch["responses"][:, :3].tolist() == [OUTPUT] * 4
+    assert batch["token_level_scores"][:, 2].tolist() == [1.0, 1.0, 0.0, 0.0]
+    assert metrics["langchain/success_rate"] == 0.5
