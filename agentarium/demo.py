@@ -4,7 +4,7 @@ A local nats-server (JetStream store under --out), the local CPU engine serving 
 model, rollout consumers running the toy agent, the GRPO trainer and the weight syncer.
 The toy task is "repeat the digit": the prompt names a digit and the reward is 1 when the
 reply is that digit, so the right answer depends on the prompt and the best constant
-policy scores 0.1. The model starts random (~1/263 per token) and learns from GRPO alone.
+policy scores 0.1 (always answering one digit is right for 1 prompt in 10). The model starts random (~1/263 per token) and learns from GRPO alone.
 Tasks are fed continuously, a little ahead of the trainer, so rollouts never stop.
 
 ``--rollouts-only`` runs just the rollout half: publish a task file, wait for every trajectory.
@@ -30,7 +30,6 @@ from .processes import Child, start_child
 from .tiny import ensure_tiny_model
 
 DEFAULT_TASKS = Path(__file__).resolve().parent.parent / "examples" / "toy_tasks.jsonl"
-BEST_CONSTANT_ACCURACY = 0.1  # always answering one digit is right for 1 prompt in 10
 
 
 def _bar(done: float, total: float, width: int = 24) -> str:
@@ -58,10 +57,10 @@ class Display:
             print()
 
 
-def _digit_tasks(rng: random.Random, n: int, prefix: str) -> list[dict]:
+def _digit_tasks(rng: random.Random, n: int, prefix: str, digits: str = "0123456789") -> list[dict]:
     tasks = []
     for i in range(n):
-        d = rng.randrange(10)
+        d = rng.choice(digits)
         tasks.append(
             {
                 "task_id": f"{prefix}-{i}",
@@ -101,7 +100,7 @@ async def _feed_and_watch(args: argparse.Namespace, url: str, out: Path, trainer
             # Stay `ahead` steps in front of the trainer: enough to keep rollouts busy, few
             # enough that trajectories are not many versions stale when they are trained on.
             while published_groups < (step + args.ahead) * args.groups_per_step:
-                batch = _digit_tasks(rng, args.groups_per_step, f"b{published_groups}")
+                batch = _digit_tasks(rng, args.groups_per_step, f"b{published_groups}", args.digits)
                 await producer.submit(
                     args.agent_name, batch, run=args.run, group_size=args.group_size
                 )
@@ -127,7 +126,7 @@ async def _feed_and_watch(args: argparse.Namespace, url: str, out: Path, trainer
         await nc.close()
 
 
-def _report(out: Path, elapsed: float) -> int:
+def _report(out: Path, elapsed: float, digits: str) -> int:
     from trainer.metrics import plot_metrics, read_metrics
 
     metrics = out / "metrics.csv"
@@ -142,7 +141,7 @@ def _report(out: Path, elapsed: float) -> int:
     print(f"{len(rows)} steps in {elapsed:.0f}s; policy version {rows[-1]['version']}")
     print(
         f"accuracy: first {n} steps {first:.2f} -> last {n} steps {last:.2f} "
-        f"(best constant policy: {BEST_CONSTANT_ACCURACY:.2f}; gain {last - first:+.2f})"
+        f"(best constant policy: {1 / len(set(digits)):.2f}; gain {last - first:+.2f})"
     )
     print(f"metrics: {metrics}")
     print(f"reward plot: {png}")
@@ -304,7 +303,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         for child in reversed(children):
             child.terminate()
         server.stop()
-    return _report(out, time.monotonic() - started)
+    return _report(out, time.monotonic() - started, args.digits)
 
 
 async def _provision(url: str, agent: str) -> None:
@@ -376,6 +375,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--seed", type=int, default=0, help="seed for tasks and the trainer (default %(default)s)"
+    )
+    p.add_argument(
+        "--digits",
+        default="0123456789",
+        help="digits the prompts draw from; one digit makes a micro-task that needs no conditioning "
+        "(default %(default)s)",
     )
     p.add_argument(
         "--run", default=f"demo-{int(time.time())}", help="run id (default: demo-<unix time>)"
