@@ -48,3 +48,12 @@ def sync_agent(task: dict, llm) -> float:
     return float(len(result.call.response_ids))
 
 
+
+
+async def with_own_span(task: dict, llm) -> float:
+    """An agent that traces its own work: its span must nest under the rollout span."""
+    from opentelemetry import trace
+
+    with trace.get_tracer("user.agent").start_as_current_span("agent thinking"):
+        await llm.chat([{"role": "user", "content": "x"}], max_new_tokens=1)
+    return 1.0

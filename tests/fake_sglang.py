@@ -78,31 +78,29 @@ def dead_url() -> str:
 
 
 @contextlib.contextmanager
-def local_engine(model_dir: Path) -> Iterator[str | None]:
-    """The real local engine (``python -m consumers.engine``) on a free port: yields its URL, or
-    None when it cannot start here, so tests can fall back to ``FakeSGLang``."""
-    try:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "consumers.engine",
-                "--model-path",
-                str(model_dir),
-                "--port",
-                "0",
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            cwd=Path(__file__).parents[1],
-        )
-    except OSError:
-        yield None
-        return
+def local_engine(model_dir: Path) -> Iterator[str]:
+    """The real local engine (``python -m consumers.engine``) on a free port: yields its URL.
+    It is our own code and runs anywhere the tests run, so failing to start is a failure."""
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "consumers.engine",
+            "--model-path",
+            str(model_dir),
+            "--port",
+            "0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=Path(__file__).parents[1],
+    )
     try:
         line = proc.stdout.readline()  # the engine prints one line once it listens, or exits
-        yield line.split(" on ", 1)[1].strip() if line.startswith("engine ready on") else None
+        if not line.startswith("engine ready on"):
+            raise RuntimeError(f"the local engine did not start: {line!r} (exit {proc.poll()})")
+        yield line.split(" on ", 1)[1].strip()
     finally:
         proc.terminate()
         try:

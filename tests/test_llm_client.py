@@ -73,8 +73,7 @@ async def fakes(template):
 
 @pytest.fixture
 async def backend(engine_url, fakes):
-    url = engine_url or (await fakes()).url
-    backend = SGLangBackend([url], backoff=0.0)
+    backend = SGLangBackend([engine_url], backoff=0.0)
     yield backend
     await backend.aclose()
 

@@ -72,10 +72,6 @@ async def fake(template):
 
 @pytest.fixture
 async def engine_backend(engine_url, template):
-    if engine_url is None:  # no engine here: a fake answering plain text stands in
-        ids = template.encode("five") + [258]
-        server = FakeSGLang(reply=lambda body: (ids, "five"))
-        engine_url = await server.start()
     backend = SGLangBackend([engine_url], backoff=0.0)
     yield backend
     await backend.aclose()

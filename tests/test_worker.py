@@ -5,19 +5,19 @@ from __future__ import annotations
 import asyncio
 import json
 
+import agentlib
 import msgpack
 import nats.js.errors
 import pytest
+from fake_sglang import FakeSGLang
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from worker_env import tiny_template, worker_for
 
-import agentlib
 from broker import Limits, provision
 from broker.errors import ERR_STREAM_FULL
 from examples import calculator, openai_agent
-from fake_sglang import FakeSGLang
 from producers import TaskProducer, TrajectoryReader
 from schemas import DeadLetter, Job, decode, encode
-from worker_env import tiny_template, worker_for
 
 
 @pytest.fixture
@@ -273,3 +273,14 @@ async def test_sigterm_style_stop_drains_in_flight_jobs(js, topology, fake):
         counters = await asyncio.wait_for(runner, 10)
     assert counters.ok == 4
     assert len(await TrajectoryReader(js, topology).read("drain")) == 4
+
+
+async def test_agent_spans_nest_under_the_rollout_span(js, topology, fake, span_exporter):
+    await TaskProducer(js, topology).submit("spans", [{"n": 1}], run="spans")
+    async with worker_for(js, "spans", agentlib.with_own_span, [fake.url]) as w:
+        assert (await w.run()).ok == 1
+    spans = {s.name: s for s in span_exporter.get_finished_spans()}
+    rollout, own, chat = spans["rollout"], spans["agent thinking"], spans["chat tiny"]
+    assert own.parent.span_id == rollout.context.span_id
+    assert chat.parent.span_id == own.context.span_id  # the LLM call inside the agent's span
+    assert own.context.trace_id == rollout.context.trace_id == spans["publish tasks"].context.trace_id
