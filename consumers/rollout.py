@@ -54,7 +54,8 @@ class RolloutEnv:
     reward_fn: Callable[..., Any] | None = None
 
 
-def _trajectory(job: Job, env: RolloutEnv, **fields: Any) -> Trajectory:
+def trajectory_for(job: Job, worker_id: str, **fields: Any) -> Trajectory:
+    """The job's trajectory: its ids copied from the job, the outcome from ``fields``."""
     return Trajectory(
         job_id=job.job_id,
         agent=job.agent,
@@ -65,7 +66,7 @@ def _trajectory(job: Job, env: RolloutEnv, **fields: Any) -> Trajectory:
         run=job.run,
         batch_id=job.batch_id,
         is_train=job.is_train,
-        worker_id=env.worker_id,
+        worker_id=worker_id,
         task=job.task,
         metadata=job.metadata,
         **fields,
@@ -110,9 +111,9 @@ async def run_rollout(
             span.set_attribute("agentarium.status", status)
             if status != "ok":
                 span.set_status(Status(StatusCode.ERROR, extra.get("error", status)[:200]))
-            return _trajectory(
+            return trajectory_for(
                 job,
-                env,
+                env.worker_id,
                 status=status,
                 calls=list(llm.calls),
                 attempts=attempt,

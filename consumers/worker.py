@@ -36,7 +36,7 @@ from broker.topology import Limits, Topology
 from schemas import DeadLetter, Job, SchemaError, Trajectory, check_name, decode, encode
 
 from .retry import Decision, RetryPolicy
-from .rollout import AgentFailure, RolloutEnv, run_rollout
+from .rollout import AgentFailure, RolloutEnv, run_rollout, trajectory_for
 
 log = structlog.get_logger("agentarium.consumers")
 
@@ -362,25 +362,15 @@ class Worker:
         self.counters.completed += 1
         self.counters.errors += 1
         now = time.time()
-        return Trajectory(
-            job_id=job.job_id,
-            agent=job.agent,
-            task_id=job.task_id,
-            group_id=job.group_id,
-            sample_index=job.sample_index,
-            group_size=job.group_size,
-            run=job.run,
-            batch_id=job.batch_id,
-            is_train=job.is_train,
+        return trajectory_for(
+            job,
+            self.config.worker_id,
             status="error",
             error=error,
-            worker_id=self.config.worker_id,
             attempts=attempt,
             started_at=now,
             finished_at=now,
             trace_id=trace_id,
-            task=job.task,
-            metadata=job.metadata,
             calls=calls or [],
         )
 
