@@ -168,8 +168,12 @@ class NatsSettings:
             connecting.result()
         except (TimeoutError, OSError, nats.errors.Error) as exc:
             await _close_quietly(nc)
-            detail = errors[-1] if errors else (str(exc) or type(exc).__name__)
-            if _is_auth_error(detail):
+            # A refused login can surface as a reset connection first: any auth error decides.
+            auth = [e for e in errors if _is_auth_error(e)]
+            detail = (
+                auth[-1] if auth else errors[-1] if errors else (str(exc) or type(exc).__name__)
+            )
+            if auth or _is_auth_error(detail):
                 raise BrokerUnavailable(
                     f"NATS at {self.url} refused the credentials ({detail}): check "
                     "AGENTARIUM_NATS_USER/PASSWORD, TOKEN, CREDS or NKEY"

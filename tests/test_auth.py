@@ -35,7 +35,9 @@ REFUSED_TIMEOUT_S = 1.0  # a refused JetStream request gets no answer: don't wai
 
 @pytest.fixture(scope="module")
 def passwords():
-    return {role: secrets.token_urlsafe(12) for role in ROLES}
+    # nats-server parses a $VAR's value as a config value: one starting with a digit or a
+    # '-' is read as a number and fails, so passwords here start with a letter (as in the docs).
+    return {role: "p" + secrets.token_hex(12) for role in ROLES}
 
 
 @pytest.fixture
