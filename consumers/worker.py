@@ -132,16 +132,7 @@ class Worker:
         consumer = self.topo.rollout_consumer_config(
             cfg.agent, self.limits, ack_wait_s=cfg.ack_wait_s, attempts=cfg.retry.attempts
         )
-        await ensure_provisioned(self.js, self.topo, self.limits)
-        await ensure_consumer(
-            self.js,
-            self.topo.tasks_stream,
-            consumer,
-            keys=("filter_subject", "ack_policy", "ack_wait", "max_deliver"),
-        )
-        self._psub = await self.js.pull_subscribe_bind(
-            consumer.durable_name, self.topo.tasks_stream
-        )
+        await self._attach(consumer)
         log.info(
             "worker started",
             worker_id=cfg.worker_id,
@@ -169,6 +160,34 @@ class Worker:
             await remove_worker(self.js, self.topo, cfg.worker_id)
             log.info("worker stopped", worker=repr(self))
         return self.counters
+
+    async def _attach(self, consumer) -> None:
+        """Provision and bind the pull subscription, riding out a broker that is restarting
+        or electing a leader (transient errors are retried with backoff until stop())."""
+        delay = 0.2
+        while True:
+            try:
+                await ensure_provisioned(self.js, self.topo, self.limits)
+                await ensure_consumer(
+                    self.js,
+                    self.topo.tasks_stream,
+                    consumer,
+                    keys=("filter_subject", "ack_policy", "ack_wait", "max_deliver"),
+                )
+                self._psub = await self.js.pull_subscribe_bind(
+                    consumer.durable_name, self.topo.tasks_stream
+                )
+                return
+            except (*_TRANSIENT, nats.js.errors.ServiceUnavailableError) as exc:
+                if self._stop.is_set():
+                    raise
+                log.warning(
+                    "broker not ready; retrying",
+                    error=str(exc) or type(exc).__name__,
+                    retry_in_s=delay,
+                )
+                await self._sleep_or_stop(delay)
+                delay = min(5.0, delay * 2)
 
     async def _pull_loop(self) -> None:
         cfg = self.config

@@ -284,3 +284,15 @@ async def test_agent_spans_nest_under_the_rollout_span(js, topology, fake, span_
     assert own.parent.span_id == rollout.context.span_id
     assert chat.parent.span_id == own.context.span_id  # the LLM call inside the agent's span
     assert own.context.trace_id == rollout.context.trace_id == spans["publish tasks"].context.trace_id
+
+
+async def test_worker_started_while_the_broker_restarts_waits_for_it(js, topology, nats_server, fake):
+    await TaskProducer(js, topology).submit("echo", [{"n": 1}], run="late")
+    nats_server.stop()
+    async with worker_for(js, "echo", agentlib.echo, [fake.url]) as w:
+        runner = asyncio.create_task(w.run())
+        await asyncio.sleep(1.0)  # the outage's length is the point: the worker retries its start
+        assert not runner.done()
+        nats_server.start()
+        counters = await asyncio.wait_for(runner, 60)
+    assert counters.ok == 1
