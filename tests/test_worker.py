@@ -296,3 +296,14 @@ async def test_worker_started_while_the_broker_restarts_waits_for_it(js, topolog
         nats_server.start()
         counters = await asyncio.wait_for(runner, 60)
     assert counters.ok == 1
+
+
+async def test_rollouts_longer_than_ack_wait_are_heartbeated_not_redelivered(js, topology, fake):
+    await TaskProducer(js, topology).submit("slow", [{"n": 0, "sleep": 4.5}], run="long")
+    async with worker_for(js, "slow", agentlib.slow, [fake.url], ack_wait=3.0) as w:
+        counters = await w.run()
+    assert counters.ok == 1 and counters.fetched == 1  # never delivered a second time
+    [traj] = await TrajectoryReader(js, topology).read("long")
+    assert traj.attempts == 1
+    info = await js.consumer_info(topology.tasks_stream, "rollout-slow")
+    assert info.num_redelivered == 0
