@@ -184,7 +184,7 @@ def _pending_subcommand(name: str):
 
     where = {
         "trainer": ("trainer.cli", "add_trainer_arguments"),
-        "sync": ("trainer.sync", "add_sync_arguments"),
+        "sync": ("trainer.sync_cli", "add_sync_arguments"),
     }
     if name not in where:
         pytest.fail(f"`agentarium {name}` is not a command of the CLI")

@@ -17,7 +17,8 @@ from fake_sglang import FakeSGLang, local_engine
 from safetensors.torch import save_file
 
 from agentarium.tiny import ensure_tiny_model
-from trainer.sync import SyncConfig, WeightSyncer, add_sync_arguments, config_from_args
+from trainer.sync import SyncConfig, WeightSyncer
+from trainer.sync_cli import add_sync_arguments, config_from_args
 from trainer.weights import (
     WEIGHTS_FILE,
     WeightNotFound,

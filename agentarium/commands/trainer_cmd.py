@@ -19,10 +19,10 @@ def cmd_trainer(args: argparse.Namespace) -> int:
 
 
 def cmd_sync(args: argparse.Namespace) -> int:
-    from trainer import sync
+    from trainer import sync_cli
 
     return run_async(
-        lambda: sync.run_sync(args, settings_from_args(args)), service="agentarium-sync"
+        lambda: sync_cli.run_sync(args, settings_from_args(args)), service="agentarium-sync"
     )
 
 
@@ -34,7 +34,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     from trainer import cli as trainer_cli
-    from trainer import sync
+    from trainer import sync_cli
 
     trainer = sub.add_parser(
         "trainer",
@@ -54,7 +54,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "KV, fetches and verifies (sha256) the new safetensors, and reloads every engine with "
         "pause -> /update_weights_from_disk -> continue (SGLang and the local engine alike).",
     )
-    sync.add_sync_arguments(sync_parser)
+    sync_cli.add_sync_arguments(sync_parser)
     add_nats_flags(sync_parser)
     sync_parser.set_defaults(func=cmd_sync)
 
