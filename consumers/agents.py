@@ -82,7 +82,9 @@ class AgentSpec:
             ) from exc
         # Only parameters without defaults decide the shape: rollout(task, llm, max_turns=4) is llm-style.
         positional = [
-            p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+            p
+            for p in params
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
         ]
         names = [p.name for p in positional]
         if "endpoint" in names or len(positional) >= 3:

@@ -101,6 +101,7 @@ async def run_rollout(
             model_name=env.model_name,
             parent_context=otel_context.get_current(),
         )
+
         # Backend failures the agent may have swallowed (the OpenAI SDK turns the proxy's 503
         # into its own exception): they make the rollout an infrastructure error.
         def infra_failure() -> BackendUnavailable | None:

@@ -14,7 +14,6 @@ Delivery rules (DESIGN.md "Delivery and failure rules"):
 from __future__ import annotations
 
 import asyncio
-import base64
 import os
 import socket
 import time
@@ -28,28 +27,17 @@ import structlog
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from broker.errors import ERR_WRONG_LAST_SEQUENCE
 from broker.provision import ensure_consumer, ensure_provisioned
 from broker.registry import publish_worker, remove_worker
 from broker.telemetry import extract_context
 from broker.topology import Limits, Topology
-from schemas import DeadLetter, Job, SchemaError, Trajectory, check_name, decode, encode
+from schemas import Job, SchemaError, Trajectory, check_name, decode
 
+from .outcomes import TRANSIENT, OutcomeStore
 from .retry import Decision, RetryPolicy
 from .rollout import AgentFailure, RolloutEnv, run_rollout, trajectory_for
 
 log = structlog.get_logger("agentarium.consumers")
-
-_TRANSIENT = (
-    asyncio.TimeoutError,
-    nats.errors.TimeoutError,
-    nats.errors.ConnectionClosedError,
-    nats.errors.NoRespondersError,
-    nats.js.errors.NoStreamResponseError,
-    nats.errors.StaleConnectionError,
-    nats.errors.ConnectionReconnectingError,
-    nats.errors.OutboundBufferLimitError,
-)
 
 
 def default_worker_id() -> str:
@@ -107,6 +95,7 @@ class Worker:
         self.env = env
         self.limits = limits or Limits()
         self.counters = Counters()
+        self.store = OutcomeStore(js, topo, config.worker_id)
         self._inflight: dict[asyncio.Task, Msg] = {}
         self._stop = asyncio.Event()
         self._psub = None
@@ -178,7 +167,7 @@ class Worker:
                     consumer.durable_name, self.topo.tasks_stream
                 )
                 return
-            except (*_TRANSIENT, nats.js.errors.ServiceUnavailableError) as exc:
+            except (*TRANSIENT, nats.js.errors.ServiceUnavailableError) as exc:
                 if self._stop.is_set():
                     raise
                 log.warning(
@@ -394,65 +383,19 @@ class Worker:
         )
 
     async def _stored(self, job: Job) -> bool:
-        subject = self.topo.trajectory_subject(job.run, job.agent, job.job_id)
-        try:
-            await self.js.get_last_msg(self.topo.trajectories_stream, subject)
-            return True
-        except nats.js.errors.NotFoundError:
-            return False
+        return await self.store.stored(job)
 
     async def _publish(self, trajectory: Trajectory) -> None:
-        """Store the trajectory exactly once; retry transient failures until it lands."""
-        subject = self.topo.trajectory_subject(trajectory.run, trajectory.agent, trajectory.job_id)
-        payload = encode(trajectory)
-        delay = 0.1
-        while True:
-            try:
-                await self.js.publish(
-                    subject, payload, headers={"Nats-Expected-Last-Subject-Sequence": "0"}
-                )
-                return
-            except nats.js.errors.APIError as exc:
-                if exc.err_code == ERR_WRONG_LAST_SEQUENCE:
-                    self.counters.already_stored += 1
-                    return
-                if exc.code and exc.code < 500 and exc.code != 503:
-                    raise
-                log.warning("trajectory publish failed; retrying", error=str(exc))
-            except _TRANSIENT as exc:
-                log.warning(
-                    "trajectory publish failed; retrying", error=str(exc) or type(exc).__name__
-                )
-            await asyncio.sleep(delay)
-            delay = min(5.0, delay * 2)
+        if not await self.store.publish_trajectory(trajectory):
+            self.counters.already_stored += 1
 
     async def _dead_letter(
         self, msg: Msg, *, reason: str, error: str, attempts: int, job: Job | None = None
     ) -> None:
         """Publish the job with its reason to DEAD, then term() it (removing it from the queue)."""
-        agent = job.agent if job else self.topo.agent_of_subject(msg.subject)
-        letter = DeadLetter(
-            reason=reason,
-            error=error,
-            subject=msg.subject,
-            attempts=attempts,
-            worker_id=self.config.worker_id,
-            at=time.time(),
-            job=job.to_wire(binary=False) if job else {},
-            job_id=job.job_id if job else "",
-            raw=None if job else base64.b64encode(msg.data).decode(),
+        letter = await self.store.dead_letter(
+            msg.subject, msg.data, reason=reason, error=error, attempts=attempts, job=job
         )
-        delay = 0.1
-        while True:
-            try:
-                await self.js.publish(self.topo.dead_subject(agent), encode(letter))
-                break
-            except (nats.js.errors.APIError, *_TRANSIENT) as exc:
-                log.warning(
-                    "dead-letter publish failed; retrying", error=str(exc) or type(exc).__name__
-                )
-                await asyncio.sleep(delay)
-                delay = min(5.0, delay * 2)
         self.counters.dead_lettered += 1
         log.warning(
             "job dead-lettered",

@@ -1,0 +1,112 @@
+"""Storing a rollout's outcome: its trajectory exactly once, or the job as a dead letter.
+
+Exactly once rests on the server, not on timing: a trajectory is published to its per-job
+subject with ``Nats-Expected-Last-Subject-Sequence: 0``, so a second one for the same job
+(a redelivery, a retry after a lost publish ack) is refused with err 10071 whatever the time
+since. Transient failures (a restarting broker, a leader election) are retried until the
+message lands; the job stays in flight, heartbeated, meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+
+import nats.errors
+import nats.js.errors
+import structlog
+from nats.js import JetStreamContext
+
+from broker.errors import ERR_WRONG_LAST_SEQUENCE
+from broker.topology import Topology
+from schemas import DeadLetter, Job, Trajectory, encode
+
+log = structlog.get_logger("agentarium.consumers")
+
+TRANSIENT = (
+    asyncio.TimeoutError,
+    nats.errors.TimeoutError,
+    nats.errors.ConnectionClosedError,
+    nats.errors.NoRespondersError,
+    nats.js.errors.NoStreamResponseError,
+    nats.errors.StaleConnectionError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.OutboundBufferLimitError,
+)
+MAX_BACKOFF_S = 5.0
+
+
+class OutcomeStore:
+    def __init__(self, js: JetStreamContext, topo: Topology, worker_id: str) -> None:
+        self.js = js
+        self.topo = topo
+        self.worker_id = worker_id
+
+    async def stored(self, job: Job) -> bool:
+        """Whether the job's trajectory exists (one last-message lookup on its subject)."""
+        subject = self.topo.trajectory_subject(job.run, job.agent, job.job_id)
+        try:
+            await self.js.get_last_msg(self.topo.trajectories_stream, subject)
+            return True
+        except nats.js.errors.NotFoundError:
+            return False
+
+    async def publish_trajectory(self, trajectory: Trajectory) -> bool:
+        """Store it; False when the server says one is already stored for this job."""
+        subject = self.topo.trajectory_subject(trajectory.run, trajectory.agent, trajectory.job_id)
+        payload = encode(trajectory)
+        delay = 0.1
+        while True:
+            try:
+                await self.js.publish(
+                    subject, payload, headers={"Nats-Expected-Last-Subject-Sequence": "0"}
+                )
+                return True
+            except nats.js.errors.APIError as exc:
+                if exc.err_code == ERR_WRONG_LAST_SEQUENCE:
+                    return False
+                if exc.code and exc.code < 500 and exc.code != 503:
+                    raise
+                log.warning("trajectory publish failed; retrying", error=str(exc))
+            except TRANSIENT as exc:
+                log.warning(
+                    "trajectory publish failed; retrying", error=str(exc) or type(exc).__name__
+                )
+            await asyncio.sleep(delay)
+            delay = min(MAX_BACKOFF_S, delay * 2)
+
+    async def dead_letter(
+        self,
+        subject: str,
+        data: bytes,
+        *,
+        reason: str,
+        error: str,
+        attempts: int,
+        job: Job | None = None,
+    ) -> DeadLetter:
+        """Publish the job (or its raw bytes when it could not be decoded) with the reason."""
+        agent = job.agent if job else self.topo.agent_of_subject(subject)
+        letter = DeadLetter(
+            reason=reason,
+            error=error,
+            subject=subject,
+            attempts=attempts,
+            worker_id=self.worker_id,
+            at=time.time(),
+            job=job.to_wire(binary=False) if job else {},
+            job_id=job.job_id if job else "",
+            raw=None if job else base64.b64encode(data).decode(),
+        )
+        delay = 0.1
+        while True:
+            try:
+                await self.js.publish(self.topo.dead_subject(agent), encode(letter))
+                return letter
+            except (nats.js.errors.APIError, *TRANSIENT) as exc:
+                log.warning(
+                    "dead-letter publish failed; retrying", error=str(exc) or type(exc).__name__
+                )
+                await asyncio.sleep(delay)
+                delay = min(MAX_BACKOFF_S, delay * 2)
