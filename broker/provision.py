@@ -82,6 +82,7 @@ async def ensure_stream(
     js: JetStreamContext, want: StreamConfig, *, update: bool = True
 ) -> ProvisionReport:
     report = ProvisionReport()
+    assert want.name, "a stream definition needs a name"
     try:
         info = await js.stream_info(want.name)
     except nats.js.errors.NotFoundError:
@@ -138,6 +139,7 @@ async def ensure_consumer(
     """
     report = ProvisionReport()
     name = want.durable_name
+    assert name, "a rollout consumer is durable: its definition needs durable_name"
     try:
         info = await js.consumer_info(stream, name)
     except nats.js.errors.NotFoundError:

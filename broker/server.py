@@ -99,7 +99,7 @@ class NatsServer:
             ]
             if self.monitor_port is not None:
                 cmd += ["-m", str(self.monitor_port)]
-        return cmd + list(self.extra_args)
+        return [str(part) for part in cmd] + list(self.extra_args)
 
     def start(self, *, timeout_s: float = 15.0, foreground: bool = False) -> NatsServer:
         if self._proc and self._proc.poll() is None:

@@ -20,8 +20,13 @@ CALCULATOR = {
     },
 }
 
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-        ast.USub: operator.neg}
+_OPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.USub: operator.neg,
+}
 
 
 def evaluate(expression: str) -> float:
@@ -58,12 +63,19 @@ async def rollout(task: dict, llm, max_turns: int = 4) -> dict:
     result = None
     tool_uses = 0
     for _ in range(max_turns):
-        result = await llm.chat(messages, tools=[CALCULATOR], max_new_tokens=task.get("max_new_tokens", 48))
+        result = await llm.chat(
+            messages, tools=[CALCULATOR], max_new_tokens=task.get("max_new_tokens", 48)
+        )
         messages.append(result.message)
         if not result.tool_calls:
             break
         for call in result.tool_calls:
             tool_uses += 1
-            messages.append({"role": "tool", "tool_call_id": call.get("id", ""), "content": _run_tool(call)})
+            messages.append(
+                {"role": "tool", "tool_call_id": call.get("id", ""), "content": _run_tool(call)}
+            )
     reply = (result.text if result else "").strip()
-    return {"reward": 1.0 if reply.startswith(str(task["answer"])) else 0.0, "metrics": {"tool_uses": float(tool_uses)}}
+    return {
+        "reward": 1.0 if reply.startswith(str(task["answer"])) else 0.0,
+        "metrics": {"tool_uses": float(tool_uses)},
+    }

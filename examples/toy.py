@@ -9,10 +9,15 @@ from __future__ import annotations
 
 
 async def rollout(task: dict, llm) -> dict:
-    result = await llm.chat([{"role": "user", "content": task["prompt"]}], max_new_tokens=task.get("max_new_tokens", 4))
+    result = await llm.chat(
+        [{"role": "user", "content": task["prompt"]}], max_new_tokens=task.get("max_new_tokens", 4)
+    )
     reply = result.text.strip()
     answer = str(task["answer"])
-    return {"reward": 1.0 if reply.startswith(answer) else 0.0, "metrics": {"reply_chars": float(len(reply))}}
+    return {
+        "reward": 1.0 if reply.startswith(answer) else 0.0,
+        "metrics": {"reply_chars": float(len(reply))},
+    }
 
 
 def noop(task: dict, llm) -> float:
@@ -22,5 +27,8 @@ def noop(task: dict, llm) -> float:
 
 async def one_call(task: dict, llm) -> float:
     """One LLM call, reward 0: measures rollouts/s end to end (bench/)."""
-    await llm.chat([{"role": "user", "content": task.get("prompt", "hi")}], max_new_tokens=task.get("max_new_tokens", 1))
+    await llm.chat(
+        [{"role": "user", "content": task.get("prompt", "hi")}],
+        max_new_tokens=task.get("max_new_tokens", 1),
+    )
     return 0.0

@@ -159,7 +159,9 @@ def spec(kind: Kind, default: Any = dataclasses.MISSING, *, doc: str, factory: A
     return dataclasses.field(default=default, metadata=meta)
 
 
-def nested(cls: type, *, many: bool = False, default: Any = dataclasses.MISSING, doc: str) -> Any:
+def nested(
+    cls: type[WireMessage], *, many: bool = False, default: Any = dataclasses.MISSING, doc: str
+) -> Any:
     """A field holding another wire message (or a list of them)."""
 
     def read(value: Any, path: str) -> Any:

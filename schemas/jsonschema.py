@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .deadletter import DeadLetter
-from .fields import SCHEMA_VERSION
+from .fields import SCHEMA_VERSION, WireMessage
 from .job import Job
 from .trajectory import Trajectory
 from .weights import WeightUpdate
@@ -28,7 +28,7 @@ EXPORTED = {
 }
 
 
-def _object_schema(cls: type, defs: dict[str, Any]) -> dict[str, Any]:
+def _object_schema(cls: type[WireMessage], defs: dict[str, Any]) -> dict[str, Any]:
     props: dict[str, Any] = {
         "schema_version": {
             "type": "integer",
@@ -37,7 +37,7 @@ def _object_schema(cls: type, defs: dict[str, Any]) -> dict[str, Any]:
         }
     }
     required = []
-    for f in dataclasses.fields(cls):
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]  # every WireMessage is a dataclass
         kind = f.metadata["kind"]
         schema = {k: v for k, v in kind.json_schema.items() if k != "x-nested"}
         nested = kind.json_schema.get("x-nested")
@@ -63,7 +63,7 @@ def _object_schema(cls: type, defs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def schema_for(cls: type) -> dict[str, Any]:
+def schema_for(cls: type[WireMessage]) -> dict[str, Any]:
     defs: dict[str, Any] = {}
     body = _object_schema(cls, defs)
     doc = {

@@ -6,7 +6,10 @@ import asyncio
 
 
 async def echo(task: dict, llm) -> dict:
-    result = await llm.chat([{"role": "user", "content": task.get("prompt", "hi")}], max_new_tokens=task.get("max_new_tokens", 3))
+    result = await llm.chat(
+        [{"role": "user", "content": task.get("prompt", "hi")}],
+        max_new_tokens=task.get("max_new_tokens", 3),
+    )
     return {"reward": float(len(result.call.response_ids) % 2), "metrics": {"calls": 1.0}}
 
 
@@ -46,8 +49,6 @@ async def hangs(task: dict, llm) -> float:
 def sync_agent(task: dict, llm) -> float:
     result = llm.chat([{"role": "user", "content": "sync"}], max_new_tokens=2)
     return float(len(result.call.response_ids))
-
-
 
 
 async def with_own_span(task: dict, llm) -> float:

@@ -269,8 +269,12 @@ async def test_a_producer_cannot_read_trajectories_or_publish_them(admin, login)
     await producer.nc.subscribe("agentarium.trajectories.>")  # refused asynchronously
     await producer.nc.publish(topo.trajectory_subject("r", "a", "forged"), b"{}")
     await settle(producer)
-    assert await producer.wait_refused('Subscription to "agentarium.trajectories.>"'), producer.errors
-    assert await producer.wait_refused('Publish to "agentarium.trajectories.r.a.forged"'), producer.errors
+    assert await producer.wait_refused('Subscription to "agentarium.trajectories.>"'), (
+        producer.errors
+    )
+    assert await producer.wait_refused('Publish to "agentarium.trajectories.r.a.forged"'), (
+        producer.errors
+    )
     assert (await admin.js.stream_info(topo.trajectories_stream)).state.messages == 0
 
 

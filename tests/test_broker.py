@@ -21,7 +21,9 @@ async def test_provision_is_idempotent_and_a_diff(nc, topology):
     assert len(first.created) == 7 and not first.updated
     again = await provision(js, topology, agents=("toy",))
     assert not again.created and not again.updated and len(again.unchanged) == 7
-    changed = await provision(js, topology, Limits(tasks_max_msgs=50, ack_wait_s=20), agents=("toy",))
+    changed = await provision(
+        js, topology, Limits(tasks_max_msgs=50, ack_wait_s=20), agents=("toy",)
+    )
     assert changed.updated == ["stream AGENTARIUM_TASKS", "consumer AGENTARIUM_TASKS/rollout-toy"]
     info = await js.stream_info(topology.tasks_stream)
     assert info.config.max_msgs == 50 and info.config.duplicate_window == 3600
@@ -58,16 +60,19 @@ async def test_status_counts_waiting_stranded_and_runs(js, topology):
 
 
 def agentarium(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "agentarium", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "agentarium", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_broker_init_and_status_commands(nats_url):
     init = agentarium("broker", "init", "--nats-url", nats_url, "--agent", "toy")
     assert init.returncode == 0, init.stderr
     assert "created: 7" in init.stdout
-    assert "created: 0  updated: 0  unchanged: 7" in agentarium("broker", "init", "--nats-url", nats_url,
-                                                                "--agent", "toy").stdout
+    assert (
+        "created: 0  updated: 0  unchanged: 7"
+        in agentarium("broker", "init", "--nats-url", nats_url, "--agent", "toy").stdout
+    )
     status = agentarium("broker", "status", "--json", "--nats-url", nats_url)
     assert status.returncode == 0, status.stderr
     data = json.loads(status.stdout)
@@ -77,7 +82,9 @@ def test_broker_init_and_status_commands(nats_url):
 def test_commands_fail_fast_without_a_broker():
     from broker import free_port
 
-    result = agentarium("broker", "status", "--nats-url", f"nats://127.0.0.1:{free_port()}", timeout=30)
+    result = agentarium(
+        "broker", "status", "--nats-url", f"nats://127.0.0.1:{free_port()}", timeout=30
+    )
     assert result.returncode == 2
     assert "cannot connect to NATS" in result.stderr and "agentarium broker up" in result.stderr
 

@@ -21,16 +21,35 @@ ROOT = TESTS.parent
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory, agentarium_home):
     model = ensure_tiny_model()
-    child = start_child("engine", ["engine", "--model", str(model), "--port", "0"],
-                        tmp_path_factory.mktemp("engine-logs"), wait_ready=True)
+    child = start_child(
+        "engine",
+        ["engine", "--model", str(model), "--port", "0"],
+        tmp_path_factory.mktemp("engine-logs"),
+        wait_ready=True,
+    )
     yield child
     child.terminate()
 
 
 def consumer(name: str, agent: str, nats_url: str, llm: str, log_dir: Path, *extra: str) -> Child:
     env = child_env(PYTHONPATH=os.pathsep.join([str(TESTS), str(ROOT)]))
-    return start_child(name, ["consumer", "--agent", agent, "--llm", llm, "--nats-url", nats_url,
-                              "--model", str(ensure_tiny_model()), *extra], log_dir, env=env)
+    return start_child(
+        name,
+        [
+            "consumer",
+            "--agent",
+            agent,
+            "--llm",
+            llm,
+            "--nats-url",
+            nats_url,
+            "--model",
+            str(ensure_tiny_model()),
+            *extra,
+        ],
+        log_dir,
+        env=env,
+    )
 
 
 async def wait_exit(child: Child, timeout: float = 120) -> int:
@@ -44,6 +63,7 @@ async def wait_stored(js, topology, run: str, n: int, timeout: float = 120) -> N
             seen.add(traj.job_id)
             if len(seen) >= n:
                 return
+
     await asyncio.wait_for(follow(), timeout)
 
 
@@ -54,8 +74,19 @@ async def stored_count(js, topology) -> int:
 async def test_two_consumer_processes_on_the_local_engine(js, topology, nats_url, engine, tmp_path):
     tasks = [{"task_id": f"t{i}", "prompt": f"repeat {i}", "answer": str(i)} for i in range(8)]
     result = await TaskProducer(js, topology).submit("toy", tasks, run="e2e", group_size=8)
-    workers = [consumer(f"c{i}", "toy=examples.toy:rollout", nats_url, engine.url, tmp_path, "--burst",
-                        "--concurrency", "16") for i in range(2)]
+    workers = [
+        consumer(
+            f"c{i}",
+            "toy=examples.toy:rollout",
+            nats_url,
+            engine.url,
+            tmp_path,
+            "--burst",
+            "--concurrency",
+            "16",
+        )
+        for i in range(2)
+    ]
     assert [await wait_exit(w) for w in workers] == [0, 0]
     async with aiohttp.ClientSession() as http, http.get(f"{engine.url}/model_info") as resp:
         engine_version = (await resp.json())["weight_version"]
@@ -77,13 +108,32 @@ async def test_two_consumer_processes_on_the_local_engine(js, topology, nats_url
 async def test_consumer_killed_mid_batch_loses_nothing(js, topology, nats_url, engine, tmp_path):
     tasks = [{"n": i, "sleep": 0.4} for i in range(16)]
     result = await TaskProducer(js, topology).submit("slow", tasks, run="kill")
-    first = consumer("victim", "slow=agentlib:slow", nats_url, engine.url, tmp_path, "--concurrency", "4",
-                     "--ack-wait", "3")
+    first = consumer(
+        "victim",
+        "slow=agentlib:slow",
+        nats_url,
+        engine.url,
+        tmp_path,
+        "--concurrency",
+        "4",
+        "--ack-wait",
+        "3",
+    )
     await wait_stored(js, topology, "kill", 4)
     first.kill()  # SIGKILL: in-flight jobs are neither acked nor released
     assert await stored_count(js, topology) < 16
-    second = consumer("rescuer", "slow=agentlib:slow", nats_url, engine.url, tmp_path, "--burst",
-                      "--concurrency", "8", "--ack-wait", "3")
+    second = consumer(
+        "rescuer",
+        "slow=agentlib:slow",
+        nats_url,
+        engine.url,
+        tmp_path,
+        "--burst",
+        "--concurrency",
+        "8",
+        "--ack-wait",
+        "3",
+    )
     assert await wait_exit(second) == 0
     trajs = await TrajectoryReader(js, topology).read("kill")
     assert sorted(t.job_id for t in trajs) == sorted(result.job_ids)
@@ -93,16 +143,32 @@ async def test_consumer_killed_mid_batch_loses_nothing(js, topology, nats_url, e
 
 async def test_broker_restart_mid_batch(js, topology, nats_server, nats_url, engine, tmp_path):
     producer = TaskProducer(js, topology)
-    first = await producer.submit("slow", [{"n": i, "sleep": 0.2} for i in range(20)], run="restart")
-    worker = consumer("survivor", "slow=agentlib:slow", nats_url, engine.url, tmp_path, "--concurrency", "4",
-                      "--ack-wait", "3")
+    first = await producer.submit(
+        "slow", [{"n": i, "sleep": 0.2} for i in range(20)], run="restart"
+    )
+    worker = consumer(
+        "survivor",
+        "slow=agentlib:slow",
+        nats_url,
+        engine.url,
+        tmp_path,
+        "--concurrency",
+        "4",
+        "--ack-wait",
+        "3",
+    )
     try:
         await wait_stored(js, topology, "restart", 4)
         nats_server.stop()
         # Publishing while the broker is down: the producer waits and retries by itself.
-        second = asyncio.create_task(producer.submit("slow", [{"n": 100 + i, "sleep": 0.1} for i in range(10)],
-                                                     run="restart"))
-        await asyncio.sleep(1.0)  # keep the broker down for a while: outage length is the point here
+        second = asyncio.create_task(
+            producer.submit(
+                "slow", [{"n": 100 + i, "sleep": 0.1} for i in range(10)], run="restart"
+            )
+        )
+        await asyncio.sleep(
+            1.0
+        )  # keep the broker down for a while: outage length is the point here
         nats_server.start()
         second_result = await asyncio.wait_for(second, 60)
         await wait_stored(js, topology, "restart", 30)

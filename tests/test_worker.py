@@ -42,8 +42,12 @@ async def dead_letters(js, topology) -> list[DeadLetter]:
     info = await js.stream_info(topology.dead_stream)
     if not info.state.messages:
         return []
-    sub = await js.pull_subscribe(f"{topology.prefix}.dead.>", durable=None, stream=topology.dead_stream,
-                                  config=ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL))
+    sub = await js.pull_subscribe(
+        f"{topology.prefix}.dead.>",
+        durable=None,
+        stream=topology.dead_stream,
+        config=ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL),
+    )
     msgs = await sub.fetch(info.state.messages, timeout=5)
     await sub.unsubscribe()
     return [decode(DeadLetter, m.data) for m in msgs]
@@ -51,14 +55,21 @@ async def dead_letters(js, topology) -> list[DeadLetter]:
 
 async def test_minimal_json_job_from_plain_nats_py_is_a_group_of_one(js, topology, fake):
     # Published with nats-py alone: no SDK, JSON, only the three required fields.
-    await js.publish(topology.tasks_subject("echo"), json.dumps(
-        {"job_id": "plain-1", "agent": "echo", "task": {"prompt": "hello"}}).encode())
+    await js.publish(
+        topology.tasks_subject("echo"),
+        json.dumps({"job_id": "plain-1", "agent": "echo", "task": {"prompt": "hello"}}).encode(),
+    )
     async with worker_for(js, "echo", agentlib.echo, [fake.url]) as worker:
         counters = await worker.run()
     assert counters.ok == 1
     traj = await TrajectoryReader(js, topology).get("default", "echo", "plain-1")
     assert traj is not None and traj.status == "ok"
-    assert (traj.group_id, traj.task_id, traj.group_size, traj.sample_index) == ("plain-1", "plain-1", 1, 0)
+    assert (traj.group_id, traj.task_id, traj.group_size, traj.sample_index) == (
+        "plain-1",
+        "plain-1",
+        1,
+        0,
+    )
     call = traj.calls[0]
     assert call.response_ids == fake.output_ids
     assert len(call.response_logprobs) == len(call.response_ids)
@@ -105,7 +116,9 @@ async def test_bad_jobs_are_dead_lettered_and_free_a_full_queue(js, topology, fa
     for payload in bad:
         await js.publish(subject, payload)
     with pytest.raises(nats.js.errors.APIError) as full:
-        await js.publish(subject, json.dumps({"job_id": "ok-1", "agent": "echo", "task": {}}).encode())
+        await js.publish(
+            subject, json.dumps({"job_id": "ok-1", "agent": "echo", "task": {}}).encode()
+        )
     assert full.value.err_code == ERR_STREAM_FULL
     async with worker_for(js, "echo", agentlib.echo, [fake.url]) as worker:
         counters = await worker.run()
@@ -174,9 +187,12 @@ async def test_llm_unreachable_is_status_error_not_reward_zero(js, topology):
 
 
 async def test_two_engines_groups_stick_to_one_and_spread(js, topology, two_fakes):
-    await TaskProducer(js, topology).submit("echo", [{"task_id": f"g{i}"} for i in range(8)], run="spread",
-                                              group_size=4)
-    async with worker_for(js, "echo", agentlib.echo, [s.url for s in two_fakes], concurrency=32) as w:
+    await TaskProducer(js, topology).submit(
+        "echo", [{"task_id": f"g{i}"} for i in range(8)], run="spread", group_size=4
+    )
+    async with worker_for(
+        js, "echo", agentlib.echo, [s.url for s in two_fakes], concurrency=32
+    ) as w:
         await w.run()
     trajs = await TrajectoryReader(js, topology).read("spread")
     assert len(trajs) == 32
@@ -202,7 +218,11 @@ async def test_one_trace_covers_publish_rollout_and_chat(js, topology, fake, spa
     chat = by_name["chat tiny"][0]
     trace_id = format(publish.context.trace_id, "032x")
     assert traj.trace_id == trace_id
-    assert format(rollout.context.trace_id, "032x") == trace_id == format(chat.context.trace_id, "032x")
+    assert (
+        format(rollout.context.trace_id, "032x")
+        == trace_id
+        == format(chat.context.trace_id, "032x")
+    )
     assert chat.parent.span_id == rollout.context.span_id
     assert rollout.attributes["messaging.system"] == "nats"
     assert rollout.kind.name == "CONSUMER" and publish.kind.name == "PRODUCER"
@@ -227,7 +247,9 @@ async def test_openai_sdk_agent_through_proxy_is_traced_token_by_token(js, topol
 
 async def test_multi_turn_tool_agent_records_every_call_without_tool_tokens(js, topology):
     template = tiny_template()
-    tool_text = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>'
+    tool_text = (
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>'
+    )
     eos = template.eos_token_ids[0]
     replies = [template.encode(tool_text) + [eos], template.encode("5") + [eos]]
 
@@ -253,7 +275,7 @@ async def test_multi_turn_tool_agent_records_every_call_without_tool_tokens(js, 
     # The second prompt extends the first prompt + response, then the tool result.
     assert second.prompt_ids[: len(first.prompt_ids)] == first.prompt_ids
     tool_result = template.encode("<tool_response>\n5\n</tool_response>")
-    tail = second.prompt_ids[len(first.prompt_ids) + len(first.response_ids):]
+    tail = second.prompt_ids[len(first.prompt_ids) + len(first.response_ids) :]
     assert _contains(tail, tool_result)
     assert not any(_contains(c.response_ids, tool_result) for c in traj.calls)
     assert first.messages[-1]["tool_calls"][0]["function"]["name"] == "calculator"
@@ -261,11 +283,13 @@ async def test_multi_turn_tool_agent_records_every_call_without_tool_tokens(js, 
 
 def _contains(haystack: list[int], needle: list[int]) -> bool:
     n = len(needle)
-    return any(haystack[i:i + n] == needle for i in range(len(haystack) - n + 1))
+    return any(haystack[i : i + n] == needle for i in range(len(haystack) - n + 1))
 
 
 async def test_sigterm_style_stop_drains_in_flight_jobs(js, topology, fake):
-    await TaskProducer(js, topology).submit("slow", [{"n": i, "sleep": 0.5} for i in range(4)], run="drain")
+    await TaskProducer(js, topology).submit(
+        "slow", [{"n": i, "sleep": 0.5} for i in range(4)], run="drain"
+    )
     async with worker_for(js, "slow", agentlib.slow, [fake.url], burst=False, concurrency=4) as w:
         runner = asyncio.create_task(w.run())
         await fake.wait_for_requests(4)  # every rollout is in flight
@@ -283,10 +307,14 @@ async def test_agent_spans_nest_under_the_rollout_span(js, topology, fake, span_
     rollout, own, chat = spans["rollout"], spans["agent thinking"], spans["chat tiny"]
     assert own.parent.span_id == rollout.context.span_id
     assert chat.parent.span_id == own.context.span_id  # the LLM call inside the agent's span
-    assert own.context.trace_id == rollout.context.trace_id == spans["publish tasks"].context.trace_id
+    assert (
+        own.context.trace_id == rollout.context.trace_id == spans["publish tasks"].context.trace_id
+    )
 
 
-async def test_worker_started_while_the_broker_restarts_waits_for_it(js, topology, nats_server, fake):
+async def test_worker_started_while_the_broker_restarts_waits_for_it(
+    js, topology, nats_server, fake
+):
     await TaskProducer(js, topology).submit("echo", [{"n": 1}], run="late")
     nats_server.stop()
     async with worker_for(js, "echo", agentlib.echo, [fake.url]) as w:

@@ -24,17 +24,44 @@ def tiny_template() -> ChatTemplate:
 
 
 @asynccontextmanager
-async def worker_for(js, agent_name, agent_fn, llm_urls, *, topology=None, burst=True, concurrency=8,
-                     attempts=3, retry_delay=0.05, ack_wait=30.0, reward_fn=None, worker_id=None, limits=None):
+async def worker_for(
+    js,
+    agent_name,
+    agent_fn,
+    llm_urls,
+    *,
+    topology=None,
+    burst=True,
+    concurrency=8,
+    attempts=3,
+    retry_delay=0.05,
+    ack_wait=30.0,
+    reward_fn=None,
+    worker_id=None,
+    limits=None,
+):
     backend = SGLangBackend(list(llm_urls), retries=1, backoff=0.01, max_backoff=0.05)
     proxy = TracingProxy(host="127.0.0.1", port=0, advertised_host="127.0.0.1")
     await proxy.start()
     runner = AgentRunner(AgentSpec.of(agent_fn, agent_name), model_name="tiny", threads=8)
-    env = RolloutEnv(runner=runner, backend=backend, template=tiny_template(), proxy=proxy, model_name="tiny",
-                     worker_id=worker_id or f"test-{agent_name}", reward_fn=reward_fn)
-    config = WorkerConfig(agent=agent_name, concurrency=concurrency, burst=burst, ack_wait_s=ack_wait,
-                          fetch_timeout_s=0.3, worker_id=worker_id or f"test-{agent_name}",
-                          retry=RetryPolicy(attempts=attempts, base_delay_s=retry_delay, max_delay_s=retry_delay * 4))
+    env = RolloutEnv(
+        runner=runner,
+        backend=backend,
+        template=tiny_template(),
+        proxy=proxy,
+        model_name="tiny",
+        worker_id=worker_id or f"test-{agent_name}",
+        reward_fn=reward_fn,
+    )
+    config = WorkerConfig(
+        agent=agent_name,
+        concurrency=concurrency,
+        burst=burst,
+        ack_wait_s=ack_wait,
+        fetch_timeout_s=0.3,
+        worker_id=worker_id or f"test-{agent_name}",
+        retry=RetryPolicy(attempts=attempts, base_delay_s=retry_delay, max_delay_s=retry_delay * 4),
+    )
     worker = Worker(js, topology or Topology(), config, env, limits=limits)
     try:
         yield worker

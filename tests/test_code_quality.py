@@ -1,0 +1,30 @@
+"""The code style the project holds itself to (STYLE.md), checked on every test run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True)
+
+
+def test_ruff_lint_and_format_are_clean():
+    lint = run("ruff", "check", ".")
+    assert lint.returncode == 0, lint.stdout[-3000:]
+    fmt = run("ruff", "format", "--check", ".")
+    assert fmt.returncode == 0, fmt.stdout[-3000:]
+
+
+def test_mypy_on_the_wire_contracts_and_broker():
+    result = run("mypy", "--ignore-missing-imports", "schemas", "broker")
+    assert result.returncode == 0, result.stdout[-3000:]
+
+
+def test_checked_in_json_schemas_match_the_definitions():
+    result = run("schemas.jsonschema", "--check")
+    assert result.returncode == 0, result.stderr
