@@ -34,6 +34,8 @@ class AgentStatus:
     dead_lettered: int = 0
     stranded: int = 0
     has_consumer: bool = False
+    workers: int = 0
+    rollouts_per_s: float = 0.0  # the live workers' rates over their last registry interval
 
 
 @dataclass
@@ -141,6 +143,13 @@ async def collect_status(
         )
 
     status.workers = await live_workers(js, topo)
+    for worker in status.workers:
+        served = per_agent.get(worker.get("agent", ""))
+        if served is not None:
+            served.workers += 1
+            served.rollouts_per_s = round(
+                served.rollouts_per_s + float(worker.get("rollouts_per_s", 0.0)), 2
+            )
     try:
         kv = await js.key_value(topo.policy_bucket)
         for key in await kv.keys():
@@ -158,11 +167,13 @@ async def collect_status(
 
 def format_status(status: BrokerStatus) -> str:
     lines = [
-        f"{'agent':<20} {'waiting':>8} {'in flight':>9} {'redelivered':>11} {'dead':>6} {'stranded':>8}",
+        f"{'agent':<20} {'waiting':>8} {'in flight':>9} {'redelivered':>11} {'dead':>6} {'stranded':>8}"
+        f" {'workers':>7} {'rollouts/s':>10}",
     ]
     for a in status.agents:
         lines.append(
             f"{a.agent:<20} {a.waiting:>8} {a.in_flight:>9} {a.redelivered:>11} {a.dead_lettered:>6} {a.stranded:>8}"
+            f" {a.workers:>7} {a.rollouts_per_s:>10.1f}"
         )
     if not status.agents:
         lines.append("(no agents yet)")

@@ -257,7 +257,12 @@ class Worker:
     async def _registry_loop(self) -> None:
         cfg = self.config
         started = time.time()
+        last_time, last_done = started, 0
         while True:
+            now = time.time()
+            # rollouts/s over the last interval: what `broker status` sums per agent
+            rate = (self.counters.completed - last_done) / max(now - last_time, 1e-9)
+            last_time, last_done = now, self.counters.completed
             info = {
                 "agent": cfg.agent,
                 "host": socket.gethostname(),
@@ -265,6 +270,7 @@ class Worker:
                 "concurrency": cfg.concurrency,
                 "in_flight": len(self._inflight),
                 "started_at": started,
+                "rollouts_per_s": round(rate, 2),
                 **vars(self.counters),
             }
             try:

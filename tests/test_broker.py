@@ -116,3 +116,20 @@ def test_topology_rejects_names_that_would_reroute():
         with pytest.raises(ValueError, match="not a valid name"):
             topo.tasks_subject(bad)
     assert topo.dead_subject("a.b") == "agentarium.dead._invalid"
+
+
+async def test_status_shows_live_workers_and_their_throughput(js, topology):
+    from broker.registry import publish_worker
+
+    await provision(js, topology, agents=("toy",))
+    await publish_worker(
+        js, topology, "w1", {"agent": "toy", "rollouts_per_s": 12.5, "completed": 40}
+    )
+    await publish_worker(
+        js, topology, "w2", {"agent": "toy", "rollouts_per_s": 7.5, "completed": 10}
+    )
+    status = await collect_status(js, topology)
+    [row] = status.agents
+    assert (row.workers, row.rollouts_per_s) == (2, 20.0)
+    assert [w["worker_id"] for w in status.workers] == ["w1", "w2"]
+    assert "20.0" in format_status(status)
