@@ -103,7 +103,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--groups", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float32"),
+        help="weights' dtype (the trainer keeps fp32 weights; use float32 with --bf16-autocast "
+        "for its --bf16 mode)",
+    )
+    parser.add_argument(
+        "--bf16-autocast",
+        action="store_true",
+        help="the trainer's --bf16: forward passes under bf16 autocast, fp32 weights and AdamW",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--time-budget",
@@ -243,6 +254,7 @@ def run_config(args, mbs, model, batch, model_dir, device, started, flops_per_st
         micro_batch_size=mbs,
         device=device.type,
         seed=args.seed,
+        bf16_autocast=args.bf16_autocast,
     )
     settings = StepSettings.from_config(config)
     # LocalUpdater around the in-memory model (its __init__ would load model_dir in float32).
@@ -442,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     out = os.environ.get("OUT")
     if out:
         path = Path(out) / "gpu_grpo_step.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {path}")
     ok = all(r.get("finite", False) and "error" not in r for r in results)

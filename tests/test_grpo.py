@@ -218,6 +218,16 @@ def test_micro_batches_and_shards_add_up_to_the_whole_batch(tmp_path):
             loss += forward_backward(model, None, part, settings, totals, "cpu")[0]
         return loss, [p.grad.clone() for p in model.parameters()]
 
+    # bf16 autocast: the same loss and gradient up to bf16 rounding, and fp32 gradients
+    fp32 = grads(StepSettings(), [batch])
+    bf16 = grads(StepSettings(bf16_autocast=True), [batch])
+    assert bf16[0] == pytest.approx(fp32[0], abs=0.05)
+    assert all(g.dtype == torch.float32 for g in bf16[1])
+    cosine = torch.nn.functional.cosine_similarity(
+        torch.cat([g.flatten() for g in fp32[1]]), torch.cat([g.flatten() for g in bf16[1]]), dim=0
+    )
+    assert cosine > 0.95
+
     for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
         whole = grads(StepSettings(loss_agg=agg, loss_norm_tokens=8), [batch])
         micro = grads(StepSettings(loss_agg=agg, loss_norm_tokens=8, micro_batch_size=2), [batch])

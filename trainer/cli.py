@@ -123,6 +123,13 @@ def add_trainer_arguments(parser: argparse.ArgumentParser) -> None:
         "collapsing onto one answer before it learns (default %(default)s)",
     )
     g.add_argument(
+        "--bf16",
+        dest="bf16_autocast",
+        action="store_true",
+        help="run forward passes under bf16 autocast (fast on GPUs); weights, gradients and the "
+        "optimizer stay fp32, log-probs are computed in fp32",
+    )
+    g.add_argument(
         "--loss-agg",
         choices=LOSS_AGGS,
         default="token-mean",
@@ -271,6 +278,7 @@ def config_from_args(args: argparse.Namespace) -> TrainerConfig:
         clip_high=args.clip_high,
         kl_coef=args.kl_coef,
         entropy_coef=args.entropy_coef,
+        bf16_autocast=args.bf16_autocast,
         loss_agg=args.loss_agg,
         loss_norm_tokens=args.loss_norm_tokens,
         std_norm=not args.no_std_norm,

@@ -38,6 +38,7 @@ class TrainerConfig:
     clip_high: float = 0.2
     kl_coef: float = 0.0
     entropy_coef: float = 0.0  # a bonus on the policy entropy of model tokens (not textbook GRPO)
+    bf16_autocast: bool = False  # forward passes in bf16 (GPUs); weights and Adam stay fp32
     loss_agg: str = "token-mean"
     loss_norm_tokens: int = 1024  # the constant divisor of seq-mean-token-sum-norm (Dr. GRPO)
     std_norm: bool = True

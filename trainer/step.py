@@ -26,6 +26,7 @@ class StepSettings:
     clip_high: float = 0.2
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
+    bf16_autocast: bool = False
     loss_agg: str = "token-mean"
     loss_norm_tokens: int = 1024
     tis_clip: float = 2.0
@@ -113,7 +114,14 @@ def forward_backward(
         return loss_total, sums
     for micro in batch.micro_batches(settings.micro_batch_size):
         mb = micro.to(device)
-        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+        # bf16 autocast: matmuls in bf16, master weights and optimizer state stay fp32, and the
+        # log-probs below are taken from the logits cast back to fp32.
+        with torch.autocast(
+            device_type=torch.device(device).type,
+            dtype=torch.bfloat16,
+            enabled=settings.bf16_autocast,
+        ):
+            logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
         logits = logits[:, :-1]  # (b, T-1, V): position t predicts token t + 1
         targets = mb.input_ids[:, 1:]  # (b, T-1)
         temperature = mb.temperature[:, 1:]  # (b, T-1)
@@ -130,7 +138,14 @@ def forward_backward(
             is_weights = torch.where(tis_rows, w, torch.ones_like(w))  # (b, T-1)
         ref = None
         if ref_model is not None and settings.kl_coef > 0:
-            with torch.no_grad():
+            with (
+                torch.no_grad(),
+                torch.autocast(
+                    device_type=torch.device(device).type,
+                    dtype=torch.bfloat16,
+                    enabled=settings.bf16_autocast,
+                ),
+            ):
                 ref_logits = ref_model(
                     input_ids=mb.input_ids, attention_mask=mb.attention_mask
                 ).logits[:, :-1]
