@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
+from dataclasses import replace
 
 import nats.errors
 import nats.js.errors
@@ -35,6 +36,9 @@ TRANSIENT = (
     nats.errors.OutboundBufferLimitError,
 )
 MAX_BACKOFF_S = 5.0
+# A dead letter keeps at most this much of an undecodable payload (base64 grows it by 4/3 and
+# the server's max_payload is 1 MiB by default).
+MAX_RAW_BYTES = 64 * 1024
 
 
 class OutcomeStore:
@@ -46,11 +50,19 @@ class OutcomeStore:
     async def stored(self, job: Job) -> bool:
         """Whether the job's trajectory exists (one last-message lookup on its subject)."""
         subject = self.topo.trajectory_subject(job.run, job.agent, job.job_id)
-        try:
-            await self.js.get_last_msg(self.topo.trajectories_stream, subject)
-            return True
-        except nats.js.errors.NotFoundError:
-            return False
+        delay = 0.1
+        while True:
+            try:
+                await self.js.get_last_msg(self.topo.trajectories_stream, subject)
+                return True
+            except nats.js.errors.NotFoundError:
+                return False
+            except TRANSIENT as exc:
+                log.warning(
+                    "trajectory lookup failed; retrying", error=str(exc) or type(exc).__name__
+                )
+                await asyncio.sleep(delay)
+                delay = min(MAX_BACKOFF_S, delay * 2)
 
     async def publish_trajectory(self, trajectory: Trajectory) -> bool:
         """Store it; False when the server says one is already stored for this job."""
@@ -97,16 +109,25 @@ class OutcomeStore:
             at=time.time(),
             job=job.to_wire(binary=False) if job else {},
             job_id=job.job_id if job else "",
-            raw=None if job else base64.b64encode(data).decode(),
+            raw=None if job else base64.b64encode(data[:MAX_RAW_BYTES]).decode(),
         )
+        if job is None and len(data) > MAX_RAW_BYTES:
+            letter = replace(
+                letter,
+                error=f"{error} (raw payload truncated to {MAX_RAW_BYTES} of {len(data)} bytes)",
+            )
         delay = 0.1
         while True:
             try:
                 await self.js.publish(self.topo.dead_subject(agent), encode(letter))
                 return letter
-            except (nats.js.errors.APIError, *TRANSIENT) as exc:
+            except nats.js.errors.APIError as exc:
+                if exc.code and exc.code < 500 and exc.code != 503:
+                    raise  # permanent: retrying would hold the job's slot forever
+                log.warning("dead-letter publish failed; retrying", error=str(exc))
+            except TRANSIENT as exc:
                 log.warning(
                     "dead-letter publish failed; retrying", error=str(exc) or type(exc).__name__
                 )
-                await asyncio.sleep(delay)
-                delay = min(MAX_BACKOFF_S, delay * 2)
+            await asyncio.sleep(delay)
+            delay = min(MAX_BACKOFF_S, delay * 2)

@@ -18,7 +18,7 @@ import os
 import socket
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import nats.errors
@@ -161,11 +161,12 @@ class Worker:
                     self.js,
                     self.topo.tasks_stream,
                     consumer,
-                    keys=("filter_subject", "ack_policy", "ack_wait", "max_deliver"),
+                    keys=("filter_subject", "ack_policy"),
                 )
                 self._psub = await self.js.pull_subscribe_bind(
                     consumer.durable_name, self.topo.tasks_stream
                 )
+                await self._adopt_consumer_settings(consumer.durable_name)
                 return
             except (*TRANSIENT, nats.js.errors.ServiceUnavailableError) as exc:
                 if self._stop.is_set():
@@ -177,6 +178,29 @@ class Worker:
                 )
                 await self._sleep_or_stop(delay)
                 delay = min(5.0, delay * 2)
+
+    async def _adopt_consumer_settings(self, durable: str) -> None:
+        """The durable consumer is shared by every worker of the agent: its ack_wait and
+        max_deliver are set when it is created (by ``broker init`` or the first worker) and
+        then adopted by all, so workers never fight over them and a job's last delivery is
+        judged the same way everywhere."""
+        info = await self.js.consumer_info(self.topo.tasks_stream, durable)
+        max_deliver = info.config.max_deliver or 0
+        ack_wait = float(info.config.ack_wait or self.config.ack_wait_s)
+        if max_deliver >= 2 and (
+            max_deliver != self.config.retry.max_deliver or ack_wait != self.config.ack_wait_s
+        ):
+            log.warning(
+                "the agent's consumer already exists with other settings: using them; change "
+                "them with `agentarium broker init --agent NAME --attempts N --ack-wait S`",
+                consumer=durable,
+                attempts=max_deliver - 1,
+                ack_wait_s=ack_wait,
+                flag_attempts=self.config.retry.attempts,
+                flag_ack_wait_s=self.config.ack_wait_s,
+            )
+            retry = replace(self.config.retry, attempts=max_deliver - 1)
+            self.config = replace(self.config, retry=retry, ack_wait_s=ack_wait)
 
     async def _pull_loop(self) -> None:
         cfg = self.config
@@ -286,9 +310,26 @@ class Worker:
         except asyncio.CancelledError:
             await self._settle(msg.nak())
             raise
-        except Exception:
-            log.exception("unexpected error handling a job; releasing it for redelivery")
-            await self._settle(msg.nak(delay=self.config.retry.delay_s(1)))
+        except Exception as exc:
+            if msg.metadata.num_delivered < self.config.retry.max_deliver:
+                log.exception("unexpected error handling a job; releasing it for redelivery")
+                await self._settle(msg.nak(delay=self.config.retry.delay_s(1)))
+                return
+            # The server will not deliver it again: a nak would strand it in the work queue
+            # forever. Dead-letter it if we still can, and terminate it either way.
+            log.exception("unexpected error on a job's last delivery; terminating it")
+            try:
+                await self.store.dead_letter(
+                    msg.subject,
+                    msg.data,
+                    reason="worker_error",
+                    error=repr(exc),
+                    attempts=msg.metadata.num_delivered,
+                )
+                self.counters.dead_lettered += 1
+            except Exception as letter_exc:  # noqa: BLE001 - the term() below must still happen
+                log.error("dead letter failed too; the job is dropped", error=repr(letter_exc))
+            await self._settle(msg.term())
 
     async def _settle(self, coro: Any) -> None:
         try:

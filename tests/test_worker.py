@@ -335,3 +335,27 @@ async def test_rollouts_longer_than_ack_wait_are_heartbeated_not_redelivered(js,
     assert traj.attempts == 1
     info = await js.consumer_info(topology.tasks_stream, "rollout-slow")
     assert info.num_redelivered == 0
+
+
+async def test_an_oversized_undecodable_job_is_dead_lettered_not_stranded(js, topology, fake):
+    garbage = b"\xc1" * 800_000  # its base64 alone would exceed the server's 1 MiB max payload
+    await js.publish(topology.tasks_subject("echo"), garbage)
+    async with worker_for(js, "echo", agentlib.echo, [fake.url]) as w:
+        counters = await w.run()
+    assert counters.dead_lettered == 1
+    [letter] = await dead_letters(js, topology)
+    assert "truncated to 65536 of 800000 bytes" in letter.error
+    assert (await js.stream_info(topology.tasks_stream)).state.messages == 0
+
+
+async def test_workers_adopt_the_shared_consumers_attempts(js, topology, fake):
+    # An operator set one attempt for this agent; a worker started with --attempts 3 follows it,
+    # so the job's last delivery is judged the same way by every worker.
+    await provision(js, topology, Limits(attempts=1, ack_wait_s=20), agents=("boom",))
+    await TaskProducer(js, topology).submit("boom", [{"n": 1}], run="adopt")
+    async with worker_for(js, "boom", agentlib.always_raises, [fake.url], attempts=3) as w:
+        counters = await w.run()
+        assert (w.config.retry.attempts, w.config.ack_wait_s) == (1, 20)
+    assert counters.retried == 0 and counters.dead_lettered == 1
+    info = await js.consumer_info(topology.tasks_stream, "rollout-boom")
+    assert info.config.max_deliver == 2  # not overwritten by the worker's flag
