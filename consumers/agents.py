@@ -18,10 +18,15 @@ import functools
 import importlib
 import inspect
 import math
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
+
+import structlog
+
+log = structlog.get_logger("agentarium.consumers")
 
 
 class AgentLoadError(ValueError):
@@ -131,11 +136,20 @@ class SyncLLM:
 
 
 class AgentRunner:
-    """Runs one agent shape; sync agents share a bounded thread pool."""
+    """Runs one agent shape; sync agents share a bounded thread pool.
+
+    A sync agent cannot be interrupted: past its deadline the rollout ends as ``timeout`` but
+    the thread runs on. ``busy_threads`` counts threads still running, and a warning says when
+    none is free (new sync rollouts then wait in the pool's queue).
+    """
 
     def __init__(self, spec: AgentSpec, *, model_name: str, threads: int = 64) -> None:
         self.spec = spec
         self.model_name = model_name
+        self.threads = threads
+        self.busy_threads = 0
+        self._lock = threading.Lock()
+        self._warned = False
         self._pool = (
             ThreadPoolExecutor(max_workers=threads, thread_name_prefix="agent")
             if spec.kind == "sync"
@@ -152,9 +166,28 @@ class AgentRunner:
         loop = asyncio.get_running_loop()
         if spec.style == "llm":
             args = (task, SyncLLM(llm, loop))
+        if self.busy_threads >= self.threads and not self._warned:
+            self._warned = True
+            log.warning(
+                "every agent thread is busy: sync agents that outlive their deadline keep "
+                "theirs, and new rollouts wait",
+                threads=self.threads,
+            )
         # copy_context: the agent's own spans nest under the rollout span in the thread too
         ctx = contextvars.copy_context()
-        return await loop.run_in_executor(self._pool, ctx.run, spec.fn, *args)
+        return await loop.run_in_executor(self._pool, ctx.run, self._in_thread, *args)
+
+    def _in_thread(self, *args: Any) -> Any:
+        # counted here, not at submission: a rollout cancelled while queued never takes a thread
+        with self._lock:
+            self.busy_threads += 1
+        try:
+            return self.spec.fn(*args)
+        finally:
+            with self._lock:
+                self.busy_threads -= 1
+                if self.busy_threads < self.threads:
+                    self._warned = False
 
     def close(self) -> None:
         if self._pool is not None:

@@ -359,3 +359,26 @@ async def test_workers_adopt_the_shared_consumers_attempts(js, topology, fake):
     assert counters.retried == 0 and counters.dead_lettered == 1
     info = await js.consumer_info(topology.tasks_stream, "rollout-boom")
     assert info.config.max_deliver == 2  # not overwritten by the worker's flag
+
+
+async def test_sync_agents_past_their_deadline_are_counted_as_busy_threads():
+    import threading
+
+    from consumers.agents import AgentRunner, AgentSpec
+
+    release = threading.Event()
+
+    def stuck(task, llm):
+        release.wait(10)
+        return 1.0
+
+    runner = AgentRunner(AgentSpec.of(stuck, "stuck"), model_name="tiny", threads=1)
+    try:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(runner.run({}, llm=None, endpoint=""), 0.2)
+        assert runner.busy_threads == 1  # the rollout timed out; its thread did not
+        release.set()
+        await asyncio.get_running_loop().run_in_executor(runner._pool, lambda: None)
+        assert runner.busy_threads == 0
+    finally:
+        runner.close()
