@@ -138,6 +138,10 @@ async def test_timeout_releases_short_groups_and_drops_tiny_ones(
     # only the used group stays pending, awaiting its checkpoint (the late ack is async:
     # the server state is the only thing to observe, so poll it, bounded)
     assert await ack_pending_becomes(js, topology, 3)
+    # what was decided without training goes into the next checkpoint, so a replay after a
+    # crash does not judge it again: the dropped group's members and the late one
+    assert sorted(collector.take_decided()) == ["s3", "t0", "t1"]
+    assert collector.take_decided() == []
 
 
 async def test_error_and_refused_members_are_out_of_statistics(js, topology, make_collector):

@@ -39,7 +39,7 @@ from schemas import SchemaError, Trajectory, check_name, decode
 
 from .batch import refusal
 from .config import TrainerConfig
-from .groups import ACK_NOW, Group, GroupBuffer
+from .groups import ACK_NOW, LATE, Group, GroupBuffer
 
 log = structlog.get_logger("agentarium.trainer")
 
@@ -113,6 +113,7 @@ class Collector:
         )
         self._psub = None
         self._tasks: list[asyncio.Task] = []
+        self._decided: list[str] = []  # acked without training, not yet in a checkpoint
         self._changed = asyncio.Event()  # the buffer gained something
         self._taken = asyncio.Event()  # groups left the buffer: room to pull again
 
@@ -228,7 +229,15 @@ class Collector:
 
     async def _ack_dropped(self, groups: list[Group]) -> None:
         if groups:
+            self._decided.extend(j for g in groups for j in g.members)
             await self.ack(groups)
+
+    def take_decided(self) -> list[str]:
+        """Job ids acked without training since the last call (dropped groups, late members),
+        for the next checkpoint: a restarted trainer replays from the ack floor and must not
+        judge them again."""
+        decided, self._decided = self._decided, []
+        return decided
 
     async def _ack_all(self, msgs: list[Msg]) -> None:
         for start in range(0, len(msgs), 256):
@@ -282,6 +291,8 @@ class Collector:
             return
         refused = self.buffer.counters.refused
         outcome = self.buffer.add(trajectory, msg, self.clock())
+        if outcome == LATE:
+            self._decided.append(trajectory.job_id)
         if outcome in ACK_NOW:
             await _ack_quietly(msg)
         elif self.buffer.counters.refused > refused and _power_of_ten(refused + 1):

@@ -295,7 +295,10 @@ class Trainer:
             model_state=model_state,
             optimizer_state=optimizer_state,
             trained_job_ids=[j for g in groups for j in g.trained_job_ids],
-            consumed_job_ids=[j for g in groups for j in g.other_job_ids],
+            # plus what was dropped on purpose since the last checkpoint, so a replay after a
+            # crash does not judge it again
+            consumed_job_ids=[j for g in groups for j in g.other_job_ids]
+            + (self.collector.take_decided() if self.collector else []),
             extra={"run": self.config.run, "agent": self.config.agent, "seed": self.config.seed},
         )
         self.last_checkpoint = path
