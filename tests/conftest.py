@@ -93,3 +93,27 @@ async def js(nc, topology):
     context = nc.jetstream()
     await provision(context, topology)
     return context
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(agentarium_home):
+    """The built-in tiny model, built once per session under the session's AGENTARIUM_HOME."""
+    from agentarium.tiny import ensure_tiny_model
+
+    return ensure_tiny_model()
+
+
+@pytest.fixture(scope="module")
+def template(tiny_dir):
+    from consumers.chat_template import ChatTemplate
+
+    return ChatTemplate.from_model_dir(tiny_dir)
+
+
+@pytest.fixture(scope="module")
+def engine_url(tiny_dir):
+    """The real local engine serving the tiny model, one per test module."""
+    from fake_sglang import local_engine
+
+    with local_engine(tiny_dir) as url:
+        yield url

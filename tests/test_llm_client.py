@@ -9,11 +9,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from fake_sglang import FakeSGLang, dead_url, local_engine
+from fake_sglang import FakeSGLang, dead_url
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from agentarium.tiny import ensure_tiny_model
 from consumers.backends import GenerateRequest, GenerateResult, SGLangBackend
 from consumers.chat_template import ChatTemplate
 from consumers.errors import BackendUnavailable, BadRequest
@@ -36,22 +35,6 @@ TOOLS = [
 ]
 TOOL_TEXT = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
 QUESTION = [{"role": "user", "content": "What is 2+3?"}]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir():
-    return ensure_tiny_model()
-
-
-@pytest.fixture(scope="module")
-def template(tiny_dir) -> ChatTemplate:
-    return ChatTemplate.from_model_dir(tiny_dir)
-
-
-@pytest.fixture(scope="module")
-def engine_url(tiny_dir):
-    with local_engine(tiny_dir) as url:
-        yield url
 
 
 @pytest.fixture

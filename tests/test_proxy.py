@@ -9,11 +9,9 @@ import socket
 import aiohttp
 import openai
 import pytest
-from fake_sglang import FakeSGLang, local_engine
+from fake_sglang import FakeSGLang
 
-from agentarium.tiny import ensure_tiny_model
 from consumers.backends import SGLangBackend
-from consumers.chat_template import ChatTemplate
 from consumers.llm import TracingLLM
 from consumers.proxy import TracingProxy, default_advertised_host
 from consumers.toolcalls import arguments_as_objects
@@ -43,22 +41,6 @@ SAME_FIELDS = (
     "model",
     "messages",
 )
-
-
-@pytest.fixture(scope="module")
-def tiny_dir():
-    return ensure_tiny_model()
-
-
-@pytest.fixture(scope="module")
-def template(tiny_dir) -> ChatTemplate:
-    return ChatTemplate.from_model_dir(tiny_dir)
-
-
-@pytest.fixture(scope="module")
-def engine_url(tiny_dir):
-    with local_engine(tiny_dir) as url:
-        yield url
 
 
 @pytest.fixture

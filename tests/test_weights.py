@@ -13,10 +13,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 import torch
-from fake_sglang import FakeSGLang, local_engine
+from fake_sglang import FakeSGLang
 from safetensors.torch import save_file
 
-from agentarium.tiny import ensure_tiny_model
 from trainer.sync import SyncConfig, WeightSyncer
 from trainer.sync_cli import add_sync_arguments, config_from_args
 from trainer.weights import (
@@ -45,8 +44,8 @@ async def wait_for(predicate, timeout_s: float = 60.0, what: str = "condition") 
 
 
 @pytest.fixture(scope="module")
-def tiny() -> Path:
-    return ensure_tiny_model()
+def tiny(tiny_dir) -> Path:
+    return tiny_dir
 
 
 # ---- publish and fetch -----------------------------------------------------------------------
@@ -274,12 +273,6 @@ def test_sync_flags_have_help_and_validate(tmp_path):
 
 
 # ---- the weight round trip through the real local engine -----------------------------------------
-
-
-@pytest.fixture(scope="module")
-def engine_url(tiny):
-    with local_engine(tiny) as url:
-        yield url
 
 
 def log_softmax_of(model, ids: list[int]) -> torch.Tensor:
