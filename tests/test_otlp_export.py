@@ -1,0 +1,82 @@
+"""Spans leave the process over OTLP/HTTP when OTEL_EXPORTER_OTLP_ENDPOINT is set: a real
+`agentarium produce` process exports its `publish tasks` spans to a receiver on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from aiohttp import web
+
+pytest.importorskip(
+    "opentelemetry.exporter.otlp.proto.http", reason="the [otlp] extra is not installed"
+)
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (  # noqa: E402
+    ExportTraceServiceRequest,
+)
+
+
+async def test_produce_exports_publish_spans_over_otlp(nats_url, tmp_path):
+    received: list[ExportTraceServiceRequest] = []
+    arrived = asyncio.Event()
+
+    async def traces(request: web.Request) -> web.Response:
+        body = ExportTraceServiceRequest()
+        body.ParseFromString(await request.read())
+        received.append(body)
+        arrived.set()
+        return web.Response(body=b"", content_type="application/x-protobuf")
+
+    app = web.Application()
+    app.router.add_post("/v1/traces", traces)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("\n".join(json.dumps({"task_id": f"t{i}", "prompt": "hi"}) for i in range(3)))
+    env = dict(
+        os.environ,
+        OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{port}",
+        OTEL_SERVICE_NAME="producer-under-test",
+    )
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "agentarium",
+            "produce",
+            "--agent",
+            "toy",
+            "--file",
+            str(tasks),
+            "--nats-url",
+            nats_url,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == 0, err.decode()[-2000:]
+        await asyncio.wait_for(arrived.wait(), 10)  # flushed at exit by the batch processor
+    finally:
+        await runner.cleanup()
+    spans = [
+        (resource.resource, span)
+        for request in received
+        for resource in request.resource_spans
+        for scope in resource.scope_spans
+        for span in scope.spans
+    ]
+    publishes = [span for _, span in spans if span.name == "publish tasks"]
+    assert len(publishes) == 3
+    service = {
+        a.value.string_value for res, _ in spans for a in res.attributes if a.key == "service.name"
+    }
+    assert service == {"producer-under-test"}
+    assert all(span.kind == span.SPAN_KIND_PRODUCER for span in publishes)
