@@ -25,8 +25,10 @@ from broker import NatsServer, NatsSettings, Topology, provision
 from broker.status import count_messages
 from broker.telemetry import setup_logging
 from producers import TaskProducer, TrajectoryReader
+from schemas import Trajectory
 
 from .processes import Child, start_child
+from .progress import ProgressBar
 from .tiny import ensure_tiny_model
 
 DEFAULT_TASKS = Path(__file__).resolve().parent.parent / "examples" / "toy_tasks.jsonl"
@@ -163,19 +165,17 @@ async def _rollouts_only(args: argparse.Namespace, url: str, out: Path) -> dict:
         f"({len(tasks)} tasks x group size {args.group_size})",
         flush=True,
     )
-    display = Display()
-
-    def progress(done: int, _total: int) -> None:
-        rate = done / max(time.monotonic() - started, 1e-9)
-        display.show(
-            f"{_bar(done, total)} {done}/{total} trajectories  {rate:.0f} rollouts/s",
-            force=done == total,
-        )
-
-    found = await TrajectoryReader(js, topo).wait_for(
-        args.run, result.job_ids, on_progress=progress
-    )
-    display.done()
+    # The same bar as AgentOrchestrator.wait_for_batch_completion draws.
+    bar = ProgressBar(total, label="trajectories", stream=sys.stdout, every_s=5.0)
+    wanted = set(result.job_ids)
+    found: dict[str, Trajectory] = {}
+    async for traj in TrajectoryReader(js, topo).follow(args.run, args.agent_name):
+        if traj.job_id in wanted and traj.job_id not in found:
+            found[traj.job_id] = traj
+            bar.update(traj)
+            if len(found) == total:
+                break
+    bar.close()
     elapsed = time.monotonic() - started
     with open(out / "trajectories.jsonl", "w") as f:
         for traj in found.values():

@@ -273,6 +273,17 @@ async def ensure_buckets(
     return report
 
 
+async def ensure_streams(
+    js: JetStreamContext, topo: Topology, limits: Limits | None = None
+) -> list[str]:
+    """Create the missing streams only, never updating one: what a producer needs, and all
+    that its least-privilege role may look at (no buckets)."""
+    created: list[str] = []
+    for config in topo.stream_configs(limits or Limits()):
+        created += (await ensure_stream(js, config, update=False)).created
+    return created
+
+
 async def ensure_provisioned(
     js: JetStreamContext, topo: Topology, limits: Limits | None = None
 ) -> bool:

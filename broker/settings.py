@@ -17,7 +17,7 @@ import asyncio
 import os
 import ssl
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import nats
@@ -197,6 +197,3 @@ async def _close_quietly(nc: nats.NATS) -> None:
         await nc.close()
     except Exception:  # closing a half-open client can raise anything; nothing to save
         pass
-
-
-SETTINGS_FIELDS = tuple(f.name for f in fields(NatsSettings))

@@ -15,12 +15,10 @@ import time
 from collections.abc import Iterable
 from typing import IO, Any
 
-import nats.js.errors
 import structlog
-from nats.js import JetStreamContext
 
-from broker import Limits, NatsSettings, Topology
-from broker.provision import ensure_stream
+from broker import NatsSettings, Topology
+from broker.provision import ensure_streams
 from schemas import STATUSES, Sampling, SchemaError, Trajectory
 
 from .errors import ProducerError
@@ -152,22 +150,6 @@ def _open_tasks(path: str) -> tuple[IO[str], str]:
         raise SchemaError(f"cannot read tasks file {path!r}: {exc.strerror}") from exc
 
 
-async def ensure_streams(js: JetStreamContext, topology: Topology) -> list[str]:
-    """Create the streams that are missing (a fresh broker), never touching existing ones.
-
-    A full ``provision`` would reset limits an operator set with ``broker init`` flags
-    back to the defaults; a producer only needs the streams to exist.
-    """
-    created = []
-    for config in topology.stream_configs(Limits()):
-        try:
-            await js.stream_info(config.name)
-        except nats.js.errors.NotFoundError:
-            await ensure_stream(js, config)
-            created.append(config.name)
-    return created
-
-
 class _Progress:
     def __init__(self, total: int, out: IO[str]) -> None:
         self.total = total
@@ -239,9 +221,10 @@ async def run_produce(args: argparse.Namespace, settings: NatsSettings) -> int:
         settings, topology=topology, max_in_flight=args.max_in_flight
     )
     async with producer:
+        # Create what a fresh broker lacks; never reset limits an operator set with broker init.
         created = await ensure_streams(producer.js, topology)
         if created:
-            print(f"produce: created streams {', '.join(created)}", file=sys.stderr)
+            print(f"produce: created {', '.join(created)}", file=sys.stderr)
         try:
             published, duplicates = await producer.publish_jobs(
                 jobs, on_progress=_Progress(len(jobs), sys.stderr)

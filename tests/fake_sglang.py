@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -20,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+
+from broker import free_port
 
 # GenerateReqInput fields a client of ours may send, and SamplingParams' keys.
 REQUEST_FIELDS = frozenset(
@@ -64,12 +65,6 @@ UPDATE_WEIGHTS_FIELDS = frozenset(
     {"model_path", "load_format", "weight_version", "flush_cache", "abort_all_requests"}
 )
 PAUSE_MODES = ("abort", "retract", "in_place")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def dead_url() -> str:

@@ -5,12 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import signal
-import sys
 from pathlib import Path
 
 import structlog
 
-from broker import BrokerError, Limits, NatsServer, Topology, provision
+from broker import Limits, NatsServer, Topology, provision
 from broker.status import collect_status, format_status
 
 from .common import add_nats_flags, run_async, settings_from_args
@@ -231,10 +230,3 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_nats_flags(status)
     status.set_defaults(func=cmd_status)
-
-
-def handle_errors(exc: BaseException) -> int:
-    if isinstance(exc, BrokerError):
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    raise exc
