@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "AgentOrchestrator": "agentarium.orchestrator",
+    "OrchestratorConfig": "agentarium.orchestrator",
     "TaskProducer": "producers",
     "SubmitResult": "producers",
     "TrajectoryReader": "producers",
@@ -22,8 +23,8 @@ _EXPORTS = {
     "LLMCall": "schemas",
     "WeightUpdate": "schemas",
     "DeadLetter": "schemas",
-    "ChatResult": "consumers.llm",
-    "TracingLLM": "consumers.llm",
+    "ChatResult": "consumers",
+    "TracingLLM": "consumers",
     "NatsSettings": "broker",
     "Topology": "broker",
     "ensure_tiny_model": "agentarium.tiny",

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
+import pkgutil
 import sys
+from typing import Any
 
 import nats.errors
 import nats.js.errors
 
 from broker import BrokerError
 
-from .commands import broker_cmd, consumer_cmd, engine_cmd, eval_cmd, produce_cmd, trainer_cmd
+from . import __version__, commands
+from .commands.common import Parser
 
 EPILOG = """\
 Every command that talks to NATS reads AGENTARIUM_NATS_URL (default nats://127.0.0.1:4222) and the
@@ -20,23 +24,25 @@ other AGENTARIUM_NATS_* variables; flags override them. Logs are JSON lines on s
 OTEL_EXPORTER_OTLP_ENDPOINT is set."""
 
 
+def command_modules() -> list[Any]:
+    """Every ``agentarium/commands/<name>_cmd.py``, in name order; each registers itself."""
+    names = sorted(
+        m.name for m in pkgutil.iter_modules(commands.__path__) if m.name.endswith("_cmd")
+    )
+    return [importlib.import_module(f"{commands.__name__}.{name}") for name in names]
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="agentarium",
         description="The rollout layer for agentic RL on NATS JetStream: jobs in, traced trajectories out.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"agentarium {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    from . import demo
-
-    demo.register(sub)
-    broker_cmd.register(sub)
-    engine_cmd.register(sub)
-    consumer_cmd.register(sub)
-    produce_cmd.register(sub)
-    eval_cmd.register(sub)  # after produce: it adds `export` to `trajectories`
-    trainer_cmd.register(sub)
+    for module in command_modules():
+        module.register(sub)
     return parser
 
 

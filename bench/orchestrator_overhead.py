@@ -29,8 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from agentarium import AgentOrchestrator  # noqa: E402
-from agentarium.processes import child_env  # noqa: E402
-from agentarium.tensorize import tensorize  # noqa: E402
+from agentarium.demo.processes import child_env  # noqa: E402
+from agentarium.orchestrator import tensorize  # noqa: E402
 from agentarium.tiny import ensure_tiny_model  # noqa: E402
 from broker import NatsServer  # noqa: E402
 from schemas import LLMCall, Trajectory  # noqa: E402

@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from agentarium.processes import child_env, start_child  # noqa: E402
+from agentarium.demo.processes import child_env, start_child  # noqa: E402
 from agentarium.tiny import ensure_tiny_model  # noqa: E402
 from broker import NatsServer, NatsSettings, Topology, provision  # noqa: E402
 from broker.registry import live_workers, remove_worker  # noqa: E402

@@ -1,13 +1,44 @@
-"""NATS plumbing: connection settings, topology, provisioning, the embedded server, status."""
+"""NATS plumbing: connection settings, topology, provisioning, the embedded server, status,
+the workers registry and telemetry (logging, tracing, trace context in message headers)."""
 
-from .errors import BrokerError, BrokerUnavailable, ProvisioningError, ServerLaunchError
-from .provision import ProvisionReport, provision
+from .errors import (
+    ERR_CONSUMER_NOT_FOUND,
+    ERR_STREAM_FULL,
+    ERR_STREAM_NOT_FOUND,
+    ERR_WRONG_LAST_SEQUENCE,
+    BrokerError,
+    BrokerUnavailable,
+    ProvisioningError,
+    ServerLaunchError,
+)
+from .provision import (
+    ProvisionReport,
+    ensure_consumer,
+    ensure_provisioned,
+    ensure_streams,
+    provision,
+)
+from .registry import live_workers, publish_worker, remove_worker
 from .server import NatsServer, find_nats_server, free_port
 from .settings import NatsSettings
+from .status import BrokerStatus, collect_status, count_messages, format_status
+from .telemetry import (
+    extract_context,
+    inject_headers,
+    setup_logging,
+    setup_tracing,
+    shutdown_tracing,
+    trace_id_hex,
+)
 from .topology import Limits, Topology
 
 __all__ = [
+    "ERR_CONSUMER_NOT_FOUND",
+    "ERR_STREAM_FULL",
+    "ERR_STREAM_NOT_FOUND",
+    "ERR_WRONG_LAST_SEQUENCE",
     "BrokerError",
+    "BrokerStatus",
     "BrokerUnavailable",
     "Limits",
     "NatsServer",
@@ -16,7 +47,22 @@ __all__ = [
     "ProvisioningError",
     "ServerLaunchError",
     "Topology",
+    "collect_status",
+    "count_messages",
+    "ensure_consumer",
+    "ensure_provisioned",
+    "ensure_streams",
+    "extract_context",
     "find_nats_server",
+    "format_status",
     "free_port",
+    "inject_headers",
+    "live_workers",
     "provision",
+    "publish_worker",
+    "remove_worker",
+    "setup_logging",
+    "setup_tracing",
+    "shutdown_tracing",
+    "trace_id_hex",
 ]

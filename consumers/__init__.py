@@ -1,1 +1,37 @@
-"""Rollout consumers: the worker loop, agent adapters, the tracing LLM client and proxy, backends."""
+"""Rollout consumers: the worker loop, agent adapters, the tracing LLM client and proxy, backends,
+and the consumer service that assembles them. The local CPU engine (torch) is the sub-package
+``consumers.engine``, imported only by what serves a model."""
+
+from .agents import AgentLoadError, AgentSpec, RewardError, load_callable
+from .backends import CrossSamplingBackend, model_of_call
+from .chat_template import ChatTemplate
+from .errors import BackendUnavailable, BadRequest, LLMError
+from .llm import ChatResult, TracingLLM
+from .proxy import TracingProxy
+from .service import ConsumerService, ConsumerSpec, LLMTarget, normalize_urls, start_proxy
+from .worker import Counters, Worker, WorkerConfig, default_worker_id
+
+__all__ = [
+    "AgentLoadError",
+    "AgentSpec",
+    "BackendUnavailable",
+    "BadRequest",
+    "ChatResult",
+    "ChatTemplate",
+    "ConsumerService",
+    "ConsumerSpec",
+    "Counters",
+    "CrossSamplingBackend",
+    "LLMError",
+    "LLMTarget",
+    "RewardError",
+    "TracingLLM",
+    "TracingProxy",
+    "Worker",
+    "WorkerConfig",
+    "default_worker_id",
+    "load_callable",
+    "model_of_call",
+    "normalize_urls",
+    "start_proxy",
+]

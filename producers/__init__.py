@@ -1,17 +1,40 @@
-"""Task producers: the SDK that publishes rollout jobs, and the trajectory reader."""
+"""Task producers: the SDK that publishes rollout jobs, the one job factory, the trajectory
+reader and feed, and the run session the orchestrator, eval and the demo share."""
 
 from .errors import ProducerError, StreamMissing
-from .jobs import expand_tasks
+from .feed import TrajectoryFeed
+from .jobs import (
+    TaskRow,
+    check_expansion,
+    expand_rows,
+    expand_tasks,
+    group_id_for,
+    job_id_for,
+    make_job,
+    task_id_of,
+)
 from .reader import TrajectoryReader
 from .retry import RetryPolicy
 from .sdk import SubmitResult, TaskProducer
+from .session import RunSession
+from .taskfile import read_tasks
 
 __all__ = [
     "ProducerError",
     "RetryPolicy",
+    "RunSession",
     "StreamMissing",
     "SubmitResult",
     "TaskProducer",
+    "TaskRow",
+    "TrajectoryFeed",
     "TrajectoryReader",
+    "check_expansion",
+    "expand_rows",
     "expand_tasks",
+    "group_id_for",
+    "job_id_for",
+    "make_job",
+    "read_tasks",
+    "task_id_of",
 ]

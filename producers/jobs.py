@@ -12,7 +12,7 @@ import json
 import math
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from schemas import Job, Sampling, SchemaError, check_name
 
@@ -86,6 +86,109 @@ def _task_ids(tasks: Sequence[Mapping[str, Any]]) -> list[str]:
     return ids
 
 
+class TaskRow(NamedTuple):
+    """One task to expand: its agent, id, payload, and metadata of its own (merged over the
+    batch's)."""
+
+    agent: str
+    task_id: str
+    task: Mapping[str, Any]
+    metadata: Mapping[str, Any] = {}
+
+
+def check_expansion(group_size: Any, deadline_s: Any) -> None:
+    """The group size and deadline every job factory accepts; SchemaError names the field."""
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise SchemaError(
+            f"group_size must be an integer >= 1, got {group_size!r}", field="group_size"
+        )
+    if not (
+        isinstance(deadline_s, (int, float))
+        and not isinstance(deadline_s, bool)
+        and math.isfinite(deadline_s)
+        and deadline_s > 0
+    ):
+        raise SchemaError(
+            f"deadline_s must be a positive number of seconds, got {deadline_s!r}",
+            field="deadline_s",
+        )
+
+
+def make_job(
+    *,
+    agent: str,
+    task: Mapping[str, Any],
+    task_id: str,
+    run: str,
+    batch_id: str,
+    sample_index: int,
+    group_size: int,
+    is_train: bool = True,
+    sampling: Sampling | None = None,
+    deadline_s: float = 600.0,
+    metadata: Mapping[str, Any] | None = None,
+    group_batch_id: str | None = None,
+    created_at: float | None = None,
+) -> Job:
+    """The one job factory: ids derived from (run, batch, task, sample), never random.
+
+    ``group_batch_id`` (default ``batch_id``) names the batch the group belongs to, so a job
+    re-run in a later batch (an eval retry) gets a new job id but stays in its group.
+    """
+    return Job(
+        job_id=job_id_for(run, batch_id, task_id, sample_index),
+        agent=agent,
+        task=dict(task),
+        task_id=task_id,
+        group_id=group_id_for(run, group_batch_id or batch_id, task_id),
+        sample_index=sample_index,
+        group_size=group_size,
+        run=run,
+        batch_id=batch_id,
+        is_train=is_train,
+        sampling=sampling or Sampling(),
+        deadline_s=float(deadline_s),
+        metadata=dict(metadata or {}),
+        created_at=time.time() if created_at is None else created_at,
+    )
+
+
+def expand_rows(
+    rows: Sequence[TaskRow],
+    *,
+    run: str,
+    batch_id: str,
+    group_size: int = 1,
+    is_train: bool = True,
+    sampling: Sampling | None = None,
+    deadline_s: float = 600.0,
+    metadata: Mapping[str, Any] | None = None,
+) -> list[Job]:
+    """``group_size`` jobs per row, the samples of one row next to each other."""
+    check_expansion(group_size, deadline_s)
+    if metadata is not None and not isinstance(metadata, Mapping):
+        raise SchemaError("metadata must be a JSON object", field="metadata")
+    created_at = time.time()  # not part of any id: ids stay deterministic
+    return [
+        make_job(
+            agent=row.agent,
+            task=row.task,
+            task_id=row.task_id,
+            run=run,
+            batch_id=batch_id,
+            sample_index=sample_index,
+            group_size=group_size,
+            is_train=is_train,
+            sampling=sampling,
+            deadline_s=deadline_s,
+            metadata={**(metadata or {}), **row.metadata},
+            created_at=created_at,
+        )
+        for row in rows
+        for sample_index in range(group_size)
+    ]
+
+
 def expand_tasks(
     agent: str,
     tasks: Sequence[Mapping[str, Any]],
@@ -98,53 +201,25 @@ def expand_tasks(
     deadline_s: float = 600.0,
     metadata: Mapping[str, Any] | None = None,
 ) -> tuple[str, list[Job]]:
-    """Expand ``tasks`` into ``len(tasks) * group_size`` jobs; returns ``(batch_id, jobs)``.
-
-    Jobs come out task by task, samples ``0..group_size-1`` next to each other. Every
-    name is validated here, before anything reaches the broker.
-    """
+    """Expand one agent's ``tasks`` into ``len(tasks) * group_size`` jobs; returns
+    ``(batch_id, jobs)``. Every name is validated here, before anything reaches the broker."""
     check_name(agent, "agent")
     check_name(run, "run")
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise SchemaError(
-            f"group_size must be an integer >= 1, got {group_size!r}", field="group_size"
-        )
-    if not (isinstance(deadline_s, (int, float)) and math.isfinite(deadline_s) and deadline_s > 0):
-        raise SchemaError(
-            f"deadline_s must be a positive number of seconds, got {deadline_s!r}",
-            field="deadline_s",
-        )
-    if metadata is not None and not isinstance(metadata, Mapping):
-        raise SchemaError("metadata must be a JSON object", field="metadata")
+    check_expansion(group_size, deadline_s)
     task_ids = _task_ids(tasks)
     if batch_id is None:
         batch_id = default_batch_id(agent, run, group_size, is_train, tasks)
     else:
         check_name(batch_id, "batch_id")
-    sampling = sampling or Sampling()
-    meta = dict(metadata or {})
-    created_at = time.time()  # not part of any id: ids stay deterministic
-    jobs = []
-    for task, task_id in zip(tasks, task_ids, strict=True):
-        group_id = group_id_for(run, batch_id, task_id)
-        payload = dict(task)
-        for sample_index in range(group_size):
-            jobs.append(
-                Job(
-                    job_id=job_id_for(run, batch_id, task_id, sample_index),
-                    agent=agent,
-                    task=payload,
-                    task_id=task_id,
-                    group_id=group_id,
-                    sample_index=sample_index,
-                    group_size=group_size,
-                    run=run,
-                    batch_id=batch_id,
-                    is_train=is_train,
-                    sampling=sampling,
-                    deadline_s=float(deadline_s),
-                    metadata=meta,
-                    created_at=created_at,
-                )
-            )
+    rows = [TaskRow(agent, task_id, task) for task, task_id in zip(tasks, task_ids, strict=True)]
+    jobs = expand_rows(
+        rows,
+        run=run,
+        batch_id=batch_id,
+        group_size=group_size,
+        is_train=is_train,
+        sampling=sampling,
+        deadline_s=deadline_s,
+        metadata=metadata,
+    )
     return batch_id, jobs

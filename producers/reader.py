@@ -191,7 +191,8 @@ class TrajectoryReader:
     def __repr__(self) -> str:
         return f"<TrajectoryReader prefix={self.topology.prefix!r} skipped={self.skipped}>"
 
-    def _decode(self, data: bytes | None, headers: dict | None, subject: str) -> Trajectory | None:
+    def decode(self, data: bytes | None, headers: dict | None, subject: str) -> Trajectory | None:
+        """A stored message as a Trajectory; None (counted in ``skipped``, logged) if undecodable."""
         try:
             return decode(Trajectory, data or b"", (headers or {}).get("Content-Type"))
         except SchemaError as exc:
@@ -212,7 +213,7 @@ class TrajectoryReader:
         try:
             await cursor.open()
             async for msg in cursor.messages(until_caught_up=until_caught_up):
-                trajectory = self._decode(msg.data, msg.headers, msg.subject)
+                trajectory = self.decode(msg.data, msg.headers, msg.subject)
                 if trajectory is not None:
                     yield trajectory
         finally:
@@ -252,7 +253,7 @@ class TrajectoryReader:
                     f"stream {self.topology.trajectories_stream} does not exist: run `agentarium broker init` first"
                 ) from exc
             return None
-        return self._decode(raw.data, raw.headers, subject)
+        return self.decode(raw.data, raw.headers, subject)
 
     async def wait_for(
         self,

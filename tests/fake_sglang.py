@@ -74,14 +74,15 @@ def dead_url() -> str:
 
 @contextlib.contextmanager
 def local_engine(model_dir: Path) -> Iterator[str]:
-    """The real local engine (``python -m consumers.engine``) on a free port: yields its URL.
+    """The real local engine (``python -m agentarium engine``) on a free port: yields its URL.
     It is our own code and runs anywhere the tests run, so failing to start is a failure."""
     proc = subprocess.Popen(
         [
             sys.executable,
             "-m",
-            "consumers.engine",
-            "--model-path",
+            "agentarium",
+            "engine",
+            "--model",
             str(model_dir),
             "--port",
             "0",

@@ -24,7 +24,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from nats_configs import ROOT, single_node
 from worker_env import worker_for
 
-from agentarium.processes import child_env
+from agentarium.demo.processes import child_env
 from broker import Topology, provision
 from broker.provision import ensure_provisioned
 from producers import TaskProducer, TrajectoryReader

@@ -17,7 +17,7 @@ from fake_sglang import FakeSGLang
 from nats_configs import cluster, wait_healthy
 from worker_env import worker_for
 
-from agentarium.processes import child_env
+from agentarium.demo.processes import child_env
 from broker import Limits, NatsSettings, Topology, provision
 from broker.registry import live_workers
 from producers import TaskProducer, TrajectoryReader

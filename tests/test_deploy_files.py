@@ -183,8 +183,8 @@ def _pending_subcommand(name: str):
     from agentarium.commands.common import add_nats_flags
 
     where = {
-        "trainer": ("trainer.cli", "add_trainer_arguments"),
-        "sync": ("trainer.sync_cli", "add_sync_arguments"),
+        "trainer": ("agentarium.commands.trainer_cmd", "add_trainer_arguments"),
+        "sync": ("agentarium.commands.sync_cmd", "add_sync_arguments"),
     }
     if name not in where:
         pytest.fail(f"`agentarium {name}` is not a command of the CLI")

@@ -387,7 +387,7 @@ async def test_in_process_engine(tiny):
 
 def test_module_entry_point(tiny):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "consumers.engine", "--model-path", str(tiny), "--port", "0"],
+        [sys.executable, "-m", "agentarium", "engine", "--model", str(tiny), "--port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 from fake_sglang import FakeSGLang
 
-from agentarium.eval import EvalConfig, EvalRun, print_summary
-from agentarium.export import export_run
+from agentarium.evaluation import EvalConfig, EvalRun, export_run, print_summary
 from broker import NatsSettings
 from producers import TrajectoryReader
 

@@ -12,7 +12,7 @@ import pytest
 from orchestrator_env import ThreadedFake
 
 from agentarium import AgentOrchestrator
-from agentarium.batch_data import BatchDataError
+from agentarium.orchestrator import BatchDataError
 from broker import NatsSettings, Topology
 from examples import openai_agent
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from agentarium.processes import Child, child_env, start_child
+from agentarium.demo.processes import Child, child_env, start_child
 from agentarium.tiny import ensure_tiny_model
 from producers import TaskProducer, TrajectoryReader
 

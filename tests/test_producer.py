@@ -12,6 +12,8 @@ import structlog
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
+from agentarium.commands import produce_cmd as producers_cli
+from agentarium.commands import trajectories_cmd
 from broker import Limits, provision
 from producers import (
     ProducerError,
@@ -20,7 +22,6 @@ from producers import (
     TaskProducer,
     expand_tasks,
 )
-from producers import cli as producers_cli
 from schemas import Job, Sampling, SchemaError, decode, encode_json
 
 FAST = RetryPolicy(initial_s=0.02, max_s=0.3)
@@ -363,5 +364,5 @@ async def test_produce_command_names_the_bad_line(settings, tmp_path, capsys):
 def test_every_produce_flag_has_help():
     parser = argparse.ArgumentParser()
     producers_cli.add_produce_arguments(parser)
-    producers_cli.add_show_arguments(argparse.ArgumentParser())
+    trajectories_cmd.add_show_arguments(argparse.ArgumentParser())
     assert all(action.help for action in parser._actions)

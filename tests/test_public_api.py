@@ -14,6 +14,7 @@ PUBLIC = [
     "Job",
     "LLMCall",
     "NatsSettings",
+    "OrchestratorConfig",
     "Sampling",
     "SubmitResult",
     "TaskProducer",

@@ -12,8 +12,8 @@ import time
 import pytest
 import structlog
 
+from agentarium.commands import trajectories_cmd as producers_cli
 from producers import StreamMissing, TrajectoryReader
-from producers import cli as producers_cli
 from schemas import LLMCall, Trajectory, encode, encode_json
 
 

@@ -8,9 +8,9 @@ import argparse
 import pytest
 import torch
 
+from agentarium.commands.trainer_cmd import add_trainer_arguments, config_from_args
 from agentarium.tiny import ensure_tiny_model
 from schemas import LLMCall, Trajectory, encode
-from trainer.cli import add_trainer_arguments, config_from_args
 from trainer.config import TrainerConfig
 from trainer.errors import TrainerConfigError
 from trainer.loop import Trainer, WeightPublisher

@@ -1,4 +1,4 @@
-"""The trainer as a process (``python -m trainer``): SIGKILL mid-run and ``--resume`` train every
+"""The trainer as a process (``python -m agentarium trainer``): SIGKILL mid-run and ``--resume`` train every
 ok trajectory exactly once, as the checkpoints' job id lists show; validation trajectories
 never enter a step; SIGTERM checkpoints and exits 0."""
 
@@ -96,6 +96,7 @@ class TrainerProcess:
         args = [
             sys.executable,
             "-m",
+            "agentarium",
             "trainer",
             "--nats-url",
             nats_url,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from agentarium.tensorize import tensorize
+from agentarium.orchestrator import tensorize
 from schemas import LLMCall, Trajectory
 
 HOME = Path(os.environ.get("AGENTARIUM_HOME") or "~/.cache/agentarium").expanduser()

@@ -16,8 +16,8 @@ import torch
 from fake_sglang import FakeSGLang
 from safetensors.torch import save_file
 
+from agentarium.commands.sync_cmd import add_sync_arguments, config_from_args
 from trainer.sync import SyncConfig, WeightSyncer
-from trainer.sync_cli import add_sync_arguments, config_from_args
 from trainer.weights import (
     WEIGHTS_FILE,
     WeightNotFound,
@@ -246,7 +246,11 @@ async def test_syncer_follows_the_watch_across_a_broker_restart(
         await wait_for(lambda: at("3"), 30, "version 3 after the restart")
         await store.publish(state(4, rows=8), run="w", version=4)
         await wait_for(lambda: at("4"), 30, "version 4")
-        assert sorted(p.name for p in (tmp_path / "w" / "w").iterdir()) == ["v3", "v4"]
+
+        async def pruned():  # the syncer prunes right after the engines report the update
+            return sorted(p.name for p in (tmp_path / "w" / "w").iterdir()) == ["v3", "v4"]
+
+        await wait_for(pruned, 10, "local copies pruned to the newest two")
         updates = [body for path, body in fake.control if path == "/update_weights_from_disk"]
         assert [b["weight_version"] for b in updates] == ["1", "2", "3", "4"]
     finally:

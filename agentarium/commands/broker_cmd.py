@@ -9,8 +9,7 @@ from pathlib import Path
 
 import structlog
 
-from broker import Limits, NatsServer, Topology, provision
-from broker.status import collect_status, format_status
+from broker import Limits, NatsServer, Topology, collect_status, format_status, provision
 
 from .common import add_nats_flags, run_async, settings_from_args
 

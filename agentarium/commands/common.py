@@ -1,4 +1,9 @@
-"""Flags shared by every subcommand that talks to NATS, and helpers to run async bodies."""
+"""What every command shares: the parser class, the NATS connection flags, running an async
+body with logging and tracing set up, and stop signals.
+
+Every command is a module ``<name>_cmd.py`` in this package with ``register(subparsers)``;
+``agentarium.cli`` finds them, so adding a command touches no other file.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +11,25 @@ import argparse
 import asyncio
 import signal
 from collections.abc import Awaitable, Callable
+from typing import Any
 
-from broker import NatsSettings
-from broker.telemetry import setup_logging, setup_tracing, shutdown_tracing
+from broker import NatsSettings, setup_logging, setup_tracing, shutdown_tracing
+
+
+class Parser(argparse.ArgumentParser):
+    """No abbreviated long options: ``--group 4`` must not silently mean ``--group-size``.
+    Sub-parsers are made of the same class, so the rule holds for every command."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def add_nats_flags(parser: argparse.ArgumentParser) -> None:

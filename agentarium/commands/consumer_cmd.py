@@ -8,13 +8,17 @@ import sys
 import structlog
 
 from broker import Topology
-from consumers.agents import AgentLoadError, AgentRunner, AgentSpec, load_callable
-from consumers.backends.sglang import SGLangBackend
-from consumers.chat_template import ChatTemplate
-from consumers.proxy import TracingProxy
-from consumers.retry import RetryPolicy
-from consumers.rollout import RolloutEnv
-from consumers.worker import Worker, WorkerConfig, default_worker_id
+from consumers import (
+    AgentLoadError,
+    AgentSpec,
+    ConsumerService,
+    ConsumerSpec,
+    Counters,
+    LLMTarget,
+    default_worker_id,
+    load_callable,
+    normalize_urls,
+)
 from schemas import SchemaError, check_name
 
 from ..tiny import resolve_model
@@ -38,66 +42,71 @@ def parse_agent(value: str) -> tuple[str, str]:
 
 async def _consume(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
-    name, spec = args.agent
+    name, spec_text = args.agent
     try:
-        fn = load_callable(spec, "agent")
+        fn = load_callable(spec_text, "agent")
         agent = AgentSpec.of(fn, name)
         reward_fn = load_callable(args.reward, "reward function") if args.reward else None
     except AgentLoadError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     model_dir = resolve_model(args.model)
-    model_name = args.model_name or ("tiny" if args.model == "tiny" else model_dir.name)
-    template = ChatTemplate.from_model_dir(model_dir)
-    backend = SGLangBackend(args.llm, retries=args.llm_retries, timeout=args.llm_timeout)
-    proxy = TracingProxy(
-        host=args.proxy_host, port=args.proxy_port, advertised_host=args.advertise_host
-    )
-    await proxy.start()
-    runner = AgentRunner(agent, model_name=model_name, threads=max(4, min(args.concurrency, 256)))
-    env = RolloutEnv(
-        runner=runner,
-        backend=backend,
-        template=template,
-        proxy=proxy,
-        model_name=model_name,
+    spec = ConsumerSpec(
+        agent=name,
+        fn=fn,
+        target=LLMTarget(urls=tuple(normalize_urls(args.llm))),
+        model_dir=str(model_dir),
+        model_name=args.model_name or ("tiny" if args.model == "tiny" else model_dir.name),
+        concurrency=args.concurrency,
+        proxy_host=args.proxy_host,
+        proxy_port=args.proxy_port,
+        advertise_host=args.advertise_host,
+        attempts=args.attempts,
+        retry_delay_s=args.retry_delay,
+        ack_wait_s=args.ack_wait,
+        drain_grace_s=args.drain_grace,
+        llm_retries=args.llm_retries,
+        llm_timeout_s=args.llm_timeout,
+        fetch_timeout_s=1.0,
+        burst=args.burst,
         worker_id=args.worker_id,
         reward_fn=reward_fn,
-    )
-    config = WorkerConfig(
-        agent=name,
-        concurrency=args.concurrency,
-        ack_wait_s=args.ack_wait,
-        burst=args.burst,
-        drain_grace_s=args.drain_grace,
-        worker_id=args.worker_id,
-        retry=RetryPolicy(attempts=args.attempts, base_delay_s=args.retry_delay),
     )
     log.info(
         "consumer config",
         agent=name,
-        spec=spec,
+        spec=spec_text,
         style=agent.style,
         kind=agent.kind,
-        llm=args.llm,
+        llm=list(spec.target.urls),
         model=str(model_dir),
         concurrency=args.concurrency,
         burst=args.burst,
-        proxy=proxy.endpoint_for("JOB"),
         nats=settings.redacted(),
     )
     nc = await settings.connect(name=f"agentarium-consumer-{name}")
-    worker = Worker(nc.jetstream(), Topology(settings.prefix), config, env)
-    install_stop_handlers(worker.stop)
     try:
-        counters = await worker.run()
+        service = await ConsumerService(nc.jetstream(), Topology(settings.prefix), spec).start()
+        install_stop_handlers(service.drain)
+        counters = await service.wait()
     finally:
-        runner.close()
-        await proxy.stop()
-        await backend.aclose()
         await nc.close()
-    print(f"worker {config.worker_id}: {vars(counters)}", file=sys.stderr)
+    failed = counters.errors + counters.timeouts + counters.dead_lettered
+    print(f"worker {spec.worker_id}: {format_counters(counters)}", file=sys.stderr)
+    if args.burst and failed:
+        print(
+            f"error: {failed} rollout(s) of agent {name!r} failed (errors {counters.errors}, "
+            f"timeouts {counters.timeouts}, dead-lettered {counters.dead_lettered}); the "
+            "warnings above give the reasons, `agentarium trajectories show --status error` "
+            "the stored ones",
+            file=sys.stderr,
+        )
+        return 1
     return 0
+
+
+def format_counters(counters: Counters) -> str:
+    return " ".join(f"{k}={v}" for k, v in vars(counters).items())
 
 
 def cmd_consumer(args: argparse.Namespace) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from broker.telemetry import setup_logging
+from broker import setup_logging
 
 from ..tiny import resolve_model
 

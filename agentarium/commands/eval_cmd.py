@@ -1,8 +1,4 @@
-"""``agentarium eval run|summary`` and ``agentarium trajectories export``.
-
-``register(sub)`` must run after ``produce_cmd.register``: ``export`` joins the
-``trajectories`` command that registers (``show``), or creates it when it is absent.
-"""
+"""``agentarium eval run|summary``: evaluate an agent, every task K times, resumable."""
 
 from __future__ import annotations
 
@@ -11,12 +7,10 @@ import os
 import sys
 from pathlib import Path
 
-from broker import Topology
-from consumers.agents import AgentLoadError
+from consumers import AgentLoadError
 from schemas import SchemaError, check_name
 
-from ..eval import EvalConfig, EvalError, EvalRun, print_summary
-from ..export import FORMATS, export_run
+from ..evaluation import EvalConfig, EvalError, EvalRun, print_summary
 from .common import add_nats_flags, run_async, settings_from_args
 
 
@@ -87,34 +81,6 @@ def cmd_eval_summary(args: argparse.Namespace) -> int:
     except EvalError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-
-
-def cmd_export(args: argparse.Namespace) -> int:
-    settings = settings_from_args(args)
-
-    async def body() -> int:
-        nc = await settings.connect(name="agentarium-export")
-        try:
-            n = await export_run(
-                nc.jetstream(),
-                Topology(settings.prefix),
-                run=args.run,
-                agent=args.agent,
-                fmt=args.format,
-                out=Path(args.out) if args.out else None,
-                status=None if args.status == "all" else args.status,
-                multi_turn=args.multi_turn,
-                min_reward=args.min_reward,
-            )
-        finally:
-            await nc.close()
-        print(
-            f"exported {n} records of run {args.run}" + (f" to {args.out}" if args.out else ""),
-            file=sys.stderr,
-        )
-        return 0
-
-    return run_async(body, service="agentarium-export")
 
 
 def _add_run_arguments(p: argparse.ArgumentParser) -> None:
@@ -213,21 +179,6 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, help="seed of the cross-sampling coin")
 
 
-def _trajectories_subparsers(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
-    parser = sub.choices.get("trajectories")
-    if parser is None:
-        parser = sub.add_parser(
-            "trajectories",
-            help="read stored trajectories back",
-            description="Read stored trajectories back.",
-        )
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            action.metavar = None  # list every subcommand, export included
-            return action
-    return parser.add_subparsers(dest="trajectories_command", required=True)
-
-
 def register(sub: argparse._SubParsersAction) -> None:
     ev = sub.add_parser(
         "eval",
@@ -248,32 +199,3 @@ def register(sub: argparse._SubParsersAction) -> None:
     summary = esub.add_parser("summary", help="print the summary table of an eval directory")
     summary.add_argument("dir", metavar="DIR", help="the --out directory of `eval run`")
     summary.set_defaults(func=cmd_eval_summary)
-
-    export = _trajectories_subparsers(sub).add_parser(
-        "export",
-        help="write a run's trajectories as an SFT dataset (JSONL or Parquet)",
-        description="Chat messages plus token arrays (input_ids, loss_mask, logprobs) per trajectory.",
-    )
-    export.add_argument("--run", required=True, metavar="RUN")
-    export.add_argument(
-        "--agent", default="*", metavar="NAME", help="only this agent (default all)"
-    )
-    export.add_argument("--format", choices=FORMATS, default="jsonl")
-    export.add_argument("--out", metavar="PATH", help="output file (default stdout for jsonl)")
-    export.add_argument(
-        "--status",
-        choices=("ok", "error", "timeout", "all"),
-        default="ok",
-        help="which trajectories (default ok)",
-    )
-    export.add_argument(
-        "--multi-turn",
-        choices=("concat", "per-call"),
-        default="concat",
-        help="one record per rollout (concat) or per LLM call",
-    )
-    export.add_argument(
-        "--min-reward", type=float, metavar="R", help="keep rewards >= R (rejection sampling)"
-    )
-    add_nats_flags(export)
-    export.set_defaults(func=cmd_export)

@@ -1,24 +1,185 @@
-"""``agentarium produce`` and ``agentarium trajectories show``: bodies live in producers.cli."""
+"""``agentarium produce``: publish a task file as rollout jobs."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import sys
+import time
+from typing import IO
 
-from producers import cli as producers_cli
+import structlog
 
-from .common import add_nats_flags, run_async, settings_from_args
+from broker import NatsSettings, Topology, ensure_streams
+from producers import ProducerError, TaskProducer, expand_tasks, read_tasks
+from schemas import Sampling, SchemaError
+
+from .common import add_nats_flags, positive_int, run_async, settings_from_args
+
+log = structlog.get_logger("agentarium.producers")
+
+PROGRESS_MIN_JOBS = 2000  # below this a batch is over before a progress line helps
+PROGRESS_EVERY_S = 1.0
+
+
+def add_produce_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--agent", required=True, metavar="NAME", help="agent the jobs are for ([A-Za-z0-9_-])"
+    )
+    parser.add_argument(
+        "--file",
+        required=True,
+        metavar="PATH",
+        help="tasks as JSON lines, one object per line (blank lines skipped); '-' reads stdin. "
+        "A task's id is its task_id or id field, else its position",
+    )
+    parser.add_argument(
+        "--group-size",
+        type=positive_int,
+        default=1,
+        metavar="G",
+        help="samples per task: G jobs sharing a group_id, for GRPO (default 1)",
+    )
+    parser.add_argument(
+        "--run",
+        default="default",
+        metavar="RUN",
+        help="run id the trajectories are stored under (default: default)",
+    )
+    parser.add_argument(
+        "--batch-id",
+        metavar="ID",
+        help="batch id (default: a digest of the agent, run, group size, --eval and the tasks, so the "
+        "same file twice gives the same job ids and adds nothing); pass a new one to run a file again",
+    )
+    parser.add_argument(
+        "--eval", action="store_true", help="evaluation jobs (is_train=false): never trained on"
+    )
+    parser.add_argument(
+        "--temperature", type=float, metavar="T", help="sampling temperature (default 1.0)"
+    )
+    parser.add_argument(
+        "--max-new-tokens",
+        type=positive_int,
+        metavar="N",
+        help="tokens per LLM call (default 256)",
+    )
+    parser.add_argument(
+        "--deadline",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="seconds a rollout may take (default 600)",
+    )
+    parser.add_argument(
+        "--max-in-flight",
+        type=positive_int,
+        default=512,
+        metavar="N",
+        help="publishes awaiting their ack at once (default 512)",
+    )
+
+
+def _open_tasks(path: str) -> tuple[IO[str], str]:
+    if path == "-":
+        return sys.stdin, "<stdin>"
+    try:
+        return open(path, encoding="utf-8"), path  # noqa: SIM115 - closed by the caller
+    except OSError as exc:
+        raise SchemaError(f"cannot read tasks file {path!r}: {exc.strerror}") from exc
+
+
+class _Progress:
+    def __init__(self, total: int, out: IO[str]) -> None:
+        self.total = total
+        self.out = out
+        self.started = self.last = time.monotonic()
+        self.enabled = total >= PROGRESS_MIN_JOBS
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if self.enabled and (now - self.last >= PROGRESS_EVERY_S or done == total):
+            self.last = now
+            rate = done / max(now - self.started, 1e-9)
+            print(f"produce: {done}/{total} jobs stored ({rate:.0f}/s)", file=self.out, flush=True)
+
+
+async def run_produce(args: argparse.Namespace, settings: NatsSettings) -> int:
+    try:
+        handle, source = _open_tasks(args.file)
+        with handle if handle is not sys.stdin else contextlib.nullcontext(handle):
+            tasks, line_numbers = read_tasks(handle, source)
+        if not tasks:
+            raise SchemaError(f"{source} holds no tasks")
+        sampling = Sampling(
+            **{
+                k: v
+                for k, v in {
+                    "temperature": args.temperature,
+                    "max_new_tokens": args.max_new_tokens,
+                }.items()
+                if v is not None
+            }
+        )
+        # Everything is validated before connecting: a typo costs no broker round trip.
+        batch_id, jobs = expand_tasks(
+            args.agent,
+            tasks,
+            run=args.run,
+            group_size=args.group_size,
+            batch_id=args.batch_id,
+            is_train=not args.eval,
+            sampling=sampling,
+            deadline_s=args.deadline,
+        )
+    except SchemaError as exc:
+        rows = getattr(exc, "rows", None)
+        if rows:
+            first, second = (line_numbers[r] for r in rows)
+            print(
+                f"error: {source}: lines {first} and {second} have the same task id: {exc}",
+                file=sys.stderr,
+            )
+        else:
+            print(f"error: {exc}", file=sys.stderr)
+        return 2
+    log.info(
+        "produce",
+        agent=args.agent,
+        run=args.run,
+        batch_id=batch_id,
+        tasks=len(tasks),
+        jobs=len(jobs),
+        group_size=args.group_size,
+        is_train=not args.eval,
+        max_in_flight=args.max_in_flight,
+        nats=settings.redacted(),
+    )
+    topology = Topology(prefix=settings.prefix)
+    producer = await TaskProducer.connect(
+        settings, topology=topology, max_in_flight=args.max_in_flight
+    )
+    async with producer:
+        # Create what a fresh broker lacks; never reset limits an operator set with broker init.
+        created = await ensure_streams(producer.js, topology)
+        if created:
+            print(f"produce: created {', '.join(created)}", file=sys.stderr)
+        try:
+            published, duplicates = await producer.publish_jobs(
+                jobs, on_progress=_Progress(len(jobs), sys.stderr)
+            )
+        except ProducerError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+    print(
+        f"run={args.run} batch={batch_id} jobs={len(jobs)} published={published} duplicates={duplicates}"
+    )
+    return 0
 
 
 def cmd_produce(args: argparse.Namespace) -> int:
     return run_async(
-        lambda: producers_cli.run_produce(args, settings_from_args(args)),
-        service="agentarium-producer",
-    )
-
-
-def cmd_show(args: argparse.Namespace) -> int:
-    return run_async(
-        lambda: producers_cli.run_show(args, settings_from_args(args)), service="agentarium-reader"
+        lambda: run_produce(args, settings_from_args(args)), service="agentarium-producer"
     )
 
 
@@ -30,22 +191,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         "that share a group_id. Job ids are derived from (run, batch, task, sample), so publishing the same "
         "file twice adds nothing. Prints the run id and batch id.",
     )
-    producers_cli.add_produce_arguments(produce)
+    add_produce_arguments(produce)
     add_nats_flags(produce)
     produce.set_defaults(func=cmd_produce)
-
-    traj = sub.add_parser(
-        "trajectories",
-        help="read stored trajectories back",
-        description="Read stored trajectories back.",
-    )
-    tsub = traj.add_subparsers(dest="trajectories_command", required=True, metavar="{show}")
-    show = tsub.add_parser(
-        "show",
-        help="print a run's trajectories as a table or JSON lines",
-        description="Print a run's trajectories as a readable table, or as JSON lines (token arrays as lists) "
-        "for other tools.",
-    )
-    producers_cli.add_show_arguments(show)
-    add_nats_flags(show)
-    show.set_defaults(func=cmd_show)

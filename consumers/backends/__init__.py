@@ -2,11 +2,13 @@
 
 from .balancer import StickyBalancer
 from .base import Backend, FinishReason, GenerateRequest, GenerateResult, RetryPolicy
+from .cross_sampling import CrossSamplingBackend, model_of_call
 from .openai_compat import OpenAICompatBackend
 from .sglang import SGLangBackend, parse_generate_response
 
 __all__ = [
     "Backend",
+    "CrossSamplingBackend",
     "FinishReason",
     "GenerateRequest",
     "GenerateResult",
@@ -14,5 +16,6 @@ __all__ = [
     "RetryPolicy",
     "SGLangBackend",
     "StickyBalancer",
+    "model_of_call",
     "parse_generate_response",
 ]

@@ -1,10 +1,9 @@
 """Cross-sampling (as in AgentRL): each LLM call of a rollout goes to a second model with
 probability ``ratio``, so one trajectory mixes the two models' turns.
 
-A backend wrapper composing two ``consumers`` backends: the consumers package never learns
-about it. Which model served a call is recorded in the call's ``backend`` field as
-``<server URL>#model=<name>`` (still a URL, so spans parse it as before); ``model_of_call``
-reads it back.
+A backend wrapper composing two backends behind the same ``generate`` interface. Which model
+served a call is recorded in the call's ``backend`` field as ``<server URL>#model=<name>``
+(still a URL, so spans parse it as before); ``model_of_call`` reads it back.
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ import random
 from dataclasses import replace
 from typing import Any
 
-from consumers.backends.base import GenerateRequest, GenerateResult
+from .base import GenerateRequest, GenerateResult
 
 MODEL_TAG = "#model="
 

@@ -19,10 +19,10 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from consumers import model_of_call
 from schemas import Trajectory
 
-from .agent_metrics import pass_at_k
-from .cross_sampling import model_of_call
+from ..agent_metrics import pass_at_k
 
 RESULTS = "results.jsonl"
 SUMMARY = "summary.json"

@@ -1,10 +1,10 @@
-"""Rollout consumers inside the calling process: a ``consumers.worker.Worker`` per agent, with
-its own tracing proxy and backend, run as a task on the current event loop.
+"""The consumer service: one rollout worker with its tracing proxy, LLM backend and agent runner.
 
-The orchestrator runs these on its background loop when there is no Ray cluster; each Ray
-consumer actor runs exactly the same thing in its own process. ``LLMTarget`` says where an
-agent's LLM calls go: SGLang-compatible servers (token ids, trainable) or an
-OpenAI-compatible ``/v1`` endpoint (text only, for evaluation).
+The one place a consumer is assembled. ``agentarium consumer`` runs one as a process, the
+orchestrator and ``eval run`` run them on their own event loop (or inside Ray actors), and the
+demo starts the command. ``LLMTarget`` says where an agent's LLM calls go: SGLang-compatible
+servers (token ids, trainable) or an OpenAI-compatible ``/v1`` endpoint (text only, for
+evaluation).
 """
 
 from __future__ import annotations
@@ -20,13 +20,14 @@ import structlog
 from nats.js import JetStreamContext
 
 from broker import Topology
-from consumers.agents import AgentRunner, AgentSpec
-from consumers.backends import OpenAICompatBackend, SGLangBackend
-from consumers.chat_template import ChatTemplate
-from consumers.proxy import TracingProxy
-from consumers.retry import RetryPolicy
-from consumers.rollout import RolloutEnv
-from consumers.worker import Counters, Worker, WorkerConfig, default_worker_id
+
+from .agents import AgentRunner, AgentSpec
+from .backends import OpenAICompatBackend, SGLangBackend
+from .chat_template import ChatTemplate
+from .proxy import TracingProxy
+from .retry import RetryPolicy
+from .rollout import RolloutEnv
+from .worker import Counters, Worker, WorkerConfig, default_worker_id
 
 log = structlog.get_logger("agentarium.consumers")
 
@@ -84,7 +85,7 @@ class LLMTarget:
 
 @dataclass(frozen=True, kw_only=True)
 class ConsumerSpec:
-    """Everything one in-process (or in-actor) consumer needs; picklable for Ray."""
+    """Everything one consumer needs; picklable, so a Ray actor can be handed one."""
 
     agent: str
     fn: Any
@@ -101,6 +102,8 @@ class ConsumerSpec:
     drain_grace_s: float = 10.0
     llm_retries: int = 3
     llm_timeout_s: float = 600.0
+    fetch_timeout_s: float = 0.5
+    burst: bool = False  # stop once the agent's queue is empty and nothing is in flight
     worker_id: str = field(default_factory=default_worker_id)
     reward_fn: Any = None
 
@@ -127,8 +130,9 @@ async def start_proxy(host: str, base_port: int, advertise_host: str | None) -> 
     )
 
 
-class LocalConsumer:
-    """One running worker; ``await start()`` returns once it pulls, ``await stop()`` drains it."""
+class ConsumerService:
+    """One running worker: ``await start()`` returns once it pulls, ``await stop()`` drains it,
+    ``await wait()`` returns its counters when it stops by itself (burst mode, or ``stop()``)."""
 
     def __init__(
         self,
@@ -147,13 +151,16 @@ class LocalConsumer:
         self.worker: Worker | None = None
         self._backend: Any = backend  # None: built from spec.target
         self._runner: AgentRunner | None = None
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[Counters] | None = None
+
+    def __repr__(self) -> str:
+        return f"<ConsumerService {self.spec.agent} {self.worker!r}>"
 
     @property
     def endpoint_base(self) -> str:
         return self.proxy.base_url if self.proxy else ""
 
-    async def start(self) -> LocalConsumer:
+    async def start(self) -> ConsumerService:
         spec = self.spec
         template = self._template
         if template is None and spec.model_dir is not None:
@@ -185,8 +192,9 @@ class LocalConsumer:
             agent=spec.agent,
             concurrency=spec.concurrency,
             ack_wait_s=spec.ack_wait_s,
-            fetch_timeout_s=0.5,
+            fetch_timeout_s=spec.fetch_timeout_s,
             drain_grace_s=spec.drain_grace_s,
+            burst=spec.burst,
             worker_id=spec.worker_id,
             retry=RetryPolicy(
                 attempts=spec.attempts,
@@ -197,12 +205,14 @@ class LocalConsumer:
         self.worker = Worker(self.js, self.topology, config, env)
         self._task = asyncio.create_task(self.worker.run(), name=f"worker-{spec.agent}")
         log.info(
-            "in-process consumer started",
+            "consumer started",
             agent=spec.agent,
             style=agent.style,
             kind=agent.kind,
             proxy=self.proxy.base_url,
             worker_id=spec.worker_id,
+            concurrency=spec.concurrency,
+            burst=spec.burst,
         )
         return self
 
@@ -213,7 +223,21 @@ class LocalConsumer:
             return self._task.exception()
         return None
 
+    def drain(self) -> None:
+        """Begin draining (what SIGTERM does); ``wait()`` or ``stop()`` returns when done."""
+        if self.worker is not None:
+            self.worker.stop()
+
+    async def wait(self) -> Counters:
+        """Until the worker stops by itself (burst mode, or after ``drain()``); then closes."""
+        assert self._task is not None, "start() first"
+        try:
+            return await self._task
+        finally:
+            await self._close()
+
     async def stop(self) -> Counters | None:
+        """Drain, wait at most the drain grace (plus a margin), close; never raises."""
         counters = None
         if self.worker is not None and self._task is not None:
             self.worker.stop()
@@ -225,10 +249,16 @@ class LocalConsumer:
                 self._task.cancel()
                 with contextlib.suppress(BaseException):
                     await self._task
+        await self._close()
+        return counters
+
+    async def _close(self) -> None:
         if self._runner is not None:
             self._runner.close()
+            self._runner = None
         if self.proxy is not None:
             await self.proxy.close()
+            self.proxy = None
         if self._backend is not None:
             await self._backend.aclose()
-        return counters
+            self._backend = None

@@ -27,19 +27,22 @@ from typing import Any
 import structlog
 
 from broker import NatsSettings, Topology
-from broker.provision import ensure_provisioned
-from consumers.agents import load_callable
-from consumers.chat_template import ChatTemplate
-from producers import TaskProducer, TrajectoryReader
-from producers.jobs import group_id_for, job_id_for, task_id_of
-from schemas import Job, Sampling, Trajectory, check_name
+from consumers import (
+    ChatTemplate,
+    ConsumerService,
+    ConsumerSpec,
+    CrossSamplingBackend,
+    LLMTarget,
+    load_callable,
+    normalize_urls,
+)
+from producers import RunSession, TrajectoryReader, make_job, task_id_of
+from producers import read_tasks as read_tasks_lines
+from schemas import Job, Sampling, SchemaError, Trajectory, check_name
 
-from . import eval_report as report
-from .cross_sampling import CrossSamplingBackend
-from .local_consumers import ConsumerSpec, LLMTarget, LocalConsumer, normalize_urls
-from .progress import ProgressBar
-from .tiny import resolve_model
-from .trajectory_feed import TrajectoryFeed
+from ..progress import ProgressBar
+from ..tiny import resolve_model
+from . import report
 
 log = structlog.get_logger("agentarium.eval")
 
@@ -83,20 +86,15 @@ class EvalConfig:
     reward: str | None = None
 
 
-def read_tasks(path: Path) -> tuple[list[dict], list[str], str]:
+def read_task_file(path: Path) -> tuple[list[dict], list[str], str]:
     """Tasks, their ids (task_id/id, else the line's position) and the file's sha256."""
-    raw = path.read_bytes()
-    tasks = []
-    for number, line in enumerate(raw.decode().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            task = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise EvalError(f"{path}:{number}: not JSON ({exc})") from None
-        if not isinstance(task, dict):
-            raise EvalError(f"{path}:{number}: a task must be a JSON object")
-        tasks.append(task)
+    try:
+        raw = path.read_bytes()
+        tasks, _ = read_tasks_lines(raw.decode().splitlines(), str(path))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise EvalError(f"cannot read tasks file {path}: {exc}") from None
+    except SchemaError as exc:
+        raise EvalError(str(exc)) from None
     if not tasks:
         raise EvalError(f"{path} has no tasks: write one JSON object per line")
     ids = [task_id_of(t, i) for i, t in enumerate(tasks)]
@@ -126,16 +124,15 @@ def job_for(run: str, task: dict, task_id: str, attempt: int, retry: int, cfg: E
         sampling["max_new_tokens"] = cfg.max_new_tokens
     if cfg.temperature is not None:
         sampling["temperature"] = cfg.temperature
-    return Job(
-        job_id=job_id_for(run, batch, task_id, attempt),
+    return make_job(
         agent=cfg.agent,
         task=task,
         task_id=task_id,
-        group_id=group_id_for(run, BATCH, task_id),
-        sample_index=attempt,
-        group_size=cfg.k,
         run=run,
         batch_id=batch,
+        group_batch_id=BATCH,  # a retry stays in its task's group
+        sample_index=attempt,
+        group_size=cfg.k,
         is_train=False,
         sampling=Sampling(**sampling),
         deadline_s=cfg.deadline_s,
@@ -153,7 +150,7 @@ class EvalRun:
         self.settings = settings
         self.out = out
         self.err = err
-        self.tasks, self.task_ids, self.tasks_sha = read_tasks(cfg.tasks_file)
+        self.tasks, self.task_ids, self.tasks_sha = read_task_file(cfg.tasks_file)
         self.run_id = cfg.run or default_run(cfg, self.tasks_sha)
         check_name(self.run_id, "run")
         check_name(cfg.agent, "agent")
@@ -216,14 +213,11 @@ class EvalRun:
         existed = (self.out_dir / MANIFEST).exists()
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / MANIFEST).write_text(json.dumps(self.manifest(), indent=2) + "\n")
-        nc = await self.settings.connect(name="agentarium-eval")
-        js = nc.jetstream()
-        topology = Topology(self.settings.prefix)
+        session = RunSession(self.settings, self.run_id, name="agentarium-eval")
         consumer = None
-        feed = TrajectoryFeed(js, topology, self.run_id)
         try:
-            await ensure_provisioned(js, topology)
-            await feed.start()  # before reading, so nothing stored in between is missed
+            await session.start()  # its feed starts before the read: nothing is missed
+            js, topology = session.js, session.topology
             stored = await TrajectoryReader(js, topology).read(self.run_id, cfg.agent)
             final, pending = self._plan(stored)
             results_path = self.out_dir / report.RESULTS
@@ -257,12 +251,9 @@ class EvalRun:
                         final[key] = line
                     progress.update(traj)
 
-                feed.expect([j.job_id for j in pending], on_result)
-                published, duplicates = await TaskProducer(js, topology).publish_jobs(pending)
-                if duplicates:
-                    await feed.lookup(pending)
+                await session.submit(pending, on_result)
                 try:
-                    await feed.wait(cfg.timeout_s)
+                    await session.wait(cfg.timeout_s)
                 except TimeoutError as exc:
                     self._say(f"error: {exc}")
                 finally:
@@ -270,10 +261,9 @@ class EvalRun:
             report.write_results(results_path, report.ordered(final, self.task_ids))
             return self._finish(final)
         finally:
-            await feed.close()
             if consumer is not None:
                 await consumer.stop()
-            await nc.close()
+            await session.close()
 
     def _plan(self, stored: list[Trajectory]) -> tuple[dict, list[Job]]:
         """Results that stand, and the jobs still to run."""
@@ -296,7 +286,7 @@ class EvalRun:
                     )
         return final, pending
 
-    async def _start_consumer(self, js: Any, topology: Topology) -> LocalConsumer:
+    async def _start_consumer(self, js: Any, topology: Topology) -> ConsumerService:
         cfg = self.cfg
         fn = load_callable(cfg.agent_fn, "agent")
         reward_fn = load_callable(cfg.reward, "reward function") if cfg.reward else None
@@ -342,7 +332,8 @@ class EvalRun:
             reward_fn=reward_fn,
             worker_id=f"{self.run_id}-{cfg.agent}"[:120],
         )
-        return await LocalConsumer(js, topology, spec, template=template, backend=backend).start()
+        service = ConsumerService(js, topology, spec, template=template, backend=backend)
+        return await service.start()
 
     def _finish(self, final: dict) -> int:
         cfg = self.cfg

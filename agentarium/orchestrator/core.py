@@ -1,8 +1,8 @@
 """The orchestrator's async core: broker connection, consumers, publishing, waiting.
 
-It composes the pieces that never import each other: ``producers`` publishes the jobs,
-``consumers`` run them (in this process, in Ray actors, or as external ``agentarium consumer``
-services), and a ``TrajectoryFeed`` collects the trajectories of the jobs being waited for.
+It composes the pieces that never import each other: a ``producers.RunSession`` publishes the
+jobs and collects the trajectories being waited for, and ``consumers`` run them (in this
+process, in Ray actors, or as external ``agentarium consumer`` services).
 Without a NATS URL it starts an embedded ``nats-server`` in a temporary directory, so the
 seed's three-line integration needs no service to be running.
 """
@@ -16,19 +16,15 @@ import tempfile
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import structlog
 
 from broker import Limits, NatsServer, NatsSettings, Topology
-from broker.provision import ensure_provisioned
-from consumers.chat_template import ChatTemplate
-from producers import TaskProducer
+from consumers import ChatTemplate, ConsumerService, ConsumerSpec
+from producers import RunSession, TrajectoryFeed
 from schemas import Job, Trajectory
 
-from .local_consumers import ConsumerSpec, LocalConsumer
 from .ray_consumers import RayConfig, RayConsumerPool
-from .trajectory_feed import TrajectoryFeed
 
 log = structlog.get_logger("agentarium.orchestrator")
 
@@ -60,11 +56,8 @@ class RolloutCore:
         self.topology = Topology(settings.prefix if settings else "agentarium")
         self.server: NatsServer | None = None
         self._stop_server: weakref.finalize | None = None
-        self.nc: Any = None
-        self.js: Any = None
-        self.producer: TaskProducer | None = None
-        self.feed: TrajectoryFeed | None = None
-        self.local: dict[str, LocalConsumer] = {}
+        self.session: RunSession | None = None
+        self.local: dict[str, ConsumerService] = {}
         self.pool: RayConsumerPool | None = None
 
     async def start(self) -> None:
@@ -75,16 +68,20 @@ class RolloutCore:
             self._stop_server = weakref.finalize(self, _stop_embedded, self.server, store)
             self.settings = NatsSettings(url=self.server.url)
             log.info("embedded nats-server started", url=self.server.url, store=str(store))
-        self.nc = await self.settings.connect(name="agentarium-orchestrator")
-        self.js = self.nc.jetstream()
-        await ensure_provisioned(self.js, self.topology, self.limits)
-        self.producer = TaskProducer(self.js, self.topology)
-        self.feed = TrajectoryFeed(self.js, self.topology, self.run)
-        await self.feed.start()
+        self.session = RunSession(
+            self.settings, self.run, limits=self.limits, name="agentarium-orchestrator"
+        )
+        await self.session.start()
+
+    @property
+    def feed(self) -> TrajectoryFeed:
+        assert self.session is not None and self.session.feed is not None, "start() first"
+        return self.session.feed
 
     # ---- consumers -------------------------------------------------------------------------
     async def start_local(self, spec: ConsumerSpec, template: ChatTemplate | None) -> str:
-        consumer = LocalConsumer(self.js, self.topology, spec, template=template)
+        assert self.session is not None, "start() first"
+        consumer = ConsumerService(self.session.js, self.topology, spec, template=template)
         await consumer.start()
         self.local[spec.agent] = consumer
         return consumer.endpoint_base
@@ -107,18 +104,13 @@ class RolloutCore:
         self, jobs: Sequence[Job], on_result: Callable[[Trajectory], None] | None = None
     ) -> tuple[int, int]:
         """Expect the jobs' trajectories, publish the jobs; returns (published, duplicates)."""
-        assert self.producer is not None and self.feed is not None, "start() first"
-        self.feed.expect([j.job_id for j in jobs], on_result)
-        published, duplicates = await self.producer.publish_jobs(jobs)
-        if duplicates:
-            # Submitted before (a restarted trainer, a resumed eval): some may be stored already.
-            await self.feed.lookup(jobs)
-        return published, duplicates
+        assert self.session is not None, "start() first"
+        return await self.session.submit(jobs, on_result)
 
     async def wait(self, timeout: float | None = None) -> dict[str, Trajectory]:
         """Every expected trajectory, or TimeoutError; fails early if a local consumer died."""
-        assert self.feed is not None
-        waiting = asyncio.create_task(self.feed.wait(timeout))
+        assert self.session is not None, "start() first"
+        waiting = asyncio.create_task(self.session.wait(timeout))
         try:
             while True:
                 done, _ = await asyncio.wait({waiting}, timeout=WATCH_EVERY_S)
@@ -134,8 +126,8 @@ class RolloutCore:
                     await waiting
 
     def clear(self) -> None:
-        if self.feed is not None:
-            self.feed.clear()
+        if self.session is not None:
+            self.session.clear()
 
     # ---- shutdown --------------------------------------------------------------------------
     async def close(self) -> None:
@@ -147,11 +139,8 @@ class RolloutCore:
             with contextlib.suppress(Exception):
                 await self.pool.stop()
             self.pool = None
-        if self.feed is not None:
-            await self.feed.close()
-        if self.nc is not None and not self.nc.is_closed:
-            with contextlib.suppress(Exception):
-                await self.nc.close()
+        if self.session is not None:
+            await self.session.close()
         if self._stop_server is not None:
             await asyncio.to_thread(self._stop_server)  # runs once, whoever calls it first
             self.server = None

@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from producers.jobs import group_id_for, job_id_for, task_id_of
-from schemas import Job, Sampling
+from producers import TaskRow, expand_rows, task_id_of
+from schemas import Job, Sampling, SchemaError
 
 AGENT_COLUMNS = ("agent_name", "data_source")
 _SHOW = 5  # rows named in an error message
@@ -230,32 +229,18 @@ def expand(
     deadline_s: float = 600.0,
     metadata: Mapping[str, Any] | None = None,
 ) -> list[Job]:
-    """``group_size`` jobs per row, samples of one row next to each other, ids deterministic."""
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise BatchDataError(f"group_size must be an integer >= 1, got {group_size!r}")
-    if not (isinstance(deadline_s, (int, float)) and math.isfinite(deadline_s) and deadline_s > 0):
-        raise BatchDataError(f"deadline_s must be a positive number, got {deadline_s!r}")
-    sampling = sampling or Sampling()
-    meta = dict(metadata or {})
-    jobs = []
-    for row in rows:
-        group_id = group_id_for(run, batch_id, row.task_id)
-        for sample in range(group_size):
-            jobs.append(
-                Job(
-                    job_id=job_id_for(run, batch_id, row.task_id, sample),
-                    agent=row.agent,
-                    task=row.task,
-                    task_id=row.task_id,
-                    group_id=group_id,
-                    sample_index=sample,
-                    group_size=group_size,
-                    run=run,
-                    batch_id=batch_id,
-                    is_train=is_train,
-                    sampling=sampling,
-                    deadline_s=float(deadline_s),
-                    metadata={**meta, "row": row.index},
-                )
-            )
-    return jobs
+    """``group_size`` jobs per row (``producers.expand_rows``), each remembering its row."""
+    task_rows = [TaskRow(r.agent, r.task_id, r.task, {"row": r.index}) for r in rows]
+    try:
+        return expand_rows(
+            task_rows,
+            run=run,
+            batch_id=batch_id,
+            group_size=group_size,
+            is_train=is_train,
+            sampling=sampling,
+            deadline_s=deadline_s,
+            metadata=metadata,
+        )
+    except SchemaError as exc:
+        raise BatchDataError(str(exc)) from None

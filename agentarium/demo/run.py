@@ -12,26 +12,56 @@ Tasks are fed continuously, a little ahead of the trainer, so rollouts never sto
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
 import signal
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from broker import NatsServer, NatsSettings, Topology, provision
-from broker.status import count_messages
-from broker.telemetry import setup_logging
-from producers import TaskProducer, TrajectoryReader
-from schemas import Trajectory
+from broker import NatsServer, NatsSettings, Topology, count_messages, provision, setup_logging
+from producers import RunSession, expand_tasks
 
+from ..progress import ProgressBar
+from ..tiny import ensure_tiny_model
 from .processes import Child, start_child
-from .progress import ProgressBar
-from .tiny import ensure_tiny_model
 
-DEFAULT_TASKS = Path(__file__).resolve().parent.parent / "examples" / "toy_tasks.jsonl"
+DEFAULT_TASKS = Path(__file__).resolve().parents[2] / "examples" / "toy_tasks.jsonl"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoConfig:
+    """The demo's settings; ``agentarium demo --help`` explains each one."""
+
+    out: str = "./agentarium-demo"
+    steps: int = 300
+    minutes: float = 10.0
+    groups_per_step: int = 16
+    group_size: int = 8
+    lr: float = 1e-3
+    entropy_coef: float = 0.02
+    max_staleness: int = 4
+    ahead: int = 2
+    consumers: int = 1
+    concurrency: int = 64
+    seed: int = 0
+    digits: str = "0123456789"
+    run: str = field(default_factory=lambda: f"demo-{int(time.time())}")
+    agent: str = "examples.toy:rollout"
+    agent_name: str = "toy"
+    rollouts_only: bool = False
+    tasks: str = str(DEFAULT_TASKS)
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "groups_per_step", "group_size", "consumers", "concurrency"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be >= 1")
+        if self.ahead < 0 or self.max_staleness < 0:
+            raise ValueError("ahead and max-staleness must be >= 0")
+        if not self.digits or not self.digits.isdigit():
+            raise ValueError(f"--digits must be a non-empty string of digits, got {self.digits!r}")
 
 
 def _bar(done: float, total: float, width: int = 24) -> str:
@@ -84,11 +114,11 @@ def _last_row(path: Path) -> dict | None:
     return rows[-1] if rows else None
 
 
-async def _feed_and_watch(args: argparse.Namespace, url: str, out: Path, trainer: Child) -> None:
-    nc = await NatsSettings(url=url).connect(name="agentarium-demo")
-    js = nc.jetstream()
-    topo = Topology()
-    producer = TaskProducer(js, topo)
+async def _feed_and_watch(args: DemoConfig, url: str, out: Path, trainer: Child) -> None:
+    session = await RunSession(NatsSettings(url=url), args.run, name="agentarium-demo").start()
+    js, topo = session.js, session.topology
+    assert session.producer is not None
+    producer = session.producer
     rng = random.Random(args.seed)
     display = Display()
     metrics = out / "metrics.csv"
@@ -125,7 +155,7 @@ async def _feed_and_watch(args: argparse.Namespace, url: str, out: Path, trainer
             await asyncio.sleep(0.5)  # a status refresh tick, not a wait for an event
         display.done()
     finally:
-        await nc.close()
+        await session.close()
 
 
 def _report(out: Path, elapsed: float, digits: str) -> int:
@@ -150,44 +180,32 @@ def _report(out: Path, elapsed: float, digits: str) -> int:
     return 0
 
 
-async def _rollouts_only(args: argparse.Namespace, url: str, out: Path) -> dict:
-    nc = await NatsSettings(url=url).connect(name="agentarium-demo")
-    js = nc.jetstream()
-    topo = Topology()
+async def _rollouts_only(args: DemoConfig, url: str, out: Path) -> dict:
     tasks = [json.loads(line) for line in Path(args.tasks).read_text().splitlines() if line.strip()]
+    batch_id, jobs = expand_tasks(args.agent_name, tasks, run=args.run, group_size=args.group_size)
     started = time.monotonic()
-    result = await TaskProducer(js, topo).submit(
-        args.agent_name, tasks, run=args.run, group_size=args.group_size
-    )
-    total = len(result.job_ids)
-    print(
-        f"published run={result.run} batch={result.batch_id} jobs={total} "
-        f"({len(tasks)} tasks x group size {args.group_size})",
-        flush=True,
-    )
     # The same bar as AgentOrchestrator.wait_for_batch_completion draws.
-    bar = ProgressBar(total, label="trajectories", stream=sys.stdout, every_s=5.0)
-    wanted = set(result.job_ids)
-    found: dict[str, Trajectory] = {}
-    async for traj in TrajectoryReader(js, topo).follow(args.run, args.agent_name):
-        if traj.job_id in wanted and traj.job_id not in found:
-            found[traj.job_id] = traj
-            bar.update(traj)
-            if len(found) == total:
-                break
+    bar = ProgressBar(len(jobs), label="trajectories", stream=sys.stdout, every_s=5.0)
+    async with RunSession(NatsSettings(url=url), args.run, name="agentarium-demo") as session:
+        await session.submit(jobs, bar.update)
+        print(
+            f"published run={args.run} batch={batch_id} jobs={len(jobs)} "
+            f"({len(tasks)} tasks x group size {args.group_size})",
+            flush=True,
+        )
+        found = await session.wait()
     bar.close()
     elapsed = time.monotonic() - started
     with open(out / "trajectories.jsonl", "w") as f:
         for traj in found.values():
             f.write(json.dumps(traj.to_wire(binary=False)) + "\n")
-    await nc.close()
     ok = [t for t in found.values() if t.status == "ok"]
     return {
         "trajectories": len(found),
         "ok": len(ok),
         "seconds": round(elapsed, 2),
         "rollouts_per_s": round(len(found) / elapsed, 1),
-        "reward_mean": round(sum(t.reward for t in ok) / len(ok), 4) if ok else None,
+        "reward_mean": round(sum(t.reward or 0.0 for t in ok) / len(ok), 4) if ok else None,
     }
 
 
@@ -195,7 +213,9 @@ def _interrupt(*_: object) -> None:
     raise KeyboardInterrupt  # SIGTERM: clean up children and the broker like Ctrl-C does
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
+def run_demo(args: DemoConfig) -> int:
+    """Run the demo in the foreground; the exit code: 0 when it trained (or, with
+    ``rollouts_only``, stored trajectories)."""
     signal.signal(signal.SIGTERM, _interrupt)
     setup_logging("warning", json=True)  # the demo prints its own progress; children log to files
     out = Path(args.out).expanduser().resolve()
@@ -310,95 +330,3 @@ async def _provision(url: str, agent: str) -> None:
     nc = await NatsSettings(url=url).connect(name="agentarium-demo")
     await provision(nc.jetstream(), Topology(), agents=(agent,))
     await nc.close()
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "demo",
-        help="the whole RL loop locally on the CPU: broker, engine, consumers, trainer, syncer",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument(
-        "--out",
-        default="./agentarium-demo",
-        help="output directory: broker store, logs, metrics.csv, reward.png (default %(default)s)",
-    )
-    p.add_argument("--steps", type=int, default=300, help="training steps (default %(default)s)")
-    p.add_argument(
-        "--minutes",
-        type=float,
-        default=10.0,
-        help="stop after this long at most (default %(default)s)",
-    )
-    p.add_argument(
-        "--groups-per-step", type=int, default=16, help="GRPO groups per step (default %(default)s)"
-    )
-    p.add_argument(
-        "--group-size",
-        type=int,
-        default=8,
-        help="samples per task, one GRPO group (default %(default)s)",
-    )
-    p.add_argument(
-        "--lr",
-        type=float,
-        default=1e-3,
-        help="learning rate of the tiny model (default %(default)s)",
-    )
-    p.add_argument(
-        "--entropy-coef",
-        type=float,
-        default=0.02,
-        help="entropy bonus keeping the random tiny policy exploring until it learns (default %(default)s)",
-    )
-    p.add_argument(
-        "--max-staleness",
-        type=int,
-        default=4,
-        help="drop trajectories more than this many versions old (default %(default)s)",
-    )
-    p.add_argument(
-        "--ahead",
-        type=int,
-        default=2,
-        help="steps' worth of tasks kept queued ahead of the trainer (default %(default)s)",
-    )
-    p.add_argument(
-        "--consumers", type=int, default=1, help="consumer processes (default %(default)s)"
-    )
-    p.add_argument(
-        "--concurrency",
-        type=int,
-        default=64,
-        help="rollouts at once per consumer (default %(default)s)",
-    )
-    p.add_argument(
-        "--seed", type=int, default=0, help="seed for tasks and the trainer (default %(default)s)"
-    )
-    p.add_argument(
-        "--digits",
-        default="0123456789",
-        help="digits the prompts draw from; one digit makes a micro-task that needs no conditioning "
-        "(default %(default)s)",
-    )
-    p.add_argument(
-        "--run", default=f"demo-{int(time.time())}", help="run id (default: demo-<unix time>)"
-    )
-    p.add_argument(
-        "--agent", default="examples.toy:rollout", help="agent function (default %(default)s)"
-    )
-    p.add_argument(
-        "--agent-name", default="toy", help="agent name on the wire (default %(default)s)"
-    )
-    p.add_argument(
-        "--rollouts-only",
-        action="store_true",
-        help="no training: publish --tasks once and wait for every trajectory",
-    )
-    p.add_argument(
-        "--tasks",
-        default=str(DEFAULT_TASKS),
-        help="task file for --rollouts-only (default: the toy tasks)",
-    )
-    p.set_defaults(func=cmd_demo)

@@ -19,7 +19,7 @@ from typing import Any
 
 from schemas import Trajectory
 
-from .tensorize import rows_of
+from ..orchestrator.tensorize import rows_of
 
 FORMATS = ("jsonl", "parquet")
 

@@ -1,7 +1,7 @@
 """Rollout consumers as Ray actors on the user's Ray cluster: scale rollouts without services.
 
-Each actor is an async Ray actor that runs one ``LocalConsumer`` (a ``consumers.worker.Worker``
-loop, its tracing proxy and its backend) in its own process, pulling the agent's jobs from
+Each actor is an async Ray actor that runs one ``consumers.ConsumerService`` (a worker loop,
+its tracing proxy and its backend) in its own process, pulling the agent's jobs from
 NATS like any ``agentarium consumer``. Its proxy binds a base port plus the actor's offset
 (scanning upwards when taken), or any free port with 0, and advertises the node's IP, so
 several actors on one node never collide and agents on other nodes can reach them.
@@ -18,8 +18,7 @@ from typing import Any
 import structlog
 
 from broker import NatsSettings, Topology
-
-from .local_consumers import ConsumerSpec, LocalConsumer
+from consumers import ConsumerService, ConsumerSpec
 
 log = structlog.get_logger("agentarium.ray")
 
@@ -85,7 +84,7 @@ class RolloutActor:
     """The body of one consumer actor (wrapped by ``ray.remote`` in ``RayConsumerPool``)."""
 
     def __init__(self) -> None:
-        self.consumer: LocalConsumer | None = None
+        self.consumer: ConsumerService | None = None
         self.nc: Any = None
 
     async def start(self, settings: NatsSettings, spec: ConsumerSpec, model_ref: str | None) -> str:
@@ -99,7 +98,7 @@ class RolloutActor:
         host = spec.advertise_host or ray.util.get_node_ip_address()
         spec = replace(spec, model_dir=model_dir, advertise_host=host)
         self.nc = await settings.connect(name=f"agentarium-ray-{spec.agent}")
-        self.consumer = await LocalConsumer(
+        self.consumer = await ConsumerService(
             self.nc.jetstream(), Topology(settings.prefix), spec
         ).start()
         return self.consumer.endpoint_base

@@ -1,29 +1,13 @@
-"""``agentarium sync``: flags and the command body around trainer/sync.py's WeightSyncer."""
+"""``agentarium sync``: the weight syncer beside an engine fleet (trainer.run_sync)."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
-import os
-import signal
 from pathlib import Path
 
-import structlog
+from trainer import PAUSE_MODES, SyncConfig, default_weights_dir, run_sync
 
-from broker import NatsSettings, Topology
-from broker.provision import ensure_provisioned
-
-from .sync import PAUSE_MODES, SyncConfig, WeightSyncer
-
-log = structlog.get_logger("agentarium.sync")
-
-
-def default_weights_dir() -> Path:
-    """``$AGENTARIUM_HOME/weights`` (default ``~/.cache/agentarium/weights``)."""
-    home = os.environ.get("AGENTARIUM_HOME")
-    base = Path(home).expanduser() if home else Path.home() / ".cache" / "agentarium"
-    return base / "weights"
+from .common import add_nats_flags, run_async, settings_from_args
 
 
 def add_sync_arguments(parser: argparse.ArgumentParser) -> None:
@@ -101,28 +85,21 @@ def config_from_args(args: argparse.Namespace) -> SyncConfig:
     )
 
 
-async def run_sync(args: argparse.Namespace, settings: NatsSettings) -> int:
-    """``agentarium sync``: run the syncer until SIGTERM/SIGINT (or once with --once)."""
-    config = config_from_args(args)
-    log.info("sync config", nats=settings.redacted(), once=args.once, **config.describe())
-    nc = await settings.connect(name=f"agentarium-sync-{config.run}")
-    try:
-        js = nc.jetstream()
-        topology = Topology(settings.prefix)
-        await ensure_provisioned(js, topology)
-        syncer = WeightSyncer(js, config, topology=topology)
-        if args.once:
-            result = await syncer.sync_once()
-            if result is None:
-                print(f"run {config.run}: no version published yet")
-                return 0
-            print(result)
-            return 0 if result.ok else 1
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, syncer.stop)
-        await syncer.run()
-        return 0
-    finally:
-        await nc.close()
+def cmd_sync(args: argparse.Namespace) -> int:
+    return run_async(
+        lambda: run_sync(config_from_args(args), settings_from_args(args), once=args.once),
+        service="agentarium-sync",
+    )
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "sync",
+        help="watch a run's policy versions and reload engines with the new weights",
+        description="The weight syncer, run beside each engine fleet with access to its disk: watches the policy "
+        "KV, fetches and verifies (sha256) the new safetensors, and reloads every engine with "
+        "pause -> /update_weights_from_disk -> continue (SGLang and the local engine alike).",
+    )
+    add_sync_arguments(parser)
+    add_nats_flags(parser)
+    parser.set_defaults(func=cmd_sync)

@@ -18,27 +18,26 @@ with ``external_consumers=True`` (``agentarium consumer`` services pull the jobs
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import structlog
 
-from broker import Limits, NatsSettings
-from consumers.agents import AgentSpec
-from consumers.chat_template import ChatTemplate
+from broker import NatsSettings
+from consumers import AgentSpec, ChatTemplate, ConsumerSpec, LLMTarget
 from schemas import Sampling, Trajectory, check_name
 
-from .agent_metrics import agent_metrics
+from ..agent_metrics import agent_metrics
+from ..progress import ProgressBar
+from ..tiny import resolve_model
 from .batch_data import batch_id_for, expand, normalize
-from .local_consumers import ConsumerSpec, LLMTarget, normalize_urls
+from .config import OrchestratorConfig
+from .core import RolloutCore
 from .loop_thread import LoopThread
-from .progress import ProgressBar
 from .ray_consumers import RayConfig
-from .rollout_core import RolloutCore
-from .tensorize import MODES, TrainingBatch, tensorize
-from .tiny import resolve_model
+from .tensorize import TrainingBatch, tensorize
 
 log = structlog.get_logger("agentarium.orchestrator")
 
@@ -58,7 +57,12 @@ class BatchState:
 
 
 class AgentOrchestrator:
-    """Seed-compatible orchestrator; see the module docstring for the loop it serves."""
+    """Seed-compatible orchestrator; see the module docstring for the loop it serves.
+
+    The constructor only validates (into a frozen ``OrchestratorConfig``) and loads the
+    tokenizer: the event loop thread, the broker connection (or embedded nats-server) start
+    on first use, or on ``start()``.
+    """
 
     def __init__(
         self,
@@ -67,91 +71,78 @@ class AgentOrchestrator:
         ray_config: RayConfig | Mapping[str, Any] | None = None,
         nats_url: str | None = None,
         *,
-        group_size: int = 1,
-        val_group_size: int = 1,
-        run: str | None = None,
-        model: str = "tiny",
-        model_name: str | None = None,
-        advertise_host: str | None = None,
-        proxy_host: str = "0.0.0.0",
-        concurrency: int = 64,
+        config: OrchestratorConfig | None = None,
         settings: NatsSettings | None = None,
-        external_consumers: bool = False,
-        default_agent: str | None = None,
-        multi_turn: str = "concat",
-        sampling: Sampling | Mapping[str, Any] | None = None,
-        deadline_s: float = 600.0,
-        attempts: int = 3,
-        success_threshold: float = 1.0,
-        limits: Limits | None = None,
-        progress: bool | None = None,
+        **options: Any,
     ) -> None:
-        if multi_turn not in MODES:
-            raise ValueError(f"multi_turn must be one of {MODES}, got {multi_turn!r}")
-        if ray_config is not None and external_consumers:
-            raise ValueError(
-                "ray_config starts consumer actors; external_consumers=True says "
-                "consumers run elsewhere: pass one or the other"
+        if config is None:
+            config = OrchestratorConfig.of(
+                server_addresses=server_addresses,
+                proxy_port=proxy_port,
+                ray_config=ray_config,
+                nats_url=nats_url,
+                **options,
             )
-        for name, value in (
-            ("group_size", group_size),
-            ("val_group_size", val_group_size),
-            ("concurrency", concurrency),
-        ):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        self.server_addresses = normalize_urls(server_addresses)
-        self.proxy_port = int(proxy_port or 0)
-        self.ray_config = (
-            RayConfig.of(dict(ray_config) if isinstance(ray_config, Mapping) else ray_config)
-            if ray_config is not None
-            else None
-        )
-        self.run = run or f"orch-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-        check_name(self.run, "run")
-        self.group_size = group_size
-        self.val_group_size = val_group_size
-        self.model_ref = model
-        self.advertise_host = advertise_host
-        self.proxy_host = proxy_host
-        self.concurrency = concurrency
-        self.external_consumers = external_consumers
-        self.default_agent = default_agent
-        self.multi_turn = multi_turn
-        self.sampling = Sampling(**sampling) if isinstance(sampling, Mapping) else sampling
-        self.deadline_s = deadline_s
-        self.attempts = attempts
-        self.success_threshold = success_threshold
-        self.progress = progress
-        if settings is None and nats_url is not None:
-            settings = NatsSettings.from_env(url=nats_url)
-        self.model_dir = str(resolve_model(model)) if model else None
-        self.model_name = model_name or (
-            "tiny" if model == "tiny" else (resolve_model(model).name if model else "model")
+        elif server_addresses or proxy_port or ray_config or nats_url or options:
+            raise ValueError("pass either config= or the individual options, not both")
+        self.config = config
+        if settings is None and config.nats_url is not None:
+            settings = NatsSettings.from_env(url=config.nats_url)
+        self.run = config.run
+        self.progress = config.progress  # a display switch, not a setting: may be flipped
+        self.model_dir = str(resolve_model(config.model)) if config.model else None
+        self.model_name = config.model_name or (
+            "tiny"
+            if config.model == "tiny"
+            else (Path(self.model_dir).name if self.model_dir else "model")
         )
         self._template = ChatTemplate.from_model_dir(self.model_dir) if self.model_dir else None
+        self._next_proxy_port = config.proxy_port
         self.agents: dict[str, AgentSpec | None] = {}
         self.endpoints: dict[str, list[str]] = {}
         self._sequence = 0
         self._batch: BatchState | None = None
-        self._loop = LoopThread()
+        self._loop: LoopThread | None = None
+        self._closed = False
         self._core = RolloutCore(
-            settings=settings, run=self.run, limits=limits, ray_config=self.ray_config
+            settings=settings, run=self.run, limits=config.limits, ray_config=config.ray_config
         )
+
+    def start(self) -> AgentOrchestrator:
+        """Start the event loop thread and connect (or start an embedded nats-server).
+        Called by the first method that needs it; calling it again does nothing."""
+        self._check_open()
+        if self._loop is not None:
+            return self
+        self._loop = LoopThread()
         try:
             self._loop.call(self._core.start())
         except BaseException:
             self.close()
             raise
+        cfg = self.config
         log.info(
             "orchestrator started",
             run=self.run,
-            servers=self.server_addresses,
+            servers=list(cfg.server_addresses),
             nats=self._core.settings.redacted() if self._core.settings else None,
-            consumers="external" if external_consumers else ("ray" if self.ray_config else "local"),
+            consumers="external"
+            if cfg.external_consumers
+            else ("ray" if cfg.ray_config else "local"),
             model=self.model_dir,
-            group_size=group_size,
+            group_size=cfg.group_size,
         )
+        return self
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the orchestrator is closed: create a new AgentOrchestrator")
+
+    @property
+    def _running(self) -> LoopThread:
+        self.start()
+        assert self._loop is not None
+        return self._loop
 
     # ---- agents ------------------------------------------------------------------------------
     def register_agent_type(
@@ -175,7 +166,8 @@ class AgentOrchestrator:
         check_name(agent_name, "agent")
         if agent_name in self.agents:
             raise ValueError(f"agent {agent_name!r} is already registered")
-        if self.external_consumers:
+        cfg = self.config
+        if cfg.external_consumers:
             self.agents[agent_name] = AgentSpec.of(fn, agent_name) if fn is not None else None
             self.endpoints[agent_name] = []
             return []
@@ -186,29 +178,29 @@ class AgentOrchestrator:
             )
         agent = AgentSpec.of(fn, agent_name)  # refuses an unsupported shape before any start
         model_name = model or self.model_name
-        target = LLMTarget.of(endpoint, self.server_addresses, model_name)
+        target = LLMTarget.of(endpoint, cfg.server_addresses, model_name)
         spec = ConsumerSpec(
             agent=agent_name,
             fn=fn,
             target=target,
             model_dir=self.model_dir if target.trainable else None,
             model_name=model_name,
-            concurrency=concurrency or self.concurrency,
-            proxy_host=self.proxy_host,
-            proxy_port=self.proxy_port,
-            advertise_host=self.advertise_host,
-            attempts=self.attempts,
+            concurrency=concurrency or cfg.concurrency,
+            proxy_host=cfg.proxy_host,
+            proxy_port=self._next_proxy_port,
+            advertise_host=cfg.advertise_host,
+            attempts=cfg.attempts,
             reward_fn=reward_fn,
             worker_id=f"{self.run}-{agent_name}",
         )
-        if self.ray_config is not None:
-            model_ref = self.model_ref if target.trainable else None
-            endpoints = self._loop.call(self._core.start_ray(spec, model_ref))
+        if cfg.ray_config is not None:
+            model_ref = cfg.model if target.trainable else None
+            endpoints = self._running.call(self._core.start_ray(spec, model_ref))
         else:
             template = self._template if target.trainable else None
-            endpoints = [self._loop.call(self._core.start_local(spec, template))]
-            if self.proxy_port:
-                self.proxy_port += 1  # the next agent's proxy starts above this one
+            endpoints = [self._running.call(self._core.start_local(spec, template))]
+            if self._next_proxy_port:
+                self._next_proxy_port += 1  # the next agent's proxy starts above this one
         self.agents[agent_name] = agent
         self.endpoints[agent_name] = endpoints
         return endpoints
@@ -233,13 +225,14 @@ class AgentOrchestrator:
                 f"batch {self._batch.batch_id} is still loaded: call reset_orchestrator_state() "
                 "before initialize_batch_processing()"
             )
+        cfg = self.config
         default = (
             agent
-            or self.default_agent
+            or cfg.default_agent
             or (next(iter(self.agents)) if len(self.agents) == 1 else None)
         )
         rows = normalize(data, registered=self.agents, default_agent=default)
-        size = group_size or (self.group_size if is_train else self.val_group_size)
+        size = group_size or (cfg.group_size if is_train else cfg.val_group_size)
         if batch_id is None:
             batch_id = batch_id_for(self.run, self._sequence, rows, size, is_train)
         else:
@@ -252,12 +245,12 @@ class AgentOrchestrator:
             batch_id=batch_id,
             group_size=size,
             is_train=is_train,
-            sampling=sampling or self.sampling,
-            deadline_s=deadline_s or self.deadline_s,
+            sampling=sampling or cfg.sampling,
+            deadline_s=deadline_s or cfg.deadline_s,
             metadata=metadata,
         )
         self._progress = ProgressBar(len(jobs), enabled=self.progress)
-        published, duplicates = self._loop.call(self._core.submit(jobs, self._progress.update))
+        published, duplicates = self._running.call(self._core.submit(jobs, self._progress.update))
         self._sequence += 1
         self._batch = BatchState(
             batch_id, is_train, [j.job_id for j in jobs], published, duplicates
@@ -273,10 +266,6 @@ class AgentOrchestrator:
             duplicates=duplicates,
         )
         return self._batch
-
-    def _check_open(self) -> None:
-        if not self._loop.running:
-            raise RuntimeError("the orchestrator is closed: create a new AgentOrchestrator")
 
     def _current(self) -> BatchState:
         if self._batch is None:
@@ -294,7 +283,7 @@ class AgentOrchestrator:
         batch = self._current()
         started = time.monotonic()
         try:
-            self._loop.call(self._core.wait(timeout))
+            self._running.call(self._core.wait(timeout))
             batch.complete = True
         finally:
             batch.waited_s += time.monotonic() - started
@@ -332,10 +321,10 @@ class AgentOrchestrator:
             max_response_length=max_response_length,
             pad_token_id=self.pad_token_id if pad_token_id is None else pad_token_id,
             device=device,
-            multi_turn=multi_turn or self.multi_turn,
+            multi_turn=multi_turn or self.config.multi_turn,
             include_failed=include_failed,
         )
-        metrics = agent_metrics(trajectories, success_threshold=self.success_threshold)
+        metrics = agent_metrics(trajectories, success_threshold=self.config.success_threshold)
         metrics.update(counts)
         metrics["batch/missing"] = float(len(batch.job_ids) - len(trajectories))
         metrics["batch/wait_s"] = batch.waited_s
@@ -346,14 +335,16 @@ class AgentOrchestrator:
         """Per agent and overall: reward mean/std, success rate, pass@k, errors, timeouts,
         turns, tokens, latency percentiles (``agentarium.agent_metrics``)."""
         batch = self._current()
-        metrics = agent_metrics(self.trajectories(), success_threshold=self.success_threshold)
+        metrics = agent_metrics(
+            self.trajectories(), success_threshold=self.config.success_threshold
+        )
         metrics["overall/missing"] = float(len(batch.job_ids) - len(self.trajectories()))
         return metrics
 
     def reset_orchestrator_state(self) -> None:
         """Forget the current batch; late trajectories of an unfinished one are ignored."""
         self._batch = None
-        if self._loop.running:
+        if self._loop is not None and self._loop.running:
             self._loop.loop.call_soon_threadsafe(self._core.clear)
 
     # ---- misc --------------------------------------------------------------------------------
@@ -375,14 +366,15 @@ class AgentOrchestrator:
     def close(self) -> None:
         """Stop consumers (in-process or Ray actors), the feed, the connection and any
         embedded nats-server. Safe to call twice."""
-        if self._loop.running:
+        self._closed = True
+        if self._loop is not None and self._loop.running:
             try:
                 self._loop.call(self._core.close(), timeout=60)
             finally:
                 self._loop.stop()
 
     def __enter__(self) -> AgentOrchestrator:
-        return self
+        return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.close()

@@ -21,7 +21,9 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from broker import Topology
-from schemas import Job, SchemaError, Trajectory, decode
+from schemas import Job, Trajectory
+
+from .reader import TrajectoryReader
 
 log = structlog.get_logger("agentarium.feed")
 
@@ -38,7 +40,7 @@ class TrajectoryFeed:
         self.topology = topology
         self.run = run
         self.results: dict[str, Trajectory] = {}
-        self.skipped = 0  # undecodable messages
+        self._reader = TrajectoryReader(js, topology)  # its decode and its look-ups
         self._wanted: set[str] = set()
         self._on_result: Callable[[Trajectory], None] | None = None
         self._changed = asyncio.Event()
@@ -93,6 +95,11 @@ class TrajectoryFeed:
         self.expect(())
 
     @property
+    def skipped(self) -> int:
+        """Undecodable messages seen so far."""
+        return self._reader.skipped
+
+    @property
     def missing(self) -> int:
         return len(self._wanted) - len(self.results)
 
@@ -113,12 +120,7 @@ class TrajectoryFeed:
         for job in jobs:
             if job.job_id in self.results:
                 continue
-            subject = self.topology.trajectory_subject(job.run, job.agent, job.job_id)
-            try:
-                raw = await self.js.get_last_msg(self.topology.trajectories_stream, subject)
-            except nats.js.errors.NotFoundError:
-                continue
-            trajectory = self._decode(raw.data, raw.headers, subject)
+            trajectory = await self._reader.get(job.run, job.agent, job.job_id)
             if trajectory is not None:
                 self._accept(trajectory)
                 found += 1
@@ -142,14 +144,6 @@ class TrajectoryFeed:
         return dict(self.results)
 
     # ---- the pump --------------------------------------------------------------------------
-    def _decode(self, data: bytes | None, headers: dict | None, subject: str) -> Trajectory | None:
-        try:
-            return decode(Trajectory, data or b"", (headers or {}).get("Content-Type"))
-        except SchemaError as exc:
-            self.skipped += 1
-            log.warning("skipping an undecodable trajectory", subject=subject, error=str(exc))
-            return None
-
     async def _pump(self) -> None:
         failures = 0
         while True:
@@ -173,6 +167,6 @@ class TrajectoryFeed:
             for msg in msgs:
                 with contextlib.suppress(Exception):
                     self._last_seq = msg.metadata.sequence.stream
-                trajectory = self._decode(msg.data, msg.headers, msg.subject)
+                trajectory = self._reader.decode(msg.data, msg.headers, msg.subject)
                 if trajectory is not None:
                     self._accept(trajectory)

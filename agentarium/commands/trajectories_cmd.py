@@ -1,0 +1,200 @@
+"""``agentarium trajectories show|export``: read a run's stored trajectories back."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import sys
+from pathlib import Path
+
+from broker import NatsSettings, Topology
+from producers import ProducerError, TrajectoryReader
+from schemas import STATUSES, Trajectory
+
+from ..evaluation import FORMATS, export_run
+from .common import add_nats_flags, run_async, settings_from_args
+
+
+def add_show_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--run", required=True, metavar="RUN", help="the run whose trajectories to show"
+    )
+    parser.add_argument(
+        "--agent", default="*", metavar="NAME", help="only this agent's trajectories (default: all)"
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="JSON lines in the schemas' JSON form (token arrays as lists) instead of a table",
+    )
+    parser.add_argument(
+        "--follow",
+        action="store_true",
+        help="keep printing new trajectories as they are stored, until Ctrl-C",
+    )
+    parser.add_argument("--status", choices=STATUSES, help="only trajectories with this status")
+
+
+_COLUMNS = (
+    ("job", 32),
+    ("group", 12),
+    ("sample", 6),
+    ("status", 7),
+    ("reward", 8),
+    ("calls", 5),
+    ("resp_tok", 8),
+    ("version", 8),
+    ("error", 0),
+)
+
+
+def table_header() -> str:
+    return " ".join(f"{name:<{width}}" if width else name for name, width in _COLUMNS)
+
+
+def table_row(t: Trajectory) -> str:
+    versions = sorted({c.weight_version for c in t.calls})
+    version = (
+        versions[0]
+        if len(versions) == 1
+        else (f"{versions[0]}..{versions[-1]}" if versions else "-")
+    )
+    error = (t.error or "").strip().splitlines()
+    cells = (
+        t.job_id,
+        t.group_id[:12],
+        f"{t.sample_index}/{t.group_size}",
+        t.status,
+        "-" if t.reward is None else f"{t.reward:.4g}",
+        str(len(t.calls)),
+        str(sum(len(c.response_ids) for c in t.calls)),
+        version,
+        (error[-1] if error else "")[:80],
+    )
+    return " ".join(
+        f"{cell:<{w}}" if w else cell for cell, (_, w) in zip(cells, _COLUMNS, strict=True)
+    ).rstrip()
+
+
+def _emit(t: Trajectory, as_json: bool) -> None:
+    line = json.dumps(t.to_wire(binary=False), separators=(",", ":")) if as_json else table_row(t)
+    print(line, flush=True)
+
+
+async def run_show(args: argparse.Namespace, settings: NatsSettings) -> int:
+    topology = Topology(prefix=settings.prefix)
+    topology.trajectories_filter(args.run, args.agent)  # bad names fail here, before connecting
+    nc = await settings.connect(name="agentarium-reader")
+    try:
+        reader = TrajectoryReader(nc.jetstream(), topology)
+        if not args.json:
+            print(table_header(), flush=True)
+        try:
+            shown = await _show(reader, args)
+        except ProducerError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        if not args.json:
+            print(f"{shown} trajectories", file=sys.stderr)
+        if reader.skipped:
+            print(f"warning: {reader.skipped} undecodable messages skipped", file=sys.stderr)
+        return 0
+    finally:
+        with contextlib.suppress(Exception):
+            await nc.close()
+
+
+async def _show(reader: TrajectoryReader, args: argparse.Namespace) -> int:
+    shown = 0
+    if args.follow:
+        with contextlib.suppress(asyncio.CancelledError):  # Ctrl-C: stop following, print the count
+            async for t in reader.follow(args.run, args.agent):
+                if args.status is None or t.status == args.status:
+                    _emit(t, args.json)
+                    shown += 1
+    else:
+        for t in await reader.read(args.run, args.agent, status=args.status):
+            _emit(t, args.json)
+            shown += 1
+    return shown
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    return run_async(lambda: run_show(args, settings_from_args(args)), service="agentarium-reader")
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+
+    async def body() -> int:
+        nc = await settings.connect(name="agentarium-export")
+        try:
+            n = await export_run(
+                nc.jetstream(),
+                Topology(settings.prefix),
+                run=args.run,
+                agent=args.agent,
+                fmt=args.format,
+                out=Path(args.out) if args.out else None,
+                status=None if args.status == "all" else args.status,
+                multi_turn=args.multi_turn,
+                min_reward=args.min_reward,
+            )
+        finally:
+            await nc.close()
+        print(
+            f"exported {n} records of run {args.run}" + (f" to {args.out}" if args.out else ""),
+            file=sys.stderr,
+        )
+        return 0
+
+    return run_async(body, service="agentarium-export")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    traj = sub.add_parser(
+        "trajectories",
+        help="read stored trajectories back: show them, or export them as a dataset",
+        description="Read a run's stored trajectories back.",
+    )
+    tsub = traj.add_subparsers(dest="trajectories_command", required=True, metavar="{show,export}")
+    show = tsub.add_parser(
+        "show",
+        help="print a run's trajectories as a table or JSON lines",
+        description="Print a run's trajectories as a readable table, or as JSON lines (token arrays as lists) "
+        "for other tools.",
+    )
+    add_show_arguments(show)
+    add_nats_flags(show)
+    show.set_defaults(func=cmd_show)
+
+    export = tsub.add_parser(
+        "export",
+        help="write a run's trajectories as an SFT dataset (JSONL or Parquet)",
+        description="Chat messages plus token arrays (input_ids, loss_mask, logprobs) per trajectory.",
+    )
+    export.add_argument("--run", required=True, metavar="RUN")
+    export.add_argument(
+        "--agent", default="*", metavar="NAME", help="only this agent (default all)"
+    )
+    export.add_argument("--format", choices=FORMATS, default="jsonl")
+    export.add_argument("--out", metavar="PATH", help="output file (default stdout for jsonl)")
+    export.add_argument(
+        "--status",
+        choices=("ok", "error", "timeout", "all"),
+        default="ok",
+        help="which trajectories (default ok)",
+    )
+    export.add_argument(
+        "--multi-turn",
+        choices=("concat", "per-call"),
+        default="concat",
+        help="one record per rollout (concat) or per LLM call",
+    )
+    export.add_argument(
+        "--min-reward", type=float, metavar="R", help="keep rewards >= R (rejection sampling)"
+    )
+    add_nats_flags(export)
+    export.set_defaults(func=cmd_export)
