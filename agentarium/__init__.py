@@ -31,7 +31,27 @@ _EXPORTS = {
     "resolve_model": "agentarium.tiny",
 }
 
-__all__ = sorted(_EXPORTS) + ["__version__"]
+__all__ = [
+    "AgentOrchestrator",
+    "ChatResult",
+    "DeadLetter",
+    "Job",
+    "LLMCall",
+    "NatsSettings",
+    "OrchestratorConfig",
+    "Sampling",
+    "SubmitResult",
+    "TaskProducer",
+    "Topology",
+    "TracingLLM",
+    "Trajectory",
+    "TrajectoryReader",
+    "WeightUpdate",
+    "__version__",
+    "ensure_tiny_model",
+    "resolve_model",
+]
+assert sorted(__all__) == sorted([*_EXPORTS, "__version__"]), "keep __all__ and _EXPORTS in step"
 
 
 def __getattr__(name: str) -> Any:

@@ -36,8 +36,7 @@ from nats.js import JetStreamContext
 from opentelemetry import trace
 from opentelemetry.trace import INVALID_SPAN_ID, Link, SpanContext, TraceFlags
 
-from broker import Topology
-from broker.telemetry import extract_context
+from broker import Topology, extract_context
 
 from .batch import Sample, build_rows, collate
 from .checkpoint import Checkpoints, restore_rng

@@ -41,10 +41,7 @@ import structlog
 from nats.js import JetStreamContext
 
 from broker import Topology
-from schemas import check_name
-from schemas.codec import decode
-from schemas.errors import SchemaError
-from schemas.weights import WeightUpdate, version_number
+from schemas import SchemaError, WeightUpdate, check_name, decode, version_number
 
 from .weights import (
     WeightNotFound,

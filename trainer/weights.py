@@ -56,9 +56,7 @@ from nats.js import JetStreamContext
 from nats.js.api import ObjectMeta, ObjectMetaOptions
 
 from broker import Topology
-from schemas import check_name
-from schemas.codec import decode, encode_json
-from schemas.weights import WeightUpdate
+from schemas import WeightUpdate, check_name, decode, encode_json
 
 log = structlog.get_logger("agentarium.weights")
 

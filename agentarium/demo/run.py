@@ -105,7 +105,7 @@ def _digit_tasks(rng: random.Random, n: int, prefix: str, digits: str = "0123456
 
 
 def _last_row(path: Path) -> dict | None:
-    from trainer.metrics import read_metrics
+    from trainer import read_metrics
 
     try:
         rows = read_metrics(path)
@@ -159,7 +159,7 @@ async def _feed_and_watch(args: DemoConfig, url: str, out: Path, trainer: Child)
 
 
 def _report(out: Path, elapsed: float, digits: str) -> int:
-    from trainer.metrics import plot_metrics, read_metrics
+    from trainer import plot_metrics, read_metrics
 
     metrics = out / "metrics.csv"
     rows = read_metrics(metrics) if metrics.exists() else []

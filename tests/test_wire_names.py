@@ -1,0 +1,52 @@
+"""The names other processes (and other languages' clients) rely on, pinned.
+
+Moving code must never rename a subject, stream, durable, bucket or key: a consumer of an older
+release would silently stop seeing jobs. docs/design.md lists the same names.
+"""
+
+from __future__ import annotations
+
+from broker import Limits, Topology
+from trainer.weights import object_name
+
+
+def test_default_prefix_names():
+    t = Topology()
+    assert t.prefix == "agentarium"
+    assert (t.tasks_stream, t.trajectories_stream, t.dead_stream) == (
+        "AGENTARIUM_TASKS",
+        "AGENTARIUM_TRAJECTORIES",
+        "AGENTARIUM_DEAD",
+    )
+    assert (t.policy_bucket, t.workers_bucket, t.weights_bucket) == (
+        "agentarium-policy",
+        "agentarium-workers",
+        "agentarium-weights",
+    )
+    assert t.tasks_subject("calc") == "agentarium.tasks.calc"
+    assert t.trajectory_subject("r1", "calc", "j1") == "agentarium.trajectories.r1.calc.j1"
+    assert t.trajectories_filter() == "agentarium.trajectories.*.*.*"
+    assert t.trajectories_filter("r1", "calc") == "agentarium.trajectories.r1.calc.*"
+    assert t.dead_subject("calc") == "agentarium.dead.calc"
+    assert t.dead_subject("bad name") == "agentarium.dead._invalid"
+    assert t.rollout_consumer("calc") == "rollout-calc"
+    assert t.agent_of_subject("agentarium.tasks.calc") == "calc"
+    assert object_name("r1", 3) == "r1/v3"  # object store name; the policy KV key is the run
+
+
+def test_stream_subjects_and_durable_config():
+    t = Topology("acme")
+    streams = {c.name: c for c in t.stream_configs(Limits())}
+    assert {name: list(c.subjects) for name, c in streams.items()} == {
+        "ACME_TASKS": ["acme.tasks.>"],
+        "ACME_TRAJECTORIES": ["acme.trajectories.>"],
+        "ACME_DEAD": ["acme.dead.>"],
+    }
+    durable = t.rollout_consumer_config("calc", Limits())
+    assert durable.durable_name == "rollout-calc"
+    assert durable.filter_subject == "acme.tasks.calc"
+    assert (t.policy_bucket, t.workers_bucket, t.weights_bucket) == (
+        "acme-policy",
+        "acme-workers",
+        "acme-weights",
+    )
