@@ -1,7 +1,7 @@
 """Rollout metrics per agent and overall: reward, success, pass@k, failures, turns, tokens, latency.
 
 Rewards, success and pass@k count ``ok`` trajectories only: ``error`` and ``timeout`` are
-infrastructure failures (DESIGN.md), reported as their own counts and rates, never as
+infrastructure failures (docs/design.md), reported as their own counts and rates, never as
 reward 0. A rollout succeeds when its reward is at least ``success_threshold``. pass@k is the
 unbiased estimator 1 - C(n-c, k) / C(n, k) over each task's n ok samples with c successes,
 averaged over tasks that have at least k ok samples; it is reported for k = 1 and for k = the

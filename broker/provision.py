@@ -311,7 +311,7 @@ async def provision(
     agents: tuple[str, ...] = (),
     update: bool = True,
 ) -> ProvisionReport:
-    """Create or update everything in DESIGN.md's table (and rollout consumers for ``agents``).
+    """Create or update everything in docs/design.md's "NATS objects" table (and rollout consumers for ``agents``).
     With ``update=False`` existing objects are left exactly as they are."""
     limits = limits or Limits()
     report = ProvisionReport()

@@ -1,4 +1,4 @@
-"""Names and definitions of every stream, consumer and bucket (DESIGN.md's table).
+"""Names and definitions of every stream, consumer and bucket (docs/design.md, "NATS objects").
 
 One place decides every subject, stream name and setting; provisioning, producers,
 consumers, the trainer and status all ask this module.
@@ -32,7 +32,7 @@ class Limits:
     tasks_max_msgs: int = 1_000_000
     tasks_max_bytes: int = 4 * GiB
     # Re-publishing a batch inside this window is deduplicated by the server; a redelivery
-    # later than that is caught by the per-job trajectory subject (see DESIGN.md).
+    # later than that is caught by the per-job trajectory subject (see docs/design.md).
     duplicate_window_s: float = 3600.0
     trajectories_max_age_s: float = 30 * DAY_S
     trajectories_max_bytes: int = -1

@@ -1,6 +1,6 @@
 """Loading user agents and adapting every supported shape to one async call.
 
-Shapes (DESIGN.md "Agents"):
+Shapes (docs/design.md "Rollouts: agents and LLM calls"):
   async def rollout(task, llm)               llm = the tracing client
   def rollout(task, llm)                     run in a thread; llm.chat() blocks there
   async/def rollout(task, endpoint, model)   endpoint = this rollout's tracing proxy URL

@@ -1,6 +1,6 @@
 """The rollout worker: pull jobs for one agent, run them concurrently, store trajectories.
 
-Delivery rules (DESIGN.md "Delivery and failure rules"):
+Delivery rules (docs/design.md "Delivery and failure rules"):
 - a job is acked only after its trajectory is stored (publish ack, or the server's
   "already stored" answer to ``Nats-Expected-Last-Subject-Sequence: 0``);
 - a redelivered job first looks up whether its trajectory already exists;

@@ -1,7 +1,7 @@
 """The group buffer: trajectories in, complete GRPO groups out, with every drop counted.
 
 Pure bookkeeping (no NATS): the collector feeds it trajectories with an opaque message handle
-and acks what it is told to. Rules (DESIGN.md "Trainer: asynchronous GRPO"):
+and acks what it is told to. Rules (docs/design.md "The GRPO trainer"):
 
 - ``is_train = false`` trajectories are skipped (acked at once) and counted.
 - Dedup by job id: a redelivery of a buffered or in-training job replaces the stored handle
