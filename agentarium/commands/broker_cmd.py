@@ -206,7 +206,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     init = bsub.add_parser(
         "init",
         help="create or update every stream, consumer and bucket (idempotent)",
-        description="Create or update every stream, consumer and bucket of docs/design.md ("NATS objects"). "
+        description="Create or update every stream, consumer and bucket of docs/design.md (its NATS objects table). "
         "Safe to run on every start: only what differs is changed; unsafe changes are refused.",
     )
     add_nats_flags(init)
