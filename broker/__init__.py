@@ -1,6 +1,13 @@
 """NATS plumbing: connection settings, topology, provisioning, the embedded server, status."""
 
-from .errors import BrokerError, BrokerUnavailable, ProvisioningError, ServerLaunchError
+from .errors import (
+    TRANSIENT_NATS_ERRORS,
+    BrokerError,
+    BrokerUnavailable,
+    ProvisioningError,
+    ServerLaunchError,
+    is_transient,
+)
 from .provision import ProvisionReport, provision
 from .server import NatsServer, find_nats_server, free_port
 from .settings import NatsSettings
@@ -15,8 +22,10 @@ __all__ = [
     "ProvisionReport",
     "ProvisioningError",
     "ServerLaunchError",
+    "TRANSIENT_NATS_ERRORS",
     "Topology",
     "find_nats_server",
     "free_port",
+    "is_transient",
     "provision",
 ]

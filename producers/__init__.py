@@ -3,12 +3,12 @@
 from .errors import ProducerError, StreamMissing
 from .jobs import expand_tasks
 from .reader import TrajectoryReader
-from .retry import RetryPolicy
+from .retry import PublishRetry
 from .sdk import SubmitResult, TaskProducer
 
 __all__ = [
     "ProducerError",
-    "RetryPolicy",
+    "PublishRetry",
     "StreamMissing",
     "SubmitResult",
     "TaskProducer",

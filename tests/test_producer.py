@@ -15,7 +15,7 @@ from opentelemetry.trace import SpanKind
 from broker import Limits, provision
 from producers import (
     ProducerError,
-    RetryPolicy,
+    PublishRetry,
     StreamMissing,
     TaskProducer,
     expand_tasks,
@@ -23,7 +23,7 @@ from producers import (
 from producers import cli as producers_cli
 from schemas import Job, Sampling, SchemaError, decode, encode_json
 
-FAST = RetryPolicy(initial_s=0.02, max_s=0.3)
+FAST = PublishRetry(initial_s=0.02, max_s=0.3)
 
 
 def tasks(n: int, **extra) -> list[dict]:
