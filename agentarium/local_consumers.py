@@ -23,8 +23,8 @@ from broker import Topology
 from consumers.agents import AgentRunner, AgentSpec
 from consumers.backends import OpenAICompatBackend, SGLangBackend
 from consumers.chat_template import ChatTemplate
+from consumers.delivery import DeliveryPolicy
 from consumers.proxy import TracingProxy
-from consumers.retry import RetryPolicy
 from consumers.rollout import RolloutEnv
 from consumers.worker import Counters, Worker, WorkerConfig, default_worker_id
 
@@ -188,7 +188,7 @@ class LocalConsumer:
             fetch_timeout_s=0.5,
             drain_grace_s=spec.drain_grace_s,
             worker_id=spec.worker_id,
-            retry=RetryPolicy(
+            retry=DeliveryPolicy(
                 attempts=spec.attempts,
                 base_delay_s=spec.retry_delay_s,
                 max_delay_s=max(60.0, spec.retry_delay_s),

@@ -11,8 +11,8 @@ from broker import Topology
 from consumers.agents import AgentLoadError, AgentRunner, AgentSpec, load_callable
 from consumers.backends.sglang import SGLangBackend
 from consumers.chat_template import ChatTemplate
+from consumers.delivery import DeliveryPolicy
 from consumers.proxy import TracingProxy
-from consumers.retry import RetryPolicy
 from consumers.rollout import RolloutEnv
 from consumers.worker import Worker, WorkerConfig, default_worker_id
 from schemas import SchemaError, check_name
@@ -71,7 +71,7 @@ async def _consume(args: argparse.Namespace) -> int:
         burst=args.burst,
         drain_grace_s=args.drain_grace,
         worker_id=args.worker_id,
-        retry=RetryPolicy(attempts=args.attempts, base_delay_s=args.retry_delay),
+        retry=DeliveryPolicy(attempts=args.attempts, base_delay_s=args.retry_delay),
     )
     log.info(
         "consumer config",
