@@ -6,10 +6,12 @@ from .errors import (
     ERR_STREAM_FULL,
     ERR_STREAM_NOT_FOUND,
     ERR_WRONG_LAST_SEQUENCE,
+    TRANSIENT_NATS_ERRORS,
     BrokerError,
     BrokerUnavailable,
     ProvisioningError,
     ServerLaunchError,
+    is_transient,
 )
 from .provision import (
     ProvisionReport,
@@ -46,6 +48,7 @@ __all__ = [
     "ProvisionReport",
     "ProvisioningError",
     "ServerLaunchError",
+    "TRANSIENT_NATS_ERRORS",
     "Topology",
     "collect_status",
     "count_messages",
@@ -57,6 +60,7 @@ __all__ = [
     "format_status",
     "free_port",
     "inject_headers",
+    "is_transient",
     "live_workers",
     "provision",
     "publish_worker",

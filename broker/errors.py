@@ -8,12 +8,33 @@ BrokerError
 
 from __future__ import annotations
 
+import nats.errors
+import nats.js.errors
+
 # JetStream API error codes we decide on (the exception *class* is ambiguous: a full
 # stream raises the same class as "JetStream unavailable").
 ERR_STREAM_FULL = 10077  # maximum messages/bytes exceeded with discard-new
 ERR_WRONG_LAST_SEQUENCE = 10071  # Nats-Expected-Last-Subject-Sequence did not match
 ERR_STREAM_NOT_FOUND = 10059
 ERR_CONSUMER_NOT_FOUND = 10014
+
+# Failures that go away by themselves: a timeout, a restarting server, a leader election, a
+# client reconnecting with its buffer full. Whoever meets one waits and retries the same call.
+# Not in it: ConnectionClosedError. nats-py never reopens a closed connection (it closes on our
+# own close() or after its last reconnect attempt), so retrying on one would spin forever.
+TRANSIENT_NATS_ERRORS: tuple[type[Exception], ...] = (
+    TimeoutError,  # asyncio's and nats.errors.TimeoutError are subclasses
+    nats.errors.NoRespondersError,
+    nats.js.errors.NoStreamResponseError,
+    nats.errors.StaleConnectionError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.OutboundBufferLimitError,
+)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether retrying the same call later may succeed (see TRANSIENT_NATS_ERRORS)."""
+    return isinstance(exc, TRANSIENT_NATS_ERRORS)
 
 
 class BrokerError(Exception):

@@ -12,33 +12,53 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from typing import TypeVar
 
-import nats.errors
 import nats.js.errors
 import structlog
 from nats.js import JetStreamContext
 
-from broker.errors import ERR_WRONG_LAST_SEQUENCE
-from broker.topology import Topology
+from broker import ERR_WRONG_LAST_SEQUENCE, TRANSIENT_NATS_ERRORS, Topology
 from schemas import DeadLetter, Job, Trajectory, encode
 
 log = structlog.get_logger("agentarium.consumers")
 
-TRANSIENT = (
-    asyncio.TimeoutError,
-    nats.errors.TimeoutError,
-    nats.errors.ConnectionClosedError,
-    nats.errors.NoRespondersError,
-    nats.js.errors.NoStreamResponseError,
-    nats.errors.StaleConnectionError,
-    nats.errors.ConnectionReconnectingError,
-    nats.errors.OutboundBufferLimitError,
-)
+T = TypeVar("T")
+
+FIRST_BACKOFF_S = 0.1
 MAX_BACKOFF_S = 5.0
 # A dead letter keeps at most this much of an undecodable payload (base64 grows it by 4/3 and
 # the server's max_payload is 1 MiB by default).
 MAX_RAW_BYTES = 64 * 1024
+
+
+def _server_side(exc: nats.js.errors.APIError) -> bool:
+    """Whether JetStream refused for its own trouble (5xx, 503), which passes, rather than for
+    the request's (4xx), which a retry would only repeat."""
+    return not (exc.code and exc.code < 500 and exc.code != 503)
+
+
+async def _until_done(what: str, call: Callable[[], Awaitable[T]]) -> T:
+    """``await call()`` until it returns, waiting out transient failures with capped backoff.
+
+    The job stays in flight (heartbeated) meanwhile, so waiting costs nothing but time; a
+    permanent error is raised at once, since retrying it would hold the job's slot forever.
+    """
+    delay = FIRST_BACKOFF_S
+    while True:
+        try:
+            return await call()
+        except nats.js.errors.APIError as exc:
+            if not _server_side(exc):
+                raise
+            error = str(exc)
+        except TRANSIENT_NATS_ERRORS as exc:
+            error = str(exc) or type(exc).__name__
+        log.warning(f"{what} failed; retrying", error=error)
+        await asyncio.sleep(delay)
+        delay = min(MAX_BACKOFF_S, delay * 2)
 
 
 class OutcomeStore:
@@ -50,26 +70,22 @@ class OutcomeStore:
     async def stored(self, job: Job) -> bool:
         """Whether the job's trajectory exists (one last-message lookup on its subject)."""
         subject = self.topo.trajectory_subject(job.run, job.agent, job.job_id)
-        delay = 0.1
-        while True:
+
+        async def lookup() -> bool:
             try:
                 await self.js.get_last_msg(self.topo.trajectories_stream, subject)
                 return True
             except nats.js.errors.NotFoundError:
                 return False
-            except TRANSIENT as exc:
-                log.warning(
-                    "trajectory lookup failed; retrying", error=str(exc) or type(exc).__name__
-                )
-                await asyncio.sleep(delay)
-                delay = min(MAX_BACKOFF_S, delay * 2)
+
+        return await _until_done("trajectory lookup", lookup)
 
     async def publish_trajectory(self, trajectory: Trajectory) -> bool:
         """Store it; False when the server says one is already stored for this job."""
         subject = self.topo.trajectory_subject(trajectory.run, trajectory.agent, trajectory.job_id)
         payload = encode(trajectory)
-        delay = 0.1
-        while True:
+
+        async def publish() -> bool:
             try:
                 await self.js.publish(
                     subject, payload, headers={"Nats-Expected-Last-Subject-Sequence": "0"}
@@ -78,15 +94,9 @@ class OutcomeStore:
             except nats.js.errors.APIError as exc:
                 if exc.err_code == ERR_WRONG_LAST_SEQUENCE:
                     return False
-                if exc.code and exc.code < 500 and exc.code != 503:
-                    raise
-                log.warning("trajectory publish failed; retrying", error=str(exc))
-            except TRANSIENT as exc:
-                log.warning(
-                    "trajectory publish failed; retrying", error=str(exc) or type(exc).__name__
-                )
-            await asyncio.sleep(delay)
-            delay = min(MAX_BACKOFF_S, delay * 2)
+                raise
+
+        return await _until_done("trajectory publish", publish)
 
     async def dead_letter(
         self,
@@ -116,18 +126,9 @@ class OutcomeStore:
                 letter,
                 error=f"{error} (raw payload truncated to {MAX_RAW_BYTES} of {len(data)} bytes)",
             )
-        delay = 0.1
-        while True:
-            try:
-                await self.js.publish(self.topo.dead_subject(agent), encode(letter))
-                return letter
-            except nats.js.errors.APIError as exc:
-                if exc.code and exc.code < 500 and exc.code != 503:
-                    raise  # permanent: retrying would hold the job's slot forever
-                log.warning("dead-letter publish failed; retrying", error=str(exc))
-            except TRANSIENT as exc:
-                log.warning(
-                    "dead-letter publish failed; retrying", error=str(exc) or type(exc).__name__
-                )
-            await asyncio.sleep(delay)
-            delay = min(MAX_BACKOFF_S, delay * 2)
+
+        async def publish() -> DeadLetter:
+            await self.js.publish(self.topo.dead_subject(agent), encode(letter))
+            return letter
+
+        return await _until_done("dead-letter publish", publish)

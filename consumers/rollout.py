@@ -22,7 +22,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from broker.telemetry import trace_id_hex
+from broker import trace_id_hex
 from schemas import Job, Trajectory
 
 from .agents import AgentRunner, extract_reward, finite_reward

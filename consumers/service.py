@@ -24,8 +24,8 @@ from broker import Topology
 from .agents import AgentRunner, AgentSpec
 from .backends import OpenAICompatBackend, SGLangBackend
 from .chat_template import ChatTemplate
+from .delivery import DeliveryPolicy
 from .proxy import TracingProxy
-from .retry import RetryPolicy
 from .rollout import RolloutEnv
 from .worker import Counters, Worker, WorkerConfig, default_worker_id
 
@@ -196,7 +196,7 @@ class ConsumerService:
             drain_grace_s=spec.drain_grace_s,
             burst=spec.burst,
             worker_id=spec.worker_id,
-            retry=RetryPolicy(
+            retry=DeliveryPolicy(
                 attempts=spec.attempts,
                 base_delay_s=spec.retry_delay_s,
                 max_delay_s=max(60.0, spec.retry_delay_s),

@@ -8,17 +8,22 @@ Delivery rules (docs/design.md "Delivery and failure rules"):
   with backoff (nak with delay), and on the last attempt stored as status ``error``,
   dead-lettered with the traceback and terminated;
 - a delivery past the attempts (the previous one crashed a worker) is never run;
-- SIGTERM drains: stop fetching, finish in-flight rollouts within a grace period, nak the rest.
+- SIGTERM drains: stop fetching, finish in-flight rollouts within a grace period, nak the rest
+  (dead-letter and term one on its last delivery: a nak would strand it).
+
+Each delivery goes decode → decide → run → settle; what to do with it (run, ack, nak with a
+delay, dead-letter and term) is decided by ``DeliveryPolicy`` (consumers/delivery.py) alone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
 import socket
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import nats.errors
@@ -27,17 +32,27 @@ import structlog
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from broker.provision import ensure_consumer, ensure_provisioned
-from broker.registry import publish_worker, remove_worker
-from broker.telemetry import extract_context
-from broker.topology import Limits, Topology
+from broker import (
+    TRANSIENT_NATS_ERRORS,
+    Limits,
+    Topology,
+    ensure_consumer,
+    ensure_provisioned,
+    extract_context,
+    publish_worker,
+    remove_worker,
+)
 from schemas import Job, SchemaError, Trajectory, check_name, decode
 
-from .outcomes import TRANSIENT, OutcomeStore
-from .retry import Decision, RetryPolicy
+from .delivery import Action, Decision, DeliveryPolicy, Event
+from .outcomes import OutcomeStore
 from .rollout import AgentFailure, RolloutEnv, run_rollout, trajectory_for
 
 log = structlog.get_logger("agentarium.consumers")
+
+# A job released by a drain on its last delivery is dead-lettered, but the drain's grace is
+# already over: give the dead letter this long (the broker may be the reason for the drain).
+RELEASE_DEAD_LETTER_S = 5.0
 
 
 def default_worker_id() -> str:
@@ -51,7 +66,7 @@ class WorkerConfig:
     max_fetch: int = 256
     fetch_timeout_s: float = 1.0
     ack_wait_s: float = 60.0
-    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    retry: DeliveryPolicy = field(default_factory=DeliveryPolicy)
     burst: bool = False
     drain_grace_s: float = 30.0
     registry_interval_s: float = 5.0
@@ -76,6 +91,23 @@ class Counters:
     dead_lettered: int = 0
     already_stored: int = 0
     invalid: int = 0
+    # Jobs that ended here without a usable rollout: stored as status error (the LLM fleet
+    # failed) and/or dead-lettered, each job counted once. What a caller checks to report
+    # failure (``errors`` misses dead letters; ``dead_lettered`` misses a dead fleet).
+    failed: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Outcome:
+    """What handling one delivery found out: the event the policy decides on, and what
+    settling the decision needs."""
+
+    event: Event
+    job: Job | None = None
+    trajectory: Trajectory | None = None  # the rollout's, to store (OK / TIMEOUT / ERROR)
+    error: str = ""  # why it failed: the dead letter's / error trajectory's text
+    calls: list = field(default_factory=list)  # an agent error's calls so far
+    trace_id: str = ""
 
 
 class Worker:
@@ -147,7 +179,12 @@ class Worker:
             except Exception:
                 pass
             await remove_worker(self.js, self.topo, cfg.worker_id)
-            log.info("worker stopped", worker=repr(self))
+            log.info(
+                "worker stopped",
+                worker_id=cfg.worker_id,
+                agent=cfg.agent,
+                **asdict(self.counters),
+            )
         return self.counters
 
     async def _attach(self, consumer) -> None:
@@ -168,7 +205,7 @@ class Worker:
                 )
                 await self._adopt_consumer_settings(consumer.durable_name)
                 return
-            except (*TRANSIENT, nats.js.errors.ServiceUnavailableError) as exc:
+            except (*TRANSIENT_NATS_ERRORS, nats.js.errors.ServiceUnavailableError) as exc:
                 if self._stop.is_set():
                     raise
                 log.warning(
@@ -308,99 +345,133 @@ class Worker:
         try:
             await self._process(msg)
         except asyncio.CancelledError:
-            await self._settle(msg.nak())
+            await self._fall_back(msg, Outcome(event=Event.RELEASED, error="released by a drain"))
             raise
         except Exception as exc:
-            if msg.metadata.num_delivered < self.config.retry.max_deliver:
-                log.exception("unexpected error handling a job; releasing it for redelivery")
-                await self._settle(msg.nak(delay=self.config.retry.delay_s(1)))
-                return
-            # The server will not deliver it again: a nak would strand it in the work queue
-            # forever. Dead-letter it if we still can, and terminate it either way.
-            log.exception("unexpected error on a job's last delivery; terminating it")
-            try:
-                await self.store.dead_letter(
-                    msg.subject,
-                    msg.data,
-                    reason="worker_error",
-                    error=repr(exc),
-                    attempts=msg.metadata.num_delivered,
-                )
-                self.counters.dead_lettered += 1
-            except Exception as letter_exc:  # noqa: BLE001 - the term() below must still happen
-                log.error("dead letter failed too; the job is dropped", error=repr(letter_exc))
-            await self._settle(msg.term())
-
-    async def _settle(self, coro: Any) -> None:
-        try:
-            await coro
-        except Exception as exc:
-            log.warning("ack/nak failed; the job will be redelivered", error=str(exc))
+            await self._fall_back(msg, Outcome(event=Event.WORKER_ERROR, error=repr(exc)), exc)
 
     async def _process(self, msg: Msg) -> None:
-        attempt = msg.metadata.num_delivered
+        delivery = msg.metadata.num_delivered
+        outcome = self._decode(msg)
+        decision = self.config.retry.decide(outcome.event, delivery)
+        if decision.action is Action.RUN:
+            assert outcome.job is not None  # RUN is only decided for a decoded job
+            outcome = await self._run(msg, outcome.job, delivery, decision)
+            decision = self.config.retry.decide(outcome.event, delivery)
+        await self._settle(msg, decision, outcome, delivery)
+
+    def _decode(self, msg: Msg) -> Outcome:
         headers = msg.headers or {}
         try:
             job = decode(Job, msg.data, headers.get("Content-Type"))
         except SchemaError as exc:
-            self.counters.invalid += 1
-            await self._dead_letter(msg, reason="invalid_job", error=str(exc), attempts=attempt)
-            return
-        subject_agent = self.topo.agent_of_subject(msg.subject)
-        if job.agent != subject_agent:
-            self.counters.invalid += 1
-            await self._dead_letter(
-                msg,
-                job=job,
-                reason="wrong_subject",
-                attempts=attempt,
-                error=f"job.agent {job.agent!r} does not match its subject {msg.subject!r}",
-            )
-            return
-        if self.config.retry.on_delivery(attempt) is Decision.DEAD_LETTER:
-            error = (
-                f"delivered {attempt} times without an acknowledgement (worker crash or ack timeout "
-                f"on the last of {self.config.retry.attempts} attempts)"
-            )
-            if not await self._stored(job):
-                await self._publish(self._failed(job, error, attempt))
-            await self._dead_letter(
-                msg, job=job, reason="max_deliveries", error=error, attempts=attempt
-            )
-            return
-        if attempt > 1 and await self._stored(job):
-            self.counters.already_stored += 1
-            await msg.ack()
-            return
+            return Outcome(event=Event.INVALID_JOB, error=str(exc))
+        if job.agent != self.topo.agent_of_subject(msg.subject):
+            error = f"job.agent {job.agent!r} does not match its subject {msg.subject!r}"
+            return Outcome(event=Event.WRONG_SUBJECT, job=job, error=error)
+        return Outcome(event=Event.RECEIVED, job=job)
+
+    async def _run(self, msg: Msg, job: Job, delivery: int, decision: Decision) -> Outcome:
+        if decision.check_stored and await self.store.stored(job):
+            return Outcome(event=Event.ALREADY_STORED, job=job)
+        parent = extract_context(msg.headers or {})
         try:
             trajectory = await run_rollout(
-                job, self.env, attempt=attempt, parent=extract_context(headers), subject=msg.subject
+                job, self.env, attempt=delivery, parent=parent, subject=msg.subject
             )
         except AgentFailure as failure:
-            if not self.config.retry.is_last_attempt(attempt):
-                self.counters.retried += 1
-                delay = self.config.retry.delay_s(attempt)
-                log.warning(
-                    "agent failed; retrying",
-                    job_id=job.job_id,
-                    attempt=attempt,
-                    delay_s=round(delay, 2),
-                    error=failure.error.strip().splitlines()[-1][:300],
-                )
-                await msg.nak(delay=delay)
-                return
-            await self._publish(
-                self._failed(
-                    job, failure.error, attempt, calls=failure.calls, trace_id=failure.trace_id
-                )
+            return Outcome(
+                event=Event.AGENT_ERROR,
+                job=job,
+                error=failure.error,
+                calls=failure.calls,
+                trace_id=failure.trace_id,
             )
-            await self._dead_letter(
-                msg, job=job, reason="agent_error", error=failure.error, attempts=attempt
-            )
+        event = Event(trajectory.status)  # ok / timeout / error
+        return Outcome(event=event, job=job, trajectory=trajectory, error=trajectory.error or "")
+
+    async def _settle(self, msg: Msg, decision: Decision, outcome: Outcome, delivery: int) -> None:
+        """Carry out the decision: whatever must be stored first, then ack, nak or term."""
+        job = outcome.job
+        match decision.action:
+            case Action.ACK:
+                if outcome.trajectory is None:
+                    self.counters.already_stored += 1
+                else:
+                    await self._publish(outcome.trajectory)
+                    self._count(outcome.trajectory)
+                if outcome.event is Event.ERROR:
+                    self.counters.failed += 1
+                    log.warning(
+                        "rollout failed",
+                        job_id=job.job_id if job else "",
+                        attempt=delivery,
+                        status="error",
+                        error=log_safe(outcome.error),
+                    )
+                await msg.ack()
+            case Action.NAK:
+                if outcome.event is Event.AGENT_ERROR:
+                    self.counters.retried += 1
+                    log.warning(
+                        "agent failed; retrying",
+                        job_id=job.job_id if job else "",
+                        attempt=delivery,
+                        delay_s=round(decision.delay_s, 2),
+                        error=log_safe(outcome.error),
+                    )
+                await msg.nak(delay=decision.delay_s or None)
+            case Action.DEAD_LETTER:
+                if outcome.event in (Event.INVALID_JOB, Event.WRONG_SUBJECT):
+                    self.counters.invalid += 1
+                error = outcome.error or decision.detail
+                if decision.record_error and job is not None:
+                    await self._record_error(job, outcome, error, delivery, decision)
+                await self._dead_letter(
+                    msg, reason=decision.reason, error=error, attempts=delivery, job=job
+                )
+            case _:
+                raise AssertionError(f"cannot settle {decision}")
+
+    async def _fall_back(
+        self, msg: Msg, outcome: Outcome, exc: BaseException | None = None
+    ) -> None:
+        """Settle a delivery whose handling raised or was cancelled. Nothing may escape from
+        here, and a job on its last delivery is terminated even when its dead letter cannot
+        be written: a nak would strand it in the work queue forever."""
+        delivery = msg.metadata.num_delivered
+        decision = self.config.retry.decide(outcome.event, delivery)
+        if decision.action is Action.NAK:
+            if exc is not None:
+                log.error(
+                    "unexpected error handling a job; releasing it for redelivery", exc_info=exc
+                )
+            await self._quietly(msg.nak(delay=decision.delay_s or None))
             return
-        await self._publish(trajectory)
-        self._count(trajectory)
-        await msg.ack()
+        if exc is not None:
+            log.error("unexpected error on a job's last delivery; terminating it", exc_info=exc)
+        # A drain's grace is over already: the dead letter gets a short bound of its own.
+        bound = RELEASE_DEAD_LETTER_S if outcome.event is Event.RELEASED else None
+        try:
+            async with asyncio.timeout(bound):
+                await self.store.dead_letter(
+                    msg.subject,
+                    msg.data,
+                    reason=decision.reason,
+                    error=outcome.error,
+                    attempts=delivery,
+                )
+            self.counters.dead_lettered += 1
+            self.counters.failed += 1
+        except Exception as letter_exc:  # noqa: BLE001 - the term() below must still happen
+            log.error("dead letter failed too; the job is dropped", error=repr(letter_exc))
+        await self._quietly(msg.term())
+
+    async def _quietly(self, coro: Any) -> None:
+        try:
+            await coro
+        except Exception as exc:
+            log.warning("ack/nak failed; the job will be redelivered", error=str(exc))
 
     def _count(self, trajectory: Trajectory) -> None:
         self.counters.completed += 1
@@ -411,26 +482,27 @@ class Worker:
         else:
             self.counters.errors += 1
 
-    def _failed(
-        self, job: Job, error: str, attempt: int, *, calls: list | None = None, trace_id: str = ""
-    ) -> Trajectory:
+    async def _record_error(
+        self, job: Job, outcome: Outcome, error: str, delivery: int, decision: Decision
+    ) -> None:
+        """Store the job's error trajectory, unless (``check_stored``) an earlier delivery did."""
+        if decision.check_stored and await self.store.stored(job):
+            return
         self.counters.completed += 1
         self.counters.errors += 1
         now = time.time()
-        return trajectory_for(
+        trajectory = trajectory_for(
             job,
             self.config.worker_id,
             status="error",
             error=error,
-            attempts=attempt,
+            attempts=delivery,
             started_at=now,
             finished_at=now,
-            trace_id=trace_id,
-            calls=calls or [],
+            trace_id=outcome.trace_id,
+            calls=outcome.calls,
         )
-
-    async def _stored(self, job: Job) -> bool:
-        return await self.store.stored(job)
+        await self._publish(trajectory)
 
     async def _publish(self, trajectory: Trajectory) -> None:
         if not await self.store.publish_trajectory(trajectory):
@@ -444,12 +516,34 @@ class Worker:
             msg.subject, msg.data, reason=reason, error=error, attempts=attempts, job=job
         )
         self.counters.dead_lettered += 1
+        self.counters.failed += 1
         log.warning(
             "job dead-lettered",
             reason=reason,
             job_id=letter.job_id,
             subject=msg.subject,
             attempts=attempts,
-            error=error.strip().splitlines()[-1][:300] if error.strip() else "",
+            error=log_safe(error),
         )
         await msg.term()
+
+
+# Credentials an error text may carry: in a URL (user:password@host, ?api_key=...) or in an
+# echoed header. Logs travel further than the trajectory or dead letter that keep the full text.
+_URL_USERINFO = re.compile(r"(?<=://)[^/\s@]+@")
+_SECRET_PARAM = re.compile(
+    r"(?i)\b((?:api[_-]?key|access[_-]?token|token|secret|password|passwd|auth)=)[^&\s'\"]+"
+)
+_BEARER = re.compile(r"(?i)\b(bearer\s+)[^\s'\"]+")
+LOG_ERROR_CHARS = 300
+
+
+def log_safe(error: str, limit: int = LOG_ERROR_CHARS) -> str:
+    """An error text fit for one log line: its last line (a traceback's names the exception),
+    credentials masked, cut to ``limit`` characters."""
+    lines = error.strip().splitlines()
+    line = lines[-1].strip() if lines else ""
+    line = _URL_USERINFO.sub("***@", line)
+    line = _SECRET_PARAM.sub(r"\1***", line)
+    line = _BEARER.sub(r"\1***", line)
+    return line if len(line) <= limit else line[: limit - 1] + "…"

@@ -14,14 +14,14 @@ from .jobs import (
     task_id_of,
 )
 from .reader import TrajectoryReader
-from .retry import RetryPolicy
+from .retry import PublishRetry
 from .sdk import SubmitResult, TaskProducer
 from .session import RunSession
 from .taskfile import read_tasks
 
 __all__ = [
     "ProducerError",
-    "RetryPolicy",
+    "PublishRetry",
     "RunSession",
     "StreamMissing",
     "SubmitResult",

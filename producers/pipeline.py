@@ -30,7 +30,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from broker.telemetry import inject_headers
+from broker import inject_headers
 from schemas import Job
 
 from .errors import ProducerError, StreamMissing

@@ -24,8 +24,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from broker import Topology
-from broker.errors import ERR_STREAM_NOT_FOUND
+from broker import ERR_STREAM_NOT_FOUND, Topology
 from schemas import STATUSES, SchemaError, Trajectory, decode
 
 from .errors import StreamMissing

@@ -7,15 +7,13 @@ job carries ``Nats-Msg-Id`` = its job id, and the server drops a second copy.
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import random
 from dataclasses import dataclass
 
-import nats.errors
 import nats.js.errors
 
-from broker.errors import ERR_STREAM_FULL
+from broker import ERR_STREAM_FULL, is_transient
 
 # "JetStream system temporarily unavailable": a restarting server or a leader election.
 ERR_JS_TEMPORARILY_UNAVAILABLE = 10008
@@ -28,16 +26,8 @@ class Outcome(enum.Enum):
     FATAL = "fatal"  # retrying cannot help
 
 
-_TRANSIENT = (
-    asyncio.TimeoutError,  # nats.errors.TimeoutError is one too
-    nats.errors.NoRespondersError,
-    nats.errors.ConnectionReconnectingError,
-    nats.errors.OutboundBufferLimitError,
-    nats.errors.StaleConnectionError,
-)
-
-
 def classify(exc: BaseException) -> Outcome:
+    # Before is_transient(), which also holds this one: here it has its own answer.
     if isinstance(exc, nats.js.errors.NoStreamResponseError):
         return Outcome.NO_STREAM
     if isinstance(exc, nats.js.errors.APIError):
@@ -48,14 +38,15 @@ def classify(exc: BaseException) -> Outcome:
         if exc.err_code is None and exc.code == 503:  # a bare 503 status: no responders yet
             return Outcome.UNAVAILABLE
         return Outcome.FATAL
-    if isinstance(exc, _TRANSIENT):
+    if is_transient(exc):
         return Outcome.UNAVAILABLE
     return Outcome.FATAL
 
 
 @dataclass(frozen=True, kw_only=True)
-class RetryPolicy:
-    """Capped exponential backoff with jitter: ``initial_s * 2**(attempt-1)``, at most ``max_s``.
+class PublishRetry:
+    """How long a producer waits before publishing a job again: capped exponential backoff
+    with jitter, ``initial_s * 2**(attempt-1)`` at most ``max_s``.
 
     The wait is drawn from [delay/2, delay] so producers blocked on the same full stream do
     not all retry at once.
@@ -67,9 +58,9 @@ class RetryPolicy:
 
     def __post_init__(self) -> None:
         if not 0 < self.initial_s <= self.max_s:
-            raise ValueError("RetryPolicy needs 0 < initial_s <= max_s")
+            raise ValueError("PublishRetry needs 0 < initial_s <= max_s")
         if self.multiplier < 1:
-            raise ValueError("RetryPolicy.multiplier must be >= 1")
+            raise ValueError("PublishRetry.multiplier must be >= 1")
 
     def delay(self, attempt: int, rng: random.Random | None = None) -> float:
         """Seconds to wait before retry number ``attempt`` (1-based)."""

@@ -27,7 +27,7 @@ from schemas import Job, Sampling, check_name, encode
 from .errors import ProducerError, StreamMissing
 from .jobs import expand_tasks
 from .pipeline import Entry, Pipeline
-from .retry import Outcome, RetryPolicy
+from .retry import Outcome, PublishRetry
 
 log = structlog.get_logger("agentarium.producers")
 
@@ -86,7 +86,7 @@ class TaskProducer:
         *,
         max_in_flight: int = 512,
         ack_timeout_s: float = 5.0,
-        retry: RetryPolicy | None = None,
+        retry: PublishRetry | None = None,
     ) -> None:
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be >= 1")
@@ -97,7 +97,7 @@ class TaskProducer:
         self.topology = topology or Topology()
         self.max_in_flight = max_in_flight
         self.ack_timeout_s = ack_timeout_s
-        self.retry = retry or RetryPolicy()
+        self.retry = retry or PublishRetry()
         self.stats = ProducerStats()
         self._owns_connection = False
         self._full = _Episode("TASKS stream is full: waiting for consumers to drain it")

@@ -17,14 +17,14 @@ from agentarium.commands import trajectories_cmd
 from broker import Limits, provision
 from producers import (
     ProducerError,
-    RetryPolicy,
+    PublishRetry,
     StreamMissing,
     TaskProducer,
     expand_tasks,
 )
 from schemas import Job, Sampling, SchemaError, decode, encode_json
 
-FAST = RetryPolicy(initial_s=0.02, max_s=0.3)
+FAST = PublishRetry(initial_s=0.02, max_s=0.3)
 
 
 def tasks(n: int, **extra) -> list[dict]:

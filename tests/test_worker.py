@@ -9,12 +9,14 @@ import agentlib
 import msgpack
 import nats.js.errors
 import pytest
+import structlog.testing
 from fake_sglang import FakeSGLang
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from worker_env import tiny_template, worker_for
 
 from broker import Limits, provision
 from broker.errors import ERR_STREAM_FULL
+from consumers.worker import log_safe
 from examples import calculator, openai_agent
 from producers import TaskProducer, TrajectoryReader
 from schemas import DeadLetter, Job, decode, encode
@@ -184,6 +186,38 @@ async def test_llm_unreachable_is_status_error_not_reward_zero(js, topology):
     assert counters.errors == 1 and counters.dead_lettered == 0
     [traj] = await TrajectoryReader(js, topology).read("down")
     assert traj.status == "error" and traj.reward is None and "LLM backend failed" in traj.error
+
+
+async def test_a_dead_llm_fleet_warns_for_each_failed_rollout(js, topology):
+    from fake_sglang import dead_url
+
+    url = dead_url().replace("http://", "http://operator:sekrit@")  # credentials in the URL
+    result = await TaskProducer(js, topology).submit("echo", [{"n": 0}, {"n": 1}], run="dark")
+    with structlog.testing.capture_logs() as logs:
+        async with worker_for(js, "echo", agentlib.echo, [url]) as w:
+            counters = await w.run()
+    assert counters.errors == 2 and counters.failed == 2 and counters.dead_lettered == 0
+    failed = [e for e in logs if e["event"] == "rollout failed"]
+    assert sorted(e["job_id"] for e in failed) == sorted(result.job_ids)
+    assert all(e["log_level"] == "warning" and e["attempt"] == 1 for e in failed)
+    assert all("LLM backend failed" in e["error"] and len(e["error"]) <= 300 for e in failed)
+    assert "***@127.0.0.1" in failed[0]["error"]
+    assert "sekrit" not in repr(logs)
+    [stopped] = [e for e in logs if e["event"] == "worker stopped"]
+    assert (stopped["failed"], stopped["errors"], stopped["ok"]) == (2, 2, 0)  # fields, not a repr
+
+
+def test_error_texts_are_cut_and_masked_for_the_log():
+    traceback = "Traceback (most recent call last):\n  ...\nValueError: agent bug\n"
+    assert log_safe(traceback) == "ValueError: agent bug"
+    masked = log_safe(
+        "GET https://me:pw@llm.example/v1?api_key=abc123&x=1 failed; Authorization: Bearer t0k"
+    )
+    assert "pw" not in masked and "abc123" not in masked and "t0k" not in masked
+    assert "https://***@llm.example/v1?api_key=***&x=1" in masked
+    long = log_safe("x" * 1000)
+    assert len(long) == 300 and long.endswith("…")
+    assert log_safe("") == ""
 
 
 async def test_two_engines_groups_stick_to_one_and_spread(js, topology, two_fakes):

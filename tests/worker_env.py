@@ -10,8 +10,8 @@ from broker import Topology
 from consumers.agents import AgentRunner, AgentSpec
 from consumers.backends.sglang import SGLangBackend
 from consumers.chat_template import ChatTemplate
+from consumers.delivery import DeliveryPolicy
 from consumers.proxy import TracingProxy
-from consumers.retry import RetryPolicy
 from consumers.rollout import RolloutEnv
 from consumers.worker import Worker, WorkerConfig
 
@@ -60,7 +60,9 @@ async def worker_for(
         ack_wait_s=ack_wait,
         fetch_timeout_s=0.3,
         worker_id=worker_id or f"test-{agent_name}",
-        retry=RetryPolicy(attempts=attempts, base_delay_s=retry_delay, max_delay_s=retry_delay * 4),
+        retry=DeliveryPolicy(
+            attempts=attempts, base_delay_s=retry_delay, max_delay_s=retry_delay * 4
+        ),
     )
     worker = Worker(js, topology or Topology(), config, env, limits=limits)
     try:

@@ -91,11 +91,10 @@ async def _consume(args: argparse.Namespace) -> int:
         counters = await service.wait()
     finally:
         await nc.close()
-    failed = counters.errors + counters.timeouts + counters.dead_lettered
     print(f"worker {spec.worker_id}: {format_counters(counters)}", file=sys.stderr)
-    if args.burst and failed:
+    if args.burst and counters.failed:
         print(
-            f"error: {failed} rollout(s) of agent {name!r} failed (errors {counters.errors}, "
+            f"error: {counters.failed} rollout(s) of agent {name!r} failed (errors {counters.errors}, "
             f"timeouts {counters.timeouts}, dead-lettered {counters.dead_lettered}); the "
             "warnings above give the reasons, `agentarium trajectories show --status error` "
             "the stored ones",

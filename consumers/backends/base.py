@@ -58,8 +58,9 @@ class Backend(Protocol):
 
 
 @dataclass(frozen=True, kw_only=True)
-class RetryPolicy:
-    """Capped exponential backoff: ``retries`` more tries after the first, each waiting
+class BackendRetry:
+    """How one LLM request is retried against one server before failing over: capped
+    exponential backoff, ``retries`` more tries after the first, each waiting
     ``backoff * 2**n`` seconds (at most ``max_backoff``), jittered so that clients which failed
     together do not come back together."""
 

@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 
 from ..errors import BackendUnavailable, BadRequest
-from .base import GenerateRequest, GenerateResult, RetryPolicy, retryable_status
+from .base import BackendRetry, GenerateRequest, GenerateResult, retryable_status
 
 # SGLang sampling_params key → OpenAI chat.completions parameter.
 _SAMPLING_TO_OPENAI = {
@@ -50,7 +50,7 @@ class OpenAICompatBackend:
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.api_key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY", "")
-        self.policy = RetryPolicy(retries=retries, backoff=backoff, max_backoff=max_backoff)
+        self.policy = BackendRetry(retries=retries, backoff=backoff, max_backoff=max_backoff)
         self.extra_body = dict(extra_body or {})
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._session: aiohttp.ClientSession | None = None

@@ -27,7 +27,7 @@ import aiohttp
 
 from ..errors import BackendUnavailable, BadRequest
 from .balancer import StickyBalancer
-from .base import GenerateRequest, GenerateResult, RetryPolicy, retryable_status
+from .base import BackendRetry, GenerateRequest, GenerateResult, retryable_status
 
 _FINISH_TYPES = ("stop", "length", "abort")
 
@@ -99,7 +99,7 @@ class SGLangBackend:
     ) -> None:
         urls = [urls] if isinstance(urls, str) else list(urls)
         self.urls = [u.rstrip("/") for u in urls]
-        self.policy = RetryPolicy(retries=retries, backoff=backoff, max_backoff=max_backoff)
+        self.policy = BackendRetry(retries=retries, backoff=backoff, max_backoff=max_backoff)
         self.abort_retries = abort_retries
         self.balancer = StickyBalancer(self.urls, max_keys=max_route_keys, down_for=down_for)
         self._timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=connect_timeout)
