@@ -90,7 +90,7 @@ class RolloutActor:
     async def start(self, settings: NatsSettings, spec: ConsumerSpec, model_ref: str | None) -> str:
         import ray
 
-        from .tiny import resolve_model
+        from ..tiny import resolve_model
 
         model_dir = spec.model_dir
         if model_ref and not (model_dir and Path(model_dir).is_dir()):
