@@ -15,7 +15,8 @@ class DeadLetter(WireMessage):
 
     reason: str = spec(
         STR,
-        doc="why it was dead-lettered: invalid_job | agent_error | max_deliveries | wrong_subject",
+        doc="why it was dead-lettered: invalid_job | wrong_subject | agent_error | max_deliveries"
+        " | worker_error | released",
     )
     error: str = spec(STR, "", doc="readable detail: the decoding error or the agent's traceback")
     subject: str = spec(STR, "", doc="the subject the job arrived on")
