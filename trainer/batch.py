@@ -88,8 +88,10 @@ def _call_refusal(call: LLMCall) -> str | None:
 def advantages(
     rewards: Sequence[float], *, std_norm: bool = True, eps: float = 1e-6
 ) -> list[float]:
-    """GRPO advantages of one group's rewards (its ok members, in order)."""
-    return group_advantages(torch.tensor(list(rewards)), std_norm=std_norm, eps=eps).tolist()
+    """GRPO advantages of one group's rewards (its ok members, in order); the rewards stay
+    float64 until the advantages are computed."""
+    values = torch.tensor(list(rewards), dtype=torch.float64)
+    return group_advantages(values, std_norm=std_norm, eps=eps).tolist()
 
 
 def build_rows(
