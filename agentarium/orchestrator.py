@@ -29,6 +29,7 @@ from broker import Limits, NatsSettings
 from consumers.agents import AgentSpec
 from consumers.chat_template import ChatTemplate
 from schemas import Sampling, Trajectory, check_name
+from trainer import pad_token_id
 
 from .agent_metrics import agent_metrics
 from .batch_data import batch_id_for, expand, normalize
@@ -363,10 +364,9 @@ class AgentOrchestrator:
         if template is None:
             return 0
         pad = template.special_tokens.get("pad_token")
-        pad_id = template.tokenizer.token_to_id(pad) if pad else None
-        if pad_id is None:
-            pad_id = template.eos_token_ids[0] if template.eos_token_ids else 0
-        return int(pad_id)
+        return pad_token_id(
+            template.tokenizer.token_to_id(pad) if pad else None, template.eos_token_ids
+        )
 
     @property
     def nats_url(self) -> str:

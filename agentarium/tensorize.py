@@ -1,6 +1,6 @@
 """Trajectories -> the padded tensors an RL framework trains on (verl's field names and layout).
 
-Each trajectory becomes rows in one of two modes (the trainer's, see trainer/batch.py):
+Each trajectory becomes rows in one of two modes (``trainer.rows_of``, the trainer's own):
 - ``concat`` (default): when every call's prompt extends the previous call's prompt and
   response token for token, the rollout is one row: the first call's prompt, then everything
   after it; tool results and re-rendered chat markup between turns sit in the response with
@@ -35,71 +35,10 @@ from typing import Any
 
 import numpy as np
 
-from schemas import LLMCall, Trajectory
+from schemas import Trajectory
+from trainer import MULTI_TURN, TokenRow, rows_of
 
-MODES = ("concat", "per-call")
-
-
-@dataclass(frozen=True)
-class Row:
-    """One unpadded sequence; the response lists are aligned on token positions."""
-
-    prompt_ids: list[int]
-    response_ids: list[int]
-    response_mask: list[int]
-    response_logprobs: list[float]
-    trajectory: Trajectory
-    call_index: int = -1
-
-
-def _per_call(traj: Trajectory, calls: list[tuple[int, LLMCall]]) -> list[Row]:
-    return [
-        Row(
-            list(c.prompt_ids),
-            list(c.response_ids),
-            [1] * len(c.response_ids),
-            [float(x) for x in c.response_logprobs],
-            traj,
-            i,
-        )
-        for i, c in calls
-    ]
-
-
-def _concatenated(traj: Trajectory, calls: list[LLMCall]) -> Row | None:
-    for prev, nxt in zip(calls, calls[1:], strict=False):
-        seen = list(prev.prompt_ids) + list(prev.response_ids)
-        if list(nxt.prompt_ids[: len(seen)]) != seen:
-            return None
-    start = len(calls[0].prompt_ids)
-    full = list(calls[-1].prompt_ids) + list(calls[-1].response_ids)
-    response = full[start:]
-    mask = [0] * len(response)
-    logprobs = [0.0] * len(response)
-    for call in calls:
-        offset = len(call.prompt_ids) - start
-        for j, logprob in enumerate(call.response_logprobs):
-            mask[offset + j] = 1
-            logprobs[offset + j] = float(logprob)
-    return Row(list(calls[0].prompt_ids), response, mask, logprobs, traj, -1)
-
-
-def rows_of(traj: Trajectory, multi_turn: str = "concat") -> tuple[list[Row], str]:
-    """Rows of one trajectory and how they were built: ``single``, ``concat``, ``per-call``,
-    ``mismatch`` (concat refused, per-call used), ``no_token_ids`` or ``empty``."""
-    assert multi_turn in MODES, f"multi_turn must be one of {MODES}, got {multi_turn!r}"
-    with_tokens = [(i, c) for i, c in enumerate(traj.calls) if c.response_ids and c.prompt_ids]
-    if not with_tokens:
-        untraced = any(not c.prompt_ids for c in traj.calls)
-        return [], "no_token_ids" if untraced else "empty"
-    if len(with_tokens) == 1:
-        return _per_call(traj, with_tokens), "single"
-    if multi_turn == "concat":
-        row = _concatenated(traj, [c for _, c in with_tokens])
-        if row is not None:
-            return [row], "concat"
-        return _per_call(traj, with_tokens), "mismatch"
-    return _per_call(traj, with_tokens), "per-call"
+MODES = MULTI_TURN
 
 
 @dataclass
@@ -169,18 +108,18 @@ def tensorize(
     assert max_prompt_length > 0 and max_response_length > 0, "max lengths must be > 0"
     P, R = max_prompt_length, max_response_length
     counts: Counter[str] = Counter()
-    rows: list[Row] = []
+    rows: list[tuple[Trajectory, TokenRow]] = []
     for traj in trajectories:
         if traj.status != "ok":
             counts[f"dropped_{traj.status}"] += 1
             if include_failed:
                 first = next((c for c in traj.calls if c.prompt_ids), None)
                 prompt = list(first.prompt_ids) if first else [pad_token_id]
-                rows.append(Row(prompt, [], [], [], traj, -1))
+                rows.append((traj, TokenRow(prompt, [], [], [], [], -1)))
             continue
         built, how = rows_of(traj, multi_turn)
         counts[how] += 1
-        rows.extend(built)
+        rows.extend((traj, row) for row in built)
 
     B = len(rows)
     prompts = torch.full((B, P), pad_token_id, dtype=torch.long)
@@ -190,7 +129,7 @@ def tensorize(
     response_mask = torch.zeros((B, R), dtype=torch.long)
     logprobs = torch.zeros((B, R), dtype=torch.float32)
     scores = torch.zeros((B, R), dtype=torch.float32)
-    for i, row in enumerate(rows):
+    for i, (traj, row) in enumerate(rows):
         prompt = row.prompt_ids
         if len(prompt) > P:
             counts["truncated_prompts"] += 1
@@ -206,11 +145,9 @@ def tensorize(
             response_attn[i, :n] = 1
             response_mask[i, :n] = torch.tensor(row.response_mask[:n], dtype=torch.long)
             logprobs[i, :n] = torch.tensor(row.response_logprobs[:n], dtype=torch.float32)
-        if row.trajectory.status == "ok" and n:
+        if traj.status == "ok" and n:
             model_positions = [j for j in range(n) if row.response_mask[j]]
-            scores[i, model_positions[-1] if model_positions else n - 1] = float(
-                row.trajectory.reward
-            )
+            scores[i, model_positions[-1] if model_positions else n - 1] = float(traj.reward)
     attention = torch.cat([prompt_attn, response_attn], dim=1)
     tensors = {
         "prompts": prompts,  # (B, P)
@@ -230,12 +167,12 @@ def tensorize(
         return out
 
     non_tensors = {
-        "uid": column([r.trajectory.group_id for r in rows]),
-        "job_id": column([r.trajectory.job_id for r in rows]),
-        "status": column([r.trajectory.status for r in rows]),
-        "agent_name": column([r.trajectory.agent for r in rows]),
-        "task_id": column([r.trajectory.task_id for r in rows]),
-        "call_index": column([r.call_index for r in rows]),
+        "uid": column([t.group_id for t, _ in rows]),
+        "job_id": column([t.job_id for t, _ in rows]),
+        "status": column([t.status for t, _ in rows]),
+        "agent_name": column([t.agent for t, _ in rows]),
+        "task_id": column([t.task_id for t, _ in rows]),
+        "call_index": column([r.call_index for _, r in rows]),
     }
     meta = {
         "multi_turn": multi_turn,

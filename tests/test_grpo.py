@@ -345,3 +345,36 @@ def test_dual_clip_is_a_trainer_flag_that_can_be_turned_off():
     assert config_from_args(parser.parse_args([*base, "--dual-clip", "none"])).dual_clip == 0
     with pytest.raises(TrainerConfigError, match="--dual-clip must be > 1"):
         TrainerConfig(run="r", agent="a", model_dir=str(ensure_tiny_model()), dual_clip=0.5)
+
+
+def test_one_torch_free_rows_module_serves_trainer_tensorize_and_export():
+    import subprocess
+    import sys
+
+    import agentarium.export
+    import agentarium.tensorize
+    import trainer
+    import trainer.batch
+    from trainer import pad_token_id, rows_of
+
+    # trajectory -> rows lives once, in trainer/rows.py; agentarium reaches it through `trainer`
+    assert agentarium.tensorize.rows_of is rows_of is agentarium.export.rows_of
+    assert trainer.batch.rows_of is rows_of and "rows_of" in trainer.__all__
+    code = "import sys, trainer; print('torch' in sys.modules, 'transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
+    # the trainer's rows and the verl batch's rows are the same tokens, mask and log-probs
+    first = _call([1, 2, 3], [4, 5], [-0.1, -0.2])
+    second = _call([1, 2, 3, 4, 5, 6, 7], [8], [-0.3], temperature=0.7)
+    for calls in ([first, second], [first, _call([1, 2, 3, 4, 9, 6, 7], [8], [-0.3])]):
+        traj = _traj(calls)
+        shared, _ = rows_of(traj)
+        built, _ = build_rows([Sample(traj, 0.5)])
+        assert [r.input_ids for r in built] == [r.input_ids for r in shared]
+        assert [r.loss_mask for r in built] == [r.loss_mask for r in shared]
+        assert [r.old_logprobs for r in built] == [r.old_logprobs for r in shared]
+        assert [r.temperature for r in built] == [r.temperature for r in shared]
+    # one pad-id rule: the pad token, else the first eos, else 0
+    assert pad_token_id(7, [3, 4]) == 7 and pad_token_id(None, [3, 4]) == 3
+    assert pad_token_id(None, 5) == 5 and pad_token_id(None, None) == 0
+    assert pad_token_id(0, [3]) == 0

@@ -9,10 +9,10 @@ from typing import Any
 from schemas import check_name
 
 from .errors import TrainerConfigError
+from .rows import MULTI_TURN
 
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 STALE_POLICIES = ("drop", "tis")
-MULTI_TURN = ("concat", "per-call")
 DEVICES = ("cpu", "cuda")
 
 

@@ -55,6 +55,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .rows import grpo_advantages
+
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 DUAL_CLIP = 3.0  # verl's clip_ratio_c
 LOG_RATIO_CLAMP = 20.0  # verl clamps logp - logp_old to [-20, 20] before exp
@@ -62,18 +64,11 @@ LOG_RATIO_CLAMP = 20.0  # verl clamps logp - logp_old to [-20, 20] before exp
 
 def group_advantages(rewards: torch.Tensor, *, std_norm: bool = True, eps: float = 1e-6):
     """(G,) rewards of one group -> (G,) float64 advantages: r - mean, divided by (std + eps)
-    if asked. A flat group (all rewards equal, or std 0) gives zeros whatever eps is."""
+    if asked. A flat group (all rewards equal, or std 0) gives zeros whatever eps is. The math
+    is ``trainer.rows.grpo_advantages`` (torch-free, shared with the orchestrator's batches)."""
     assert rewards.dim() == 1 and rewards.numel() >= 1, "rewards must be a non-empty (G,) tensor"
-    rewards = rewards.to(torch.float64)
-    if rewards.numel() < 2 or bool((rewards == rewards[0]).all()):
-        return torch.zeros_like(rewards)
-    centred = rewards - rewards.mean()  # (G,)
-    if not std_norm:
-        return centred
-    std = rewards.std(unbiased=True)
-    if not std > 0:
-        return torch.zeros_like(rewards)
-    return centred / (std + eps)  # (G,)
+    values = rewards.detach().to(torch.float64).cpu().tolist()
+    return torch.tensor(grpo_advantages(values, std_norm=std_norm, eps=eps), dtype=torch.float64)
 
 
 def token_logprobs(
