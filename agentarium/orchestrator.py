@@ -323,8 +323,15 @@ class AgentOrchestrator:
         multi_turn: str | None = None,
         include_failed: bool = False,
         pad_token_id: int | None = None,
+        std_norm: bool = True,
+        adv_eps: float = 1e-6,
     ) -> tuple[TrainingBatch, dict[str, float]]:
-        """Padded tensors of the batch (see ``agentarium.tensorize``) and its metrics."""
+        """Padded tensors of the batch (see ``agentarium.tensorize``) and its metrics.
+
+        The batch carries the trainer's GRPO ``advantages`` (``std_norm`` as verl's
+        ``algorithm.norm_adv_by_std_in_grpo``); when ``meta_info["multi_row_trajectories"]`` is
+        not 0, train on them and skip verl's ``compute_advantage`` for this batch.
+        """
         batch = self._current()
         trajectories = self.trajectories()
         tensors, counts = tensorize(
@@ -335,6 +342,8 @@ class AgentOrchestrator:
             device=device,
             multi_turn=multi_turn or self.multi_turn,
             include_failed=include_failed,
+            std_norm=std_norm,
+            adv_eps=adv_eps,
         )
         metrics = agent_metrics(trajectories, success_threshold=self.success_threshold)
         metrics.update(counts)
