@@ -50,4 +50,5 @@ if [ -n "$extras" ] && ! command -v docker-compose >/dev/null 2>&1; then
     echo "note: docker-compose not installed; the compose validation test will skip"
   fi
 fi
+if [ -n "$extras" ]; then bash ops/verl_venv.sh; fi  # verl 0.9.1's own venv, for tests/test_verl_compat.py
 echo "setup done: .venv ready, nats-server at $(command -v nats-server || echo /usr/sbin/nats-server)"

@@ -262,3 +262,120 @@ def test_entropy_bonus_lowers_the_loss_by_coef_times_mean_entropy():
     # the bonus pushes toward higher entropy: its gradient on the logits is not zero
     (grad,) = torch.autograd.grad(bonus - base, logits)
     assert grad[mask].abs().sum() > 0 and grad[~mask].abs().sum() == 0
+
+
+def test_dual_clip_caps_the_loss_of_negative_advantages_at_c():
+    # verl's compute_policy_loss_vanilla: for A < 0, min(max(-A r, -A clip(r)), -A c), c = 3
+    ratios = torch.tensor([[10.0, 2.0, 10.0, 10.0]])
+    adv = torch.tensor([[-1.0, -1.0, 1.0, -0.5]])
+    logprobs = ratios.log().requires_grad_(True)
+    loss, clipped, _ = clipped_surrogate(
+        logprobs, torch.zeros_like(ratios), adv, clip_low=0.2, clip_high=0.2
+    )
+    # r = 10, A = -1: capped at 3 (was 10); r = 2 < c: unchanged; A > 0: the upper clip as
+    # before; A = -0.5: 0.5 * 3
+    assert loss.tolist()[0] == pytest.approx([3.0, 2.0, -1.2, 1.5])
+    assert clipped.tolist()[0] == [True, False, True, True]
+    loss.sum().backward()
+    assert logprobs.grad.tolist()[0] == pytest.approx([0.0, 2.0, 0.0, 0.0])
+    # a different c, and off (0 or None): the unbounded PPO loss
+    five, _, _ = clipped_surrogate(
+        ratios.log(), torch.zeros_like(ratios), adv, clip_low=0.2, clip_high=0.2, dual_clip=5.0
+    )
+    assert five.tolist()[0][0] == pytest.approx(5.0)
+    for off in (0.0, None):
+        raw, _, _ = clipped_surrogate(
+            ratios.log(), torch.zeros_like(ratios), adv, clip_low=0.2, clip_high=0.2, dual_clip=off
+        )
+        assert raw.tolist()[0] == pytest.approx([10.0, 2.0, -1.2, 5.0])
+    # grpo_loss passes it through
+    mask = torch.ones_like(ratios, dtype=torch.bool)
+    total, _ = grpo_loss(
+        ratios.log(), torch.zeros_like(ratios), adv, mask, clip_low=0.2, clip_high=0.2
+    )
+    assert total.item() == pytest.approx((3.0 + 2.0 - 1.2 + 1.5) / 4)
+
+
+def test_log_ratio_is_clamped_to_20_before_exp():
+    # verl clamps logp - logp_old to [-20, 20]: exp(29.9) = 9.7e12 becomes exp(20) = 4.9e8
+    logprobs = torch.tensor([[29.9, -29.9]])
+    adv = torch.tensor([[-1.0, 1.0]])
+    _, _, ratio = clipped_surrogate(
+        logprobs, torch.zeros_like(logprobs), adv, clip_low=0.2, clip_high=0.2
+    )
+    assert ratio.tolist()[0] == pytest.approx([math.exp(20.0), math.exp(-20.0)])
+    loss, _, _ = clipped_surrogate(
+        logprobs, torch.zeros_like(logprobs), adv, clip_low=0.2, clip_high=0.2, dual_clip=None
+    )
+    assert loss.tolist()[0][0] == pytest.approx(math.exp(20.0))
+
+
+def test_a_flat_group_has_zero_advantages_whatever_eps():
+    for eps in (0.0, 1e-6):
+        for rewards in ([0.5, 0.5, 0.5], [0.7, 0.7, 0.7], [1.0]):
+            adv = group_advantages(torch.tensor(rewards, dtype=torch.float64), eps=eps)
+            assert adv.tolist() == [0.0] * len(rewards), (eps, rewards)
+            assert advantages(rewards, eps=eps) == [0.0] * len(rewards)
+    # eps = 0 is the exact z-score elsewhere
+    assert advantages([0.0, 1.0], eps=0.0) == pytest.approx([-0.707107, 0.707107], abs=1e-6)
+
+
+def test_rewards_stay_float64_until_the_advantages():
+    # float32 has a spacing of 8 at 1e8: these three rewards would all round to 1e8 (a flat
+    # group, advantages 0); in float64 they are -1, 0, 1 standard deviations
+    assert advantages([1e8, 1e8 + 1, 1e8 + 2]) == pytest.approx([-1.0, 0.0, 1.0], abs=1e-5)
+    assert advantages([0.1, 0.1 + 1e-9], std_norm=False) == pytest.approx([-5e-10, 5e-10])
+
+
+def test_dual_clip_is_a_trainer_flag_that_can_be_turned_off():
+    import argparse
+
+    from agentarium.commands.trainer_cmd import add_trainer_arguments, config_from_args
+    from agentarium.tiny import ensure_tiny_model
+    from trainer.config import TrainerConfig
+    from trainer.errors import TrainerConfigError
+    from trainer.step import StepSettings
+
+    parser = argparse.ArgumentParser()
+    add_trainer_arguments(parser)
+    base = ["--run", "r", "--agent", "a", "--model", str(ensure_tiny_model())]
+    assert config_from_args(parser.parse_args(base)).dual_clip == 3.0
+    cfg = config_from_args(parser.parse_args([*base, "--dual-clip", "5"]))
+    assert StepSettings.from_config(cfg).dual_clip == 5.0
+    assert config_from_args(parser.parse_args([*base, "--dual-clip", "none"])).dual_clip == 0
+    with pytest.raises(TrainerConfigError, match="--dual-clip must be > 1"):
+        TrainerConfig(run="r", agent="a", model_dir=str(ensure_tiny_model()), dual_clip=0.5)
+
+
+def test_one_torch_free_rows_module_serves_trainer_tensorize_and_export():
+    import subprocess
+    import sys
+
+    import agentarium.evaluation.export
+    import agentarium.orchestrator.tensorize
+    import trainer
+    import trainer.batch
+    from trainer import pad_token_id, rows_of
+
+    # trajectory -> rows lives once, in trainer/rows.py; agentarium reaches it through `trainer`
+    assert agentarium.orchestrator.tensorize.rows_of is rows_of
+    assert agentarium.evaluation.export.rows_of is rows_of
+    assert trainer.batch.rows_of is rows_of and "rows_of" in trainer.__all__
+    code = "import sys, trainer; print('torch' in sys.modules, 'transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
+    # the trainer's rows and the verl batch's rows are the same tokens, mask and log-probs
+    first = _call([1, 2, 3], [4, 5], [-0.1, -0.2])
+    second = _call([1, 2, 3, 4, 5, 6, 7], [8], [-0.3], temperature=0.7)
+    for calls in ([first, second], [first, _call([1, 2, 3, 4, 9, 6, 7], [8], [-0.3])]):
+        traj = _traj(calls)
+        shared, _ = rows_of(traj)
+        built, _ = build_rows([Sample(traj, 0.5)])
+        assert [r.input_ids for r in built] == [r.input_ids for r in shared]
+        assert [r.loss_mask for r in built] == [r.loss_mask for r in shared]
+        assert [r.old_logprobs for r in built] == [r.old_logprobs for r in shared]
+        assert [r.temperature for r in built] == [r.temperature for r in shared]
+    # one pad-id rule: the pad token, else the first eos, else 0
+    assert pad_token_id(7, [3, 4]) == 7 and pad_token_id(None, [3, 4]) == 3
+    assert pad_token_id(None, 5) == 5 and pad_token_id(None, None) == 0
+    assert pad_token_id(0, [3]) == 0

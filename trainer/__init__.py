@@ -1,7 +1,9 @@
 """The asynchronous GRPO trainer: collector, GRPO math, step, checkpoints, metrics, weight
 publishing and the weight syncer (see docs/design.md, "The trainer").
 
-``import trainer`` stays light (no torch): the names that need torch load on first use.
+``import trainer`` stays light (no torch): the names that need torch load on first use. The
+torch-free trajectory -> token rows rules (trainer/rows.py) are shared with the verl tensorizer
+and export.
 """
 
 from __future__ import annotations
@@ -10,9 +12,19 @@ import importlib
 from typing import Any
 
 from .app import PublisherFactory, default_weights_dir, run_sync, run_trainer, store_publisher
-from .config import DEVICES, LOSS_AGGS, MULTI_TURN, STALE_POLICIES, TrainerConfig
+from .config import DEVICES, LOSS_AGGS, STALE_POLICIES, TrainerConfig
 from .errors import CheckpointError, DistributedError, TrainerConfigError, TrainerError
 from .metrics import plot_metrics, read_metrics
+from .rows import (
+    HOW,
+    MULTI_TURN,
+    TokenRow,
+    call_refusal,
+    grpo_advantages,
+    pad_token_id,
+    refusal,
+    rows_of,
+)
 from .sync import PAUSE_MODES, SyncConfig, WeightSyncer
 from .weights import WeightsError, WeightStore
 
@@ -20,6 +32,7 @@ _LAZY = {"Trainer": ".loop"}  # torch + transformers
 
 __all__ = [
     "DEVICES",
+    "HOW",
     "LOSS_AGGS",
     "MULTI_TURN",
     "PAUSE_MODES",
@@ -28,6 +41,7 @@ __all__ = [
     "DistributedError",
     "PublisherFactory",
     "SyncConfig",
+    "TokenRow",
     "Trainer",
     "TrainerConfig",
     "TrainerConfigError",
@@ -35,9 +49,14 @@ __all__ = [
     "WeightStore",
     "WeightSyncer",
     "WeightsError",
+    "call_refusal",
     "default_weights_dir",
+    "grpo_advantages",
+    "pad_token_id",
     "plot_metrics",
     "read_metrics",
+    "refusal",
+    "rows_of",
     "run_sync",
     "run_trainer",
     "store_publisher",

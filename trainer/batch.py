@@ -1,15 +1,11 @@
 """Trajectories -> training rows -> right-padded (B, T) tensors.
 
-A trajectory becomes rows in one of two ways:
-
-- ``concat`` (default): when every call's prompt starts with the previous call's prompt and
-  response, token for token, the whole rollout is one sequence (the last call's prompt plus its
-  response); only the tokens the model generated carry loss, so tool results, observations and
-  re-rendered chat markup between turns are masked out. A trajectory whose calls do not chain
-  exactly (a chat template that re-renders history differently, a truncated reply the template
-  closes) is counted as a prefix mismatch and falls back to ``per-call``.
-- ``per-call``: one row per LLM call (its prompt and response), each with the rollout's
-  advantage.
+Rows come from ``trainer.rows.rows_of`` (shared with the orchestrator's verl batches and SFT
+export): ``concat`` (default) trains a multi-call rollout whose prompts extend each other token
+for token as one sequence, with loss only on the tokens the model generated (tool results,
+observations and re-rendered chat markup between turns are masked out); a trajectory whose calls
+do not chain exactly is counted as a prefix mismatch and falls back to ``per-call``, one row
+per LLM call, each with the rollout's advantage.
 
 Calls that cannot be trained on — sampled with top_p < 1, top_k > 0, or greedily — have
 log-probs no trainer can reproduce. ``refusal()`` names them; the collector drops such
@@ -28,9 +24,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from schemas import LLMCall, Trajectory
+from schemas import Trajectory
 
-from .grpo import group_advantages
+from .rows import TokenRow, grpo_advantages, refusal, rows_of
 
 
 @dataclass(frozen=True)
@@ -66,93 +62,46 @@ class BuildStats:
     model_tokens: int = 0
 
 
-def refusal(trajectory: Trajectory) -> str | None:
-    """Why this trajectory's calls cannot be trained on, or None when they can."""
-    for index, call in enumerate(trajectory.calls):
-        reason = _call_refusal(call)
-        if reason:
-            return f"call {index} was sampled with {reason}: its log-probs cannot be reproduced"
-    return None
-
-
-def _call_refusal(call: LLMCall) -> str | None:
-    if call.top_p < 1.0:
-        return f"top_p={call.top_p} (< 1)"
-    if call.top_k > 0:
-        return f"top_k={call.top_k} (> 0)"
-    if call.temperature < 1e-6:
-        return "temperature 0 (greedy)"
-    return None
-
-
 def advantages(
     rewards: Sequence[float], *, std_norm: bool = True, eps: float = 1e-6
 ) -> list[float]:
-    """GRPO advantages of one group's rewards (its ok members, in order)."""
-    return group_advantages(torch.tensor(list(rewards)), std_norm=std_norm, eps=eps).tolist()
+    """GRPO advantages of one group's rewards (its ok members, in order), computed in float64
+    from the rewards on (``trainer.rows.grpo_advantages``)."""
+    return grpo_advantages(rewards, std_norm=std_norm, eps=eps)
 
 
 def build_rows(
     samples: Sequence[Sample], *, multi_turn: str = "concat"
 ) -> tuple[list[Row], BuildStats]:
     """Rows for every sample, in order; see the module docstring for the two modes."""
-    assert multi_turn in ("concat", "per-call"), f"multi_turn {multi_turn!r}"
     stats = BuildStats()
     rows: list[Row] = []
     for sample in samples:
         traj = sample.trajectory
         assert refusal(traj) is None, f"job {traj.job_id}: {refusal(traj)}"
         stats.trajectories += 1
-        calls = [c for c in traj.calls if c.response_ids]
-        if not calls:
+        built, how = rows_of(traj, multi_turn)
+        if not built:
             stats.empty += 1
             continue
-        if len(calls) > 1 and multi_turn == "concat":
-            row = _concatenated(sample, calls)
-            if row is not None:
-                stats.concatenated += 1
-                rows.append(row)
-                continue
-            stats.prefix_mismatches += 1
-        rows.extend(_single(sample, call) for call in calls)
+        stats.concatenated += how == "concat"
+        stats.prefix_mismatches += how == "mismatch"
+        rows.extend(_row(sample, row) for row in built)
     stats.rows = len(rows)
     stats.model_tokens = sum(sum(r.loss_mask) for r in rows)
     return rows, stats
 
 
-def _single(sample: Sample, call: LLMCall) -> Row:
-    n_prompt, n_resp = len(call.prompt_ids), len(call.response_ids)
-    assert n_prompt > 0, f"job {sample.trajectory.job_id}: a call with an empty prompt"
+def _row(sample: Sample, row: TokenRow) -> Row:
     return Row(
-        input_ids=list(call.prompt_ids) + list(call.response_ids),
-        loss_mask=[0] * n_prompt + [1] * n_resp,
-        old_logprobs=[0.0] * n_prompt + [float(x) for x in call.response_logprobs],
-        temperature=[1.0] * n_prompt + [float(call.temperature)] * n_resp,
+        input_ids=row.input_ids,
+        loss_mask=row.loss_mask,
+        old_logprobs=row.old_logprobs,
+        temperature=row.temperature,
         advantage=sample.advantage,
         tis=sample.tis,
         job_id=sample.trajectory.job_id,
     )
-
-
-def _concatenated(sample: Sample, calls: list[LLMCall]) -> Row | None:
-    """One sequence for calls whose prompts extend each other exactly, else None."""
-    for prev, nxt in zip(calls, calls[1:], strict=False):
-        seen = list(prev.prompt_ids) + list(prev.response_ids)
-        if list(nxt.prompt_ids[: len(seen)]) != seen:
-            return None
-    last = calls[-1]
-    ids = list(last.prompt_ids) + list(last.response_ids)
-    mask = [0] * len(ids)
-    old = [0.0] * len(ids)
-    temp = [1.0] * len(ids)
-    for call in calls:
-        start = len(call.prompt_ids)
-        for offset, logprob in enumerate(call.response_logprobs):
-            mask[start + offset] = 1
-            old[start + offset] = float(logprob)
-            temp[start + offset] = float(call.temperature)
-    assert len(calls[0].prompt_ids) > 0, f"job {sample.trajectory.job_id}: empty prompt"
-    return Row(ids, mask, old, temp, sample.advantage, sample.tis, sample.trajectory.job_id)
 
 
 @dataclass

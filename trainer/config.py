@@ -9,10 +9,10 @@ from typing import Any
 from schemas import check_name
 
 from .errors import TrainerConfigError
+from .rows import MULTI_TURN
 
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 STALE_POLICIES = ("drop", "tis")
-MULTI_TURN = ("concat", "per-call")
 DEVICES = ("cpu", "cuda")
 
 
@@ -36,13 +36,16 @@ class TrainerConfig:
     # GRPO loss
     clip_low: float = 0.2
     clip_high: float = 0.2
+    # dual-clip: for A < 0 the loss is capped at -A * dual_clip (verl's clip_ratio_c); 0 or None
+    # turns it off
+    dual_clip: float | None = 3.0
     kl_coef: float = 0.0
     entropy_coef: float = 0.0  # a bonus on the policy entropy of model tokens (not textbook GRPO)
     bf16_autocast: bool = False  # forward passes in bf16 (GPUs); weights and Adam stay fp32
     loss_agg: str = "token-mean"
     loss_norm_tokens: int = 1024  # the constant divisor of seq-mean-token-sum-norm (Dr. GRPO)
     std_norm: bool = True
-    adv_eps: float = 1e-6
+    adv_eps: float = 1e-6  # >= 0; a flat group has zero advantages whatever it is
     multi_turn: str = "concat"
     # off-policy control and group buffering
     max_staleness: int = 4
@@ -87,6 +90,12 @@ class TrainerConfig:
             raise TrainerConfigError(f"--clip-low must be in [0, 1), got {self.clip_low}")
         if self.clip_high < 0:
             raise TrainerConfigError(f"--clip-high must be >= 0, got {self.clip_high}")
+        if self.dual_clip and not self.dual_clip > 1:
+            raise TrainerConfigError(
+                f"--dual-clip must be > 1 (the ratio above which a negative advantage's loss "
+                f"stops growing; verl's clip_ratio_c, 3 by default), or 0/none to turn it off, "
+                f"got {self.dual_clip}"
+            )
         _choice(self, "loss_agg", LOSS_AGGS, "--loss-agg")
         _choice(self, "stale_policy", STALE_POLICIES, "--stale-policy")
         _choice(self, "multi_turn", MULTI_TURN, "--multi-turn")

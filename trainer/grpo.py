@@ -4,9 +4,10 @@ truncated importance weights and the three loss aggregations.
 The algorithm (one optimizer step on B groups of G rollouts of the same task):
 
     A_i      = (r_i - mean(r)) / (std(r) + eps)                      per group, std optional
-    ratio_t  = exp(logp_theta(y_t) - logp_old(y_t))                  per model token
-    l_t      = -min(ratio_t A_i, clip(ratio_t, 1 - clip_low, 1 + clip_high) A_i) * w_t
-               + kl_coef * k3_t - entropy_coef * H_t,   k3_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1
+    ratio_t  = exp(clamp(logp_theta(y_t) - logp_old(y_t), -20, 20))  per model token
+    p_t      = -min(ratio_t A_i, clip(ratio_t, 1 - clip_low, 1 + clip_high) A_i)
+    p_t      = min(p_t, -A_i c)            where A_i < 0               dual-clip, c = 3
+    l_t      = p_t * w_t + kl_coef * k3_t - entropy_coef * H_t,  k3_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1
     loss     = aggregate(l, mask)                                    mask = model tokens only
 
 Departures from textbook GRPO (DeepSeekMath, 2024), each on purpose:
@@ -36,6 +37,13 @@ Departures from textbook GRPO (DeepSeekMath, 2024), each on purpose:
 10. Infrastructure failures (status error / timeout) are kept out of group statistics, groups
    may be released short after a timeout (>= 2 ok members), and groups whose rewards are all
    equal may be filtered out (DAPO's dynamic sampling); see trainer/groups.py.
+11. Dual-clip PPO (Ye et al., 2019; verl's ``clip_ratio_c``): for A < 0 the per-token loss is
+   capped at -A c (c = ``dual_clip``, 3 by default, 0 / none turns it off), so a token the
+   policy now likes far more than the rollout did cannot add an unbounded loss and gradient.
+12. The log-ratio is clamped to [-20, 20] before exp (as verl), so one token whose log-prob
+   moved by 30 nats gives a ratio of 4.9e8, not 9.7e12 (and never inf).
+13. A flat group (all rewards equal, or std 0) has advantage 0 for every member whatever eps
+   is (eps = 0 is allowed: no 0/0); rewards stay float64 until the advantages are computed.
 
 Shapes: B rows, T positions, V vocabulary. Functions take tensors aligned on target positions
 (the caller shifts logits and ids by one).
@@ -47,18 +55,20 @@ from dataclasses import dataclass
 
 import torch
 
+from .rows import grpo_advantages
+
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+DUAL_CLIP = 3.0  # verl's clip_ratio_c
+LOG_RATIO_CLAMP = 20.0  # verl clamps logp - logp_old to [-20, 20] before exp
 
 
 def group_advantages(rewards: torch.Tensor, *, std_norm: bool = True, eps: float = 1e-6):
-    """(G,) rewards of one group -> (G,) advantages: r - mean, divided by (std + eps) if asked."""
+    """(G,) rewards of one group -> (G,) float64 advantages: r - mean, divided by (std + eps)
+    if asked. A flat group (all rewards equal, or std 0) gives zeros whatever eps is. The math
+    is ``trainer.rows.grpo_advantages`` (torch-free, shared with the orchestrator's batches)."""
     assert rewards.dim() == 1 and rewards.numel() >= 1, "rewards must be a non-empty (G,) tensor"
-    rewards = rewards.to(torch.float64)
-    centred = rewards - rewards.mean()  # (G,)
-    if not std_norm:
-        return centred
-    std = rewards.std(unbiased=True) if rewards.numel() > 1 else rewards.new_zeros(())
-    return centred / (std + eps)  # (G,)
+    values = rewards.detach().to(torch.float64).cpu().tolist()
+    return torch.tensor(grpo_advantages(values, std_norm=std_norm, eps=eps), dtype=torch.float64)
 
 
 def token_logprobs(
@@ -96,19 +106,33 @@ def clipped_surrogate(
     *,
     clip_low: float,
     clip_high: float,
+    dual_clip: float | None = DUAL_CLIP,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """PPO's pessimistic surrogate, negated: (B, T) each -> (loss, clipped, ratio), all (B, T).
+    """PPO's pessimistic surrogate, negated, with dual-clip: (B, T) each -> (loss, clipped,
+    ratio), all (B, T). As verl's ``compute_policy_loss_vanilla``:
 
-    ``clipped`` marks tokens where the clipped branch is taken and differs from the unclipped
-    one: their gradient is zero (ratio above 1 + clip_high with A > 0, or below 1 - clip_low
-    with A < 0).
+        ratio = exp(clamp(logp - logp_old, -20, 20))
+        l     = max(-A ratio, -A clip(ratio, 1 - clip_low, 1 + clip_high))
+        l     = min(l, -A c)   where A < 0 (dual-clip, c = ``dual_clip``; 0 or None: off)
+
+    Without dual-clip, a token with A < 0 and a large ratio has an unbounded loss (and
+    gradient); dual-clip caps it at -A c. ``clipped`` marks tokens where a clip is taken and
+    changes the loss: their gradient is zero (ratio above 1 + clip_high with A > 0, below
+    1 - clip_low with A < 0, or above c with A < 0).
     """
-    ratio = torch.exp(logprobs - old_logprobs)  # (B, T)
+    log_ratio = torch.clamp(logprobs - old_logprobs, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)  # (B, T)
     unclipped = ratio * advantages  # (B, T)
     clipped_ratio = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     clipped = clipped_ratio * advantages  # (B, T)
     loss = -torch.minimum(unclipped, clipped)  # (B, T)
     was_clipped = clipped < unclipped  # strict: ties keep the gradient
+    if dual_clip:
+        assert dual_clip > 1.0, f"dual_clip must be > 1 (or 0/None: off), got {dual_clip}"
+        capped = -advantages * dual_clip  # (B, T)
+        negative = advantages < 0
+        was_clipped = was_clipped | (negative & (loss > capped))
+        loss = torch.where(negative, torch.minimum(loss, capped), loss)
     return loss, was_clipped, ratio
 
 
@@ -186,6 +210,7 @@ def grpo_loss(
     *,
     clip_low: float,
     clip_high: float,
+    dual_clip: float | None = DUAL_CLIP,
     mode: str = "token-mean",
     is_weights: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
@@ -204,7 +229,12 @@ def grpo_loss(
     if ref_logprobs is not None:
         ref_logprobs = torch.where(m, ref_logprobs, logprobs.detach())
     per_token, clipped, ratio = clipped_surrogate(
-        logprobs, old_logprobs, advantages, clip_low=clip_low, clip_high=clip_high
+        logprobs,
+        old_logprobs,
+        advantages,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        dual_clip=dual_clip,
     )  # (B, T)
     if is_weights is not None:
         per_token = per_token * is_weights

@@ -45,6 +45,7 @@ from .config import TrainerConfig
 from .errors import TrainerConfigError
 from .groups import Group
 from .metrics import MetricsSink, StepMetrics
+from .rows import pad_token_id
 
 log = structlog.get_logger("agentarium.trainer")
 tracer = trace.get_tracer("agentarium.trainer")
@@ -366,11 +367,10 @@ def _make_updater(config: TrainerConfig):
 
 
 def _pad_id(model) -> int:
-    pad = getattr(model.config, "pad_token_id", None)
-    if pad is None:
-        eos = getattr(model.config, "eos_token_id", None)
-        pad = eos[0] if isinstance(eos, list) else eos
-    return int(pad or 0)
+    config = model.config
+    return pad_token_id(
+        getattr(config, "pad_token_id", None), getattr(config, "eos_token_id", None)
+    )
 
 
 def _links(groups: list[Group]) -> list[Link]:

@@ -24,6 +24,7 @@ class StepSettings:
 
     clip_low: float = 0.2
     clip_high: float = 0.2
+    dual_clip: float | None = 3.0  # verl's clip_ratio_c; 0 or None: off
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
     bf16_autocast: bool = False
@@ -160,6 +161,7 @@ def forward_backward(
             mask,
             clip_low=settings.clip_low,
             clip_high=settings.clip_high,
+            dual_clip=settings.dual_clip,
             mode=settings.loss_agg,
             is_weights=is_weights,
             ref_logprobs=ref,

@@ -92,6 +92,13 @@ def add_trainer_arguments(parser: argparse.ArgumentParser) -> None:
         help="ratio clip above 1: max ratio 1 + clip_high; DAPO uses 0.28 (default %(default)s)",
     )
     g.add_argument(
+        "--dual-clip",
+        type=_dual_clip,
+        default=d["dual_clip"].default,
+        metavar="C|none",
+        help="dual-clip: a token with a negative advantage stops adding loss once its ratio passes C (verl's clip_ratio_c); 'none' or 0 = off (default %(default)s)",
+    )
+    g.add_argument(
         "--kl-coef",
         type=float,
         default=0.0,
@@ -244,6 +251,17 @@ def add_trainer_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _dual_clip(value: str) -> float:
+    if value.strip().lower() in ("none", "off"):
+        return 0.0
+    try:
+        return float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--dual-clip takes a number > 1 or 'none', got {value!r}"
+        ) from None
+
+
 def config_from_args(args: argparse.Namespace) -> TrainerConfig:
     return TrainerConfig(
         run=args.run,
@@ -258,6 +276,7 @@ def config_from_args(args: argparse.Namespace) -> TrainerConfig:
         seed=args.seed,
         clip_low=args.clip_low,
         clip_high=args.clip_high,
+        dual_clip=args.dual_clip,
         kl_coef=args.kl_coef,
         entropy_coef=args.entropy_coef,
         bf16_autocast=args.bf16_autocast,

@@ -5,7 +5,7 @@ One record per trajectory (or per call with ``--multi-turn per-call``): the chat
 without re-tokenising: ``input_ids`` (prompt then response), ``loss_mask`` (1 on tokens the
 model generated, 0 on the prompt, tool results and observations) and ``logprobs``; plus ids,
 status, reward and metrics. Rows are built exactly as ``generate_training_batch`` builds them
-(``agentarium.tensorize.rows_of``), unpadded. Parquet needs ``pyarrow``; ``messages`` and
+(``trainer.rows_of``), unpadded. Parquet needs ``pyarrow``; ``messages`` and
 ``metrics`` are stored there as JSON text (tool calls make them too irregular for a schema).
 """
 
@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from schemas import Trajectory
-
-from ..orchestrator.tensorize import rows_of
+from trainer import rows_of
 
 FORMATS = ("jsonl", "parquet")
 

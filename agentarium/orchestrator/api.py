@@ -28,6 +28,7 @@ import structlog
 from broker import NatsSettings
 from consumers import AgentSpec, ChatTemplate, ConsumerSpec, LLMTarget
 from schemas import Sampling, Trajectory, check_name
+from trainer import pad_token_id
 
 from ..agent_metrics import agent_metrics
 from ..progress import ProgressBar
@@ -311,8 +312,15 @@ class AgentOrchestrator:
         multi_turn: str | None = None,
         include_failed: bool = False,
         pad_token_id: int | None = None,
+        std_norm: bool = True,
+        adv_eps: float = 1e-6,
     ) -> tuple[TrainingBatch, dict[str, float]]:
-        """Padded tensors of the batch (see ``agentarium.tensorize``) and its metrics."""
+        """Padded tensors of the batch (see ``agentarium.tensorize``) and its metrics.
+
+        The batch carries the trainer's GRPO ``advantages`` (``std_norm`` as verl's
+        ``algorithm.norm_adv_by_std_in_grpo``); when ``meta_info["multi_row_trajectories"]`` is
+        not 0, train on them and skip verl's ``compute_advantage`` for this batch.
+        """
         batch = self._current()
         trajectories = self.trajectories()
         tensors, counts = tensorize(
@@ -323,6 +331,8 @@ class AgentOrchestrator:
             device=device,
             multi_turn=multi_turn or self.config.multi_turn,
             include_failed=include_failed,
+            std_norm=std_norm,
+            adv_eps=adv_eps,
         )
         metrics = agent_metrics(trajectories, success_threshold=self.config.success_threshold)
         metrics.update(counts)
@@ -354,10 +364,9 @@ class AgentOrchestrator:
         if template is None:
             return 0
         pad = template.special_tokens.get("pad_token")
-        pad_id = template.tokenizer.token_to_id(pad) if pad else None
-        if pad_id is None:
-            pad_id = template.eos_token_ids[0] if template.eos_token_ids else 0
-        return int(pad_id)
+        return pad_token_id(
+            template.tokenizer.token_to_id(pad) if pad else None, template.eos_token_ids
+        )
 
     @property
     def nats_url(self) -> str:

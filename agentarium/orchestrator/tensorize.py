@@ -1,6 +1,6 @@
 """Trajectories -> the padded tensors an RL framework trains on (verl's field names and layout).
 
-Each trajectory becomes rows in one of two modes (the trainer's, see trainer/batch.py):
+Each trajectory becomes rows in one of two modes (``trainer.rows_of``, the trainer's own):
 - ``concat`` (default): when every call's prompt extends the previous call's prompt and
   response token for token, the rollout is one row: the first call's prompt, then everything
   after it; tool results and re-rendered chat markup between turns sit in the response with
@@ -16,12 +16,39 @@ Layout per row, P = max_prompt_length, R = max_response_length:
   response_mask     (B, R)    1 on tokens the policy generated, 0 on observations and padding
   rollout_log_probs (B, R)    the engine's log-prob of each generated token, 0 elsewhere
   token_level_scores(B, R)    the reward on the last generated token kept, 0 elsewhere
-Non-tensor columns (numpy object arrays): uid (the group id), job_id, status, agent_name,
-task_id, call_index (-1 for a concatenated row).
+  advantages        (B, R)    the trainer's GRPO advantage of the row's trajectory, on its
+                              response_mask (0 elsewhere); see "Advantages" below
+Non-tensor columns (numpy object arrays): uid (the GRPO group id), job_id, status, agent_name,
+task_id, call_index (-1 for a concatenated row). meta_info: multi_turn, pad_token_id, the max
+lengths, multi_row_trajectories, refused ({job_id: reason}) and rollout_temperature.
 
-Trajectories with status error/timeout are infrastructure failures: left out by default (so
-they never enter GRPO group statistics as reward 0) and counted; ``include_failed`` keeps them
-as rows with an all-zero response mask and score, for callers that need a fixed row count.
+Advantages. verl's GRPO estimator (``compute_grpo_outcome_advantage``) groups *rows* by
+``uid``, so a trajectory split into k rows (per-call mode, or a prefix mismatch) would count k
+times in its group's mean and std; the trainer counts each trajectory once. The batch
+therefore ships ``advantages``, computed with the trainer's ``grpo_advantages`` over each
+group's ok trajectories that have rows, each once (float64 until stored). When
+``meta_info["multi_row_trajectories"]`` is 0 (one row per trajectory) verl's ``grpo``
+estimator gives the same numbers, except for a group of one (verl: its raw score; here 0).
+When it is not 0, verl's advantage step must be skipped for the batch: verl 0.9.1 has no
+``algorithm.adv_estimator`` that keeps a batch's advantages (every estimator, ``grpo``
+included, overwrites ``advantages`` and ``returns`` in ``compute_advantage``, which
+``RayPPOTrainer.fit`` and the v1 trainer call every step), so the fit loop that calls the
+orchestrator must not call ``compute_advantage`` for it and set ``returns`` = ``advantages``.
+
+Failures. Trajectories with status error/timeout are infrastructure failures: left out by
+default, and counted. ``include_failed`` keeps them as placeholder rows, for callers that need
+one row per failed rollout: response_mask, scores and advantages all 0, and a ``uid`` of their
+own (``<group_id>:<status>:<job_id>``), so verl's GRPO sees each as a group of one with score 0
+(advantage 0) and the real group's mean and std never include them.
+
+Sampling. Calls the trainer refuses (``trainer.refusal``: top_p < 1, top_k > 0, greedy; their
+log-probs cannot be reproduced) are left out with their whole trajectory, as the trainer does:
+counted in ``batch/refused``, reasons in ``meta_info["refused"]``, out of group statistics.
+verl recomputes log-probs at one temperature, ``actor_rollout_ref.rollout.temperature`` (its
+trainer writes it into ``meta_info["temperature"]`` before each actor call; a batch column of
+that name would collide with it in ``DataProto.to_tensordict``), so the temperature the rows
+were sampled at is ``meta_info["rollout_temperature"]``, and a batch whose model tokens were
+sampled at several temperatures is refused with a ValueError naming the jobs at each.
 Calls without token ids (OpenAI-compatible backends) cannot be trained on: left out, counted.
 """
 
@@ -35,71 +62,10 @@ from typing import Any
 
 import numpy as np
 
-from schemas import LLMCall, Trajectory
+from schemas import Trajectory
+from trainer import MULTI_TURN, TokenRow, grpo_advantages, refusal, rows_of
 
-MODES = ("concat", "per-call")
-
-
-@dataclass(frozen=True)
-class Row:
-    """One unpadded sequence; the response lists are aligned on token positions."""
-
-    prompt_ids: list[int]
-    response_ids: list[int]
-    response_mask: list[int]
-    response_logprobs: list[float]
-    trajectory: Trajectory
-    call_index: int = -1
-
-
-def _per_call(traj: Trajectory, calls: list[tuple[int, LLMCall]]) -> list[Row]:
-    return [
-        Row(
-            list(c.prompt_ids),
-            list(c.response_ids),
-            [1] * len(c.response_ids),
-            [float(x) for x in c.response_logprobs],
-            traj,
-            i,
-        )
-        for i, c in calls
-    ]
-
-
-def _concatenated(traj: Trajectory, calls: list[LLMCall]) -> Row | None:
-    for prev, nxt in zip(calls, calls[1:], strict=False):
-        seen = list(prev.prompt_ids) + list(prev.response_ids)
-        if list(nxt.prompt_ids[: len(seen)]) != seen:
-            return None
-    start = len(calls[0].prompt_ids)
-    full = list(calls[-1].prompt_ids) + list(calls[-1].response_ids)
-    response = full[start:]
-    mask = [0] * len(response)
-    logprobs = [0.0] * len(response)
-    for call in calls:
-        offset = len(call.prompt_ids) - start
-        for j, logprob in enumerate(call.response_logprobs):
-            mask[offset + j] = 1
-            logprobs[offset + j] = float(logprob)
-    return Row(list(calls[0].prompt_ids), response, mask, logprobs, traj, -1)
-
-
-def rows_of(traj: Trajectory, multi_turn: str = "concat") -> tuple[list[Row], str]:
-    """Rows of one trajectory and how they were built: ``single``, ``concat``, ``per-call``,
-    ``mismatch`` (concat refused, per-call used), ``no_token_ids`` or ``empty``."""
-    assert multi_turn in MODES, f"multi_turn must be one of {MODES}, got {multi_turn!r}"
-    with_tokens = [(i, c) for i, c in enumerate(traj.calls) if c.response_ids and c.prompt_ids]
-    if not with_tokens:
-        untraced = any(not c.prompt_ids for c in traj.calls)
-        return [], "no_token_ids" if untraced else "empty"
-    if len(with_tokens) == 1:
-        return _per_call(traj, with_tokens), "single"
-    if multi_turn == "concat":
-        row = _concatenated(traj, [c for _, c in with_tokens])
-        if row is not None:
-            return [row], "concat"
-        return _per_call(traj, with_tokens), "mismatch"
-    return _per_call(traj, with_tokens), "per-call"
+MODES = MULTI_TURN
 
 
 @dataclass
@@ -162,25 +128,41 @@ def tensorize(
     device: Any = "cpu",
     multi_turn: str = "concat",
     include_failed: bool = False,
+    std_norm: bool = True,
+    adv_eps: float = 1e-6,
 ) -> tuple[TrainingBatch, dict[str, float]]:
-    """Pad ``trajectories`` into a TrainingBatch; returns it and the batch's counting metrics."""
+    """Pad ``trajectories`` into a TrainingBatch; returns it and the batch's counting metrics.
+
+    ``std_norm`` and ``adv_eps`` shape the ``advantages`` tensor as verl's
+    ``algorithm.norm_adv_by_std_in_grpo`` and GRPO epsilon (1e-6) do. Raises ValueError when
+    the trainable rows were sampled at different temperatures (see the module docstring).
+    """
     import torch
 
     assert max_prompt_length > 0 and max_response_length > 0, "max lengths must be > 0"
     P, R = max_prompt_length, max_response_length
     counts: Counter[str] = Counter()
-    rows: list[Row] = []
+    rows: list[tuple[Trajectory, TokenRow]] = []
+    refused: dict[str, str] = {}
     for traj in trajectories:
         if traj.status != "ok":
             counts[f"dropped_{traj.status}"] += 1
             if include_failed:
                 first = next((c for c in traj.calls if c.prompt_ids), None)
                 prompt = list(first.prompt_ids) if first else [pad_token_id]
-                rows.append(Row(prompt, [], [], [], traj, -1))
+                rows.append((traj, TokenRow(prompt, [], [], [], [], -1)))
+            continue
+        reason = refusal(traj)
+        if reason is not None:
+            counts["refused"] += 1
+            refused[traj.job_id] = reason
             continue
         built, how = rows_of(traj, multi_turn)
         counts[how] += 1
-        rows.extend(built)
+        counts["multi_row"] += len(built) > 1
+        rows.extend((traj, row) for row in built)
+    temperature = _one_temperature(rows)
+    advantage = _trajectory_advantages(rows, std_norm=std_norm, eps=adv_eps)
 
     B = len(rows)
     prompts = torch.full((B, P), pad_token_id, dtype=torch.long)
@@ -190,7 +172,8 @@ def tensorize(
     response_mask = torch.zeros((B, R), dtype=torch.long)
     logprobs = torch.zeros((B, R), dtype=torch.float32)
     scores = torch.zeros((B, R), dtype=torch.float32)
-    for i, row in enumerate(rows):
+    advantages = torch.zeros((B, R), dtype=torch.float32)
+    for i, (traj, row) in enumerate(rows):
         prompt = row.prompt_ids
         if len(prompt) > P:
             counts["truncated_prompts"] += 1
@@ -206,11 +189,10 @@ def tensorize(
             response_attn[i, :n] = 1
             response_mask[i, :n] = torch.tensor(row.response_mask[:n], dtype=torch.long)
             logprobs[i, :n] = torch.tensor(row.response_logprobs[:n], dtype=torch.float32)
-        if row.trajectory.status == "ok" and n:
+        if traj.status == "ok" and n:
             model_positions = [j for j in range(n) if row.response_mask[j]]
-            scores[i, model_positions[-1] if model_positions else n - 1] = float(
-                row.trajectory.reward
-            )
+            scores[i, model_positions[-1] if model_positions else n - 1] = float(traj.reward)
+            advantages[i] = advantage[traj.job_id] * response_mask[i]
     attention = torch.cat([prompt_attn, response_attn], dim=1)
     tensors = {
         "prompts": prompts,  # (B, P)
@@ -221,6 +203,7 @@ def tensorize(
         "response_mask": response_mask,  # (B, R)
         "rollout_log_probs": logprobs,  # (B, R)
         "token_level_scores": scores,  # (B, R)
+        "advantages": advantages,  # (B, R)
     }
     tensors = {k: v.to(device) for k, v in tensors.items()}
 
@@ -230,26 +213,32 @@ def tensorize(
         return out
 
     non_tensors = {
-        "uid": column([r.trajectory.group_id for r in rows]),
-        "job_id": column([r.trajectory.job_id for r in rows]),
-        "status": column([r.trajectory.status for r in rows]),
-        "agent_name": column([r.trajectory.agent for r in rows]),
-        "task_id": column([r.trajectory.task_id for r in rows]),
-        "call_index": column([r.call_index for r in rows]),
+        "uid": column([_uid(t) for t, _ in rows]),
+        "job_id": column([t.job_id for t, _ in rows]),
+        "status": column([t.status for t, _ in rows]),
+        "agent_name": column([t.agent for t, _ in rows]),
+        "task_id": column([t.task_id for t, _ in rows]),
+        "call_index": column([r.call_index for _, r in rows]),
     }
-    meta = {
+    meta: dict[str, Any] = {
         "multi_turn": multi_turn,
         "pad_token_id": pad_token_id,
         "max_prompt_length": P,
         "max_response_length": R,
+        "multi_row_trajectories": counts["multi_row"],
+        "refused": refused,
     }
+    if temperature is not None:
+        meta["rollout_temperature"] = temperature
     metrics = {
         "batch/rows": float(B),
         "batch/trajectories": float(len(trajectories)),
         "batch/concatenated": float(counts["concat"]),
         "batch/prefix_mismatches": float(counts["mismatch"]),
+        "batch/multi_row_trajectories": float(counts["multi_row"]),
         "batch/no_token_ids": float(counts["no_token_ids"]),
         "batch/empty": float(counts["empty"]),
+        "batch/refused": float(counts["refused"]),
         "batch/dropped_error": float(counts["dropped_error"]),
         "batch/dropped_timeout": float(counts["dropped_timeout"]),
         "batch/truncated_prompts": float(counts["truncated_prompts"]),
@@ -258,3 +247,53 @@ def tensorize(
         "batch/model_tokens": float(response_mask.sum()),
     }
     return TrainingBatch(tensors, non_tensors, meta), metrics
+
+
+def _uid(traj: Trajectory) -> str:
+    """The GRPO group key: the group id; a failed trajectory's row is a group of its own."""
+    if traj.status == "ok":
+        return traj.group_id
+    return f"{traj.group_id}:{traj.status}:{traj.job_id}"
+
+
+def _trajectory_advantages(
+    rows: list[tuple[Trajectory, TokenRow]], *, std_norm: bool, eps: float
+) -> dict[str, float]:
+    """job id -> the trainer's GRPO advantage (``trainer.grpo_advantages``), each trajectory
+    counted once in its group however many rows it has; groups are the ok trajectories with
+    rows."""
+    groups: dict[str, dict[str, float]] = {}
+    for traj, _ in rows:
+        if traj.status == "ok":
+            groups.setdefault(traj.group_id, {})[traj.job_id] = float(traj.reward)
+    out: dict[str, float] = {}
+    for members in groups.values():
+        values = grpo_advantages(list(members.values()), std_norm=std_norm, eps=eps)
+        out.update(zip(members, values, strict=True))
+    return out
+
+
+def _one_temperature(rows: list[tuple[Trajectory, TokenRow]]) -> float | None:
+    """The one temperature the trainable rows were sampled at (None without any); ValueError
+    naming the jobs at each when there are several."""
+    jobs: dict[float, dict[str, None]] = {}
+    for traj, row in rows:
+        if traj.status == "ok":
+            for t in row.temperatures:
+                jobs.setdefault(t, {})[traj.job_id] = None
+    if len(jobs) > 1:
+        at = "; ".join(
+            f"T={t}: job{'s' if len(j) > 1 else ''} {_names(list(j))}"
+            for t, j in sorted(jobs.items())
+        )
+        raise ValueError(
+            "this batch's model tokens were sampled at different temperatures, but verl "
+            "recomputes every row's log-probs at one temperature (actor_rollout_ref.rollout."
+            f"temperature): {at}. Sample every agent of a training batch at one temperature."
+        )
+    return next(iter(jobs), None)
+
+
+def _names(jobs: list[str], limit: int = 5) -> str:
+    shown = ", ".join(jobs[:limit])
+    return shown if len(jobs) <= limit else f"{shown} and {len(jobs) - limit} more"

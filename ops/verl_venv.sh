@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Idempotent: verl 0.9.1's own virtualenv, for tests/test_verl_compat.py.
+#   ops/verl_venv.sh      creates ${AGENTARIUM_VERL_VENV:-~/.cache/agentarium/verl-venv}
+# verl 0.9.1 pins transformers < 5.11, which would disturb the project's .venv, so it gets its
+# own: verl without its dependencies, plus what verl.protocol and verl.trainer.ppo.core_algos
+# import, with the pins verl 0.9.1 declares. torch is the CPU build, pinned like ops/setup.sh's.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+venv=${AGENTARIUM_VERL_VENV:-$HOME/.cache/agentarium/verl-venv}
+py=${PYTHON:-python3}
+torch_version=${AGENTARIUM_TORCH_VERSION:-2.13.0}
+packages=(
+  "tensordict>=0.8,<=0.10,!=0.9.0"
+  omegaconf
+  hydra-core
+  codetiming
+  orjson
+  numpy
+  "ray>=2.41"
+  "transformers>=5.5.3,<5.11,!=5.6.0"
+)
+# The stamp records what was installed: a change of this script's package list rebuilds.
+want="verl==0.9.1 torch==${torch_version} ${packages[*]}"
+stamp="$venv/.agentarium-verl-installed"
+
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/python" ]; then
+  echo "verl venv ready at $venv"
+  exit 0
+fi
+mkdir -p "$(dirname "$venv")"
+if [ ! -x "$venv/bin/python" ]; then
+  if ! "$py" -m venv "$venv" 2>/dev/null; then
+    echo "python venv is missing: install it (apt-get install python3-venv) and rerun." >&2
+    exit 1
+  fi
+fi
+pip=("$venv/bin/python" -m pip install --quiet)
+"${pip[@]}" "torch==${torch_version}"
+"${pip[@]}" "${packages[@]}"
+# Last and without its dependencies (datasets, peft, vllm, ...: none needed to build a DataProto
+# and run core_algos), so pip has nothing to complain about afterwards.
+"${pip[@]}" --no-deps "verl==0.9.1"
+"$venv/bin/python" -c 'import verl.protocol, verl.trainer.ppo.core_algos'
+echo "$want" >"$stamp"
+echo "verl venv ready at $venv"

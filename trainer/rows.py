@@ -1,0 +1,188 @@
+"""Trajectories -> token rows, and the rules every consumer of rows shares. Torch-free.
+
+The one implementation behind the trainer's batches (trainer/batch.py), the orchestrator's verl
+batches (agentarium/tensorize.py) and SFT export (agentarium/export.py). It imports numpy and
+schemas only, so ``import trainer`` loads neither torch nor transformers.
+
+A trajectory becomes rows in one of two modes (``MULTI_TURN``):
+
+- ``concat`` (default): when every call's prompt starts with the previous call's prompt and
+  response, token for token, the whole rollout is one row: the first call's prompt, then
+  everything after it (the last call's prompt and response). Only the tokens the model
+  generated carry loss (``response_mask`` 1); tool results, observations and re-rendered chat
+  markup between turns sit in the response with mask 0. A trajectory whose calls do not chain
+  exactly (a chat template that re-renders history differently, a truncated reply the template
+  closes) is a prefix mismatch and falls back to ``per-call``.
+- ``per-call``: one row per LLM call (its prompt and response).
+
+Calls without token ids (OpenAI-compatible backends) or without generated tokens give no row.
+
+Also here, so that each rule lives in one place:
+
+- ``refusal``: calls sampled with top_p < 1, top_k > 0 or greedily have log-probs no trainer
+  can reproduce; they are refused from training.
+- ``grpo_advantages``: GRPO's group-relative advantage, in float64 from the rewards on. A flat
+  group (all rewards equal, or std 0) gives 0 for every member whatever eps is.
+- ``pad_token_id``: the pad id of a model or tokenizer (its pad token, else its first eos).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from schemas import LLMCall, Trajectory
+
+MULTI_TURN = ("concat", "per-call")
+# How rows_of built a trajectory's rows.
+HOW = ("single", "concat", "per-call", "mismatch", "no_token_ids", "empty")
+
+
+@dataclass(frozen=True)
+class TokenRow:
+    """One unpadded sequence: a prompt, then a response whose lists align on token positions.
+
+    ``response_mask`` is 1 on tokens the policy generated, 0 on observations between turns;
+    ``response_logprobs`` and ``response_temperature`` hold the engine's log-prob and the
+    sampling temperature of each generated token (0.0 and 1.0 elsewhere). ``call_index`` is
+    the call's index in ``trajectory.calls``, -1 for a concatenated row.
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_mask: list[int]
+    response_logprobs: list[float]
+    response_temperature: list[float]
+    call_index: int = -1
+
+    @property
+    def input_ids(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+    @property
+    def loss_mask(self) -> list[int]:
+        """Over input_ids: 1 on generated tokens."""
+        return [0] * len(self.prompt_ids) + self.response_mask
+
+    @property
+    def old_logprobs(self) -> list[float]:
+        """Over input_ids: the engine's log-prob of generated tokens, 0.0 elsewhere."""
+        return [0.0] * len(self.prompt_ids) + self.response_logprobs
+
+    @property
+    def temperature(self) -> list[float]:
+        """Over input_ids: the sampling temperature of generated tokens, 1.0 elsewhere."""
+        return [1.0] * len(self.prompt_ids) + self.response_temperature
+
+    @property
+    def temperatures(self) -> set[float]:
+        """The sampling temperatures of this row's generated tokens."""
+        return {t for t, m in zip(self.response_temperature, self.response_mask, strict=True) if m}
+
+
+def rows_of(trajectory: Trajectory, multi_turn: str = "concat") -> tuple[list[TokenRow], str]:
+    """Rows of one trajectory and how they were built (one of ``HOW``): ``single`` (one call),
+    ``concat``, ``per-call``, ``mismatch`` (concat refused, per-call used), ``no_token_ids``
+    (calls without token ids only) or ``empty`` (no generated token)."""
+    assert multi_turn in MULTI_TURN, f"multi_turn must be one of {MULTI_TURN}, got {multi_turn!r}"
+    calls = [(i, c) for i, c in enumerate(trajectory.calls) if c.response_ids and c.prompt_ids]
+    if not calls:
+        untraced = any(not c.prompt_ids for c in trajectory.calls)
+        return [], "no_token_ids" if untraced else "empty"
+    if len(calls) == 1:
+        return [_single(*calls[0])], "single"
+    if multi_turn == "concat":
+        row = _concatenated([c for _, c in calls])
+        if row is not None:
+            return [row], "concat"
+        return [_single(i, c) for i, c in calls], "mismatch"
+    return [_single(i, c) for i, c in calls], "per-call"
+
+
+def _single(index: int, call: LLMCall) -> TokenRow:
+    n = len(call.response_ids)
+    return TokenRow(
+        list(call.prompt_ids),
+        list(call.response_ids),
+        [1] * n,
+        [float(x) for x in call.response_logprobs],
+        [float(call.temperature)] * n,
+        index,
+    )
+
+
+def _concatenated(calls: list[LLMCall]) -> TokenRow | None:
+    """One row for calls whose prompts extend each other exactly, else None."""
+    for prev, nxt in zip(calls, calls[1:], strict=False):
+        seen = list(prev.prompt_ids) + list(prev.response_ids)
+        if list(nxt.prompt_ids[: len(seen)]) != seen:
+            return None
+    start = len(calls[0].prompt_ids)
+    response = (list(calls[-1].prompt_ids) + list(calls[-1].response_ids))[start:]
+    mask = [0] * len(response)
+    logprobs = [0.0] * len(response)
+    temperature = [1.0] * len(response)
+    for call in calls:
+        offset = len(call.prompt_ids) - start
+        for j, logprob in enumerate(call.response_logprobs):
+            mask[offset + j] = 1
+            logprobs[offset + j] = float(logprob)
+            temperature[offset + j] = float(call.temperature)
+    return TokenRow(list(calls[0].prompt_ids), response, mask, logprobs, temperature, -1)
+
+
+def refusal(trajectory: Trajectory) -> str | None:
+    """Why this trajectory's calls cannot be trained on, or None when they can."""
+    for index, call in enumerate(trajectory.calls):
+        reason = call_refusal(call)
+        if reason:
+            return f"call {index} was sampled with {reason}: its log-probs cannot be reproduced"
+    return None
+
+
+def call_refusal(call: LLMCall) -> str | None:
+    """top_p < 1, top_k > 0 and greedy sampling: log-probs no trainer can reproduce."""
+    if call.top_p < 1.0:
+        return f"top_p={call.top_p} (< 1)"
+    if call.top_k > 0:
+        return f"top_k={call.top_k} (> 0)"
+    if call.temperature < 1e-6:
+        return "temperature 0 (greedy)"
+    return None
+
+
+def grpo_advantages(
+    rewards: Sequence[float] | np.ndarray, *, std_norm: bool = True, eps: float = 1e-6
+) -> list[float]:
+    """GRPO advantages of one group's rewards, each member once, in float64:
+    (r - mean) / (std + eps), std the unbiased sample std (Bessel; as TRL and verl), or
+    r - mean without std normalisation (Dr. GRPO).
+
+    A flat group (every reward equal, or a std of 0) gives 0 for every member whatever eps is:
+    its mean may differ from the rewards by a rounding error, which divided by a std of the
+    same size (or by eps = 0) would be noise or NaN.
+    """
+    r = np.asarray(rewards, dtype=np.float64)
+    assert r.ndim == 1 and r.size >= 1, "rewards must be a non-empty 1-D sequence"
+    if r.size < 2 or bool(np.all(r == r[0])):
+        return [0.0] * int(r.size)
+    centred = r - r.mean()
+    if not std_norm:
+        return centred.tolist()
+    std = float(r.std(ddof=1))
+    if not std > 0:
+        return [0.0] * int(r.size)
+    return (centred / (std + eps)).tolist()
+
+
+def pad_token_id(pad_id: int | None, eos_ids: int | Sequence[int] | None) -> int:
+    """The pad id: the pad token's id when there is one, else the first eos id, else 0."""
+    if pad_id is not None:
+        return int(pad_id)
+    if isinstance(eos_ids, int):
+        return eos_ids
+    if eos_ids:
+        return int(eos_ids[0])
+    return 0
