@@ -351,14 +351,16 @@ def test_one_torch_free_rows_module_serves_trainer_tensorize_and_export():
     import subprocess
     import sys
 
+    import importlib
+
     import agentarium.evaluation.export
-    import agentarium.orchestrator.tensorize
     import trainer
     import trainer.batch
     from trainer import pad_token_id, rows_of
 
     # trajectory -> rows lives once, in trainer/rows.py; agentarium reaches it through `trainer`
-    assert agentarium.orchestrator.tensorize.rows_of is rows_of
+    tensorize_module = importlib.import_module("agentarium.orchestrator.tensorize")
+    assert tensorize_module.rows_of is rows_of
     assert agentarium.evaluation.export.rows_of is rows_of
     assert trainer.batch.rows_of is rows_of and "rows_of" in trainer.__all__
     code = "import sys, trainer; print('torch' in sys.modules, 'transformers' in sys.modules)"
