@@ -20,7 +20,7 @@ from broker import (
     provision,
 )
 
-from .common import add_nats_flags, run_async, settings_from_args
+from .common import add_command_group, add_nats_flags, run_async, settings_from_args
 
 log = structlog.get_logger("agentarium.cli")
 
@@ -201,7 +201,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="run, provision and inspect the NATS JetStream broker",
         description="Run, provision and inspect the NATS JetStream broker.",
     )
-    bsub = broker.add_subparsers(dest="broker_command", required=True, metavar="{up,init,status}")
+    bsub = add_command_group(broker, "broker_command", "{up,init,status}")
 
     up = bsub.add_parser(
         "up",
