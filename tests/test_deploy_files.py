@@ -743,3 +743,66 @@ async def test_k8s_wait_script_waits_until_broker_init_ran(nats_url, tmp_path):
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+# ---- ops/setup.sh: torch ---------------------------------------------------------------------------
+
+SETUP = ROOT / "ops" / "setup.sh"
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+INSTALL_TORCH = re.compile(r"^install_torch\(\) \{\n.*?^\}\n", re.M | re.S)
+
+
+def test_setup_script_is_valid_bash_and_installs_torch_through_install_torch():
+    proc = subprocess.run(["bash", "-n", str(SETUP)], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    text = SETUP.read_text()
+    assert re.search(r"^  install_torch$", text, re.M), "the install step calls install_torch"
+    # the only pip line naming torch is in install_torch (none pulls it from the default index first)
+    outside = INSTALL_TORCH.sub("", text)
+    assert "torch==" not in outside
+
+
+def run_install_torch(tmp_path, *, cpu_index_fails: bool, env=None):
+    """install_torch from ops/setup.sh, run alone against a fake .venv/bin/python that records its
+    pip calls (and fails those naming an index when the CPU index is 'unreachable')."""
+    function = INSTALL_TORCH.search(SETUP.read_text()).group(0)
+    venv_bin = tmp_path / ".venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    log = tmp_path / "pip.log"
+    fail = "exit 1" if cpu_index_fails else "exit 0"
+    (venv_bin / "python").write_text(
+        f'#!/bin/sh\necho "$*" >> {log}\ncase "$*" in *--index-url*)'
+        f' echo "ERROR: No matching distribution found for torch" >&2; {fail};; esac\nexit 0\n'
+    )
+    (venv_bin / "python").chmod(0o755)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("AGENTARIUM_TORCH_")}
+    proc = subprocess.run(
+        ["bash", "-c", f"set -euo pipefail\n{function}\ninstall_torch"],
+        cwd=tmp_path,
+        env={**clean, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return log.read_text().splitlines(), proc.stderr
+
+
+def test_setup_takes_torch_from_the_cpu_index(tmp_path):
+    calls, _ = run_install_torch(tmp_path, cpu_index_fails=False)
+    [call] = calls
+    assert f"--index-url {CPU_INDEX}" in call and call.endswith("torch==2.13.0")
+    assert "--timeout 10 --retries 0" in call  # an unreachable index is given up on at once
+
+
+def test_setup_falls_back_to_the_default_index_when_the_cpu_index_is_unreachable(tmp_path):
+    calls, stderr = run_install_torch(tmp_path, cpu_index_fails=True)
+    assert len(calls) == 2 and CPU_INDEX in calls[0]
+    assert "--index-url" not in calls[1] and calls[1].endswith("torch==2.13.0")
+    assert "using the default index" in stderr
+
+
+def test_setup_takes_torch_from_the_index_given(tmp_path):
+    given = {"AGENTARIUM_TORCH_INDEX_URL": "https://example.invalid/cu128"}
+    [call] = run_install_torch(tmp_path, cpu_index_fails=False, env=given)[0]
+    assert "--index-url https://example.invalid/cu128" in call and CPU_INDEX not in call
