@@ -15,7 +15,7 @@ import nats.js.errors
 from broker import BrokerError
 
 from . import __version__, commands
-from .commands.common import Parser
+from .commands.common import Parser, add_command_group
 
 EPILOG = """\
 Every command that talks to NATS reads AGENTARIUM_NATS_URL (default nats://127.0.0.1:4222) and the
@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"agentarium {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = add_command_group(parser, "command", "COMMAND")
     for module in command_modules():
         module.register(sub)
     return parser
@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        check = getattr(args, "check", None)  # a command's checks across flags, before any work
+        if check is not None:
+            check(args)
         return args.func(args)
     except BrokerError as exc:
         print(f"error: {exc}", file=sys.stderr)

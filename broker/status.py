@@ -2,7 +2,9 @@
 
 Waiting jobs come from the TASKS stream's per-subject message counts, not the consumer's
 ``num_pending``: a job that exhausted its deliveries stays in a work-queue stream but is
-no longer pending for the consumer; the difference is reported as *stranded*.
+no longer pending for the consumer; the difference is reported as *stranded*. Jobs of an agent
+whose ``rollout-<agent>`` consumer does not exist yet are only waiting: the consumer, once a
+worker creates it, delivers them.
 """
 
 from __future__ import annotations
@@ -119,9 +121,10 @@ async def collect_status(
         if row.has_consumer:
             row.stranded = max(0, row.waiting - row.pending - row.in_flight)
         elif row.waiting:
-            row.stranded = row.waiting
             status.notes.append(
-                f"agent {row.agent}: {row.waiting} jobs wait with no consumer: start `agentarium consumer --agent {row.agent}=...`"
+                f"agent {row.agent}: {row.waiting} jobs wait for their first consumer "
+                f"(rollout-{row.agent} does not exist yet): start "
+                f"`agentarium consumer --agent {row.agent}=module:function`"
             )
     status.agents = sorted(per_agent.values(), key=lambda a: a.agent)
 
@@ -171,9 +174,12 @@ def format_status(status: BrokerStatus) -> str:
         f" {'workers':>7} {'rollouts/s':>10}",
     ]
     for a in status.agents:
+        # no consumer yet: nothing is in flight or stranded, the jobs wait for the first one
+        stranded = a.stranded if a.has_consumer else "-"
         lines.append(
-            f"{a.agent:<20} {a.waiting:>8} {a.in_flight:>9} {a.redelivered:>11} {a.dead_lettered:>6} {a.stranded:>8}"
+            f"{a.agent:<20} {a.waiting:>8} {a.in_flight:>9} {a.redelivered:>11} {a.dead_lettered:>6} {stranded:>8}"
             f" {a.workers:>7} {a.rollouts_per_s:>10.1f}"
+            + ("" if a.has_consumer else "  (no consumer yet)")
         )
     if not status.agents:
         lines.append("(no agents yet)")

@@ -20,11 +20,27 @@ if [ ! -x .venv/bin/python ]; then
     exit 1
   fi
 fi
+# torch, pinned, the CPU build from PyTorch's CPU index (as the Dockerfile does), so pip never pulls
+# the multi-GB CUDA build. A machine that cannot reach that index gives up on it at once (10 s, no
+# retries) and takes torch from the default index. AGENTARIUM_TORCH_INDEX_URL picks another index
+# (e.g. https://download.pytorch.org/whl/cu128). A torch of the pinned version already installed is
+# kept as it is, without touching any index.
+install_torch() {
+  local version=${AGENTARIUM_TORCH_VERSION:-2.13.0}
+  local index=${AGENTARIUM_TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu} out
+  if out=$(.venv/bin/python -m pip install --quiet --timeout 10 --retries 0 \
+    --index-url "$index" "torch==$version" 2>&1); then
+    return 0
+  fi
+  echo "note: torch $version not installed from $index; using the default index" >&2
+  printf '%s\n' "$out" | tail -n 3 >&2
+  .venv/bin/python -m pip install --quiet "torch==$version"
+}
+
 stamp=".venv/.agentarium-installed${extras}"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install --quiet --upgrade pip
-  # A CPU build of torch, pinned so pip never pulls a multi-GB CUDA build on a CPU machine.
-  .venv/bin/python -m pip install --quiet "torch==${AGENTARIUM_TORCH_VERSION:-2.13.0}"
+  install_torch
   .venv/bin/python -m pip install --quiet -e ".${extras}"
   touch "$stamp"
 fi

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import signal
+import socket
 import subprocess
 import sys
 
@@ -49,14 +51,22 @@ async def test_ensure_provisioned_creates_only_what_is_missing(nc, topology):
     assert await ensure_provisioned(js, topology) is False
 
 
-async def test_status_counts_waiting_stranded_and_runs(js, topology):
+async def test_status_jobs_before_the_first_consumer_are_waiting_not_stranded(js, topology):
     await TaskProducer(js, topology).submit("nobody", [{"n": i} for i in range(3)], run="r")
     status = await collect_status(js, topology)
     [row] = status.agents
-    assert (row.agent, row.waiting, row.stranded, row.has_consumer) == ("nobody", 3, 3, False)
-    assert any("no consumer" in note for note in status.notes)
+    assert (row.agent, row.waiting, row.stranded, row.has_consumer) == ("nobody", 3, 0, False)
+    [note] = status.notes
+    assert "3 jobs wait for their first consumer" in note and "rollout-nobody" in note
     text = format_status(status)
-    assert "nobody" in text and "live workers: 0" in text
+    [line] = [ln for ln in text.splitlines() if ln.startswith("nobody")]
+    assert line.split()[:7] == ["nobody", "3", "0", "0", "0", "-", "0"], line
+    assert line.endswith("(no consumer yet)") and "live workers: 0" in text
+    # once the consumer exists it holds them all: pending, still nothing stranded
+    await provision(js, topology, agents=("nobody",))
+    [row] = (await collect_status(js, topology)).agents
+    assert (row.waiting, row.pending, row.stranded, row.has_consumer) == (3, 3, 0, True)
+    assert "no consumer yet" not in format_status(await collect_status(js, topology))
 
 
 def agentarium(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -77,6 +87,38 @@ def test_broker_init_and_status_commands(nats_url):
     assert status.returncode == 0, status.stderr
     data = json.loads(status.stdout)
     assert data["agents"][0]["agent"] == "toy" and data["agents"][0]["has_consumer"] is True
+
+
+def test_broker_up_exits_cleanly_on_sigterm(tmp_path):
+    """SIGTERM, a supervisor's stop signal, stops nats-server and the command itself (exit 0)."""
+    from broker import free_port
+
+    port = free_port()
+    with open(tmp_path / "stderr", "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "agentarium", "broker", "up", "--port", str(port),
+             "--store", str(tmp_path / "nats")],
+            stdout=subprocess.PIPE, stderr=err, text=True,
+        )  # fmt: skip
+    try:
+        # ready once provisioning has printed its report; EOF means it died first
+        output = []
+        for line in proc.stdout:
+            output.append(line)
+            if line.startswith("created:"):
+                break
+        assert output and output[-1].startswith("created:"), (
+            "".join(output) + (tmp_path / "stderr").read_text()
+        )
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0, (tmp_path / "stderr").read_text()
+        with pytest.raises(OSError):  # nats-server stopped with it
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
 
 
 def test_commands_fail_fast_without_a_broker():

@@ -85,7 +85,8 @@ def _argv(line: str) -> list[str]:
 
 
 def command_lines() -> list[tuple[str, list[str]]]:
-    """Every `agentarium ...` command line in the deployment files and the operations page."""
+    """Every `agentarium ...` command line in the deployment files, the operations page and the
+    README."""
     lines: list[tuple[str, list[str]]] = []
     for name, service in SERVICES.items():
         if uses_agentarium_image(service):
@@ -113,16 +114,31 @@ def command_lines() -> list[tuple[str, list[str]]]:
             m = re.match(r"^#\s{2,}agentarium\s+(.*?)\s*(?:#.*)?$", line)
             if m:
                 lines.append((f"{path.relative_to(ROOT)}:{n}", _argv(m.group(1))))
-    docs = ROOT / "docs" / "operations.md"
-    if docs.exists():
-        fenced = False
-        for n, line in enumerate(docs.read_text().splitlines(), 1):
-            if line.lstrip().startswith("```"):
-                fenced = not fenced
-                continue
-            m = re.match(r"^\s*(?:\$\s*)?agentarium\s+(.*?)\s*(?:#.*)?$", line) if fenced else None
-            if m:
-                lines.append((f"docs/operations.md:{n}", _argv(m.group(1))))
+    for page in ("docs/operations.md", "README.md"):
+        if (ROOT / page).exists():
+            lines.extend(fenced_command_lines(page))
+    return lines
+
+
+def fenced_command_lines(page: str) -> list[tuple[str, list[str]]]:
+    """The `agentarium ...` lines of a Markdown page's fenced code blocks. `agentarium eval run ...
+    --resume` stands for the last line that began `agentarium eval run`, with `--resume` added."""
+    lines: list[tuple[str, list[str]]] = []
+    fenced = False
+    for n, line in enumerate((ROOT / page).read_text().splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        m = re.match(r"^\s*(?:\$\s*)?agentarium\s+(.*?)\s*(?:#.*)?$", line) if fenced else None
+        if not m:
+            continue
+        argv = _argv(m.group(1))
+        if "..." in argv:
+            head, tail = argv[: argv.index("...")], argv[argv.index("...") + 1 :]
+            earlier = [a for _, a in lines if a[: len(head)] == head and "..." not in a]
+            assert earlier, f"{page}:{n}: `...` stands for no earlier `agentarium {' '.join(head)}`"
+            argv = earlier[-1] + tail
+        lines.append((f"{page}:{n}", argv))
     return lines
 
 
@@ -170,9 +186,59 @@ def test_command_line_parses_with_the_cli(cli_parser, argv):
                 f"`agentarium {' '.join(argv)}` is refused by the CLI (exit {exc.code}): {err.getvalue()}"
             )
     if parser is cli_parser:
-        assert callable(getattr(parsed, "func", None)), (
+        func = getattr(parsed, "func", None)
+        assert callable(func) and not getattr(func, "lists_commands", False), (
             f"`agentarium {' '.join(argv)}` names no command"
         )
+        check = getattr(parsed, "check", None)  # what the parser cannot see, e.g. parquet w/o --out
+        if check is not None:
+            try:
+                check(parsed)
+            except ValueError as exc:
+                pytest.fail(f"`agentarium {' '.join(argv)}` is refused by the CLI: {exc}")
+
+
+def test_readme_command_lines_are_all_checked():
+    checked = {w.split(":")[0] + " " + " ".join(a[:2]) for w, a in COMMAND_LINES}
+    for expected in (
+        "README.md broker up",
+        "README.md trajectories export",
+        "README.md eval run",
+        "README.md plot m.csv",
+    ):
+        assert expected in checked, expected
+    # `...` lines become whole command lines
+    resume = [a for w, a in COMMAND_LINES if w.startswith("README.md") and "--resume" in a]
+    assert resume and all("--agent" in a for a in resume)
+
+
+def _inline_mentions(page: str) -> list[tuple[str, list[str]]]:
+    text = (ROOT / page).read_text()
+    return [
+        (f"{page}: `{m.group(0)}`", shlex.split(m.group(1)))
+        for m in re.finditer(r"`agentarium\s+([^`]+)`", text)
+    ]
+
+
+INLINE = _inline_mentions("README.md") + _inline_mentions("docs/operations.md")
+
+
+@pytest.mark.parametrize("argv", [a for _, a in INLINE], ids=[w for w, _ in INLINE])
+def test_inline_command_mentions_name_real_commands_and_flags(cli_parser, argv):
+    """Prose mentions (`agentarium sync`, `agentarium produce --deadline`) are not whole command
+    lines: their command and every flag they name must exist."""
+    parser = cli_parser
+    words = [w for w in argv if not w.startswith("-")]
+    for word in words:
+        choices = _subcommands(parser)
+        if not choices:
+            break
+        assert word in choices, f"`agentarium {' '.join(argv)}`: no command {word!r}"
+        parser = choices[word]
+    known = {o for action in parser._actions for o in action.option_strings}
+    for token in argv:
+        if token.startswith("--"):
+            assert token.split("=")[0] in known, f"`agentarium {' '.join(argv)}`: no {token}"
 
 
 def _pending_subcommand(name: str):
@@ -677,3 +743,66 @@ async def test_k8s_wait_script_waits_until_broker_init_ran(nats_url, tmp_path):
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+# ---- ops/setup.sh: torch ---------------------------------------------------------------------------
+
+SETUP = ROOT / "ops" / "setup.sh"
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+INSTALL_TORCH = re.compile(r"^install_torch\(\) \{\n.*?^\}\n", re.M | re.S)
+
+
+def test_setup_script_is_valid_bash_and_installs_torch_through_install_torch():
+    proc = subprocess.run(["bash", "-n", str(SETUP)], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    text = SETUP.read_text()
+    assert re.search(r"^  install_torch$", text, re.M), "the install step calls install_torch"
+    # the only pip line naming torch is in install_torch (none pulls it from the default index first)
+    outside = INSTALL_TORCH.sub("", text)
+    assert "torch==" not in outside
+
+
+def run_install_torch(tmp_path, *, cpu_index_fails: bool, env=None):
+    """install_torch from ops/setup.sh, run alone against a fake .venv/bin/python that records its
+    pip calls (and fails those naming an index when the CPU index is 'unreachable')."""
+    function = INSTALL_TORCH.search(SETUP.read_text()).group(0)
+    venv_bin = tmp_path / ".venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    log = tmp_path / "pip.log"
+    fail = "exit 1" if cpu_index_fails else "exit 0"
+    (venv_bin / "python").write_text(
+        f'#!/bin/sh\necho "$*" >> {log}\ncase "$*" in *--index-url*)'
+        f' echo "ERROR: No matching distribution found for torch" >&2; {fail};; esac\nexit 0\n'
+    )
+    (venv_bin / "python").chmod(0o755)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("AGENTARIUM_TORCH_")}
+    proc = subprocess.run(
+        ["bash", "-c", f"set -euo pipefail\n{function}\ninstall_torch"],
+        cwd=tmp_path,
+        env={**clean, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return log.read_text().splitlines(), proc.stderr
+
+
+def test_setup_takes_torch_from_the_cpu_index(tmp_path):
+    calls, _ = run_install_torch(tmp_path, cpu_index_fails=False)
+    [call] = calls
+    assert f"--index-url {CPU_INDEX}" in call and call.endswith("torch==2.13.0")
+    assert "--timeout 10 --retries 0" in call  # an unreachable index is given up on at once
+
+
+def test_setup_falls_back_to_the_default_index_when_the_cpu_index_is_unreachable(tmp_path):
+    calls, stderr = run_install_torch(tmp_path, cpu_index_fails=True)
+    assert len(calls) == 2 and CPU_INDEX in calls[0]
+    assert "--index-url" not in calls[1] and calls[1].endswith("torch==2.13.0")
+    assert "using the default index" in stderr
+
+
+def test_setup_takes_torch_from_the_index_given(tmp_path):
+    given = {"AGENTARIUM_TORCH_INDEX_URL": "https://example.invalid/cu128"}
+    [call] = run_install_torch(tmp_path, cpu_index_fails=False, env=given)[0]
+    assert "--index-url https://example.invalid/cu128" in call and CPU_INDEX not in call

@@ -8,6 +8,7 @@ import contextlib
 import json
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 import structlog
@@ -226,3 +227,28 @@ def test_every_show_flag_has_help():
     parser = argparse.ArgumentParser()
     producers_cli.add_show_arguments(parser)
     assert all(action.help for action in parser._actions)
+
+
+def _traceback_of(exc: Exception) -> str:
+    import traceback
+
+    try:
+        raise exc
+    except Exception:
+        return traceback.format_exc()
+
+
+def test_show_prints_the_whole_error_reason_on_the_row():
+    reason = "the calculator tool returned a malformed expression: " + "x" * 120 + " (end)"
+    t = trajectory("s", "a", "j-err", status="error")
+    row = producers_cli.table_row(replace(t, error=_traceback_of(ValueError(reason))))
+    assert "\n" not in row and row.split()[:4] == ["j-err", "group-j-err", "0/1", "error"]
+    assert row.endswith(f"ValueError: {reason}")
+    # a multi-line exception message stays whole, joined on the row; the frames are left out
+    error = _traceback_of(RuntimeError("tool failed:\n  exit code 2\n  stderr: no such file"))
+    row = producers_cli.table_row(replace(t, error=error))
+    assert row.endswith("RuntimeError: tool failed: exit code 2 stderr: no such file")
+    assert "File " not in row and "raise exc" not in row
+    # an error that is not a traceback is shown in full
+    error = "LLM backend failed: " + "all 3 servers refused the connection; " * 4
+    assert producers_cli.table_row(replace(t, error=error)).endswith(error.strip())

@@ -4,14 +4,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 from pathlib import Path
 
 import structlog
 
-from broker import Limits, NatsServer, Topology, collect_status, format_status, provision
+from broker import (
+    Limits,
+    NatsServer,
+    NatsSettings,
+    Topology,
+    collect_status,
+    format_status,
+    provision,
+)
 
-from .common import add_nats_flags, run_async, settings_from_args
+from .common import add_command_group, add_nats_flags, run_async, settings_from_args
 
 log = structlog.get_logger("agentarium.cli")
 
@@ -100,10 +109,7 @@ def _limits(args: argparse.Namespace) -> Limits:
     )
 
 
-async def _init(args: argparse.Namespace, url: str | None = None) -> int:
-    settings = settings_from_args(args)
-    if url:
-        settings = settings.with_url(url)
+async def _init(args: argparse.Namespace, settings: NatsSettings) -> int:
     nc = await settings.connect(name="agentarium-broker-init", reconnect_forever=False)
     try:
         report = await provision(
@@ -122,7 +128,17 @@ async def _init(args: argparse.Namespace, url: str | None = None) -> int:
 
 
 def cmd_init(args: argparse.Namespace) -> int:
-    return run_async(lambda: _init(args), service="agentarium-broker")
+    return run_async(lambda: _init(args, settings_from_args(args)), service="agentarium-broker")
+
+
+class _Terminated(BaseException):
+    """Raised by the SIGTERM handler so ``broker up`` unwinds as it does on Ctrl-C."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    # Only raise: stopping the server here would wait on the child while the interrupted main
+    # thread holds the same wait (Popen's waitpid lock), and the process would never exit.
+    raise _Terminated
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -134,20 +150,31 @@ def cmd_up(args: argparse.Namespace) -> int:
         monitor_port=args.monitor_port,
         binary=args.nats_server,
     )
-    server.start()
-    print(
-        f"nats-server running at {server.url} (JetStream store {store}); Ctrl-C to stop", flush=True
-    )
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        code = run_async(lambda: _init(args, url=server.url), service="agentarium-broker")
+        server.start()
+        print(
+            f"nats-server running at {server.url} (JetStream store {store}); "
+            "Ctrl-C or SIGTERM to stop",
+            flush=True,
+        )
+        # The server just started has no auth or TLS: only the prefix matters for provisioning.
+        settings = NatsSettings.from_env(
+            {"AGENTARIUM_PREFIX": os.environ.get("AGENTARIUM_PREFIX", "")},
+            url=server.url,
+            prefix=args.prefix,
+        )
+        code = run_async(lambda: _init(args, settings), service="agentarium-broker")
         if code:
             return code
-        signal.signal(signal.SIGTERM, lambda *_: server.stop())
         server.wait()
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, _Terminated):
         pass
     finally:
+        # a second SIGTERM must not cut the stop short
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         server.stop()
+        signal.signal(signal.SIGTERM, previous)
     return 0
 
 
@@ -174,7 +201,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="run, provision and inspect the NATS JetStream broker",
         description="Run, provision and inspect the NATS JetStream broker.",
     )
-    bsub = broker.add_subparsers(dest="broker_command", required=True, metavar="{up,init,status}")
+    bsub = add_command_group(broker, "broker_command", "{up,init,status}")
 
     up = bsub.add_parser(
         "up",
@@ -199,7 +226,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="PATH",
         help="the nats-server binary (default: search PATH, /usr/sbin)",
     )
-    add_nats_flags(up)
+    up.add_argument(
+        "--prefix",
+        metavar="NAME",
+        help="subject/stream prefix to provision (env AGENTARIUM_PREFIX, default agentarium)",
+    )
     _add_limit_flags(up)
     up.set_defaults(func=cmd_up)
 

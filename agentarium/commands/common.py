@@ -2,7 +2,10 @@
 body with logging and tracing set up, and stop signals.
 
 Every command is a module ``<name>_cmd.py`` in this package with ``register(subparsers)``;
-``agentarium.cli`` finds them, so adding a command touches no other file.
+``agentarium.cli`` finds them, so adding a command touches no other file. A command sets
+``func`` (its body) and may set ``check`` (flag combinations the parser cannot check, raising
+ValueError) as parser defaults; the CLI runs ``check`` first, and the deploy-file tests run it on
+every documented command line.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -23,6 +27,27 @@ class Parser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+
+
+def add_command_group(
+    parser: argparse.ArgumentParser, dest: str, metavar: str
+) -> argparse._SubParsersAction:
+    """Sub-commands of ``parser`` (``broker up|init|status``). Run without one, the group lists
+    its commands with their help, instead of argparse's "the following arguments are required"."""
+    sub = parser.add_subparsers(dest=dest, metavar=metavar)
+
+    def list_commands(args: argparse.Namespace) -> int:
+        choices = sub._choices_actions  # one per command, with its name and help
+        width = max((len(a.dest) for a in choices), default=0)
+        print(f"{parser.format_usage()}\n{parser.prog}: name a command:", file=sys.stderr)
+        for action in choices:
+            print(f"  {action.dest:<{width}}  {action.help or ''}", file=sys.stderr)
+        print(f"\n`{parser.prog} COMMAND --help` shows a command's flags.", file=sys.stderr)
+        return 2
+
+    list_commands.lists_commands = True  # type: ignore[attr-defined]
+    parser.set_defaults(func=list_commands)
+    return sub
 
 
 def positive_int(text: str) -> int:

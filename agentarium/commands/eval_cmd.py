@@ -11,7 +11,7 @@ from consumers import AgentLoadError
 from schemas import SchemaError, check_name
 
 from ..evaluation import EvalConfig, EvalError, EvalRun, print_summary
-from .common import add_nats_flags, run_async, settings_from_args
+from .common import add_command_group, add_nats_flags, run_async, settings_from_args
 
 
 def _agent(value: str) -> tuple[str, str | None]:
@@ -186,7 +186,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Run every task of a JSONL file K times through the rollout "
         "consumers, write results.jsonl and print mean ± std, best-of-K and pass@k.",
     )
-    esub = ev.add_subparsers(dest="eval_command", required=True, metavar="{run,summary}")
+    esub = add_command_group(ev, "eval_command", "{run,summary}")
     run = esub.add_parser(
         "run",
         help="run (or resume) an evaluation",

@@ -14,7 +14,7 @@ from producers import ProducerError, TrajectoryReader
 from schemas import STATUSES, Trajectory
 
 from ..evaluation import FORMATS, export_run
-from .common import add_nats_flags, run_async, settings_from_args
+from .common import add_command_group, add_nats_flags, run_async, settings_from_args
 
 
 def add_show_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,7 +27,8 @@ def add_show_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--json",
         action="store_true",
-        help="JSON lines in the schemas' JSON form (token arrays as lists) instead of a table",
+        help="JSON lines in the schemas' JSON form (token arrays as lists, errors with their "
+        "tracebacks) instead of a table",
     )
     parser.add_argument(
         "--follow",
@@ -54,6 +55,20 @@ def table_header() -> str:
     return " ".join(f"{name:<{width}}" if width else name for name, width in _COLUMNS)
 
 
+def error_reason(error: str | None) -> str:
+    """A stored error's reason, in full, on one line. For a traceback that is the exception
+    (every line after the last frame, so a multi-line message stays whole); otherwise the
+    whole text. ``--json`` keeps the traceback itself."""
+    lines = (error or "").strip().splitlines()
+    frames = [i for i, line in enumerate(lines) if line.startswith('  File "')]
+    if frames:
+        start = frames[-1] + 1
+        while start < len(lines) and lines[start].startswith("    "):  # source line, ^^^ marks
+            start += 1
+        lines = lines[start:] or lines[-1:]
+    return " ".join(line.strip() for line in lines if line.strip())
+
+
 def table_row(t: Trajectory) -> str:
     versions = sorted({c.weight_version for c in t.calls})
     version = (
@@ -61,7 +76,6 @@ def table_row(t: Trajectory) -> str:
         if len(versions) == 1
         else (f"{versions[0]}..{versions[-1]}" if versions else "-")
     )
-    error = (t.error or "").strip().splitlines()
     cells = (
         t.job_id,
         t.group_id[:12],
@@ -71,7 +85,7 @@ def table_row(t: Trajectory) -> str:
         str(len(t.calls)),
         str(sum(len(c.response_ids) for c in t.calls)),
         version,
-        (error[-1] if error else "")[:80],
+        error_reason(t.error),  # last column: a long reason wraps without shifting the others
     )
     return " ".join(
         f"{cell:<{w}}" if w else cell for cell, (_, w) in zip(cells, _COLUMNS, strict=True)
@@ -125,7 +139,14 @@ def cmd_show(args: argparse.Namespace) -> int:
     return run_async(lambda: run_show(args, settings_from_args(args)), service="agentarium-reader")
 
 
+def check_export(args: argparse.Namespace) -> None:
+    """What the parser cannot check, before connecting: no broker is needed to say so."""
+    if args.format == "parquet" and not args.out:
+        raise ValueError("--format parquet writes a file: pass --out PATH (e.g. --out run.parquet)")
+
+
 def cmd_export(args: argparse.Namespace) -> int:
+    check_export(args)
     settings = settings_from_args(args)
 
     async def body() -> int:
@@ -159,7 +180,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="read stored trajectories back: show them, or export them as a dataset",
         description="Read a run's stored trajectories back.",
     )
-    tsub = traj.add_subparsers(dest="trajectories_command", required=True, metavar="{show,export}")
+    tsub = add_command_group(traj, "trajectories_command", "{show,export}")
     show = tsub.add_parser(
         "show",
         help="print a run's trajectories as a table or JSON lines",
@@ -180,7 +201,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--agent", default="*", metavar="NAME", help="only this agent (default all)"
     )
     export.add_argument("--format", choices=FORMATS, default="jsonl")
-    export.add_argument("--out", metavar="PATH", help="output file (default stdout for jsonl)")
+    export.add_argument(
+        "--out",
+        metavar="PATH",
+        help="output file; required for parquet (default stdout for jsonl)",
+    )
     export.add_argument(
         "--status",
         choices=("ok", "error", "timeout", "all"),
@@ -197,4 +222,4 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--min-reward", type=float, metavar="R", help="keep rewards >= R (rejection sampling)"
     )
     add_nats_flags(export)
-    export.set_defaults(func=cmd_export)
+    export.set_defaults(func=cmd_export, check=check_export)
