@@ -53,7 +53,10 @@ def summarize(
     """The metrics of one set of trajectories (one agent, or all of them)."""
     n = len(trajectories)
     ok = [t for t in trajectories if t.status == "ok"]
-    rewards = [float(t.reward) for t in ok]
+    rewards: list[float] = []
+    for t in ok:
+        assert t.reward is not None, "status ok implies a reward (Trajectory.__post_init__)"
+        rewards.append(float(t.reward))
     successes = [r >= success_threshold for r in rewards]
     out: dict[str, float] = {
         "rollouts": float(n),

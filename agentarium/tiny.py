@@ -21,6 +21,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 TINY_NAME = "tiny-v1"
 SEED = 20240917
@@ -36,7 +37,8 @@ ENDOFTEXT_ID, IM_START_ID, IM_END_ID = 256, 257, 258
 # Byte-level prompts are long (one token per character), and Qwen2.5's tool system prompt alone
 # is ~600 bytes: 2048 positions leave room for a tool-using conversation. RoPE has no learned
 # position table, so the length costs nothing until it is used.
-MODEL_CONFIG = {
+# Qwen2Config keyword arguments (values of several types: a plain dict[str, Any]).
+MODEL_CONFIG: dict[str, Any] = {
     "vocab_size": VOCAB_SIZE,
     "hidden_size": 128,
     "intermediate_size": 256,

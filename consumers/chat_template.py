@@ -245,8 +245,9 @@ class ChatTemplate:
             if content is not None:
                 special[key] = content
         eos_ids: list[int] = []
-        if "eos_token" in special and tokenizer.token_to_id(special["eos_token"]) is not None:
-            eos_ids.append(tokenizer.token_to_id(special["eos_token"]))
+        eos_id = tokenizer.token_to_id(special["eos_token"]) if "eos_token" in special else None
+        if eos_id is not None:
+            eos_ids.append(eos_id)
         # Qwen-style models end turns on <|im_end|> but list <|endoftext|> as well in
         # generation_config.json: generation must stop on either.
         for source in ("generation_config.json", "config.json"):

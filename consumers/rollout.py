@@ -11,7 +11,6 @@ Outcomes are classified here, once:
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from typing import Any
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.util.types import AttributeValue
 
 from broker import trace_id_hex
 from schemas import Job, Trajectory
@@ -78,7 +78,7 @@ async def run_rollout(
 ) -> Trajectory:
     """Run the agent once. Returns a Trajectory (ok/timeout/error) or raises AgentFailure."""
     started = time.time()
-    attributes = {
+    attributes: dict[str, AttributeValue] = {
         "messaging.system": "nats",
         "messaging.operation": "process",
         "messaging.destination.name": subject,
@@ -131,14 +131,14 @@ async def run_rollout(
                     result = await env.runner.run(
                         job.task, llm=llm, endpoint=env.proxy.endpoint_for(job.job_id)
                     )
-        except TimeoutError:
+        except TimeoutError as exc:
             if deadline.expired():
                 return done(
                     "timeout", error=f"rollout exceeded its deadline of {job.deadline_s:g}s"
                 )
             if infra_failure() is not None:
                 return done("error", error=f"LLM backend failed: {infra_failure()}")
-            span.record_exception(sys.exc_info()[1])
+            span.record_exception(exc)
             raise AgentFailure(
                 traceback.format_exc(), calls=list(llm.calls), trace_id=trace_id
             ) from None

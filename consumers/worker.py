@@ -54,6 +54,12 @@ log = structlog.get_logger("agentarium.consumers")
 # already over: give the dead letter this long (the broker may be the reason for the drain).
 RELEASE_DEAD_LETTER_S = 5.0
 
+# What _attach rides out: a broker restarting, or still electing the stream's leader.
+_ATTACH_RETRYABLE: tuple[type[Exception], ...] = (
+    *TRANSIENT_NATS_ERRORS,
+    nats.js.errors.ServiceUnavailableError,
+)
+
 
 def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -130,7 +136,7 @@ class Worker:
         self.store = OutcomeStore(js, topo, config.worker_id)
         self._inflight: dict[asyncio.Task, Msg] = {}
         self._stop = asyncio.Event()
-        self._psub = None
+        self._psub: JetStreamContext.PullSubscription | None = None
 
     def __repr__(self) -> str:
         c = self.counters
@@ -174,8 +180,9 @@ class Worker:
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
-            try:
-                await self._psub.unsubscribe()  # before any nc.drain(): a live pull sub hangs it
+            try:  # before any nc.drain(): a live pull sub hangs it
+                if self._psub is not None:  # None when _attach never bound it
+                    await self._psub.unsubscribe()
             except Exception:
                 pass
             await remove_worker(self.js, self.topo, cfg.worker_id)
@@ -205,7 +212,7 @@ class Worker:
                 )
                 await self._adopt_consumer_settings(consumer.durable_name)
                 return
-            except (*TRANSIENT_NATS_ERRORS, nats.js.errors.ServiceUnavailableError) as exc:
+            except _ATTACH_RETRYABLE as exc:
                 if self._stop.is_set():
                     raise
                 log.warning(
@@ -241,6 +248,8 @@ class Worker:
 
     async def _pull_loop(self) -> None:
         cfg = self.config
+        psub = self._psub
+        assert psub is not None, "run() binds the subscription (_attach) before the pull loop"
         errors_in_row = 0
         while not self._stop.is_set():
             free = cfg.concurrency - len(self._inflight)
@@ -248,7 +257,7 @@ class Worker:
                 await self._wait_for_slot()
                 continue
             try:
-                msgs = await self._psub.fetch(min(free, cfg.max_fetch), timeout=cfg.fetch_timeout_s)
+                msgs = await psub.fetch(min(free, cfg.max_fetch), timeout=cfg.fetch_timeout_s)
                 errors_in_row = 0
             except TimeoutError:  # nothing arrived (nats' TimeoutError is a subclass)
                 if cfg.burst and await self._queue_empty():

@@ -147,6 +147,8 @@ class TrajectoryFeed:
     async def _pump(self) -> None:
         failures = 0
         while True:
+            # start() subscribes before it starts the pump; close() stops the pump first.
+            assert self._sub is not None, "the pump runs only while subscribed"
             try:
                 msgs = await self._sub.fetch(FETCH, timeout=FETCH_TIMEOUT_S)
                 failures = 0

@@ -57,12 +57,13 @@ class Entry:
 
 def parse_reply(msg: Msg) -> tuple[BaseException | None, bool]:
     """A JetStream publish reply: ``(error, duplicate)``, errors as nats-py's exception types."""
-    status = msg.headers.get("Status") if msg.headers else None
+    headers = msg.headers or {}
+    status = headers.get("Status")
     if status == "503":
         return nats.js.errors.NoStreamResponseError(), False
     if status:
         return nats.js.errors.APIError(
-            code=int(status), description=msg.headers.get("Description")
+            code=int(status), description=headers.get("Description")
         ), False
     try:
         reply = json.loads(msg.data)

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection
 from typing import Any
 
 import nats.errors
@@ -206,7 +206,7 @@ class TrajectoryReader:
 
     async def _trajectories(
         self, run: str, agent: str, *, until_caught_up: bool
-    ) -> AsyncIterator[Trajectory]:
+    ) -> AsyncGenerator[Trajectory, None]:
         subject_filter = self.topology.trajectories_filter(run, agent)
         cursor = _Cursor(self.js, self.topology.trajectories_stream, subject_filter, self.batch)
         try:
@@ -233,7 +233,7 @@ class TrajectoryReader:
                     out.append(trajectory)
         return out
 
-    async def follow(self, run: str, agent: str = "*") -> AsyncIterator[Trajectory]:
+    async def follow(self, run: str, agent: str = "*") -> AsyncGenerator[Trajectory, None]:
         """Everything stored, then each new trajectory as it lands, until the caller stops."""
         async with contextlib.aclosing(
             self._trajectories(run, agent, until_caught_up=False)

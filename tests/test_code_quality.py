@@ -20,8 +20,11 @@ def test_ruff_lint_and_format_are_clean():
     assert fmt.returncode == 0, fmt.stdout[-3000:]
 
 
-def test_mypy_on_the_wire_contracts_and_broker():
-    result = run("mypy", "--ignore-missing-imports", "schemas", "broker")
+PACKAGES = ("schemas", "broker", "producers", "consumers", "trainer", "agentarium")
+
+
+def test_mypy_on_every_package():
+    result = run("mypy", "--ignore-missing-imports", *PACKAGES)
     assert result.returncode == 0, result.stdout[-3000:]
 
 

@@ -134,7 +134,7 @@ class Checkpoints:
         try:
             save_file(_unshared(model_state), str(tmp / "model.safetensors"))
             torch.save(optimizer_state, tmp / "optimizer.pt")
-            rng = {"torch": torch.get_rng_state()}
+            rng: dict[str, torch.Tensor | list[torch.Tensor]] = {"torch": torch.get_rng_state()}
             if torch.cuda.is_available():
                 rng["cuda"] = torch.cuda.get_rng_state_all()
             torch.save(rng, tmp / "rng.pt")

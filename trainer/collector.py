@@ -111,7 +111,7 @@ class Collector:
         self.buffer = GroupBuffer(
             group_timeout_s=config.group_timeout_s, min_members=config.min_members, seen=seen
         )
-        self._psub = None
+        self._psub: JetStreamContext.PullSubscription | None = None
         self._tasks: list[asyncio.Task] = []
         self._decided: list[str] = []  # acked without training, not yet in a checkpoint
         self._changed = asyncio.Event()  # the buffer gained something
@@ -252,6 +252,8 @@ class Collector:
 
     async def _pull_loop(self) -> None:
         cfg = self.config
+        psub = self._psub
+        assert psub is not None, "start() subscribes before it starts the pull loop"
         errors_in_row = 0
         while True:
             if self.buffer.ready_count >= cfg.prefetch_groups:
@@ -262,7 +264,7 @@ class Collector:
                     pass
                 continue
             try:
-                msgs = await self._psub.fetch(cfg.fetch_batch, timeout=cfg.fetch_timeout_s)
+                msgs = await psub.fetch(cfg.fetch_batch, timeout=cfg.fetch_timeout_s)
                 errors_in_row = 0
             except TimeoutError:  # nothing arrived (nats' TimeoutError is a subclass)
                 msgs = []

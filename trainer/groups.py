@@ -233,7 +233,12 @@ class GroupBuffer:
                 break
             self._ready.remove(group)
             ok = group.ok
-            rewards = [float(m.trajectory.reward) for m in ok]
+            rewards: list[float] = []
+            for m in ok:  # trainable members only, so status ok
+                assert m.trajectory.reward is not None, (
+                    "status ok implies a reward (Trajectory.__post_init__)"
+                )
+                rewards.append(float(m.trajectory.reward))
             if len(ok) < self.min_members:
                 c.dropped_small += 1
                 dropped.append(group)

@@ -28,6 +28,7 @@ import asyncio
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import structlog
@@ -63,7 +64,8 @@ class WeightPublisher(Protocol):
     checkpoint, so one version number never names two different sets of weights.
     """
 
-    async def publish(self, model: torch.nn.Module, version: int, step: int) -> None: ...
+    # Returns whatever it likes (RunPublisher: the WeightUpdate); the loop ignores it.
+    async def publish(self, model: torch.nn.Module, version: int, step: int) -> object: ...
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -108,7 +110,7 @@ class Trainer:
             else None
         )
         self.collector: Collector | None = None
-        self.last_checkpoint = None
+        self.last_checkpoint: Path | None = None
 
     def __repr__(self) -> str:
         return (
@@ -214,8 +216,14 @@ class Trainer:
             self.trained += len(samples)
             self._pending.extend(groups)
             step_s = time.monotonic() - started
-            rewards = [float(s.trajectory.reward) for s in samples]
+            rewards: list[float] = []
+            for s in samples:  # samples come from trainable (status ok) members only
+                assert s.trajectory.reward is not None, (
+                    "status ok implies a reward (Trajectory.__post_init__)"
+                )
+                rewards.append(float(s.trajectory.reward))
             staleness = [x for g in groups for x in g.staleness]
+            assert self.collector is not None, "run() creates the collector before any step"
             c = self.collector.counters
             row = StepMetrics(
                 step=self.step,
@@ -276,6 +284,7 @@ class Trainer:
         version = self.version + 1
         started = time.monotonic()
         model = await asyncio.to_thread(self._updater.publishable_model)
+        assert self.publisher is not None, "run() publishes only when it has a publisher"
         await self.publisher.publish(model, version, self.step)
         self.version = version
         log.info(
@@ -288,6 +297,7 @@ class Trainer:
     async def _checkpoint(self) -> None:
         groups, self._pending = self._pending, []
         model_state, optimizer_state = await asyncio.to_thread(self._updater.state)
+        assert self.checkpoints is not None, "run() checkpoints only with a checkpoint_dir"
         path = await asyncio.to_thread(
             self.checkpoints.save,
             step=self.step,
@@ -309,6 +319,7 @@ class Trainer:
             path=str(path),
             groups=len(groups),
         )
+        assert self.collector is not None, "pending groups were taken from the collector"
         await self.collector.ack(groups)
 
     # ---- setup ------------------------------------------------------------------------------

@@ -147,6 +147,9 @@ class MetricsSink:
     def record(self, m: StepMetrics) -> None:
         if self._writer is not None:
             self._writer.writerow(m.as_row())
+            assert self._file is not None, (
+                "the writer writes to _file; record() after close() is a bug"
+            )
             self._file.flush()
         attrs = self.attributes
         for name, gauge in self._gauges.items():

@@ -125,8 +125,12 @@ class RayDataParallel:
                 actor.remote(rank, world, str(config.model_dir), self.settings, config.device)
                 for rank in range(world)
             ]
-            host, port = ray.get(self.actors[0].address.remote())
-            ray.get([a.setup.remote(host, port) for a in self.actors], timeout=300)
+            # Ray's stubs give actor handles the plain methods of _Worker: ``.remote`` is typed
+            # only on methods decorated with @ray.method, and this module must import without
+            # Ray. Each ``.remote`` call below is therefore an attr-defined stub gap.
+            host, port = ray.get(self.actors[0].address.remote())  # type: ignore[attr-defined]
+            setups = [a.setup.remote(host, port) for a in self.actors]  # type: ignore[attr-defined]
+            ray.get(setups, timeout=300)
         except Exception as exc:
             self.close()
             raise DistributedError(
@@ -144,9 +148,8 @@ class RayDataParallel:
         totals = Totals.of(batch)
         shards = batch.shards(self.world)
         try:
-            results = ray.get(
-                [a.step.remote(s, totals, seed) for a, s in zip(self.actors, shards, strict=True)]
-            )
+            pairs = zip(self.actors, shards, strict=True)
+            results = ray.get([a.step.remote(s, totals, seed) for a, s in pairs])  # type: ignore[attr-defined]
         except ray.exceptions.RayError as exc:
             raise DistributedError(f"a data-parallel worker failed during a step: {exc}") from exc
         loss, sums = 0.0, LossSums()
@@ -158,12 +161,14 @@ class RayDataParallel:
     def state(self) -> tuple[dict, dict]:
         import ray
 
-        return ray.get(self.actors[0].state.remote())
+        ref: ray.ObjectRef[tuple[dict, dict]] = self.actors[0].state.remote()  # type: ignore[attr-defined]
+        return ray.get(ref)
 
     def load_state(self, model_state: dict, optimizer_state: dict) -> None:
         import ray
 
-        ray.get([a.load_state.remote(model_state, optimizer_state) for a in self.actors])
+        refs = [a.load_state.remote(model_state, optimizer_state) for a in self.actors]  # type: ignore[attr-defined]
+        ray.get(refs)
 
     def publishable_model(self):
         if self._mirror is None:

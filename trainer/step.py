@@ -92,7 +92,7 @@ def load_model(model_dir: str | Path, device: str | torch.device, *, trainable: 
 
     hf_logging.disable_progress_bar()  # a per-load progress bar is noise in service logs
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    model.to(device)
+    model.to(device)  # type: ignore[arg-type]  # transformers' stubs type .to() as a PreTrainedModel method
     if trainable:
         model.train()
     else:
@@ -185,7 +185,7 @@ def make_optimizer(model, settings: StepSettings) -> torch.optim.Optimizer:
     return torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad],
         lr=settings.lr,
-        betas=tuple(settings.adam_betas),
+        betas=(settings.adam_betas[0], settings.adam_betas[1]),
         weight_decay=settings.weight_decay,
     )
 

@@ -209,7 +209,9 @@ class WeightStore:
             )
             with open(file, "rb") as raw:
                 reader = _HashingReader(raw)
-                info = await obs.put(name, reader, meta=meta)
+                # nats-py reads any object with readinto(); its annotation lists only
+                # str | bytes | BufferedIOBase.
+                info = await obs.put(name, reader, meta=meta)  # type: ignore[arg-type]
         if info.size != reader.size:
             raise WeightsError(f"object {name}: stored {info.size} bytes, read {reader.size}")
         return name, reader.hexdigest(), reader.size

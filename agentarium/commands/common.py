@@ -14,7 +14,7 @@ import argparse
 import asyncio
 import signal
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from broker import NatsSettings, setup_logging, setup_tracing, shutdown_tracing
@@ -113,7 +113,7 @@ def settings_from_args(args: argparse.Namespace) -> NatsSettings:
     )
 
 
-def run_async(body: Callable[[], Awaitable[int]], *, service: str) -> int:
+def run_async(body: Callable[[], Coroutine[Any, Any, int]], *, service: str) -> int:
     """Run a command body with logging and tracing set up; Ctrl-C exits 130 quietly."""
     setup_logging()
     setup_tracing(service)

@@ -160,5 +160,6 @@ async def export_run(
     trajectories = await TrajectoryReader(js, topology).read(run, agent, status=status)
     rows = records(trajectories, multi_turn=multi_turn, min_reward=min_reward)
     if fmt == "parquet":
+        assert out is not None, "checked above: parquet needs --out"
         return write_parquet(rows, out)
     return write_jsonl(rows, out)

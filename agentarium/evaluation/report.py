@@ -98,8 +98,8 @@ def summarize(
 ) -> dict[str, Any]:
     by_attempt: dict[int, list[float]] = defaultdict(list)
     by_task: dict[str, list[float]] = defaultdict(list)
-    status = Counter()
-    models = Counter()
+    status: Counter[str] = Counter()
+    models: Counter[str] = Counter()
     for (task_id, attempt), line in results.items():
         status[line["status"]] += 1
         models.update(line.get("models") or [])

@@ -119,11 +119,11 @@ def default_run(cfg: EvalConfig, tasks_sha: str) -> str:
 
 def job_for(run: str, task: dict, task_id: str, attempt: int, retry: int, cfg: EvalConfig) -> Job:
     batch = BATCH if retry == 0 else f"{BATCH}-retry{retry}"
-    sampling = {}
-    if cfg.max_new_tokens:
-        sampling["max_new_tokens"] = cfg.max_new_tokens
-    if cfg.temperature is not None:
-        sampling["temperature"] = cfg.temperature
+    defaults = Sampling()
+    sampling = Sampling(
+        max_new_tokens=cfg.max_new_tokens or defaults.max_new_tokens,
+        temperature=defaults.temperature if cfg.temperature is None else cfg.temperature,
+    )
     return make_job(
         agent=cfg.agent,
         task=task,
@@ -134,7 +134,7 @@ def job_for(run: str, task: dict, task_id: str, attempt: int, retry: int, cfg: E
         sample_index=attempt,
         group_size=cfg.k,
         is_train=False,
-        sampling=Sampling(**sampling),
+        sampling=sampling,
         deadline_s=cfg.deadline_s,
         metadata={"eval": True, "retry": retry},
     )
@@ -288,6 +288,7 @@ class EvalRun:
 
     async def _start_consumer(self, js: Any, topology: Topology) -> ConsumerService:
         cfg = self.cfg
+        assert cfg.agent_fn is not None, "run() starts an in-process consumer only with agent_fn"
         fn = load_callable(cfg.agent_fn, "agent")
         reward_fn = load_callable(cfg.reward, "reward function") if cfg.reward else None
         if cfg.openai_base:

@@ -89,6 +89,7 @@ class RolloutCore:
     async def start_ray(self, spec: ConsumerSpec, model_ref: str | None) -> list[str]:
         if self.pool is None:
             assert self.ray_config is not None, "start_ray needs a ray_config"
+            assert self.settings is not None, "start() first (it sets settings when None)"
             self.pool = await asyncio.to_thread(RayConsumerPool, self.ray_config, self.settings)
         return await self.pool.start_agent(spec, model_ref)
 

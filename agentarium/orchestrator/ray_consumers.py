@@ -148,7 +148,8 @@ class RayConsumerPool:
                 spec, proxy_port=port, concurrency=concurrency, worker_id=f"{spec.worker_id}-ray{i}"
             )
             actors.append(actor)
-            refs.append(actor.start.remote(self.settings, actor_spec, model_ref))
+            # Ray types .remote only on @ray.method-decorated methods (stub gap).
+            refs.append(actor.start.remote(self.settings, actor_spec, model_ref))  # type: ignore[attr-defined]
         self.actors.setdefault(spec.agent, []).extend(actors)
         try:
             endpoints = list(await asyncio.gather(*(self._get(r) for r in refs)))

@@ -190,6 +190,7 @@ def tensorize(
             response_mask[i, :n] = torch.tensor(row.response_mask[:n], dtype=torch.long)
             logprobs[i, :n] = torch.tensor(row.response_logprobs[:n], dtype=torch.float32)
         if traj.status == "ok" and n:
+            assert traj.reward is not None, "status ok implies a reward (Trajectory)"
             model_positions = [j for j in range(n) if row.response_mask[j]]
             scores[i, model_positions[-1] if model_positions else n - 1] = float(traj.reward)
             advantages[i] = advantage[traj.job_id] * response_mask[i]
@@ -265,6 +266,7 @@ def _trajectory_advantages(
     groups: dict[str, dict[str, float]] = {}
     for traj, _ in rows:
         if traj.status == "ok":
+            assert traj.reward is not None, "status ok implies a reward (Trajectory)"
             groups.setdefault(traj.group_id, {})[traj.job_id] = float(traj.reward)
     out: dict[str, float] = {}
     for members in groups.values():

@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 
 from ..errors import BackendUnavailable, BadRequest
-from .base import BackendRetry, GenerateRequest, GenerateResult, retryable_status
+from .base import BackendRetry, FinishReason, GenerateRequest, GenerateResult, retryable_status
 
 # SGLang sampling_params key → OpenAI chat.completions parameter.
 _SAMPLING_TO_OPENAI = {
@@ -29,7 +29,12 @@ _SAMPLING_TO_OPENAI = {
     "frequency_penalty": "frequency_penalty",
     "presence_penalty": "presence_penalty",
 }
-_FINISH = {"stop": "stop", "tool_calls": "stop", "function_call": "stop", "length": "length"}
+_FINISH: dict[str, FinishReason] = {
+    "stop": "stop",
+    "tool_calls": "stop",
+    "function_call": "stop",
+    "length": "length",
+}
 
 
 class OpenAICompatBackend:

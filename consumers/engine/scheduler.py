@@ -256,6 +256,7 @@ class Scheduler:
         finished = self._drop_done_rows()
         version = self.weight_version
         if self._running:
+            assert self._kv is not None, "running rows always have a KV cache (set together)"
             logits = self.model.decode(
                 self._kv,
                 [seq.output_ids[-1] for seq in self._running],
