@@ -348,10 +348,9 @@ def test_dual_clip_is_a_trainer_flag_that_can_be_turned_off():
 
 
 def test_one_torch_free_rows_module_serves_trainer_tensorize_and_export():
+    import importlib
     import subprocess
     import sys
-
-    import importlib
 
     import agentarium.evaluation.export
     import trainer
