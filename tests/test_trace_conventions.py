@@ -9,12 +9,14 @@ import json
 import openai
 import pytest
 import torch
+from aiohttp import web
 from fake_sglang import FakeSGLang, dead_url
 from opentelemetry.trace import SpanKind, StatusCode
 from worker_env import worker_for
 
 from agentarium.tiny import ensure_tiny_model
-from consumers.backends import SGLangBackend
+from consumers.backends import CrossSamplingBackend, SGLangBackend
+from consumers.backends.openai_compat import OpenAICompatBackend
 from consumers.errors import BackendUnavailable, BadRequest
 from consumers.genai import CAPTURE_CONTENT_ENV
 from consumers.llm import TracingLLM
@@ -214,6 +216,73 @@ async def test_calls_through_the_proxy_show_what_the_sdk_sent(
     ]
     (answer,) = json.loads(attrs["gen_ai.output.messages"])
     assert answer["parts"] == [{"type": "text", "content": reply.choices[0].message.content}]
+
+
+@pytest.fixture
+async def hosted():
+    """A hosted OpenAI-compatible API: it names its model version and reports cached tokens."""
+
+    async def completions(request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "id": "chatcmpl-42",
+                "model": "gpt-x-0613",
+                "choices": [
+                    {"message": {"role": "assistant", "content": "5"}, "finish_reason": "stop"}
+                ],
+                "usage": {
+                    "prompt_tokens": 9,
+                    "completion_tokens": 1,
+                    "prompt_tokens_details": {"cached_tokens": 4},
+                },
+            }
+        )
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", completions)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    yield f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
+    await runner.cleanup()
+
+
+async def test_provider_and_response_model_come_from_the_backend(
+    hosted, replying, template, span_exporter, capture
+):
+    backend = OpenAICompatBackend(hosted, "gpt-x", backoff=0.0)
+    try:
+        await TracingLLM(backend, None, model_name="gpt-x").chat([{"role": "user", "content": "?"}])
+    finally:
+        await backend.aclose()
+    (span,) = chat_spans(span_exporter, "chat gpt-x")
+    attrs = span.attributes
+    assert (attrs["gen_ai.provider.name"], attrs["gen_ai.request.model"]) == ("openai", "gpt-x")
+    assert (attrs["gen_ai.response.id"], attrs["gen_ai.response.model"]) == (
+        "chatcmpl-42",
+        "gpt-x-0613",
+    )
+    assert attrs["gen_ai.usage.input_tokens"] == 9
+    assert attrs["gen_ai.usage.cache_read.input_tokens"] == 4
+
+    # Cross-sampling: the span names the model that answered, not the one asked for.
+    first, second = await replying("a"), await replying("b")
+    mixed = CrossSamplingBackend(
+        SGLangBackend([first.url]),
+        SGLangBackend([second.url]),
+        1.0,
+        primary_name="tiny",
+        secondary_name="other",
+    )
+    try:
+        await TracingLLM(mixed, template, model_name="tiny").chat(
+            [{"role": "user", "content": "?"}]
+        )
+    finally:
+        await mixed.aclose()
+    (span,) = chat_spans(span_exporter)
+    assert span.attributes["gen_ai.provider.name"] == "sglang"
+    assert span.attributes["gen_ai.response.model"] == "other"
 
 
 async def test_failed_calls_carry_error_type(replying, template, span_exporter, capture):
