@@ -25,11 +25,13 @@ from .server import NatsServer, find_nats_server, free_port
 from .settings import NatsSettings
 from .status import BrokerStatus, collect_status, count_messages, format_status
 from .telemetry import (
+    OPENINFERENCE_SPAN_KIND,
     extract_context,
     inject_headers,
     setup_logging,
     setup_tracing,
     shutdown_tracing,
+    span_id_hex,
     trace_id_hex,
 )
 from .topology import Limits, Topology
@@ -45,6 +47,7 @@ __all__ = [
     "Limits",
     "NatsServer",
     "NatsSettings",
+    "OPENINFERENCE_SPAN_KIND",
     "ProvisionReport",
     "ProvisioningError",
     "ServerLaunchError",
@@ -68,5 +71,6 @@ __all__ = [
     "setup_logging",
     "setup_tracing",
     "shutdown_tracing",
+    "span_id_hex",
     "trace_id_hex",
 ]

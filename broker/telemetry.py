@@ -22,6 +22,10 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 _configured = False
 
+# OpenInference's span kind (AGENT, CHAIN, LLM, ...): Phoenix and other LLM viewers group and
+# label spans by it, and show a span without it as "unknown".
+OPENINFERENCE_SPAN_KIND = "openinference.span.kind"
+
 
 def setup_tracing(service_name: str) -> TracerProvider | None:
     """Install a TracerProvider once per process. Returns None if one is already set."""
@@ -108,3 +112,10 @@ def extract_context(headers: Mapping[str, str] | None) -> otel_context.Context:
 def trace_id_hex(span: trace.Span) -> str:
     ctx = span.get_span_context()
     return format(ctx.trace_id, "032x") if ctx.is_valid else ""
+
+
+def span_id_hex(span: trace.Span) -> str:
+    """The span's id as 16 hex digits ("" when tracing is off): with the trace id, what a
+    later span needs to link to this one."""
+    ctx = span.get_span_context()
+    return format(ctx.span_id, "016x") if ctx.is_valid else ""

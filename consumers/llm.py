@@ -19,10 +19,14 @@ from urllib.parse import urlsplit
 import jinja2
 from opentelemetry import context as otel_context
 from opentelemetry import trace
+from opentelemetry.util.types import AttributeValue
 
+from broker import OPENINFERENCE_SPAN_KIND
 from schemas import LLMCall, Sampling
 
+from . import genai
 from .backends.base import Backend, GenerateRequest
+from .backends.cross_sampling import model_of_call
 from .chat_template import ChatTemplate, normalize_messages, plain_data
 from .errors import BadRequest, LLMError
 from .toolcalls import ToolCallError, arguments_as_objects, parse_tool_calls
@@ -117,6 +121,8 @@ class TracingLLM:
     calls then carry no token ids. ``route_key`` is the job's group_id (one server per group),
     ``rid_prefix`` the job id (request ids ``<job>-<nonce>-call-<n>``, unique even when a
     redelivered job runs again while the first attempt is still on the server).
+    ``capture_content`` puts prompts and replies on the chat spans; None reads the GenAI
+    conventions' switch, ``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT``.
     """
 
     def __init__(
@@ -130,6 +136,7 @@ class TracingLLM:
         parent_context: otel_context.Context | None = None,
         *,
         record_messages: bool = True,
+        capture_content: bool | None = None,
     ) -> None:
         self.backend = backend
         self.template = template
@@ -139,6 +146,11 @@ class TracingLLM:
         self.model_name = model_name
         self.parent_context = parent_context
         self.record_messages = record_messages
+        self.capture_content = (
+            genai.capture_message_content() if capture_content is None else capture_content
+        )
+        # gen_ai.provider.name: the API the backend speaks. Custom backends may not say.
+        self.provider_name = str(getattr(backend, "provider_name", "") or "unknown")
         self.calls: list[LLMCall] = []
         # Backend errors seen by this rollout, kept even when the agent swallows them (the
         # OpenAI SDK turns the proxy's 503 into its own exception), so the worker can class
@@ -160,9 +172,15 @@ class TracingLLM:
         token = otel_context.attach(parent) if parent is not None else None
         try:
             with tracer.start_as_current_span(
-                f"chat {self.model_name}".rstrip(), kind=trace.SpanKind.CLIENT
+                f"chat {self.model_name}".rstrip(),
+                kind=trace.SpanKind.CLIENT,
+                attributes=self._request_attributes(chat, tool_list, params),
             ) as span:
-                return await self._chat(span, index, chat, tool_list, params)
+                try:
+                    return await self._chat(span, index, chat, tool_list, params)
+                except BaseException as exc:  # CancelledError too: a deadline cut the call
+                    span.set_attribute("error.type", genai.error_type(exc))
+                    raise
         except LLMError as exc:
             self.errors.append(exc)
             raise
@@ -186,14 +204,27 @@ class TracingLLM:
             return None
         return self.parent_context
 
+    def _request_attributes(
+        self, chat: list[dict], tools: list | None, params: dict
+    ) -> dict[str, AttributeValue]:
+        """What a chat span says before the call: set at its start, so a failed call shows
+        what was asked."""
+        attributes: dict[str, AttributeValue] = {
+            OPENINFERENCE_SPAN_KIND: "LLM",
+            "gen_ai.operation.name": "chat",
+            "gen_ai.provider.name": self.provider_name,
+            "gen_ai.request.model": self.model_name,
+            **genai.request_attributes(params),
+        }
+        if self.capture_content:
+            attributes["gen_ai.input.messages"] = genai.input_messages(chat)
+            if tools:
+                attributes["gen_ai.tool.definitions"] = genai.tool_definitions(tools)
+        return attributes
+
     async def _chat(
         self, span: trace.Span, index: int, chat: list[dict], tools: list | None, params: dict
     ) -> ChatResult:
-        span.set_attribute("gen_ai.operation.name", "chat")
-        span.set_attribute("gen_ai.request.model", self.model_name)
-        span.set_attribute("gen_ai.request.temperature", float(params["temperature"]))
-        span.set_attribute("gen_ai.request.top_p", float(params["top_p"]))
-        span.set_attribute("gen_ai.request.max_tokens", int(params["max_new_tokens"]))
         input_ids: list[int] = []
         if self.template is not None:
             try:
@@ -244,11 +275,21 @@ class TracingLLM:
 
         prompt_tokens = len(input_ids) or result.prompt_tokens
         output_tokens = len(result.output_ids) or result.completion_tokens
+        response_id = result.meta_info.get("id")
+        if response_id:
+            span.set_attribute("gen_ai.response.id", str(response_id))
+        # The model that answered: a cross-sampled call names the second model.
+        span.set_attribute(
+            "gen_ai.response.model",
+            str(result.meta_info.get("model") or model_of_call(call, self.model_name)),
+        )
         span.set_attribute("gen_ai.usage.input_tokens", prompt_tokens)
         span.set_attribute("gen_ai.usage.output_tokens", output_tokens)
+        span.set_attribute("gen_ai.usage.cache_read.input_tokens", result.cached_tokens)
         span.set_attribute("gen_ai.response.finish_reasons", [finish])
         span.set_attribute("agentarium.weight_version", result.weight_version)
-        span.set_attribute("agentarium.cached_tokens", result.cached_tokens)
+        if self.capture_content:
+            span.set_attribute("gen_ai.output.messages", genai.output_messages(message, finish))
         if result.backend:
             address = urlsplit(result.backend)
             span.set_attribute("server.address", address.hostname or result.backend)

@@ -11,6 +11,7 @@ Outcomes are classified here, once:
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import traceback
 from collections.abc import Callable
@@ -22,9 +23,10 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
-from broker import trace_id_hex
+from broker import OPENINFERENCE_SPAN_KIND, span_id_hex, trace_id_hex
 from schemas import Job, Trajectory
 
+from . import genai
 from .agents import AgentRunner, extract_reward, finite_reward
 from .errors import BackendUnavailable
 from .llm import TracingLLM
@@ -39,6 +41,7 @@ class AgentFailure(Exception):
     error: str
     calls: list = field(default_factory=list)
     trace_id: str = ""
+    span_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -87,11 +90,18 @@ async def run_rollout(
         "agentarium.run": job.run,
         "agentarium.group_id": job.group_id,
         "agentarium.attempt": attempt,
+        OPENINFERENCE_SPAN_KIND: "AGENT",
     }
+    capture = genai.capture_message_content()
+    if capture:  # the task is content like a prompt: shown only when the user opted in
+        attributes[genai.OPENINFERENCE_INPUT] = json.dumps(job.task, default=str)
+        attributes[genai.OPENINFERENCE_INPUT_MIME] = "application/json"
     with tracer.start_as_current_span(
         "rollout", context=parent, kind=SpanKind.CONSUMER, attributes=attributes
     ) as span:
         trace_id = trace_id_hex(span)
+        # The trajectory keeps this span's id: the trainer's step links to it.
+        span_id = span_id_hex(span)
         llm = TracingLLM(
             env.backend,
             env.template,
@@ -100,6 +110,7 @@ async def run_rollout(
             rid_prefix=job.job_id,
             model_name=env.model_name,
             parent_context=otel_context.get_current(),
+            capture_content=capture,
         )
 
         # Backend failures the agent may have swallowed (the OpenAI SDK turns the proxy's 503
@@ -108,10 +119,14 @@ async def run_rollout(
             found = [e for e in llm.errors if isinstance(e, BackendUnavailable)]
             return found[-1] if found else None
 
-        def done(status: str, **extra: Any) -> Trajectory:
+        def done(status: str, *, provisional: bool = False, **extra: Any) -> Trajectory:
             span.set_attribute("agentarium.status", status)
             if status != "ok":
                 span.set_status(Status(StatusCode.ERROR, extra.get("error", status)[:200]))
+            if capture and not provisional:
+                outcome = {"status": status, "reward": extra.get("reward")}
+                span.set_attribute(genai.OPENINFERENCE_OUTPUT, json.dumps(outcome))
+                span.set_attribute(genai.OPENINFERENCE_OUTPUT_MIME, "application/json")
             return trajectory_for(
                 job,
                 env.worker_id,
@@ -121,6 +136,7 @@ async def run_rollout(
                 started_at=started,
                 finished_at=time.time(),
                 trace_id=trace_id,
+                span_id=span_id,
                 **extra,
             )
 
@@ -140,7 +156,7 @@ async def run_rollout(
                 return done("error", error=f"LLM backend failed: {infra_failure()}")
             span.record_exception(exc)
             raise AgentFailure(
-                traceback.format_exc(), calls=list(llm.calls), trace_id=trace_id
+                traceback.format_exc(), calls=list(llm.calls), trace_id=trace_id, span_id=span_id
             ) from None
         except BackendUnavailable as exc:
             return done("error", error=f"LLM backend failed: {exc}")
@@ -151,13 +167,13 @@ async def run_rollout(
                 return done("error", error=f"LLM backend failed: {infra_failure()}")
             span.record_exception(exc)
             raise AgentFailure(
-                traceback.format_exc(), calls=list(llm.calls), trace_id=trace_id
+                traceback.format_exc(), calls=list(llm.calls), trace_id=trace_id, span_id=span_id
             ) from exc
 
         try:
             reward, metrics = extract_reward(result)
             if env.reward_fn is not None:
-                provisional = done("ok", reward=0.0, metrics=metrics)
+                provisional = done("ok", provisional=True, reward=0.0, metrics=metrics)
                 reward_result = env.reward_fn(job.task, result, provisional)
                 if asyncio.iscoroutine(reward_result):
                     reward_result = await reward_result
@@ -167,7 +183,7 @@ async def run_rollout(
         except Exception as exc:  # RewardError or a failing reward function
             span.record_exception(exc)
             raise AgentFailure(
-                traceback.format_exc(), calls=list(llm.calls), trace_id=trace_id
+                traceback.format_exc(), calls=list(llm.calls), trace_id=trace_id, span_id=span_id
             ) from exc
         span.set_attribute("agentarium.reward", reward)
         return done("ok", reward=reward, metrics=metrics)

@@ -114,6 +114,7 @@ class Outcome:
     error: str = ""  # why it failed: the dead letter's / error trajectory's text
     calls: list = field(default_factory=list)  # an agent error's calls so far
     trace_id: str = ""
+    span_id: str = ""  # the failed attempt's rollout span
 
 
 class Worker:
@@ -395,6 +396,7 @@ class Worker:
                 error=failure.error,
                 calls=failure.calls,
                 trace_id=failure.trace_id,
+                span_id=failure.span_id,
             )
         event = Event(trajectory.status)  # ok / timeout / error
         return Outcome(event=event, job=job, trajectory=trajectory, error=trajectory.error or "")
@@ -509,6 +511,7 @@ class Worker:
             started_at=now,
             finished_at=now,
             trace_id=outcome.trace_id,
+            span_id=outcome.span_id,
             calls=outcome.calls,
         )
         await self._publish(trajectory)

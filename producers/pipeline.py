@@ -30,7 +30,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from broker import inject_headers
+from broker import OPENINFERENCE_SPAN_KIND, inject_headers
 from schemas import Job
 
 from .errors import ProducerError, StreamMissing
@@ -159,6 +159,7 @@ class Pipeline:
                     "messaging.operation": "publish",
                     "agentarium.batch_id": job.batch_id,
                     "agentarium.run": job.run,
+                    OPENINFERENCE_SPAN_KIND: "CHAIN",
                 },
             )
             entry.headers = inject_headers(

@@ -114,6 +114,12 @@ class Trajectory(WireMessage):
     trace_id: str = spec(
         STR, "", doc="OpenTelemetry trace id (32 hex digits), empty when tracing is off"
     )
+    span_id: str = spec(
+        STR,
+        "",
+        doc="the rollout span's id (16 hex digits), empty when tracing is off; "
+        "what a train step's span links to",
+    )
     task: dict = spec(OBJECT, factory=dict, doc="the job's task payload")
     metadata: dict = spec(OBJECT, factory=dict, doc="the job's metadata")
     calls: list[LLMCall] = nested(LLMCall, many=True, doc="every LLM call of the rollout, in order")

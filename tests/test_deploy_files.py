@@ -362,7 +362,7 @@ def _compose_tool() -> list[str] | None:
     return None
 
 
-@pytest.mark.parametrize("profile", [None, "cpu", "gpu", "tools"])
+@pytest.mark.parametrize("profile", [None, "cpu", "gpu", "tools", "phoenix"])
 def test_compose_config_is_valid(profile):
     tool = _compose_tool()
     if tool is None:
@@ -447,12 +447,26 @@ def test_compose_every_service_traces_to_the_viewer_and_finds_nats():
     assert f"listen: 0.0.0.0:{nats_port}" in (NATS_CONF / "single.conf").read_text()
     for name, service in SERVICES.items():
         if uses_agentarium_image(service) or name == "sglang":
-            env = service["environment"]
-            assert urlparse(env["OTEL_EXPORTER_OTLP_ENDPOINT"]).hostname == "jaeger", name
-            assert urlparse(env["OTEL_EXPORTER_OTLP_ENDPOINT"]).port == 4318, name  # OTLP/HTTP
+            endpoint = service["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"]
+            assert urlparse(_substitute(endpoint)).hostname == "jaeger", name
+            assert urlparse(_substitute(endpoint)).port == 4318, name  # OTLP/HTTP
+            assert "AGENTARIUM_OTLP_ENDPOINT" in endpoint, f"{name}: one switch to Phoenix"
         if uses_agentarium_image(service):
             url = urlparse(service["environment"]["AGENTARIUM_NATS_URL"])
             assert (url.hostname, url.port) == ("nats", nats_port), name
+
+
+def test_compose_offers_phoenix_with_content_capture_off_by_default():
+    phoenix = SERVICES["phoenix"]
+    assert phoenix["profiles"] == ["phoenix"]
+    assert _substitute(phoenix["image"]).startswith("arizephoenix/phoenix:")
+    # Phoenix takes OTLP/HTTP on its UI port: the endpoint the header comment names.
+    assert "127.0.0.1:6006:6006" in phoenix["ports"]
+    assert "AGENTARIUM_OTLP_ENDPOINT=http://phoenix:6006" in COMPOSE_FILE.read_text()
+    for name, service in SERVICES.items():
+        if uses_agentarium_image(service):
+            capture = service["environment"]["OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"]
+            assert _substitute(capture) == "false", name
 
 
 # ---- Kubernetes --------------------------------------------------------------------------------------

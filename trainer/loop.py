@@ -37,7 +37,7 @@ from nats.js import JetStreamContext
 from opentelemetry import trace
 from opentelemetry.trace import INVALID_SPAN_ID, Link, SpanContext, TraceFlags
 
-from broker import Topology, extract_context
+from broker import OPENINFERENCE_SPAN_KIND, Topology, extract_context
 
 from .batch import Sample, build_rows, collate
 from .checkpoint import Checkpoints, restore_rng
@@ -196,11 +196,16 @@ class Trainer:
         samples: list[Sample] = [s for g in groups for s in g.samples]
         started = time.monotonic()
         links = _links(groups)
-        with tracer.start_as_current_span("train step", links=links[:LINKS_PER_SPAN]) as span:
+        chain = {OPENINFERENCE_SPAN_KIND: "CHAIN"}
+        with tracer.start_as_current_span(
+            "train step", links=links[:LINKS_PER_SPAN], attributes=chain
+        ) as span:
             for start in range(LINKS_PER_SPAN, len(links), LINKS_PER_SPAN):
                 # Past one span's limit: child spans carry the rest of the links.
                 chunk = links[start : start + LINKS_PER_SPAN]
-                with tracer.start_as_current_span("train step links", links=chunk):
+                with tracer.start_as_current_span(
+                    "train step links", links=chunk, attributes=chain
+                ):
                     pass
             rows, built = build_rows(samples, multi_turn=cfg.multi_turn)
             if rows:
@@ -385,23 +390,27 @@ def _pad_id(model) -> int:
 
 
 def _links(groups: list[Group]) -> list[Link]:
-    """One link per used trajectory: to its publisher's span when the message carries a
-    traceparent, else to its trace (the trajectory records only a trace id)."""
+    """One link per used trajectory, to the ``rollout`` span that produced it: the trajectory
+    keeps that span's trace and span ids. A trajectory without a span id (from a writer older
+    than the field) is linked to the span of a ``traceparent`` its message carries, else to
+    its trace alone, with span id zero: the spec lets such a link be recorded since it has
+    attributes, but a viewer cannot follow it to a span."""
     links = []
     for group in groups:
         for sample in group.samples:
             traj = sample.trajectory
             attrs = {"agentarium.job_id": traj.job_id, "agentarium.group_id": traj.group_id}
+            trace_id, span_id = _hex_id(traj.trace_id, 32), _hex_id(traj.span_id, 16)
+            if trace_id and span_id:
+                flags = TraceFlags(TraceFlags.SAMPLED)
+                links.append(Link(SpanContext(trace_id, span_id, True, flags), attrs))
+                continue
             member = group.members.get(traj.job_id)
             headers = getattr(getattr(member, "handle", None), "headers", None) or {}
             parent = trace.get_current_span(extract_context(headers)).get_span_context()
             if parent.is_valid:
                 links.append(Link(parent, attrs))
-            elif len(traj.trace_id) == 32:
-                try:
-                    trace_id = int(traj.trace_id, 16)
-                except ValueError:
-                    continue
+            elif trace_id:
                 ctx = SpanContext(
                     trace_id,
                     INVALID_SPAN_ID,
@@ -410,3 +419,13 @@ def _links(groups: list[Group]) -> list[Link]:
                 )
                 links.append(Link(ctx, attrs))
     return links
+
+
+def _hex_id(text: str, digits: int) -> int:
+    """A trace (32) or span (16) id from its hex digits; 0, the invalid id, for anything else."""
+    if len(text) != digits:
+        return 0
+    try:
+        return int(text, 16)
+    except ValueError:
+        return 0

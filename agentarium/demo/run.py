@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import signal
 import sys
@@ -218,6 +219,9 @@ def run_demo(args: DemoConfig) -> int:
     ``rollouts_only``, stored trajectories)."""
     signal.signal(signal.SIGTERM, _interrupt)
     setup_logging("warning", json=True)  # the demo prints its own progress; children log to files
+    # The demo's prompts are toy digits: show them on chat spans (the GenAI conventions' opt-in
+    # switch, inherited by every child) unless the user set the switch themselves.
+    os.environ.setdefault("OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT", "true")
     out = Path(args.out).expanduser().resolve()
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)

@@ -56,6 +56,11 @@ class CrossSamplingBackend:
         self.served = {primary_name: 0, secondary_name: 0}
         self._rng = random.Random(seed)
 
+    @property
+    def provider_name(self) -> str:
+        """The API both models speak; the primary's when they differ (known before a call)."""
+        return str(getattr(self.primary, "provider_name", "") or "unknown")
+
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         second = self._rng.random() < self.ratio
         backend = self.secondary if second else self.primary

@@ -40,6 +40,10 @@ _FINISH: dict[str, FinishReason] = {
 class OpenAICompatBackend:
     """An OpenAI-compatible chat endpoint; ``base_url`` ends in ``/v1``."""
 
+    # gen_ai.provider.name: the conventions use "openai" for the OpenAI API whoever serves it
+    # (vLLM, hosted APIs); server.address and gen_ai.response.model tell them apart.
+    provider_name = "openai"
+
     def __init__(
         self,
         base_url: str,

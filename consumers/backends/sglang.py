@@ -84,6 +84,9 @@ def parse_generate_response(data: Any, *, url: str = "", latency_s: float = 0.0)
 class SGLangBackend:
     """Token-in/token-out generation on an SGLang fleet (or the local engine, same API)."""
 
+    # gen_ai.provider.name on chat spans: no well-known value names SGLang, so a custom one.
+    provider_name = "sglang"
+
     def __init__(
         self,
         urls: str | Sequence[str],
