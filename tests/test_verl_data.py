@@ -109,8 +109,8 @@ async def test_rows_without_an_agent_are_named_before_anything_is_sent(settings,
     args = produce_args("--file", str(path), "--agent-from", "data_source", "--run", "verl")
     assert await produce_cmd.run_produce(args, settings) == 2
     err = capsys.readouterr().err
-    assert "rows 4: data_source 'openai/gsm8k' is not an agent name" in err
-    assert "pass --agent NAME for them" in err
+    assert "row 4: data_source 'openai/gsm8k' is not an agent name" in err
+    assert "pass --agent NAME for such rows" in err
     with pytest.raises(ValueError, match="pass --agent NAME, or --agent-from COLUMN"):
         produce_cmd.check_produce(produce_args("--file", str(path)))
 

@@ -111,20 +111,23 @@ def route(tasks: list[dict], agent_from: str, default: str | None, where: TaskFi
     if not problems:
         return agents
     lines = []
+    fix = "pass --agent NAME for such rows, or give them an agent_name field"
     for problem, positions in problems.items():
-        at = f"{where.unit}s {', '.join(map(str, positions[:5]))}" + (
+        unit = where.unit + ("s" if len(positions) > 1 else "")
+        at = f"{unit} {', '.join(map(str, positions[:5]))}" + (
             f" and {len(positions) - 5} more" if len(positions) > 5 else ""
         )
         if problem.startswith("unknown:"):
-            lines.append(f"{at}: agent_name {problem[8:]!r} is not an agent name ([A-Za-z0-9_-])")
+            lines.append(
+                f"{at}: agent_name {problem[8:]!r} is not an agent name ([A-Za-z0-9_-]): fix it"
+            )
         elif problem.startswith("source:"):
             lines.append(
-                f"{at}: {agent_from} {problem[7:]!r} is not an agent name ([A-Za-z0-9_-]) and "
-                "there is no --agent for such rows"
+                f"{at}: {agent_from} {problem[7:]!r} is not an agent name ([A-Za-z0-9_-]): {fix}"
             )
         else:
-            lines.append(f"{at}: no {agent_from} and no --agent for such rows")
-    raise SchemaError("; ".join(lines) + ": pass --agent NAME for them, or add an agent_name field")
+            lines.append(f"{at}: no {agent_from}: {fix}")
+    raise SchemaError("; ".join(lines))
 
 
 def _is_name(name: str) -> bool:
