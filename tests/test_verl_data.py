@@ -78,6 +78,22 @@ def test_the_task_file_reader_takes_parquet_rows_as_they_are(tmp_path):
         read_task_file(tmp_path / "fake.parquet")
 
 
+def test_without_pyarrow_the_error_names_the_package(tmp_path, monkeypatch):
+    import builtins
+
+    path = write_parquet(tmp_path / "train.parquet", ROWS)
+    real_import = builtins.__import__
+
+    def no_pyarrow(name, *args, **kwargs):
+        if name.startswith("pyarrow"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_pyarrow)
+    with pytest.raises(TaskFileError, match=r"needs pyarrow: pip install 'agentarium\[parquet\]'"):
+        read_task_file(path)
+
+
 async def test_verl_parquet_becomes_jobs_routed_by_data_source(
     js, topology, settings, tmp_path, capsys
 ):
