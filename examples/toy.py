@@ -1,19 +1,29 @@
 """The toy agent the CPU demo runs: answer a short prompt, scored by exact match.
 
-Tasks look like ``{"task_id": "d7-0", "prompt": "repeat 7", "answer": "7"}``. The reward
-is 1.0 when the reply starts with the answer, else 0.0: it depends on the prompt, so no
-constant output scores well.
+Tasks look like ``{"task_id": "d7-0", "prompt": "repeat 7", "answer": "7"}``, or are rows of a
+verl dataset: ``prompt`` a list of chat messages, the answer in ``reward_model.ground_truth``.
+The reward is 1.0 when the reply starts with the answer, else 0.0: it depends on the prompt,
+so no constant output scores well.
 """
 
 from __future__ import annotations
 
 
+def messages_of(task: dict) -> list[dict]:
+    prompt = task["prompt"]
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+
+
+def answer_of(task: dict) -> str:
+    if "answer" in task:
+        return str(task["answer"])
+    return str(task["reward_model"]["ground_truth"])  # verl's rule-based reward field
+
+
 async def rollout(task: dict, llm) -> dict:
-    result = await llm.chat(
-        [{"role": "user", "content": task["prompt"]}], max_new_tokens=task.get("max_new_tokens", 4)
-    )
+    result = await llm.chat(messages_of(task), max_new_tokens=task.get("max_new_tokens") or 4)
     reply = result.text.strip()
-    answer = str(task["answer"])
+    answer = answer_of(task)
     return {
         "reward": 1.0 if reply.startswith(answer) else 0.0,
         "metrics": {"reply_chars": float(len(reply))},

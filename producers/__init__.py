@@ -15,26 +15,33 @@ from .jobs import (
 )
 from .reader import TrajectoryReader
 from .retry import PublishRetry
+from .routing import AGENT_COLUMN, SOURCE_COLUMN, agent_of
 from .sdk import SubmitResult, TaskProducer
 from .session import RunSession
-from .taskfile import read_tasks
+from .taskfile import TaskFile, TaskFileError, read_task_file, read_tasks
 
 __all__ = [
+    "AGENT_COLUMN",
+    "SOURCE_COLUMN",
     "ProducerError",
     "PublishRetry",
     "RunSession",
     "StreamMissing",
     "SubmitResult",
     "TaskProducer",
+    "TaskFile",
+    "TaskFileError",
     "TaskRow",
     "TrajectoryFeed",
     "TrajectoryReader",
+    "agent_of",
     "check_expansion",
     "expand_rows",
     "expand_tasks",
     "group_id_for",
     "job_id_for",
     "make_job",
+    "read_task_file",
     "read_tasks",
     "task_id_of",
 ]

@@ -39,7 +39,11 @@ def canonical_json(tasks: Sequence[Mapping[str, Any]]) -> str:
 
 
 def default_batch_id(
-    agent: str, run: str, group_size: int, is_train: bool, tasks: Sequence[Mapping[str, Any]]
+    agent: str | Sequence[str],
+    run: str,
+    group_size: int,
+    is_train: bool,
+    tasks: Sequence[Mapping[str, Any]],
 ) -> str:
     return _digest(
         "batch", agent, run, group_size, is_train, canonical_json(tasks), chars=BATCH_ID_CHARS
@@ -190,7 +194,7 @@ def expand_rows(
 
 
 def expand_tasks(
-    agent: str,
+    agent: str | Sequence[str],
     tasks: Sequence[Mapping[str, Any]],
     *,
     run: str = "default",
@@ -201,17 +205,31 @@ def expand_tasks(
     deadline_s: float = 600.0,
     metadata: Mapping[str, Any] | None = None,
 ) -> tuple[str, list[Job]]:
-    """Expand one agent's ``tasks`` into ``len(tasks) * group_size`` jobs; returns
-    ``(batch_id, jobs)``. Every name is validated here, before anything reaches the broker."""
-    check_name(agent, "agent")
+    """Expand ``tasks`` into ``len(tasks) * group_size`` jobs; returns ``(batch_id, jobs)``.
+    ``agent`` names the agent of every task, or is a list with one agent per task (tasks
+    routed by a column, ``producers.agent_of``). Every name is validated here, before anything
+    reaches the broker."""
+    agents = [agent] * len(tasks) if isinstance(agent, str) else list(agent)
+    if len(agents) != len(tasks):
+        raise SchemaError(
+            f"{len(agents)} agents for {len(tasks)} tasks: pass one agent, or one per task",
+            field="agent",
+        )
+    for name in sorted(set(agents)):
+        check_name(name, "agent")
     check_name(run, "run")
     check_expansion(group_size, deadline_s)
     task_ids = _task_ids(tasks)
     if batch_id is None:
-        batch_id = default_batch_id(agent, run, group_size, is_train, tasks)
+        # one agent keeps the ids it always had; routed tasks also digest who gets each task
+        who: str | list[str] = agent if isinstance(agent, str) else agents
+        batch_id = default_batch_id(who, run, group_size, is_train, tasks)
     else:
         check_name(batch_id, "batch_id")
-    rows = [TaskRow(agent, task_id, task) for task, task_id in zip(tasks, task_ids, strict=True)]
+    rows = [
+        TaskRow(name, task_id, task)
+        for name, task, task_id in zip(agents, tasks, task_ids, strict=True)
+    ]
     jobs = expand_rows(
         rows,
         run=run,

@@ -208,7 +208,11 @@ def test_readme_command_lines_are_all_checked():
     ):
         assert expected in checked, expected
     # `...` lines become whole command lines
-    resume = [a for w, a in COMMAND_LINES if w.startswith("README.md") and "--resume" in a]
+    resume = [
+        a
+        for w, a in COMMAND_LINES
+        if w.startswith("README.md") and a[:2] == ["eval", "run"] and "--resume" in a
+    ]
     assert resume and all("--agent" in a for a in resume)
 
 

@@ -11,9 +11,9 @@ import contextlib
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from nats.js import JetStreamContext
@@ -62,21 +62,29 @@ async def run_trainer(
     max_steps: int | None = None,
     make_publisher: PublisherFactory | None = None,
     torch_threads: int | None = None,
+    run_config: Mapping[str, Any] | None = None,
+    config_source: Mapping[str, Any] | None = None,
 ) -> int:
     """Run the trainer until ``max_steps`` or SIGTERM/SIGINT (which checkpoint first); 0 on a
     clean stop, 2 on bad settings. ``make_publisher`` builds the WeightPublisher (default:
-    ``store_publisher()``); a factory returning None publishes nothing."""
+    ``store_publisher()``); a factory returning None publishes nothing. ``run_config`` is every
+    setting as the caller resolved it (the CLI: its config keys), logged with ``config_source``
+    (where they came from) in the one "trainer config" event and written to
+    ``<checkpoint_dir>/config.yaml``; by default, the config's fields."""
     if torch_threads:
         import torch
 
         torch.set_num_threads(torch_threads)
-    log.info(
-        "trainer config",
+    fields = {
         **config.to_log(),
-        resume=resume,
-        max_steps=max_steps,
-        nats=settings.redacted(),
-    )
+        **(run_config or {}),
+        **(config_source or {}),
+        "resume": resume,
+        "max_steps": max_steps,
+        "nats": settings.redacted(),
+    }
+    fields["model_dir"] = config.model_dir  # the directory loaded, not the name ("tiny") given
+    log.info("trainer config", **fields)
     nc = await settings.connect(name=f"agentarium-trainer-{config.run}")
     try:
         js = nc.jetstream()
@@ -85,7 +93,14 @@ async def run_trainer(
         publisher = (make_publisher or store_publisher())(js, topology, config)
         from .loop import Trainer
 
-        trainer = Trainer(config, js, topology=topology, publisher=publisher, resume=resume)
+        trainer = Trainer(
+            config,
+            js,
+            topology=topology,
+            publisher=publisher,
+            resume=resume,
+            run_config=run_config,
+        )
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, trainer.stop)

@@ -7,6 +7,8 @@ Layout under ``--checkpoint-dir``::
         optimizer.pt          AdamW state (torch.save; loaded with weights_only=True)
         rng.pt                torch CPU (and CUDA) RNG states
         state.json            step, version, run, agent, seed, python RNG, job ids, counters
+    config.yaml               the settings of the latest start (a file `agentarium trainer
+                              --config` reads back)
 
 A checkpoint is written into a private temporary directory, fsynced, then renamed into place:
 a directory named ``step-*`` with a ``state.json`` is complete, whatever killed the writer.
@@ -23,16 +25,19 @@ import os
 import random
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+import yaml
 from safetensors.torch import load_file, save_file
 
 from .errors import CheckpointError
 
 _PREFIX = "step-"
+CONFIG = "config.yaml"
 _WEIGHT_FILES = ("model.safetensors", "optimizer.pt", "rng.pt")
 
 
@@ -158,6 +163,27 @@ class Checkpoints:
             raise
         self._prune()
         return final
+
+    def write_config(self, values: Mapping[str, Any], header: str = "") -> list[str]:
+        """Write ``config.yaml`` (replacing it atomically); returns the keys whose values differ
+        from the file it replaces (none for a first start)."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.directory / CONFIG
+        plain = {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
+        try:
+            before = yaml.safe_load(path.read_text()) if path.is_file() else None
+        except (OSError, yaml.YAMLError):
+            before = None  # unreadable: replaced, and nothing to compare with
+        changed = (
+            sorted(k for k in {*before, *plain} if before.get(k) != plain.get(k))
+            if isinstance(before, dict)
+            else []
+        )
+        comment = "".join(f"# {line}\n" for line in header.splitlines())
+        tmp = path.with_name(f".{CONFIG}.tmp-{os.getpid()}")
+        tmp.write_text(comment + yaml.safe_dump(plain, sort_keys=False, allow_unicode=True))
+        os.replace(tmp, path)
+        return changed
 
     def clean_partial(self) -> None:
         """Remove temporary directories a killed writer left behind."""

@@ -27,9 +27,10 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import structlog
 import torch
@@ -92,8 +93,11 @@ class Trainer:
         publisher: WeightPublisher | None = None,
         resume: bool = False,
         updater=None,
+        run_config: Mapping[str, Any] | None = None,
     ) -> None:
         self.config = config
+        # written to <checkpoint_dir>/config.yaml at start: what reproduces this run
+        self.run_config = dict(run_config) if run_config is not None else asdict(config)
         self.js = js
         self.topology = topology or Topology()
         self.publisher = publisher
@@ -347,6 +351,13 @@ class Trainer:
                 f"{cfg.checkpoint_dir} holds checkpoints already (latest {latest.name}): pass "
                 "--resume to continue that run, or point --checkpoint-dir at an empty directory"
             )
+        changed = self.checkpoints.write_config(
+            self.run_config,
+            header=f"agentarium trainer settings of run {cfg.run}, agent {cfg.agent}: "
+            "`agentarium trainer --config` reads this file",
+        )
+        if changed and self.resume:
+            log.warning("settings changed since the last start", changed=changed)
         if latest is None:
             if self.resume:
                 log.warning(

@@ -24,9 +24,27 @@ class Parser(argparse.ArgumentParser):
     """No abbreviated long options: ``--group 4`` must not silently mean ``--group-size``.
     Sub-parsers are made of the same class, so the rule holds for every command."""
 
+    overrides_dest: str | None = None  # set by config_file.add_config_arguments
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Any = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        """argparse fills a ``*`` positional from one run of positionals only, so in
+        ``lr=1 --run r max_staleness=2`` the second override would be "unrecognized": KEY=VALUE
+        tokens left over are overrides too, wherever they stand."""
+        parsed, extras = super().parse_known_args(args, namespace)
+        if self.overrides_dest and extras:
+            loose = [e for e in extras if "=" in e and not e.startswith("-")]
+            if loose:
+                setattr(
+                    parsed, self.overrides_dest, [*getattr(parsed, self.overrides_dest), *loose]
+                )
+                extras = [e for e in extras if e not in loose]
+        return parsed, extras
 
 
 def add_command_group(

@@ -1,9 +1,14 @@
-"""``agentarium consumer``: a rollout worker for one agent."""
+"""``agentarium consumer``: a rollout worker for one agent.
+
+Its settings are ``ConsumerConfig``'s fields, each one a flag, a key of a --config file and a
+KEY=VALUE override (agentarium/commands/config_file.py).
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import asdict, dataclass, field
 
 import structlog
 
@@ -23,65 +28,99 @@ from schemas import SchemaError, check_name
 
 from ..tiny import resolve_model
 from .common import add_nats_flags, install_stop_handlers, run_async, settings_from_args
+from .config_file import ConfigKeys, add_config_arguments, connection_flags, resolve
 
 log = structlog.get_logger("agentarium.cli")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConsumerConfig:
+    """The consumer command's settings; ``ConsumerSpec`` is built from them."""
+
+    agent: str  # NAME=module:function
+    llm: tuple[str, ...]
+    model: str = "tiny"
+    model_name: str | None = None
+    concurrency: int = 32
+    reward: str | None = None
+    burst: bool = False
+    attempts: int = 3
+    retry_delay_s: float = 1.0
+    ack_wait_s: float = 60.0
+    drain_grace_s: float = 30.0
+    llm_retries: int = 3
+    llm_timeout_s: float = 600.0
+    proxy_host: str = "0.0.0.0"
+    proxy_port: int = 0
+    advertise_host: str | None = None
+    worker_id: str = field(default_factory=default_worker_id)
+
+
+KEYS = ConfigKeys.of("consumer", ConsumerConfig, keyless=connection_flags())
 
 
 def parse_agent(value: str) -> tuple[str, str]:
     name, sep, spec = value.partition("=")
     if not sep:
-        raise argparse.ArgumentTypeError(
+        raise ValueError(
             f"--agent {value!r}: write NAME=module:function, e.g. toy=examples.toy:rollout"
         )
     try:
         check_name(name, "agent")
     except SchemaError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+        raise ValueError(str(exc)) from None
     return name, spec
 
 
-async def _consume(args: argparse.Namespace) -> int:
+def config_from_args(args: argparse.Namespace) -> tuple[ConsumerConfig, dict]:
+    """The settings from defaults, --config, flags and overrides, and where they came from."""
+    resolved = resolve(args, KEYS)
+    config = ConsumerConfig(**resolved.pick(ConsumerConfig))
+    parse_agent(config.agent)
+    if not normalize_urls(config.llm):
+        raise ValueError("no LLM server: pass --llm URL (repeat it for a fleet) or set llm:")
+    return config, resolved.describe()
+
+
+async def consume(args: argparse.Namespace, config: ConsumerConfig, source: dict) -> int:
     settings = settings_from_args(args)
-    name, spec_text = args.agent
     try:
+        name, spec_text = parse_agent(config.agent)
         fn = load_callable(spec_text, "agent")
         agent = AgentSpec.of(fn, name)
-        reward_fn = load_callable(args.reward, "reward function") if args.reward else None
-    except AgentLoadError as exc:
+        reward_fn = load_callable(config.reward, "reward function") if config.reward else None
+        model_dir = resolve_model(config.model)
+    except (AgentLoadError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    model_dir = resolve_model(args.model)
     spec = ConsumerSpec(
         agent=name,
         fn=fn,
-        target=LLMTarget(urls=tuple(normalize_urls(args.llm))),
+        target=LLMTarget(urls=tuple(normalize_urls(config.llm))),
         model_dir=str(model_dir),
-        model_name=args.model_name or ("tiny" if args.model == "tiny" else model_dir.name),
-        concurrency=args.concurrency,
-        proxy_host=args.proxy_host,
-        proxy_port=args.proxy_port,
-        advertise_host=args.advertise_host,
-        attempts=args.attempts,
-        retry_delay_s=args.retry_delay,
-        ack_wait_s=args.ack_wait,
-        drain_grace_s=args.drain_grace,
-        llm_retries=args.llm_retries,
-        llm_timeout_s=args.llm_timeout,
+        model_name=config.model_name or ("tiny" if config.model == "tiny" else model_dir.name),
+        concurrency=config.concurrency,
+        proxy_host=config.proxy_host,
+        proxy_port=config.proxy_port,
+        advertise_host=config.advertise_host,
+        attempts=config.attempts,
+        retry_delay_s=config.retry_delay_s,
+        ack_wait_s=config.ack_wait_s,
+        drain_grace_s=config.drain_grace_s,
+        llm_retries=config.llm_retries,
+        llm_timeout_s=config.llm_timeout_s,
         fetch_timeout_s=1.0,
-        burst=args.burst,
-        worker_id=args.worker_id,
+        burst=config.burst,
+        worker_id=config.worker_id,
         reward_fn=reward_fn,
     )
     log.info(
         "consumer config",
-        agent=name,
-        spec=spec_text,
+        **{**asdict(config), "llm": list(spec.target.urls)},
+        **source,
         style=agent.style,
         kind=agent.kind,
-        llm=list(spec.target.urls),
-        model=str(model_dir),
-        concurrency=args.concurrency,
-        burst=args.burst,
+        model_dir=str(model_dir),
         nats=settings.redacted(),
     )
     nc = await settings.connect(name=f"agentarium-consumer-{name}")
@@ -92,7 +131,7 @@ async def _consume(args: argparse.Namespace) -> int:
     finally:
         await nc.close()
     print(f"worker {spec.worker_id}: {format_counters(counters)}", file=sys.stderr)
-    if args.burst and counters.failed:
+    if config.burst and counters.failed:
         print(
             f"error: {counters.failed} rollout(s) of agent {name!r} failed (errors {counters.errors}, "
             f"timeouts {counters.timeouts}, dead-lettered {counters.dead_lettered}); the "
@@ -109,7 +148,9 @@ def format_counters(counters: Counters) -> str:
 
 
 def cmd_consumer(args: argparse.Namespace) -> int:
-    return run_async(lambda: _consume(args), service=f"agentarium-consumer-{args.agent[0]}")
+    config, source = config_from_args(args)  # a ValueError: `error: ...`, exit 2 (agentarium.cli)
+    name = parse_agent(config.agent)[0]
+    return run_async(lambda: consume(args, config, source), service=f"agentarium-consumer-{name}")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -118,12 +159,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="run a rollout worker for one agent",
         description="Pull jobs for one agent from JetStream, run the agent with a tracing LLM client, and store "
         "one trajectory per job. Any number of consumers may run on the same agent and share its queue. "
-        "SIGTERM drains: no new jobs, in-flight ones finish within --drain-grace, the rest are released.",
+        "SIGTERM drains: no new jobs, in-flight ones finish within --drain-grace, the rest are released. "
+        "Settings may come from --config FILE.yaml and KEY=VALUE overrides (defaults < file < flags < "
+        "overrides); the resolved ones are logged once.",
     )
     p.add_argument(
         "--agent",
         required=True,
-        type=parse_agent,
         metavar="NAME=module:function",
         help="agent name and its rollout function, e.g. toy=examples.toy:rollout. The function is "
         "rollout(task, llm) (async or not) or rollout(task, endpoint, model), or a Ray remote function",
@@ -171,6 +213,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--retry-delay",
+        dest="retry_delay_s",
         type=float,
         default=1.0,
         metavar="SECONDS",
@@ -178,6 +221,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--ack-wait",
+        dest="ack_wait_s",
         type=float,
         default=60.0,
         metavar="SECONDS",
@@ -185,6 +229,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--drain-grace",
+        dest="drain_grace_s",
         type=float,
         default=30.0,
         metavar="SECONDS",
@@ -198,6 +243,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--llm-timeout",
+        dest="llm_timeout_s",
         type=float,
         default=600.0,
         metavar="SECONDS",
@@ -221,8 +267,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--worker-id",
-        default=default_worker_id(),
         help="name in the workers registry (default: host-pid-random)",
     )
+    add_config_arguments(p, KEYS)
     add_nats_flags(p)
     p.set_defaults(func=cmd_consumer)

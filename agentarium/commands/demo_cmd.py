@@ -117,6 +117,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--tasks",
         default=str(DEFAULT_TASKS),
-        help="task file for --rollouts-only (default: the toy tasks)",
+        help="task file for --rollouts-only: JSON lines, or a .parquet file in verl's format "
+        "(default: the toy tasks)",
     )
     p.set_defaults(func=cmd_demo)

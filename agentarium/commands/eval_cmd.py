@@ -92,7 +92,12 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
         help="the agent; with =module:function the rollouts run in this process, "
         "otherwise on running `agentarium consumer` services for NAME",
     )
-    p.add_argument("--file", required=True, metavar="PATH", help="tasks, one JSON object per line")
+    p.add_argument(
+        "--file",
+        required=True,
+        metavar="PATH",
+        help="tasks, one JSON object per line, or a .parquet file, one task per row (verl's format)",
+    )
     p.add_argument("--k", type=int, default=1, metavar="K", help="attempts per task (default 1)")
     llm = p.add_argument_group("LLM (in-process consumer)")
     llm.add_argument(
@@ -183,7 +188,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     ev = sub.add_parser(
         "eval",
         help="evaluate an agent: every task K times, resumable",
-        description="Run every task of a JSONL file K times through the rollout "
+        description="Run every task of a JSONL or parquet file K times through the rollout "
         "consumers, write results.jsonl and print mean ± std, best-of-K and pass@k.",
     )
     esub = add_command_group(ev, "eval_command", "{run,summary}")

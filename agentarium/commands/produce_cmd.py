@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import time
+from collections import Counter
 from typing import IO
 
 import structlog
 
 from broker import NatsSettings, Topology, ensure_streams
-from producers import ProducerError, TaskProducer, expand_tasks, read_tasks
-from schemas import Sampling, SchemaError
+from producers import ProducerError, TaskFile, TaskProducer, agent_of, expand_tasks, read_task_file
+from schemas import Sampling, SchemaError, check_name
 
 from .common import add_nats_flags, positive_int, run_async, settings_from_args
 
@@ -24,14 +24,25 @@ PROGRESS_EVERY_S = 1.0
 
 def add_produce_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--agent", required=True, metavar="NAME", help="agent the jobs are for ([A-Za-z0-9_-])"
+        "--agent",
+        metavar="NAME",
+        help="agent the jobs are for ([A-Za-z0-9_-]); with --agent-from, the agent of the rows "
+        "whose column names none",
+    )
+    parser.add_argument(
+        "--agent-from",
+        metavar="COLUMN",
+        help="each task's agent is its COLUMN value (data_source for verl datasets), the rule "
+        "AgentOrchestrator applies: an agent_name field wins, then COLUMN when it is an agent "
+        "name, then --agent",
     )
     parser.add_argument(
         "--file",
         required=True,
         metavar="PATH",
-        help="tasks as JSON lines, one object per line (blank lines skipped); '-' reads stdin. "
-        "A task's id is its task_id or id field, else its position",
+        help="tasks as JSON lines, one object per line (blank lines skipped; '-' reads stdin), "
+        "or a .parquet file, one task per row (verl's prompt, data_source, reward_model, "
+        "extra_info columns included). A task's id is its task_id or id field, else its position",
     )
     parser.add_argument(
         "--group-size",
@@ -80,13 +91,51 @@ def add_produce_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _open_tasks(path: str) -> tuple[IO[str], str]:
-    if path == "-":
-        return sys.stdin, "<stdin>"
+def check_produce(args: argparse.Namespace) -> None:
+    """What the parser cannot check: some agent must be named."""
+    if not args.agent and not args.agent_from:
+        raise ValueError(
+            "name the agent: pass --agent NAME, or --agent-from COLUMN to route by a column"
+        )
+
+
+def route(tasks: list[dict], agent_from: str, default: str | None, where: TaskFile) -> list[str]:
+    """One agent per task by ``producers.agent_of``; every task without one is named."""
+    problems: dict[str, list[int]] = {}
+    agents = []
+    for task, position in zip(tasks, where.positions, strict=True):
+        agent, problem = agent_of(task, known=_is_name, default=default, source=agent_from)
+        if problem:
+            problems.setdefault(problem, []).append(position)
+        agents.append(agent or "")
+    if not problems:
+        return agents
+    lines = []
+    fix = "pass --agent NAME for such rows, or give them an agent_name field"
+    for problem, positions in problems.items():
+        unit = where.unit + ("s" if len(positions) > 1 else "")
+        at = f"{unit} {', '.join(map(str, positions[:5]))}" + (
+            f" and {len(positions) - 5} more" if len(positions) > 5 else ""
+        )
+        if problem.startswith("unknown:"):
+            lines.append(
+                f"{at}: agent_name {problem[8:]!r} is not an agent name ([A-Za-z0-9_-]): fix it"
+            )
+        elif problem.startswith("source:"):
+            lines.append(
+                f"{at}: {agent_from} {problem[7:]!r} is not an agent name ([A-Za-z0-9_-]): {fix}"
+            )
+        else:
+            lines.append(f"{at}: no {agent_from}: {fix}")
+    raise SchemaError("; ".join(lines))
+
+
+def _is_name(name: str) -> bool:
     try:
-        return open(path, encoding="utf-8"), path  # noqa: SIM115 - closed by the caller
-    except OSError as exc:
-        raise SchemaError(f"cannot read tasks file {path!r}: {exc.strerror}") from exc
+        check_name(name, "agent")
+    except SchemaError:
+        return False
+    return True
 
 
 class _Progress:
@@ -105,12 +154,15 @@ class _Progress:
 
 
 async def run_produce(args: argparse.Namespace, settings: NatsSettings) -> int:
+    source = "<stdin>" if args.file == "-" else args.file
     try:
-        handle, source = _open_tasks(args.file)
-        with handle if handle is not sys.stdin else contextlib.nullcontext(handle):
-            tasks, line_numbers = read_tasks(handle, source)
+        task_file = read_task_file(args.file)
+        tasks = task_file.tasks
         if not tasks:
             raise SchemaError(f"{source} holds no tasks")
+        agents: str | list[str] = (
+            route(tasks, args.agent_from, args.agent, task_file) if args.agent_from else args.agent
+        )
         sampling = Sampling(
             **{
                 k: v
@@ -123,7 +175,7 @@ async def run_produce(args: argparse.Namespace, settings: NatsSettings) -> int:
         )
         # Everything is validated before connecting: a typo costs no broker round trip.
         batch_id, jobs = expand_tasks(
-            args.agent,
+            agents,
             tasks,
             run=args.run,
             group_size=args.group_size,
@@ -135,17 +187,21 @@ async def run_produce(args: argparse.Namespace, settings: NatsSettings) -> int:
     except SchemaError as exc:
         rows = getattr(exc, "rows", None)
         if rows:
-            first, second = (line_numbers[r] for r in rows)
+            first, second = (task_file.positions[r] for r in rows)
             print(
-                f"error: {source}: lines {first} and {second} have the same task id: {exc}",
+                f"error: {source}: {task_file.unit}s {first} and {second} have the same task id: "
+                f"{exc}",
                 file=sys.stderr,
             )
         else:
             print(f"error: {exc}", file=sys.stderr)
         return 2
+    per_agent = Counter(job.agent for job in jobs)
     log.info(
         "produce",
         agent=args.agent,
+        agent_from=args.agent_from,
+        jobs_per_agent=dict(per_agent),
         run=args.run,
         batch_id=batch_id,
         tasks=len(tasks),
@@ -171,6 +227,9 @@ async def run_produce(args: argparse.Namespace, settings: NatsSettings) -> int:
         except ProducerError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
+    if args.agent_from:
+        shares = " ".join(f"{agent}={n}" for agent, n in sorted(per_agent.items()))
+        print(f"produce: jobs per agent: {shares}", file=sys.stderr)
     print(
         f"run={args.run} batch={batch_id} jobs={len(jobs)} published={published} duplicates={duplicates}"
     )
@@ -186,11 +245,11 @@ def cmd_produce(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     produce = sub.add_parser(
         "produce",
-        help="publish tasks from a JSONL file as rollout jobs",
-        description="Publish tasks (one JSON object per line) as rollout jobs, expanded into G jobs per task "
+        help="publish tasks from a JSONL or parquet file as rollout jobs",
+        description="Publish tasks (one JSON object per line, or one parquet row each) as rollout jobs, expanded into G jobs per task "
         "that share a group_id. Job ids are derived from (run, batch, task, sample), so publishing the same "
         "file twice adds nothing. Prints the run id and batch id.",
     )
     add_produce_arguments(produce)
     add_nats_flags(produce)
-    produce.set_defaults(func=cmd_produce)
+    produce.set_defaults(func=cmd_produce, check=check_produce)

@@ -1,9 +1,16 @@
-"""``agentarium trainer``: asynchronous GRPO on a run's trajectories (trainer.run_trainer)."""
+"""``agentarium trainer``: asynchronous GRPO on a run's trajectories (trainer.run_trainer).
+
+Its settings are the fields of ``TrainerConfig`` (the algorithm) and ``TrainerProcess`` (this
+process), each one a flag, a key of a --config file and a KEY=VALUE override
+(agentarium/commands/config_file.py).
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 import trainer
 from broker import NatsSettings
@@ -11,6 +18,36 @@ from trainer import LOSS_AGGS, MULTI_TURN, TrainerConfig
 
 from ..tiny import resolve_model
 from .common import add_nats_flags, run_async, settings_from_args
+from .config_file import ConfigKeys, Resolved, add_config_arguments, connection_flags, resolve
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerProcess:
+    """What this trainer process does beside the algorithm (TrainerConfig's fields)."""
+
+    max_steps: int | None = None  # counted across resumes; None: until SIGTERM
+    weights_dir: str | None = None  # shared-path mode instead of the weights object store
+    keep_versions: int = 3
+    publish: bool = True
+    torch_threads: int | None = None
+
+
+KEYS = ConfigKeys.of(
+    "trainer",
+    TrainerConfig,
+    TrainerProcess,
+    flagless={
+        "adam_betas": "AdamW's (beta1, beta2), rarely changed: adam_betas: [0.9, 0.95]",
+        "adv_eps": "a numerical guard in the advantage's denominator, not a tuning knob",
+        "tis_clip": "the cap of truncated importance weights (stale_policy tis), 2 as in TIS",
+        "min_group_members": "trainable members a timed-out group needs; below 2 nothing is learnt",
+    },
+    keyless={
+        **connection_flags(),
+        "resume": "what this start does with the checkpoint directory, not a setting of the run: "
+        "the config.yaml written there starts the run again, and with --resume continues it",
+    },
+)
 
 
 def add_trainer_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,6 +62,7 @@ def add_trainer_arguments(parser: argparse.ArgumentParser) -> None:
     p(
         "--model",
         required=True,
+        dest="model_dir",
         metavar="tiny|PATH",
         help="policy to train: 'tiny' or a local transformers model directory (the same one the engines serve)",
     )
@@ -132,7 +170,8 @@ def add_trainer_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--no-std-norm",
-        action="store_true",
+        dest="std_norm",
+        action="store_false",
         help="advantage = reward - group mean, not divided by the group std (Dr. GRPO)",
     )
     g.add_argument(
@@ -162,6 +201,7 @@ def add_trainer_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--group-timeout",
+        dest="group_timeout_s",
         type=float,
         default=600.0,
         metavar="SECONDS",
@@ -169,6 +209,7 @@ def add_trainer_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--ack-wait",
+        dest="ack_wait_s",
         type=float,
         default=300.0,
         metavar="SECONDS",
@@ -196,7 +237,8 @@ def add_trainer_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--no-publish",
-        action="store_true",
+        dest="publish",
+        action="store_false",
         help="train without publishing weights (the fleet keeps serving what it has; staleness stays 0)",
     )
     g.add_argument(
@@ -225,6 +267,7 @@ def add_trainer_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--metrics",
+        dest="metrics_path",
         metavar="FILE",
         help="append one CSV row per step here (plot it with `agentarium plot FILE`)",
     )
@@ -249,6 +292,7 @@ def add_trainer_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="torch CPU threads in this process (default: torch's choice)",
     )
+    add_config_arguments(parser, KEYS)
 
 
 def _dual_clip(value: str) -> float:
@@ -262,67 +306,45 @@ def _dual_clip(value: str) -> float:
         ) from None
 
 
+def resolve_args(args: argparse.Namespace) -> tuple[TrainerConfig, TrainerProcess, Resolved]:
+    """The trainer's settings from defaults, --config, flags and overrides, validated."""
+    resolved = resolve(args, KEYS)
+    values = resolved.pick(TrainerConfig)
+    values["model_dir"] = str(resolve_model(str(values["model_dir"])))
+    return TrainerConfig(**values), TrainerProcess(**resolved.pick(TrainerProcess)), resolved
+
+
 def config_from_args(args: argparse.Namespace) -> TrainerConfig:
-    return TrainerConfig(
-        run=args.run,
-        agent=args.agent,
-        model_dir=str(args.model),
-        group_size=args.group_size,
-        groups_per_step=args.groups_per_step,
-        micro_batch_size=args.micro_batch_size,
-        lr=args.lr,
-        weight_decay=args.weight_decay,
-        grad_clip=args.grad_clip,
-        seed=args.seed,
-        clip_low=args.clip_low,
-        clip_high=args.clip_high,
-        dual_clip=args.dual_clip,
-        kl_coef=args.kl_coef,
-        entropy_coef=args.entropy_coef,
-        bf16_autocast=args.bf16_autocast,
-        loss_agg=args.loss_agg,
-        loss_norm_tokens=args.loss_norm_tokens,
-        std_norm=not args.no_std_norm,
-        multi_turn=args.multi_turn,
-        max_staleness=args.max_staleness,
-        stale_policy=args.stale_policy,
-        filter_flat_groups=args.filter_flat_groups,
-        group_timeout_s=args.group_timeout,
-        ack_wait_s=args.ack_wait,
-        publish_every=args.publish_every,
-        checkpoint_dir=args.checkpoint_dir,
-        checkpoint_every=args.checkpoint_every,
-        keep_checkpoints=args.keep_checkpoints,
-        metrics_path=args.metrics,
-        device=args.device,
-        ray_workers=args.ray_workers,
-    )
+    return resolve_args(args)[0]
 
 
-async def _train(args: argparse.Namespace, settings: NatsSettings) -> int:
+async def train(args: argparse.Namespace, settings: NatsSettings) -> int:
     try:
-        config = config_from_args(args)
+        config, process, resolved = resolve_args(args)
     except (trainer.TrainerError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     publisher = (
-        (lambda js, topology, cfg: None)
-        if args.no_publish
-        else trainer.store_publisher(args.weights_dir, args.keep_versions)
+        trainer.store_publisher(
+            Path(process.weights_dir) if process.weights_dir else None, process.keep_versions
+        )
+        if process.publish
+        else (lambda js, topology, cfg: None)
     )
     return await trainer.run_trainer(
         config,
         settings,
         resume=args.resume,
-        max_steps=args.max_steps,
+        max_steps=process.max_steps,
         make_publisher=publisher,
-        torch_threads=args.torch_threads,
+        torch_threads=process.torch_threads,
+        run_config=resolved.values,
+        config_source=resolved.describe(),
     )
 
 
 def cmd_trainer(args: argparse.Namespace) -> int:
-    args.model = str(resolve_model(args.model))
-    return run_async(lambda: _train(args, settings_from_args(args)), service="agentarium-trainer")
+    return run_async(lambda: train(args, settings_from_args(args)), service="agentarium-trainer")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -331,7 +353,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="asynchronous GRPO on a run's trajectories; publishes new weights",
         description="Group a run's training trajectories by group_id, run asynchronous GRPO updates with torch + "
         "transformers, publish new weights every --publish-every steps (object store + policy KV), and checkpoint. "
-        "SIGTERM checkpoints and exits 0; --resume continues from the last checkpoint.",
+        "SIGTERM checkpoints and exits 0; --resume continues from the last checkpoint. Settings may come "
+        "from --config FILE.yaml and KEY=VALUE overrides (defaults < file < flags < overrides); the "
+        "resolved ones are logged once and written to <checkpoint-dir>/config.yaml.",
     )
     add_trainer_arguments(parser)
     add_nats_flags(parser)

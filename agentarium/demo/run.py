@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from broker import NatsServer, NatsSettings, Topology, count_messages, provision, setup_logging
-from producers import RunSession, expand_tasks
+from producers import RunSession, expand_tasks, read_task_file
 
 from ..progress import ProgressBar
 from ..tiny import ensure_tiny_model
@@ -182,7 +182,7 @@ def _report(out: Path, elapsed: float, digits: str) -> int:
 
 
 async def _rollouts_only(args: DemoConfig, url: str, out: Path) -> dict:
-    tasks = [json.loads(line) for line in Path(args.tasks).read_text().splitlines() if line.strip()]
+    tasks = read_task_file(args.tasks).tasks  # JSON lines, or parquet by extension
     batch_id, jobs = expand_tasks(args.agent_name, tasks, run=args.run, group_size=args.group_size)
     started = time.monotonic()
     # The same bar as AgentOrchestrator.wait_for_batch_completion draws.

@@ -5,8 +5,13 @@ One record per trajectory (or per call with ``--multi-turn per-call``): the chat
 without re-tokenising: ``input_ids`` (prompt then response), ``loss_mask`` (1 on tokens the
 model generated, 0 on the prompt, tool results and observations) and ``logprobs``; plus ids,
 status, reward and metrics. Rows are built exactly as ``generate_training_batch`` builds them
-(``trainer.rows_of``), unpadded. Parquet needs ``pyarrow``; ``messages`` and
-``metrics`` are stored there as JSON text (tool calls make them too irregular for a schema).
+(``trainer.rows_of``), unpadded. Parquet needs ``pyarrow``. There ``messages`` is a list of
+structs, the conversational shape TRL's SFTTrainer and ``datasets`` load as they are:
+``role`` and ``content`` always, plus ``reasoning_content``, ``tool_calls`` (``id``, ``type``,
+``function`` with ``name`` and ``arguments``, a JSON string as OpenAI sends it),
+``tool_call_id`` and ``name`` only when some message of the export has them, so a chat
+without tools has no null-filled extra keys for a chat template to trip on. Other message
+keys are kept by the JSON lines export only. ``metrics`` and ``task`` are JSON text there.
 """
 
 from __future__ import annotations
@@ -109,12 +114,15 @@ def write_parquet(rows: Iterator[dict[str, Any]], path: Path) -> int:
             "logprobs",
         )
     }
+    message_type, to_struct = _message_struct(pa, [r["messages"] for r in materialized])
     for row in materialized:
         for name in columns:
             value = row[name]
-            columns[name].append(
-                json.dumps(value) if name in ("messages", "metrics", "task") else value
-            )
+            if name == "messages":
+                value = [to_struct(m) for m in value]
+            elif name in ("metrics", "task"):
+                value = json.dumps(value)
+            columns[name].append(value)
     schema = pa.schema(
         [
             ("job_id", pa.string()),
@@ -126,7 +134,7 @@ def write_parquet(rows: Iterator[dict[str, Any]], path: Path) -> int:
             ("reward", pa.float64()),
             ("call_index", pa.int32()),
             ("prompt_length", pa.int32()),
-            ("messages", pa.string()),
+            ("messages", pa.list_(message_type)),
             ("metrics", pa.string()),
             ("task", pa.string()),
             ("input_ids", pa.list_(pa.int32())),
@@ -136,6 +144,70 @@ def write_parquet(rows: Iterator[dict[str, Any]], path: Path) -> int:
     )
     pq.write_table(pa.table(columns, schema=schema), path)
     return len(materialized)
+
+
+OPTIONAL_MESSAGE_FIELDS = ("reasoning_content", "tool_calls", "tool_call_id", "name")
+
+
+def _message_struct(pa: Any, conversations: list[list[dict]]) -> tuple[Any, Any]:
+    """The struct type of this export's messages, and a function making one message fit it."""
+    present = {
+        key
+        for messages in conversations
+        for message in messages
+        for key in OPTIONAL_MESSAGE_FIELDS
+        if message.get(key) not in (None, [], "")
+    }
+    call = pa.struct(
+        [
+            ("id", pa.string()),
+            ("type", pa.string()),
+            ("function", pa.struct([("name", pa.string()), ("arguments", pa.string())])),
+        ]
+    )
+    kinds = {
+        "reasoning_content": pa.string(),
+        "tool_calls": pa.list_(call),
+        "tool_call_id": pa.string(),
+        "name": pa.string(),
+    }
+    fields = [("role", pa.string()), ("content", pa.string())]
+    fields += [(key, kinds[key]) for key in OPTIONAL_MESSAGE_FIELDS if key in present]
+
+    def to_struct(message: dict) -> dict:
+        out: dict[str, Any] = {
+            "role": str(message.get("role", "")),
+            "content": _text(message.get("content")),
+        }
+        for key in OPTIONAL_MESSAGE_FIELDS:
+            if key not in present:
+                continue
+            value = message.get(key)
+            if key == "tool_calls":
+                out[key] = [_tool_call(c) for c in value] if value else None
+            else:
+                out[key] = _text(value)
+        return out
+
+    return pa.struct(fields), to_struct
+
+
+def _text(value: Any) -> str | None:
+    # content may be a list of parts (multimodal); a string column keeps it as JSON text
+    return value if value is None or isinstance(value, str) else json.dumps(value)
+
+
+def _tool_call(call: dict) -> dict:
+    function = call.get("function") or {}
+    arguments = function.get("arguments")
+    return {
+        "id": call.get("id"),
+        "type": call.get("type", "function"),
+        "function": {
+            "name": function.get("name"),
+            "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments),
+        },
+    }
 
 
 async def export_run(

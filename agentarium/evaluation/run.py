@@ -37,7 +37,7 @@ from consumers import (
     normalize_urls,
 )
 from producers import RunSession, TrajectoryReader, make_job, task_id_of
-from producers import read_tasks as read_tasks_lines
+from producers import read_task_file as load_task_file
 from schemas import Job, Sampling, SchemaError, Trajectory, check_name
 
 from ..progress import ProgressBar
@@ -87,16 +87,19 @@ class EvalConfig:
 
 
 def read_task_file(path: Path) -> tuple[list[dict], list[str], str]:
-    """Tasks, their ids (task_id/id, else the line's position) and the file's sha256."""
+    """Tasks (JSON lines, or parquet by extension), their ids (task_id/id, else the position)
+    and the file's sha256."""
     try:
-        raw = path.read_bytes()
-        tasks, _ = read_tasks_lines(raw.decode().splitlines(), str(path))
-    except (OSError, UnicodeDecodeError) as exc:
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        tasks = load_task_file(path).tasks
+    except OSError as exc:
         raise EvalError(f"cannot read tasks file {path}: {exc}") from None
     except SchemaError as exc:
         raise EvalError(str(exc)) from None
     if not tasks:
-        raise EvalError(f"{path} has no tasks: write one JSON object per line")
+        raise EvalError(
+            f"{path} has no tasks: write one JSON object per line, or one parquet row per task"
+        )
     ids = [task_id_of(t, i) for i, t in enumerate(tasks)]
     seen: dict[str, int] = {}
     for i, task_id in enumerate(ids):
@@ -106,7 +109,7 @@ def read_task_file(path: Path) -> tuple[list[dict], list[str], str]:
                 "give every task a distinct task_id"
             )
         seen[task_id] = i
-    return tasks, ids, hashlib.sha256(raw).hexdigest()
+    return tasks, ids, digest
 
 
 def default_run(cfg: EvalConfig, tasks_sha: str) -> str:

@@ -6,7 +6,8 @@ Accepted shapes:
 - an object with a ``non_tensor_batch`` dict (a verl ``DataProto``): its columns.
 
 The agent of each row comes from its ``agent_name`` column, else from ``data_source`` when
-that names a registered agent, else the default agent. Every problem (no rows, ragged
+that names a registered agent, else the default agent (``producers.agent_of``, the rule
+``agentarium produce --agent-from`` applies too). Every problem (no rows, ragged
 columns, a row without an agent, an agent nobody registered, two rows with one task id) is
 a ``BatchDataError`` that says what to change, raised before the first publish.
 """
@@ -21,10 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from producers import TaskRow, expand_rows, task_id_of
+from producers import AGENT_COLUMN, SOURCE_COLUMN, TaskRow, agent_of, expand_rows, task_id_of
 from schemas import Job, Sampling, SchemaError
 
-AGENT_COLUMNS = ("agent_name", "data_source")
+AGENT_COLUMNS = (AGENT_COLUMN, SOURCE_COLUMN)
 _SHOW = 5  # rows named in an error message
 
 
@@ -120,22 +121,6 @@ def rows_of(data: Any) -> list[dict]:
     return rows
 
 
-def _agent_of(
-    row: dict, registered: Collection[str], default: str | None
-) -> tuple[str | None, str]:
-    """(agent, problem); problem is '' when the row has an agent."""
-    name = row.get("agent_name")
-    if name not in (None, ""):
-        name = str(name)
-        return (name, "") if name in registered else (None, f"unknown:{name}")
-    source = row.get("data_source")
-    if source not in (None, "") and str(source) in registered:
-        return str(source), ""
-    if default is not None:
-        return default, ""
-    return None, "missing" if source in (None, "") else f"source:{source}"
-
-
 def normalize(
     data: Any, *, registered: Collection[str], default_agent: str | None
 ) -> list[BatchRow]:
@@ -153,7 +138,9 @@ def normalize(
     out: list[BatchRow] = []
     seen: dict[str, int] = {}
     for index, row in enumerate(rows):
-        agent, problem = _agent_of(row, registered, default_agent)
+        agent, problem = agent_of(
+            row, known=lambda name: name in registered, default=default_agent, source=SOURCE_COLUMN
+        )
         if problem:
             problems.setdefault(problem, []).append(index)
             continue
