@@ -1,5 +1,5 @@
-"""Per-step training metrics: one CSV row per step, the same values as OpenTelemetry metrics,
-and a PNG plot of reward against step.
+"""Per-step training metrics: one CSV row per step, the same values as OpenTelemetry metrics
+and as experiment-tracker scalars (trainer/trackers.py), and a PNG plot of reward against step.
 
 Columns (in this order; the first ones are the stable contract):
 
@@ -16,6 +16,11 @@ and the update, not the wait for data). ``dropped_*``, ``tis_weighted``, ``faile
 columns cover every ok trajectory weighed for the step (trained or dropped as stale);
 ``staleness_hist`` reads ``0:96 1:24 3:8`` (versions behind: trajectories).
 
+Trackers (TensorBoard, W&B, MLflow) get the same values under verl-style ``/``-grouped names,
+identical in every tracker: ``TRACKER_NAMES`` maps each CSV column to its name
+(``reward_mean`` -> ``reward/mean``). ``staleness_hist`` and ``time`` have no scalar form there
+(``staleness/max`` and ``staleness/mean`` summarise the first; trackers stamp their own time).
+
 A resumed trainer appends to the same CSV, so steps trained after the last checkpoint of a
 killed trainer appear twice; ``read_metrics`` keeps the last row of each step.
 """
@@ -27,10 +32,13 @@ import math
 import struct
 import time
 import zlib
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from opentelemetry import metrics as otel_metrics
+
+from .trackers import NullTracker, Tracker
 
 COLUMNS = (
     "step",
@@ -89,18 +97,64 @@ class StepMetrics:
         row["staleness_hist"] = " ".join(f"{k}:{v}" for k, v in sorted(self.staleness_hist.items()))
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in row.items()}
 
+    def scalars(self) -> dict[str, float]:
+        """The step's values under their tracker names (``TRACKER_NAMES``)."""
+        return {name: float(getattr(self, column)) for column, name in TRACKER_NAMES.items()}
+
 
 FIELDS = tuple(StepMetrics.__dataclass_fields__)
 assert FIELDS[: len(COLUMNS)] == COLUMNS, "the CSV's leading columns are a contract"
 
+# CSV column -> tracker name. Groups as verl's: one panel per prefix in TensorBoard and W&B.
+# Running totals (since the trainer started) are under dropped/ and trajectories/.
+TRACKER_NAMES: Mapping[str, str] = {
+    "reward_mean": "reward/mean",
+    "reward_std": "reward/std",
+    "loss": "actor/loss",
+    "kl": "actor/kl",
+    "clip_frac": "actor/clip_frac",
+    "entropy": "actor/entropy",
+    "grad_norm": "actor/grad_norm",
+    "ratio_mean": "actor/ratio_mean",
+    "version": "policy/version",
+    "staleness_max": "staleness/max",
+    "staleness_mean": "staleness/mean",
+    "tokens": "perf/tokens",
+    "model_tokens": "perf/model_tokens",
+    "tokens_per_s": "perf/tokens_per_s",
+    "step_s": "timing_s/step",
+    "wait_s": "timing_s/wait",
+    "groups_used": "batch/groups",
+    "rows": "batch/rows",
+    "prefix_mismatches": "batch/prefix_mismatches",
+    "dropped_stale": "dropped/stale",
+    "dropped_flat": "dropped/flat",
+    "tis_weighted": "trajectories/tis_weighted",
+    "failed_members": "trajectories/failed",
+    "refused": "trajectories/refused",
+    "validation_skipped": "trajectories/validation_skipped",
+}
+assert set(TRACKER_NAMES) == set(FIELDS) - {"step", "staleness_hist", "time"}, (
+    "every StepMetrics field needs a tracker name (or a reason to have none)"
+)
+
 
 class MetricsSink:
-    """CSV (when ``path`` is set) plus OpenTelemetry instruments; ``record`` never branches
-    on whether anything listens: without a MeterProvider the instruments are no-ops."""
+    """CSV (when ``path`` is set), OpenTelemetry instruments and a Tracker; ``record`` never
+    branches on whether anything listens: without a MeterProvider the instruments are no-ops,
+    and without a tracker it holds a NullTracker."""
 
-    def __init__(self, path: str | Path | None, *, attributes: dict | None = None, append=False):
+    def __init__(
+        self,
+        path: str | Path | None,
+        *,
+        attributes: dict | None = None,
+        append=False,
+        tracker: Tracker | None = None,
+    ):
         self.path = Path(path) if path else None
         self.attributes = dict(attributes or {})
+        self.tracker = tracker or NullTracker()
         self._file = None
         self._writer = None
         if self.path is not None:
@@ -166,11 +220,13 @@ class MetricsSink:
             if delta > 0:
                 self._counters[name].add(delta, attrs)
             self._last_totals[name] = getattr(m, name)
+        self.tracker.log(m.step, m.scalars())
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+        self.tracker.close()
 
 
 def read_metrics(path: str | Path) -> list[dict[str, str]]:

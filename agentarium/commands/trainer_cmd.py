@@ -7,7 +7,7 @@ import sys
 
 import trainer
 from broker import NatsSettings
-from trainer import LOSS_AGGS, MULTI_TURN, TrainerConfig
+from trainer import LOSS_AGGS, MULTI_TURN, TRACKERS, TrainerConfig
 
 from ..tiny import resolve_model
 from .common import add_nats_flags, run_async, settings_from_args
@@ -228,6 +228,21 @@ def add_trainer_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="append one CSV row per step here (plot it with `agentarium plot FILE`)",
     )
+    g.add_argument(
+        "--report-to",
+        default=None,
+        metavar="LIST",
+        help=f"experiment trackers, comma-separated: any of {','.join(TRACKERS)}, or none; each "
+        "step's metrics go to every one, under the same names (default: csv, the --metrics file). "
+        "W&B runs offline unless WANDB_MODE says otherwise; MLflow writes a SQLite file unless "
+        "MLFLOW_TRACKING_URI is set",
+    )
+    g.add_argument(
+        "--tracker-dir",
+        metavar="DIR",
+        help="where tensorboard/, wandb/ and mlflow.db go (default: the --metrics file's "
+        "directory, else --checkpoint-dir, else ./runs/<run>)",
+    )
     g = parser.add_argument_group("compute")
     g.add_argument(
         "--device",
@@ -263,7 +278,7 @@ def _dual_clip(value: str) -> float:
 
 
 def config_from_args(args: argparse.Namespace) -> TrainerConfig:
-    return TrainerConfig(
+    config = TrainerConfig(
         run=args.run,
         agent=args.agent,
         model_dir=str(args.model),
@@ -294,9 +309,16 @@ def config_from_args(args: argparse.Namespace) -> TrainerConfig:
         checkpoint_every=args.checkpoint_every,
         keep_checkpoints=args.keep_checkpoints,
         metrics_path=args.metrics,
+        tracker_dir=args.tracker_dir,
+        **({} if args.report_to is None else {"report_to": args.report_to}),
         device=args.device,
         ray_workers=args.ray_workers,
     )
+    if args.report_to is not None and "csv" in config.report_to and not config.metrics_path:
+        raise trainer.TrainerConfigError(
+            "--report-to csv writes the --metrics file: pass --metrics FILE as well"
+        )
+    return config
 
 
 async def _train(args: argparse.Namespace, settings: NatsSettings) -> int:
