@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -258,3 +260,17 @@ def test_report_to_flag(tmp_path):
         parse("--report-to", "csv,neptune")
     with pytest.raises(TrainerConfigError, match="pass --metrics FILE"):
         parse("--report-to", "csv,wandb")
+
+
+def test_unselected_trackers_are_never_imported(tmp_path):
+    code = (
+        "import sys; from pathlib import Path;"
+        "from trainer.trackers import NullTracker, TrackerRun, open_backends;"
+        "run = TrackerRun(run='r', agent='a', directory=Path(sys.argv[1]));"
+        "assert isinstance(open_backends(('csv',), run), NullTracker);"
+        "print(sorted(m for m in ('tensorboard', 'wandb', 'mlflow') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split() == ["[]"]
