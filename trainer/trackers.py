@@ -117,6 +117,7 @@ def missing_packages(names: Iterable[str]) -> list[str]:
 
 
 def check_installed(names: Iterable[str]) -> None:
+    names = list(names)
     missing = missing_packages(names)
     if missing:
         raise TrainerConfigError(
@@ -138,8 +139,9 @@ def open_trackers(config: TrainerConfig, *, resume: bool = False, start_step: in
     return open_backends(config.report_to, run)
 
 
-def open_backends(names: Iterable[str], run: TrackerRun) -> Tracker:
-    names = [n for n in names if n != "csv"]
+def open_backends(names: str | Iterable[str], run: TrackerRun) -> Tracker:
+    """One Tracker for the named backends (``csv`` is the metrics CSV: nothing to open here)."""
+    names = [n for n in parse_report_to(names) if n != "csv"]
     check_installed(names)
     opened: list[tuple[str, Tracker]] = []
     try:
