@@ -45,7 +45,7 @@ log = structlog.get_logger("agentarium.trainer")
 TRACKERS = ("csv", "tensorboard", "wandb", "mlflow")
 
 # Python module -> pip package, per backend. MLflow's own file store refuses to open unless
-# MLFLOW_ALLOW_FILE_STORE is set (3.x), so the local default is its SQLite store, which needs
+# MLFLOW_ALLOW_FILE_STORE is set (MLflow 3.17), so the local default is its SQLite store, which needs
 # sqlalchemy and alembic; mlflow-skinny leaves both out.
 _PACKAGES: dict[str, tuple[tuple[str, str], ...]] = {
     "tensorboard": (("tensorboard", "tensorboard"),),
