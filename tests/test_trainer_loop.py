@@ -95,8 +95,10 @@ async def test_publishes_versions_links_trajectories_and_writes_metrics(
     info = await js.consumer_info(topology.trajectories_stream, f"trainer-{RUN}")
     assert info.num_ack_pending == 0  # no checkpoint dir: acked after each step
 
-    png = plot_metrics(tmp_path / "metrics.csv", tmp_path / "reward.png")
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    png = plot_metrics(tmp_path / "metrics.csv", tmp_path / "reward.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    # IHDR width x height: matplotlib's 8 x 4.5 inch figure at 100 dpi
+    assert (int.from_bytes(png[16:20]), int.from_bytes(png[20:24])) == (800, 450)
 
 
 async def test_stale_trajectories_dropped_against_published_versions(js, topology, tmp_path):
@@ -123,22 +125,6 @@ def _returns(value):
         return value
 
     return latest_version
-
-
-def test_fallback_png_writer_without_matplotlib(tmp_path, monkeypatch):
-    import builtins
-
-    (tmp_path / "m.csv").write_text("step,reward_mean\n1,0.1\n2,0.4\n3,0.3\n")
-    real_import = builtins.__import__
-
-    def no_matplotlib(name, *args, **kwargs):
-        if name.startswith("matplotlib"):
-            raise ImportError(name)
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
-    data = plot_metrics(tmp_path / "m.csv", tmp_path / "r.png").read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n" and b"IHDR" in data and b"IEND" in data
 
 
 def test_cli_flags_map_to_config_and_bad_values_say_what_to_fix(tmp_path):

@@ -1,5 +1,5 @@
-"""The asynchronous GRPO trainer: collector, GRPO math, step, checkpoints, metrics, weight
-publishing and the weight syncer (see docs/design.md, "The trainer").
+"""The asynchronous GRPO trainer: collector, GRPO math, step, checkpoints, metrics and
+experiment trackers, weight publishing and the weight syncer (see docs/design.md, "The trainer").
 
 ``import trainer`` stays light (no torch): the names that need torch load on first use. The
 torch-free trajectory -> token rows rules (trainer/rows.py) are shared with the verl tensorizer
@@ -13,7 +13,13 @@ from typing import Any
 
 from .app import PublisherFactory, default_weights_dir, run_sync, run_trainer, store_publisher
 from .config import DEVICES, LOSS_AGGS, STALE_POLICIES, TrainerConfig
-from .errors import CheckpointError, DistributedError, TrainerConfigError, TrainerError
+from .errors import (
+    CheckpointError,
+    DistributedError,
+    TrackerError,
+    TrainerConfigError,
+    TrainerError,
+)
 from .metrics import plot_metrics, read_metrics
 from .rows import (
     HOW,
@@ -26,6 +32,7 @@ from .rows import (
     rows_of,
 )
 from .sync import PAUSE_MODES, SyncConfig, WeightSyncer
+from .trackers import TRACKERS
 from .weights import WeightsError, WeightStore
 
 _LAZY = {"Trainer": ".loop"}  # torch + transformers
@@ -37,11 +44,13 @@ __all__ = [
     "MULTI_TURN",
     "PAUSE_MODES",
     "STALE_POLICIES",
+    "TRACKERS",
     "CheckpointError",
     "DistributedError",
     "PublisherFactory",
     "SyncConfig",
     "TokenRow",
+    "TrackerError",
     "Trainer",
     "TrainerConfig",
     "TrainerConfigError",

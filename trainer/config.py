@@ -10,6 +10,7 @@ from schemas import check_name
 
 from .errors import TrainerConfigError
 from .rows import MULTI_TURN
+from .trackers import check_installed, parse_report_to
 
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 STALE_POLICIES = ("drop", "tis")
@@ -61,10 +62,16 @@ class TrainerConfig:
     checkpoint_every: int = 10
     keep_checkpoints: int = 3
     metrics_path: str | None = None
+    # experiment trackers, any of csv (the metrics_path file), tensorboard, wandb, mlflow; a
+    # comma-separated string or a list is accepted and normalised to a tuple
+    report_to: tuple[str, ...] = ("csv",)
+    tracker_dir: str | None = None  # where trackers write; see tracker_path()
     device: str = "cpu"
     ray_workers: int = 0
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "report_to", parse_report_to(self.report_to))
+        check_installed(self.report_to)
         for name in ("run", "agent"):
             try:
                 check_name(getattr(self, name), name)
@@ -111,6 +118,15 @@ class TrainerConfig:
         buffer = 4 * self.groups_per_step * self.group_size
         held = (self.checkpoint_every + 1) * self.groups_per_step * self.group_size
         return 2 * (buffer + held) + 1024
+
+    def tracker_path(self) -> Path:
+        """Where TensorBoard, W&B and MLflow write: ``tracker_dir``, else the metrics CSV's
+        directory, else the checkpoint directory, else ``./runs/<run>``."""
+        if self.tracker_dir:
+            return Path(self.tracker_dir)
+        if self.metrics_path:
+            return Path(self.metrics_path).parent
+        return Path(self.checkpoint_dir or Path("runs") / self.run)
 
     def to_log(self) -> dict[str, Any]:
         out = asdict(self)

@@ -5,6 +5,8 @@ TrainerError            root of every error raised by ``trainer``
 │                       so the CLI reports it like any other bad input)
 ├── CheckpointError     a checkpoint cannot be read or written: fix the directory, or start
 │                       without --resume
+├── TrackerError        an experiment tracker could not start (trainer/trackers.py): fix its
+│                       environment (WANDB_MODE, MLFLOW_TRACKING_URI) or drop it from --report-to
 └── DistributedError    the data-parallel workers (Ray, torch.distributed) failed to start
                         or to step: fix the cluster, or run with --ray-workers 0
 
@@ -29,3 +31,7 @@ class CheckpointError(TrainerError):
 
 class DistributedError(TrainerError):
     """Data-parallel workers could not start, or one of them failed during a step."""
+
+
+class TrackerError(TrainerError):
+    """An experiment tracker could not start (a bad W&B mode or key, an unreachable MLflow)."""

@@ -4,7 +4,7 @@
         groups  = await collector.take(B)            # oldest complete groups, staleness applied
         batch   = collate(build_rows(samples))       # (B, T) tensors, loss on model tokens only
         stats   = updater.step(batch, seed(step))    # forward, GRPO loss, backward, clip, AdamW
-        metrics.record(step)                         # CSV + OpenTelemetry
+        metrics.record(step)                         # CSV + OpenTelemetry + trackers
         every publish_every steps:    version += 1; await publisher.publish(model, version, step)
         every checkpoint_every steps: checkpoint, then ack the groups it covers
 
@@ -48,6 +48,7 @@ from .errors import TrainerConfigError
 from .groups import Group
 from .metrics import MetricsSink, StepMetrics
 from .rows import pad_token_id
+from .trackers import open_trackers
 
 log = structlog.get_logger("agentarium.trainer")
 tracer = trace.get_tracer("agentarium.trainer")
@@ -142,9 +143,10 @@ class Trainer:
                 self.js, self.topology, CollectorConfig.from_trainer(cfg), seen=seen
             )
             metrics = MetricsSink(
-                cfg.metrics_path,
+                cfg.metrics_path if "csv" in cfg.report_to else None,
                 attributes={"run": cfg.run, "agent": cfg.agent},
                 append=self.resume,
+                tracker=open_trackers(cfg, resume=self.resume, start_step=self.step),
             )
             await self.collector.start()
             log.info("trainer started", step=self.step, version=self.version, resumed=self.resume)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import trainer
 from broker import NatsSettings
-from trainer import LOSS_AGGS, MULTI_TURN, TrainerConfig
+from trainer import LOSS_AGGS, MULTI_TURN, TRACKERS, TrainerConfig
 
 from ..tiny import resolve_model
 from .common import add_nats_flags, run_async, settings_from_args
@@ -271,6 +271,21 @@ def add_trainer_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="append one CSV row per step here (plot it with `agentarium plot FILE`)",
     )
+    g.add_argument(
+        "--report-to",
+        default=",".join(d["report_to"].default),
+        metavar="LIST",
+        help=f"experiment trackers, comma-separated: any of {','.join(TRACKERS)}, or none; each "
+        "step's metrics go to every one, under the same names (default: csv, the --metrics file). "
+        "W&B runs offline unless WANDB_MODE says otherwise; MLflow writes a SQLite file unless "
+        "MLFLOW_TRACKING_URI is set",
+    )
+    g.add_argument(
+        "--tracker-dir",
+        metavar="DIR",
+        help="where tensorboard/, wandb/ and mlflow.db go (default: the --metrics file's "
+        "directory, else --checkpoint-dir, else ./runs/<run>)",
+    )
     g = parser.add_argument_group("compute")
     g.add_argument(
         "--device",
@@ -311,7 +326,12 @@ def resolve_args(args: argparse.Namespace) -> tuple[TrainerConfig, TrainerProces
     resolved = resolve(args, KEYS)
     values = resolved.pick(TrainerConfig)
     values["model_dir"] = str(resolve_model(str(values["model_dir"])))
-    return TrainerConfig(**values), TrainerProcess(**resolved.pick(TrainerProcess)), resolved
+    config = TrainerConfig(**values)
+    if "report_to" in resolved.sources and "csv" in config.report_to and not config.metrics_path:
+        raise trainer.TrainerConfigError(
+            "--report-to csv writes the --metrics file: pass --metrics FILE as well"
+        )
+    return config, TrainerProcess(**resolved.pick(TrainerProcess)), resolved
 
 
 def config_from_args(args: argparse.Namespace) -> TrainerConfig:

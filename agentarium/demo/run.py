@@ -25,7 +25,7 @@ from pathlib import Path
 from broker import NatsServer, NatsSettings, Topology, count_messages, provision, setup_logging
 from producers import RunSession, expand_tasks, read_task_file
 
-from ..progress import ProgressBar
+from ..progress import ProgressBar, StatusLine
 from ..tiny import ensure_tiny_model
 from .processes import Child, start_child
 
@@ -65,31 +65,6 @@ class DemoConfig:
             raise ValueError(f"--digits must be a non-empty string of digits, got {self.digits!r}")
 
 
-def _bar(done: float, total: float, width: int = 24) -> str:
-    filled = int(width * min(done / max(total, 1e-9), 1.0))
-    return "[" + "#" * filled + "." * (width - filled) + "]"
-
-
-class Display:
-    """One status line, rewritten in place on a terminal, printed every few seconds otherwise."""
-
-    def __init__(self) -> None:
-        self.tty = sys.stdout.isatty()
-        self._last = 0.0
-
-    def show(self, line: str, *, force: bool = False) -> None:
-        now = time.monotonic()
-        if self.tty:
-            print("\r" + line.ljust(110), end="", flush=True)
-        elif force or now - self._last >= 5:
-            print(line, flush=True)
-            self._last = now
-
-    def done(self) -> None:
-        if self.tty:
-            print()
-
-
 def _digit_tasks(rng: random.Random, n: int, prefix: str, digits: str = "0123456789") -> list[dict]:
     tasks = []
     for i in range(n):
@@ -121,7 +96,13 @@ async def _feed_and_watch(args: DemoConfig, url: str, out: Path, trainer: Child)
     assert session.producer is not None
     producer = session.producer
     rng = random.Random(args.seed)
-    display = Display()
+    # rewritten in place on a terminal, a plain line every 5 s otherwise
+    display = StatusLine(
+        args.steps,
+        fmt="[{bar:24}] step {n_fmt}/{total_fmt} {info}  {elapsed}",
+        every_s=5.0,
+        stream=sys.stdout,
+    )
     metrics = out / "metrics.csv"
     started = time.monotonic()
     deadline = started + args.minutes * 60
@@ -145,17 +126,16 @@ async def _feed_and_watch(args: DemoConfig, url: str, out: Path, trainer: Child)
             )
             elapsed = time.monotonic() - started
             if row:
-                line = (
-                    f"{_bar(step, args.steps)} step {step}/{args.steps} v{row['version']} "
-                    f"reward {float(row['reward_mean']):.2f}  {stored / elapsed:.0f} rollouts/s  "
-                    f"stale-dropped {row['dropped_stale']}  {elapsed:.0f}s"
+                info = (
+                    f"v{row['version']} reward {float(row['reward_mean']):.2f}  "
+                    f"{stored / elapsed:.0f} rollouts/s  stale-dropped {row['dropped_stale']}"
                 )
             else:
-                line = f"{_bar(0, 1)} waiting for the first step ({stored} rollouts stored, {elapsed:.0f}s)"
-            display.show(line)
+                info = f"waiting for the first step ({stored} rollouts stored)"
+            display.show(step, info)
             await asyncio.sleep(0.5)  # a status refresh tick, not a wait for an event
-        display.done()
     finally:
+        display.close()
         await session.close()
 
 
