@@ -89,8 +89,10 @@ class TrackerRun:
 
 
 def parse_report_to(value: str | Iterable[str]) -> tuple[str, ...]:
-    """``"csv,tensorboard"`` or a list of names -> a tuple without repeats; ``none`` -> ()."""
-    items = value.split(",") if isinstance(value, str) else list(value)
+    """``"csv,tensorboard"`` or a list of names (each may itself be comma-separated, as a
+    flag's value arrives) -> a tuple without repeats; ``none`` -> ()."""
+    parts = [value] if isinstance(value, str) else list(value)
+    items = [piece for part in parts for piece in str(part).split(",")]
     names: list[str] = []
     for item in (str(i).strip().lower() for i in items):
         if item and item != "none" and item not in names:

@@ -273,7 +273,7 @@ def add_trainer_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--report-to",
-        default=",".join(d["report_to"].default),
+        default=d["report_to"].default,
         metavar="LIST",
         help=f"experiment trackers, comma-separated: any of {','.join(TRACKERS)}, or none; each "
         "step's metrics go to every one, under the same names (default: csv, the --metrics file). "
@@ -321,13 +321,20 @@ def _dual_clip(value: str) -> float:
         ) from None
 
 
+def _default_report_to() -> tuple[str, ...]:
+    return tuple(TrainerConfig.__dataclass_fields__["report_to"].default)  # type: ignore[arg-type]
+
+
 def resolve_args(args: argparse.Namespace) -> tuple[TrainerConfig, TrainerProcess, Resolved]:
     """The trainer's settings from defaults, --config, flags and overrides, validated."""
     resolved = resolve(args, KEYS)
     values = resolved.pick(TrainerConfig)
     values["model_dir"] = str(resolve_model(str(values["model_dir"])))
     config = TrainerConfig(**values)
-    if "report_to" in resolved.sources and "csv" in config.report_to and not config.metrics_path:
+    # csv alone is the default (written only with --metrics); asked for beside other trackers,
+    # it needs its file. Not keyed on where report_to came from: a written config.yaml holds it.
+    asked = config.report_to != _default_report_to()
+    if asked and "csv" in config.report_to and not config.metrics_path:
         raise trainer.TrainerConfigError(
             "--report-to csv writes the --metrics file: pass --metrics FILE as well"
         )
