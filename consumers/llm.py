@@ -25,6 +25,7 @@ from schemas import LLMCall, Sampling
 from .backends.base import Backend, GenerateRequest
 from .chat_template import ChatTemplate, normalize_messages, plain_data
 from .errors import BadRequest, LLMError
+from .metrics import observe_llm_call, observe_llm_failure
 from .toolcalls import ToolCallError, arguments_as_objects, parse_tool_calls
 
 tracer = trace.get_tracer("agentarium.consumers")
@@ -165,6 +166,7 @@ class TracingLLM:
                 return await self._chat(span, index, chat, tool_list, params)
         except LLMError as exc:
             self.errors.append(exc)
+            observe_llm_failure(exc)
             raise
         finally:
             if token is not None:
@@ -244,6 +246,7 @@ class TracingLLM:
 
         prompt_tokens = len(input_ids) or result.prompt_tokens
         output_tokens = len(result.output_ids) or result.completion_tokens
+        observe_llm_call(call, prompt_tokens, output_tokens)
         span.set_attribute("gen_ai.usage.input_tokens", prompt_tokens)
         span.set_attribute("gen_ai.usage.output_tokens", output_tokens)
         span.set_attribute("gen_ai.response.finish_reasons", [finish])

@@ -22,7 +22,14 @@ from consumers import (
 from schemas import SchemaError, check_name
 
 from ..tiny import resolve_model
-from .common import add_nats_flags, install_stop_handlers, run_async, settings_from_args
+from .common import (
+    add_metrics_flags,
+    add_nats_flags,
+    install_stop_handlers,
+    metrics_server,
+    run_async,
+    settings_from_args,
+)
 
 log = structlog.get_logger("agentarium.cli")
 
@@ -85,11 +92,19 @@ async def _consume(args: argparse.Namespace) -> int:
         nats=settings.redacted(),
     )
     nc = await settings.connect(name=f"agentarium-consumer-{name}")
+    metrics = metrics_server(args)
     try:
-        service = await ConsumerService(nc.jetstream(), Topology(settings.prefix), spec).start()
+        service = ConsumerService(nc.jetstream(), Topology(settings.prefix), spec)
+        if metrics is not None:
+            metrics.readiness("nats", lambda: nc.is_connected)
+            metrics.readiness("consumer", lambda: service.ready)
+            await metrics.start()
+        await service.start()
         install_stop_handlers(service.drain)
         counters = await service.wait()
     finally:
+        if metrics is not None:
+            await metrics.close()
         await nc.close()
     print(f"worker {spec.worker_id}: {format_counters(counters)}", file=sys.stderr)
     if args.burst and counters.failed:
@@ -224,5 +239,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=default_worker_id(),
         help="name in the workers registry (default: host-pid-random)",
     )
+    add_metrics_flags(p)
     add_nats_flags(p)
     p.set_defaults(func=cmd_consumer)

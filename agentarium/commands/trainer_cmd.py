@@ -10,7 +10,13 @@ from broker import NatsSettings
 from trainer import LOSS_AGGS, MULTI_TURN, TrainerConfig
 
 from ..tiny import resolve_model
-from .common import add_nats_flags, run_async, settings_from_args
+from .common import (
+    add_metrics_flags,
+    add_nats_flags,
+    metrics_server,
+    run_async,
+    settings_from_args,
+)
 
 
 def add_trainer_arguments(parser: argparse.ArgumentParser) -> None:
@@ -317,6 +323,7 @@ async def _train(args: argparse.Namespace, settings: NatsSettings) -> int:
         max_steps=args.max_steps,
         make_publisher=publisher,
         torch_threads=args.torch_threads,
+        metrics=metrics_server(args),
     )
 
 
@@ -334,5 +341,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         "SIGTERM checkpoints and exits 0; --resume continues from the last checkpoint.",
     )
     add_trainer_arguments(parser)
+    add_metrics_flags(parser)
     add_nats_flags(parser)
     parser.set_defaults(func=cmd_trainer)
