@@ -1,6 +1,6 @@
 """Prometheus metrics and health probes, scraped over HTTP as Prometheus and Kubernetes would:
 a consumer's rollouts and LLM calls, the queue gauges from one collector, the local engine's
-/metrics, the trainer after a step, and the consumer command's --metrics-port."""
+/metrics, the trainer after a step, the weight syncer, and the consumer command's --metrics-port."""
 
 from __future__ import annotations
 
@@ -282,6 +282,46 @@ async def test_trainer_exports_its_step_reward_and_stale_drops(js, topology, tin
     assert value(samples, "agentarium_trainer_staleness_versions_bucket", run=run, le="0.0") == 8
     assert value(samples, "agentarium_trainer_publish_duration_seconds_count", run=run) == 1
     assert value(samples, "agentarium_trainer_step_duration_seconds_count", run=run) == 1
+
+
+# ---- the weight syncer ----------------------------------------------------------------------------------
+
+
+async def test_syncer_exports_each_engines_weight_version_and_reload_times(js, topology, tmp_path):
+    import torch
+
+    from trainer.sync import SyncConfig, WeightSyncer
+    from trainer.weights import WeightStore
+
+    behind, ahead = FakeSGLang(), FakeSGLang(weight_version="5")
+    await behind.start()
+    await ahead.start()
+    try:
+        await WeightStore(js, topology).publish(
+            {"w": torch.zeros(4, 4)}, run="prom-sync", version=3
+        )
+        config = SyncConfig(
+            run="prom-sync", engines=(behind.url, ahead.url), weights_dir=tmp_path / "w"
+        )
+        result = await WeightSyncer(js, config, topology=topology).sync_once()
+        assert result is not None and [r.status for r in result.engines] == ["updated", "skipped"]
+        async with MetricsServer(0, host="127.0.0.1") as server:
+            samples = await scrape(server.url)
+    finally:
+        await behind.close()
+        await ahead.close()
+    run = "prom-sync"
+    assert value(samples, "agentarium_sync_published_version", run=run) == 3
+    assert value(samples, "agentarium_sync_engine_weight_version", run=run, engine=behind.url) == 3
+    assert value(samples, "agentarium_sync_engine_weight_version", run=run, engine=ahead.url) == 5
+    reloads = "agentarium_sync_reloads_total"
+    assert value(samples, reloads, run=run, engine=behind.url, result="updated") == 1
+    assert value(samples, reloads, run=run, engine=ahead.url, result="updated") == 0
+    assert value(samples, "agentarium_sync_fetch_duration_seconds_count", run=run) == 1
+    assert (
+        value(samples, "agentarium_sync_reload_duration_seconds_count", run=run, engine=behind.url)
+        == 1
+    )
 
 
 # ---- the consumer command ------------------------------------------------------------------------------------
