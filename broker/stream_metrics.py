@@ -166,7 +166,13 @@ def collect_stream_metrics(
     before each scrape. Call it in one process per prefix (the dashboard)."""
     collector = StreamMetrics(js, topology, runs=runs, min_interval_s=min_interval_s)
     target = registry or (server.registry if server is not None else REGISTRY)
-    target.register(collector)
+    try:
+        target.register(collector)
+    except ValueError as exc:  # prometheus_client's DuplicateTimeseries
+        raise ValueError(
+            "this registry exports the queue gauges already: call collect_stream_metrics once "
+            f"per process (or give each call its own registry) ({exc})"
+        ) from exc
     if server is not None:
         server.on_scrape(collector.refresh)
     return collector

@@ -182,6 +182,8 @@ async def test_queue_gauges_come_from_one_collector_over_broker_status(js, topol
         assert value(samples, "agentarium_tasks_stream_messages") == 3
         assert value(samples, "agentarium_workers", agent="waiting-agent") == 0
         assert streams.status is not None and streams.status.agents[0].agent == "waiting-agent"
+        with pytest.raises(ValueError, match="once per process"):
+            collect_stream_metrics(js, topology, server)
 
         # an agent that leaves the broker leaves no stale series behind
         await js.purge_stream(topology.tasks_stream)
