@@ -1,5 +1,6 @@
 """NATS plumbing: connection settings, topology, provisioning, the embedded server, status,
-the workers registry and telemetry (logging, tracing, trace context in message headers)."""
+the workers registry, telemetry (logging, tracing, trace context in message headers) and the
+Prometheus side shared by every service (the /metrics and health server, queue gauges)."""
 
 from .errors import (
     ERR_CONSUMER_NOT_FOUND,
@@ -9,10 +10,12 @@ from .errors import (
     TRANSIENT_NATS_ERRORS,
     BrokerError,
     BrokerUnavailable,
+    MetricsServerError,
     ProvisioningError,
     ServerLaunchError,
     is_transient,
 )
+from .prometheus import MetricsServer, metrics_response, render_metrics
 from .provision import (
     ProvisionReport,
     ensure_consumer,
@@ -24,6 +27,7 @@ from .registry import live_workers, publish_worker, remove_worker
 from .server import NatsServer, find_nats_server, free_port
 from .settings import NatsSettings
 from .status import BrokerStatus, collect_status, count_messages, format_status
+from .stream_metrics import StreamMetrics, collect_stream_metrics
 from .telemetry import (
     OPENINFERENCE_SPAN_KIND,
     extract_context,
@@ -45,15 +49,19 @@ __all__ = [
     "BrokerStatus",
     "BrokerUnavailable",
     "Limits",
+    "MetricsServer",
+    "MetricsServerError",
     "NatsServer",
     "NatsSettings",
     "OPENINFERENCE_SPAN_KIND",
     "ProvisionReport",
     "ProvisioningError",
     "ServerLaunchError",
+    "StreamMetrics",
     "TRANSIENT_NATS_ERRORS",
     "Topology",
     "collect_status",
+    "collect_stream_metrics",
     "count_messages",
     "ensure_consumer",
     "ensure_provisioned",
@@ -65,9 +73,11 @@ __all__ = [
     "inject_headers",
     "is_transient",
     "live_workers",
+    "metrics_response",
     "provision",
     "publish_worker",
     "remove_worker",
+    "render_metrics",
     "setup_logging",
     "setup_tracing",
     "shutdown_tracing",

@@ -3,7 +3,8 @@
 BrokerError
 ├── BrokerUnavailable   cannot reach / authenticate to NATS: fix the URL or credentials
 ├── ProvisioningError   a stream/consumer/bucket cannot be made to match its definition
-└── ServerLaunchError   the embedded nats-server could not be started
+├── ServerLaunchError   the embedded nats-server could not be started
+└── MetricsServerError  the /metrics server could not listen: pick another port
 """
 
 from __future__ import annotations
@@ -51,3 +52,7 @@ class ProvisioningError(BrokerError):
 
 class ServerLaunchError(BrokerError):
     """The nats-server process could not be started or did not become ready."""
+
+
+class MetricsServerError(BrokerError):
+    """The metrics and health server could not listen (port taken, address not local)."""

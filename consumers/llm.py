@@ -29,6 +29,7 @@ from .backends.base import Backend, GenerateRequest
 from .backends.cross_sampling import model_of_call
 from .chat_template import ChatTemplate, normalize_messages, plain_data
 from .errors import BadRequest, LLMError
+from .metrics import observe_llm_call, observe_llm_failure
 from .toolcalls import ToolCallError, arguments_as_objects, parse_tool_calls
 
 tracer = trace.get_tracer("agentarium.consumers")
@@ -183,6 +184,7 @@ class TracingLLM:
                     raise
         except LLMError as exc:
             self.errors.append(exc)
+            observe_llm_failure(exc)
             raise
         finally:
             if token is not None:
@@ -283,6 +285,7 @@ class TracingLLM:
             "gen_ai.response.model",
             str(result.meta_info.get("model") or model_of_call(call, self.model_name)),
         )
+        observe_llm_call(call, prompt_tokens, output_tokens)
         span.set_attribute("gen_ai.usage.input_tokens", prompt_tokens)
         span.set_attribute("gen_ai.usage.output_tokens", output_tokens)
         span.set_attribute("gen_ai.usage.cache_read.input_tokens", result.cached_tokens)

@@ -217,6 +217,11 @@ class ConsumerService:
         return self
 
     @property
+    def ready(self) -> bool:
+        """Pulling jobs: bound to the agent's consumer, not draining (what /readyz reports)."""
+        return self.worker is not None and self.worker.ready and self.failed is None
+
+    @property
     def failed(self) -> BaseException | None:
         """The worker's crash, if it stopped by itself."""
         if self._task is not None and self._task.done() and not self._task.cancelled():

@@ -45,6 +45,7 @@ from broker import (
 from schemas import Job, SchemaError, Trajectory, check_name, decode
 
 from .delivery import Action, Decision, DeliveryPolicy, Event
+from .metrics import RolloutMetrics
 from .outcomes import OutcomeStore
 from .rollout import AgentFailure, RolloutEnv, run_rollout, trajectory_for
 
@@ -134,6 +135,7 @@ class Worker:
         self.env = env
         self.limits = limits or Limits()
         self.counters = Counters()
+        self.metrics = RolloutMetrics(config.agent)
         self.store = OutcomeStore(js, topo, config.worker_id)
         self._inflight: dict[asyncio.Task, Msg] = {}
         self._stop = asyncio.Event()
@@ -149,6 +151,11 @@ class Worker:
     @property
     def in_flight(self) -> int:
         return len(self._inflight)
+
+    @property
+    def ready(self) -> bool:
+        """Bound to the agent's consumer and pulling (false before that and while draining)."""
+        return self._psub is not None and not self._stop.is_set()
 
     def stop(self) -> None:
         """Begin draining (what SIGTERM does)."""
@@ -273,7 +280,9 @@ class Worker:
                 self.counters.fetched += 1
                 task = asyncio.create_task(self._handle(msg))
                 self._inflight[task] = msg
+                self.metrics.in_flight.inc()
                 task.add_done_callback(self._inflight.pop)
+                task.add_done_callback(lambda _: self.metrics.in_flight.dec())
 
     async def _wait_for_slot(self) -> None:
         stop = asyncio.create_task(self._stop.wait())
@@ -385,11 +394,13 @@ class Worker:
         if decision.check_stored and await self.store.stored(job):
             return Outcome(event=Event.ALREADY_STORED, job=job)
         parent = extract_context(msg.headers or {})
+        started = time.monotonic()
         try:
             trajectory = await run_rollout(
                 job, self.env, attempt=delivery, parent=parent, subject=msg.subject
             )
         except AgentFailure as failure:
+            self.metrics.rollout("agent_error", time.monotonic() - started)
             return Outcome(
                 event=Event.AGENT_ERROR,
                 job=job,
@@ -399,6 +410,7 @@ class Worker:
                 span_id=failure.span_id,
             )
         event = Event(trajectory.status)  # ok / timeout / error
+        self.metrics.rollout(trajectory.status, time.monotonic() - started)
         return Outcome(event=event, job=job, trajectory=trajectory, error=trajectory.error or "")
 
     async def _settle(self, msg: Msg, decision: Decision, outcome: Outcome, delivery: int) -> None:
@@ -408,6 +420,7 @@ class Worker:
             case Action.ACK:
                 if outcome.trajectory is None:
                     self.counters.already_stored += 1
+                    self.metrics.already_stored.inc()
                 else:
                     await self._publish(outcome.trajectory)
                     self._count(outcome.trajectory)
@@ -424,6 +437,7 @@ class Worker:
             case Action.NAK:
                 if outcome.event is Event.AGENT_ERROR:
                     self.counters.retried += 1
+                    self.metrics.retries.inc()
                     log.warning(
                         "agent failed; retrying",
                         job_id=job.job_id if job else "",
@@ -474,6 +488,7 @@ class Worker:
                 )
             self.counters.dead_lettered += 1
             self.counters.failed += 1
+            self.metrics.dead_letter(decision.reason)
         except Exception as letter_exc:  # noqa: BLE001 - the term() below must still happen
             log.error("dead letter failed too; the job is dropped", error=repr(letter_exc))
         await self._quietly(msg.term())
@@ -529,6 +544,7 @@ class Worker:
         )
         self.counters.dead_lettered += 1
         self.counters.failed += 1
+        self.metrics.dead_letter(reason)
         log.warning(
             "job dead-lettered",
             reason=reason,

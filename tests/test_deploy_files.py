@@ -1,4 +1,5 @@
-"""The deployment files: Dockerfile, docker-compose.yml, ops/k8s/*.yaml, ops/nats/*.conf.
+"""The deployment files: Dockerfile, docker-compose.yml, ops/k8s/*.yaml, ops/nats/*.conf,
+ops/prometheus/*.yml and the Grafana dashboard.
 
 Each is validated by the tool that reads it where that tool is installed here (hadolint,
 docker-compose, kubernetes-validate, nats-server -t; a missing one skips with the reason), and
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import json
 import os
 import re
 import shlex
@@ -366,7 +368,7 @@ def _compose_tool() -> list[str] | None:
     return None
 
 
-@pytest.mark.parametrize("profile", [None, "cpu", "gpu", "tools", "phoenix"])
+@pytest.mark.parametrize("profile", [None, "cpu", "gpu", "tools", "phoenix", "monitoring"])
 def test_compose_config_is_valid(profile):
     tool = _compose_tool()
     if tool is None:
@@ -471,6 +473,168 @@ def test_compose_offers_phoenix_with_content_capture_off_by_default():
         if uses_agentarium_image(service):
             capture = service["environment"]["OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"]
             assert _substitute(capture) == "false", name
+
+
+# ---- metrics: Prometheus, Grafana, probes ----------------------------------------------------------
+
+PROMETHEUS = yaml.safe_load((ROOT / "ops" / "prometheus" / "prometheus.yml").read_text())
+PROMETHEUS_K8S = yaml.safe_load((ROOT / "ops" / "prometheus" / "kubernetes.yml").read_text())
+GRAFANA = ROOT / "ops" / "grafana"
+DASHBOARD = json.loads((GRAFANA / "agentarium.json").read_text())
+SERVES_METRICS = ("consumer", "trainer", "sync")  # --metrics-port; engines serve on their API port
+
+
+def scrape_targets(job: str) -> list[str]:
+    [config] = [c for c in PROMETHEUS["scrape_configs"] if c["job_name"] == job]
+    targets = [t for sc in config.get("static_configs", []) for t in sc["targets"]]
+    for sd in config.get("dns_sd_configs", []):
+        targets += [f"{name}:{sd['port']}" for name in sd["names"]]
+    return targets
+
+
+def test_compose_services_serve_metrics_where_prometheus_scrapes_them():
+    engine_port = build_parser().parse_args(["engine"]).port
+    for service in SERVES_METRICS:
+        port = flag(SERVICES[service]["command"], "--metrics-port")
+        assert scrape_targets(f"agentarium-{service}") == [f"{service}:{port}"], service
+    # both engines answer as `llm`, on the CLI's port; SGLang only with --enable-metrics
+    assert scrape_targets("agentarium-engine") == [f"llm:{engine_port}"]
+    assert "--enable-metrics" in SERVICES["sglang"]["command"]
+    for name in ("prometheus", "grafana"):
+        assert SERVICES[name]["profiles"] == ["monitoring"], name
+    assert (
+        "./ops/prometheus/prometheus.yml:/etc/prometheus/prometheus.yml:ro"
+        in (SERVICES["prometheus"]["volumes"])
+    )
+    assert "--config.file=/etc/prometheus/prometheus.yml" in SERVICES["prometheus"]["command"]
+
+
+def test_grafana_is_provisioned_with_prometheus_and_the_dashboard():
+    grafana = SERVICES["grafana"]
+    mounts = dict(
+        v.rsplit(":", 1)[0].split(":", 1) for v in grafana["volumes"] if v.startswith("./")
+    )
+    assert mounts["./ops/grafana/provisioning"] == "/etc/grafana/provisioning"
+    [datasource] = yaml.safe_load(
+        (GRAFANA / "provisioning" / "datasources" / "prometheus.yml").read_text()
+    )["datasources"]
+    assert datasource["type"] == "prometheus" and datasource["url"] == "http://prometheus:9090"
+    assert "127.0.0.1:9090:9090" in SERVICES["prometheus"]["ports"]
+    [provider] = yaml.safe_load(
+        (GRAFANA / "provisioning" / "dashboards" / "agentarium.yml").read_text()
+    )["providers"]
+    dashboard_path = mounts["./ops/grafana/agentarium.json"]
+    assert Path(dashboard_path).parent == Path(provider["options"]["path"])
+    assert grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"] == dashboard_path
+    # the data source is a variable, so the dashboard imports into any Grafana
+    variables = {v["name"]: v for v in DASHBOARD["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    for panel in DASHBOARD["panels"]:
+        if panel["type"] != "row":
+            assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+            assert all(t["datasource"]["uid"] == "${datasource}" for t in panel["targets"])
+
+
+def exported_metric_names() -> set[str]:
+    """Every series name the code exports, from a scrape of each registry: the default one
+    (consumer, trainer, sync), the queue collector's and an engine's."""
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.parser import text_string_to_metric_families
+
+    import consumers.metrics  # noqa: F401 - registers the consumer's series
+    import trainer.prometheus  # noqa: F401 - the trainer's and the syncer's
+    from broker import BrokerStatus, StreamMetrics, render_metrics
+    from broker.status import AgentStatus
+    from consumers.engine.metrics import EngineMetrics
+
+    streams = StreamMetrics(None, Topology())  # type: ignore[arg-type]
+    streams.update(
+        BrokerStatus(
+            agents=[AgentStatus(agent="a")], trajectories={"r": 1}, policy={"r": {"version": 1}}
+        )
+    )
+    queue = CollectorRegistry()
+    queue.register(streams)
+    scheduler = SimpleNamespace(
+        tokens_generated=0, steps=0, num_running=0, num_waiting=0, paused=False, weight_version="0"
+    )
+    engine = EngineMetrics(SimpleNamespace(scheduler=scheduler))  # type: ignore[arg-type]
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
+    names: set[str] = set()
+    for registry in (None, queue, engine.registry):
+        body = render_metrics(*(() if registry is None else (registry,)))[0].decode()
+        for family in text_string_to_metric_families(body):
+            names |= {family.name + s for s in suffixes.get(family.type, ("",))}
+    return names
+
+
+def test_grafana_dashboard_queries_only_metrics_the_code_exports():
+    exported = exported_metric_names()
+    used: dict[str, str] = {}
+    variables = [v for v in DASHBOARD["templating"]["list"] if v["type"] == "query"]
+    expressions = [t["expr"] for p in DASHBOARD["panels"] for t in p.get("targets", [])]
+    expressions += [v["definition"] for v in variables]
+    for expr in expressions:
+        for name in re.findall(r"\b(agentarium_[a-z0-9_]+)", expr):
+            used[name] = expr
+    assert len(used) >= 40
+    unknown = {name: expr for name, expr in used.items() if name not in exported}
+    assert not unknown, f"the dashboard queries series no code exports: {unknown}"
+    # every panel of the brief is there: rollouts, queues, LLM calls, trainer, weights, engine
+    rows = [p["title"].split(" ")[0] for p in DASHBOARD["panels"] if p["type"] == "row"]
+    assert rows == ["Rollouts", "Queues", "LLM", "Trainer", "Weights:", "Local"]
+
+
+def test_k8s_services_serve_metrics_with_probes_and_scrape_annotations():
+    engine_port = build_parser().parse_args(["engine"]).port
+    seen = set()
+    for file, doc in K8S_DOCS:
+        if doc["kind"] != "Deployment":
+            continue
+        template = doc["spec"]["template"]
+        annotations = template["metadata"].get("annotations", {})
+        pods = containers(doc)
+        served = []
+        for name, c in pods.items():
+            args = c.get("args", [])
+            if c["image"] != AGENTARIUM_IMAGE or args[0] not in SERVES_METRICS:
+                continue
+            where = f"ops/k8s/{file}:{name}"
+            port = int(flag(args, "--metrics-port"))
+            assert [p["containerPort"] for p in c["ports"] if p["name"] == "metrics"] == [port], (
+                where
+            )
+            assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}, where
+            assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}, where
+            served.append(port)
+            seen.add(args[0])
+        if not served:
+            continue
+        engines = [c for n, c in pods.items() if n in ("engine", "sglang")]
+        # one port per pod for annotation-based discovery: the engine's where a pod has one
+        expected = engine_port if engines else served[0]
+        assert annotations == {
+            "prometheus.io/scrape": "true",
+            "prometheus.io/port": str(expected),
+            "prometheus.io/path": "/metrics",
+        }, file
+        for c in engines:
+            assert [p["name"] for p in c["ports"] if p["containerPort"] == engine_port] == ["http"]
+            if c["name"] == "sglang":
+                assert "--enable-metrics" in c["args"]
+    assert seen == set(SERVES_METRICS)
+    # the in-cluster scrape config keeps exactly those ports: `metrics` and the engines' `http`
+    [job] = PROMETHEUS_K8S["scrape_configs"]
+    keep = {
+        r["source_labels"][0]: r["regex"]
+        for r in job["relabel_configs"]
+        if r.get("action") == "keep"
+    }
+    assert keep["__meta_kubernetes_pod_container_port_name"] == "metrics|http"
+    assert keep["__meta_kubernetes_pod_label_app_kubernetes_io_part_of"] == "agentarium"
 
 
 # ---- Kubernetes --------------------------------------------------------------------------------------

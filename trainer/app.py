@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from nats.js import JetStreamContext
 
-from broker import NatsSettings, Topology, ensure_provisioned
+from broker import MetricsServer, NatsSettings, Topology, ensure_provisioned
 
 from .config import TrainerConfig
 from .errors import TrainerError
@@ -64,13 +64,16 @@ async def run_trainer(
     torch_threads: int | None = None,
     run_config: Mapping[str, Any] | None = None,
     config_source: Mapping[str, Any] | None = None,
+    metrics: MetricsServer | None = None,
 ) -> int:
     """Run the trainer until ``max_steps`` or SIGTERM/SIGINT (which checkpoint first); 0 on a
     clean stop, 2 on bad settings. ``make_publisher`` builds the WeightPublisher (default:
     ``store_publisher()``); a factory returning None publishes nothing. ``run_config`` is every
     setting as the caller resolved it (the CLI: its config keys), logged with ``config_source``
     (where they came from) in the one "trainer config" event and written to
-    ``<checkpoint_dir>/config.yaml``; by default, the config's fields."""
+    ``<checkpoint_dir>/config.yaml``; by default, the config's fields. ``metrics``, a
+    MetricsServer not yet started, serves /metrics and the probes while the trainer runs
+    (ready: connected to NATS and training)."""
     if torch_threads:
         import torch
 
@@ -101,6 +104,10 @@ async def run_trainer(
             resume=resume,
             run_config=run_config,
         )
+        if metrics is not None:
+            metrics.readiness("nats", lambda: nc.is_connected)
+            metrics.readiness("trainer", lambda: trainer.ready)
+            await metrics.start()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, trainer.stop)
@@ -113,6 +120,8 @@ async def run_trainer(
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
     finally:
+        if metrics is not None:
+            await metrics.close()
         await nc.close()
     print(
         f"trainer {config.run}: {summary.steps} steps, version {summary.version}, "
@@ -122,9 +131,16 @@ async def run_trainer(
     return 0
 
 
-async def run_sync(config: SyncConfig, settings: NatsSettings, *, once: bool = False) -> int:
+async def run_sync(
+    config: SyncConfig,
+    settings: NatsSettings,
+    *,
+    once: bool = False,
+    metrics: MetricsServer | None = None,
+) -> int:
     """Run the weight syncer until SIGTERM/SIGINT, or apply the current version once
-    (``once``: exit status 1 if any engine failed)."""
+    (``once``: exit status 1 if any engine failed). ``metrics``, a MetricsServer not yet
+    started, serves /metrics and the probes meanwhile (ready: connected to NATS)."""
     log.info("sync config", nats=settings.redacted(), once=once, **config.describe())
     nc = await settings.connect(name=f"agentarium-sync-{config.run}")
     try:
@@ -132,6 +148,9 @@ async def run_sync(config: SyncConfig, settings: NatsSettings, *, once: bool = F
         topology = Topology(settings.prefix)
         await ensure_provisioned(js, topology)
         syncer = WeightSyncer(js, config, topology=topology)
+        if metrics is not None:
+            metrics.readiness("nats", lambda: nc.is_connected)
+            await metrics.start()
         if once:
             result = await syncer.sync_once()
             if result is None:
@@ -146,4 +165,6 @@ async def run_sync(config: SyncConfig, settings: NatsSettings, *, once: bool = F
         await syncer.run()
         return 0
     finally:
+        if metrics is not None:
+            await metrics.close()
         await nc.close()

@@ -28,7 +28,7 @@ import asyncio
 import statistics
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -47,6 +47,7 @@ from .config import TrainerConfig
 from .errors import TrainerConfigError
 from .groups import Group
 from .metrics import MetricsSink, StepMetrics
+from .prometheus import BUFFERS, CHECKPOINT_SECONDS, PUBLISH_SECONDS, record_step
 from .rows import pad_token_id
 from .trackers import open_trackers
 
@@ -116,6 +117,7 @@ class Trainer:
         )
         self.collector: Collector | None = None
         self.last_checkpoint: Path | None = None
+        self._running = False
 
     def __repr__(self) -> str:
         return (
@@ -126,6 +128,11 @@ class Trainer:
     def stop(self) -> None:
         """Finish the current step, checkpoint, and return from run() (what SIGTERM does)."""
         self._stop.set()
+
+    @property
+    def ready(self) -> bool:
+        """Collecting and training: false while loading or resuming, and once stopping."""
+        return self._running and not self._stop.is_set()
 
     async def run(self, max_steps: int | None = None) -> TrainSummary:
         """Train until ``max_steps`` (counted from step 0, across resumes) or stop()."""
@@ -149,6 +156,8 @@ class Trainer:
                 tracker=open_trackers(cfg, resume=self.resume, start_step=self.step),
             )
             await self.collector.start()
+            BUFFERS.track(cfg.run, lambda: self.collector.counters if self.collector else None)
+            self._running = True
             log.info("trainer started", step=self.step, version=self.version, resumed=self.resume)
             while not self._stop.is_set() and (max_steps is None or self.step < max_steps):
                 waited = time.monotonic()
@@ -164,7 +173,9 @@ class Trainer:
                 )
                 if groups is None:
                     break
-                metrics.record(await self._train_step(groups, wait_s=time.monotonic() - waited))
+                row = await self._train_step(groups, wait_s=time.monotonic() - waited)
+                metrics.record(row)
+                record_step(cfg.run, row, trajectories=sum(len(g.samples) for g in groups))
                 if self.publisher is not None and self.step % cfg.publish_every == 0:
                     await self._publish()
                 if self.checkpoints is None:
@@ -176,12 +187,16 @@ class Trainer:
             failed = True  # no checkpoint of a half-known state: the last one stands
             raise
         finally:
+            self._running = False
             try:
                 if not failed and self._pending and self.checkpoints is not None:
                     await self._checkpoint()
             finally:
                 if self.collector is not None:
                     await self.collector.close()
+                    # the last totals stay on /metrics; the trainer itself is let go
+                    final = replace(self.collector.counters)
+                    BUFFERS.track(cfg.run, lambda: final)
                 if metrics is not None:
                     metrics.close()
                 if self._updater is not None:
@@ -298,6 +313,7 @@ class Trainer:
         assert self.publisher is not None, "run() publishes only when it has a publisher"
         await self.publisher.publish(model, version, self.step)
         self.version = version
+        PUBLISH_SECONDS.labels(self.config.run).observe(time.monotonic() - started)
         log.info(
             "version published",
             version=version,
@@ -307,6 +323,7 @@ class Trainer:
 
     async def _checkpoint(self) -> None:
         groups, self._pending = self._pending, []
+        started = time.monotonic()
         model_state, optimizer_state = await asyncio.to_thread(self._updater.state)
         assert self.checkpoints is not None, "run() checkpoints only with a checkpoint_dir"
         path = await asyncio.to_thread(
@@ -323,6 +340,7 @@ class Trainer:
             extra={"run": self.config.run, "agent": self.config.agent, "seed": self.config.seed},
         )
         self.last_checkpoint = path
+        CHECKPOINT_SECONDS.labels(self.config.run).observe(time.monotonic() - started)
         log.info(
             "checkpoint saved",
             step=self.step,

@@ -43,6 +43,7 @@ from nats.js import JetStreamContext
 from broker import Topology
 from schemas import SchemaError, WeightUpdate, check_name, decode, version_number
 
+from .prometheus import SYNC_SEEN, record_sync_round
 from .weights import (
     WeightNotFound,
     WeightsError,
@@ -280,6 +281,7 @@ class WeightSyncer:
             return
         self._latest = update
         self.counters.seen += 1
+        SYNC_SEEN.labels(self.config.run).set(update.version)
         self._wake.set()
 
     # ---- one version -------------------------------------------------------------------------
@@ -327,6 +329,19 @@ class WeightSyncer:
             engines=tuple(results[u] for u in self.config.engines),
             model_path=None if model_dir is None else str(model_dir),
             fetch_s=round(fetch_s, 3),
+        )
+        record_sync_round(
+            update.run,
+            [
+                (
+                    r.url,
+                    r.status,
+                    r.seconds,
+                    update.version if r.status == "updated" else _as_number(r.before),
+                )
+                for r in out.engines
+            ],
+            fetch_s if model_dir is not None else None,
         )
         if any(r.status == "updated" for r in out.engines):
             self.counters.applied += 1

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from broker import NatsSettings, setup_logging, setup_tracing, shutdown_tracing
+from broker import MetricsServer, NatsSettings, setup_logging, setup_tracing, shutdown_tracing
 
 
 class Parser(argparse.ArgumentParser):
@@ -114,6 +114,34 @@ def add_nats_flags(parser: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="subject/stream prefix (env AGENTARIUM_PREFIX, default agentarium)",
     )
+
+
+def add_metrics_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "metrics and probes",
+        "Prometheus /metrics plus /healthz (liveness) and /readyz (readiness) for Kubernetes.",
+    )
+    group.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve /metrics, /healthz and /readyz on this port; 0 picks a free one (logged as "
+        "'metrics listening'); default: off",
+    )
+    group.add_argument(
+        "--metrics-host",
+        default="0.0.0.0",
+        metavar="HOST",
+        help="bind address of the metrics server (default %(default)s)",
+    )
+
+
+def metrics_server(args: argparse.Namespace) -> MetricsServer | None:
+    """The server ``--metrics-port`` asks for, not started yet; None when the flag is absent."""
+    if args.metrics_port is None:
+        return None
+    return MetricsServer(args.metrics_port, host=args.metrics_host)
 
 
 def settings_from_args(args: argparse.Namespace) -> NatsSettings:

@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from .common import add_nats_flags
+from .common import add_metrics_flags, add_nats_flags
 
 SOURCES = ("file", "flag", "override")  # what can set a key, lowest precedence first
 
@@ -105,6 +105,17 @@ def connection_flags(reason: str | None = None) -> dict[str, str]:
     )
     parser = argparse.ArgumentParser(add_help=False)
     add_nats_flags(parser)
+    return {action.dest: reason for action in parser._actions}
+
+
+def metrics_flags() -> dict[str, str]:
+    """The metrics-server flags as key-less flags, for ``ConfigKeys.keyless``."""
+    reason = (
+        "where this process serves /metrics and probes belongs to its deployment (the "
+        "manifest's ports), not to the run's settings"
+    )
+    parser = argparse.ArgumentParser(add_help=False)
+    add_metrics_flags(parser)
     return {action.dest: reason for action in parser._actions}
 
 

@@ -27,8 +27,21 @@ from consumers import (
 from schemas import SchemaError, check_name
 
 from ..tiny import resolve_model
-from .common import add_nats_flags, install_stop_handlers, run_async, settings_from_args
-from .config_file import ConfigKeys, add_config_arguments, connection_flags, resolve
+from .common import (
+    add_metrics_flags,
+    add_nats_flags,
+    install_stop_handlers,
+    metrics_server,
+    run_async,
+    settings_from_args,
+)
+from .config_file import (
+    ConfigKeys,
+    add_config_arguments,
+    connection_flags,
+    metrics_flags,
+    resolve,
+)
 
 log = structlog.get_logger("agentarium.cli")
 
@@ -56,7 +69,7 @@ class ConsumerConfig:
     worker_id: str = field(default_factory=default_worker_id)
 
 
-KEYS = ConfigKeys.of("consumer", ConsumerConfig, keyless=connection_flags())
+KEYS = ConfigKeys.of("consumer", ConsumerConfig, keyless={**connection_flags(), **metrics_flags()})
 
 
 def parse_agent(value: str) -> tuple[str, str]:
@@ -124,11 +137,19 @@ async def consume(args: argparse.Namespace, config: ConsumerConfig, source: dict
         nats=settings.redacted(),
     )
     nc = await settings.connect(name=f"agentarium-consumer-{name}")
+    metrics = metrics_server(args)
     try:
-        service = await ConsumerService(nc.jetstream(), Topology(settings.prefix), spec).start()
+        service = ConsumerService(nc.jetstream(), Topology(settings.prefix), spec)
+        if metrics is not None:
+            metrics.readiness("nats", lambda: nc.is_connected)
+            metrics.readiness("consumer", lambda: service.ready)
+            await metrics.start()
+        await service.start()
         install_stop_handlers(service.drain)
         counters = await service.wait()
     finally:
+        if metrics is not None:
+            await metrics.close()
         await nc.close()
     print(f"worker {spec.worker_id}: {format_counters(counters)}", file=sys.stderr)
     if config.burst and counters.failed:
@@ -269,6 +290,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--worker-id",
         help="name in the workers registry (default: host-pid-random)",
     )
+    add_metrics_flags(p)
     add_config_arguments(p, KEYS)
     add_nats_flags(p)
     p.set_defaults(func=cmd_consumer)

@@ -35,7 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "engine",
         help="serve a model on the CPU with SGLang's HTTP API (the local engine)",
         description="The local CPU engine: torch + transformers behind SGLang's /generate, /health, /model_info, "
-        "/update_weights_from_disk, /pause_generation and /continue_generation, batching concurrent requests. "
+        "/update_weights_from_disk, /pause_generation and /continue_generation, batching concurrent requests; "
+        "Prometheus metrics on the same port at /metrics (as SGLang's --enable-metrics). "
         "Prints 'engine ready on http://HOST:PORT' when it listens.",
     )
     p.add_argument(

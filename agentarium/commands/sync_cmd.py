@@ -7,7 +7,13 @@ from pathlib import Path
 
 from trainer import PAUSE_MODES, SyncConfig, default_weights_dir, run_sync
 
-from .common import add_nats_flags, run_async, settings_from_args
+from .common import (
+    add_metrics_flags,
+    add_nats_flags,
+    metrics_server,
+    run_async,
+    settings_from_args,
+)
 
 
 def add_sync_arguments(parser: argparse.ArgumentParser) -> None:
@@ -87,7 +93,12 @@ def config_from_args(args: argparse.Namespace) -> SyncConfig:
 
 def cmd_sync(args: argparse.Namespace) -> int:
     return run_async(
-        lambda: run_sync(config_from_args(args), settings_from_args(args), once=args.once),
+        lambda: run_sync(
+            config_from_args(args),
+            settings_from_args(args),
+            once=args.once,
+            metrics=metrics_server(args),
+        ),
         service="agentarium-sync",
     )
 
@@ -101,5 +112,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         "pause -> /update_weights_from_disk -> continue (SGLang and the local engine alike).",
     )
     add_sync_arguments(parser)
+    add_metrics_flags(parser)
     add_nats_flags(parser)
     parser.set_defaults(func=cmd_sync)

@@ -17,8 +17,21 @@ from broker import NatsSettings
 from trainer import LOSS_AGGS, MULTI_TURN, TRACKERS, TrainerConfig
 
 from ..tiny import resolve_model
-from .common import add_nats_flags, run_async, settings_from_args
-from .config_file import ConfigKeys, Resolved, add_config_arguments, connection_flags, resolve
+from .common import (
+    add_metrics_flags,
+    add_nats_flags,
+    metrics_server,
+    run_async,
+    settings_from_args,
+)
+from .config_file import (
+    ConfigKeys,
+    Resolved,
+    add_config_arguments,
+    connection_flags,
+    metrics_flags,
+    resolve,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,6 +57,7 @@ KEYS = ConfigKeys.of(
     },
     keyless={
         **connection_flags(),
+        **metrics_flags(),
         "resume": "what this start does with the checkpoint directory, not a setting of the run: "
         "the config.yaml written there starts the run again, and with --resume continues it",
     },
@@ -367,6 +381,7 @@ async def train(args: argparse.Namespace, settings: NatsSettings) -> int:
         torch_threads=process.torch_threads,
         run_config=resolved.values,
         config_source=resolved.describe(),
+        metrics=metrics_server(args),
     )
 
 
@@ -385,5 +400,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         "resolved ones are logged once and written to <checkpoint-dir>/config.yaml.",
     )
     add_trainer_arguments(parser)
+    add_metrics_flags(parser)
     add_nats_flags(parser)
     parser.set_defaults(func=cmd_trainer)

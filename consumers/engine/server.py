@@ -1,4 +1,5 @@
-"""The local engine's HTTP face: SGLang's native routes, on aiohttp.
+"""The local engine's HTTP face: SGLang's native routes, on aiohttp, plus ``GET /metrics``
+(Prometheus, see metrics.py).
 
 Bad requests answer 400 with `{"error": {"message": ...}}`, as SGLang's /generate does; a
 failed weight update answers 400 with `{"success": false, "message": ...}`.
@@ -10,6 +11,7 @@ import asyncio
 import json
 import signal
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,12 +20,16 @@ from typing import Any
 import structlog
 from aiohttp import web
 
+from broker import metrics_response
+
 from .engine import LocalEngine
 from .errors import InvalidRequest
+from .metrics import EngineMetrics
 
 log = structlog.get_logger("agentarium.engine")
 
 ENGINE_KEY = web.AppKey("engine", LocalEngine)
+METRICS_KEY = web.AppKey("metrics", EngineMetrics)
 
 _FLUSH_TEXT = (
     "Cache flushed.\nPlease check backend logs for more details. "
@@ -60,7 +66,14 @@ async def _invalid_to_400(request: web.Request, handler) -> web.StreamResponse:
 
 async def _generate(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
-    return web.json_response(await engine.generate(await _body(request)))
+    started = time.monotonic()
+    out = await engine.generate(await _body(request))
+    request.app[METRICS_KEY].observe(out, time.monotonic() - started)
+    return web.json_response(out)
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    return metrics_response(request, request.app[METRICS_KEY].registry)
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -108,6 +121,7 @@ async def _abort_request(request: web.Request) -> web.Response:
 def make_app(engine: LocalEngine) -> web.Application:
     app = web.Application(middlewares=[_invalid_to_400], client_max_size=64 * 1024**2)
     app[ENGINE_KEY] = engine
+    app[METRICS_KEY] = EngineMetrics(engine)
     r = app.router
     for path in ("/generate",):
         r.add_post(path, _generate)
@@ -123,6 +137,7 @@ def make_app(engine: LocalEngine) -> web.Application:
     r.add_get("/flush_cache", _flush_cache)
     r.add_post("/flush_cache", _flush_cache)
     r.add_post("/abort_request", _abort_request)
+    r.add_get("/metrics", _metrics)
     return app
 
 
