@@ -53,13 +53,37 @@ def setup_tracing(service_name: str) -> TracerProvider | None:
         else:
             provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     trace.set_tracer_provider(provider)
+    _setup_metrics_export(provider.resource)
     return provider
 
 
+def _setup_metrics_export(resource: Resource) -> None:
+    """OpenTelemetry metrics (the trainer's gauges and histograms) over OTLP when an endpoint is
+    set; without one the instruments stay no-ops and Prometheus (``--metrics-port``) serves."""
+    if not (
+        os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        or os.environ.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")
+    ):
+        return
+    try:
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+    except ImportError:
+        return  # setup_tracing already said how to install the exporter
+    from opentelemetry import metrics
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+    reader = PeriodicExportingMetricReader(OTLPMetricExporter())
+    metrics.set_meter_provider(MeterProvider(resource=resource, metric_readers=[reader]))
+
+
 def shutdown_tracing() -> None:
-    provider = trace.get_tracer_provider()
-    if hasattr(provider, "shutdown"):
-        provider.shutdown()
+    """Flush and stop the tracer and meter providers (a last metrics export included)."""
+    from opentelemetry import metrics
+
+    for provider in (trace.get_tracer_provider(), metrics.get_meter_provider()):
+        if hasattr(provider, "shutdown"):
+            provider.shutdown()
 
 
 def _add_trace_ids(_, __, event_dict):
