@@ -5,10 +5,17 @@ and the consumer service that assembles them. The local CPU engine (torch) is th
 from .agents import AgentLoadError, AgentSpec, RewardError, load_callable
 from .backends import CrossSamplingBackend, model_of_call
 from .chat_template import ChatTemplate
-from .errors import BackendUnavailable, BadRequest, LLMError
+from .errors import BackendUnavailable, BadRequest, CrossSamplingError, LLMError
 from .llm import ChatResult, TracingLLM
 from .proxy import TracingProxy
-from .service import ConsumerService, ConsumerSpec, LLMTarget, normalize_urls, start_proxy
+from .service import (
+    ConsumerService,
+    ConsumerSpec,
+    CrossTarget,
+    LLMTarget,
+    normalize_urls,
+    start_proxy,
+)
 from .worker import Counters, Worker, WorkerConfig, default_worker_id
 
 __all__ = [
@@ -22,6 +29,8 @@ __all__ = [
     "ConsumerSpec",
     "Counters",
     "CrossSamplingBackend",
+    "CrossSamplingError",
+    "CrossTarget",
     "LLMError",
     "LLMTarget",
     "RewardError",

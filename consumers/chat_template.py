@@ -15,6 +15,8 @@ value is None dropped). Tests pin the ids against transformers itself.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -188,6 +190,47 @@ def _load_templates(model_dir: Path, config: dict) -> dict[str, str]:
     return {}
 
 
+def load_tokenizer(model_dir: str | Path) -> Tokenizer:
+    """A model directory's ``tokenizer.json``, with the tokens ``tokenizer_config.json`` adds,
+    as transformers loads it."""
+    model_dir = Path(model_dir)
+    tokenizer_file = model_dir / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise FileNotFoundError(
+            f"{tokenizer_file} not found: the model directory needs a fast-tokenizer "
+            "tokenizer.json (save the tokenizer with transformers to create one)"
+        )
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    config = _read_json(model_dir / "tokenizer_config.json")
+    # Tokens declared only in tokenizer_config.json are added by transformers at load time.
+    for entry in (config.get("added_tokens_decoder") or {}).values():
+        if tokenizer.token_to_id(entry["content"]) is None:
+            token = AddedToken(
+                entry["content"],
+                single_word=entry.get("single_word", False),
+                lstrip=entry.get("lstrip", False),
+                rstrip=entry.get("rstrip", False),
+                normalized=entry.get("normalized", not entry.get("special", False)),
+                special=entry.get("special", False),
+            )
+            tokenizer.add_tokens([token])
+    return tokenizer
+
+
+def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
+    """sha256 of the vocabulary, every (token, id) pair, added and special tokens included.
+
+    Two models may exchange token ids (cross-sampling sends the policy's prompt ids to another
+    model) exactly when each id stands for the same token in both: equal fingerprints. Two
+    sizes of one model family share it; two families do not.
+    """
+    vocab = sorted(tokenizer.get_vocab(with_added_tokens=True).items(), key=lambda kv: kv[1])
+    blob = json.dumps(vocab, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
 class ChatTemplate:
     """A model's chat template plus its tokenizer: messages in, prompt token ids out."""
 
@@ -216,28 +259,8 @@ class ChatTemplate:
     def from_model_dir(cls, path: str | Path) -> ChatTemplate:
         """Load ``tokenizer.json``, the chat template and special tokens from a model directory."""
         model_dir = Path(path)
-        tokenizer_file = model_dir / "tokenizer.json"
-        if not tokenizer_file.is_file():
-            raise FileNotFoundError(
-                f"{tokenizer_file} not found: the model directory needs a fast-tokenizer "
-                "tokenizer.json (save the tokenizer with transformers to create one)"
-            )
-        tokenizer = Tokenizer.from_file(str(tokenizer_file))
-        tokenizer.no_truncation()
-        tokenizer.no_padding()
+        tokenizer = load_tokenizer(model_dir)
         config = _read_json(model_dir / "tokenizer_config.json")
-        # Tokens declared only in tokenizer_config.json are added by transformers at load time.
-        for entry in (config.get("added_tokens_decoder") or {}).values():
-            if tokenizer.token_to_id(entry["content"]) is None:
-                token = AddedToken(
-                    entry["content"],
-                    single_word=entry.get("single_word", False),
-                    lstrip=entry.get("lstrip", False),
-                    rstrip=entry.get("rstrip", False),
-                    normalized=entry.get("normalized", not entry.get("special", False)),
-                    special=entry.get("special", False),
-                )
-                tokenizer.add_tokens([token])
         legacy = _read_json(model_dir / "special_tokens_map.json")
         special: dict[str, str] = {}
         for key in SPECIAL_TOKEN_NAMES:
@@ -260,6 +283,11 @@ class ChatTemplate:
             eos_token_ids=eos_ids,
             name=str(model_dir),
         )
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """The tokenizer's fingerprint (``tokenizer_fingerprint``)."""
+        return tokenizer_fingerprint(self.tokenizer)
 
     @property
     def eos_token_ids(self) -> list[int]:

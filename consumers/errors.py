@@ -5,6 +5,10 @@ LLMError                 calling an inference backend failed
 │                        the rollout ends with status ``error`` (never reward 0)
 └── BadRequest           the backend refused the request (HTTP 4xx): retrying the same
                          request cannot help (prompt too long, bad sampling parameter)
+
+CrossSamplingError       (a ValueError) configuration: the cross-sampling model cannot take the
+                         policy's token ids (another tokenizer), or that cannot be checked;
+                         raised when the consumer starts, fix the flags
 """
 
 from __future__ import annotations
@@ -31,3 +35,8 @@ class BadRequest(LLMError):
         self.status = status
         self.url = url
         self.body = body
+
+
+class CrossSamplingError(ValueError):
+    """The second model of cross-sampling does not share the policy's tokenizer, or its
+    tokenizer cannot be compared with the policy's; the message names both models."""

@@ -269,7 +269,8 @@ class TracingLLM:
             top_k=int(params.get("top_k", -1)),
             latency_s=latency,
             backend=result.backend,
-            model=self.model_name,
+            model=result.model or self.model_name,
+            policy=result.policy,
             cached_tokens=result.cached_tokens,
             messages=[*chat, message] if self.record_messages else None,
         )

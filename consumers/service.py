@@ -22,9 +22,11 @@ from nats.js import JetStreamContext
 from broker import Topology
 
 from .agents import AgentRunner, AgentSpec
-from .backends import OpenAICompatBackend, SGLangBackend
+from .backends import CrossSamplingBackend, OpenAICompatBackend, SGLangBackend
+from .backends.cross_sampling import check_same_tokenizer
 from .chat_template import ChatTemplate
 from .delivery import DeliveryPolicy
+from .errors import CrossSamplingError
 from .proxy import TracingProxy
 from .rollout import RolloutEnv
 from .worker import Counters, Worker, WorkerConfig, default_worker_id
@@ -84,6 +86,22 @@ class LLMTarget:
 
 
 @dataclass(frozen=True, kw_only=True)
+class CrossTarget:
+    """Cross-sampling: a second model serving each call with probability ``ratio``
+    (``CrossSamplingBackend``). Its calls are recorded with ``policy`` false and its ``name``;
+    with SGLang-compatible targets it must share the policy's tokenizer (checked at start)."""
+
+    target: LLMTarget
+    ratio: float
+    name: str = "cross"
+    seed: int | None = None  # of the per-call coin; None: a fresh one
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.ratio <= 1.0:
+            raise ValueError(f"the cross-sampling ratio must be in [0, 1], got {self.ratio}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class ConsumerSpec:
     """Everything one consumer needs; picklable, so a Ray actor can be handed one."""
 
@@ -106,6 +124,7 @@ class ConsumerSpec:
     burst: bool = False  # stop once the agent's queue is empty and nothing is in flight
     worker_id: str = field(default_factory=default_worker_id)
     reward_fn: Any = None
+    cross: CrossTarget | None = None  # cross-sampling: some calls go to a second model
 
 
 async def start_proxy(host: str, base_port: int, advertise_host: str | None) -> TracingProxy:
@@ -171,11 +190,15 @@ class ConsumerService:
                 "needed: pass model='tiny' or a model directory"
             )
         agent = AgentSpec.of(spec.fn, spec.agent)
-        self.proxy = await start_proxy(spec.proxy_host, spec.proxy_port, spec.advertise_host)
         if self._backend is None:
-            self._backend = spec.target.backend(
-                retries=spec.llm_retries, timeout=spec.llm_timeout_s
-            )
+            self._backend = await self._build_backend()
+        elif spec.cross is not None:
+            raise ValueError("pass either a backend or spec.cross (which builds one), not both")
+        try:
+            self.proxy = await start_proxy(spec.proxy_host, spec.proxy_port, spec.advertise_host)
+        except BaseException:
+            await self._close()
+            raise
         self._runner = AgentRunner(
             agent, model_name=spec.model_name, threads=max(4, min(spec.concurrency, 256))
         )
@@ -215,6 +238,50 @@ class ConsumerService:
             burst=spec.burst,
         )
         return self
+
+    async def _build_backend(self) -> Any:
+        """The target's backend, wrapped for cross-sampling when ``spec.cross`` is set, once
+        the second model is known to take the policy's token ids."""
+        spec = self.spec
+        primary = spec.target.backend(retries=spec.llm_retries, timeout=spec.llm_timeout_s)
+        if spec.cross is None:
+            return primary
+        cross = spec.cross
+        secondary = cross.target.backend(retries=spec.llm_retries, timeout=spec.llm_timeout_s)
+        try:
+            if cross.target.trainable != spec.target.trainable:
+                raise CrossSamplingError(
+                    "cross-sampling needs both models behind the same kind of API: SGLang "
+                    "servers (token ids) or OpenAI-compatible endpoints (text), not one of each"
+                )
+            if spec.target.trainable:
+                await check_same_tokenizer(
+                    primary,
+                    secondary,
+                    policy_name=spec.model_name,
+                    cross_name=cross.name,
+                    policy_tokenizer=spec.model_dir or "",
+                )
+        except BaseException:
+            await primary.aclose()
+            await secondary.aclose()
+            raise
+        log.info(
+            "cross-sampling",
+            agent=spec.agent,
+            policy=spec.model_name,
+            cross_model=cross.name,
+            cross_ratio=cross.ratio,
+            cross_urls=list(cross.target.urls) or [cross.target.openai_base],
+        )
+        return CrossSamplingBackend(
+            primary,
+            secondary,
+            cross.ratio,
+            primary_name=spec.model_name,
+            secondary_name=cross.name,
+            seed=cross.seed,
+        )
 
     @property
     def ready(self) -> bool:

@@ -43,7 +43,11 @@ def _read_messages(value, path):
 
 @dataclass(frozen=True, kw_only=True)
 class LLMCall(WireMessage):
-    """One call to the policy: the exact prompt and generated tokens, as the backend saw them."""
+    """One LLM call of a rollout: the exact prompt and generated tokens, as the backend saw them.
+
+    ``policy`` says who generated them: the policy being trained (true), or another model that
+    cross-sampling sent the call to (false), whose tokens a trainer keeps as context only.
+    """
 
     prompt_ids: list[int] = spec(TOKENS, doc="prompt token ids sent to the backend")
     response_ids: list[int] = spec(TOKENS, doc="generated token ids, stop token included")
@@ -52,14 +56,27 @@ class LLMCall(WireMessage):
     )
     finish_reason: str = spec(STR, doc="stop | length | abort | tool_calls")
     weight_version: str = spec(
-        STR, "default", doc="policy version that served the call, as the engine reports it"
+        STR,
+        "default",
+        doc="weight version of the model that served the call, as its engine reports it",
     )
     temperature: float = spec(FLOAT, 1.0, doc="sampling temperature used")
     top_p: float = spec(FLOAT, 1.0, doc="top_p used")
     top_k: int = spec(INT, -1, doc="top_k used, -1 = off")
     latency_s: float = spec(FLOAT, 0.0, doc="wall time of the call")
     backend: str = spec(STR, "", doc="the server that answered (URL)")
-    model: str = spec(STR, "", doc="model name the call was routed to")
+    model: str = spec(
+        STR,
+        "",
+        doc="name of the model that generated the reply (the other model's when policy is false)",
+    )
+    policy: bool = spec(
+        BOOL,
+        True,
+        doc="true when the policy being trained generated the reply; false when cross-sampling "
+        "sent the call to another model: its tokens are context, never trained on, and its "
+        "weight_version is not the policy's",
+    )
     cached_tokens: int = spec(INT, 0, doc="prompt tokens served from the backend's prefix cache")
     messages: list[dict] | None = spec(
         MESSAGES, None, doc="the chat messages rendered into prompt_ids, plus the reply"

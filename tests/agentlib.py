@@ -58,3 +58,12 @@ async def with_own_span(task: dict, llm) -> float:
     with trace.get_tracer("user.agent").start_as_current_span("agent thinking"):
         await llm.chat([{"role": "user", "content": "x"}], max_new_tokens=1)
     return 1.0
+
+
+async def three_turns(task: dict, llm) -> float:
+    """Three calls in one conversation (with cross-sampling, turns of both models mix)."""
+    messages = [{"role": "user", "content": task.get("prompt", "hi")}]
+    for _ in range(3):
+        result = await llm.chat(messages, max_new_tokens=4)
+        messages += [result.message, {"role": "user", "content": "and then?"}]
+    return float(task.get("n", 0))

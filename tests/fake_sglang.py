@@ -118,12 +118,17 @@ class FakeSGLang:
         reply: Callable[[dict], tuple[list[int], str]] | None = None,
         weight_version: str = "default",
         cached_tokens: int = 0,
+        tokenizer_path: str = "/models/fake",
+        tokenizer_fingerprint: str | None = None,
     ) -> None:
         self.output_ids = list(output_ids) if output_ids is not None else [11, 12, 13]
         self.text = text
         self.reply = reply
         self.weight_version = weight_version
         self.cached_tokens = cached_tokens
+        # /model_info: SGLang reports tokenizer_path; only the local engine a fingerprint.
+        self.tokenizer_path = tokenizer_path
+        self.tokenizer_fingerprint = tokenizer_fingerprint
         self.requests: list[dict] = []
         self.failures: list[int] = []  # HTTP statuses for the next requests, in order
         self.aborts = 0  # how many of the next requests end in an empty abort
@@ -168,14 +173,15 @@ class FakeSGLang:
             await self._arrived.wait_for(lambda: self.count >= n)
 
     async def _model_info(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            {
-                "model_path": "/models/fake",
-                "tokenizer_path": "/models/fake",
-                "is_generation": True,
-                "weight_version": self.weight_version,
-            }
-        )
+        info = {
+            "model_path": self.tokenizer_path,
+            "tokenizer_path": self.tokenizer_path,
+            "is_generation": True,
+            "weight_version": self.weight_version,
+        }
+        if self.tokenizer_fingerprint is not None:
+            info["tokenizer_fingerprint"] = self.tokenizer_fingerprint
+        return web.json_response(info)
 
     async def _pause(self, request: web.Request) -> web.Response:
         body = await request.json()

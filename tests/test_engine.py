@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from agentarium.tiny import ensure_tiny_model
+from consumers.chat_template import ChatTemplate
 from consumers.engine import LocalEngine, start_server
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 49, 50, 43, 51, 52, 61]  # "Hello, 12+34="
@@ -337,6 +338,8 @@ async def test_health_info_and_flush(server, tiny):
             info = await resp.json()
         assert info["model_path"] == str(tiny) and info["tokenizer_path"] == str(tiny)
         assert info["is_generation"] is True and info["weight_version"] == "default"
+        # not SGLang's: what a consumer compares before cross-sampling with this engine
+        assert info["tokenizer_fingerprint"] == ChatTemplate.from_model_dir(tiny).fingerprint
     for method in (http.get, http.post):
         async with method("/flush_cache") as resp:
             assert resp.status == 200

@@ -174,9 +174,9 @@ async def test_cross_sampling_records_both_models_and_export(js, topology, nats_
     served = {}
     for traj in stored:
         for call in traj.calls:
-            url, model = call.backend.split("#model=")
-            served[model] = url
-            assert call.response_ids == ([49, 258] if model == "tiny" else [50, 258])
+            served[call.model] = call.backend
+            assert call.policy == (call.model == "tiny")
+            assert call.response_ids == ([49, 258] if call.policy else [50, 258])
     assert served == {"tiny": primary.url, "big": second.url}
     results = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert {m for r in results for m in r["models"]} == {"tiny", "big"}
@@ -193,7 +193,12 @@ async def test_cross_sampling_records_both_models_and_export(js, topology, nats_
         assert record["messages"][0]["role"] in ("system", "user")
         assert len(record["input_ids"]) == len(record["loss_mask"]) == len(record["logprobs"])
         assert record["loss_mask"][: record["prompt_length"]] == [0] * record["prompt_length"]
-        assert sum(record["loss_mask"]) >= 2
+    # the loss mask marks the policy's tokens: the other model's replies are context
+    policy_calls = sum(c.policy for t in stored for c in t.calls)
+    assert sorted(sum(r["loss_mask"]) for r in records) == sorted(
+        2 if c.policy else 0 for t in stored for c in t.calls
+    )
+    assert 0 < policy_calls < 12
     pq = pytest.importorskip("pyarrow.parquet")
     n = await export_run(js, topology, run="evalcross", fmt="parquet", out=tmp_path / "sft.parquet")
     table = pq.read_table(tmp_path / "sft.parquet")

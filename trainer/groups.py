@@ -17,6 +17,11 @@ and acks what it is told to. Rules (docs/design.md "The GRPO trainer"):
   minus the oldest policy version among its calls; beyond ``max_staleness`` it is dropped
   (``drop``) or kept with truncated importance weights (``tis``). The oldest complete groups
   go first, so slow rollouts are trained before they go stale rather than starved.
+- Cross-sampled calls (``LLMCall.policy`` false) report another model's weight version: only the
+  policy's own calls count for staleness (and for refusal). A member whose calls are all
+  cross-sampled (``cross_only``) has no policy token to train: its reward stays in the group's
+  statistics (it is a sample of the same mixed behaviour as its siblings, so leaving it out
+  would bias the baseline) but it becomes no sample.
 
 A dropped group is acked at once (dropped on purpose); a used group is acked by the trainer
 once a checkpoint covers its step, all members together, so a replay after a crash rebuilds
@@ -46,8 +51,9 @@ _CLOSED_MEMORY = 200_000  # group ids remembered as closed (late members are rec
 class Member:
     trajectory: Trajectory
     handle: Any
-    version: int | None  # oldest policy version among its calls; None without calls
+    version: int | None  # oldest version among the policy's calls; None without one
     refused: str | None = None
+    cross_only: bool = False  # every call cross-sampled: statistics only, no sample
 
     @property
     def job_id(self) -> str:
@@ -108,6 +114,7 @@ class BufferCounters:
     invalid: int = 0
     failed_members: int = 0  # status error/timeout: out of statistics
     refused: int = 0  # unreproducible sampling
+    cross_only: int = 0  # every call cross-sampled: in statistics, never trained
     groups_complete: int = 0
     groups_timed_out: int = 0  # released short after the timeout
     dropped_incomplete: int = 0  # groups: timed out with too few ok members
@@ -173,12 +180,14 @@ class GroupBuffer:
         if trajectory.group_id in self._closed:
             c.late += 1
             return LATE
+        own = [call for call in trajectory.calls if call.policy]
         try:
-            versions = [version_number(call.weight_version) for call in trajectory.calls]
+            versions = [version_number(call.weight_version) for call in own]
         except SchemaError:
             c.invalid += 1
             return INVALID
         member = Member(trajectory, handle, min(versions) if versions else None)
+        member.cross_only = bool(trajectory.calls) and not own
         if trajectory.ok:
             member.refused = refusal(trajectory)
             c.refused += member.refused is not None
@@ -250,6 +259,9 @@ class GroupBuffer:
             advs = advantages(rewards, std_norm=std_norm, eps=eps)
             group.samples, group.staleness, group.stale_dropped = [], [], 0
             for member, adv in zip(ok, advs, strict=True):
+                if member.cross_only:
+                    c.cross_only += 1
+                    continue
                 stale = version - member.version if member.version is not None else 0
                 group.staleness.append(stale)
                 too_old = stale > max_staleness
@@ -271,6 +283,7 @@ class GroupBuffer:
         c = self.counters
         for group in groups:
             c.dropped_stale -= group.stale_dropped
+            c.cross_only -= sum(m.cross_only for m in group.ok)
             c.tis_weighted -= sum(s.tis for s in group.samples)
             c.groups_used -= 1
             group.samples, group.staleness, group.stale_dropped = [], [], 0

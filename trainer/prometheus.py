@@ -92,6 +92,7 @@ DROPPED_TRAJECTORIES = {
     "refused": "refused",
     "failed_members": "failed",
     "validation_skipped": "validation",
+    "cross_only": "cross_only",
 }
 DROPPED_GROUPS = {
     "dropped_flat": "flat",
@@ -135,7 +136,8 @@ class BufferCollector:
             "trajectories": CounterMetricFamily(
                 "agentarium_trainer_dropped_trajectories",
                 "Trajectories kept out of training, by reason (stale, late, invalid, duplicate, "
-                "refused sampling, failed rollout, validation)",
+                "refused sampling, failed rollout, validation, cross_only: every call "
+                "cross-sampled)",
                 labels=["run", "reason"],
             ),
             "groups": CounterMetricFamily(

@@ -17,10 +17,16 @@ A trajectory becomes rows in one of two modes (``MULTI_TURN``):
 
 Calls without token ids (OpenAI-compatible backends) or without generated tokens give no row.
 
+Cross-sampled calls (``LLMCall.policy`` false: another model generated them) are context, like
+tool results: their response tokens get ``response_mask`` 0 in both modes (in ``concat`` they
+sit in the response between the policy's turns; in ``per-call`` their row has no loss token),
+so no gradient and no importance ratio is ever taken on a token the policy did not sample. A
+trajectory whose calls are all cross-sampled is ``cross_only``: its rows carry no loss token.
+
 Also here, so that each rule lives in one place:
 
-- ``refusal``: calls sampled with top_p < 1, top_k > 0 or greedily have log-probs no trainer
-  can reproduce; they are refused from training.
+- ``refusal``: policy calls sampled with top_p < 1, top_k > 0 or greedily have log-probs no
+  trainer can reproduce; they are refused from training.
 - ``grpo_advantages``: GRPO's group-relative advantage, in float64 from the rewards on. A flat
   group (all rewards equal, or std 0) gives 0 for every member whatever eps is.
 - ``pad_token_id``: the pad id of a model or tokenizer (its pad token, else its first eos).
@@ -37,14 +43,15 @@ from schemas import LLMCall, Trajectory
 
 MULTI_TURN = ("concat", "per-call")
 # How rows_of built a trajectory's rows.
-HOW = ("single", "concat", "per-call", "mismatch", "no_token_ids", "empty")
+HOW = ("single", "concat", "per-call", "mismatch", "no_token_ids", "empty", "cross_only")
 
 
 @dataclass(frozen=True)
 class TokenRow:
     """One unpadded sequence: a prompt, then a response whose lists align on token positions.
 
-    ``response_mask`` is 1 on tokens the policy generated, 0 on observations between turns;
+    ``response_mask`` is 1 on tokens the policy generated, 0 on observations between turns
+    and on tokens another model generated (cross-sampled calls);
     ``response_logprobs`` and ``response_temperature`` hold the engine's log-prob and the
     sampling temperature of each generated token (0.0 and 1.0 elsewhere). ``call_index`` is
     the call's index in ``trajectory.calls``, -1 for a concatenated row.
@@ -85,12 +92,20 @@ class TokenRow:
 def rows_of(trajectory: Trajectory, multi_turn: str = "concat") -> tuple[list[TokenRow], str]:
     """Rows of one trajectory and how they were built (one of ``HOW``): ``single`` (one call),
     ``concat``, ``per-call``, ``mismatch`` (concat refused, per-call used), ``no_token_ids``
-    (calls without token ids only) or ``empty`` (no generated token)."""
+    (calls without token ids only), ``empty`` (no generated token) or ``cross_only`` (every
+    call cross-sampled: rows without a loss token)."""
     assert multi_turn in MULTI_TURN, f"multi_turn must be one of {MULTI_TURN}, got {multi_turn!r}"
     calls = [(i, c) for i, c in enumerate(trajectory.calls) if c.response_ids and c.prompt_ids]
     if not calls:
         untraced = any(not c.prompt_ids for c in trajectory.calls)
         return [], "no_token_ids" if untraced else "empty"
+    rows, how = _rows(calls, multi_turn)
+    if not any(c.policy for _, c in calls):
+        how = "cross_only"
+    return rows, how
+
+
+def _rows(calls: list[tuple[int, LLMCall]], multi_turn: str) -> tuple[list[TokenRow], str]:
     if len(calls) == 1:
         return [_single(*calls[0])], "single"
     if multi_turn == "concat":
@@ -103,6 +118,10 @@ def rows_of(trajectory: Trajectory, multi_turn: str = "concat") -> tuple[list[To
 
 def _single(index: int, call: LLMCall) -> TokenRow:
     n = len(call.response_ids)
+    if not call.policy:  # another model's reply: context only
+        return TokenRow(
+            list(call.prompt_ids), list(call.response_ids), [0] * n, [0.0] * n, [1.0] * n, index
+        )
     return TokenRow(
         list(call.prompt_ids),
         list(call.response_ids),
@@ -125,6 +144,8 @@ def _concatenated(calls: list[LLMCall]) -> TokenRow | None:
     logprobs = [0.0] * len(response)
     temperature = [1.0] * len(response)
     for call in calls:
+        if not call.policy:  # another model's reply stays in the row as context, mask 0
+            continue
         offset = len(call.prompt_ids) - start
         for j, logprob in enumerate(call.response_logprobs):
             mask[offset + j] = 1
@@ -134,9 +155,10 @@ def _concatenated(calls: list[LLMCall]) -> TokenRow | None:
 
 
 def refusal(trajectory: Trajectory) -> str | None:
-    """Why this trajectory's calls cannot be trained on, or None when they can."""
+    """Why this trajectory's policy calls cannot be trained on, or None when they can
+    (cross-sampled calls are context: their log-probs are never used)."""
     for index, call in enumerate(trajectory.calls):
-        reason = call_refusal(call)
+        reason = call_refusal(call) if call.policy else None
         if reason:
             return f"call {index} was sampled with {reason}: its log-probs cannot be reproduced"
     return None

@@ -19,6 +19,7 @@ from consumers import (
     ConsumerService,
     ConsumerSpec,
     Counters,
+    CrossTarget,
     LLMTarget,
     default_worker_id,
     load_callable,
@@ -67,6 +68,11 @@ class ConsumerConfig:
     proxy_port: int = 0
     advertise_host: str | None = None
     worker_id: str = field(default_factory=default_worker_id)
+    # Cross-sampling (as `eval run --cross-model`): a call goes to this second model with
+    # probability cross_ratio; recorded with policy false, never trained on.
+    cross_model: tuple[str, ...] | None = None
+    cross_model_name: str = "cross"
+    cross_ratio: float = 0.5
 
 
 KEYS = ConfigKeys.of("consumer", ConsumerConfig, keyless={**connection_flags(), **metrics_flags()})
@@ -92,6 +98,8 @@ def config_from_args(args: argparse.Namespace) -> tuple[ConsumerConfig, dict]:
     parse_agent(config.agent)
     if not normalize_urls(config.llm):
         raise ValueError("no LLM server: pass --llm URL (repeat it for a fleet) or set llm:")
+    if not 0.0 <= config.cross_ratio <= 1.0:
+        raise ValueError(f"--cross-ratio must be in [0, 1], got {config.cross_ratio}")
     return config, resolved.describe()
 
 
@@ -106,10 +114,21 @@ async def consume(args: argparse.Namespace, config: ConsumerConfig, source: dict
     except (AgentLoadError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    cross_urls = normalize_urls(list(config.cross_model or ()))
+    cross = (
+        CrossTarget(
+            target=LLMTarget(urls=tuple(cross_urls)),
+            ratio=config.cross_ratio,
+            name=config.cross_model_name,
+        )
+        if cross_urls
+        else None
+    )
     spec = ConsumerSpec(
         agent=name,
         fn=fn,
         target=LLMTarget(urls=tuple(normalize_urls(config.llm))),
+        cross=cross,
         model_dir=str(model_dir),
         model_name=config.model_name or ("tiny" if config.model == "tiny" else model_dir.name),
         concurrency=config.concurrency,
@@ -129,7 +148,7 @@ async def consume(args: argparse.Namespace, config: ConsumerConfig, source: dict
     )
     log.info(
         "consumer config",
-        **{**asdict(config), "llm": list(spec.target.urls)},
+        **{**asdict(config), "llm": list(spec.target.urls), "cross_model": cross_urls},
         **source,
         style=agent.style,
         kind=agent.kind,
@@ -285,6 +304,28 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--advertise-host",
         default=None,
         help="host name put in the per-rollout endpoint URLs, for agents on other machines (default: this host)",
+    )
+    p.add_argument(
+        "--cross-model",
+        action="append",
+        metavar="URL",
+        help="cross-sampling: a second model's server (SGLang or `agentarium engine`; repeat for "
+        "a fleet) sharing the policy's tokenizer (checked at start); each LLM call goes there "
+        "with probability --cross-ratio, and is recorded as not the policy's: the trainer keeps "
+        "its tokens as context and trains only on the policy's",
+    )
+    p.add_argument(
+        "--cross-model-name",
+        default="cross",
+        metavar="NAME",
+        help="the second model's name in the recorded calls (default %(default)s)",
+    )
+    p.add_argument(
+        "--cross-ratio",
+        type=float,
+        default=0.5,
+        metavar="P",
+        help="probability that a call goes to --cross-model, decided per call (default %(default)s)",
     )
     p.add_argument(
         "--worker-id",

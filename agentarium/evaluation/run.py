@@ -31,7 +31,7 @@ from consumers import (
     ChatTemplate,
     ConsumerService,
     ConsumerSpec,
-    CrossSamplingBackend,
+    CrossTarget,
     LLMTarget,
     load_callable,
     normalize_urls,
@@ -303,7 +303,7 @@ class EvalRun:
             target = LLMTarget(urls=tuple(normalize_urls(list(cfg.llm))))
             model_dir = str(resolve_model(cfg.model))
             template = ChatTemplate.from_model_dir(model_dir)
-        backend = target.backend()
+        cross = None
         if cfg.cross_model:
             second = (
                 LLMTarget(
@@ -314,13 +314,8 @@ class EvalRun:
                 if cfg.openai_base
                 else LLMTarget(urls=tuple(normalize_urls(cfg.cross_model)))
             )
-            backend = CrossSamplingBackend(
-                backend,
-                second.backend(),
-                cfg.cross_ratio,
-                primary_name=self.primary_name,
-                secondary_name=cfg.cross_model_name,
-                seed=cfg.seed,
+            cross = CrossTarget(
+                target=second, ratio=cfg.cross_ratio, name=cfg.cross_model_name, seed=cfg.seed
             )
         spec = ConsumerSpec(
             agent=cfg.agent,
@@ -335,8 +330,9 @@ class EvalRun:
             ack_wait_s=cfg.ack_wait_s,
             reward_fn=reward_fn,
             worker_id=f"{self.run_id}-{cfg.agent}"[:120],
+            cross=cross,
         )
-        service = ConsumerService(js, topology, spec, template=template, backend=backend)
+        service = ConsumerService(js, topology, spec, template=template)
         return await service.start()
 
     def _finish(self, final: dict) -> int:

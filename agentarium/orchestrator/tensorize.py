@@ -50,6 +50,9 @@ that name would collide with it in ``DataProto.to_tensordict``), so the temperat
 were sampled at is ``meta_info["rollout_temperature"]``, and a batch whose model tokens were
 sampled at several temperatures is refused with a ValueError naming the jobs at each.
 Calls without token ids (OpenAI-compatible backends) cannot be trained on: left out, counted.
+Cross-sampled calls (``LLMCall.policy`` false, another model's replies) are context:
+``response_mask`` 0 on their tokens; a trajectory with no policy call keeps its rows (all mask
+0, so its reward still counts in its group's statistics) and is counted in ``batch/cross_only``.
 """
 
 from __future__ import annotations
@@ -239,6 +242,7 @@ def tensorize(
         "batch/multi_row_trajectories": float(counts["multi_row"]),
         "batch/no_token_ids": float(counts["no_token_ids"]),
         "batch/empty": float(counts["empty"]),
+        "batch/cross_only": float(counts["cross_only"]),
         "batch/refused": float(counts["refused"]),
         "batch/dropped_error": float(counts["dropped_error"]),
         "batch/dropped_timeout": float(counts["dropped_timeout"]),

@@ -47,6 +47,10 @@ class GenerateResult:
     backend: str = ""
     latency_s: float = 0.0
     tool_calls: list[dict] | None = None
+    # Who generated it, when a backend composes several models (cross-sampling): the model's
+    # name ("" = the consumer's own) and whether it is the policy being trained.
+    model: str = ""
+    policy: bool = True
     meta_info: dict = field(default_factory=dict, repr=False)
 
 

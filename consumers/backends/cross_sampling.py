@@ -1,28 +1,36 @@
 """Cross-sampling (as in AgentRL): each LLM call of a rollout goes to a second model with
 probability ``ratio``, so one trajectory mixes the two models' turns.
 
-A backend wrapper composing two backends behind the same ``generate`` interface. Which model
-served a call is recorded in the call's ``backend`` field as ``<server URL>#model=<name>``
-(still a URL, so spans parse it as before); ``model_of_call`` reads it back.
+A backend wrapper composing two backends behind the same ``generate`` interface, used by
+evaluation (``eval run --cross-model``) and by training rollouts (``consumer --cross-model``).
+Each result says who generated it: ``model`` (the primary's or the second model's name) and
+``policy`` (false for the second model), which the tracing client records in the ``LLMCall``;
+a trainer keeps the second model's tokens as context and never trains on them.
+
+The second model is sent the policy's prompt token ids, so it must share the policy's
+tokenizer: ``check_same_tokenizer`` compares the two at start and refuses a mismatch.
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
+from ..chat_template import load_tokenizer, tokenizer_fingerprint
+from ..errors import CrossSamplingError, LLMError
 from .base import GenerateRequest, GenerateResult
 
+# Trajectories recorded before LLMCall.model named the answering model carried it here, in the
+# backend URL: ``<server URL>#model=<name>``. Read back by ``model_of_call``, no longer written.
 MODEL_TAG = "#model="
-
-
-def tag(backend_url: str, model: str) -> str:
-    return f"{backend_url}{MODEL_TAG}{model}"
+FINGERPRINT = "tokenizer_fingerprint"  # the local engine's /model_info field (not SGLang's)
 
 
 def model_of_call(call: Any, default: str = "") -> str:
-    """The model name recorded for an LLMCall (its backend tag, else its ``model`` field)."""
+    """The model that generated an LLMCall: its ``model`` field (or, in older records, the
+    backend URL's tag), else ``default``."""
     backend = getattr(call, "backend", "") or ""
     if MODEL_TAG in backend:
         return backend.rsplit(MODEL_TAG, 1)[1]
@@ -30,7 +38,8 @@ def model_of_call(call: Any, default: str = "") -> str:
 
 
 class CrossSamplingBackend:
-    """``primary`` serves a call with probability 1 - ratio, ``secondary`` with ``ratio``."""
+    """``primary`` (the policy) serves a call with probability 1 - ratio, ``secondary`` with
+    ``ratio``; the coin is tossed per call."""
 
     def __init__(
         self,
@@ -67,7 +76,7 @@ class CrossSamplingBackend:
         name = self.names[1 if second else 0]
         result = await backend.generate(request)
         self.served[name] += 1
-        return replace(result, backend=tag(result.backend, name))
+        return replace(result, model=name, policy=not second)
 
     async def aclose(self) -> None:
         for backend in (self.primary, self.secondary):
@@ -77,3 +86,77 @@ class CrossSamplingBackend:
 
     def __repr__(self) -> str:
         return f"CrossSamplingBackend({self.names[0]} / {self.names[1]} at {self.ratio:g}, served={self.served})"
+
+
+async def check_same_tokenizer(
+    policy: Any,
+    cross: Any,
+    *,
+    policy_name: str,
+    cross_name: str,
+    policy_tokenizer: str = "",
+) -> None:
+    """Refuse (``CrossSamplingError``) a second model that does not share the policy's tokenizer.
+
+    Each side's tokenizer is read from its servers' ``/model_info``: the ``tokenizer_fingerprint``
+    the local engine reports, else the fingerprint of its ``tokenizer_path`` when that is a
+    model directory on this machine; for the policy, else the consumer's own tokenizer
+    (``policy_tokenizer``, the directory that renders every prompt). Equal fingerprints pass;
+    without one on a side, equal ``tokenizer_path`` strings pass; anything else is refused.
+    """
+    policy_info = await _model_info(policy, f"the policy {policy_name!r}")
+    cross_info = await _model_info(cross, f"the cross model {cross_name!r}")
+    policy_path = str(policy_info.get("tokenizer_path") or "")
+    cross_path = str(cross_info.get("tokenizer_path") or "")
+    policy_fp, policy_from = _fingerprint(policy_info, policy_tokenizer)
+    cross_fp, cross_from = _fingerprint(cross_info, "")
+    if policy_fp and cross_fp:
+        if policy_fp == cross_fp:
+            return
+        raise CrossSamplingError(
+            f"the cross model {cross_name!r} (tokenizer {cross_path or '?'}, fingerprint "
+            f"{cross_fp[:12]} {cross_from}) does not share the tokenizer of the policy "
+            f"{policy_name!r} ({policy_path or policy_tokenizer or '?'}, fingerprint "
+            f"{policy_fp[:12]} {policy_from}): cross-sampled calls send the policy's token ids "
+            "to the other model, so both need the same vocabulary; choose a --cross-model of "
+            "the policy's model family"
+        )
+    if policy_path and policy_path == cross_path:
+        return
+    raise CrossSamplingError(
+        f"cannot check that the cross model {cross_name!r} shares the tokenizer of the policy "
+        f"{policy_name!r}: its /model_info reports no {FINGERPRINT} and its tokenizer_path "
+        f"{cross_path or '(none)'!r} is not a model directory on this machine (the policy's is "
+        f"{policy_path or policy_tokenizer or '(none)'!r}); serve it with `agentarium engine`, "
+        "or make its tokenizer_path readable here (the same path on a shared disk)"
+    )
+
+
+async def _model_info(backend: Any, who: str) -> dict:
+    info = getattr(backend, "model_info", None)
+    if info is None:
+        raise CrossSamplingError(
+            f"cannot read the tokenizer of {who}: its backend has no /model_info (cross-sampling "
+            "a training rollout needs SGLang servers or `agentarium engine`)"
+        )
+    try:
+        return dict(await info())
+    except LLMError as exc:
+        raise CrossSamplingError(
+            f"cannot check the tokenizer of {who}: {exc}; start its servers first (the check "
+            "runs once, when the consumer starts)"
+        ) from exc
+
+
+def _fingerprint(info: dict, local_dir: str) -> tuple[str, str]:
+    """A side's tokenizer fingerprint and where it came from ("" when unknown)."""
+    reported = info.get(FINGERPRINT)
+    if isinstance(reported, str) and reported:
+        return reported, "reported by its server"
+    for path, source in (
+        (info.get("tokenizer_path"), "of its tokenizer_path"),
+        (local_dir, "of --model"),
+    ):
+        if path and (Path(str(path)) / "tokenizer.json").is_file():
+            return tokenizer_fingerprint(load_tokenizer(str(path))), source
+    return "", ""

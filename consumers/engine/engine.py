@@ -5,11 +5,13 @@ usable in-process (`await engine.generate({...})`) or behind the HTTP server in 
 from __future__ import annotations
 
 import asyncio
+import functools
 from pathlib import Path
 from typing import Any
 
 import structlog
 
+from ..chat_template import load_tokenizer, tokenizer_fingerprint
 from .errors import InvalidRequest
 from .model import EngineModel
 from .request import parse_generate
@@ -120,7 +122,18 @@ class LocalEngine:
             "weight_version": self.scheduler.weight_version,
             "model_type": getattr(config, "model_type", None),
             "architectures": getattr(config, "architectures", None),
+            # Not in SGLang: lets a consumer check that a cross-sampling model takes the
+            # policy's token ids (consumers/backends/cross_sampling.py).
+            "tokenizer_fingerprint": self.tokenizer_fingerprint,
         }
+
+    @functools.cached_property
+    def tokenizer_fingerprint(self) -> str:
+        """As a consumer computes it from the same directory (its chat template's loader);
+        the engine's own tokenizer when the directory has no tokenizer.json."""
+        if (self.model_path / "tokenizer.json").is_file():
+            return tokenizer_fingerprint(load_tokenizer(self.model_path))
+        return tokenizer_fingerprint(self.model.tokenizer)
 
     # ---- weights and control --------------------------------------------------------------
 
