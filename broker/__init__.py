@@ -1,6 +1,8 @@
 """NATS plumbing: connection settings, topology, provisioning, the embedded server, status,
-the workers registry and telemetry (logging, tracing, trace context in message headers)."""
+the workers registry, engine weight versions, stream tails for live views and telemetry
+(logging, tracing, trace context in message headers)."""
 
+from .engines import engine_key, engine_versions, record_engine
 from .errors import (
     ERR_CONSUMER_NOT_FOUND,
     ERR_STREAM_FULL,
@@ -24,6 +26,7 @@ from .registry import live_workers, publish_worker, remove_worker
 from .server import NatsServer, find_nats_server, free_port
 from .settings import NatsSettings
 from .status import BrokerStatus, collect_status, count_messages, format_status
+from .tail import Tail, read_tail
 from .telemetry import (
     extract_context,
     inject_headers,
@@ -48,10 +51,13 @@ __all__ = [
     "ProvisionReport",
     "ProvisioningError",
     "ServerLaunchError",
+    "Tail",
     "TRANSIENT_NATS_ERRORS",
     "Topology",
     "collect_status",
     "count_messages",
+    "engine_key",
+    "engine_versions",
     "ensure_consumer",
     "ensure_provisioned",
     "ensure_streams",
@@ -64,6 +70,8 @@ __all__ = [
     "live_workers",
     "provision",
     "publish_worker",
+    "read_tail",
+    "record_engine",
     "remove_worker",
     "setup_logging",
     "setup_tracing",

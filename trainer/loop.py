@@ -5,6 +5,7 @@
         batch   = collate(build_rows(samples))       # (B, T) tensors, loss on model tokens only
         stats   = updater.step(batch, seed(step))    # forward, GRPO loss, backward, clip, AdamW
         metrics.record(step)                         # CSV + OpenTelemetry
+        live.publish(step)                           # the same row on <p>.metrics.<run>
         every publish_every steps:    version += 1; await publisher.publish(model, version, step)
         every checkpoint_every steps: checkpoint, then ack the groups it covers
 
@@ -45,6 +46,7 @@ from .collector import Collector, CollectorConfig
 from .config import TrainerConfig
 from .errors import TrainerConfigError
 from .groups import Group
+from .live import LiveMetrics
 from .metrics import MetricsSink, StepMetrics
 from .rows import pad_token_id
 
@@ -142,6 +144,7 @@ class Trainer:
                 attributes={"run": cfg.run, "agent": cfg.agent},
                 append=self.resume,
             )
+            live = LiveMetrics(self.js, self.topology, run=cfg.run, agent=cfg.agent)
             await self.collector.start()
             log.info("trainer started", step=self.step, version=self.version, resumed=self.resume)
             while not self._stop.is_set() and (max_steps is None or self.step < max_steps):
@@ -158,7 +161,9 @@ class Trainer:
                 )
                 if groups is None:
                     break
-                metrics.record(await self._train_step(groups, wait_s=time.monotonic() - waited))
+                row = await self._train_step(groups, wait_s=time.monotonic() - waited)
+                metrics.record(row)
+                await live.publish(row)
                 if self.publisher is not None and self.step % cfg.publish_every == 0:
                     await self._publish()
                 if self.checkpoints is None:
