@@ -9,6 +9,7 @@ sequences, so a caller keeps the returned ``last_seq`` and asks again for what c
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 
 import nats.errors
@@ -65,11 +66,16 @@ async def read_tail(
         wanted = min(info.num_pending or 0, last)
         if wanted:
             sub = await js.pull_subscribe_bind(consumer=info.name, stream=stream)
-            while len(tail.messages) < wanted:
+            # One deadline for the whole read: messages counted but gone by now (max age) or a
+            # slow broker cut it short; what was read is returned and the next read goes on.
+            deadline = time.monotonic() + FETCH_TIMEOUT_S
+            while len(tail.messages) < wanted and (left := deadline - time.monotonic()) > 0:
                 try:
-                    got = await sub.fetch(wanted - len(tail.messages), timeout=FETCH_TIMEOUT_S)
-                except nats.errors.TimeoutError:
-                    break  # the rest expired (max age) since the count: return what we have
+                    got = await sub.fetch(wanted - len(tail.messages), timeout=left)
+                except (nats.errors.TimeoutError, TimeoutError):
+                    break
+                if not got:
+                    break
                 tail.messages.extend(got)
         if tail.messages:
             tail.last_seq = tail.messages[-1].metadata.sequence.stream
