@@ -133,7 +133,10 @@ class DashboardServer:
                 raise
             except Exception as exc:  # the page shows the error; the next round tries again
                 detail = str(exc) or type(exc).__name__
-                self.view.failed(f"cannot read the broker: {detail}")
+                self.view.failed(
+                    f"cannot read the broker ({detail}): is nats-server up, and --nats-url "
+                    "right? Showing the last numbers read"
+                )
                 if not failing:
                     log.warning("dashboard refresh failed; retrying", error=detail)
                 failing = True
