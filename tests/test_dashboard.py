@@ -220,9 +220,7 @@ async def test_page_follows_the_run_live_in_chromium(js, topology, fake, tmp_pat
 
         # the run moves on while the page is open: a worker drains echo's queue, the trainer
         # steps on, a syncer reports its engine
-        async with worker_for(
-            js, "echo", agentlib.echo, [fake.url], burst=False, registry_interval_s=0.3
-        ) as worker:
+        async with worker_for(js, "echo", agentlib.echo, [fake.url], burst=False) as worker:
             serving = asyncio.create_task(worker.run())
             try:
                 await trainer_rows(js, topology, range(21, 41))

@@ -39,7 +39,6 @@ async def worker_for(
     reward_fn=None,
     worker_id=None,
     limits=None,
-    registry_interval_s=5.0,
 ):
     backend = SGLangBackend(list(llm_urls), retries=1, backoff=0.01, max_backoff=0.05)
     proxy = TracingProxy(host="127.0.0.1", port=0, advertised_host="127.0.0.1")
@@ -61,7 +60,6 @@ async def worker_for(
         ack_wait_s=ack_wait,
         fetch_timeout_s=0.3,
         worker_id=worker_id or f"test-{agent_name}",
-        registry_interval_s=registry_interval_s,
         retry=DeliveryPolicy(
             attempts=attempts, base_delay_s=retry_delay, max_delay_s=retry_delay * 4
         ),
