@@ -1,7 +1,9 @@
 """NATS plumbing: connection settings, topology, provisioning, the embedded server, status,
-the workers registry, telemetry (logging, tracing, trace context in message headers) and the
-Prometheus side shared by every service (the /metrics and health server, queue gauges)."""
+the workers registry, engine weight versions, stream tails for live views, telemetry (logging,
+tracing, trace context in message headers) and the Prometheus side shared by every service
+(the /metrics and health server, queue gauges)."""
 
+from .engines import engine_key, engine_versions, record_engine
 from .errors import (
     ERR_CONSUMER_NOT_FOUND,
     ERR_STREAM_FULL,
@@ -28,6 +30,7 @@ from .server import NatsServer, find_nats_server, free_port
 from .settings import NatsSettings
 from .status import BrokerStatus, collect_status, count_messages, format_status
 from .stream_metrics import StreamMetrics, collect_stream_metrics
+from .tail import Tail, read_tail
 from .telemetry import (
     OPENINFERENCE_SPAN_KIND,
     extract_context,
@@ -58,11 +61,14 @@ __all__ = [
     "ProvisioningError",
     "ServerLaunchError",
     "StreamMetrics",
+    "Tail",
     "TRANSIENT_NATS_ERRORS",
     "Topology",
     "collect_status",
     "collect_stream_metrics",
     "count_messages",
+    "engine_key",
+    "engine_versions",
     "ensure_consumer",
     "ensure_provisioned",
     "ensure_streams",
@@ -76,6 +82,8 @@ __all__ = [
     "metrics_response",
     "provision",
     "publish_worker",
+    "read_tail",
+    "record_engine",
     "remove_worker",
     "render_metrics",
     "setup_logging",

@@ -234,6 +234,14 @@ async def ensure_buckets(
         storage=StorageType.FILE,
         replicas=limits.replicas,
     )
+    engines = KeyValueConfig(
+        bucket=topo.engines_bucket,
+        description="each engine's weight version, written by its syncer (JSON)",
+        history=1,
+        ttl=limits.engines_ttl_s,
+        storage=StorageType.FILE,
+        replicas=limits.replicas,
+    )
     weights = ObjectStoreConfig(
         bucket=topo.weights_bucket,
         description="policy weights (safetensors), <run>/v<version>",
@@ -263,6 +271,16 @@ async def ensure_buckets(
     report.merge(
         await _ensure_bucket_stream(
             js,
+            f"KV_{topo.engines_bucket}",
+            topo.engines_bucket,
+            lambda: js.create_key_value(engines),
+            {"max_age": limits.engines_ttl_s, "num_replicas": limits.replicas},
+            update=update,
+        )
+    )
+    report.merge(
+        await _ensure_bucket_stream(
+            js,
             f"OBJ_{topo.weights_bucket}",
             topo.weights_bucket,
             lambda: js.create_object_store(topo.weights_bucket, weights),
@@ -273,6 +291,13 @@ async def ensure_buckets(
     return report
 
 
+def _job_streams(topo: Topology) -> tuple[str, ...]:
+    """What jobs need to flow. The live-view objects (the metrics stream, the engines KV) are
+    left to ``provision``: a service started against a broker provisioned by an older release
+    must not fail, or try what its role may not do, over a view (``broker init`` adds them)."""
+    return (topo.tasks_stream, topo.trajectories_stream, topo.dead_stream)
+
+
 async def ensure_streams(
     js: JetStreamContext, topo: Topology, limits: Limits | None = None
 ) -> list[str]:
@@ -280,19 +305,21 @@ async def ensure_streams(
     that its least-privilege role may look at (no buckets)."""
     created: list[str] = []
     for config in topo.stream_configs(limits or Limits()):
-        created += (await ensure_stream(js, config, update=False)).created
+        if config.name in _job_streams(topo):
+            created += (await ensure_stream(js, config, update=False)).created
     return created
 
 
 async def ensure_provisioned(
     js: JetStreamContext, topo: Topology, limits: Limits | None = None
 ) -> bool:
-    """Create whatever is missing (with ``limits`` or defaults) and never update what exists,
-    so every service may call it on start without reverting an operator's ``broker init``.
+    """When a stream or bucket that jobs need is missing, create whatever is missing (with
+    ``limits`` or defaults); never update what exists, so every service may call it on start
+    without reverting an operator's ``broker init``.
     Returns True if anything was created. On a cluster run ``broker init --replicas 3``
     first: a stream created here gets ``limits``' replicas."""
     try:  # the common case, and all a least-privilege role may look at: everything exists
-        for name in (topo.tasks_stream, topo.trajectories_stream, topo.dead_stream):
+        for name in _job_streams(topo):
             await js.stream_info(name)
         await js.key_value(topo.workers_bucket)
         await js.key_value(topo.policy_bucket)

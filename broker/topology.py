@@ -39,6 +39,12 @@ class Limits:
     dead_max_age_s: float = 30 * DAY_S
     workers_ttl_s: float = 30.0
     policy_history: int = 5
+    # Live views (the dashboard): the trainer's step rows and the engines' weight versions.
+    metrics_max_age_s: float = 7 * DAY_S
+    metrics_max_bytes: int = 256 * 1024**2
+    # A running syncer rewrites its engines' entries every --recheck-s (30 s): an entry this
+    # old belongs to an engine nobody syncs any more.
+    engines_ttl_s: float = 3600.0
     # Rollout consumer defaults (each worker's flags may change ack_wait/attempts).
     ack_wait_s: float = 60.0
     attempts: int = 3  # runs of a job; max_deliver = attempts + 1 (the last is dead-lettered)
@@ -77,6 +83,14 @@ class Topology:
         return f"{self.prefix.upper()}_DEAD"
 
     @property
+    def metrics_stream(self) -> str:
+        return f"{self.prefix.upper()}_METRICS"
+
+    @property
+    def engines_bucket(self) -> str:
+        return f"{self.prefix}-engines"
+
+    @property
     def weights_bucket(self) -> str:
         return f"{self.prefix}-weights"
 
@@ -110,6 +124,9 @@ class Topology:
         except ValueError:
             token = "_invalid"
         return f"{self.prefix}.dead.{token}"
+
+    def metrics_subject(self, run: str) -> str:
+        return f"{self.prefix}.metrics.{check_name(run, 'run')}"
 
     def rollout_consumer(self, agent: str) -> str:
         return f"rollout-{check_name(agent, 'agent')}"
@@ -155,6 +172,18 @@ class Topology:
                 duplicate_window=120.0,
                 num_replicas=limits.replicas,
                 description="dead-lettered jobs with the reason and last error",
+            ),
+            StreamConfig(
+                name=self.metrics_stream,
+                subjects=[f"{self.prefix}.metrics.>"],
+                retention=RetentionPolicy.LIMITS,
+                storage=StorageType.FILE,
+                discard=DiscardPolicy.OLD,
+                max_age=limits.metrics_max_age_s,
+                max_bytes=limits.metrics_max_bytes,
+                duplicate_window=120.0,
+                num_replicas=limits.replicas,
+                description="the trainer's per-step metrics rows (JSON), for live views",
             ),
         ]
 

@@ -66,5 +66,14 @@ if [ -n "$extras" ] && ! command -v docker-compose >/dev/null 2>&1; then
     echo "note: docker-compose not installed; the compose validation test will skip"
   fi
 fi
+if [ -n "$extras" ] && ! command -v chromium >/dev/null 2>&1; then
+  # tests/test_dashboard.py drives the dashboard page in a real headless Chromium (Debian's package).
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null) \
+      || echo "note: chromium could not be installed; the dashboard browser test will skip (and fail under CI=true)"
+  else
+    echo "note: chromium not installed (sudo apt-get install --no-install-recommends chromium); the dashboard browser test will skip (and fail under CI=true)"
+  fi
+fi
 if [ -n "$extras" ]; then bash ops/verl_venv.sh; fi  # verl 0.9.1's own venv, for tests/test_verl_compat.py
 echo "setup done: .venv ready, nats-server at $(command -v nats-server || echo /usr/sbin/nats-server)"

@@ -24,12 +24,15 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from nats_configs import ROOT, single_node
 from worker_env import worker_for
 
+from agentarium.dashboard import DashboardConfig, LiveView
 from agentarium.demo.processes import child_env
-from broker import Topology, provision
+from broker import Topology, provision, record_engine
 from broker.provision import ensure_provisioned
 from producers import TaskProducer, TrajectoryReader
+from trainer.live import LiveMetrics
+from trainer.metrics import StepMetrics
 
-ROLES = ("admin", "producer", "consumer", "trainer", "sync", "orchestrator")
+ROLES = ("admin", "producer", "consumer", "trainer", "sync", "orchestrator", "dashboard")
 REFUSED_TIMEOUT_S = 1.0  # a refused JetStream request gets no answer: don't wait long for it
 
 
@@ -229,7 +232,28 @@ async def test_the_pipeline_runs_with_one_user_per_role(
     ckv = await consumer.js.key_value(topo.policy_bucket)
     assert json.loads((await ckv.get("auth")).value)["version"] == 1
 
-    for who in (consumer, trainer, sync, orchestrator):
+    # trainer: each step's metrics row; sync: what its engine serves (both for live views)
+    assert await LiveMetrics(trainer.js, topo, run="auth", agent="echo").publish(
+        StepMetrics(step=1, version=0, reward_mean=0.5)
+    )
+    await record_engine(
+        sync.js, topo, run="auth", url=fake.url, weight_version="1", status="updated",
+        target_version=1,
+    )  # fmt: skip
+
+    # dashboard: reads all of it, read-only
+    dashboard = await login("dashboard")
+    view = LiveView(dashboard.js, topo, DashboardConfig())
+    state = await view.refresh()
+    assert state["notes"] == [] and state["error"] is None
+    counted = await LiveView(dashboard.js, topo, DashboardConfig(runs=("auth",))).refresh()
+    assert counted["runs"][0]["trajectories"] == 9  # --run counts with a consumer of its own
+    assert {a["agent"]: a["dead_lettered"] for a in state["agents"]} == {"echo": 0, "other": 1}
+    assert state["runs"][0]["trajectories"] == 9 and state["runs"][0]["trainer_step"] == 1
+    assert len(state["trajectories"]) == 9 and len(state["dead_letters"]) == 1
+    assert [e["weight_version"] for e in state["engines"]] == ["1"]
+
+    for who in (consumer, trainer, sync, orchestrator, dashboard):
         await settle(who)
         assert not who.errors, who.errors
 
@@ -287,6 +311,19 @@ async def test_sync_and_orchestrator_cannot_change_weights_or_policy(admin, logi
         await settle(who)
         assert await who.wait_refused(f"$KV.{topo.policy_bucket}.forged"), (role, who.errors)
     assert (await admin.js.stream_info(f"KV_{topo.policy_bucket}")).state.messages == 0
+
+
+async def test_the_dashboard_cannot_publish_jobs_or_change_anything(admin, login):
+    topo = Topology()
+    who = await login("dashboard")
+    with pytest.raises(nats.errors.TimeoutError):
+        await who.js_short.publish(topo.tasks_subject("echo"), b'{"job_id": "j", "agent": "echo"}')
+    with pytest.raises(nats.errors.TimeoutError):
+        await who.js_short.publish(f"$KV.{topo.engines_bucket}.auth.forged", b"{}")
+    await settle(who)
+    assert await who.wait_refused('Publish to "agentarium.tasks.echo"'), who.errors
+    assert await who.wait_refused(f"$KV.{topo.engines_bucket}.auth.forged"), who.errors
+    assert (await admin.js.stream_info(topo.tasks_stream)).state.messages == 0
 
 
 def test_wrong_credentials_fail_fast_with_a_clear_message(auth_server):

@@ -20,9 +20,9 @@ from producers import TaskProducer
 async def test_provision_is_idempotent_and_a_diff(nc, topology):
     js = nc.jetstream()
     first = await provision(js, topology, agents=("toy",))
-    assert len(first.created) == 7 and not first.updated
+    assert len(first.created) == 9 and not first.updated
     again = await provision(js, topology, agents=("toy",))
-    assert not again.created and not again.updated and len(again.unchanged) == 7
+    assert not again.created and not again.updated and len(again.unchanged) == 9
     changed = await provision(
         js, topology, Limits(tasks_max_msgs=50, ack_wait_s=20), agents=("toy",)
     )
@@ -78,9 +78,9 @@ def agentarium(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 def test_broker_init_and_status_commands(nats_url):
     init = agentarium("broker", "init", "--nats-url", nats_url, "--agent", "toy")
     assert init.returncode == 0, init.stderr
-    assert "created: 7" in init.stdout
+    assert "created: 9" in init.stdout
     assert (
-        "created: 0  updated: 0  unchanged: 7"
+        "created: 0  updated: 0  unchanged: 9"
         in agentarium("broker", "init", "--nats-url", nats_url, "--agent", "toy").stdout
     )
     status = agentarium("broker", "status", "--json", "--nats-url", nats_url)

@@ -72,8 +72,10 @@ async def test_tasks_leader_killed_and_restarted_mid_batch(nodes, capsys):
         topo.tasks_stream,
         topo.trajectories_stream,
         topo.dead_stream,
+        topo.metrics_stream,
         f"KV_{topo.policy_bucket}",
         f"KV_{topo.workers_bucket}",
+        f"KV_{topo.engines_bucket}",
         f"OBJ_{topo.weights_bucket}",
     ):
         info = await js.stream_info(stream)

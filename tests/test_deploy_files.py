@@ -814,7 +814,15 @@ def test_nats_configs_are_accepted_by_nats_server(conf, tmp_path):
         **os.environ,
         **{
             f"AGENTARIUM_{r}_PASSWORD": "placeholder"
-            for r in ("ADMIN", "PRODUCER", "CONSUMER", "TRAINER", "SYNC", "ORCHESTRATOR")
+            for r in (
+                "ADMIN",
+                "PRODUCER",
+                "CONSUMER",
+                "TRAINER",
+                "SYNC",
+                "ORCHESTRATOR",
+                "DASHBOARD",
+            )
         },
     }
     proc = subprocess.run(
@@ -859,6 +867,7 @@ def test_auth_config_keeps_secrets_out_and_gives_every_role_its_inbox():
         "trainer",
         "sync",
         "orchestrator",
+        "dashboard",
     }
     for user, password, perms in users:
         assert password == f"$AGENTARIUM_{user.upper()}_PASSWORD", (

@@ -4,12 +4,14 @@ span's links, metrics CSV and plot, and settings refused at the edge."""
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 import torch
 
 from agentarium.commands.trainer_cmd import add_trainer_arguments, config_from_args
 from agentarium.tiny import ensure_tiny_model
+from broker import read_tail
 from schemas import LLMCall, Trajectory, encode
 from trainer.config import TrainerConfig
 from trainer.errors import TrainerConfigError
@@ -94,6 +96,15 @@ async def test_publishes_versions_links_trajectories_and_writes_metrics(
     assert float(rows[0]["tokens_per_s"]) > 0 and int(rows[0]["tokens"]) == 8 * 5
     info = await js.consumer_info(topology.trajectories_stream, f"trainer-{RUN}")
     assert info.num_ack_pending == 0  # no checkpoint dir: acked after each step
+    # the same rows, live on <p>.metrics.<run> for the dashboard
+    live = (await read_tail(js, topology.metrics_stream, last=10)).messages
+    assert [m.subject for m in live] == [topology.metrics_subject(RUN)] * 2
+    published = [json.loads(m.data) for m in live]
+    assert [(p["run"], p["agent"], p["step"]) for p in published] == [
+        (RUN, AGENT, 1),
+        (RUN, AGENT, 2),
+    ]
+    assert [str(p["reward_mean"]) for p in published] == [r["reward_mean"] for r in rows]
 
     png = plot_metrics(tmp_path / "metrics.csv", tmp_path / "reward.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"

@@ -17,6 +17,7 @@ from fake_sglang import FakeSGLang
 from safetensors.torch import save_file
 
 from agentarium.commands.sync_cmd import add_sync_arguments, config_from_args
+from broker import engine_versions
 from trainer.sync import SyncConfig, WeightSyncer
 from trainer.weights import (
     WEIGHTS_FILE,
@@ -179,6 +180,13 @@ async def test_syncer_drives_sglang_pause_update_continue(js, topology, fake, tm
         assert ahead.control == []  # an engine at a newer version is left alone
         assert result.ok and [r.status for r in result.engines] == ["updated", "skipped"]
         assert (local / WEIGHTS_FILE).is_file()
+        # what each engine serves now is on the wire, for live views (agentarium dashboard)
+        recorded = {e["engine"]: e for e in await engine_versions(js, topology)}
+        assert {u: (e["weight_version"], e["status"]) for u, e in recorded.items()} == {
+            fake.url: ("3", "updated"),
+            ahead.url: ("5", "skipped"),
+        }
+        assert {e["run"] for e in recorded.values()} == {"sg"}
 
         # a failed update still continues generation, and is reported
         fake.update_failures = 1
@@ -192,6 +200,12 @@ async def test_syncer_drives_sglang_pause_update_continue(js, topology, fake, tm
         assert not fake.paused and fake.weight_version == "3"
         assert not result.ok and result.engines[0].status == "failed"
         assert "scripted update failure" in result.engines[0].message
+        (failed,) = [e for e in await engine_versions(js, topology) if e["engine"] == fake.url]
+        assert (failed["weight_version"], failed["target_version"], failed["status"]) == (
+            "3",
+            4,
+            "failed",
+        )
         await syncer.close()
     finally:
         await ahead.close()

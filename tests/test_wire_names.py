@@ -6,22 +6,24 @@ release would silently stop seeing jobs. docs/design.md lists the same names.
 
 from __future__ import annotations
 
-from broker import Limits, Topology
+from broker import Limits, Topology, engine_key
 from trainer.weights import object_name
 
 
 def test_default_prefix_names():
     t = Topology()
     assert t.prefix == "agentarium"
-    assert (t.tasks_stream, t.trajectories_stream, t.dead_stream) == (
+    assert (t.tasks_stream, t.trajectories_stream, t.dead_stream, t.metrics_stream) == (
         "AGENTARIUM_TASKS",
         "AGENTARIUM_TRAJECTORIES",
         "AGENTARIUM_DEAD",
+        "AGENTARIUM_METRICS",
     )
-    assert (t.policy_bucket, t.workers_bucket, t.weights_bucket) == (
+    assert (t.policy_bucket, t.workers_bucket, t.weights_bucket, t.engines_bucket) == (
         "agentarium-policy",
         "agentarium-workers",
         "agentarium-weights",
+        "agentarium-engines",
     )
     assert t.tasks_subject("calc") == "agentarium.tasks.calc"
     assert t.trajectory_subject("r1", "calc", "j1") == "agentarium.trajectories.r1.calc.j1"
@@ -30,6 +32,9 @@ def test_default_prefix_names():
     assert t.dead_subject("calc") == "agentarium.dead.calc"
     assert t.dead_subject("bad name") == "agentarium.dead._invalid"
     assert t.rollout_consumer("calc") == "rollout-calc"
+    assert t.metrics_subject("r1") == "agentarium.metrics.r1"
+    # the syncer's engine record: <run>.<16 hex of the URL's sha256>
+    assert engine_key("r1", "http://127.0.0.1:30000") == "r1.0efdded5ae1f69f9"
     assert t.agent_of_subject("agentarium.tasks.calc") == "calc"
     assert object_name("r1", 3) == "r1/v3"  # object store name; the policy KV key is the run
 
@@ -41,12 +46,14 @@ def test_stream_subjects_and_durable_config():
         "ACME_TASKS": ["acme.tasks.>"],
         "ACME_TRAJECTORIES": ["acme.trajectories.>"],
         "ACME_DEAD": ["acme.dead.>"],
+        "ACME_METRICS": ["acme.metrics.>"],
     }
     durable = t.rollout_consumer_config("calc", Limits())
     assert durable.durable_name == "rollout-calc"
     assert durable.filter_subject == "acme.tasks.calc"
-    assert (t.policy_bucket, t.workers_bucket, t.weights_bucket) == (
+    assert (t.policy_bucket, t.workers_bucket, t.weights_bucket, t.engines_bucket) == (
         "acme-policy",
         "acme-workers",
         "acme-weights",
+        "acme-engines",
     )

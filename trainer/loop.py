@@ -5,6 +5,7 @@
         batch   = collate(build_rows(samples))       # (B, T) tensors, loss on model tokens only
         stats   = updater.step(batch, seed(step))    # forward, GRPO loss, backward, clip, AdamW
         metrics.record(step)                         # CSV + OpenTelemetry + trackers
+        live.publish(step)                           # the same row on <p>.metrics.<run>
         every publish_every steps:    version += 1; await publisher.publish(model, version, step)
         every checkpoint_every steps: checkpoint, then ack the groups it covers
 
@@ -46,6 +47,7 @@ from .collector import Collector, CollectorConfig
 from .config import TrainerConfig
 from .errors import TrainerConfigError
 from .groups import Group
+from .live import LiveMetrics
 from .metrics import MetricsSink, StepMetrics
 from .prometheus import BUFFERS, CHECKPOINT_SECONDS, PUBLISH_SECONDS, record_step
 from .rows import pad_token_id
@@ -155,6 +157,7 @@ class Trainer:
                 append=self.resume,
                 tracker=open_trackers(cfg, resume=self.resume, start_step=self.step),
             )
+            live = LiveMetrics(self.js, self.topology, run=cfg.run, agent=cfg.agent)
             await self.collector.start()
             BUFFERS.track(cfg.run, lambda: self.collector.counters if self.collector else None)
             self._running = True
@@ -176,6 +179,7 @@ class Trainer:
                 row = await self._train_step(groups, wait_s=time.monotonic() - waited)
                 metrics.record(row)
                 record_step(cfg.run, row, trajectories=sum(len(g.samples) for g in groups))
+                await live.publish(row)
                 if self.publisher is not None and self.step % cfg.publish_every == 0:
                     await self._publish()
                 if self.checkpoints is None:

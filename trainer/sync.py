@@ -14,7 +14,9 @@ WeightUpdate:
    ``POST /update_weights_from_disk {"model_path", "load_format": null, "weight_version",
    "flush_cache": true, "abort_all_requests": false}`` → ``POST /continue_generation {}``, the
    last one sent whatever happened before it, so a failed update never leaves an engine paused;
-4. keeps the newest ``keep`` local copies.
+4. keeps the newest ``keep`` local copies;
+5. records what each engine serves now in the engines KV (``broker.record_engine``), for
+   live views; a record that cannot be written is logged and skipped.
 
 Updates that arrive while a reload runs are coalesced: only the newest is applied next. Every
 ``recheck_s`` the syncer also reads the KV key directly (a watch that silently died after a
@@ -40,7 +42,7 @@ import nats.js.errors
 import structlog
 from nats.js import JetStreamContext
 
-from broker import Topology
+from broker import Topology, record_engine
 from schemas import SchemaError, WeightUpdate, check_name, decode, version_number
 
 from .prometheus import SYNC_SEEN, record_sync_round
@@ -357,7 +359,29 @@ class WeightSyncer:
                 engines=[f"{r.url}={r.status}" for r in out.engines],
             )
         self.last_result = out
+        await self._record(out)
         return out
+
+    async def _record(self, result: SyncResult) -> None:
+        for r in result.engines:
+            serving = str(result.version) if r.status == "updated" else r.before
+            try:
+                await record_engine(
+                    self.js,
+                    self.topology,
+                    run=self.config.run,
+                    url=r.url,
+                    weight_version=serving,
+                    status=r.status,
+                    target_version=result.version,
+                    message=r.message,
+                )
+            except (nats.errors.Error, nats.js.errors.Error) as exc:
+                log.warning(
+                    "engine version not recorded (live views only; syncing goes on)",
+                    engine=r.url,
+                    error=str(exc) or type(exc).__name__,
+                )
 
     async def _weights_for(self, update: WeightUpdate) -> Path:
         """The verified directory to hand the engines for this version."""

@@ -209,6 +209,9 @@ def run_demo(args: DemoConfig) -> int:
     print(f"tiny model: {model_dir}")
     server = NatsServer(store_dir=out / "nats", log_file=logs / "nats-server.log").start()
     print(f"nats-server (JetStream) at {server.url}, store {out / 'nats'}")
+    print(
+        f"watch it live: agentarium dashboard --nats-url {server.url}, then open http://127.0.0.1:8266/"
+    )
     nats = ["--nats-url", server.url]
     children: list[Child] = []
     started = time.monotonic()
