@@ -308,3 +308,29 @@ def test_compose_publishes_it_on_the_hosts_loopback_only():
     service = compose["services"]["dashboard"]
     # inside its container it must listen on every interface for the port mapping to reach it
     assert service["ports"] == ["127.0.0.1:8266:8266"] and "0.0.0.0" in service["command"]
+
+
+async def test_dashboard_exports_the_queue_gauges_from_the_status_it_reads(js, topology):
+    """With --metrics-port the dashboard is the one process exporting the queue gauges
+    (docs/operations.md): the numbers are the broker status its page shows."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from broker import MetricsServer, collect_status, collect_stream_metrics, render_metrics
+
+    await TaskProducer(js, topology).submit(
+        "gauged", [{"task_id": f"g{i}"} for i in range(3)], run=RUN, group_size=2
+    )
+    server = MetricsServer(0, host="127.0.0.1")
+    view = LiveView(js, topology, DashboardConfig())
+    view.stream_metrics = collect_stream_metrics(js, topology, registry=server.registry)
+    await view.refresh()
+    body, _ = render_metrics(server.registry)
+    samples = {
+        (s.name, s.labels.get("agent")): s.value
+        for family in text_string_to_metric_families(body.decode())
+        for s in family.samples
+    }
+    status = await collect_status(js, topology)
+    [agent] = [a for a in status.agents if a.agent == "gauged"]
+    assert samples[("agentarium_queue_waiting_jobs", "gauged")] == agent.waiting == 6
+    assert samples[("agentarium_dead_letter_jobs", "gauged")] == agent.dead_lettered == 0

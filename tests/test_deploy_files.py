@@ -481,7 +481,7 @@ PROMETHEUS = yaml.safe_load((ROOT / "ops" / "prometheus" / "prometheus.yml").rea
 PROMETHEUS_K8S = yaml.safe_load((ROOT / "ops" / "prometheus" / "kubernetes.yml").read_text())
 GRAFANA = ROOT / "ops" / "grafana"
 DASHBOARD = json.loads((GRAFANA / "agentarium.json").read_text())
-SERVES_METRICS = ("consumer", "trainer", "sync")  # --metrics-port; engines serve on their API port
+SERVES_METRICS = ("consumer", "trainer", "sync", "dashboard")  # --metrics-port; engines: API port
 
 
 def scrape_targets(job: str) -> list[str]:

@@ -6,7 +6,7 @@ import argparse
 
 from agentarium.dashboard import DEFAULT_PORT, DashboardConfig, run_dashboard
 
-from .common import add_nats_flags, run_async, settings_from_args
+from .common import add_metrics_flags, add_nats_flags, metrics_server, run_async, settings_from_args
 
 
 def config_from_args(args: argparse.Namespace) -> DashboardConfig:
@@ -29,7 +29,8 @@ def check(args: argparse.Namespace) -> None:
 def cmd_dashboard(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     return run_async(
-        lambda: run_dashboard(config, settings_from_args(args)), service="agentarium-dashboard"
+        lambda: run_dashboard(config, settings_from_args(args), metrics=metrics_server(args)),
+        service="agentarium-dashboard",
     )
 
 
@@ -91,5 +92,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="N",
         help="newest trajectories listed (default %(default)s)",
     )
+    add_metrics_flags(parser)
     add_nats_flags(parser)
     parser.set_defaults(func=cmd_dashboard, check=check)

@@ -26,7 +26,7 @@ import nats.errors
 import structlog
 from aiohttp import web
 
-from broker import NatsSettings, Topology
+from broker import MetricsServer, NatsSettings, Topology, collect_stream_metrics
 
 from .config import DashboardConfig
 from .view import LiveView
@@ -169,12 +169,23 @@ class DashboardServer:
         return web.json_response(self.view.snapshot())
 
 
-async def run_dashboard(config: DashboardConfig, settings: NatsSettings) -> int:
-    """Serve the dashboard until SIGTERM or SIGINT; 0 on a clean stop."""
+async def run_dashboard(
+    config: DashboardConfig, settings: NatsSettings, *, metrics: MetricsServer | None = None
+) -> int:
+    """Serve the dashboard until SIGTERM or SIGINT; 0 on a clean stop. ``metrics`` (not yet
+    started) also serves the queue gauges of ``broker status`` for Prometheus: the one process
+    that exports them, from the status the page already reads."""
     log.info("dashboard config", **config.describe(), nats=settings.redacted())
     nc = await settings.connect(name="agentarium-dashboard")
     try:
         view = LiveView(nc.jetstream(), Topology(settings.prefix), config)
+        if metrics is not None:
+            view.stream_metrics = collect_stream_metrics(
+                view.js, view.topology, registry=metrics.registry, runs=config.runs
+            )
+            metrics.on_scrape(view.stream_metrics.refresh)  # fresh even with no page open
+            metrics.readiness("nats", lambda: nc.is_connected)
+            await metrics.start()
         server = DashboardServer(view, config)
         try:
             await server.start()
@@ -194,6 +205,8 @@ async def run_dashboard(config: DashboardConfig, settings: NatsSettings) -> int:
             await stop.wait()
         finally:
             await server.close()
+            if metrics is not None:
+                await metrics.close()
     finally:
         # stopping while the broker is gone must not end in a traceback
         with contextlib.suppress(OSError, nats.errors.Error):

@@ -28,7 +28,7 @@ import nats.js.errors
 import structlog
 from nats.js import JetStreamContext
 
-from broker import Topology, collect_status, engine_versions, read_tail
+from broker import StreamMetrics, Topology, collect_status, engine_versions, read_tail
 from schemas import DeadLetter, SchemaError, Trajectory, decode, loads
 
 from .config import DashboardConfig
@@ -56,6 +56,7 @@ QUEUE_FIELDS = ("waiting", "in_flight", "rollouts_per_s", "dead_lettered")
 class LiveView:
     def __init__(self, js: JetStreamContext, topology: Topology, config: DashboardConfig) -> None:
         self.js = js
+        self.stream_metrics: StreamMetrics | None = None  # set when --metrics-port serves
         self.topology = topology
         self.config = config
         self.refreshes = 0
@@ -90,6 +91,8 @@ class LiveView:
         started = time.monotonic()
         notes: list[str] = []
         status = await collect_status(self.js, self.topology, runs=self.config.runs)
+        if self.stream_metrics is not None:
+            self.stream_metrics.update(status)  # the Prometheus queue gauges, read once
         notes.extend(status.notes)
         await self._read_metrics(notes)
         await self._read_trajectories(notes)
