@@ -51,6 +51,8 @@ from .rollout import AgentFailure, RolloutEnv, run_rollout, trajectory_for
 
 log = structlog.get_logger("agentarium.consumers")
 
+BACKGROUND_STOP_S = 5.0  # how long stopping waits for the heartbeat and registry loops
+
 # A job released by a drain on its last delivery is dead-lettered, but the drain's grace is
 # already over: give the dead letter this long (the broker may be the reason for the drain).
 RELEASE_DEAD_LETTER_S = 5.0
@@ -139,6 +141,9 @@ class Worker:
         self.store = OutcomeStore(js, topo, config.worker_id)
         self._inflight: dict[asyncio.Task, Msg] = {}
         self._stop = asyncio.Event()
+        # Ends the heartbeat and registry loops. They are cancelled too, but a cancellation can
+        # be lost inside nats-py's KV put (Python 3.11): the flag ends them at the next turn.
+        self._quit_background = asyncio.Event()
         self._psub: JetStreamContext.PullSubscription | None = None
 
     def __repr__(self) -> str:
@@ -185,9 +190,12 @@ class Worker:
             await self._pull_loop()
             await self._drain()
         finally:
+            self._quit_background.set()
             for task in background:
                 task.cancel()
-            await asyncio.gather(*background, return_exceptions=True)
+            _, stuck = await asyncio.wait(background, timeout=BACKGROUND_STOP_S)
+            if stuck:  # never let a stuck informational loop keep the worker from stopping
+                log.warning("background loop did not stop; left behind", tasks=len(stuck))
             try:  # before any nc.drain(): a live pull sub hangs it
                 if self._psub is not None:  # None when _attach never bound it
                     await self._psub.unsubscribe()
@@ -324,8 +332,7 @@ class Worker:
     async def _heartbeat_loop(self) -> None:
         """in_progress() on every in-flight job so long rollouts are not redelivered."""
         period = self.config.ack_wait_s / 3
-        while True:
-            await asyncio.sleep(period)
+        while not await self._background_pause(period):
             for msg in list(self._inflight.values()):
                 try:
                     await msg.in_progress()
@@ -357,7 +364,16 @@ class Worker:
                 await publish_worker(self.js, self.topo, cfg.worker_id, info)
             except Exception as exc:  # registry is informational; never stop the worker for it
                 log.debug("registry update failed", error=str(exc))
-            await asyncio.sleep(cfg.registry_interval_s)
+            if await self._background_pause(cfg.registry_interval_s):
+                return
+
+    async def _background_pause(self, seconds: float) -> bool:
+        """Wait ``seconds``; True when the background loops must end."""
+        try:
+            await asyncio.wait_for(self._quit_background.wait(), seconds)
+        except TimeoutError:
+            return False
+        return True
 
     # ---- one message -------------------------------------------------------------------
     async def _handle(self, msg: Msg) -> None:
