@@ -30,6 +30,8 @@ def test_default_prefix_names():
     assert t.dead_subject("calc") == "agentarium.dead.calc"
     assert t.dead_subject("bad name") == "agentarium.dead._invalid"
     assert t.rollout_consumer("calc") == "rollout-calc"
+    assert t.trainer_consumer("r1", "calc") == "trainer-r1-calc"
+    assert t.legacy_trainer_consumer("r1") == "trainer-r1"  # adopted once, then deleted
     assert t.agent_of_subject("agentarium.tasks.calc") == "calc"
     assert object_name("r1", 3) == "r1/v3"  # object store name; the policy KV key is the run
 
