@@ -26,7 +26,9 @@ torch.set_num_threads(1)
 RUN = "multi"
 
 
-def group(agent: str, g: int, rewards: list[float], *, run: str = RUN) -> list[Trajectory]:
+def group(
+    agent: str, g: int, rewards: list[float], *, run: str = RUN, version: str = "default"
+) -> list[Trajectory]:
     out = []
     for i, reward in enumerate(rewards):
         call = LLMCall(
@@ -34,6 +36,7 @@ def group(agent: str, g: int, rewards: list[float], *, run: str = RUN) -> list[T
             response_ids=[48 + i, 49, 258],  # 3 response tokens
             response_logprobs=[-5.5, -5.6, -5.5],
             finish_reason="stop",
+            weight_version=version,
         )
         out.append(
             Trajectory(
@@ -77,8 +80,12 @@ def config(tmp_path, **overrides) -> TrainerConfig:
 class StepHook:
     """A WeightPublisher that runs ``actions[step]`` after that step (publish_every = 1)."""
 
-    def __init__(self, actions=None) -> None:
+    def __init__(self, actions=None, *, latest: int | None = None) -> None:
         self.actions = actions or {}
+        self.latest = latest
+
+    async def latest_version(self) -> int | None:
+        return self.latest
 
     async def publish(self, model, version: int, step: int) -> None:
         action = self.actions.get(step)
@@ -136,6 +143,26 @@ async def test_a_task_that_never_delivers_does_not_stall_steps_and_joins_when_it
     for row in rows[:2]:
         assert 1.0 <= float(row["wait_s"]) < 10.0  # waited for code, but only task_wait_s
     assert float(rows[3]["wait_s"]) < 1.0  # both had their share ready: no wait
+
+
+async def test_staleness_is_judged_per_trajectory_and_counted_per_task(js, topology, tmp_path):
+    # the policy is at version 3 (a predecessor published it); code's first two groups were
+    # sampled by version 0: 3 versions behind, past --max-staleness 1
+    await publish(js, topology, [t for g in range(2) for t in group("code", g, CODE)])
+    fresh = [
+        group("math", g, MATH, version="3") + group("code", g + 2, CODE, version="3")
+        for g in range(2)
+    ]
+    await publish(js, topology, [t for pair in fresh for t in pair])
+    cfg = config(tmp_path, task_mix="balanced", max_staleness=1, task_wait_s=5.0)
+    trainer = Trainer(cfg, js, topology=topology, publisher=StepHook(latest=3))
+    summary = await trainer.run(max_steps=1)
+    (row,) = read_metrics(tmp_path / "metrics.csv")
+    assert (row["groups/math"], row["groups/code"]) == ("1", "1")  # code's fresh group
+    assert (row["dropped_stale/code"], row["dropped_groups/code"]) == ("8", "2")
+    assert (row["dropped_stale/math"], row["dropped_groups/math"]) == ("0", "0")
+    assert row["dropped_stale"] == "8" and summary.tasks["code"]["dropped_stale_groups"] == 2
+    assert float(row["wait_s"]) < 5.0  # code's share was met by its fresh group: no full wait
 
 
 async def test_a_crash_then_resume_trains_every_trajectory_of_every_agent_once(

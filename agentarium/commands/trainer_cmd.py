@@ -170,6 +170,7 @@ def add_trainer_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--success-threshold",
         type=float,
+        metavar="REWARD",
         default=d["success_threshold"].default,
         help="a trajectory succeeds when its reward is at least this (the success/<agent> "
         "metric) (default %(default)s)",
