@@ -153,7 +153,10 @@ class GroupBuffer:
         self.group_timeout_s = group_timeout_s
         self.min_members = min_members
         self.counters = BufferCounters()
-        self._seen: set[str] = set(seen)  # trained or consumed: duplicates from now on
+        # trained or consumed: duplicates from now on. A set is shared, not copied: the buffers
+        # of a multi-agent trainer hold one (job ids are unique across agents, being the
+        # TASKS stream's dedup key), not one copy of a resumed run's ids each.
+        self._seen: set[str] = seen if isinstance(seen, set) else set(seen)
         self._live: dict[str, Member] = {}  # buffered, ready or in training (unacked)
         self._open: dict[str, Group] = {}
         self._ready: list[Group] = []

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import nats.js.errors
 import structlog
@@ -30,7 +30,7 @@ from schemas import check_name
 
 from .collector import Collector, CollectorConfig
 from .config import TrainerConfig
-from .groups import BufferCounters, Group, GroupBuffer
+from .groups import BufferCounters, Group
 from .mix import compose, quotas
 
 log = structlog.get_logger("agentarium.trainer")
@@ -49,10 +49,10 @@ class TaskCollector:
         agents: Sequence[str],
         *,
         seen: Iterable[str] = (),
-        clock=time.monotonic,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         assert agents, "a trainer trains at least one agent"
-        seen = set(seen)
+        seen = set(seen)  # one set, shared by every agent's buffer
         self.agents = tuple(agents)
         self.weights = config.mix.weights_for(self.agents)
         self.task_wait_s = config.task_wait_s
@@ -79,7 +79,7 @@ class TaskCollector:
         return {agent: c.counters for agent, c in self.collectors.items()}
 
     def staleness_histogram(self, groups: Iterable[Group]) -> dict[int, int]:
-        return GroupBuffer.staleness_histogram(self.collectors[self.agents[0]].buffer, groups)
+        return self.collectors[self.agents[0]].buffer.staleness_histogram(groups)
 
     async def start(self) -> None:
         for collector in self.collectors.values():
