@@ -131,6 +131,18 @@ class Topology:
     def rollout_consumer(self, agent: str) -> str:
         return f"rollout-{check_name(agent, 'agent')}"
 
+    def trainer_consumer(self, run: str, agent: str) -> str:
+        """The trainer's durable on TRAJECTORIES for one agent of a run: one per agent, since
+        nats-server 2.9 has no multi-filter consumers (and each agent gets its own
+        max_ack_pending). Names allow ``-``, so two (run, agent) pairs can meet on one name
+        (``a-b``/``c`` and ``a``/``b-c``): the trainer checks the filter of a durable it finds."""
+        return f"trainer-{check_name(run, 'run')}-{check_name(agent, 'agent')}"
+
+    def legacy_trainer_consumer(self, run: str) -> str:
+        """The one-agent trainer's durable before several agents: a trainer adopts its ack
+        floor (then deletes it) instead of replaying the run from its first trajectory."""
+        return f"trainer-{check_name(run, 'run')}"
+
     def agent_of_subject(self, subject: str) -> str:
         """The <agent> token of a tasks subject (not validated: the caller decides)."""
         return subject[len(self.prefix) + len(".tasks.") :]

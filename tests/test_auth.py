@@ -31,6 +31,7 @@ from broker.provision import ensure_provisioned
 from producers import TaskProducer, TrajectoryReader
 from trainer.live import LiveMetrics
 from trainer.metrics import StepMetrics
+from trainer.tasks import discover_agents
 
 ROLES = ("admin", "producer", "consumer", "trainer", "sync", "orchestrator", "dashboard")
 REFUSED_TIMEOUT_S = 1.0  # a refused JetStream request gets no answer: don't wait long for it
@@ -208,6 +209,8 @@ async def test_the_pipeline_runs_with_one_user_per_role(
     for msg in msgs:
         await msg.ack()
     await sub.unsubscribe()
+    # --agent '*': the run's stored agents and the rollout consumers, within the trainer's rights
+    assert await discover_agents(trainer.js, topo, "auth") == ["echo"]
     weights = b"\x00\x01" * 300_000  # several chunks
     obs = await trainer.js.object_store(topo.weights_bucket)
     await obs.put("auth/v1", weights)

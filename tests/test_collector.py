@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 
+import nats.js.errors
 import pytest
-from nats.js.api import AckPolicy
+from nats.js.api import AckPolicy, ConsumerConfig
 
 from schemas import LLMCall, Trajectory, encode
 from trainer.collector import Collector, CollectorConfig
+from trainer.errors import TrainerConfigError
 from trainer.groups import BUFFERED, DUPLICATE, REDELIVERED, GroupBuffer
 
 RUN, AGENT = "r1", "toy"
@@ -105,7 +107,7 @@ async def test_groups_released_when_complete_validation_skipped(js, topology, ma
     with pytest.raises(TimeoutError):
         await collector.take(1, timeout=0.5, **TAKE)
 
-    info = await js.consumer_info(topology.trajectories_stream, "trainer-r1")
+    info = await js.consumer_info(topology.trajectories_stream, "trainer-r1-toy")
     cfg = info.config
     assert cfg.ack_policy == AckPolicy.EXPLICIT and cfg.max_deliver == -1
     assert cfg.filter_subject == "agentarium.trajectories.r1.toy.*"
@@ -113,7 +115,7 @@ async def test_groups_released_when_complete_validation_skipped(js, topology, ma
     assert info.num_ack_pending == 7  # validation acked; ga and gb held
 
     await collector.ack(groups)
-    info = await js.consumer_info(topology.trajectories_stream, "trainer-r1")
+    info = await js.consumer_info(topology.trajectories_stream, "trainer-r1-toy")
     assert info.num_ack_pending == 3
 
 
@@ -181,6 +183,7 @@ async def test_stale_members_dropped_or_weighted_and_counted(js, topology, make_
     assert sorted(groups[0].staleness) == [0, 1, 1, 4]
     c = collector.counters
     assert (c.dropped_stale, c.tis_weighted) == (5, 0)
+    assert (c.dropped_stale_groups, c.dropped_groups) == (1, 1)  # "old", every member stale
     assert "d0" in groups[0].other_job_ids
 
 
@@ -224,8 +227,46 @@ async def test_restart_redelivers_unacked_at_once_and_dedups_trained(js, topolog
     assert group.group_id == "gb"
     assert second.counters.duplicates == 4
     await second.ack([group])
-    info = await js.consumer_info(topology.trajectories_stream, "trainer-r1")
+    info = await js.consumer_info(topology.trajectories_stream, "trainer-r1-toy")
     assert info.num_ack_pending == 0 and info.num_pending == 0
+
+
+async def test_the_one_agent_trainers_old_durable_is_adopted_and_a_foreign_one_refused(
+    js, topology, make_collector
+):
+    stream = topology.trajectories_stream
+    await publish(js, topology, *(traj(f"a{i}", "ga", float(i % 2)) for i in range(4)))
+    await publish(js, topology, *(traj(f"b{i}", "gb", float(i % 2)) for i in range(4)))
+    # a trainer of the previous release consumed and acked group ga on trainer-<run>
+    old = ConsumerConfig(
+        durable_name="trainer-r1",
+        filter_subject=topology.trajectories_filter(RUN, AGENT),
+        ack_policy=AckPolicy.EXPLICIT,
+    )
+    await js.add_consumer(stream, old)
+    psub = await js.pull_subscribe_bind("trainer-r1", stream)
+    for msg in await psub.fetch(4, timeout=5):
+        await msg.ack_sync()
+    await psub.unsubscribe()
+    collector = await make_collector()
+    (group,) = await collector.take(1, timeout=10, **TAKE)
+    assert group.group_id == "gb" and collector.counters.received == 4  # from its ack floor
+    with pytest.raises(nats.js.errors.NotFoundError):
+        await js.consumer_info(stream, "trainer-r1")
+    await collector.close()
+
+    # a durable of this name filtering another run's and agent's subjects is never reset
+    await js.delete_consumer(stream, "trainer-r1-toy")
+    foreign = ConsumerConfig(
+        durable_name="trainer-r1-toy",
+        filter_subject=topology.trajectories_filter("r1-toy", "x"),
+        ack_policy=AckPolicy.EXPLICIT,
+    )
+    await js.add_consumer(stream, foreign)
+    with pytest.raises(TrainerConfigError, match="another run and agent share this durable"):
+        await make_collector()
+    info = await js.consumer_info(stream, "trainer-r1-toy")
+    assert info.config.filter_subject == "agentarium.trajectories.r1-toy.x.*"
 
 
 def test_buffer_redelivery_replaces_the_handle_and_dedups_after_done():
@@ -244,7 +285,7 @@ def test_buffer_redelivery_replaces_the_handle_and_dedups_after_done():
 async def ack_pending_becomes(js, topology, n: int, timeout: float = 5.0) -> bool:
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
-        info = await js.consumer_info(topology.trajectories_stream, "trainer-r1")
+        info = await js.consumer_info(topology.trajectories_stream, "trainer-r1-toy")
         if info.num_ack_pending == n or asyncio.get_running_loop().time() > deadline:
             return info.num_ack_pending == n
         await asyncio.sleep(0.02)

@@ -21,12 +21,13 @@ from schemas import LLMCall, Trajectory, encode
 from trainer.config import TrainerConfig
 from trainer.errors import TrainerConfigError
 from trainer.loop import Trainer
-from trainer.metrics import TRACKER_NAMES, read_metrics
+from trainer.metrics import TASK_TRACKER_NAMES, TRACKER_NAMES, read_metrics
 from trainer.trackers import FanOut, TrackerRun, open_backends, wandb_run_id
 
 torch.set_num_threads(1)
 RUN, AGENT = "tracked", "toy"
-NAMES = set(TRACKER_NAMES.values())
+# the step's names, then each task's (one agent here) under "<name>/<agent>"
+NAMES = set(TRACKER_NAMES.values()) | {f"{n}/toy" for n in TASK_TRACKER_NAMES.values()}
 
 
 async def publish_groups(js, topology, groups: int) -> None:
@@ -147,6 +148,9 @@ async def test_every_tracker_reads_back_the_csv_values_under_the_same_names(
         TRACKER_NAMES[column]: [(int(r["step"]), float(r[column])) for r in rows]
         for column in ("reward_mean", "loss", "tokens", "version")
     }
+    expected[f"reward/success/{AGENT}"] = [
+        (int(r["step"]), float(r[f"success/{AGENT}"])) for r in rows
+    ]
 
     tb = tensorboard_scalars(tmp_path / "run" / "tensorboard" / RUN / AGENT)
     assert set(tb) == NAMES

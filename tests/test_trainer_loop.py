@@ -94,7 +94,7 @@ async def test_publishes_versions_links_trajectories_and_writes_metrics(
     assert [int(r["version"]) for r in rows] == [0, 1]  # the version the step's data was judged by
     assert rows[0]["reward_mean"] == "0.25" and rows[0]["staleness_hist"] == "0:8"
     assert float(rows[0]["tokens_per_s"]) > 0 and int(rows[0]["tokens"]) == 8 * 5
-    info = await js.consumer_info(topology.trajectories_stream, f"trainer-{RUN}")
+    info = await js.consumer_info(topology.trajectories_stream, f"trainer-{RUN}-{AGENT}")
     assert info.num_ack_pending == 0  # no checkpoint dir: acked after each step
     # the same rows, live on <p>.metrics.<run> for the dashboard
     live = (await read_tail(js, topology.metrics_stream, last=10)).messages

@@ -206,7 +206,7 @@ async def test_sigkill_then_resume_trains_every_trajectory_exactly_once(
     assert not any(j.startswith("val-") for j in trained | Counter(consumed))
     # step 3 ran twice (killed before its checkpoint): the CSV keeps the resumed one
     assert [int(r["step"]) for r in read_metrics(tmp_path / "m.csv")] == [1, 2, 3, 4, 5]
-    info = await js.consumer_info(topology.trajectories_stream, f"trainer-{RUN}")
+    info = await js.consumer_info(topology.trajectories_stream, f"trainer-{RUN}-{AGENT}")
     assert info.num_ack_pending == 0 and info.num_pending == 0
 
 
@@ -220,5 +220,5 @@ async def test_sigterm_checkpoints_pending_steps_and_exits_zero(
     assert await proc.exit_code() == 0
     (state,) = Checkpoints(tmp_path / "ckpt").history()
     assert state["step"] == 1 and len(state["trained_job_ids"]) == 8
-    info = await js.consumer_info(topology.trajectories_stream, f"trainer-{RUN}")
+    info = await js.consumer_info(topology.trajectories_stream, f"trainer-{RUN}-{AGENT}")
     assert info.num_ack_pending == 0

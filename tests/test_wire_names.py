@@ -35,6 +35,8 @@ def test_default_prefix_names():
     assert t.metrics_subject("r1") == "agentarium.metrics.r1"
     # the syncer's engine record: <run>.<16 hex of the URL's sha256>
     assert engine_key("r1", "http://127.0.0.1:30000") == "r1.0efdded5ae1f69f9"
+    assert t.trainer_consumer("r1", "calc") == "trainer-r1-calc"
+    assert t.legacy_trainer_consumer("r1") == "trainer-r1"  # adopted once, then deleted
     assert t.agent_of_subject("agentarium.tasks.calc") == "calc"
     assert object_name("r1", 3) == "r1/v3"  # object store name; the policy KV key is the run
 

@@ -12,7 +12,7 @@ import importlib
 from typing import Any
 
 from .app import PublisherFactory, default_weights_dir, run_sync, run_trainer, store_publisher
-from .config import DEVICES, LOSS_AGGS, STALE_POLICIES, TrainerConfig
+from .config import DEVICES, LOSS_AGGS, STALE_POLICIES, TASK_ADV_NORMS, TrainerConfig
 from .errors import (
     CheckpointError,
     DistributedError,
@@ -44,6 +44,7 @@ __all__ = [
     "MULTI_TURN",
     "PAUSE_MODES",
     "STALE_POLICIES",
+    "TASK_ADV_NORMS",
     "TRACKERS",
     "CheckpointError",
     "DistributedError",

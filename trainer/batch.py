@@ -24,12 +24,13 @@ logits at t - 1 predict token t; the step does that shift.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from schemas import Trajectory
 
+from .grpo import task_normalized
 from .rows import TokenRow, grpo_advantages, refusal, rows_of
 
 
@@ -97,6 +98,28 @@ def build_rows(
     stats.rows = len(rows)
     stats.model_tokens = sum(sum(r.loss_mask) for r in rows)
     return rows, stats
+
+
+def with_task_advantages(
+    rows: Sequence[Row], samples: Sequence[Sample], *, mode: str, eps: float = 1e-6
+) -> list[Row]:
+    """``rows`` with their advantages standardised per task (``trainer.grpo.task_normalized``;
+    ``mode`` ``token`` weighs each trajectory by its trained tokens across its rows,
+    ``trajectory`` by 1). A task is the trajectory's agent; groups are keyed by agent and id."""
+    assert mode in ("token", "trajectory"), mode
+    tokens: dict[str, int] = {}
+    for row in rows:
+        tokens[row.job_id] = tokens.get(row.job_id, 0) + sum(row.loss_mask)
+    trajs = [s.trajectory for s in samples]
+    normalized = task_normalized(
+        [s.advantage for s in samples],
+        [t.agent for t in trajs],
+        [f"{t.agent}/{t.group_id}" for t in trajs],
+        [tokens.get(t.job_id, 0) if mode == "token" else 1 for t in trajs],
+        eps=eps,
+    )
+    by_job = {t.job_id: a for t, a in zip(trajs, normalized, strict=True)}
+    return [replace(row, advantage=by_job[row.job_id]) for row in rows]
 
 
 def _row(sample: Sample, row: TokenRow) -> Row:

@@ -1,6 +1,8 @@
-"""The trajectory collector: a durable pull consumer on TRAJECTORIES feeding the group buffer.
+"""The trajectory collector: a durable pull consumer on TRAJECTORIES feeding one agent's buffer.
 
-One consumer per run, ``trainer-<run>``, filtered to ``<prefix>.trajectories.<run>.<agent>.*``:
+One consumer per agent of a run, ``trainer-<run>-<agent>``, filtered to
+``<prefix>.trajectories.<run>.<agent>.*`` (nats-server 2.9 has no multi-filter consumers; a
+trainer of several agents holds one Collector each, trainer/tasks.py):
 
 - explicit acks, no delivery limit (``max_deliver = -1``): a trajectory waits in the buffer or
   in a not-yet-checkpointed step for as long as it takes, and is never dead-lettered;
@@ -17,7 +19,10 @@ Start-up resets the consumer: it is deleted and created again from its ack floor
 a killed trainer left unacked is delivered at once rather than after ``ack_wait``. Messages
 above the floor that were acked already come back too; the buffer recognises them from the
 checkpoints' job id lists (duplicates) or drops them again by the same rule. One trainer per
-run: a second one would reset the first one's consumer.
+run: a second one would reset the first one's consumer. A durable of that name filtering other
+subjects (another run and agent whose names meet on it) is refused, never reset. Where only the
+one-agent trainer's old durable ``trainer-<run>`` exists with this agent's filter, its ack floor
+is adopted and it is deleted, so an upgraded trainer does not replay the run.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import asyncio
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import nats.errors
 import nats.js.errors
@@ -39,6 +45,7 @@ from schemas import SchemaError, Trajectory, check_name, decode
 
 from .batch import refusal
 from .config import TrainerConfig
+from .errors import TrainerConfigError
 from .groups import ACK_NOW, LATE, Group, GroupBuffer
 
 log = structlog.get_logger("agentarium.trainer")
@@ -63,10 +70,10 @@ class CollectorConfig:
             raise ValueError("ack_wait_s must be >= 3 (heartbeats go every third of it)")
 
     @classmethod
-    def from_trainer(cls, config: TrainerConfig) -> CollectorConfig:
+    def from_trainer(cls, config: TrainerConfig, agent: str) -> CollectorConfig:
         return cls(
             run=config.run,
-            agent=config.agent,
+            agent=agent,
             group_timeout_s=config.group_timeout_s,
             min_members=config.min_group_members,
             ack_wait_s=config.ack_wait_s,
@@ -76,12 +83,12 @@ class CollectorConfig:
 
     @property
     def durable(self) -> str:
-        return f"trainer-{self.run}"
+        return Topology().trainer_consumer(self.run, self.agent)  # no prefix in the name
 
     def consumer_config(self, topology: Topology, start_seq: int | None = None) -> ConsumerConfig:
         return ConsumerConfig(
             durable_name=self.durable,
-            description=f"GRPO trainer for run {self.run}",
+            description=f"GRPO trainer for run {self.run}, agent {self.agent}",
             filter_subject=topology.trajectories_filter(self.run, self.agent),
             deliver_policy=DeliverPolicy.BY_START_SEQUENCE if start_seq else DeliverPolicy.ALL,
             opt_start_seq=start_seq or None,
@@ -109,7 +116,10 @@ class Collector:
         self.config = config
         self.clock = clock
         self.buffer = GroupBuffer(
-            group_timeout_s=config.group_timeout_s, min_members=config.min_members, seen=seen
+            group_timeout_s=config.group_timeout_s,
+            min_members=config.min_members,
+            seen=seen,
+            task=config.agent,
         )
         self._psub: JetStreamContext.PullSubscription | None = None
         self._tasks: list[asyncio.Task] = []
@@ -126,21 +136,32 @@ class Collector:
 
     async def start(self) -> None:
         stream = self.topology.trajectories_stream
-        start_seq = None
+        durable = self.config.durable
+        wanted = self.topology.trajectories_filter(self.config.run, self.config.agent)
+        start_seq, adopted = None, None
         try:
-            info = await self.js.consumer_info(stream, self.config.durable)
+            info = await self.js.consumer_info(stream, durable)
+            if info.config.filter_subject != wanted:
+                raise TrainerConfigError(
+                    f"consumer {durable} on {stream} filters {info.config.filter_subject}, not "
+                    f"{wanted}: another run and agent share this durable name (names may hold "
+                    "'-'); rename the run or the agent"
+                )
             start_seq = info.ack_floor.stream_seq + 1 if info.ack_floor else None
-            await self.js.delete_consumer(stream, self.config.durable)
+            await self.js.delete_consumer(stream, durable)
         except nats.js.errors.NotFoundError:
-            pass
+            start_seq, adopted = await self._legacy_floor(stream, wanted)
         consumer = self.config.consumer_config(self.topology, start_seq)
         await self.js.add_consumer(stream, consumer)
-        self._psub = await self.js.pull_subscribe_bind(self.config.durable, stream)
+        if adopted is not None:
+            await self.js.delete_consumer(stream, adopted)
+        self._psub = await self.js.pull_subscribe_bind(durable, stream)
         log.info(
             "collector started",
-            consumer=self.config.durable,
+            consumer=durable,
             filter=consumer.filter_subject,
             start_seq=start_seq,
+            adopted=adopted,
             ack_wait_s=consumer.ack_wait,
             max_ack_pending=consumer.max_ack_pending,
         )
@@ -148,6 +169,17 @@ class Collector:
             asyncio.create_task(self._pull_loop()),
             asyncio.create_task(self._heartbeat_loop()),
         ]
+
+    async def _legacy_floor(self, stream: str, wanted: str) -> tuple[int | None, str | None]:
+        """The start sequence and name of the one-agent trainer's durable, if it was ours."""
+        legacy = self.topology.legacy_trainer_consumer(self.config.run)
+        try:
+            info = await self.js.consumer_info(stream, legacy)
+        except nats.js.errors.NotFoundError:
+            return None, None
+        if info.config.filter_subject != wanted:
+            return None, None
+        return (info.ack_floor.stream_seq + 1 if info.ack_floor else None), legacy
 
     async def close(self) -> None:
         """Stop pulling; unacked messages stay with the consumer for the next trainer."""
@@ -181,8 +213,7 @@ class Collector:
         chosen: list[Group] = []
         while True:
             self._changed.clear()
-            await self._ack_dropped(self.buffer.expire(self.clock()))
-            got, dropped = self.buffer.select(
+            chosen += await self.gather(
                 n - len(chosen),
                 version=version,
                 max_staleness=max_staleness,
@@ -191,10 +222,6 @@ class Collector:
                 std_norm=std_norm,
                 eps=eps,
             )
-            chosen += got
-            await self._ack_dropped(dropped)
-            if got or dropped:
-                self._taken.set()
             if len(chosen) == n:
                 return chosen
             if stop is not None and stop.is_set():
@@ -214,6 +241,23 @@ class Collector:
             finally:
                 for waiter in waiters:
                     waiter.cancel()
+
+    async def gather(self, n: int, **select: Any) -> list[Group]:
+        """Up to n usable groups now, without waiting: expired and dropped groups are acked on
+        the way (``select``: GroupBuffer.select's keyword arguments)."""
+        await self._ack_dropped(self.buffer.expire(self.clock()))
+        if n <= 0:
+            return []
+        got, dropped = self.buffer.select(n, **select)
+        await self._ack_dropped(dropped)
+        if got or dropped:
+            self._taken.set()
+        return got
+
+    @property
+    def changed(self) -> asyncio.Event:
+        """Set when the buffer gained something; clear it before looking at the buffer."""
+        return self._changed
 
     async def wait_received(self, n: int, *, timeout: float = 30.0) -> None:
         """Wait until n trajectories have been delivered (tests, progress displays)."""

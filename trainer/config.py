@@ -9,12 +9,15 @@ from typing import Any
 from schemas import check_name
 
 from .errors import TrainerConfigError
+from .mix import TaskMix
 from .rows import MULTI_TURN
 from .trackers import check_installed, parse_report_to
 
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 STALE_POLICIES = ("drop", "tis")
 DEVICES = ("cpu", "cuda")
+TASK_ADV_NORMS = ("none", "token", "trajectory")
+EVERY_AGENT = "*"  # --agent '*': every agent of the run (trainer/tasks.py, discover_agents)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -22,8 +25,18 @@ class TrainerConfig:
     """Settings of one trainer process; the CLI flags map one to one onto these fields."""
 
     run: str
-    agent: str
+    # The agents (tasks) trained: `agents` (--agent, repeatable; '*' = every agent of the run);
+    # `agent` is the one-agent spelling, kept for config files and callers that name one.
+    # After validation `agents` always holds them and `agent` is set only for exactly one.
+    agent: str = ""
+    agents: tuple[str, ...] = ()
     model_dir: str
+    # several agents: how each step's groups are shared (trainer/mix.py), how long a step
+    # waits for a short task, and the optional per-task advantage normalisation (grpo.py)
+    task_mix: str = "proportional"
+    task_wait_s: float = 30.0
+    task_adv_norm: str = "none"
+    success_threshold: float = 1.0  # a trajectory succeeds when reward >= this (metrics)
     # batch shape
     group_size: int = 8  # G: expected members per group (groups complete at their own group_size)
     groups_per_step: int = 16  # B: groups per optimizer step
@@ -72,11 +85,7 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "report_to", parse_report_to(self.report_to))
         check_installed(self.report_to)
-        for name in ("run", "agent"):
-            try:
-                check_name(getattr(self, name), name)
-            except ValueError as exc:
-                raise TrainerConfigError(str(exc)) from None
+        self._check_agents()
         if not (Path(self.model_dir) / "config.json").is_file():
             raise TrainerConfigError(
                 f"--model {self.model_dir!r} is not a transformers model directory "
@@ -107,12 +116,74 @@ class TrainerConfig:
         _choice(self, "stale_policy", STALE_POLICIES, "--stale-policy")
         _choice(self, "multi_turn", MULTI_TURN, "--multi-turn")
         _choice(self, "device", DEVICES, "--device")
+        _choice(self, "task_adv_norm", TASK_ADV_NORMS, "--task-adv-norm")
+        _at_least(self, 0, "task_wait_s")
+        try:
+            mix = TaskMix.parse(self.task_mix)
+            if not self.discover:
+                mix.weights_for(self.agents)
+        except ValueError as exc:
+            raise TrainerConfigError(str(exc)) from None
+        object.__setattr__(self, "task_mix", str(mix))
         if self.ack_wait_s < 3:
             raise TrainerConfigError("ack_wait_s must be >= 3 (heartbeats go every third of it)")
 
+    def _check_agents(self) -> None:
+        agents = tuple(dict.fromkeys(str(a) for a in self.agents))
+        if self.agent:
+            if agents and self.agent not in agents:
+                raise TrainerConfigError(
+                    f"agent {self.agent!r} and agents {list(agents)} disagree: name the agents "
+                    "once (--agent NAME, repeated for several; agents: [a, b] in a config file)"
+                )
+            agents = agents or (self.agent,)
+        if not agents:
+            raise TrainerConfigError(
+                "no agent to train: pass --agent NAME (repeat it for several agents, or "
+                "--agent '*' for every agent of the run)"
+            )
+        try:
+            check_name(self.run, "run")
+            for agent in agents:
+                if agent != EVERY_AGENT:
+                    check_name(agent, "agent")
+        except ValueError as exc:
+            raise TrainerConfigError(str(exc)) from None
+        for agent in agents:
+            durable = f"trainer-{self.run}-{agent}"
+            if agent != EVERY_AGENT and len(durable) > 255:
+                raise TrainerConfigError(
+                    f"run {self.run!r} with agent {agent!r}: the trainer's consumer name "
+                    f"trainer-<run>-<agent> would be {len(durable)} characters, nats-server "
+                    "allows 255: shorten the run or the agent name"
+                )
+        object.__setattr__(self, "agents", agents)
+        one = len(agents) == 1 and agents[0] != EVERY_AGENT
+        object.__setattr__(self, "agent", agents[0] if one else "")
+
+    @property
+    def discover(self) -> bool:
+        """``--agent '*'``: the agents are found when the trainer starts."""
+        return EVERY_AGENT in self.agents
+
+    @property
+    def named_agents(self) -> tuple[str, ...]:
+        """The agents named explicitly (beside a '*')."""
+        return tuple(a for a in self.agents if a != EVERY_AGENT)
+
+    @property
+    def mix(self) -> TaskMix:
+        return TaskMix.parse(self.task_mix)
+
+    @property
+    def label(self) -> str:
+        """One name for what this trainer trains: the agent, ``a+b`` for several, ``all`` for
+        '*' (tracker run names, log lines)."""
+        return "all" if self.discover else "+".join(self.agents)
+
     @property
     def max_ack_pending(self) -> int:
-        """Unacked trajectories the consumer may hold: a full buffer of partial groups plus a
+        """Unacked trajectories each agent's consumer may hold: a full buffer of partial groups plus a
         checkpoint interval's worth of trained-but-unacked ones, doubled for late stragglers.
         Below that, partial groups would block delivery of their own missing members."""
         buffer = 4 * self.groups_per_step * self.group_size
@@ -154,4 +225,5 @@ def _choice(config: TrainerConfig, name: str, allowed: tuple[str, ...], flag: st
 
 
 def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+    """The flag of a field: durations in seconds drop their ``_s`` (``--task-wait``)."""
+    return "--" + name.removesuffix("_s").replace("_", "-")

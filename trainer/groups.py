@@ -69,6 +69,7 @@ class Group:
     group_id: str
     group_size: int
     first_arrival: float
+    task: str = ""  # the agent whose trajectories these are (one buffer per agent)
     members: dict[str, Member] = field(default_factory=dict)
     timed_out: bool = False
     # Set by select():
@@ -121,8 +122,28 @@ class BufferCounters:
     dropped_small: int = 0  # groups: complete but fewer than min ok members
     dropped_flat: int = 0  # groups: all rewards equal
     dropped_stale: int = 0  # trajectories
+    dropped_stale_groups: int = 0  # groups: every ok member too stale (drop policy)
     tis_weighted: int = 0  # trajectories
     groups_used: int = 0
+
+    @property
+    def dropped_groups(self) -> int:
+        """Groups dropped for any reason (too few ok members, flat, every member stale)."""
+        return (
+            self.dropped_incomplete
+            + self.dropped_small
+            + self.dropped_flat
+            + self.dropped_stale_groups
+        )
+
+    @classmethod
+    def total(cls, parts: Iterable[BufferCounters]) -> BufferCounters:
+        """Field by field sums (a multi-agent trainer's buffers together)."""
+        out = cls()
+        for part in parts:
+            for name, value in vars(part).items():
+                setattr(out, name, getattr(out, name) + value)
+        return out
 
 
 class GroupBuffer:
@@ -132,12 +153,17 @@ class GroupBuffer:
         group_timeout_s: float,
         min_members: int = 2,
         seen: Iterable[str] = (),
+        task: str = "",
     ) -> None:
         assert min_members >= 2, "a group needs at least two ok members for an advantage"
+        self.task = task
         self.group_timeout_s = group_timeout_s
         self.min_members = min_members
         self.counters = BufferCounters()
-        self._seen: set[str] = set(seen)  # trained or consumed: duplicates from now on
+        # trained or consumed: duplicates from now on. A set is shared, not copied: the buffers
+        # of a multi-agent trainer hold one (job ids are unique across agents, being the
+        # TASKS stream's dedup key), not one copy of a resumed run's ids each.
+        self._seen: set[str] = seen if isinstance(seen, set) else set(seen)
         self._live: dict[str, Member] = {}  # buffered, ready or in training (unacked)
         self._open: dict[str, Group] = {}
         self._ready: list[Group] = []
@@ -195,7 +221,7 @@ class GroupBuffer:
             c.failed_members += 1
         group = self._open.get(trajectory.group_id)
         if group is None:
-            group = Group(trajectory.group_id, max(trajectory.group_size, 1), now)
+            group = Group(trajectory.group_id, max(trajectory.group_size, 1), now, self.task)
             self._open[group.group_id] = group
         group.members[job_id] = member
         self._live[job_id] = member
@@ -275,6 +301,7 @@ class GroupBuffer:
                 c.groups_used += 1
                 chosen.append(group)
             else:
+                c.dropped_stale_groups += 1
                 dropped.append(group)
         return chosen, dropped
 

@@ -4,6 +4,7 @@ truncated importance weights and the three loss aggregations.
 The algorithm (one optimizer step on B groups of G rollouts of the same task):
 
     A_i      = (r_i - mean(r)) / (std(r) + eps)                      per group, std optional
+    A_i      = (A_i - mean_t) / (std_t + eps)                        per task t, --task-adv-norm
     ratio_t  = exp(clamp(logp_theta(y_t) - logp_old(y_t), -20, 20))  per model token
     p_t      = -min(ratio_t A_i, clip(ratio_t, 1 - clip_low, 1 + clip_high) A_i)
     p_t      = min(p_t, -A_i c)            where A_i < 0               dual-clip, c = 3
@@ -44,6 +45,16 @@ Departures from textbook GRPO (DeepSeekMath, 2024), each on purpose:
    moved by 30 nats gives a ratio of 4.9e8, not 9.7e12 (and never inf).
 13. A flat group (all rewards equal, or std 0) has advantage 0 for every member whatever eps
    is (eps = 0 is allowed: no 0/0); rewards stay float64 until the advantages are computed.
+14. Task advantage normalisation (``--task-adv-norm token|trajectory``, off by default), for a
+   trainer of several agents (a task is an agent): after the group advantages, each task t of
+   the step is standardised on its own, A_i <- (A_i - mean_t) / (std_t + eps), so a task whose
+   rewards are on a larger scale, or whose groups happen to be more spread, does not dominate
+   the gradient. ``token``: mean_t and std_t are weighted by each trajectory's count of
+   trained tokens (the loss mask's, over all its rows), i.e. they run over the task's model
+   tokens, as token-mean weighs them; ``trajectory``: every trajectory counts once. std_t is
+   the population (weighted) std. Groups whose advantages are all zero (flat) stay zero and
+   are left out of mean_t and std_t: they carry no signal, and shifting them by -mean_t
+   would push their tokens up or down for nothing. A task with std_t = 0 gets zeros.
 
 Shapes: B rows, T positions, V vocabulary. Functions take tensors aligned on target positions
 (the caller shifts logits and ids by one).
@@ -51,6 +62,8 @@ Shapes: B rows, T positions, V vocabulary. Functions take tensors aligned on tar
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +82,40 @@ def group_advantages(rewards: torch.Tensor, *, std_norm: bool = True, eps: float
     assert rewards.dim() == 1 and rewards.numel() >= 1, "rewards must be a non-empty (G,) tensor"
     values = rewards.detach().to(torch.float64).cpu().tolist()
     return torch.tensor(grpo_advantages(values, std_norm=std_norm, eps=eps), dtype=torch.float64)
+
+
+def task_normalized(
+    advantages: Sequence[float],
+    tasks: Sequence[str],
+    groups: Sequence[str],
+    weights: Sequence[float],
+    *,
+    eps: float = 1e-6,
+) -> list[float]:
+    """Per-task standardisation of one step's advantages (departure 14), in float64.
+
+    Entry i is one trajectory: its group advantage, task, group key and weight (its trained
+    tokens for ``token``, 1 for ``trajectory``). Entries of a group whose advantages are all
+    zero stay zero and are not counted; a task with no weight or std 0 gets zeros too.
+    """
+    n = len(advantages)
+    assert len(tasks) == n and len(groups) == n and len(weights) == n, "one entry per trajectory"
+    moving = {g for g, a in zip(groups, advantages, strict=True) if a != 0.0}
+    flat_groups = set(groups) - moving
+    out = [0.0] * n
+    for task in dict.fromkeys(tasks):
+        mine = [i for i in range(n) if tasks[i] == task and groups[i] not in flat_groups]
+        total = math.fsum(float(weights[i]) for i in mine)
+        if not mine or total <= 0:
+            continue
+        mean = math.fsum(float(weights[i]) * advantages[i] for i in mine) / total
+        var = math.fsum(float(weights[i]) * (advantages[i] - mean) ** 2 for i in mine) / total
+        std = math.sqrt(var)
+        if std == 0.0:
+            continue
+        for i in mine:
+            out[i] = (advantages[i] - mean) / (std + eps)
+    return out
 
 
 def token_logprobs(

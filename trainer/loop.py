@@ -21,6 +21,11 @@ their step. ``stop()`` (SIGTERM) finishes the current step, checkpoints and retu
 
 The per-step seed is derived from (seed, step), so a resumed run draws what the killed one
 would have drawn.
+
+Several agents (tasks) train one policy: one durable consumer and group buffer per agent,
+each step's groups composed across them by ``--task-mix`` with a bounded wait for a short task
+(trainer/tasks.py, trainer/mix.py), advantages optionally standardised per task
+(``--task-adv-norm``, trainer/grpo.py), and metrics per task (trainer/metrics.py).
 """
 
 from __future__ import annotations
@@ -41,16 +46,16 @@ from opentelemetry.trace import INVALID_SPAN_ID, Link, SpanContext, TraceFlags
 
 from broker import OPENINFERENCE_SPAN_KIND, Topology, extract_context
 
-from .batch import Sample, build_rows, collate
+from .batch import Sample, build_rows, collate, with_task_advantages
 from .checkpoint import Checkpoints, restore_rng
-from .collector import Collector, CollectorConfig
 from .config import TrainerConfig
 from .errors import TrainerConfigError
 from .groups import Group
 from .live import LiveMetrics
-from .metrics import MetricsSink, StepMetrics
+from .metrics import MetricsSink, StepMetrics, TaskMetrics
 from .prometheus import BUFFERS, CHECKPOINT_SECONDS, PUBLISH_SECONDS, record_step
 from .rows import pad_token_id
+from .tasks import TaskCollector, discover_agents
 from .trackers import open_trackers
 
 log = structlog.get_logger("agentarium.trainer")
@@ -83,8 +88,9 @@ class TrainSummary:
     steps: int
     version: int
     trained: int  # trajectories trained in this process
-    counters: dict = field(default_factory=dict)
+    counters: dict = field(default_factory=dict)  # every agent's buffer, summed
     checkpoint: str | None = None
+    tasks: dict[str, dict] = field(default_factory=dict)  # each agent's buffer counters
 
 
 class Trainer:
@@ -117,13 +123,17 @@ class Trainer:
             if config.checkpoint_dir
             else None
         )
-        self.collector: Collector | None = None
+        self.collector: TaskCollector | None = None
+        # run() finds the agents of '*'
+        self.agents: tuple[str, ...] = () if config.discover else config.agents
+        self._checkpoint_agents: tuple[str, ...] = ()
         self.last_checkpoint: Path | None = None
         self._running = False
 
     def __repr__(self) -> str:
         return (
-            f"<Trainer run={self.config.run} step={self.step} version={self.version} "
+            f"<Trainer run={self.config.run} agents={'+'.join(self.agents) or '*'} "
+            f"step={self.step} version={self.version} "
             f"trained={self.trained} pending_groups={len(self._pending)}>"
         )
 
@@ -148,20 +158,30 @@ class Trainer:
             latest_version = getattr(self.publisher, "latest_version", None)
             if latest_version is not None:
                 self.version = max(self.version, int(await latest_version() or 0))
-            self.collector = Collector(
-                self.js, self.topology, CollectorConfig.from_trainer(cfg), seen=seen
-            )
+            self.agents = await self._resolve_agents()
+            try:
+                self.collector = TaskCollector(self.js, self.topology, cfg, self.agents, seen=seen)
+            except ValueError as exc:  # --task-mix weights against the agents '*' found
+                raise TrainerConfigError(str(exc)) from None
             metrics = MetricsSink(
                 cfg.metrics_path if "csv" in cfg.report_to else None,
-                attributes={"run": cfg.run, "agent": cfg.agent},
+                attributes={"run": cfg.run, "agent": cfg.label},
                 append=self.resume,
                 tracker=open_trackers(cfg, resume=self.resume, start_step=self.step),
+                tasks=self.agents,
             )
             live = LiveMetrics(self.js, self.topology, run=cfg.run, agent=cfg.agent)
             await self.collector.start()
             BUFFERS.track(cfg.run, lambda: self.collector.counters if self.collector else None)
             self._running = True
-            log.info("trainer started", step=self.step, version=self.version, resumed=self.resume)
+            log.info(
+                "trainer started",
+                step=self.step,
+                version=self.version,
+                resumed=self.resume,
+                agents=list(self.agents),
+                task_mix=cfg.task_mix,
+            )
             while not self._stop.is_set() and (max_steps is None or self.step < max_steps):
                 waited = time.monotonic()
                 groups = await self.collector.take(
@@ -213,6 +233,7 @@ class Trainer:
             trained=self.trained,
             counters=dict(vars(self.collector.counters)),
             checkpoint=str(self.last_checkpoint) if self.last_checkpoint else None,
+            tasks={a: dict(vars(c)) for a, c in self.collector.task_counters.items()},
         )
 
     # ---- one step ------------------------------------------------------------------------
@@ -233,6 +254,8 @@ class Trainer:
                 ):
                     pass
             rows, built = build_rows(samples, multi_turn=cfg.multi_turn)
+            if cfg.task_adv_norm != "none":
+                rows = with_task_advantages(rows, samples, mode=cfg.task_adv_norm, eps=cfg.adv_eps)
             if rows:
                 batch = collate(rows, pad_id=self._pad_id)
                 stats = await asyncio.to_thread(
@@ -272,7 +295,7 @@ class Trainer:
                 dropped_flat=c.dropped_flat,
                 staleness_max=max(staleness, default=0),
                 staleness_mean=statistics.fmean(staleness) if staleness else 0.0,
-                staleness_hist=self.collector.buffer.staleness_histogram(groups),
+                staleness_hist=self.collector.staleness_histogram(groups),
                 model_tokens=stats.model_tokens,
                 rows=stats.rows,
                 grad_norm=stats.grad_norm,
@@ -283,6 +306,7 @@ class Trainer:
                 failed_members=c.failed_members,
                 refused=c.refused,
                 validation_skipped=c.validation_skipped,
+                tasks=self._task_metrics(groups),
             )
             span.set_attributes(
                 {
@@ -306,8 +330,36 @@ class Trainer:
             tokens=row.tokens,
             step_s=round(step_s, 3),
             dropped_stale=row.dropped_stale,
+            **(
+                {"groups_by_task": {a: t.groups for a, t in row.tasks.items()}}
+                if len(row.tasks) > 1
+                else {}
+            ),
         )
         return row
+
+    def _task_metrics(self, groups: list[Group]) -> dict[str, TaskMetrics]:
+        assert self.collector is not None, "run() creates the collector before any step"
+        threshold = self.config.success_threshold
+        out: dict[str, TaskMetrics] = {}
+        for agent, counters in self.collector.task_counters.items():
+            mine = [g for g in groups if g.task == agent]
+            rewards: list[float] = []
+            lengths: list[int] = []
+            for s in (s for g in mine for s in g.samples):
+                assert s.trajectory.reward is not None, "trained samples are status ok"
+                rewards.append(float(s.trajectory.reward))
+                lengths.append(sum(len(call.response_ids) for call in s.trajectory.calls))
+            out[agent] = TaskMetrics(
+                groups=len(mine),
+                trajectories=len(rewards),
+                reward_mean=statistics.fmean(rewards) if rewards else None,
+                success=statistics.fmean(r >= threshold for r in rewards) if rewards else None,
+                length=statistics.fmean(lengths) if lengths else None,
+                dropped_stale=counters.dropped_stale,
+                dropped_groups=counters.dropped_groups,
+            )
+        return out
 
     # ---- publish, checkpoint, ack ----------------------------------------------------------
     async def _publish(self) -> None:
@@ -341,7 +393,15 @@ class Trainer:
             # crash does not judge it again
             consumed_job_ids=[j for g in groups for j in g.other_job_ids]
             + (self.collector.take_decided() if self.collector else []),
-            extra={"run": self.config.run, "agent": self.config.agent, "seed": self.config.seed},
+            extra={
+                "run": self.config.run,
+                "agent": self.config.agent,  # one agent's trainer, as before several
+                "agents": list(self.agents),
+                "consumers": {
+                    a: self.topology.trainer_consumer(self.config.run, a) for a in self.agents
+                },
+                "seed": self.config.seed,
+            },
         )
         self.last_checkpoint = path
         CHECKPOINT_SECONDS.labels(self.config.run).observe(time.monotonic() - started)
@@ -377,7 +437,7 @@ class Trainer:
             )
         changed = self.checkpoints.write_config(
             self.run_config,
-            header=f"agentarium trainer settings of run {cfg.run}, agent {cfg.agent}: "
+            header=f"agentarium trainer settings of run {cfg.run}, agents {cfg.label}: "
             "`agentarium trainer --config` reads this file",
         )
         if changed and self.resume:
@@ -390,11 +450,7 @@ class Trainer:
                 )
             return seen
         loaded = await asyncio.to_thread(self.checkpoints.load, latest)
-        if (loaded.state.get("run"), loaded.state.get("agent")) != (cfg.run, cfg.agent):
-            raise TrainerConfigError(
-                f"checkpoint {latest} belongs to run {loaded.state.get('run')!r} agent "
-                f"{loaded.state.get('agent')!r}, not {cfg.run!r}/{cfg.agent!r}"
-            )
+        self._checkpoint_agents = self._check_checkpoint(latest, loaded.state)
         await asyncio.to_thread(
             self._updater.load_state, loaded.model_state, loaded.optimizer_state
         )
@@ -405,6 +461,40 @@ class Trainer:
             "resumed", checkpoint=str(latest), step=self.step, version=self.version, seen=len(seen)
         )
         return seen
+
+    def _check_checkpoint(self, path: Path, state: Mapping[str, Any]) -> tuple[str, ...]:
+        """The checkpoint's agents; refused when it is another run's, or shares no agent with
+        this trainer's (a changed set of agents is allowed: each has its own consumer)."""
+        cfg = self.config
+        saved = tuple(state.get("agents") or ([state["agent"]] if state.get("agent") else []))
+        if state.get("run") != cfg.run or (not cfg.discover and not set(saved) & set(cfg.agents)):
+            raise TrainerConfigError(
+                f"checkpoint {path} belongs to run {state.get('run')!r} agents "
+                f"{'+'.join(saved)!r}, not {cfg.run!r}/{cfg.label!r}"
+            )
+        if not cfg.discover and set(saved) != set(cfg.agents):
+            log.warning(
+                "agents changed since the checkpoint",
+                added=[a for a in cfg.agents if a not in saved],
+                no_longer_trained=[a for a in saved if a not in cfg.agents],
+            )
+        return saved
+
+    async def _resolve_agents(self) -> tuple[str, ...]:
+        """The agents to train: as named, or for '*' found on the broker (trainer/tasks.py)."""
+        cfg = self.config
+        if not cfg.discover:
+            return cfg.agents
+        weighted = list(cfg.mix.weights) if cfg.mix.kind == "weights" else []
+        also = [*cfg.named_agents, *weighted, *self._checkpoint_agents]
+        agents = tuple(await discover_agents(self.js, self.topology, cfg.run, also=also))
+        if not agents:
+            raise TrainerConfigError(
+                f"--agent '*' found no agent for run {cfg.run!r} (no trajectories stored, no "
+                "rollout consumer): start the consumers first, or name the agents with --agent"
+            )
+        log.info("agents found", run=cfg.run, agents=list(agents))
+        return agents
 
 
 def _make_updater(config: TrainerConfig):

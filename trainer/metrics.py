@@ -16,10 +16,20 @@ and the update, not the wait for data). ``dropped_*``, ``tis_weighted``, ``faile
 columns cover every ok trajectory weighed for the step (trained or dropped as stale);
 ``staleness_hist`` reads ``0:96 1:24 3:8`` (versions behind: trajectories).
 
+Per task (an agent; a trainer may train several), after those columns, for every trained agent
+in the order trained: ``groups/<agent>``, ``trajectories/<agent>`` (this step's share),
+``reward_mean/<agent>``, ``success/<agent>`` (fraction with reward >= ``--success-threshold``),
+``length/<agent>`` (mean response tokens, every call's), all empty when the task had no
+trajectory in the step, and the running totals ``dropped_stale/<agent>`` (trajectories) and
+``dropped_groups/<agent>`` (too few ok members, flat, every member stale). A resumed trainer
+whose agents changed rewrites the file once with the union of the columns.
+
 Trackers (TensorBoard, W&B, MLflow) get the same values under verl-style ``/``-grouped names,
 identical in every tracker: ``TRACKER_NAMES`` maps each CSV column to its name
 (``reward_mean`` -> ``reward/mean``). ``staleness_hist`` and ``time`` have no scalar form there
 (``staleness/max`` and ``staleness/mean`` summarise the first; trackers stamp their own time).
+Per-task values go under ``TASK_TRACKER_NAMES`` + ``/<agent>`` (``reward/mean/toy``), so each
+tracker shows the tasks side by side in one panel; an empty value is not logged.
 
 A resumed trainer appends to the same CSV, so steps trained after the last checkpoint of a
 killed trainer appear twice; ``read_metrics`` keeps the last row of each step.
@@ -59,6 +69,38 @@ COLUMNS = (
 
 
 @dataclass
+class TaskMetrics:
+    """One task's (agent's) share of a step; None where it had no trajectory in the step."""
+
+    groups: int = 0
+    trajectories: int = 0
+    reward_mean: float | None = None
+    success: float | None = None
+    length: float | None = None
+    dropped_stale: int = 0  # running total, trajectories
+    dropped_groups: int = 0  # running total, groups
+
+
+# TaskMetrics field -> tracker name; the CSV column is "<field>/<agent>", the tracker's
+# "<name>/<agent>".
+TASK_TRACKER_NAMES: Mapping[str, str] = {
+    "groups": "batch/groups",
+    "trajectories": "batch/trajectories",
+    "reward_mean": "reward/mean",
+    "success": "reward/success",
+    "length": "response/length",
+    "dropped_stale": "dropped/stale",
+    "dropped_groups": "dropped/groups",
+}
+assert tuple(TASK_TRACKER_NAMES) == tuple(TaskMetrics.__dataclass_fields__)
+
+
+def task_columns(agents: tuple[str, ...] | list[str]) -> list[str]:
+    """The per-task CSV columns of these agents, in order."""
+    return [f"{name}/{agent}" for agent in agents for name in TASK_TRACKER_NAMES]
+
+
+@dataclass
 class StepMetrics:
     step: int
     version: int
@@ -88,18 +130,31 @@ class StepMetrics:
     refused: int = 0
     validation_skipped: int = 0
     time: float = field(default_factory=time.time)
+    tasks: dict[str, TaskMetrics] = field(default_factory=dict)  # per agent: not a column
 
     def as_row(self) -> dict[str, object]:
         row = asdict(self)
+        del row["tasks"]
         row["staleness_hist"] = " ".join(f"{k}:{v}" for k, v in sorted(self.staleness_hist.items()))
+        for agent, task in self.tasks.items():
+            for name in TASK_TRACKER_NAMES:
+                value = getattr(task, name)
+                row[f"{name}/{agent}"] = "" if value is None else value
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in row.items()}
 
     def scalars(self) -> dict[str, float]:
-        """The step's values under their tracker names (``TRACKER_NAMES``)."""
-        return {name: float(getattr(self, column)) for column, name in TRACKER_NAMES.items()}
+        """The step's values under their tracker names (``TRACKER_NAMES``, then per task
+        ``TASK_TRACKER_NAMES`` + ``/<agent>``; a task's empty value is left out)."""
+        out = {name: float(getattr(self, column)) for column, name in TRACKER_NAMES.items()}
+        for agent, task in self.tasks.items():
+            for column, name in TASK_TRACKER_NAMES.items():
+                value = getattr(task, column)
+                if value is not None:
+                    out[f"{name}/{agent}"] = float(value)
+        return out
 
 
-FIELDS = tuple(StepMetrics.__dataclass_fields__)
+FIELDS = tuple(f for f in StepMetrics.__dataclass_fields__ if f != "tasks")
 assert FIELDS[: len(COLUMNS)] == COLUMNS, "the CSV's leading columns are a contract"
 
 # CSV column -> tracker name. Groups as verl's: one panel per prefix in TensorBoard and W&B.
@@ -148,6 +203,7 @@ class MetricsSink:
         attributes: dict | None = None,
         append=False,
         tracker: Tracker | None = None,
+        tasks: tuple[str, ...] | list[str] = (),
     ):
         self.path = Path(path) if path else None
         self.attributes = dict(attributes or {})
@@ -156,9 +212,12 @@ class MetricsSink:
         self._writer = None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            fieldnames = [*FIELDS, *task_columns(tasks)]
             fresh = not (append and self.path.is_file() and self.path.stat().st_size > 0)
+            if not fresh:
+                fieldnames = _widen_header(self.path, fieldnames)
             self._file = self.path.open("w" if fresh else "a", newline="")
-            self._writer = csv.DictWriter(self._file, fieldnames=FIELDS)
+            self._writer = csv.DictWriter(self._file, fieldnames=fieldnames)
             if fresh:
                 self._writer.writeheader()
                 self._file.flush()
@@ -226,6 +285,25 @@ class MetricsSink:
         self.tracker.close()
 
 
+def _widen_header(path: Path, fieldnames: list[str]) -> list[str]:
+    """The header to append under: the file's, rewritten once (rows kept, new cells empty)
+    when this trainer writes columns it lacks (a resumed trainer with another agent set)."""
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        header = list(reader.fieldnames or [])
+        if all(name in header for name in fieldnames):
+            return header
+        rows = list(reader)
+    union = header + [name for name in fieldnames if name not in header]
+    staged = path.with_name(path.name + ".tmp")
+    with staged.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=union)
+        writer.writeheader()
+        writer.writerows(rows)
+    staged.replace(path)
+    return union
+
+
 def read_metrics(path: str | Path) -> list[dict[str, str]]:
     """The CSV's rows, one per step (the last row wins when a resumed trainer repeated one)."""
     with Path(path).open(newline="") as f:
@@ -236,14 +314,16 @@ def read_metrics(path: str | Path) -> list[dict[str, str]]:
 def plot_metrics(
     csv_path: str | Path, png_path: str | Path, *, column: str = "reward_mean"
 ) -> Path:
-    """Write a PNG of ``column`` against step, with a moving mean once there are 40+ steps."""
+    """Write a PNG of ``column`` against step, with a moving mean once there are 40+ steps.
+    When the CSV holds that column for two or more tasks (``<column>/<agent>``), one curve per
+    task, in one figure (a task's empty steps are skipped)."""
     rows = read_metrics(csv_path)
     if not rows:
         raise ValueError(f"{csv_path} has no rows to plot: run the trainer with --metrics first")
-    if column not in rows[0]:
+    per_task = [name for name in rows[0] if name.startswith(column + "/")]
+    if column not in rows[0] and not per_task:
         raise ValueError(f"{csv_path} has no column {column!r}; columns: {', '.join(rows[0])}")
-    xs = [float(r["step"]) for r in rows]
-    ys = [float(r[column]) for r in rows]
+    curves = per_task if len(per_task) >= 2 else [column if column in rows[0] else per_task[0]]
     png_path = Path(png_path)
     png_path.parent.mkdir(parents=True, exist_ok=True)
     import matplotlib  # here, not at the top: only a plot pays its import
@@ -252,15 +332,26 @@ def plot_metrics(
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
-    ax.plot(xs, ys, color="#9bbbd4", linewidth=1, label=column)
-    window = max(1, len(ys) // 20)
-    if window > 1:
-        windows = [ys[max(0, i - window + 1) : i + 1] for i in range(len(ys))]
-        smooth = [sum(w) / len(w) for w in windows]
-        ax.plot(xs, smooth, color="#1f5f8b", linewidth=2, label=f"{column} (mean of {window})")
+    several = len(curves) > 1
+    for i, name in enumerate(curves):
+        points = [(float(r["step"]), float(r[name])) for r in rows if r.get(name) not in ("", None)]
+        xs, ys = [x for x, _ in points], [y for _, y in points]
+        window = max(1, len(ys) // 20)
+        if several:  # one colour per task: faint steps, the moving mean (when any) on top
+            label, raw, dark = name.split("/", 1)[1], f"C{i}", f"C{i}"
+            faint = {"alpha": 0.35} if window > 1 else {"label": label}
+            ax.plot(xs, ys, color=raw, linewidth=1, **faint)
+        else:
+            label, raw, dark = name, "#9bbbd4", "#1f5f8b"
+            ax.plot(xs, ys, color=raw, linewidth=1, label=label)
+        if window > 1:
+            windows = [ys[max(0, j - window + 1) : j + 1] for j in range(len(ys))]
+            smooth = [sum(w) / len(w) for w in windows]
+            text = label if several else f"{label} (mean of {window})"
+            ax.plot(xs, smooth, color=dark, linewidth=2, label=text)
     ax.set_xlabel("step")
     ax.set_ylabel(column)
-    ax.set_title(f"{column} vs step")
+    ax.set_title(f"{column} per task vs step" if several else f"{column} vs step")
     ax.grid(alpha=0.3)
     ax.legend(loc="best")
     fig.tight_layout()

@@ -98,6 +98,7 @@ DROPPED_GROUPS = {
     "dropped_flat": "flat",
     "dropped_small": "small",
     "dropped_incomplete": "incomplete",
+    "dropped_stale_groups": "stale",
 }
 
 
@@ -142,7 +143,8 @@ class BufferCollector:
             ),
             "groups": CounterMetricFamily(
                 "agentarium_trainer_dropped_groups",
-                "Groups dropped, by reason (flat rewards, too few ok members, timed out short)",
+                "Groups dropped, by reason (flat rewards, too few ok members, timed out short, "
+                "every member stale)",
                 labels=["run", "reason"],
             ),
             "received": CounterMetricFamily(

@@ -132,7 +132,7 @@ def open_trackers(config: TrainerConfig, *, resume: bool = False, start_step: in
     """One Tracker for every backend in ``config.report_to`` (a NullTracker for none)."""
     run = TrackerRun(
         run=config.run,
-        agent=config.agent,
+        agent=config.label,  # the agent, a+b for several, all for '*'
         directory=config.tracker_path(),
         config=config.to_log(),
         resume=resume,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import trainer
 from broker import NatsSettings
-from trainer import LOSS_AGGS, MULTI_TURN, TRACKERS, TrainerConfig
+from trainer import LOSS_AGGS, MULTI_TURN, TASK_ADV_NORMS, TRACKERS, TrainerConfig
 
 from ..tiny import resolve_model
 from .common import (
@@ -50,6 +50,8 @@ KEYS = ConfigKeys.of(
     TrainerConfig,
     TrainerProcess,
     flagless={
+        "agent": "the one-agent spelling kept for config files (agent: toy); --agent sets "
+        "agents, and either key names what is trained",
         "adam_betas": "AdamW's (beta1, beta2), rarely changed: adam_betas: [0.9, 0.95]",
         "adv_eps": "a numerical guard in the advantage's denominator, not a tuning knob",
         "tis_clip": "the cap of truncated importance weights (stale_policy tis), 2 as in TIS",
@@ -72,7 +74,16 @@ def add_trainer_arguments(parser: argparse.ArgumentParser) -> None:
         required=True,
         help="run id: trains on trajectories.<run>.<agent>.* and publishes <run>'s weights",
     )
-    p("--agent", required=True, metavar="NAME", help="agent whose trajectories are trained on")
+    p(
+        "--agent",
+        dest="agents",
+        action=_Append,
+        default=d["agents"].default,
+        metavar="NAME",
+        help="agent whose trajectories are trained on; repeat it to train one policy on several "
+        "agents (tasks), or pass '*' for every agent of the run found at start (its stored "
+        "trajectories and the agents with a rollout consumer)",
+    )
     p(
         "--model",
         required=True,
@@ -129,6 +140,40 @@ def add_trainer_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="stop after step N (counted across resumes); default: run until SIGTERM",
+    )
+    g = parser.add_argument_group("several agents (tasks)")
+    g.add_argument(
+        "--task-mix",
+        default=d["task_mix"].default,
+        metavar="proportional|balanced|a=W,b=W",
+        help="how each step's groups are shared between agents: proportional (the oldest ready "
+        "groups whatever their agent), balanced (equal shares) or weights per agent "
+        "(a=0.7,b=0.3) (default %(default)s)",
+    )
+    g.add_argument(
+        "--task-wait",
+        dest="task_wait_s",
+        type=float,
+        default=d["task_wait_s"].default,
+        metavar="SECONDS",
+        help="with balanced or weighted shares, how long a step waits for an agent short of its "
+        "share before giving that share to the others (default %(default)s)",
+    )
+    g.add_argument(
+        "--task-adv-norm",
+        choices=TASK_ADV_NORMS,
+        default=d["task_adv_norm"].default,
+        help="standardise advantages per agent after the group's: token weighs each trajectory "
+        "by its trained tokens, trajectory counts each once; flat groups stay 0 "
+        "(default %(default)s)",
+    )
+    g.add_argument(
+        "--success-threshold",
+        type=float,
+        metavar="REWARD",
+        default=d["success_threshold"].default,
+        help="a trajectory succeeds when its reward is at least this (the success/<agent> "
+        "metric) (default %(default)s)",
     )
     g = parser.add_argument_group("GRPO loss")
     g.add_argument(
@@ -324,6 +369,16 @@ def add_trainer_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser, KEYS)
 
 
+class _Append(argparse.Action):
+    """``append`` whose default is not a list (the key's default, ``()``, wrapped in
+    ``Unset`` until resolve): the first use starts a fresh list."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        current = getattr(namespace, self.dest, None)
+        items = list(current) if isinstance(current, list) else []
+        setattr(namespace, self.dest, [*items, values])
+
+
 def _dual_clip(value: str) -> float:
     if value.strip().lower() in ("none", "off"):
         return 0.0
@@ -343,6 +398,13 @@ def resolve_args(args: argparse.Namespace) -> tuple[TrainerConfig, TrainerProces
     """The trainer's settings from defaults, --config, flags and overrides, validated."""
     resolved = resolve(args, KEYS)
     values = resolved.pick(TrainerConfig)
+    # agent (one) and agents (several) name the same setting: the one set by the
+    # higher-precedence source (file < flag < override) wins, in what is recorded too
+    rank = {None: -1, "file": 0, "flag": 1, "override": 2}
+    agent_rank, agents_rank = (rank[resolved.sources.get(k)] for k in ("agent", "agents"))
+    if values["agent"] and values["agents"] and agent_rank != agents_rank:
+        loser, empty = ("agent", "") if agents_rank > agent_rank else ("agents", ())
+        values[loser] = resolved.values[loser] = empty
     values["model_dir"] = str(resolve_model(str(values["model_dir"])))
     config = TrainerConfig(**values)
     # csv alone is the default (written only with --metrics); asked for beside other trackers,

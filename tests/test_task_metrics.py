@@ -1,0 +1,90 @@
+"""Per-task metrics (trainer/metrics.py): CSV columns per agent after the whole step's, tracker
+names under ``/``, empty when a task had nothing in a step, a resumed trainer's new agents
+widening the file once, and one plot curve per task."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+
+from trainer.metrics import (
+    COLUMNS,
+    FIELDS,
+    MetricsSink,
+    StepMetrics,
+    TaskMetrics,
+    plot_metrics,
+    read_metrics,
+    task_columns,
+)
+
+
+def step(n: int, **tasks: TaskMetrics) -> StepMetrics:
+    return StepMetrics(step=n, version=n - 1, reward_mean=0.5, tasks=dict(tasks))
+
+
+def test_columns_and_tracker_names_per_task():
+    m = step(
+        1,
+        a=TaskMetrics(groups=2, trajectories=8, reward_mean=0.25, success=0.25, length=3.0),
+        b=TaskMetrics(dropped_stale=4, dropped_groups=1),  # nothing of b in this step
+    )
+    row = m.as_row()
+    assert list(row)[: len(COLUMNS)] == list(COLUMNS)
+    assert list(row) == [*FIELDS, *task_columns(["a", "b"])]
+    assert (row["reward_mean/a"], row["success/a"], row["length/a"]) == (0.25, 0.25, 3.0)
+    assert (row["reward_mean/b"], row["groups/b"], row["dropped_stale/b"]) == ("", 0, 4)
+    scalars = m.scalars()
+    assert scalars["reward/mean"] == 0.5 and scalars["reward/mean/a"] == 0.25
+    assert scalars["reward/success/a"] == 0.25 and scalars["response/length/a"] == 3.0
+    assert scalars["dropped/stale/b"] == 4 and scalars["dropped/groups/b"] == 1
+    assert "reward/mean/b" not in scalars  # an empty value is not a point at 0
+
+
+def test_a_resumed_trainer_with_another_agent_widens_the_csv_once(tmp_path):
+    path = tmp_path / "m.csv"
+    sink = MetricsSink(path, tasks=["a", "b"])
+    sink.record(step(1, a=TaskMetrics(groups=1, reward_mean=1.0), b=TaskMetrics()))
+    sink.close()
+    sink = MetricsSink(path, tasks=["a", "b", "c"], append=True)
+    sink.record(step(2, a=TaskMetrics(), b=TaskMetrics(), c=TaskMetrics(groups=1, reward_mean=0.0)))
+    sink.close()
+    with path.open(newline="") as f:
+        header = next(csv.reader(f))
+    assert header == [*FIELDS, *task_columns(["a", "b", "c"])]
+    rows = read_metrics(path)
+    assert [(r["reward_mean/a"], r["reward_mean/c"]) for r in rows] == [("1.0", ""), ("", "0.0")]
+    # the same agents again: appended under the same header, nothing rewritten
+    sink = MetricsSink(path, tasks=["a"], append=True)
+    sink.record(step(3, a=TaskMetrics(groups=1, reward_mean=0.5)))
+    sink.close()
+    assert [r["reward_mean/a"] for r in read_metrics(path)] == ["1.0", "", "0.5"]
+
+
+def test_the_plot_draws_one_curve_per_task_in_one_figure(tmp_path, monkeypatch):
+    path = tmp_path / "m.csv"
+    sink = MetricsSink(path, tasks=["math", "code"])
+    for n in range(1, 61):
+        code = TaskMetrics(reward_mean=n / 60) if n % 3 else TaskMetrics()  # gaps: skipped
+        sink.record(step(n, math=TaskMetrics(reward_mean=1 - n / 60), code=code))
+    sink.close()
+    import matplotlib.axes
+
+    labels: list[str] = []
+    plot = matplotlib.axes.Axes.plot
+
+    def recording(self, *args, **kwargs):
+        if kwargs.get("label"):
+            labels.append(kwargs["label"])
+        return plot(self, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", recording)
+    png = plot_metrics(path, tmp_path / "r.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert labels == ["math", "code"]  # each task's moving mean, over its faint steps
+    labels.clear()
+    plot_metrics(path, tmp_path / "len.png", column="loss")  # no per-task form: one curve
+    assert labels == ["loss", "loss (mean of 3)"]
+    with pytest.raises(ValueError, match="no column 'nope'"):
+        plot_metrics(path, tmp_path / "x.png", column="nope")
