@@ -46,6 +46,8 @@ class BrokerStatus:
     trajectories: dict[str, int] = field(default_factory=dict)
     workers: list[dict[str, Any]] = field(default_factory=list)
     policy: dict[str, Any] = field(default_factory=dict)
+    # run -> the trainer's latest metrics row (<p>.metrics.<run>), per-task columns included
+    trainer: dict[str, dict[str, Any]] = field(default_factory=dict)
     tasks_total: int = 0
     tasks_bytes: int = 0
     notes: list[str] = field(default_factory=list)
@@ -165,7 +167,43 @@ async def collect_status(
         status.notes.append(
             f"bucket {topo.policy_bucket} does not exist: run `agentarium broker init`"
         )
+    for run in sorted(set(runs) | set(status.trajectories) | set(status.policy)):
+        latest = await _latest_metrics(js, topo, run)
+        if latest is not None:
+            status.trainer[run] = latest
     return status
+
+
+async def _latest_metrics(js: JetStreamContext, topo: Topology, run: str) -> dict | None:
+    """The trainer's last step row for ``run``, or None (no trainer, no metrics stream, or a
+    name the subject cannot hold)."""
+    try:
+        raw = await js.get_last_msg(topo.metrics_stream, topo.metrics_subject(run))
+        row = json.loads(raw.data or b"null")
+    except (nats.js.errors.NotFoundError, ValueError):
+        return None
+    return row if isinstance(row, dict) else None
+
+
+TASK_COLUMNS = ("reward_mean", "success", "length", "dropped_stale", "dropped_groups")
+
+
+def _tasks_of(row: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """``{agent: {column: value}}`` from a row's ``<column>/<agent>`` cells."""
+    tasks: dict[str, dict[str, Any]] = {}
+    for key, value in row.items():
+        column, sep, agent = key.partition("/")
+        if sep and column in TASK_COLUMNS:
+            tasks.setdefault(agent, {})[column] = value
+    return tasks
+
+
+def _cell(value: Any, width: int) -> str:
+    if value is None or value == "":
+        return f"{'-':>{width}}"
+    if isinstance(value, float):
+        return f"{value:>{width}.3f}"
+    return f"{value:>{width}}"
 
 
 def format_status(status: BrokerStatus) -> str:
@@ -191,6 +229,25 @@ def format_status(status: BrokerStatus) -> str:
         lines.append(f"  {run:<30} {count:>8}{suffix}")
     if not status.trajectories:
         lines.append("  (none)")
+    for run, row in sorted(status.trainer.items()):
+        lines.append("")
+        lines.append(
+            f"trainer {run}: step {row.get('step', '?')}, version {row.get('version', '?')}, "
+            f"reward {_cell(row.get('reward_mean'), 0).strip()}, stale dropped "
+            f"{row.get('dropped_stale', 0)}"
+        )
+        tasks = _tasks_of(row)
+        if tasks:
+            lines.append(
+                f"  {'task':<18} {'reward':>8} {'success':>8} {'length':>8} "
+                f"{'stale drops':>11} {'dropped groups':>14}"
+            )
+            for agent, cells in sorted(tasks.items()):
+                lines.append(
+                    f"  {agent:<18} {_cell(cells.get('reward_mean'), 8)} "
+                    f"{_cell(cells.get('success'), 8)} {_cell(cells.get('length'), 8)} "
+                    f"{_cell(cells.get('dropped_stale'), 11)} {_cell(cells.get('dropped_groups'), 14)}"
+                )
     lines.append("")
     lines.append(f"live workers: {len(status.workers)}")
     for w in status.workers:

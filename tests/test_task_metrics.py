@@ -88,3 +88,28 @@ def test_the_plot_draws_one_curve_per_task_in_one_figure(tmp_path, monkeypatch):
     assert labels == ["loss", "loss (mean of 3)"]
     with pytest.raises(ValueError, match="no column 'nope'"):
         plot_metrics(path, tmp_path / "x.png", column="nope")
+
+
+async def test_broker_status_shows_the_trainers_latest_figures_per_task(js, topology):
+    """`broker status` reads the trainer's last row from <p>.metrics.<run> (the live stream
+    the trainer publishes each step) and lists the per-task figures."""
+    from broker import collect_status, format_status
+    from trainer.live import LiveMetrics
+
+    live = LiveMetrics(js, topology, run="mt", agent="a+b")
+    first = step(1, a=TaskMetrics(groups=1, reward_mean=0.1), b=TaskMetrics())
+    assert await live.publish(first)
+    latest = step(
+        2,
+        a=TaskMetrics(groups=2, trajectories=8, reward_mean=0.75, success=0.5, length=3.0),
+        b=TaskMetrics(dropped_stale=4, dropped_groups=1),  # nothing of b in this step
+    )
+    assert await live.publish(latest)
+    status = await collect_status(js, topology, runs=("mt",))
+    assert status.trainer["mt"]["step"] == 2
+    text = format_status(status)
+    assert "trainer mt: step 2, version 1" in text
+    [a_line] = [line for line in text.splitlines() if line.strip().startswith("a ")]
+    assert a_line.split()[1:] == ["0.750", "0.500", "3.000", "0", "0"]
+    [b_line] = [line for line in text.splitlines() if line.strip().startswith("b ")]
+    assert b_line.split()[1:] == ["-", "-", "-", "4", "1"]
