@@ -24,7 +24,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from broker import ERR_STREAM_NOT_FOUND, Topology
+from broker import ERR_STREAM_NOT_FOUND, TRANSIENT_NATS_ERRORS, Topology
 from schemas import STATUSES, SchemaError, Trajectory, decode
 
 from .errors import StreamMissing
@@ -32,6 +32,11 @@ from .errors import StreamMissing
 log = structlog.get_logger("agentarium.producers")
 
 BATCH = 256
+CREATE_ATTEMPTS = 12  # about 15 s of retries while a stream elects a leader
+RETRYABLE: tuple[type[Exception], ...] = (
+    *TRANSIENT_NATS_ERRORS,
+    nats.js.errors.ServiceUnavailableError,  # 503: JetStream (or the stream) not ready yet
+)
 EXPIRES_S = 5.0  # a lingering pull request lives this long; the server answers 408 at the end
 SILENCE_S = EXPIRES_S + 3.0  # no answer at all by then: the request (or consumer) was lost
 INACTIVE_S = 120.0  # the server deletes a reader's consumer this long after the reader vanished
@@ -75,12 +80,27 @@ class _Cursor:
             if self.last_seq
             else {"deliver_policy": DeliverPolicy.ALL}
         )
-        try:
-            info = await self.js.add_consumer(self.stream, self._config(start))
-        except nats.js.errors.NotFoundError as exc:
-            raise StreamMissing(
-                f"stream {self.stream} does not exist: run `agentarium broker init` (or broker.provision) first"
-            ) from exc
+        delay = 0.2
+        for attempt in range(1, CREATE_ATTEMPTS + 1):
+            try:
+                info = await self.js.add_consumer(self.stream, self._config(start))
+                break
+            except nats.js.errors.NotFoundError as exc:
+                raise StreamMissing(
+                    f"stream {self.stream} does not exist: run `agentarium broker init` (or broker.provision) first"
+                ) from exc
+            except RETRYABLE as exc:
+                # A stream whose leader was just lost answers nothing until one is elected.
+                if attempt == CREATE_ATTEMPTS:
+                    raise
+                log.info(
+                    "trajectory reader: the stream is not answering yet; retrying",
+                    stream=self.stream,
+                    attempt=attempt,
+                    error=str(exc) or type(exc).__name__,
+                )
+                await asyncio.sleep(delay)
+                delay = min(2.0, delay * 2)
         self.name = info.name
         self.pending = info.num_pending or 0
 
@@ -272,8 +292,9 @@ class TrajectoryReader:
         if not wanted:
             return found
         started = time.monotonic()
+        deadline = asyncio.timeout(timeout)
         try:
-            async with asyncio.timeout(timeout):
+            async with deadline:
                 async with contextlib.aclosing(self.follow(run, agent)) as stream:
                     async for trajectory in stream:
                         if trajectory.job_id in wanted and trajectory.job_id not in found:
@@ -283,6 +304,8 @@ class TrajectoryReader:
                             if len(found) == len(wanted):
                                 break
         except TimeoutError:
+            if not deadline.expired():
+                raise  # a broker request timed out inside: not the caller's deadline
             missing = len(wanted) - len(found)
             raise TimeoutError(
                 f"{missing} of {len(wanted)} trajectories of run {run!r} still missing after "
