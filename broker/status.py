@@ -182,6 +182,8 @@ async def _latest_metrics(js: JetStreamContext, topo: Topology, run: str) -> dic
         row = json.loads(raw.data or b"null")
     except (nats.js.errors.NotFoundError, ValueError):
         return None
+    except TimeoutError:  # also how a user without permission to read the stream is refused
+        return None
     return row if isinstance(row, dict) else None
 
 
