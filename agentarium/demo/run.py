@@ -62,7 +62,8 @@ class DemoConfig:
     agent_name: str = "toy"
     rollouts_only: bool = False
     tasks: str = str(DEFAULT_TASKS)
-    # Task families (agent names) trained at once; empty: the single-task demo on `agent`.
+    # Task families (agent names) trained at once, also as "repeat,next"; empty: the
+    # single-task demo on `agent`.
     task_set: tuple[str, ...] = ()
     # The multi-agent trainer's --task-adv-norm (token | trajectory); None: its default.
     task_adv_norm: str | None = None
