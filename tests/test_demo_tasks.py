@@ -75,7 +75,7 @@ def test_split_and_best_constant():
         ({"task_set": "repeat,nope"}, "unknown task 'nope'"),
         ({"task_set": "next,next"}, "names a task twice"),
         ({"task_set": "repeat,next", "groups_per_step": 1}, "at least the number of tasks"),
-        ({"task_adv_norm": "group"}, "--task-adv-norm must be one of token, trajectory"),
+        ({"task_adv_norm": "group"}, "--task-adv-norm must be one of none, token, trajectory"),
         ({"task_set": "next", "rollouts_only": True}, "drop --task-set"),
     ],
 )

@@ -65,7 +65,7 @@ class DemoConfig:
     # Task families (agent names) trained at once, also as "repeat,next"; empty: the
     # single-task demo on `agent`.
     task_set: tuple[str, ...] = ()
-    # The multi-agent trainer's --task-adv-norm (token | trajectory); None: its default.
+    # The multi-agent trainer's --task-adv-norm (none | token | trajectory); None: its default.
     task_adv_norm: str | None = None
 
     def __post_init__(self) -> None:
@@ -96,7 +96,7 @@ class DemoConfig:
         return {name: FAMILIES[name].agent for name in self.task_set}
 
 
-TASK_ADV_NORMS = ("token", "trajectory")
+TASK_ADV_NORMS = ("none", "token", "trajectory")
 
 
 def _step_batches(args: DemoConfig, rng: random.Random, published: int) -> list[tuple[str, list]]:
