@@ -1,9 +1,13 @@
-"""The toy agent the CPU demo runs: answer a short prompt, scored by exact match.
+"""The toy agents the CPU demo runs: answer a short prompt about a digit.
 
 Tasks look like ``{"task_id": "d7-0", "prompt": "repeat 7", "answer": "7"}``, or are rows of a
 verl dataset: ``prompt`` a list of chat messages, the answer in ``reward_model.ground_truth``.
-The reward is 1.0 when the reply starts with the answer, else 0.0: it depends on the prompt,
-so no constant output scores well.
+``rollout``'s reward is 1.0 when the reply starts with the answer, else 0.0: it depends on the
+prompt, so no constant output scores well.
+
+``next_digit`` is the multi-task demo's second task (``{"prompt": "next 3", "answer": "4"}``,
+9 wraps to 0) with a graded reward: 1.0 for the answer, 0.5 for a digit one away from it
+(echoing the prompt's digit, what the repeat task teaches, earns half), 0.0 otherwise.
 """
 
 from __future__ import annotations
@@ -28,6 +32,25 @@ async def rollout(task: dict, llm) -> dict:
         "reward": 1.0 if reply.startswith(answer) else 0.0,
         "metrics": {"reply_chars": float(len(reply))},
     }
+
+
+async def next_digit(task: dict, llm) -> dict:
+    result = await llm.chat(messages_of(task), max_new_tokens=task.get("max_new_tokens") or 4)
+    reply = result.text.strip()
+    return {
+        "reward": digit_credit(reply[:1], answer_of(task)),
+        "metrics": {"reply_chars": float(len(reply))},
+    }
+
+
+def digit_credit(reply: str, answer: str) -> float:
+    """1.0 for the answer, 0.5 for a digit one away from it (around the dial: 9 and 0 are
+    neighbours), 0.0 for anything else."""
+    if reply == answer:
+        return 1.0
+    if reply.isdigit() and len(reply) == 1 and (int(reply) - int(answer)) % 10 in (1, 9):
+        return 0.5
+    return 0.0
 
 
 def noop(task: dict, llm) -> float:

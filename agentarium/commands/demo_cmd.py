@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 import sys
 
-from ..demo import DEFAULT_TASKS, DemoConfig, run_demo
+from ..demo import DEFAULT_TASKS, FAMILIES, TASK_ADV_NORMS, DemoConfig, run_demo
 
 DESCRIPTION = """\
 The whole RL loop on one CPU machine, on embedded defaults: a local nats-server (JetStream
@@ -18,6 +18,11 @@ reply is that digit. The right answer depends on the prompt, so the best constan
 scores 0.1; the model starts random (about 1/263 per token) and learns from GRPO alone.
 Tasks are fed continuously, a little ahead of the trainer, so rollouts never stop. The demo
 ends by writing metrics.csv and reward.png under --out.
+
+--task-set repeat,next trains one policy on several tasks at once, each its own agent name with
+its own consumer(s), fed in equal proportion, one trainer on all of them (--agent repeat
+--agent next: this needs a trainer that trains several agents, one with --task-mix). Tasks:
+{tasks}
 
 --rollouts-only runs just the rollout half: publish a task file, wait for every trajectory."""
 
@@ -36,7 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "demo",
         help="the whole RL loop locally on the CPU: broker, engine, consumers, trainer, syncer",
-        description=DESCRIPTION,
+        description=DESCRIPTION.format(
+            tasks="\n".join(f"  {f.name:<8} {f.about}" for f in FAMILIES.values())
+        ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
@@ -99,8 +106,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--digits",
         default="0123456789",
-        help="digits the prompts draw from; one digit makes a micro-task that needs no conditioning "
-        "(default %(default)s)",
+        help="digits the answers draw from (repeat's prompt names its answer); one digit makes a "
+        "micro-task that needs no conditioning (default %(default)s)",
     )
     p.add_argument("--run", default=None, help="run id (default: demo-<unix time>)")
     p.add_argument(
@@ -108,6 +115,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--agent-name", default="toy", help="agent name on the wire (default %(default)s)"
+    )
+    p.add_argument(
+        "--task-set",
+        metavar="TASK,TASK",
+        help=f"train one policy on these tasks at once, each its own agent (of: {', '.join(FAMILIES)}); "
+        "default: the single-task demo on --agent",
+    )
+    p.add_argument(
+        "--task-adv-norm",
+        choices=TASK_ADV_NORMS,
+        help="passed to the trainer: per-task advantage normalisation over tokens or trajectories "
+        "(default: the trainer's)",
     )
     p.add_argument(
         "--rollouts-only",

@@ -7,12 +7,18 @@ reply is that digit, so the right answer depends on the prompt and the best cons
 policy scores 0.1 (always answering one digit is right for 1 prompt in 10). The model starts random (~1/263 per token) and learns from GRPO alone.
 Tasks are fed continuously, a little ahead of the trainer, so rollouts never stop.
 
+``--task-set repeat,next`` trains one policy on several task families at once: each family is
+its own agent name with its own consumer(s), fed in equal proportion, and one trainer started
+with one ``--agent`` per family (agentarium/demo/tasks.py); the report gives each task's reward.
+
 ``--rollouts-only`` runs just the rollout half: publish a task file, wait for every trajectory.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -28,6 +34,8 @@ from producers import RunSession, expand_tasks, read_task_file
 from ..progress import ProgressBar, StatusLine
 from ..tiny import ensure_tiny_model
 from .processes import Child, start_child
+from .report import report, task_column
+from .tasks import FAMILIES, digit_tasks, parse_task_set, split_groups
 
 DEFAULT_TASKS = Path(__file__).resolve().parents[2] / "examples" / "toy_tasks.jsonl"
 
@@ -54,6 +62,11 @@ class DemoConfig:
     agent_name: str = "toy"
     rollouts_only: bool = False
     tasks: str = str(DEFAULT_TASKS)
+    # Task families (agent names) trained at once, also as "repeat,next"; empty: the
+    # single-task demo on `agent`.
+    task_set: tuple[str, ...] = ()
+    # The multi-agent trainer's --task-adv-norm (none | token | trajectory); None: its default.
+    task_adv_norm: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("steps", "groups_per_step", "group_size", "consumers", "concurrency"):
@@ -63,21 +76,64 @@ class DemoConfig:
             raise ValueError("ahead and max-staleness must be >= 0")
         if not self.digits or not self.digits.isdigit():
             raise ValueError(f"--digits must be a non-empty string of digits, got {self.digits!r}")
+        object.__setattr__(self, "task_set", parse_task_set(self.task_set))
+        if self.groups_per_step < len(self.task_set):
+            raise ValueError(
+                f"groups-per-step ({self.groups_per_step}) must be at least the number of tasks "
+                f"in --task-set ({len(self.task_set)}): every step holds groups of each task"
+            )
+        if self.task_adv_norm not in (None, *TASK_ADV_NORMS):
+            raise ValueError(
+                f"--task-adv-norm must be one of {', '.join(TASK_ADV_NORMS)}, got {self.task_adv_norm!r}"
+            )
+        if self.rollouts_only and self.task_set:
+            raise ValueError("--rollouts-only publishes --tasks to one agent: drop --task-set")
+
+    def agents(self) -> dict[str, str]:
+        """Agent name -> module:function of every agent the demo serves."""
+        if not self.task_set:
+            return {self.agent_name: self.agent}
+        return {name: FAMILIES[name].agent for name in self.task_set}
 
 
-def _digit_tasks(rng: random.Random, n: int, prefix: str, digits: str = "0123456789") -> list[dict]:
-    tasks = []
-    for i in range(n):
-        d = rng.choice(digits)
-        tasks.append(
-            {
-                "task_id": f"{prefix}-{i}",
-                "prompt": f"repeat {d}",
-                "answer": str(d),
-                "max_new_tokens": 1,
-            }
+TASK_ADV_NORMS = ("none", "token", "trajectory")
+
+
+def _step_batches(args: DemoConfig, rng: random.Random, published: int) -> list[tuple[str, list]]:
+    """One step's worth of tasks as (agent, tasks) batches."""
+    if not args.task_set:  # the single-task demo: one rng draw per task, as it always was
+        return [
+            (args.agent_name, digit_tasks(rng, args.groups_per_step, f"b{published}", args.digits))
+        ]
+    return [
+        (name, digit_tasks(rng, n, f"{name}-b{published}", args.digits, name))
+        for name, n in split_groups(args.groups_per_step, args.task_set).items()
+    ]
+
+
+def trainer_flags() -> set[str]:
+    """The option strings ``agentarium trainer`` accepts (a multi-agent trainer has --task-mix)."""
+    from ..cli import build_parser  # here: the CLI imports this package
+
+    for action in build_parser()._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return {s for a in action.choices["trainer"]._actions for s in a.option_strings}
+    return set()
+
+
+def _check_trainer(args: DemoConfig) -> None:
+    """Refuse a run the installed trainer cannot make, before anything starts."""
+    flags = trainer_flags()
+    if len(args.task_set) > 1 and "--task-mix" not in flags:
+        raise ValueError(
+            f"--task-set {','.join(args.task_set)} needs a trainer that trains several agents at "
+            "once (agentarium trainer --agent A --agent B --task-mix ...); this one trains one "
+            "agent: run one task at a time, e.g. --task-set next"
         )
-    return tasks
+    if args.task_adv_norm and "--task-adv-norm" not in flags:
+        raise ValueError(
+            "--task-adv-norm needs a trainer with --task-adv-norm (multi-agent training)"
+        )
 
 
 def _last_row(path: Path) -> dict | None:
@@ -114,11 +170,9 @@ async def _feed_and_watch(args: DemoConfig, url: str, out: Path, trainer: Child)
             # Stay `ahead` steps in front of the trainer: enough to keep rollouts busy, few
             # enough that trajectories are not many versions stale when they are trained on.
             while published_groups < (step + args.ahead) * args.groups_per_step:
-                batch = _digit_tasks(rng, args.groups_per_step, f"b{published_groups}", args.digits)
-                await producer.submit(
-                    args.agent_name, batch, run=args.run, group_size=args.group_size
-                )
-                published_groups += len(batch)
+                for agent, batch in _step_batches(args, rng, published_groups):
+                    await producer.submit(agent, batch, run=args.run, group_size=args.group_size)
+                published_groups += args.groups_per_step
             row = _last_row(metrics) or row
             step = int(row["step"]) if row else 0
             stored = await count_messages(
@@ -127,7 +181,7 @@ async def _feed_and_watch(args: DemoConfig, url: str, out: Path, trainer: Child)
             elapsed = time.monotonic() - started
             if row:
                 info = (
-                    f"v{row['version']} reward {float(row['reward_mean']):.2f}  "
+                    f"v{row['version']} reward {_rewards(row, args.task_set)}  "
                     f"{stored / elapsed:.0f} rollouts/s  stale-dropped {row['dropped_stale']}"
                 )
             else:
@@ -139,26 +193,15 @@ async def _feed_and_watch(args: DemoConfig, url: str, out: Path, trainer: Child)
         await session.close()
 
 
-def _report(out: Path, elapsed: float, digits: str) -> int:
-    from trainer import plot_metrics, read_metrics
-
-    metrics = out / "metrics.csv"
-    rows = read_metrics(metrics) if metrics.exists() else []
-    if not rows:
-        print("no training step completed: see the logs in", out / "logs")
-        return 1
-    png = plot_metrics(metrics, out / "reward.png")
-    rewards = [float(r["reward_mean"]) for r in rows]
-    n = min(20, len(rewards) // 2) or 1
-    first, last = sum(rewards[:n]) / n, sum(rewards[-n:]) / n
-    print(f"{len(rows)} steps in {elapsed:.0f}s; policy version {rows[-1]['version']}")
-    print(
-        f"accuracy: first {n} steps {first:.2f} -> last {n} steps {last:.2f} "
-        f"(best constant policy: {1 / len(set(digits)):.2f}; gain {last - first:+.2f})"
-    )
-    print(f"metrics: {metrics}")
-    print(f"reward plot: {png}")
-    return 0
+def _rewards(row: dict, tasks: tuple[str, ...]) -> str:
+    """The status line's reward: overall, then each task's where the CSV has its column."""
+    text = f"{float(row['reward_mean']):.2f}"
+    parts = []
+    for task in tasks if len(tasks) > 1 else ():
+        column = task_column(list(row), task)
+        if column and row[column] not in ("", "nan"):
+            parts.append(f"{task} {float(row[column]):.2f}")
+    return f"{text} ({', '.join(parts)})" if parts else text
 
 
 async def _rollouts_only(args: DemoConfig, url: str, out: Path) -> dict:
@@ -197,6 +240,7 @@ def _interrupt(*_: object) -> None:
 def run_demo(args: DemoConfig) -> int:
     """Run the demo in the foreground; the exit code: 0 when it trained (or, with
     ``rollouts_only``, stored trajectories)."""
+    _check_trainer(args)
     signal.signal(signal.SIGTERM, _interrupt)
     setup_logging("warning", json=True)  # the demo prints its own progress; children log to files
     # The demo's prompts are toy digits: show them on chat spans (the GenAI conventions' opt-in
@@ -216,19 +260,20 @@ def run_demo(args: DemoConfig) -> int:
     children: list[Child] = []
     started = time.monotonic()
     try:
-        asyncio.run(_provision(server.url, args.agent_name))
+        asyncio.run(_provision(server.url, tuple(args.agents())))
         engine = start_child(
             "engine", ["engine", "--model", str(model_dir), "--port", "0"], logs, wait_ready=True
         )
         children.append(engine)
-        for i in range(args.consumers):
+        agents = args.agents()
+        for (name, agent), i in itertools.product(agents.items(), range(args.consumers)):
             children.append(
                 start_child(
-                    f"consumer-{i}",
+                    f"consumer-{i}" if not args.task_set else f"consumer-{name}-{i}",
                     [
                         "consumer",
                         "--agent",
-                        f"{args.agent_name}={args.agent}",
+                        f"{name}={agent}",
                         "--llm",
                         engine.url,
                         "--model",
@@ -240,8 +285,12 @@ def run_demo(args: DemoConfig) -> int:
                     logs,
                 )
             )
+        running = ", ".join(f"{name}={agent}" for name, agent in agents.items())
         print(
-            f"local engine at {engine.url}; {args.consumers} consumer(s) running {args.agent}; logs in {logs}"
+            f"local engine at {engine.url}; {args.consumers} consumer(s) per agent running "
+            f"{running}; logs in {logs}"
+            if args.task_set
+            else f"local engine at {engine.url}; {args.consumers} consumer(s) running {args.agent}; logs in {logs}"
         )
         if args.rollouts_only:
             summary = asyncio.run(_rollouts_only(args, server.url, out))
@@ -266,38 +315,7 @@ def run_demo(args: DemoConfig) -> int:
         )
         trainer = start_child(
             "trainer",
-            [
-                "trainer",
-                "--run",
-                args.run,
-                "--agent",
-                args.agent_name,
-                "--model",
-                str(model_dir),
-                "--group-size",
-                str(args.group_size),
-                "--groups-per-step",
-                str(args.groups_per_step),
-                "--lr",
-                str(args.lr),
-                "--entropy-coef",
-                str(args.entropy_coef),
-                "--publish-every",
-                "1",
-                "--max-staleness",
-                str(args.max_staleness),
-                "--metrics",
-                str(out / "metrics.csv"),
-                "--checkpoint-dir",
-                str(out / "checkpoints"),
-                "--max-steps",
-                str(args.steps),
-                "--torch-threads",
-                "1",
-                "--seed",
-                str(args.seed),
-                *nats,
-            ],
+            trainer_argv(args, model_dir, out, server.url),
             logs,
         )
         children.append(trainer)
@@ -310,10 +328,47 @@ def run_demo(args: DemoConfig) -> int:
         for child in reversed(children):
             child.terminate()
         server.stop()
-    return _report(out, time.monotonic() - started, args.digits)
+    return report(out, time.monotonic() - started, args.digits, args.task_set)
 
 
-async def _provision(url: str, agent: str) -> None:
+async def _provision(url: str, agents: tuple[str, ...]) -> None:
     nc = await NatsSettings(url=url).connect(name="agentarium-demo")
-    await provision(nc.jetstream(), Topology(), agents=(agent,))
+    await provision(nc.jetstream(), Topology(), agents=agents)
     await nc.close()
+
+
+def trainer_argv(args: DemoConfig, model_dir: Path, out: Path, nats_url: str) -> list[str]:
+    """``agentarium trainer``'s arguments: one ``--agent`` per agent the demo serves."""
+    return [
+        "trainer",
+        "--run",
+        args.run,
+        *[word for name in args.agents() for word in ("--agent", name)],
+        *(["--task-adv-norm", args.task_adv_norm] if args.task_adv_norm else []),
+        "--model",
+        str(model_dir),
+        "--group-size",
+        str(args.group_size),
+        "--groups-per-step",
+        str(args.groups_per_step),
+        "--lr",
+        str(args.lr),
+        "--entropy-coef",
+        str(args.entropy_coef),
+        "--publish-every",
+        "1",
+        "--max-staleness",
+        str(args.max_staleness),
+        "--metrics",
+        str(out / "metrics.csv"),
+        "--checkpoint-dir",
+        str(out / "checkpoints"),
+        "--max-steps",
+        str(args.steps),
+        "--torch-threads",
+        "1",
+        "--seed",
+        str(args.seed),
+        "--nats-url",
+        nats_url,
+    ]

@@ -1,0 +1,129 @@
+"""The demo's task sets (agentarium/demo/tasks.py, report.py, run.py): tasks, agents, the trainer's
+arguments, per-task rewards from the metrics CSV, and the refusals, without starting a process."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+
+import pytest
+
+from agentarium.cli import main
+from agentarium.demo import (
+    FAMILIES,
+    DemoConfig,
+    first_last,
+    task_column,
+    task_rewards,
+    trainer_flags,
+)
+from agentarium.demo.run import _step_batches, trainer_argv
+from agentarium.demo.tasks import digit_tasks, split_groups
+from examples.toy import digit_credit, next_digit, rollout
+
+
+def test_the_single_task_demo_is_unchanged():
+    config = DemoConfig(run="r")
+    assert config.task_set == () and config.agents() == {"toy": "examples.toy:rollout"}
+    [(agent, tasks)] = _step_batches(config, random.Random(0), 0)
+    # the task stream the demo always fed: "repeat d" -> d, one rng draw per task, ids b<n>-<i>
+    rng = random.Random(0)
+    expected = [rng.choice("0123456789") for _ in range(16)]
+    assert agent == "toy"
+    assert [t["prompt"] for t in tasks] == [f"repeat {d}" for d in expected]
+    assert [t["answer"] for t in tasks] == expected
+    assert [t["task_id"] for t in tasks] == [f"b0-{i}" for i in range(16)]
+    argv = trainer_argv(config, Path("/m"), Path("/o"), "nats://x")
+    assert argv.count("--agent") == 1 and argv[argv.index("--agent") + 1] == "toy"
+    assert "--task-adv-norm" not in argv
+
+
+def test_a_task_set_feeds_each_agent_its_share_and_trains_them_together():
+    config = DemoConfig(run="r", task_set="repeat,next", groups_per_step=5, task_adv_norm="token")
+    assert config.task_set == ("repeat", "next")
+    assert config.agents() == {"repeat": "examples.toy:rollout", "next": "examples.toy:next_digit"}
+    batches = dict(_step_batches(config, random.Random(0), 10))
+    assert {k: len(v) for k, v in batches.items()} == {"repeat": 3, "next": 2}
+    assert all(t["task_id"].startswith(f"{k}-b10-") for k, v in batches.items() for t in v)
+    for task in batches["next"]:
+        assert task["prompt"] == f"next {(int(task['answer']) - 1) % 10}"
+    argv = trainer_argv(config, Path("/m"), Path("/o"), "nats://x")
+    agents = [argv[i + 1] for i, word in enumerate(argv) if word == "--agent"]
+    assert agents == ["repeat", "next"]
+    assert argv[argv.index("--task-adv-norm") + 1] == "token"
+
+
+def test_one_digit_makes_every_task_answer_it():
+    for family in FAMILIES:
+        tasks = digit_tasks(random.Random(1), 4, "p", "7", family)
+        assert {t["answer"] for t in tasks} == {"7"}
+    assert digit_tasks(random.Random(1), 1, "p", "0", "next")[0]["prompt"] == "next 9"
+
+
+def test_split_and_best_constant():
+    assert split_groups(16, ("repeat", "next")) == {"repeat": 8, "next": 8}
+    assert split_groups(3, ("a", "b")) == {"a": 2, "b": 1}
+    assert FAMILIES["repeat"].best_constant("0123456789") == pytest.approx(0.1)
+    assert FAMILIES["next"].best_constant("0123456789") == pytest.approx(0.2)  # 1 + 2 x 0.5
+    assert FAMILIES["next"].best_constant("7") == 1.0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"task_set": "repeat,nope"}, "unknown task 'nope'"),
+        ({"task_set": "next,next"}, "names a task twice"),
+        ({"task_set": "repeat,next", "groups_per_step": 1}, "at least the number of tasks"),
+        ({"task_adv_norm": "group"}, "--task-adv-norm must be one of none, token, trajectory"),
+        ({"task_set": "next", "rollouts_only": True}, "drop --task-set"),
+    ],
+)
+def test_bad_task_settings_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        DemoConfig(run="r", **kwargs)
+
+
+@pytest.mark.skipif(
+    "--task-mix" in trainer_flags(), reason="the trainer trains several agents: nothing to refuse"
+)
+def test_two_tasks_need_the_multi_agent_trainer(capsys, tmp_path):
+    assert main(["demo", "--task-set", "repeat,next", "--out", str(tmp_path)]) == 2
+    assert "needs a trainer that trains several agents" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # refused before anything started
+
+
+def test_per_task_columns_and_windows():
+    assert task_column(["step", "reward_mean", "reward_mean/next"], "next") == "reward_mean/next"
+    assert task_column(["next_reward_mean"], "next") == "next_reward_mean"
+    assert task_column(["reward_mean/repeat"], "next") is None
+    rows = [
+        {"step": "1", "reward_mean": "0.5", "reward_mean/repeat": "0.0", "reward_mean/next": "1"},
+        {"step": "2", "reward_mean": "0.5", "reward_mean/repeat": "1.0", "reward_mean/next": ""},
+    ]
+    series = task_rewards(rows, ("repeat", "next"))
+    assert series == {"repeat": [0.0, 1.0], "next": [1.0, None]}
+    assert task_rewards(rows, ("next",)) == {"next": [1.0, None]}  # its own column wins
+    assert task_rewards([{"reward_mean": "0.25"}], ("repeat",)) == {"repeat": [0.25]}
+    with pytest.raises(ValueError, match="no reward_mean column for task 'next'"):
+        task_rewards([{"reward_mean": "0.5", "reward_mean/repeat": "0"}], ("repeat", "next"))
+    assert first_last([0.0, None, 1.0, 1.0], window=2) == (2, 0.0, 1.0)
+
+
+class OneReply:
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    async def chat(self, messages, **_):
+        return self
+
+
+def test_next_digit_pays_graded_credit():
+    task = {"prompt": "next 3", "answer": "4", "max_new_tokens": 1}
+    rewards = {
+        reply: asyncio.run(next_digit(task, OneReply(reply)))["reward"]
+        for reply in ("4", "3", "5", "7", "x", "")
+    }
+    assert rewards == {"4": 1.0, "3": 0.5, "5": 0.5, "7": 0.0, "x": 0.0, "": 0.0}
+    assert digit_credit("9", "0") == digit_credit("1", "0") == 0.5  # around the dial
+    assert asyncio.run(rollout({"prompt": "repeat 3", "answer": "3"}, OneReply("3")))["reward"] == 1
