@@ -15,11 +15,11 @@ import json
 import time
 from typing import Any
 
-import nats.js.errors
 from nats.js import JetStreamContext
 
 from schemas import check_name
 
+from .registry import json_entries
 from .topology import Topology
 
 
@@ -54,17 +54,5 @@ async def record_engine(
 
 async def engine_versions(js: JetStreamContext, topo: Topology) -> list[dict[str, Any]]:
     """Every recorded engine, sorted by run then URL."""
-    kv = await js.key_value(topo.engines_bucket)
-    try:
-        keys = await kv.keys()
-    except nats.js.errors.NoKeysError:
-        return []
-    out = []
-    for key in keys:
-        try:
-            entry = await kv.get(key)
-        except nats.js.errors.KeyNotFoundError:
-            continue  # expired or deleted between the listing and the read
-        if entry.value:
-            out.append(json.loads(entry.value))
+    out = await json_entries(js, topo.engines_bucket)
     return sorted(out, key=lambda e: (e.get("run", ""), e.get("engine", "")))

@@ -33,8 +33,10 @@ async def remove_worker(js: JetStreamContext, topo: Topology, worker_id: str) ->
         pass  # best effort on shutdown; the TTL removes it anyway
 
 
-async def live_workers(js: JetStreamContext, topo: Topology) -> list[dict[str, Any]]:
-    kv = await js.key_value(topo.workers_bucket)
+async def json_entries(js: JetStreamContext, bucket: str) -> list[dict[str, Any]]:
+    """Every live entry of a KV bucket whose values are JSON objects (the workers registry,
+    the engines' versions); an entry that expires between listing and reading is skipped."""
+    kv = await js.key_value(bucket)
     try:
         keys = await kv.keys()
     except nats.js.errors.NoKeysError:
@@ -47,4 +49,9 @@ async def live_workers(js: JetStreamContext, topo: Topology) -> list[dict[str, A
             continue
         if entry.value:
             out.append(json.loads(entry.value))
-    return sorted(out, key=lambda w: w.get("worker_id", ""))
+    return out
+
+
+async def live_workers(js: JetStreamContext, topo: Topology) -> list[dict[str, Any]]:
+    workers = await json_entries(js, topo.workers_bucket)
+    return sorted(workers, key=lambda w: w.get("worker_id", ""))
