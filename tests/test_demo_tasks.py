@@ -9,14 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from agentarium.cli import main
 from agentarium.demo import (
     FAMILIES,
     DemoConfig,
     first_last,
     task_column,
     task_rewards,
-    trainer_flags,
 )
 from agentarium.demo.run import _step_batches, trainer_argv
 from agentarium.demo.tasks import digit_tasks, split_groups
@@ -82,15 +80,6 @@ def test_split_and_best_constant():
 def test_bad_task_settings_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         DemoConfig(run="r", **kwargs)
-
-
-@pytest.mark.skipif(
-    "--task-mix" in trainer_flags(), reason="the trainer trains several agents: nothing to refuse"
-)
-def test_two_tasks_need_the_multi_agent_trainer(capsys, tmp_path):
-    assert main(["demo", "--task-set", "repeat,next", "--out", str(tmp_path)]) == 2
-    assert "needs a trainer that trains several agents" in capsys.readouterr().err
-    assert not any(tmp_path.iterdir())  # refused before anything started
 
 
 def test_per_task_columns_and_windows():

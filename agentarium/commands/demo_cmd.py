@@ -6,7 +6,9 @@ import argparse
 import dataclasses
 import sys
 
-from ..demo import DEFAULT_TASKS, FAMILIES, TASK_ADV_NORMS, DemoConfig, run_demo
+from trainer import TASK_ADV_NORMS
+
+from ..demo import DEFAULT_TASKS, FAMILIES, DemoConfig, run_demo
 
 DESCRIPTION = """\
 The whole RL loop on one CPU machine, on embedded defaults: a local nats-server (JetStream

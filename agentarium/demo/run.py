@@ -16,7 +16,6 @@ with one ``--agent`` per family (agentarium/demo/tasks.py); the report gives eac
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import itertools
 import json
@@ -30,6 +29,7 @@ from pathlib import Path
 
 from broker import NatsServer, NatsSettings, Topology, count_messages, provision, setup_logging
 from producers import RunSession, expand_tasks, read_task_file
+from trainer import TASK_ADV_NORMS
 
 from ..progress import ProgressBar, StatusLine
 from ..tiny import ensure_tiny_model
@@ -96,9 +96,6 @@ class DemoConfig:
         return {name: FAMILIES[name].agent for name in self.task_set}
 
 
-TASK_ADV_NORMS = ("none", "token", "trajectory")
-
-
 def _step_batches(args: DemoConfig, rng: random.Random, published: int) -> list[tuple[str, list]]:
     """One step's worth of tasks as (agent, tasks) batches."""
     if not args.task_set:  # the single-task demo: one rng draw per task, as it always was
@@ -109,31 +106,6 @@ def _step_batches(args: DemoConfig, rng: random.Random, published: int) -> list[
         (name, digit_tasks(rng, n, f"{name}-b{published}", args.digits, name))
         for name, n in split_groups(args.groups_per_step, args.task_set).items()
     ]
-
-
-def trainer_flags() -> set[str]:
-    """The option strings ``agentarium trainer`` accepts (a multi-agent trainer has --task-mix)."""
-    from ..cli import build_parser  # here: the CLI imports this package
-
-    for action in build_parser()._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return {s for a in action.choices["trainer"]._actions for s in a.option_strings}
-    return set()
-
-
-def _check_trainer(args: DemoConfig) -> None:
-    """Refuse a run the installed trainer cannot make, before anything starts."""
-    flags = trainer_flags()
-    if len(args.task_set) > 1 and "--task-mix" not in flags:
-        raise ValueError(
-            f"--task-set {','.join(args.task_set)} needs a trainer that trains several agents at "
-            "once (agentarium trainer --agent A --agent B --task-mix ...); this one trains one "
-            "agent: run one task at a time, e.g. --task-set next"
-        )
-    if args.task_adv_norm and "--task-adv-norm" not in flags:
-        raise ValueError(
-            "--task-adv-norm needs a trainer with --task-adv-norm (multi-agent training)"
-        )
 
 
 def _last_row(path: Path) -> dict | None:
@@ -240,7 +212,6 @@ def _interrupt(*_: object) -> None:
 def run_demo(args: DemoConfig) -> int:
     """Run the demo in the foreground; the exit code: 0 when it trained (or, with
     ``rollouts_only``, stored trajectories)."""
-    _check_trainer(args)
     signal.signal(signal.SIGTERM, _interrupt)
     setup_logging("warning", json=True)  # the demo prints its own progress; children log to files
     # The demo's prompts are toy digits: show them on chat spans (the GenAI conventions' opt-in
