@@ -16,6 +16,7 @@ import pytest
 from fake_sglang import FakeSGLang
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
+from trainlib import one_call_group, publish
 
 from broker import MetricsServer, MetricsServerError, Topology, collect_stream_metrics
 from consumers import ConsumerService, ConsumerSpec, LLMTarget
@@ -220,33 +221,22 @@ async def test_engine_serves_its_own_metrics(engine_url):
 async def test_trainer_exports_its_step_reward_and_stale_drops(js, topology, tiny_dir, tmp_path):
     import torch
 
-    from schemas import LLMCall, Trajectory, encode
     from trainer.config import TrainerConfig
     from trainer.loop import Trainer
 
     torch.set_num_threads(1)
     run, agent = "prom-train", "toy"
     for g, version in enumerate(["default", "default", "3", "3"]):  # 2 groups too stale
-        for i in range(4):
-            call = LLMCall(
-                prompt_ids=[257, 48 + g, 258],
-                response_ids=[48 + i, 258],
-                response_logprobs=[-5.5, -5.6],
-                finish_reason="stop",
-                weight_version=version,
-            )
-            traj = Trajectory(
-                job_id=f"pj{g}-{i}",
-                agent=agent,
-                task_id=f"t{g}",
-                group_id=f"pg{g}",
-                group_size=4,
-                run=run,
-                status="ok",
-                reward=float(i == 0),
-                calls=[call],
-            )
-            await js.publish(topology.trajectory_subject(run, agent, traj.job_id), encode(traj))
+        group = one_call_group(
+            g,
+            run=run,
+            agent=agent,
+            job_id=lambda g, i: f"pj{g}-{i}",
+            group_id=f"pg{g}",
+            reward=lambda g, i: float(i == 0),
+            version=version,
+        )
+        await publish(js, topology, group)
 
     class Publisher:
         async def publish(self, model, version: int, step: int) -> None:

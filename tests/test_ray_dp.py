@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from trainlib import one_call_group, publish
 
 from agentarium.tiny import ensure_tiny_model
 from schemas import LLMCall, Trajectory
@@ -89,30 +90,19 @@ def test_two_ray_workers_match_one_worker(ray_local, loss_agg):
 async def test_trainer_with_ray_workers_checkpoints_rank_zero_weights(
     ray_local, js, topology, tmp_path
 ):
-    from schemas import encode
     from trainer.checkpoint import Checkpoints
     from trainer.loop import Trainer
 
     for g in range(2):
-        for i in range(4):
-            call = LLMCall(
-                prompt_ids=[257, 48 + g, 258],
-                response_ids=[48 + i, 258],
-                response_logprobs=[-5.5, -5.6],
-                finish_reason="stop",
-            )
-            traj = Trajectory(
-                job_id=f"j{g}{i}",
-                agent="a",
-                task_id=f"t{g}",
-                group_id=f"g{g}",
-                group_size=4,
-                run="r",
-                status="ok",
-                reward=float(i == g),
-                calls=[call],
-            )
-            await js.publish(topology.trajectory_subject("r", "a", traj.job_id), encode(traj))
+        group = one_call_group(
+            g,
+            run="r",
+            agent="a",
+            job_id=lambda g, i: f"j{g}{i}",
+            group_id=f"g{g}",
+            reward=lambda g, i: float(i == g),
+        )
+        await publish(js, topology, group)
     config = TrainerConfig(
         run="r",
         agent="a",

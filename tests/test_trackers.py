@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from trainlib import one_call_group, publish
 
 from agentarium.commands.trainer_cmd import add_trainer_arguments, config_from_args
 from agentarium.tiny import ensure_tiny_model
-from schemas import LLMCall, Trajectory, encode
 from trainer.config import TrainerConfig
 from trainer.errors import TrainerConfigError
 from trainer.loop import Trainer
@@ -33,25 +33,15 @@ NAMES = set(TRACKER_NAMES.values()) | {f"{n}/toy" for n in TASK_TRACKER_NAMES.va
 async def publish_groups(js, topology, groups: int) -> None:
     """Groups of 4 one-call trajectories; member i of group g scores 1 when i == g % 4."""
     for g in range(groups):
-        for i in range(4):
-            call = LLMCall(
-                prompt_ids=[257, 48 + g, 258],
-                response_ids=[48 + i, 258],
-                response_logprobs=[-5.5, -5.6],
-                finish_reason="stop",
-            )
-            traj = Trajectory(
-                job_id=f"j{g}-{i}",
-                agent=AGENT,
-                task_id=f"t{g}",
-                group_id=f"g{g}",
-                group_size=4,
-                run=RUN,
-                status="ok",
-                reward=float(i == g % 4),
-                calls=[call],
-            )
-            await js.publish(topology.trajectory_subject(RUN, AGENT, traj.job_id), encode(traj))
+        group = one_call_group(
+            g,
+            run=RUN,
+            agent=AGENT,
+            job_id=lambda g, i: f"j{g}-{i}",
+            group_id=f"g{g}",
+            reward=lambda g, i: float(i == g % 4),
+        )
+        await publish(js, topology, group)
 
 
 @pytest.fixture

@@ -8,11 +8,11 @@ import json
 
 import pytest
 import torch
+from trainlib import one_call_group, publish
 
 from agentarium.commands.trainer_cmd import add_trainer_arguments, config_from_args
 from agentarium.tiny import ensure_tiny_model
 from broker import read_tail
-from schemas import LLMCall, Trajectory, encode
 from trainer.config import TrainerConfig
 from trainer.errors import TrainerConfigError
 from trainer.loop import Trainer, WeightPublisher
@@ -35,27 +35,20 @@ class RecordingPublisher:
 
 async def publish_groups(js, topology, groups: int, *, version="default", prefix="j"):
     for g in range(groups):
-        for i in range(4):
-            call = LLMCall(
-                prompt_ids=[257, 48 + g, 258],
-                response_ids=[48 + i, 258],
-                response_logprobs=[-5.5, -5.6],
-                finish_reason="stop",
-                weight_version=version,
-            )
-            traj = Trajectory(
-                job_id=f"{prefix}{g}-{i}",
-                agent=AGENT,
-                task_id=f"t{g}",
-                group_id=f"{prefix}g{g}",
-                group_size=4,
+        await publish(
+            js,
+            topology,
+            one_call_group(
+                g,
                 run=RUN,
-                status="ok",
-                reward=float(i == g % 4),
-                calls=[call],
-                trace_id=f"{g + 1:016x}{i + 1:016x}",
-            )
-            await js.publish(topology.trajectory_subject(RUN, AGENT, traj.job_id), encode(traj))
+                agent=AGENT,
+                job_id=lambda g, i: f"{prefix}{g}-{i}",
+                group_id=f"{prefix}g{g}",
+                reward=lambda g, i: float(i == g % 4),
+                version=version,
+                trace=True,
+            ),
+        )
 
 
 def config(tmp_path, **overrides) -> TrainerConfig:

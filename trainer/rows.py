@@ -1,8 +1,8 @@
 """Trajectories -> token rows, and the rules every consumer of rows shares. Torch-free.
 
 The one implementation behind the trainer's batches (trainer/batch.py), the orchestrator's verl
-batches (agentarium/tensorize.py) and SFT export (agentarium/export.py). It imports numpy and
-schemas only, so ``import trainer`` loads neither torch nor transformers.
+batches (agentarium/orchestrator/tensorize.py) and SFT export (agentarium/evaluation/export.py).
+It imports numpy and schemas only, so ``import trainer`` loads neither torch nor transformers.
 
 A trajectory becomes rows in one of two modes (``MULTI_TURN``):
 
