@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .deadletter import DeadLetter
+from .env import EnvCall, EnvError, EnvStart, EnvStarted, Outcome, StepResult
 from .fields import SCHEMA_VERSION, WireMessage
 from .job import Job
 from .trajectory import Trajectory
@@ -25,6 +26,12 @@ EXPORTED = {
     "trajectory": Trajectory,
     "weight_update": WeightUpdate,
     "dead_letter": DeadLetter,
+    "env_start": EnvStart,
+    "env_started": EnvStarted,
+    "env_call": EnvCall,
+    "env_step_result": StepResult,
+    "env_outcome": Outcome,
+    "env_error": EnvError,
 }
 
 

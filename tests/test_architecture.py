@@ -1,7 +1,8 @@
 """The rule between the packages, enforced on the source (docs/design.md, "Components").
 
 - Components never import each other: ``schemas`` imports no project package, ``broker`` only
-  ``schemas``, and ``producers``, ``consumers``, ``trainer`` only ``schemas`` and ``broker``.
+  ``schemas``, and ``producers``, ``consumers``, ``environments``, ``trainer`` only ``schemas`` and
+  ``broker``.
   They meet on the wire.
 - ``agentarium`` (the face and composition root) may use every component, and no component
   imports ``agentarium``.
@@ -16,12 +17,13 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-COMPONENTS = ("schemas", "broker", "producers", "consumers", "trainer")
+COMPONENTS = ("schemas", "broker", "producers", "consumers", "environments", "trainer")
 ALLOWED = {
     "schemas": set(),
     "broker": {"schemas"},
     "producers": {"schemas", "broker"},
     "consumers": {"schemas", "broker"},
+    "environments": {"schemas", "broker"},
     "trainer": {"schemas", "broker"},
     "agentarium": set(COMPONENTS),
 }

@@ -20,7 +20,7 @@ def test_ruff_lint_and_format_are_clean():
     assert fmt.returncode == 0, fmt.stdout[-3000:]
 
 
-PACKAGES = ("schemas", "broker", "producers", "consumers", "trainer", "agentarium")
+PACKAGES = ("schemas", "broker", "producers", "consumers", "environments", "trainer", "agentarium")
 
 
 def test_mypy_on_every_package():

@@ -1,0 +1,8 @@
+"""Environment services: environments that agents open sessions with, over NATS.
+
+This package is a component of its own: it imports only ``schemas`` and ``broker``.
+"""
+
+from .base import Environment
+
+__all__ = ["Environment"]
