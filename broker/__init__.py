@@ -3,7 +3,7 @@ the workers registry, engine weight versions, stream tails for live views, telem
 tracing, trace context in message headers) and the Prometheus side shared by every service
 (the /metrics and health server, queue gauges)."""
 
-from .engines import engine_key, engine_versions, record_engine
+from .engines import engine_key, engine_versions, record_engine, served_version, wait_served
 from .errors import (
     ERR_CONSUMER_NOT_FOUND,
     ERR_STREAM_FULL,
@@ -86,9 +86,11 @@ __all__ = [
     "record_engine",
     "remove_worker",
     "render_metrics",
+    "served_version",
     "setup_logging",
     "setup_tracing",
     "shutdown_tracing",
     "span_id_hex",
     "trace_id_hex",
+    "wait_served",
 ]

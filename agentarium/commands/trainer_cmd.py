@@ -248,6 +248,14 @@ def add_trainer_arguments(parser: argparse.ArgumentParser) -> None:
         help="trajectories sampled more than S published versions ago are dropped or importance-weighted (default %(default)s)",
     )
     g.add_argument(
+        "--sync-rollouts",
+        action="store_true",
+        help="synchronous training: train only trajectories of the current version (sets "
+        "--max-staleness 0), publish every step, and wait until the run's engines serve the new "
+        "version before taking the next batch; the producer must release each batch only then "
+        "(agentarium demo --sync-rollouts does)",
+    )
+    g.add_argument(
         "--stale-policy",
         choices=("drop", "tis"),
         default="drop",
