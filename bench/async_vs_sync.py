@@ -21,7 +21,8 @@ both modes (the demo's, but lr 2e-3, twice the demo's, so the reward leaves the 
   until the engines serve the new version, repeat.
 
 Wall time runs from the first release (every process ready: readiness probes) to the trainer's
-last metrics row. Runs alternate (async, sync, then sync, async, ...). Printed: each run's wall
+last metrics row (``time``; the bench sees it live on ``<p>.metrics.<run>`` and then stops
+every process). Runs alternate (async, sync, then sync, async, ...). Printed: each run's wall
 time, trained and generated rollouts, drops, final reward (mean reward over the last
 ``--final-window`` steps); then per mode the median and range, the ratio of the medians, each
 pair's ratio and the final rewards' gap.
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import statistics
@@ -168,15 +170,13 @@ async def feed_sync(session: RunSession, args: argparse.Namespace, run: str, tas
         )
 
 
-async def feed_async(
-    session: RunSession, args: argparse.Namespace, run: str, tasks: Tasks, trainer: Child
-) -> None:
+async def feed_async(session: RunSession, args: argparse.Namespace, run: str, tasks: Tasks) -> None:
     """Keep (ahead + 1) x groups per step released and not yet consumed by the trainer."""
     assert session.producer is not None
     window = (args.ahead + 1) * args.groups_per_step
     stream = session.topology.trajectories_stream
     durable = session.topology.trainer_consumer(run, AGENT)
-    while trainer.proc.poll() is None:
+    while True:
         info = await session.js.consumer_info(stream, durable)
         consumed = (info.delivered.consumer_seq - info.num_ack_pending) // args.group_size
         room = window - (tasks.released - consumed)
@@ -286,26 +286,47 @@ async def one_run(args: argparse.Namespace, mode: str, repeat: int, base: Path) 
         for child in (consumer, sync, trainer):
             await wait_ready(ports[child.name], child)
         session = await RunSession(NatsSettings(url=server.url), run, name="bench-feed").start()
+        last_row = asyncio.Event()  # the trainer's row of the last step, on <p>.metrics.<run>
+
+        async def on_row(msg) -> None:
+            if int(json.loads(msg.data)["step"]) >= args.steps:
+                last_row.set()
+
+        rows_sub = await session.nc.subscribe(session.topology.metrics_subject(run), cb=on_row)
         tasks = Tasks(args)
         started = time.time()
+        feed = (
+            feed_sync(session, args, run, tasks)
+            if mode == "sync"
+            else feed_async(session, args, run, tasks)
+        )
+        feeding = asyncio.create_task(feed)
         try:
-            if mode == "sync":
-                await feed_sync(session, args, run, tasks)
-            else:
-                feeding = asyncio.create_task(feed_async(session, args, run, tasks, trainer))
-            # the trainer exits after --max-steps; at most a minute a step (a stalled run)
-            code = await asyncio.to_thread(trainer.proc.wait, 60 * args.steps + 120)
-            if mode == "async":
-                await feeding
+            # The run ends with the last step's row; the trainer is then stopped like the
+            # other processes (its own exit is not waited for).
+            deadline = time.monotonic() + 60 * args.steps + 120  # a minute a step: stalled
+            while not last_row.is_set():
+                if trainer.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"trainer exited {trainer.proc.returncode}; see {trainer.log_path}"
+                    )
+                if feeding.done() and feeding.exception() is not None:
+                    raise RuntimeError("feeding failed") from feeding.exception()
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"no step {args.steps} within the time allowed; see {logs}")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(last_row.wait(), 1.0)
             generated = await count_messages(
                 session.js,
                 session.topology.trajectories_stream,
                 session.topology.trajectories_filter(run),
             )
         finally:
+            feeding.cancel()
+            await asyncio.gather(feeding, return_exceptions=True)
+            await rows_sub.unsubscribe()
             await session.close()
-        if code != 0:
-            raise RuntimeError(f"trainer exited {code}; see {trainer.log_path}")
+            trainer.terminate(timeout_s=15)
         rows = read_metrics(metrics)
         if len(rows) != args.steps:
             raise RuntimeError(f"{len(rows)} metrics rows for {args.steps} steps in {metrics}")
