@@ -57,6 +57,7 @@ from broker import (  # noqa: E402
     NatsServer,
     NatsSettings,
     Topology,
+    cancel_and_wait,
     count_messages,
     free_port,
     provision,
@@ -322,8 +323,7 @@ async def one_run(args: argparse.Namespace, mode: str, repeat: int, base: Path) 
                 session.topology.trajectories_filter(run),
             )
         finally:
-            feeding.cancel()
-            await asyncio.gather(feeding, return_exceptions=True)
+            await cancel_and_wait([feeding])
             await rows_sub.unsubscribe()
             await session.close()
             trainer.terminate(timeout_s=15)

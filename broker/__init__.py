@@ -3,6 +3,7 @@ the workers registry, engine weight versions, stream tails for live views, telem
 tracing, trace context in message headers) and the Prometheus side shared by every service
 (the /metrics and health server, queue gauges)."""
 
+from .aio import cancel_and_wait
 from .engines import engine_key, engine_versions, record_engine, served_version, wait_served
 from .errors import (
     ERR_CONSUMER_NOT_FOUND,
@@ -64,6 +65,7 @@ __all__ = [
     "Tail",
     "TRANSIENT_NATS_ERRORS",
     "Topology",
+    "cancel_and_wait",
     "collect_status",
     "collect_stream_metrics",
     "count_messages",

@@ -40,7 +40,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from broker import Topology
+from broker import Topology, cancel_and_wait
 from schemas import SchemaError, Trajectory, check_name, decode
 
 from .batch import refusal
@@ -183,9 +183,7 @@ class Collector:
 
     async def close(self) -> None:
         """Stop pulling; unacked messages stay with the consumer for the next trainer."""
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(self._tasks)  # a fetch may swallow one cancel (broker/aio.py)
         self._tasks = []
         if self._psub is not None:
             try:
