@@ -14,10 +14,11 @@ import asyncio
 import json
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
+import structlog
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -32,6 +33,14 @@ from .errors import BackendUnavailable
 from .llm import TracingLLM
 
 tracer = trace.get_tracer("agentarium.consumers")
+log = structlog.get_logger("agentarium.consumers")
+
+# After its deadline an agent is cancelled and given this long to end; one that ignores the
+# cancellation is left running, abandoned (as a sync agent's thread is), and the rollout ends.
+CANCEL_GRACE_S = 1.0
+# An error text kept in a trajectory or dead letter: a traceback's head and tail up to this
+# many characters (an agent may raise with a message of megabytes).
+MAX_ERROR_CHARS = 16_000
 
 
 @dataclass
@@ -74,6 +83,90 @@ def trajectory_for(job: Job, worker_id: str, **fields: Any) -> Trajectory:
         metadata=job.metadata,
         **fields,
     )
+
+
+class _DeadlinePassed(Exception):
+    """The job's deadline passed before the agent returned."""
+
+
+async def _within(run: Coroutine[Any, Any, Any], seconds: float, job_id: str) -> Any:
+    """``await run`` for at most ``seconds``, in a task of its own, so that an agent which
+    swallows its cancellation cannot hold the rollout (and its worker slot) past the deadline."""
+    agent = asyncio.ensure_future(_guarded(run))
+    try:
+        done, _ = await asyncio.wait({agent}, timeout=seconds)
+    except asyncio.CancelledError:  # a drain cancels the rollout: the agent goes too
+        agent.cancel()
+        agent.add_done_callback(_retrieve)
+        raise
+    if done:
+        return agent.result()
+    agent.cancel()
+    done, _ = await asyncio.wait({agent}, timeout=CANCEL_GRACE_S)
+    if done:
+        _retrieve(agent)
+    else:
+        log.warning(
+            "the agent ignored its cancellation after the deadline: left running, abandoned",
+            job_id=job_id,
+            grace_s=CANCEL_GRACE_S,
+        )
+        agent.add_done_callback(_retrieve)
+    raise _DeadlinePassed
+
+
+class AgentExit(Exception):
+    """The agent raised a BaseException that is not an Exception (SystemExit,
+    KeyboardInterrupt, GeneratorExit, ...): the agent's failure, never the worker's end."""
+
+
+async def _guarded(run: Coroutine[Any, Any, Any]) -> Any:
+    # Inside the agent's task: asyncio re-raises KeyboardInterrupt and SystemExit escaping a
+    # task out of the event loop, which would end the whole consumer.
+    try:
+        return await run
+    except (Exception, asyncio.CancelledError):
+        raise
+    except BaseException as exc:
+        raise AgentExit(
+            f"the agent raised {type(exc).__name__}({_shown(exc)}): an agent may not stop its worker"
+        ) from exc
+
+
+def _shown(exc: BaseException) -> str:
+    try:
+        text = str(exc)
+    except Exception:
+        return "<unprintable>"
+    return repr(text[:200]) if text else ""
+
+
+def _record(span: trace.Span, exc: BaseException) -> None:
+    try:
+        span.record_exception(exc)
+    except Exception:  # an exception whose str() raises: OpenTelemetry asks for it
+        span.record_exception(AgentExit(f"{type(exc).__name__} (its message cannot be printed)"))
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    """An abandoned agent's outcome, read so that asyncio does not log it as never retrieved."""
+    if not task.cancelled():
+        task.exception()
+
+
+def _cancelled() -> bool:
+    """Whether someone cancelled the running task (rather than code raising CancelledError)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+def _traceback() -> str:
+    """The exception being handled, as a traceback cut to ``MAX_ERROR_CHARS`` (head and tail)."""
+    text = traceback.format_exc()
+    if len(text) <= MAX_ERROR_CHARS:
+        return text
+    half = MAX_ERROR_CHARS // 2
+    return f"{text[:half]}\n[... {len(text) - 2 * half} characters cut ...]\n{text[-half:]}"
 
 
 async def run_rollout(
@@ -140,34 +233,32 @@ async def run_rollout(
                 **extra,
             )
 
-        deadline = asyncio.timeout(job.deadline_s)
         try:
             with env.proxy.register(job.job_id, llm):
-                async with deadline:
-                    result = await env.runner.run(
+                result = await _within(
+                    env.runner.run(
                         job.task, llm=llm, endpoint=env.proxy.endpoint_for(job.job_id)
-                    )
-        except TimeoutError as exc:
-            if deadline.expired():
-                return done(
-                    "timeout", error=f"rollout exceeded its deadline of {job.deadline_s:g}s"
+                    ),
+                    job.deadline_s,
+                    job.job_id,
                 )
-            if infra_failure() is not None:
-                return done("error", error=f"LLM backend failed: {infra_failure()}")
-            span.record_exception(exc)
-            raise AgentFailure(
-                traceback.format_exc(), calls=list(llm.calls), trace_id=trace_id, span_id=span_id
-            ) from None
+        except _DeadlinePassed:
+            return done("timeout", error=f"rollout exceeded its deadline of {job.deadline_s:g}s")
         except BackendUnavailable as exc:
             return done("error", error=f"LLM backend failed: {exc}")
         except asyncio.CancelledError:
-            raise
-        except Exception as exc:
+            if _cancelled():  # a drain: the worker releases the job
+                raise
+            # The agent raised CancelledError itself (nobody cancelled the rollout): its bug.
+            raise AgentFailure(
+                _traceback(), calls=list(llm.calls), trace_id=trace_id, span_id=span_id
+            ) from None
+        except Exception as exc:  # AgentExit included: no agent may stop its worker
             if infra_failure() is not None:
                 return done("error", error=f"LLM backend failed: {infra_failure()}")
-            span.record_exception(exc)
+            _record(span, exc)
             raise AgentFailure(
-                traceback.format_exc(), calls=list(llm.calls), trace_id=trace_id, span_id=span_id
+                _traceback(), calls=list(llm.calls), trace_id=trace_id, span_id=span_id
             ) from exc
 
         try:
@@ -180,10 +271,12 @@ async def run_rollout(
                 reward, extra = extract_reward(reward_result)
                 metrics = {**metrics, **extra}
             reward = finite_reward(reward)
-        except Exception as exc:  # RewardError or a failing reward function
-            span.record_exception(exc)
+        except BaseException as exc:  # RewardError, or a failing reward function (even exit())
+            if isinstance(exc, asyncio.CancelledError) and _cancelled():
+                raise
+            _record(span, exc)
             raise AgentFailure(
-                traceback.format_exc(), calls=list(llm.calls), trace_id=trace_id, span_id=span_id
+                _traceback(), calls=list(llm.calls), trace_id=trace_id, span_id=span_id
             ) from exc
         span.set_attribute("agentarium.reward", reward)
         return done("ok", reward=reward, metrics=metrics)

@@ -1,0 +1,618 @@
+"""The fuzzed input corpus: hypothesis strategies for malformed jobs, messages and agents.
+
+``draw(strategy, n)`` runs one derandomized ``@given`` collection pass (fixed seed,
+``deadline=None``, a fixed ``max_examples``, generation only) and returns what it generated,
+so a test can publish the whole corpus in bulk to one real nats-server and one running worker
+instead of paying for a server per example. Every ``Case`` says what was wrong with it and
+which words the reason the system gives must contain.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import msgpack
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
+ASYNC_AGENT, SYNC_AGENT = "fuzz", "fuzzsync"
+RUN = "fuzz"  # every job expected to store a trajectory stores it under this run
+
+
+def draw(strategy: st.SearchStrategy, n: int) -> list:
+    """``n`` examples of ``strategy`` (fewer if it has fewer), the same ones on every run."""
+    out: list = []
+
+    @settings(
+        max_examples=n,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(strategy)
+    def collect(value: Any) -> None:
+        out.append(value)
+
+    collect()
+    return out
+
+
+@dataclass(frozen=True)
+class Case:
+    """One input and what must become of it.
+
+    ``outcome``: ``invalid_job`` / ``wrong_subject`` (a dead letter with that reason),
+    ``agent_error`` (an error trajectory and a dead letter), ``error`` (an error trajectory),
+    ``timeout``, or ``ok``. ``reason``: words, any of which the dead letter's or trajectory's
+    error must contain."""
+
+    category: str
+    outcome: str
+    reason: tuple[str, ...] = ()
+    payload: bytes = b""
+    headers: dict[str, str] | None = None
+    agent: str = ASYNC_AGENT  # whose subject it is published on
+    job_id: str = ""  # set: outcomes are found by job id; empty: by the raw payload
+
+
+# ---- values ---------------------------------------------------------------------------------
+NAMES = st.from_regex(r"[A-Za-z0-9_-]{1,24}", fullmatch=True)
+JSON_SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**63 - 1)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=16)
+)
+JSON = st.recursive(
+    JSON_SCALARS,
+    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids, max_size=4),
+    max_leaves=12,
+)
+OBJECTS = st.dictionaries(st.text(max_size=8), JSON, max_size=4)
+NON_STRINGS = st.one_of(
+    st.integers(-(2**63), 2**63 - 1),
+    st.floats(),
+    st.booleans(),
+    st.lists(st.integers(0, 9), max_size=3),
+    st.dictionaries(st.text(max_size=3), st.integers(0, 9), max_size=2),
+)
+BAD_NAMES = st.one_of(
+    st.builds(
+        lambda a, sep, b: a + sep + b,
+        NAMES,
+        st.sampled_from([".", "*", ">", " ", "\t", "\n", "/", "é", "\x00", "..", ".>"]),
+        NAMES,
+    ),
+    st.sampled_from(["", ">", "*", "a.*", " ", "tasks.>"]),
+    st.text(min_size=1, max_size=12).map(lambda s: s if not NAME_RE.fullmatch(s) else s + "."),
+    st.text(alphabet="ab", min_size=129, max_size=160),
+    NON_STRINGS,
+)
+NOT_INTS = st.one_of(
+    st.text(max_size=4),
+    st.floats().filter(lambda x: not x.is_integer()),
+    st.booleans(),
+    st.lists(st.integers(0, 3), max_size=2),
+    st.integers(min_value=2**63, max_value=2**64 - 1),  # fits msgpack, not int64
+    st.sampled_from([1e300, -1e300, 2.0**64]),
+)
+NOT_FLOATS = st.one_of(st.text(max_size=4), st.booleans(), st.lists(st.floats(), max_size=2))
+NOT_BOOLS = st.one_of(st.integers(-2, 2), st.text(max_size=4), st.floats())
+INT64 = st.integers(-(2**63), 2**63 - 1)
+NOT_OBJECTS = st.one_of(
+    st.lists(JSON, max_size=3), st.text(max_size=8), INT64, st.floats(), st.booleans()
+)
+
+
+# ---- valid jobs -----------------------------------------------------------------------------
+LEAN_OBJECTS = st.dictionaries(st.text(max_size=6), JSON_SCALARS, max_size=3)
+
+
+@st.composite
+def lean_job_dicts(draw_: Callable) -> dict:
+    """A valid job with little in it: the base a defect is applied to (cheap to draw)."""
+    job: dict[str, Any] = {"job_id": "", "agent": "", "task": draw_(LEAN_OBJECTS)}
+    job.update(
+        draw_(
+            st.fixed_dictionaries(
+                {},
+                optional={
+                    "task_id": st.text(max_size=8),
+                    "is_train": st.booleans(),
+                    "deadline_s": st.floats(30, 600),
+                    "sampling": st.fixed_dictionaries({"temperature": st.floats(0, 2)}),
+                },
+            )
+        )
+    )
+    job["run"] = draw_(NAMES)
+    return job
+
+
+@st.composite
+def job_dicts(draw_: Callable, *, run: str | None = None) -> dict:
+    """A valid job as a dict (job_id and agent are set by the caller)."""
+    job: dict[str, Any] = {"job_id": "", "agent": "", "task": draw_(OBJECTS)}
+    size = draw_(st.integers(1, 8))
+    optional = draw_(
+        st.fixed_dictionaries(
+            {},
+            optional={
+                "task_id": st.text(max_size=12),
+                "group_id": st.text(max_size=12),
+                "batch_id": st.text(max_size=8),
+                "is_train": st.booleans(),
+                "metadata": OBJECTS,
+                "created_at": st.floats(0, 2e9),
+                "deadline_s": st.floats(30, 600),
+                "sampling": st.fixed_dictionaries(
+                    {},
+                    optional={
+                        "temperature": st.floats(0, 2),
+                        "top_p": st.floats(0.05, 1.0),
+                        "top_k": st.integers(-1, 50),
+                        "max_new_tokens": st.integers(1, 64),
+                        "stop": st.lists(st.text(min_size=1, max_size=4), max_size=2),
+                    },
+                ),
+            },
+        )
+    )
+    job.update(optional)
+    if draw_(st.booleans()):
+        job["group_size"] = size
+        job["sample_index"] = draw_(st.integers(0, size - 1))
+    job["run"] = run if run is not None else draw_(NAMES)
+    return job
+
+
+def encode(job: dict, how: str) -> tuple[bytes, dict[str, str] | None]:
+    if how == "json":
+        return json.dumps(job).encode(), None
+    if how == "json-header":
+        return json.dumps(job).encode(), {"Content-Type": "application/json"}
+    return msgpack.packb(job, use_bin_type=True), None
+
+
+ENCODINGS = st.sampled_from(["msgpack", "json", "json-header"])
+
+
+# ---- one defect per job ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class Defect:
+    category: str
+    apply: Callable[[dict], None]
+    reason: tuple[str, ...]
+    encodings: tuple[str, ...] = ("msgpack", "json", "json-header")
+    by_job_id: bool = False  # the job still decodes far enough to be found by id
+
+
+def _set(field: str, value: Any) -> Callable[[dict], None]:
+    def apply(job: dict) -> None:
+        job[field] = value
+
+    return apply
+
+
+def _set_sampling(field: str, value: Any) -> Callable[[dict], None]:
+    def apply(job: dict) -> None:
+        job["sampling"] = {**job.get("sampling", {}), field: value}
+
+    return apply
+
+
+def _drop(field: str) -> Callable[[dict], None]:
+    def apply(job: dict) -> None:
+        job.pop(field, None)
+
+    return apply
+
+
+def _nested(depth: int) -> Any:
+    value: Any = 1
+    for i in range(depth):
+        value = {"k": value} if i % 2 else [value]
+    return value
+
+
+JSON_ONLY = ("json", "json-header")  # ints msgpack cannot pack
+MSGPACK_ONLY = ("msgpack",)  # values JSON cannot carry
+
+
+FIELD_KINDS = (
+    "missing",
+    "name",
+    "str",
+    "int",
+    "group",
+    "bool",
+    "deadline",
+    "created_at",
+    "object",
+    "object_deep",
+    "object_bigint",
+    "object_msgpack",
+    "sampling",
+    "sampling_type",
+    "schema_version",
+)
+
+
+@st.composite
+def defects(draw_: Callable, kind: str) -> Defect:
+    if kind == "missing":
+        field = draw_(st.sampled_from(["job_id", "agent", "task"]))
+        return Defect("missing field", _drop(field), (f"job.{field}: required field missing",))
+    if kind == "name":
+        field = draw_(st.sampled_from(["job_id", "agent", "run"]))
+        value = draw_(BAD_NAMES)
+        return Defect(f"bad name ({field})", _set(field, value), (f"job.{field}",))
+    if kind == "str":
+        field = draw_(st.sampled_from(["task_id", "group_id", "batch_id"]))
+        return Defect("wrong type", _set(field, draw_(NON_STRINGS)), (f"job.{field}",))
+    if kind == "int":
+        field = draw_(st.sampled_from(["sample_index", "group_size"]))
+        return Defect("wrong type", _set(field, draw_(NOT_INTS)), (f"job.{field}",))
+    if kind == "group":
+        size = draw_(st.integers(-(2**63), 0) | st.just(0))
+        if draw_(st.booleans()):
+            return Defect("absurd group", _set("group_size", size), ("job.group_size",))
+        good = draw_(st.integers(1, 8))
+        index = draw_(st.integers(good, 2**63 - 1) | st.integers(-(2**63), -1))
+
+        def apply(job: dict) -> None:
+            job.update(group_size=good, sample_index=index)
+
+        return Defect("absurd group", apply, ("job.sample_index",))
+    if kind == "bool":
+        return Defect("wrong type", _set("is_train", draw_(NOT_BOOLS)), ("job.is_train",))
+    if kind == "deadline":
+        value = draw_(
+            st.floats(max_value=0.0)
+            | st.sampled_from([math.nan, math.inf, -math.inf, 0, -1])
+            | NOT_FLOATS
+        )
+        return Defect("absurd deadline", _set("deadline_s", value), ("job.deadline_s",))
+    if kind == "created_at":
+        return Defect("wrong type", _set("created_at", draw_(NOT_FLOATS)), ("job.created_at",))
+    if kind == "object":
+        field = draw_(st.sampled_from(["task", "metadata"]))
+        return Defect("wrong type", _set(field, draw_(NOT_OBJECTS)), (f"job.{field}",))
+    if kind == "object_deep":
+        field = draw_(st.sampled_from(["task", "metadata"]))
+        depth = draw_(st.integers(64, 480))  # msgpack packs at most 511 levels
+        return Defect("deeply nested", _set(field, {"deep": _nested(depth)}), ("nested",))
+    if kind == "object_bigint":
+        field = draw_(st.sampled_from(["task", "metadata"]))
+        big = draw_(
+            st.integers(min_value=2**64, max_value=10**100)
+            | st.integers(min_value=-(10**100), max_value=-(2**63) - 1)
+        )
+        return Defect(
+            "number out of range", _set(field, {"n": [big]}), ("64 bits",), encodings=JSON_ONLY
+        )
+    if kind == "object_msgpack":
+        field = draw_(st.sampled_from(["task", "metadata"]))
+        value, reason = draw_(
+            st.sampled_from(
+                [
+                    ({1: "int key"}, "object key"),
+                    ({b"bytes key": 1}, "object key"),
+                    ({"b": b"\x00\xff"}, "JSON values only"),
+                    ({"e": msgpack.ExtType(5, b"ext")}, "JSON values only"),
+                    ({"t": msgpack.Timestamp(1, 0)}, "JSON values only"),
+                    ({"n": None, "inner": {2: [1]}}, "object key"),
+                ]
+            )
+        )
+        return Defect(
+            "not JSON (msgpack types)", _set(field, value), (reason,), encodings=MSGPACK_ONLY
+        )
+    if kind == "sampling":
+        field, value = draw_(
+            st.one_of(
+                st.tuples(
+                    st.just("temperature"),
+                    st.floats(max_value=-1e-9) | st.sampled_from([math.nan, math.inf]),
+                ),
+                st.tuples(
+                    st.just("top_p"),
+                    st.floats(max_value=0.0)
+                    | st.floats(min_value=1.0, exclude_min=True)
+                    | st.just(math.nan),
+                ),
+                st.tuples(st.just("max_new_tokens"), st.integers(-(2**63), 0) | NOT_INTS),
+                st.tuples(st.just("top_k"), NOT_INTS),
+                st.tuples(
+                    st.just("stop"),
+                    st.lists(NON_STRINGS, min_size=1, max_size=3) | INT64 | st.floats(),
+                ),
+                st.tuples(st.just("temperature"), NOT_FLOATS),
+            )
+        )
+        return Defect("absurd sampling", _set_sampling(field, value), (f"sampling.{field}",))
+    if kind == "sampling_type":
+        return Defect("wrong type", _set("sampling", draw_(NOT_OBJECTS)), ("job.sampling",))
+    assert kind == "schema_version"
+    value = draw_(
+        st.integers(min_value=2, max_value=2**63 - 1)
+        | st.text(max_size=3)
+        | st.booleans()
+        | st.floats()
+    )
+    return Defect("wrong schema_version", _set("schema_version", value), ("schema_version",))
+
+
+@st.composite
+def field_cases(draw_: Callable, kind: str) -> Case:
+    job = draw_(lean_job_dicts())
+    job["job_id"], job["agent"] = "placeholder", ASYNC_AGENT
+    defect = draw_(defects(kind))
+    defect.apply(job)
+    how = draw_(st.sampled_from(defect.encodings))
+    payload, headers = encode(job, how)
+    return Case(defect.category, "invalid_job", defect.reason, payload, headers)
+
+
+# ---- whole-message defects --------------------------------------------------------------------
+MESSAGE_KINDS = (
+    "garbage",
+    "msgpack_non_dict",
+    "json_non_object",
+    "broken_json",
+    "invalid_utf8_json",
+    "invalid_utf8_msgpack",
+    "lone_surrogate",
+    "deep_json",
+    "deep_msgpack",
+    "unhashable_key",
+    "content_type",
+    "huge_garbage",
+)
+
+
+@st.composite
+def message_cases(draw_: Callable, kind: str) -> Case:
+    job = draw_(lean_job_dicts())
+    job["job_id"], job["agent"] = "placeholder", ASYNC_AGENT
+    if kind == "garbage":
+        data = draw_(st.binary(max_size=300))
+        return Case("garbage bytes", "invalid_job", ("payload", "job."), data)
+    if kind == "msgpack_non_dict":
+        value = draw_(
+            st.one_of(st.lists(JSON, max_size=4), JSON_SCALARS, st.binary(max_size=20))
+        )
+        return Case(
+            "msgpack decoding to a non-dict",
+            "invalid_job",
+            ("payload must be an object/map",),
+            msgpack.packb(value, use_bin_type=True),
+        )
+    if kind == "json_non_object":
+        value = draw_(st.one_of(st.lists(JSON, max_size=4), JSON_SCALARS))
+        return Case(
+            "JSON that is not an object",
+            "invalid_job",
+            ("payload must be an object/map",),
+            json.dumps(value).encode(),
+            {"Content-Type": "application/json"},
+        )
+    if kind == "broken_json":
+        text = json.dumps(job)
+        cut = draw_(st.integers(1, max(1, len(text) - 1)))
+        return Case("broken JSON", "invalid_job", ("not valid JSON",), text[:cut].encode())
+    if kind == "invalid_utf8_json":
+        bad = draw_(st.sampled_from([b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\xf8\x88\x80\x80"]))
+        job["task"] = {"text": "MARK"}
+        data = json.dumps(job).encode().replace(b"MARK", bad)
+        # \xed\xa0\x80 is a surrogate's encoding: Python's JSON reads it, the check refuses it
+        return Case("invalid UTF-8", "invalid_job", ("not valid JSON", "Unicode"), data)
+    if kind == "lone_surrogate":  # valid JSON text that no encoder can write back
+        field = draw_(st.sampled_from(["task", "metadata", "task_id", "batch_id"]))
+        job[field] = {"s": "MARK"} if field in ("task", "metadata") else "MARK"
+        data = json.dumps(job).encode().replace(b"MARK", b"\\udc80")
+        return Case("invalid UTF-8", "invalid_job", ("Unicode",), data)
+    if kind == "invalid_utf8_msgpack":
+        bad = draw_(st.sampled_from([b"\xff\xfe", b"\xc3\x28", b"\xed\xa0\x80"]))
+        job["task"] = {"text": "MARK"}
+        data = msgpack.packb(job, use_bin_type=True).replace(b"\xa4MARK", bytes([0xA0 | len(bad)]) + bad)
+        return Case("invalid UTF-8", "invalid_job", ("not valid msgpack",), data)
+    if kind == "deep_json":
+        depth = draw_(st.integers(1_000, 100_000))
+        data = b'{"job_id":"x","agent":"fuzz","task":' + b'{"a":' * depth + b"1" + b"}" * depth + b"}"
+        return Case("deeply nested", "invalid_job", ("nested",), data)
+    if kind == "deep_msgpack":
+        depth = draw_(st.integers(1_030, 100_000))
+        data = b"\x83\xa6job_id\xa1x\xa5agent\xa4fuzz\xa4task" + b"\x91" * depth + b"\xc0"
+        return Case("deeply nested", "invalid_job", ("nested",), data)
+    if kind == "unhashable_key":
+        # a map keyed by an array: msgpack can say it, Python cannot hold it
+        key = draw_(st.lists(st.integers(0, 1000), min_size=1, max_size=4))
+        data = b"\x81" + msgpack.packb(key) + msgpack.packb(draw_(JSON_SCALARS))
+        return Case("msgpack decoding to a non-dict", "invalid_job", ("unhashable",), data)
+    if kind == "content_type":
+        how, header = draw_(
+            st.sampled_from(
+                [
+                    ("msgpack", "application/json"),
+                    ("msgpack", "APPLICATION/JSON; charset=utf-8"),
+                    ("json", "application/msgpack"),
+                    ("json", "text/plain"),
+                    ("json", "application/octet-stream"),
+                ]
+            )
+        )
+        payload, _ = encode(job, how)
+        kind_named = "JSON" if "json" in header.lower() else "msgpack"
+        return Case(
+            "wrong content type",
+            "invalid_job",
+            (f"not valid {kind_named}",),
+            payload,
+            {"Content-Type": header},
+        )
+    assert kind == "huge_garbage"
+    size = draw_(st.integers(100_000, 1_000_000))
+    seed = draw_(st.binary(min_size=16, max_size=16))
+    data = b"\xc1" + (seed * (size // 16 + 1))[:size]  # 0xc1: never valid msgpack
+    return Case("huge payload", "invalid_job", ("truncated to 65536",), data)
+
+
+@st.composite
+def wrong_subject_cases(draw_: Callable) -> Case:
+    job = draw_(lean_job_dicts())
+    job["agent"] = draw_(NAMES.filter(lambda n: n not in (ASYNC_AGENT, SYNC_AGENT)))
+    payload, headers = encode(job, draw_(ENCODINGS))
+    return Case("wrong subject", "wrong_subject", ("does not match its subject",), payload, headers)
+
+
+# ---- misbehaving agents ---------------------------------------------------------------------
+RETURNS = {
+    "nan": "the reward is nan",
+    "inf": "the reward is inf",
+    "-inf": "the reward is -inf",
+    "reward_nan": "the reward is nan",
+    "reward_inf": "the reward is inf",
+    "object": "no reward",
+    "generator": "no reward",
+    "ndarray": "no reward",
+    "huge_int": "too large",
+    "string": "no reward",
+    "none": "no reward",
+    "list": "no reward",
+    "set": "no reward",
+    "bytes": "no reward",
+    "complex": "no reward",
+    "reward_property_raises": "the reward property exploded",
+    "reward_string": "no reward",
+}
+EXCEPTIONS = {
+    "ValueError": "ValueError",
+    "Unprintable": "Unprintable",
+    "MemoryError": "MemoryError",
+    "KeyboardInterrupt": "KeyboardInterrupt",
+    "SystemExit0": "SystemExit",
+    "SystemExit3": "SystemExit",
+    "SystemExitText": "SystemExit",
+    "GeneratorExit": "GeneratorExit",
+    "CustomBase": "CustomBase",
+    "CancelledError": "CancelledError",
+    "StopAsyncIteration": "StopAsyncIteration",
+    "TimeoutError": "TimeoutError",
+}
+BAD_CHATS = {
+    "messages_str": "chat messages must be dicts",
+    "messages_ints": "chat messages must be dicts",
+    "negative_tokens": "max_new_tokens must be >= 1",
+    "unknown_option": "unknown sampling option",
+    "hot_temperature": "temperature",
+    "top_p_zero": "top_p must be in (0, 1]",
+}
+
+
+SYNC_KINDS = ("return", "raise", "hang", "recursion", "junk_metrics", "print")
+ASYNC_KINDS = (*SYNC_KINDS, "ignore_cancel", "bad_chat", "stop_iteration", "forgot_await")
+
+
+@st.composite
+def agent_cases(draw_: Callable, kind: str, sync: bool) -> Case:
+    """A valid job whose agent misbehaves (the job id is set by the caller)."""
+    task: dict[str, Any] = {"do": kind}
+    deadline = 600.0
+    if kind == "return":
+        task["value"] = draw_(st.sampled_from(sorted(RETURNS)))
+        outcome, reason = "agent_error", RETURNS[task["value"]]
+    elif kind == "raise":
+        task["exc"] = draw_(st.sampled_from(sorted(EXCEPTIONS)))
+        big = task["exc"] in ("ValueError", "SystemExitText", "CustomBase") and draw_(
+            st.integers(0, 9)
+        ) == 0
+        task["size"] = 3_000_000 if big else 0
+        outcome = "agent_error"
+        reason = "characters cut" if big else EXCEPTIONS[task["exc"]]
+    elif kind == "hang":
+        deadline = draw_(st.floats(0.2, 0.8))
+        task["for_s"] = deadline + 1.0  # the sync one sleeps past its deadline, then returns
+        outcome, reason = "timeout", "deadline"
+    elif kind == "ignore_cancel":
+        deadline = draw_(st.floats(0.2, 0.5))
+        task["for_s"] = draw_(st.floats(1.5, 3.0))
+        outcome, reason = "timeout", "deadline"
+    elif kind == "bad_chat":
+        task["call"] = draw_(st.sampled_from(sorted(BAD_CHATS)))
+        outcome, reason = "agent_error", BAD_CHATS[task["call"]]
+    elif kind == "stop_iteration":
+        outcome, reason = "agent_error", "StopIteration"
+    elif kind == "forgot_await":
+        outcome, reason = "agent_error", "no reward"
+    elif kind == "recursion":
+        outcome, reason = "agent_error", "RecursionError"
+    elif kind == "print":
+        task["mib"] = draw_(st.integers(1, 4))
+        outcome, reason = "ok", ""
+    else:  # junk metrics are dropped: the rollout is fine
+        outcome, reason = "ok", ""
+    agent = SYNC_AGENT if sync else ASYNC_AGENT
+    job = draw_(lean_job_dicts())  # the rest of the job varies too
+    task.update(draw_(st.fixed_dictionaries({}, optional={"n": INT64, "note": st.text(max_size=8)})))
+    job.update(agent=agent, task=task, run=RUN, deadline_s=deadline)
+    payload, headers = encode(job, draw_(ENCODINGS))
+    return Case(f"agent: {kind}", outcome, (reason,) if reason else (), payload, headers, agent)
+
+
+@st.composite
+def valid_cases(draw_: Callable, *, extra: bool = False) -> Case:
+    job = draw_(job_dicts(run=RUN))
+    sync = draw_(st.booleans())
+    job["agent"] = SYNC_AGENT if sync else ASYNC_AGENT
+    job["task"]["do"] = "ok"
+    if extra:  # unknown fields are ignored (forward compatibility): still a valid job
+        extras = draw_(
+            st.dictionaries(
+                st.text(min_size=1, max_size=10).filter(lambda k: k not in KNOWN),
+                JSON,
+                min_size=1,
+                max_size=3,
+            )
+        )
+        job.update(extras)
+        job["sampling"] = {**job.get("sampling", {}), "unknown_knob": 1}
+    payload, headers = encode(job, draw_(ENCODINGS))
+    return Case("extra fields" if extra else "valid", "ok", (), payload, headers, job["agent"])
+
+
+KNOWN = frozenset(
+    "job_id agent task task_id group_id sample_index group_size run batch_id is_train sampling "
+    "deadline_s metadata created_at schema_version".split()
+)
+
+
+def with_job_id(case: Case, job_id: str) -> Case:
+    """The case with its job's id set (cases whose job decodes are found by it)."""
+    headers = case.headers or {}
+    is_json = headers.get("Content-Type", "").startswith("application/json") or (
+        case.payload[:1] == b"{"
+    )
+    job = json.loads(case.payload) if is_json else msgpack.unpackb(case.payload, raw=False)
+    job["job_id"] = job_id
+    payload = json.dumps(job).encode() if is_json else msgpack.packb(job, use_bin_type=True)
+    return replace(case, payload=payload, job_id=job_id)
+
+
+def with_unique_id(case: Case, job_id: str) -> Case:
+    """A malformed job made unique: its id set when it has one and the defect is elsewhere,
+    so two cases never share a raw payload."""
+    marker = b"placeholder"
+    if marker in case.payload and len(job_id) <= len(marker):
+        padded = job_id.encode().ljust(len(marker), b"_")
+        return replace(case, payload=case.payload.replace(marker, padded, 1))
+    return case
