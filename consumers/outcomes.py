@@ -94,9 +94,7 @@ class OutcomeStore:
         )
         if trajectory.error:
             why += f"; its own error: {trajectory.error[:FITTED_ERROR_CHARS]}"
-        smaller = replace(
-            trajectory, status="error", reward=None, metrics={}, calls=[], error=why
-        )
+        smaller = replace(trajectory, status="error", reward=None, metrics={}, calls=[], error=why)
         payload = encode(smaller)
         if len(payload) > limit:
             smaller = replace(

@@ -236,9 +236,7 @@ async def run_rollout(
         try:
             with env.proxy.register(job.job_id, llm):
                 result = await _within(
-                    env.runner.run(
-                        job.task, llm=llm, endpoint=env.proxy.endpoint_for(job.job_id)
-                    ),
+                    env.runner.run(job.task, llm=llm, endpoint=env.proxy.endpoint_for(job.job_id)),
                     job.deadline_s,
                     job.job_id,
                 )

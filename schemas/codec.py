@@ -45,7 +45,9 @@ def loads(payload: bytes, content_type: str | None = None) -> dict[str, Any]:
         else:
             data = msgpack.unpackb(payload, raw=False, strict_map_key=False)
     except (RecursionError, msgpack.StackError) as exc:
-        raise DecodeError(f"payload is not valid {kind}: nested too deeply", raw=bytes(payload)) from exc
+        raise DecodeError(
+            f"payload is not valid {kind}: nested too deeply", raw=bytes(payload)
+        ) from exc
     # TypeError: msgpack holding a map keyed by a list or a map (unhashable in Python)
     except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError) as exc:
         detail = str(exc) or type(exc).__name__

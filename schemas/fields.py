@@ -131,7 +131,9 @@ def _read_object(value: Any, path: str) -> dict:
         elif item is None or isinstance(item, (float, bool)):
             continue
         else:
-            raise _fail(path, "JSON values only (null, booleans, numbers, strings, lists, objects)", item)
+            raise _fail(
+                path, "JSON values only (null, booleans, numbers, strings, lists, objects)", item
+            )
         stack.extend((child, depth + 1) for child in children)
     return value
 

@@ -74,7 +74,9 @@ JSON_SCALARS = (
 )
 JSON = st.recursive(
     JSON_SCALARS,
-    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids, max_size=4),
+    lambda kids: (
+        st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids, max_size=4)
+    ),
     max_leaves=12,
 )
 OBJECTS = st.dictionaries(st.text(max_size=8), JSON, max_size=4)
@@ -388,9 +390,7 @@ def message_cases(draw_: Callable, kind: str) -> Case:
         data = draw_(st.binary(max_size=300))
         return Case("garbage bytes", "invalid_job", ("payload", "job."), data)
     if kind == "msgpack_non_dict":
-        value = draw_(
-            st.one_of(st.lists(JSON, max_size=4), JSON_SCALARS, st.binary(max_size=20))
-        )
+        value = draw_(st.one_of(st.lists(JSON, max_size=4), JSON_SCALARS, st.binary(max_size=20)))
         return Case(
             "msgpack decoding to a non-dict",
             "invalid_job",
@@ -424,11 +424,15 @@ def message_cases(draw_: Callable, kind: str) -> Case:
     if kind == "invalid_utf8_msgpack":
         bad = draw_(st.sampled_from([b"\xff\xfe", b"\xc3\x28", b"\xed\xa0\x80"]))
         job["task"] = {"text": "MARK"}
-        data = msgpack.packb(job, use_bin_type=True).replace(b"\xa4MARK", bytes([0xA0 | len(bad)]) + bad)
+        data = msgpack.packb(job, use_bin_type=True).replace(
+            b"\xa4MARK", bytes([0xA0 | len(bad)]) + bad
+        )
         return Case("invalid UTF-8", "invalid_job", ("not valid msgpack",), data)
     if kind == "deep_json":
         depth = draw_(st.integers(1_000, 100_000))
-        data = b'{"job_id":"x","agent":"fuzz","task":' + b'{"a":' * depth + b"1" + b"}" * depth + b"}"
+        data = (
+            b'{"job_id":"x","agent":"fuzz","task":' + b'{"a":' * depth + b"1" + b"}" * depth + b"}"
+        )
         return Case("deeply nested", "invalid_job", ("nested",), data)
     if kind == "deep_msgpack":
         depth = draw_(st.integers(1_030, 100_000))
@@ -533,9 +537,10 @@ def agent_cases(draw_: Callable, kind: str, sync: bool) -> Case:
         outcome, reason = "agent_error", RETURNS[task["value"]]
     elif kind == "raise":
         task["exc"] = draw_(st.sampled_from(sorted(EXCEPTIONS)))
-        big = task["exc"] in ("ValueError", "SystemExitText", "CustomBase") and draw_(
-            st.integers(0, 9)
-        ) == 0
+        big = (
+            task["exc"] in ("ValueError", "SystemExitText", "CustomBase")
+            and draw_(st.integers(0, 9)) == 0
+        )
         task["size"] = 3_000_000 if big else 0
         outcome = "agent_error"
         reason = "characters cut" if big else EXCEPTIONS[task["exc"]]
@@ -563,7 +568,9 @@ def agent_cases(draw_: Callable, kind: str, sync: bool) -> Case:
         outcome, reason = "ok", ""
     agent = SYNC_AGENT if sync else ASYNC_AGENT
     job = draw_(lean_job_dicts())  # the rest of the job varies too
-    task.update(draw_(st.fixed_dictionaries({}, optional={"n": INT64, "note": st.text(max_size=8)})))
+    task.update(
+        draw_(st.fixed_dictionaries({}, optional={"n": INT64, "note": st.text(max_size=8)}))
+    )
     job.update(agent=agent, task=task, run=RUN, deadline_s=deadline)
     payload, headers = encode(job, draw_(ENCODINGS))
     return Case(f"agent: {kind}", outcome, (reason,) if reason else (), payload, headers, agent)
@@ -616,3 +623,174 @@ def with_unique_id(case: Case, job_id: str) -> Case:
         padded = job_id.encode().ljust(len(marker), b"_")
         return replace(case, payload=case.payload.replace(marker, padded, 1))
     return case
+
+
+# ---- the trainer's input: trajectories ------------------------------------------------------
+TINY_VOCAB = 263  # agentarium/tiny.py
+
+
+@dataclass(frozen=True)
+class Poison:
+    """A trajectory a trainer must survive. ``fate``: ``undecodable`` (acked and skipped, the
+    log names the field), ``bad_version`` (acked and skipped, logged), ``refused`` (kept out
+    of training, ``rows.refusal`` says why), ``failed`` (a member out of the statistics), or
+    ``harmless`` (trained: nothing in it can hurt a step)."""
+
+    category: str
+    fate: str
+    reason: tuple[str, ...]
+    wire: dict | None = None  # the trajectory as a msgpack dict (None: ``payload``)
+    payload: bytes = b""
+
+
+def good_call() -> dict:
+    return {
+        "prompt_ids": [257, 50, 258],
+        "response_ids": [49, 258],
+        "response_logprobs": [-5.5, -5.6],
+        "finish_reason": "stop",
+    }
+
+
+def _packed(values: list, dtype: str) -> bytes:
+    import numpy as np
+
+    return np.asarray(values, dtype=dtype).tobytes()
+
+
+TRAJECTORY_KINDS = (
+    "lengths",
+    "packed_bytes",
+    "finish_reason",
+    "status",
+    "ok_reward",
+    "types",
+    "garbage",
+    "schema_version",
+    "bad_version",
+    "logprobs",
+    "token_range",
+    "sampling",
+    "unreproducible",
+    "failed",
+    "empty",
+)
+
+
+@st.composite
+def poisons(draw_: Callable, kind: str) -> Poison:
+    """One poisoned member of a group (ids, group and run are set by the caller)."""
+    call = good_call()
+    traj: dict[str, Any] = {"status": "ok", "reward": draw_(st.floats(-1, 1)), "calls": [call]}
+    if kind == "lengths":
+        n = draw_(st.integers(0, 6).filter(lambda k: k != 2))
+        call["response_logprobs"] = _packed([-1.0] * n, "<f4")
+        return Poison("mismatched tokens and logprobs", "undecodable", ("response_logprobs",), traj)
+    if kind == "packed_bytes":
+        field = draw_(st.sampled_from(["prompt_ids", "response_ids", "response_logprobs"]))
+        call[field] = draw_(st.binary(min_size=1, max_size=15).filter(lambda b: len(b) % 4))
+        return Poison("packed arrays cut short", "undecodable", ("multiple of 4",), traj)
+    if kind == "finish_reason":
+        call["finish_reason"] = draw_(
+            st.text(max_size=8).filter(lambda s: s not in ("stop", "length", "abort", "tool_calls"))
+        )
+        return Poison("unknown finish reason", "undecodable", ("finish_reason",), traj)
+    if kind == "status":
+        traj["status"] = draw_(
+            st.text(max_size=8).filter(lambda s: s not in ("ok", "error", "timeout"))
+        )
+        return Poison("unknown status", "undecodable", ("trajectory.status",), traj)
+    if kind == "ok_reward":
+        reward = draw_(st.sampled_from([math.nan, math.inf, -math.inf, None, "missing"]))
+        if reward == "missing":
+            del traj["reward"]
+        else:
+            traj["reward"] = reward
+        return Poison(
+            "status ok without a finite reward", "undecodable", ("trajectory.reward",), traj
+        )
+    if kind == "types":
+        field, value, reason = draw_(
+            st.one_of(
+                st.tuples(st.just("group_size"), NOT_INTS, st.just("trajectory.group_size")),
+                st.tuples(st.just("is_train"), NOT_BOOLS, st.just("trajectory.is_train")),
+                st.tuples(
+                    st.just("metrics"),
+                    st.dictionaries(
+                        st.text(max_size=4), st.text(max_size=4), min_size=1, max_size=2
+                    ),
+                    st.just("trajectory.metrics"),
+                ),
+                st.tuples(
+                    st.just("calls"),
+                    NOT_OBJECTS.filter(lambda v: v != []),
+                    st.just("trajectory.calls"),
+                ),
+                st.tuples(
+                    st.just("calls"),
+                    st.lists(NON_STRINGS, min_size=1, max_size=2),
+                    st.just("trajectory.calls[0]"),
+                ),
+                st.tuples(st.just("job_id"), BAD_NAMES, st.just("trajectory.job_id")),
+                st.tuples(st.just("task"), NOT_OBJECTS, st.just("trajectory.task")),
+            )
+        )
+        traj[field] = value
+        return Poison("wrong type", "undecodable", (reason,), traj)
+    if kind == "garbage":
+        data = draw_(
+            st.one_of(
+                st.binary(max_size=200).map(lambda b: b"\xc1" + b),
+                st.lists(JSON_SCALARS, max_size=3).map(lambda v: msgpack.packb(v)),
+            )
+        )
+        return Poison("garbage bytes", "undecodable", ("payload",), payload=data)
+    if kind == "schema_version":
+        traj["schema_version"] = draw_(st.integers(2, 2**31))
+        return Poison("wrong schema_version", "undecodable", ("schema_version",), traj)
+    if kind == "bad_version":
+        call["weight_version"] = draw_(
+            st.sampled_from(["-3", "+3", " 7", "1.5", "v2", "1_000", "NaN", "²"])
+            | st.text(min_size=1, max_size=6).filter(
+                lambda s: not (s.isascii() and s.isdigit()) and s != "default"
+            )
+        )
+        return Poison("wrong weight version", "bad_version", ("weight_version",), traj)
+    if kind == "logprobs":
+        bad = draw_(st.sampled_from([math.nan, math.inf, -math.inf]))
+        call["response_logprobs"] = _packed([-1.0, bad], "<f4")
+        return Poison("non-finite log-probs", "refused", ("log-prob",), traj)
+    if kind == "token_range":
+        field = draw_(st.sampled_from(["prompt_ids", "response_ids"]))
+        bad = draw_(st.integers(TINY_VOCAB, 2**31 - 1) | st.integers(-(2**31), -1))
+        call[field] = (
+            _packed([bad, 258], "<i4") if field == "response_ids" else _packed([257, bad], "<i4")
+        )
+        return Poison("token ids outside the vocabulary", "refused", ("vocabulary",), traj)
+    if kind == "sampling":
+        field = draw_(st.sampled_from(["temperature", "top_p"]))
+        call[field] = draw_(st.sampled_from([math.nan, math.inf]))
+        reason = "top_p" if field == "top_p" else "not finite"
+        return Poison("non-finite sampling", "refused", (reason, "not finite"), traj)
+    if kind == "unreproducible":
+        field, value, reason = draw_(
+            st.sampled_from(
+                [
+                    ("top_p", 0.9, "top_p"),
+                    ("top_k", 20, "top_k"),
+                    ("temperature", 0.0, "greedy"),
+                ]
+            )
+        )
+        call[field] = value
+        return Poison("unreproducible sampling", "refused", (reason,), traj)
+    if kind == "failed":
+        traj["status"] = draw_(st.sampled_from(["error", "timeout"]))
+        traj["reward"] = draw_(st.sampled_from([None, math.nan, math.inf, 3.0]))
+        call["response_ids"] = _packed([TINY_VOCAB + 5, 2**31 - 1], "<i4")  # never read
+        return Poison("failed member", "failed", (), traj)
+    assert kind == "empty"
+    traj["calls"] = draw_(
+        st.sampled_from([[], [{**call, "response_ids": [], "response_logprobs": []}]])
+    )
+    return Poison("empty response", "harmless", (), traj)

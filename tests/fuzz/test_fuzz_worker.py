@@ -82,7 +82,11 @@ def heavy_cases() -> list[Case]:
             "agent: ok (heavy)",
             "error",
             ("max_payload",),
-            msgpack.packb(near_limit({"job_id": "j-near", "agent": ASYNC_AGENT, "task": {"do": "ok"}, "run": RUN})),
+            msgpack.packb(
+                near_limit(
+                    {"job_id": "j-near", "agent": ASYNC_AGENT, "task": {"do": "ok"}, "run": RUN}
+                )
+            ),
         ),
         # ...and one whose dead letter (the job and the reason) does not
         Case(
@@ -217,9 +221,7 @@ async def test_fuzzed_corpus_is_dead_lettered_or_stored_as_error_and_valid_jobs_
     try:
         await publish_all(js, topology, cases)
         consumers = [
-            start_consumer(
-                name, f"{name}=fuzzagents:{fn}", nats_url, fake.url, tmp_path
-            )
+            start_consumer(name, f"{name}=fuzzagents:{fn}", nats_url, fake.url, tmp_path)
             for name, fn in ((ASYNC_AGENT, "rollout"), (SYNC_AGENT, "rollout_sync"))
         ]
         results = await asyncio.gather(
@@ -229,7 +231,10 @@ async def test_fuzzed_corpus_is_dead_lettered_or_stored_as_error_and_valid_jobs_
             log.close()
     finally:
         await fake.close()
-    logs = {name: (tmp_path / f"{name}.log").read_text(errors="replace") for name in (ASYNC_AGENT, SYNC_AGENT)}
+    logs = {
+        name: (tmp_path / f"{name}.log").read_text(errors="replace")
+        for name in (ASYNC_AGENT, SYNC_AGENT)
+    }
     for (code, _), (name, text) in zip(results, logs.items(), strict=True):
         # --burst exits 1 when any job failed; a crash would not log its stop
         assert code == 1 and '"worker stopped"' in text, f"{name} exit {code}:\n{text[-3000:]}"
@@ -271,7 +276,9 @@ async def test_fuzzed_corpus_is_dead_lettered_or_stored_as_error_and_valid_jobs_
             wrong.append(f"{case.category} {case.job_id} {case.reason}: {status} {error!r} {found}")
     assert not wrong, f"{len(wrong)} of {len(cases)} cases wrong:\n" + "\n".join(wrong[:30])
 
-    expected_letters = sum(c.outcome in ("invalid_job", "wrong_subject", "agent_error") for c in cases)
+    expected_letters = sum(
+        c.outcome in ("invalid_job", "wrong_subject", "agent_error") for c in cases
+    )
     assert len(letters) == expected_letters  # nothing else was dead-lettered (worker_error...)
     assert (await js.stream_info(topology.tasks_stream)).state.messages == 0
 
