@@ -794,3 +794,340 @@ def poisons(draw_: Callable, kind: str) -> Poison:
         st.sampled_from([[], [{**call, "response_ids": [], "response_logprobs": []}]])
     )
     return Poison("empty response", "harmless", (), traj)
+
+
+# ---- HTTP surfaces: the local engine and the tracing proxy ------------------------------------
+@dataclass(frozen=True)
+class Request:
+    """One HTTP request. ``reason``: words the 4xx answer's message must contain (any of them);
+    ``lenient``: a 200 is an acceptable answer too (a chat template may render odd content)."""
+
+    category: str
+    path: str
+    body: bytes
+    reason: tuple[str, ...] = ()
+    lenient: bool = False
+
+
+def _json(value: Any) -> bytes:
+    return json.dumps(value).encode()
+
+
+def _deep_json(depth: int) -> bytes:
+    return b"[" * depth + b"1" + b"]" * depth
+
+
+@st.composite
+def bad_bodies(draw_: Callable, valid: dict) -> tuple[str, bytes, tuple[str, ...]]:
+    """A body that is not a JSON object (or not JSON at all), as any JSON endpoint gets."""
+    kind = draw_(st.sampled_from(["garbage", "non_object", "empty", "invalid_utf8", "deep", "cut"]))
+    if kind == "garbage":
+        data = draw_(st.binary(min_size=1, max_size=100).map(lambda b: b"\x00" + b))
+        return "not JSON", data, ("JSON",)
+    if kind == "non_object":
+        value = draw_(st.one_of(st.lists(JSON, max_size=3), JSON_SCALARS))
+        return "JSON that is not an object", _json(value), ("object", "JSON", "messages", "empty")
+    if kind == "empty":
+        return "empty body", draw_(st.sampled_from([b"", b" ", b"\n"])), ("empty", "JSON")
+    if kind == "invalid_utf8":
+        data = _json({**valid, "x": "MARK"}).replace(
+            b"MARK", draw_(st.sampled_from([b"\xff", b"\xc3\x28"]))
+        )
+        return "invalid UTF-8", data, ("JSON", "utf-8")
+    if kind == "deep":
+        depth = draw_(st.integers(2_000, 200_000))
+        return "deeply nested", b'{"x":' + _deep_json(depth) + b"}", ("JSON", "nested")
+    text = _json(valid).decode()
+    cut = draw_(st.integers(1, len(text) - 1))
+    return "broken JSON", text[:cut].encode(), ("JSON",)
+
+
+GENERATE = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}
+NOT_INTEGRAL = st.one_of(  # what no integer field takes (big ints are in range for some)
+    st.text(max_size=4),
+    st.floats().filter(lambda x: not x.is_integer()),
+    st.booleans(),
+    st.lists(st.integers(0, 3), max_size=2),
+)
+BAD_NUMBERS = st.one_of(
+    NOT_FLOATS, st.sampled_from([math.nan, math.inf, -math.inf]), st.none().map(lambda _: {})
+)
+GENERATE_DEFECTS = ("body", "input_ids", "text", "sampling", "top", "unsupported", "unknown")
+
+
+@st.composite
+def generate_requests(draw_: Callable, kind: str) -> Request:
+    """A bad ``POST /generate`` for the local engine (SGLang's API)."""
+    body: dict[str, Any] = json.loads(json.dumps(GENERATE))
+    if kind == "body":
+        category, data, reason = draw_(bad_bodies(GENERATE))
+        return Request(category, "/generate", data, reason)
+    if kind == "input_ids":
+        value = draw_(
+            st.one_of(
+                st.lists(
+                    st.integers(TINY_VOCAB, 10**30) | st.integers(max_value=-1),
+                    min_size=1,
+                    max_size=3,
+                ),
+                st.lists(st.floats() | st.booleans() | st.text(max_size=3), min_size=1, max_size=3),
+                st.lists(st.lists(st.integers(0, 9), max_size=2), min_size=1, max_size=2),
+                st.just([]),
+                st.dictionaries(st.text(max_size=3), st.integers(0, 9), max_size=2),
+                st.integers(),
+            )
+        )
+        body["input_ids"] = value
+        return Request("bad input_ids", "/generate", _json(body), ("input_ids", "prompt"))
+    if kind == "text":
+        variant = draw_(st.sampled_from(["both", "neither", "type"]))
+        if variant == "both":
+            body["text"] = "hi"
+        elif variant == "neither":
+            del body["input_ids"]
+        else:
+            del body["input_ids"]
+            body["text"] = draw_(NON_STRINGS.filter(lambda v: v is not None and v != {}))
+        return Request("text and input_ids", "/generate", _json(body), ("input_ids", "text"))
+    if kind == "sampling":
+        field, value = draw_(
+            st.one_of(
+                st.tuples(st.just("max_new_tokens"), st.integers(max_value=-1) | NOT_INTEGRAL),
+                st.tuples(st.just("max_new_tokens"), st.integers(4096, 10**30)),
+                st.tuples(st.just("temperature"), st.floats(max_value=-1e-9) | BAD_NUMBERS),
+                st.tuples(
+                    st.just("top_p"),
+                    st.floats(max_value=0.0)
+                    | st.floats(min_value=1.0, exclude_min=True)
+                    | BAD_NUMBERS,
+                ),
+                st.tuples(st.just("top_k"), st.integers(max_value=-2) | NOT_INTEGRAL),
+                st.tuples(
+                    st.just("min_p"),
+                    st.floats(max_value=-1e-9)
+                    | st.floats(min_value=1.0, exclude_min=True)
+                    | BAD_NUMBERS,
+                ),
+                st.tuples(
+                    st.just("stop"),
+                    st.lists(NON_STRINGS, min_size=1, max_size=2)
+                    | st.just([""])
+                    | INT64.filter(bool),
+                ),
+                st.tuples(
+                    st.just("stop_token_ids"),
+                    st.lists(st.text(max_size=2) | st.floats(), min_size=1, max_size=2)
+                    | st.text(min_size=1, max_size=3),
+                ),
+                st.tuples(
+                    st.just("sampling_seed"),
+                    st.integers(min_value=2**64, max_value=10**30)
+                    | st.integers(min_value=-(10**30), max_value=-(2**63) - 1)
+                    | NOT_INTEGRAL,
+                ),
+                st.tuples(st.just("ignore_eos"), NOT_BOOLS),
+            )
+        )
+        if field == "sampling_params":
+            body["sampling_params"] = value
+        else:
+            body["sampling_params"][field] = value
+        reason = (
+            ("context length",)
+            if field == "max_new_tokens" and isinstance(value, int) and value > 0
+            else (field,)
+        )
+        return Request("absurd sampling", "/generate", _json(body), reason)
+    if kind == "top":
+        field, value = draw_(
+            st.one_of(
+                st.tuples(
+                    st.just("sampling_params"),
+                    NOT_OBJECTS.filter(lambda v: v not in ([], "", 0, 0.0, False)),
+                ),
+                st.tuples(
+                    st.just("logprob_start_len"),
+                    st.integers(3, 10**30) | st.integers(max_value=-2) | NOT_INTEGRAL,
+                ),
+                st.tuples(
+                    st.just("top_logprobs_num"),
+                    st.integers(TINY_VOCAB + 1, 10**30) | st.integers(max_value=-1),
+                ),
+                st.tuples(
+                    st.just("rid"), st.lists(st.text(max_size=3), min_size=1, max_size=2) | INT64
+                ),
+                st.tuples(st.just("return_logprob"), NOT_BOOLS),
+            )
+        )
+        body[field] = value
+        return Request("wrong type", "/generate", _json(body), (field,))
+    if kind == "unsupported":
+        where, field, value = draw_(
+            st.sampled_from(
+                [
+                    ("top", "stream", True),
+                    ("top", "image_data", "x"),
+                    ("top", "lora_path", "/x"),
+                    ("sampling", "n", 2),
+                    ("sampling", "frequency_penalty", 0.5),
+                    ("sampling", "json_schema", "{}"),
+                    ("sampling", "regex", "a+"),
+                    ("sampling", "logit_bias", {"1": 5}),
+                ]
+            )
+        )
+        (body if where == "top" else body["sampling_params"])[field] = value
+        return Request("unsupported option", "/generate", _json(body), (field,))
+    assert kind == "unknown"
+    where = draw_(st.sampled_from(["top", "sampling"]))
+    field = draw_(st.text(min_size=1, max_size=12).filter(lambda f: f not in _ENGINE_KNOWN))
+    (body if where == "top" else body["sampling_params"])[field] = draw_(JSON)
+    return Request("unknown field", "/generate", _json(body), ("unknown",))
+
+
+_ENGINE_KNOWN = frozenset(
+    "text input_ids sampling_params return_logprob logprob_start_len top_logprobs_num "
+    "return_text_in_logprobs rid stream image_data video_data audio_data input_embeds "
+    "token_ids_logprob lora_path lora_id session_params custom_logit_processor "
+    "return_hidden_states log_metrics no_logs extra_key priority data_parallel_rank "
+    "max_new_tokens temperature top_p top_k min_p stop stop_token_ids sampling_seed ignore_eos "
+    "skip_special_tokens no_stop_trim n min_new_tokens frequency_penalty presence_penalty "
+    "repetition_penalty json_schema regex ebnf structural_tag logit_bias custom_params "
+    "stop_regex spaces_between_special_tokens stream_interval".split()
+)
+
+
+@st.composite
+def control_requests(draw_: Callable) -> Request:
+    """The engine's other routes with bodies they must refuse."""
+    path, body, reason = draw_(
+        st.sampled_from(
+            [
+                ("/abort_request", {}, "rid"),
+                ("/abort_request", {"rid": 5}, "rid"),
+                ("/abort_request", {"rid": ["a"]}, "rid"),
+                ("/pause_generation", {"mode": "nap"}, "pause mode"),
+                ("/pause_generation", {"mode": 3}, "pause mode"),
+                ("/update_weight_version", {}, "new_version"),
+                ("/update_weights_from_disk", {}, "model_path"),
+                ("/update_weights_from_disk", {"model_path": 7}, "model_path"),
+                (
+                    "/update_weights_from_disk",
+                    {"model_path": "/m", "load_format": "gguf"},
+                    "load_format",
+                ),
+            ]
+        )
+    )
+    if draw_(st.booleans()):
+        category, data, why = draw_(bad_bodies(body or {"x": 1}))
+        if path == "/pause_generation" and category == "empty body":
+            data = b"[1]"  # an empty body is a pause with the default mode: valid
+        return Request(f"{path}: {category}", path, data, why + (reason,))
+    return Request(f"{path}: bad field", path, _json(body), (reason,))
+
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+CHAT_DEFECTS = ("body", "messages", "content", "tools", "sampling", "unsupported")
+
+
+@st.composite
+def chat_requests(draw_: Callable, kind: str) -> Request:
+    """A malformed OpenAI chat completion request for a rollout's tracing proxy endpoint."""
+    body: dict[str, Any] = json.loads(json.dumps(CHAT))
+    path = "/chat/completions"
+    if kind == "body":
+        category, data, reason = draw_(bad_bodies(CHAT))
+        return Request(category, path, data, reason)
+    if kind == "messages":
+        value = draw_(
+            st.one_of(
+                st.just("missing"),
+                NOT_OBJECTS.filter(lambda v: not isinstance(v, list)),
+                st.dictionaries(st.text(max_size=3), JSON, max_size=2),
+                st.lists(
+                    INT64 | st.floats() | st.booleans() | st.text(max_size=4),
+                    min_size=1,
+                    max_size=3,
+                ),
+            )
+        )
+        if value == "missing":
+            del body["messages"]
+        else:
+            body["messages"] = value
+        return Request("bad messages", path, _json(body), ("messages",))
+    if kind == "content":  # odd but JSON: a template may render it or refuse it, never a 500
+        message = draw_(
+            st.fixed_dictionaries(
+                {},
+                optional={
+                    "role": JSON,
+                    "content": JSON,
+                    "name": JSON,
+                    "tool_calls": JSON,
+                    "tool_call_id": JSON,
+                    "reasoning_content": JSON,
+                },
+            )
+        )
+        body["messages"] = draw_(st.sampled_from([[message], [CHAT["messages"][0], message]]))
+        return Request("odd message content", path, _json(body), (), lenient=True)
+    if kind == "tools":
+        body["tools"] = draw_(
+            st.one_of(
+                st.dictionaries(st.text(max_size=3), JSON, min_size=1, max_size=2),
+                st.lists(JSON, min_size=1, max_size=3),
+                st.text(min_size=1, max_size=5),
+            )
+        )
+        if draw_(st.booleans()):
+            body["tool_choice"] = draw_(JSON)
+        return Request("odd tools", path, _json(body), (), lenient=True)
+    if kind == "sampling":
+        field, value = draw_(
+            st.one_of(
+                st.tuples(st.just("temperature"), st.floats(max_value=-1e-9) | BAD_NUMBERS),
+                st.tuples(
+                    st.just("top_p"),
+                    st.floats(max_value=0.0)
+                    | st.floats(min_value=1.0, exclude_min=True)
+                    | BAD_NUMBERS,
+                ),
+                st.tuples(
+                    st.just("max_tokens"),
+                    st.integers(max_value=0) | NOT_INTEGRAL | st.integers(10**6, 10**30),
+                ),
+                st.tuples(
+                    st.just("max_completion_tokens"),
+                    st.integers(max_value=0) | st.text(min_size=1, max_size=3),
+                ),
+                st.tuples(st.just("top_k"), st.integers(max_value=-2) | NOT_INTEGRAL),
+                st.tuples(
+                    st.just("min_p"), st.floats(min_value=1.0, exclude_min=True) | BAD_NUMBERS
+                ),
+                st.tuples(
+                    st.just("seed"),
+                    st.integers(min_value=2**64, max_value=10**30)
+                    | st.text(min_size=1, max_size=3),
+                ),
+                st.tuples(
+                    st.just("stop"), st.lists(INT64, min_size=1, max_size=2) | INT64 | st.just({})
+                ),
+                st.tuples(st.just("frequency_penalty"), st.floats(0.1, 2.0)),
+            )
+        )
+        body[field] = value
+        names = {
+            "max_tokens": "max_new_tokens",
+            "max_completion_tokens": "max_new_tokens",
+            "seed": "sampling_seed",
+        }
+        reason = (field, names.get(field, field), "context")
+        return Request("absurd sampling", path, _json(body), reason)
+    assert kind == "unsupported"
+    field, value, reason = draw_(
+        st.sampled_from([("stream", True, "stream"), ("n", 2, "n > 1"), ("n", "x", "n > 1")])
+    )
+    body[field] = value
+    return Request("unsupported option", path, _json(body), (reason,))
