@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import string
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -64,7 +65,7 @@ class Case:
 
 
 # ---- values ---------------------------------------------------------------------------------
-NAMES = st.from_regex(r"[A-Za-z0-9_-]{1,24}", fullmatch=True)
+NAMES = st.text(alphabet=string.ascii_letters + string.digits + "_-", min_size=1, max_size=24)
 JSON_SCALARS = (
     st.none()
     | st.booleans()

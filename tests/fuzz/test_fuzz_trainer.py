@@ -34,14 +34,14 @@ PER_KIND = 20  # poisoned trajectories per kind (15 kinds)
 GROUPS_PER_STEP = 30  # x ~3 trajectories: under the SDK's 128 links per span
 
 
-def good_members(g: int) -> list[Trajectory]:
+def good_members(g: int, size: int) -> list[Trajectory]:
     return [
         Trajectory(
             job_id=f"g{g}-v{i}",
             agent=AGENT,
             task_id=f"t{g}",
             group_id=f"grp{g}",
-            group_size=4,
+            group_size=size,
             run=RUN,
             status="ok",
             reward=float(i) / 2,  # 0, 0.5, 1: never a flat group
@@ -92,9 +92,14 @@ async def test_fuzzed_trajectories_are_refused_with_a_reason_and_never_crash_the
     generated_s = time.monotonic() - started
     messages = []
     for g, poison in enumerate(poisons):
-        for traj in good_members(g):
-            messages.append((traj.job_id, encode(traj)))
-        messages.append((f"g{g}-p", poisoned_payload(poison, g)))  # last: its group's size is 4
+        # A poison the buffer skips never joins its group, which is its three good members
+        # (published first, before the group closes). Any other completes a group of four
+        # (published last: the group's size comes from the good ones). No group waits for a
+        # timeout.
+        skipped = poison.fate in ("undecodable", "bad_version")
+        good = [(t.job_id, encode(t)) for t in good_members(g, 3 if skipped else 4)]
+        bad = [(f"g{g}-p", poisoned_payload(poison, g))]
+        messages += bad + good if skipped else good + bad
     for start in range(0, len(messages), 256):  # in order, 256 acks awaited at a time
         acks = [
             await js.publish_async(topology.trajectory_subject(RUN, AGENT, job_id), payload)
@@ -109,7 +114,7 @@ async def test_fuzzed_trajectories_are_refused_with_a_reason_and_never_crash_the
         group_size=4,
         groups_per_step=GROUPS_PER_STEP,
         lr=1e-3,
-        group_timeout_s=1.0,  # groups whose poisoned member was skipped are released short
+        group_timeout_s=600.0,  # every group completes: none is released by a timeout
         metrics_path=str(tmp_path / "metrics.csv"),
     )
     # no publisher: the version stays 0, so no group goes stale while the corpus is trained
@@ -162,6 +167,7 @@ async def test_fuzzed_trajectories_are_refused_with_a_reason_and_never_crash_the
     assert counters["invalid"] == fates["undecodable"] + fates["bad_version"]
     assert counters["refused"] == fates["refused"]
     assert counters["failed_members"] == fates["failed"]
+    assert counters["groups_complete"] == groups and counters["late"] == 0
     print(
         f"\nfuzzed trainer corpus: {len(poisons)} poisoned trajectories among "
         f"{3 * len(poisons)} good ones, {summary.steps} steps; generated in {generated_s:.1f}s, "
