@@ -547,11 +547,13 @@ def agent_cases(draw_: Callable, kind: str, sync: bool) -> Case:
         reason = "characters cut" if big else EXCEPTIONS[task["exc"]]
     elif kind == "hang":
         deadline = draw_(st.floats(0.2, 0.8))
-        task["for_s"] = deadline + 1.0  # the sync one sleeps past its deadline, then returns
+        # The sync one sleeps past its deadline, then returns: by a margin that a loaded
+        # machine stalling the worker's event loop for seconds does not eat.
+        task["for_s"] = deadline + 4.0
         outcome, reason = "timeout", "deadline"
     elif kind == "ignore_cancel":
         deadline = draw_(st.floats(0.2, 0.5))
-        task["for_s"] = draw_(st.floats(1.5, 3.0))
+        task["for_s"] = draw_(st.floats(4.0, 5.0))  # past the deadline and its 1 s grace
         outcome, reason = "timeout", "deadline"
     elif kind == "bad_chat":
         task["call"] = draw_(st.sampled_from(sorted(BAD_CHATS)))

@@ -114,7 +114,7 @@ def test_the_engine_and_the_tracing_client_name_a_bad_sampling_option():
             _sampling_params(Sampling(), [], {option: value})
 
 
-SWALLOW_S = 4.0
+SWALLOW_S = 6.0
 gave_in = asyncio.Event()
 
 
