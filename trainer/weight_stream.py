@@ -109,8 +109,9 @@ class EngineStream:
 class StreamResult:
     version: int
     engines: tuple[EngineStream, ...]
-    seconds: float
+    seconds: float  # probe, (re)build, pause, broadcast and swap, continue
     rebuilt: bool
+    broadcast_s: float = 0.0  # rank 0's broadcast alone
 
     @property
     def ok(self) -> bool:
@@ -159,6 +160,7 @@ class WeightStreamer:
         self._store: Any = None
         self._members: dict[str, _Member] = {}
         self._broken = False
+        self._broadcast_s = 0.0
         self._http: aiohttp.ClientSession | None = None
 
     def __repr__(self) -> str:
@@ -191,6 +193,7 @@ class WeightStreamer:
             if not p.ok
         }
         rebuilt = False
+        self._broadcast_s = 0.0
         if reachable and self._needs_rebuild(reachable):
             error = await self._rebuild(reachable)
             rebuilt = True
@@ -206,6 +209,7 @@ class WeightStreamer:
             engines=tuple(results[url] for url in self.config.engines),
             seconds=round(time.perf_counter() - started, 3),
             rebuilt=rebuilt,
+            broadcast_s=round(self._broadcast_s, 3),
         )
         self.counters.streamed += 1
         self.counters.last = out
@@ -215,6 +219,7 @@ class WeightStreamer:
             "weights streamed" if out.ok else "weights not streamed to every engine",
             version=version,
             seconds=out.seconds,
+            broadcast_s=out.broadcast_s,
             rebuilt=rebuilt,
             engines=[f"{e.url}={e.status}" for e in out.engines],
             errors=[e.message for e in out.engines if e.status != "updated"] or None,
@@ -272,12 +277,14 @@ class WeightStreamer:
                 for m in members
             }
             data = [t for _, t in tensors]
+            sending = time.perf_counter()
             try:
                 if cfg.bucket:
                     await asyncio.to_thread(wg.broadcast_bucket, self._pg, data)
                 else:
                     await asyncio.to_thread(wg.broadcast, self._pg, data)
                 grace = 2 * cfg.timeout_s
+                self._broadcast_s = time.perf_counter() - sending
                 self.counters.bytes += sum(t.numel() * t.element_size() for t in data)
             except Exception as exc:  # gloo/NCCL errors and timeouts: DistBackendError etc.
                 error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
