@@ -236,3 +236,43 @@ async def test_a_stalled_broadcast_is_discarded_and_the_object_store_catches_up(
                 assert await served(http, url) == (third, "3")
         finally:
             await pub.close()
+
+
+async def test_trainer_settings_select_the_transport(js, topology, tmp_path):
+    from agentarium.cli import build_parser
+    from agentarium.commands import trainer_cmd
+
+    def publisher_of(*argv: str):
+        args = build_parser().parse_args(
+            ["trainer", "--run", "r", "--agent", "a", "--model", "tiny", *argv]
+        )
+        config, process, _ = trainer_cmd.resolve_args(args)
+        return process, trainer_cmd.make_publisher(config, process)(js, topology, config)
+
+    engines = ("--stream-engine", "http://10.0.0.1:30000", "--stream-engine", "http://e2:30000")
+    process, pub = publisher_of("--weight-transport", "stream", *engines, "--stream-timeout", "5")
+    assert isinstance(pub, StreamPublisher)
+    assert pub.streamer.config == StreamConfig(
+        engines=("http://10.0.0.1:30000", "http://e2:30000"), backend="gloo", timeout_s=5.0
+    )
+    assert pub.store.store.weights_dir is None  # the stored copy goes to the object store
+    # the same from a config file, with the stored copy on a shared path
+    path = tmp_path / "t.yaml"
+    path.write_text(
+        f"weight_transport: stream\nstream_engines: [http://127.0.0.1:1]\nweights_dir: {tmp_path}\n"
+    )
+    _, pub = publisher_of("--config", str(path))
+    assert pub.streamer.config.engines == ("http://127.0.0.1:1",)
+    assert pub.streamer.config.address() == "127.0.0.1"
+    assert pub.store.store.weights_dir == tmp_path
+    # as before: --weights-dir alone is the shared path, nothing the object store
+    assert publisher_of("--weights-dir", str(tmp_path))[1].store.weights_dir == tmp_path
+    assert publisher_of()[1].store.weights_dir is None
+    for argv, error in [
+        (("--weight-transport", "shared-path"), "writes under --weights-dir"),
+        (("--weight-transport", "object-store", "--weights-dir", "d"), "drop it"),
+        (engines, "--stream-engine is for --weight-transport stream"),
+        (("--weight-transport", "stream"), "at least one --stream-engine"),
+    ]:
+        with pytest.raises(ValueError, match=error):
+            publisher_of(*argv)

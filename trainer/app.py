@@ -119,6 +119,9 @@ async def run_trainer(
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
+            close = getattr(publisher, "close", None)  # a streaming publisher leaves its group
+            if close is not None:
+                await close()
     finally:
         if metrics is not None:
             await metrics.close()

@@ -18,7 +18,7 @@ import hashlib
 from collections import deque
 from collections.abc import Iterable, Mapping
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -49,7 +49,7 @@ def create_group(
         [],
         c10d.Backend(backend),
         c10d.PrefixStore(group_name, store),
-        group_name=group_name,
+        group_name=cast(Any, group_name),  # torch >= 2.9 types it as GroupName
         timeout=timedelta(seconds=timeout_s),
     )
     c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
@@ -94,7 +94,7 @@ def streamable(
     out: list[tuple[str, torch.Tensor]] = []
     for name, tensor in state.items():
         t = tensor.detach()
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        key = (t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(t.shape))
         if t.numel() and key in seen:
             continue
         seen.add(key)
@@ -113,7 +113,7 @@ def weights_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[str, in
         t = tensor.detach().contiguous().cpu()
         digest.update(f"{name}\0{str(t.dtype).removeprefix('torch.')}\0{list(t.shape)}\0".encode())
         if t.numel():
-            digest.update(t.view(-1).view(torch.uint8).numpy())
+            digest.update(t.view(-1).view(torch.uint8).numpy().data)
         count += 1
         size += t.numel() * t.element_size()
     return digest.hexdigest(), count, size

@@ -55,6 +55,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("agentarium.weights")
 
 BACKENDS = ("gloo", "nccl")
+WEIGHT_TRANSPORTS = ("object-store", "shared-path", "stream")  # the trainer's --weight-transport
 CONTROL_TIMEOUT_S = 10.0  # probe, pause, continue, destroy
 
 

@@ -23,7 +23,7 @@ import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import structlog
 import torch
@@ -87,7 +87,7 @@ def join_group(
         [],
         c10d.Backend(backend),
         c10d.PrefixStore(group_name, store),
-        group_name=group_name,
+        group_name=cast(Any, group_name),  # torch >= 2.9 types it as GroupName
         timeout=timeout,
     )
     # broadcast(src=0, group=pg) maps group rank 0 to a global rank through this table
@@ -199,8 +199,8 @@ def weights_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[str, in
     for name, tensor in sorted(named, key=lambda item: item[0]):
         t = tensor.detach().contiguous().cpu()
         digest.update(f"{name}\0{str(t.dtype).removeprefix('torch.')}\0{list(t.shape)}\0".encode())
-        data = t.view(-1).view(torch.uint8).numpy() if t.numel() else b""
-        digest.update(data)
+        if t.numel():
+            digest.update(t.view(-1).view(torch.uint8).numpy().data)
         count += 1
         size += t.numel() * t.element_size()
     return digest.hexdigest(), count, size
