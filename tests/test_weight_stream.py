@@ -276,3 +276,19 @@ async def test_trainer_settings_select_the_transport(js, topology, tmp_path):
     ]:
         with pytest.raises(ValueError, match=error):
             publisher_of(*argv)
+
+
+async def test_one_flattened_bucket_per_update(fleet, model):
+    """SGLang's other format: every tensor's bytes in one uint8 broadcast."""
+    config = StreamConfig(engines=tuple(fleet.urls), timeout_s=30.0, bucket=True)
+    streamer = WeightStreamer(config, run="s3")
+    async with aiohttp.ClientSession() as http:
+        try:
+            for version, seed in ((7, 21), (8, 22)):
+                expected = train_step(model, seed)
+                result = await streamer.stream(wg.streamable(model), version)
+                assert result.ok, result
+                for url in fleet.urls:
+                    assert await served(http, url) == (expected, str(version))
+        finally:
+            await streamer.close()

@@ -174,7 +174,7 @@ class WeightStreamer:
 
     async def close(self) -> None:
         """Leave the group (the engines too) and close the HTTP session."""
-        if self._pg is not None:
+        if self._pg is not None or self._members:
             await self._drop_group(tell=list(self._members))
         if self._http is not None:
             await self._http.close()
