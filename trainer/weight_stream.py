@@ -273,7 +273,9 @@ class WeightStreamer:
         try:
             posts = {
                 m.url: asyncio.create_task(
-                    self._call(m.url, "/update_weights_from_distributed", body, 2 * cfg.timeout_s)
+                    # no total timeout: a large model may take longer than one broadcast's
+                    # timeout_s; the answers are awaited for a grace period once it ended
+                    self._call(m.url, "/update_weights_from_distributed", body, None)
                 )
                 for m in members
             }
@@ -328,7 +330,10 @@ class WeightStreamer:
         from . import weight_group as wg
 
         cfg = self.config
-        await self._drop_group(tell=sorted(set(self._members) | {p.url for p in probes}))
+        # tell every engine that answered, a predecessor's group of this name included; one
+        # that did not answer is told when it is back, before it joins again
+        self._members = {}
+        await self._drop_group(tell=[p.url for p in probes])
         ranks = await asyncio.gather(*(self._ranks(p.url) for p in probes))
         world_size = 1 + sum(ranks)
         members, offset = {}, 1
@@ -457,7 +462,7 @@ class WeightStreamer:
         return 1
 
     async def _call(
-        self, url: str, path: str, body: dict, timeout_s: float = CONTROL_TIMEOUT_S
+        self, url: str, path: str, body: dict, timeout_s: float | None = CONTROL_TIMEOUT_S
     ) -> tuple[bool, str]:
         """POST a control call; (success, message). SGLang answers {success, message} (400 on
         failure) to the weight calls and plain 200s to pause/continue."""
@@ -482,7 +487,9 @@ class WeightStreamer:
             return False, str(data.get("message", ""))
         return True, str(data.get("message", ""))
 
-    def _timeout(self, seconds: float) -> aiohttp.ClientTimeout:
+    def _timeout(self, seconds: float | None) -> aiohttp.ClientTimeout:
+        if seconds is None:
+            return aiohttp.ClientTimeout(total=None, sock_connect=CONTROL_TIMEOUT_S)
         return aiohttp.ClientTimeout(total=min(seconds, 2 * self.config.timeout_s))
 
     def _session(self) -> aiohttp.ClientSession:
