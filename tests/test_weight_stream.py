@@ -292,3 +292,38 @@ async def test_one_flattened_bucket_per_update(fleet, model):
                     assert await served(http, url) == (expected, str(version))
         finally:
             await streamer.close()
+
+
+async def test_the_engine_refuses_what_it_cannot_apply_and_keeps_its_weights(fleet, model):
+    url = fleet.urls[0]
+    async with aiohttp.ClientSession() as http:
+
+        async def post(path: str, body: dict) -> tuple[int, dict]:
+            async with http.post(url + path, json=body) as resp:
+                return resp.status, await resp.json()
+
+        update = {"names": ["w"], "dtypes": ["float32"], "shapes": [[2]], "group_name": "nope"}
+        status, answer = await post("/update_weights_from_distributed", update)
+        assert (status, answer["success"]) == (400, False)
+        assert "does not exist" in answer["message"]
+        status, answer = await post("/destroy_weights_update_group", {"group_name": "nope"})
+        assert (status, answer["success"]) == (400, False)
+        init = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
+                "world_size": 2, "group_name": "g", "backend": "nccl"}  # fmt: skip
+        status, answer = await post("/init_weights_update_group", init)
+        assert status == 400 and "use gloo" in answer["message"]
+        status, answer = await post("/update_weights_from_distributed", {**update, "shapes": []})
+        assert status == 400 and "differ in length" in answer["error"]["message"]
+
+        # a tensor the model does not have: received (the broadcast completes), then refused,
+        # and nothing of that version is served
+        before = await served(http, url)
+        streamer = WeightStreamer(StreamConfig(engines=(url,), timeout_s=30.0), run="s4")
+        try:
+            train_step(model, seed=31)
+            tensors = [*wg.streamable(model), ("not.a.weight", torch.zeros(3))]
+            result = await streamer.stream(tensors, version=99)
+            assert not result.ok and "unexpected ['not.a.weight']" in result.engines[0].message
+            assert await served(http, url) == before
+        finally:
+            await streamer.close()
