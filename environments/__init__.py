@@ -1,8 +1,32 @@
 """Environment services: environments that agents open sessions with, over NATS.
 
-This package is a component of its own: it imports only ``schemas`` and ``broker``.
+This package is a component of its own: it imports only ``schemas`` and ``broker``. The
+interface (``Environment``), the worker that serves one as a NATS micro service
+(``EnvWorker``), the built-in environments by name (``load_environment``: ``sql``, ``shell``)
+and the observation cap.
 """
 
 from .base import Environment
+from .caps import TooLarge, cap_observation, cap_step_result
+from .registry import BUILTIN, EnvironmentLoadError, load_environment, service_name
+from .service import KIND as SERVICE_KIND
+from .sql import SqlEnvironment
+from .stats import WorkerCounters
+from .worker import EnvWorker, EnvWorkerConfig, default_worker_id
 
-__all__ = ["Environment"]
+__all__ = [
+    "BUILTIN",
+    "EnvWorker",
+    "EnvWorkerConfig",
+    "Environment",
+    "EnvironmentLoadError",
+    "SERVICE_KIND",
+    "SqlEnvironment",
+    "TooLarge",
+    "WorkerCounters",
+    "cap_observation",
+    "cap_step_result",
+    "default_worker_id",
+    "load_environment",
+    "service_name",
+]

@@ -38,6 +38,11 @@ def test_default_prefix_names():
     assert t.trainer_consumer("r1", "calc") == "trainer-r1-calc"
     assert t.legacy_trainer_consumer("r1") == "trainer-r1"  # adopted once, then deleted
     assert t.agent_of_subject("agentarium.tasks.calc") == "calc"
+    # environment services: start through the queue group, then the session's own subject
+    assert t.env_service("sql") == "agentarium-env-sql"  # micro service name = queue group
+    assert t.env_start_subject("sql") == "agentarium.env.sql.start"
+    assert t.env_session_subject("sql", "h-1-ab", "s1") == "agentarium.env.sql.s.h-1-ab.s1"
+    assert t.env_sessions_filter("sql", "h-1-ab") == "agentarium.env.sql.s.h-1-ab.*"
     assert object_name("r1", 3) == "r1/v3"  # object store name; the policy KV key is the run
 
 
