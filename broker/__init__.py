@@ -1,9 +1,17 @@
-"""NATS plumbing: connection settings, topology, provisioning, the embedded server, status,
+"""NATS plumbing: connection settings, topology, provisioning, the embedded server, status
+(environment services' included, from the NATS service API),
 the workers registry, engine weight versions, stream tails for live views, telemetry (logging,
 tracing, trace context in message headers) and the Prometheus side shared by every service
 (the /metrics and health server, queue gauges)."""
 
 from .engines import engine_key, engine_versions, record_engine
+from .env_status import (
+    ENV_SERVICE_KIND,
+    EnvServiceStatus,
+    collect_env_status,
+    format_env_status,
+    gather_replies,
+)
 from .errors import (
     ERR_CONSUMER_NOT_FOUND,
     ERR_STREAM_FULL,
@@ -44,6 +52,11 @@ from .telemetry import (
 from .topology import Limits, Topology
 
 __all__ = [
+    "ENV_SERVICE_KIND",
+    "EnvServiceStatus",
+    "collect_env_status",
+    "format_env_status",
+    "gather_replies",
     "ERR_CONSUMER_NOT_FOUND",
     "ERR_STREAM_FULL",
     "ERR_STREAM_NOT_FOUND",

@@ -5,7 +5,18 @@ and the consumer service that assembles them. The local CPU engine (torch) is th
 from .agents import AgentLoadError, AgentSpec, RewardError, load_callable
 from .backends import CrossSamplingBackend, model_of_call
 from .chat_template import ChatTemplate
-from .errors import BackendUnavailable, BadRequest, CrossSamplingError, LLMError
+from .envclient import EnvClient, EnvSession
+from .errors import (
+    BackendUnavailable,
+    BadRequest,
+    CrossSamplingError,
+    EnvClientError,
+    EnvironmentFailed,
+    EnvironmentTimeout,
+    EnvironmentUnavailable,
+    EnvRequestError,
+    LLMError,
+)
 from .llm import ChatResult, TracingLLM
 from .proxy import TracingProxy
 from .service import (
@@ -31,6 +42,13 @@ __all__ = [
     "CrossSamplingBackend",
     "CrossSamplingError",
     "CrossTarget",
+    "EnvClient",
+    "EnvClientError",
+    "EnvRequestError",
+    "EnvSession",
+    "EnvironmentFailed",
+    "EnvironmentTimeout",
+    "EnvironmentUnavailable",
     "LLMError",
     "LLMTarget",
     "RewardError",

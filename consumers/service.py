@@ -26,6 +26,7 @@ from .backends import CrossSamplingBackend, OpenAICompatBackend, SGLangBackend
 from .backends.cross_sampling import check_same_tokenizer
 from .chat_template import ChatTemplate
 from .delivery import DeliveryPolicy
+from .envclient import EnvClient
 from .errors import CrossSamplingError
 from .proxy import TracingProxy
 from .rollout import RolloutEnv
@@ -210,6 +211,8 @@ class ConsumerService:
             model_name=spec.model_name,
             worker_id=spec.worker_id,
             reward_fn=spec.reward_fn,
+            # nats-py keeps no public handle on a context's connection
+            envs=EnvClient(self.js._nc, self.topology) if agent.envs else None,
         )
         config = WorkerConfig(
             agent=spec.agent,

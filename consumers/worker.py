@@ -47,7 +47,7 @@ from schemas import Job, SchemaError, Trajectory, check_name, decode
 from .delivery import Action, Decision, DeliveryPolicy, Event
 from .metrics import RolloutMetrics
 from .outcomes import OutcomeStore
-from .rollout import AgentFailure, RolloutEnv, run_rollout, trajectory_for
+from .rollout import AgentFailure, EnvFailure, RolloutEnv, run_rollout, trajectory_for
 
 log = structlog.get_logger("agentarium.consumers")
 
@@ -415,6 +415,18 @@ class Worker:
             trajectory = await run_rollout(
                 job, self.env, attempt=delivery, parent=parent, subject=msg.subject
             )
+        except EnvFailure as failure:
+            self.metrics.rollout("env_unavailable", time.monotonic() - started)
+            trajectory = failure.trajectory
+            return Outcome(
+                event=Event.ENV_UNAVAILABLE,
+                job=job,
+                trajectory=trajectory,
+                error=trajectory.error or "",
+                calls=list(trajectory.calls),
+                trace_id=trajectory.trace_id,
+                span_id=trajectory.span_id,
+            )
         except AgentFailure as failure:
             self.metrics.rollout("agent_error", time.monotonic() - started)
             return Outcome(
@@ -440,7 +452,7 @@ class Worker:
                 else:
                     await self._publish(outcome.trajectory)
                     self._count(outcome.trajectory)
-                if outcome.event is Event.ERROR:
+                if outcome.event in (Event.ERROR, Event.ENV_UNAVAILABLE):
                     self.counters.failed += 1
                     log.warning(
                         "rollout failed",
@@ -451,11 +463,13 @@ class Worker:
                     )
                 await msg.ack()
             case Action.NAK:
-                if outcome.event is Event.AGENT_ERROR:
+                if outcome.event in (Event.AGENT_ERROR, Event.ENV_UNAVAILABLE):
                     self.counters.retried += 1
                     self.metrics.retries.inc()
                     log.warning(
-                        "agent failed; retrying",
+                        "agent failed; retrying"
+                        if outcome.event is Event.AGENT_ERROR
+                        else "environment unavailable; retrying",
                         job_id=job.job_id if job else "",
                         attempt=delivery,
                         delay_s=round(decision.delay_s, 2),

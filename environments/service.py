@@ -27,9 +27,11 @@ from nats.micro.service import (
     ServiceStats,
 )
 
+from broker import ENV_SERVICE_KIND
+
 # Service metadata every environment worker carries, so a reader of $SRV.* (broker status,
 # env status) tells them from other services on the same server, and from other prefixes.
-KIND = "agentarium-env"
+KIND = ENV_SERVICE_KIND
 
 
 @dataclass
