@@ -60,6 +60,7 @@ DEFAULT_DEADLINE_S = 600.0
 # A session bound to a rollout lives this much past the rollout's deadline, so the rollout's
 # own timeout ends it (status timeout) rather than the worker's.
 DEADLINE_SLACK_S = 5.0
+START_MARGIN_S = 1.0
 
 
 class _NoResponders(Exception):
@@ -125,12 +126,24 @@ class EnvClient:
         """A session of environment ``name`` on ``task``, started by ``async with`` (or
         ``await session.start()``) and closed on exit. ``deadline_s``: the session's limit,
         by default the bound rollout's (plus a few seconds), else 600 s."""
+        start_wait_s = deadline_s
+        if self.deadline_at is not None:
+            remaining = self.deadline_at - time.monotonic()
+            # Give up waiting for a worker with room a little before the rollout's deadline,
+            # so a rollout that found none is retried (EnvironmentUnavailable), not timed out.
+            start_wait_s = max(0.1, remaining - min(START_MARGIN_S, 0.1 * remaining))
+            if deadline_s is None:
+                deadline_s = max(1.0, remaining + DEADLINE_SLACK_S)
         if deadline_s is None:
-            if self.deadline_at is not None:
-                deadline_s = max(1.0, self.deadline_at - time.monotonic() + DEADLINE_SLACK_S)
-            else:
-                deadline_s = DEFAULT_DEADLINE_S
-        session = EnvSession(self, name, task, deadline_s=deadline_s, metadata=metadata or {})
+            deadline_s = DEFAULT_DEADLINE_S
+        session = EnvSession(
+            self,
+            name,
+            task,
+            deadline_s=deadline_s,
+            start_wait_s=min(deadline_s, start_wait_s or deadline_s),
+            metadata=metadata or {},
+        )
         self.sessions.append(session)
         return session
 
@@ -170,12 +183,20 @@ class EnvSession:
     """One session: ``observation`` after start, ``step()`` until ``done``, ``close()``."""
 
     def __init__(
-        self, client: EnvClient, name: str, task: dict, *, deadline_s: float, metadata: dict
+        self,
+        client: EnvClient,
+        name: str,
+        task: dict,
+        *,
+        deadline_s: float,
+        start_wait_s: float,
+        metadata: dict,
     ) -> None:
         self.client = client
         self.name = name
         self.task = task
         self.deadline_s = deadline_s
+        self.start_wait_s = start_wait_s  # how long a start waits for a worker with room
         self.metadata = metadata
         self.session_id = uuid.uuid4().hex
         self.worker = ""
@@ -251,14 +272,14 @@ class EnvSession:
         payload = encode(request)
         subject = client.topology.env_start_subject(self.name)
         with self._span("env.start", "CHAIN") as span:
-            deadline = time.monotonic() + self.deadline_s
+            deadline = time.monotonic() + self.start_wait_s
             delay, timeouts, waits, last = client.backoff_s, 0, 0, ""
             while True:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     error = EnvironmentUnavailable(
                         f"env {self.name}: no worker took the session within "
-                        f"{self.deadline_s:g}s ({last}): start `agentarium env serve "
+                        f"{self.start_wait_s:.3g}s ({last}): start `agentarium env serve "
                         f"{self.name}` or raise its --capacity",
                         env=self.name,
                         session=self.session_id,

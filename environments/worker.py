@@ -62,6 +62,8 @@ from .stats import WorkerCounters
 
 log = structlog.get_logger("agentarium.environments")
 
+LOOP_STOP_S = 5.0  # how long stopping waits for the worker's own loops and requests
+
 
 def default_worker_id() -> str:
     """host-pid-random, as a subject token (a host name's dots become dashes)."""
@@ -283,7 +285,8 @@ class EnvWorker:
         """Until drained: open sessions finish or expire, at most ``drain_grace_s``."""
         await self._draining.wait()
         try:
-            await asyncio.wait_for(self._empty.wait(), self.config.drain_grace_s)
+            if not self._empty.is_set():
+                await asyncio.wait_for(self._empty.wait(), self.config.drain_grace_s)
         except TimeoutError:
             left = list(self._sessions.values())
             log.warning("drain grace over: closing the sessions left", sessions=len(left))
@@ -302,9 +305,13 @@ class EnvWorker:
         if self._stopped.is_set():
             return
         self._stopped.set()
-        for task in self._loops:
+        # The loops end on the flag, not by cancellation: Python 3.11's wait_for (inside
+        # nats-py's flush, inside a subscription's drain) can swallow a cancel.
+        self._interest.set()
+        self._loops[-1].cancel()  # the janitor, asleep: a plain sleep takes the cancel
+        _, stuck = await asyncio.wait(self._loops, timeout=LOOP_STOP_S)
+        for task in stuck:
             task.cancel()
-        await asyncio.gather(*self._loops, return_exceptions=True)
         for sub in (self._start_sub, self._session_sub):
             if sub is not None:
                 with contextlib.suppress(Exception):
@@ -315,7 +322,8 @@ class EnvWorker:
                 await self._service.stop()
         for task in list(self._tasks):
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=LOOP_STOP_S)
         log.info("environment worker stopped", **dataclasses.asdict(self.stats()))
 
     def _spawn(self, coro: Any) -> None:
@@ -325,9 +333,11 @@ class EnvWorker:
 
     # ---- the start subscription ---------------------------------------------------------
     async def _interest_loop(self) -> None:
-        while True:
+        while not self._stopped.is_set():
             await self._interest.wait()
             self._interest.clear()
+            if self._stopped.is_set():
+                return
             want = self._has_room()
             if want and self._start_sub is None:
                 self._start_sub = await self.nc.subscribe(
@@ -613,7 +623,7 @@ class EnvWorker:
             await self._end(session, reasons[why], expired=True)
 
     async def _janitor_loop(self) -> None:
-        while True:
+        while not self._stopped.is_set():
             await asyncio.sleep(self.config.janitor_interval_s)
             now = time.monotonic()
             for session in list(self._sessions.values()):
