@@ -55,7 +55,9 @@ class EchoEnv(Environment):
             raise RuntimeError(f"echo broke on step {self.steps}")
         if self.task.get("sleep"):
             await asyncio.sleep(self.task["sleep"])
-        content = "y" * int(self.task["big"]) if self.task.get("big") else str(action.get("content"))
+        content = (
+            "y" * int(self.task["big"]) if self.task.get("big") else str(action.get("content"))
+        )
         done = self.steps >= int(self.task.get("done_after", 10**9))
         return StepResult(
             messages=[{"role": "tool", "tool_call_id": "c", "content": content}],

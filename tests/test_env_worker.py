@@ -66,7 +66,9 @@ def tool_call(name: str, arguments) -> dict:
     return {
         "role": "assistant",
         "content": None,
-        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": name, "arguments": text}}],
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": name, "arguments": text}}
+        ],
     }
 
 
@@ -244,7 +246,9 @@ async def test_every_shipped_sql_task_is_solved_by_its_reference_sql(settings, n
             return env.outcome.score
 
         scores = await asyncio.gather(*(solve(t) for t in tasks))
-        assert scores == [1.0] * len(tasks), [t["id"] for t, s in zip(tasks, scores) if s != 1]
+        assert scores == [1.0] * len(tasks), [
+            t["id"] for t, s in zip(tasks, scores, strict=True) if s != 1
+        ]
 
         # a wrong answer, an unchanged table and an inline task
         async with envs.session("sql", {"index": "select-01"}) as env:
@@ -409,7 +413,9 @@ async def test_sigterm_drains_new_starts_refused_open_sessions_finish(nats_url, 
         with pytest.raises(EnvironmentUnavailable):  # draining: no new sessions
             await envs.start("echo", {}, deadline_s=1.0)
         assert proc.returncode is None  # still serving its open session
-        assert (await env.step({"content": "during drain"})).messages[0]["content"] == "during drain"
+        assert (await env.step({"content": "during drain"})).messages[0][
+            "content"
+        ] == "during drain"
         await env.close()
         assert await asyncio.wait_for(proc.wait(), 10) == 0  # the last session gone: exits
 
@@ -475,7 +481,12 @@ async def test_an_agent_with_envs_gets_the_client_and_its_steps_are_recorded(set
     traj = await TrajectoryReader(js, Topology()).get("default", "db", "db-1")
     assert traj.status == "ok" and traj.reward == 1.0
     [record] = traj.metadata["envs"]
-    assert (record["env"], record["steps"], record["score"], record["done"]) == ("sql", 2, 1.0, True)
+    assert (record["env"], record["steps"], record["score"], record["done"]) == (
+        "sql",
+        2,
+        1.0,
+        True,
+    )
 
 
 async def test_a_rollout_without_an_environment_worker_is_retried_then_stored_as_error(nc, js):
