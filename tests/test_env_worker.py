@@ -500,3 +500,31 @@ async def test_a_rollout_without_an_environment_worker_is_retried_then_stored_as
     traj = await TrajectoryReader(js, Topology()).get("default", "db", "db-2")
     assert traj.status == "error" and traj.reward is None and traj.attempts == 2
     assert "environment unavailable" in traj.error and "no worker took the session" in traj.error
+
+
+# ---- the command's settings ----------------------------------------------------------------------
+
+
+def test_env_serve_takes_flags_a_config_file_and_overrides(tmp_path):
+    from agentarium.cli import build_parser
+    from agentarium.commands import env_cmd
+
+    def parse(*argv: str):
+        return env_cmd.config_from_args(build_parser().parse_args(["env", "serve", *argv]))
+
+    path = tmp_path / "env.yaml"
+    path.write_text("env: sql\ncapacity: 8\nidle_timeout_s: 30\n")
+    config, source = parse("--config", str(path), "--capacity", "16", "max_starting=2")
+    assert (config.env, config.capacity, config.max_starting, config.idle_timeout_s) == (
+        "sql", 16, 2, 30.0,
+    )  # fmt: skip
+    assert source["set_by"] == {
+        "env": "file",
+        "capacity": "flag",
+        "idle_timeout_s": "file",
+        "max_starting": "override",
+    }
+    config, _ = parse("sql", "capacity=3")
+    assert (config.env, config.capacity) == ("sql", 3)
+    with pytest.raises(ValueError, match="name the environment to serve"):
+        parse("capacity=3")
