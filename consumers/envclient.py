@@ -85,7 +85,7 @@ class EnvClient:
         step_timeout_s: float = 60.0,
         max_timeouts: int = 3,
         backoff_s: float = 0.05,
-        max_backoff_s: float = 2.0,
+        max_backoff_s: float = 0.5,
         job_id: str = "",
         deadline_at: float | None = None,
     ) -> None:

@@ -119,6 +119,7 @@ class Session:
     last_reply: bytes | None = None
     steps: int = 0
     closed: bool = False
+    expiring: bool = False  # the janitor is closing it
 
 
 @dataclass(frozen=True)
@@ -338,17 +339,25 @@ class EnvWorker:
             self._interest.clear()
             if self._stopped.is_set():
                 return
-            want = self._has_room()
-            if want and self._start_sub is None:
-                self._start_sub = await self.nc.subscribe(
-                    self.start_subject,
-                    queue=self.topology.env_service(self.config.name),
-                    cb=self._on_start,
-                )
-            elif not want and self._start_sub is not None:
-                sub, self._start_sub = self._start_sub, None
-                # UNSUB, a round trip, then the starts already routed here reach _on_start
-                await sub.drain()
+            try:
+                await self._follow_room()
+            except Exception:  # noqa: BLE001 - e.g. a reconnect under way: try again shortly
+                log.warning("could not change the start subscription; retrying", exc_info=True)
+                await asyncio.sleep(0.5)
+                self._interest.set()
+
+    async def _follow_room(self) -> None:
+        want = self._has_room()
+        if want and self._start_sub is None:
+            self._start_sub = await self.nc.subscribe(
+                self.start_subject,
+                queue=self.topology.env_service(self.config.name),
+                cb=self._on_start,
+            )
+        elif not want and self._start_sub is not None:
+            sub, self._start_sub = self._start_sub, None
+            # UNSUB, a round trip, then the starts already routed here reach _on_start
+            await sub.drain()
 
     async def _on_start(self, msg: Msg) -> None:
         """Decide at once (this callback runs one message at a time); the reset runs in a task."""
@@ -612,7 +621,14 @@ class EnvWorker:
 
     async def _expire(self, session: Session, why: str) -> None:
         async with session.lock:
-            if session.closed:
+            session.expiring = False
+            now = time.monotonic()
+            still = {
+                "idle": now - session.last_active >= self.config.idle_timeout_s,
+                "deadline": now >= session.deadline_at,
+                "drain": True,
+            }
+            if session.closed or not still[why]:  # a request came in meanwhile
                 return
             reasons = {
                 "idle": f"expired: idle for more than {self.config.idle_timeout_s:g} s",
@@ -625,17 +641,23 @@ class EnvWorker:
     async def _janitor_loop(self) -> None:
         while not self._stopped.is_set():
             await asyncio.sleep(self.config.janitor_interval_s)
-            now = time.monotonic()
-            for session in list(self._sessions.values()):
-                if session.lock.locked():
-                    continue  # a step is running: its own deadline bounds it
-                if now >= session.deadline_at:
-                    self._spawn(self._expire(session, "deadline"))
-                elif now - session.last_active >= self.config.idle_timeout_s:
-                    self._spawn(self._expire(session, "idle"))
-            for session_id, tomb in list(self._tombstones.items()):
-                if tomb.until <= now:
-                    del self._tombstones[session_id]
+            self._sweep()
+
+    def _sweep(self) -> None:
+        """Expire idle sessions and those past their deadline; forget old tombstones."""
+        now = time.monotonic()
+        for session in list(self._sessions.values()):
+            if session.lock.locked() or session.expiring:
+                continue  # a step is running (its own deadline bounds it), or already going
+            if now >= session.deadline_at:
+                session.expiring = True
+                self._spawn(self._expire(session, "deadline"))
+            elif now - session.last_active >= self.config.idle_timeout_s:
+                session.expiring = True
+                self._spawn(self._expire(session, "idle"))
+        for session_id, tomb in list(self._tombstones.items()):
+            if tomb.until <= now:
+                del self._tombstones[session_id]
 
     # ---- replies -------------------------------------------------------------------------
     async def _reply(self, msg: Msg, data: bytes, ep: Endpoint, began: int) -> None:
