@@ -67,6 +67,10 @@ class _NoResponders(Exception):
     pass
 
 
+class _Broken(Exception):
+    """This side's NATS connection failed (closed, draining): nothing to wait for."""
+
+
 class _Refused(Exception):
     def __init__(self, error: EnvError) -> None:
         super().__init__(error.message)
@@ -157,11 +161,16 @@ class EnvClient:
 
     # ---- one request -------------------------------------------------------------------------
     async def _request(self, subject: str, payload: bytes, timeout: float) -> Msg:
-        """One request; raises _NoResponders, nats' TimeoutError or _Refused (an EnvError)."""
+        """One request; raises _NoResponders, nats' TimeoutError, _Broken or _Refused (an
+        EnvError)."""
         try:
             msg = await self.nc.request(subject, payload, timeout=timeout, headers=inject_headers())
         except nats.errors.NoRespondersError:
             raise _NoResponders() from None
+        except nats.errors.TimeoutError:
+            raise
+        except nats.errors.Error as exc:
+            raise _Broken(f"{type(exc).__name__}: {exc}") from exc
         headers = msg.headers or {}
         if "Nats-Service-Error-Code" in headers:
             try:
@@ -245,6 +254,13 @@ class EnvSession:
             self.client._lost(error)
         return error
 
+    def _broken(self, exc: _Broken) -> EnvironmentUnavailable:
+        return EnvironmentUnavailable(
+            f"env {self.name} session {self.session_id}: the NATS connection failed ({exc})",
+            env=self.name,
+            session=self.session_id,
+        )
+
     def _refused(self, refused: _Refused, what: str) -> EnvClientError:
         e = refused.error
         text = f"env {self.name} session {self.session_id}: {what} refused ({e.code} {e.error}): {e.message}"
@@ -292,6 +308,8 @@ class EnvSession:
                     break
                 except _NoResponders:
                     last = "no worker with room: no responders"
+                except _Broken as exc:
+                    raise _record(span, self._fail(self._broken(exc))) from exc
                 except nats.errors.TimeoutError:
                     timeouts += 1
                     last = f"{timeouts} start request(s) timed out"
@@ -380,6 +398,8 @@ class EnvSession:
                 raise _record(span, self._fail(error)) from None
             except nats.errors.TimeoutError:
                 span.set_attribute("agentarium.env.timeouts", attempt)
+            except _Broken as exc:
+                raise _record(span, self._fail(self._broken(exc))) from exc
             except _Refused as refused:
                 raise _record(span, self._refused(refused, what)) from None
         error = EnvironmentUnavailable(

@@ -213,6 +213,36 @@ async def test_idle_sessions_expire_and_deadlines_hold(settings, nc):
         assert worker.counters.expired == 2
 
 
+async def test_a_client_in_any_language_speaks_json(settings, nc):
+    """JSON in, JSON out, with only the required fields: what another language sends."""
+    async with serving(settings) as worker:
+        start = {"session_id": "json-1", "task": {"mark": "json"}}
+        reply = await nc.request(worker.start_subject, json.dumps(start).encode(), timeout=5)
+        started = json.loads(reply.data)
+        assert started["worker"] == worker.config.worker_id and started["schema_version"] == 1
+        assert started["observation"]["messages"][0]["content"] == "hello json"
+        step = {"op": "step", "seq": 1, "message": {"role": "assistant", "content": "hi"}}
+        reply = await nc.request(started["subject"], json.dumps(step).encode(), timeout=5)
+        assert json.loads(reply.data)["messages"][0]["content"] == "hi"
+        reply = await nc.request(started["subject"], b'{"op": "close"}', timeout=5)
+        assert json.loads(reply.data)["steps"] == 1
+        # a broken request says what is wrong, in JSON too
+        reply = await nc.request(started["subject"], b'{"op": "jump"}', timeout=5)
+        assert reply.headers["Nats-Service-Error-Code"] == "400"
+        assert "envcall.op must be one of" in json.loads(reply.data)["message"]
+
+
+async def test_a_closed_connection_is_an_unavailable_environment(settings):
+    async with serving(settings):
+        own = await settings.connect(name="closing")
+        envs = EnvClient(own)
+        env = await envs.start("echo", {})
+        await own.close()
+        with pytest.raises(EnvironmentUnavailable, match="the NATS connection failed"):
+            await env.step({"content": "x"})
+        assert envs.errors
+
+
 # ---- the sql environment through a worker ---------------------------------------------------------
 
 
