@@ -8,11 +8,12 @@ and the observation cap.
 
 from .base import Environment
 from .caps import TooLarge, cap_observation, cap_step_result
+from .config import EnvWorkerConfig, default_worker_id
 from .registry import BUILTIN, EnvironmentLoadError, load_environment, service_name
 from .service import KIND as SERVICE_KIND
 from .sql import SqlEnvironment
 from .stats import WorkerCounters
-from .worker import EnvWorker, EnvWorkerConfig, default_worker_id
+from .worker import EnvWorker
 
 __all__ = [
     "BUILTIN",

@@ -23,13 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import os
-import re
-import socket
 import time
-import uuid
-from dataclasses import dataclass, field
-from importlib import metadata
 from typing import Any
 
 import structlog
@@ -49,7 +43,6 @@ from schemas import (
     Outcome,
     SchemaError,
     StepResult,
-    check_name,
     decode,
     encode,
     encode_json,
@@ -57,78 +50,13 @@ from schemas import (
 
 from .base import Environment
 from .caps import TooLarge, cap_observation, cap_step_result
+from .config import EnvWorkerConfig, Session, Tombstone, agentarium_version
 from .service import KIND, Endpoint, EndpointCounters, EnvService
 from .stats import WorkerCounters
 
 log = structlog.get_logger("agentarium.environments")
 
 LOOP_STOP_S = 5.0  # how long stopping waits for the worker's own loops and requests
-
-
-def default_worker_id() -> str:
-    """host-pid-random, as a subject token (a host name's dots become dashes)."""
-    host = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())[:80] or "host"
-    return f"{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-
-
-def _version() -> str:
-    try:
-        return metadata.version("agentarium")
-    except metadata.PackageNotFoundError:  # pragma: no cover - run from a source tree
-        return "0.0.0"
-
-
-@dataclass(frozen=True, kw_only=True)
-class EnvWorkerConfig:
-    """One worker's settings (``agentarium env serve``'s flags)."""
-
-    name: str
-    capacity: int = 64
-    max_starting: int = 8
-    idle_timeout_s: float = 300.0
-    # Well below the default max_payload (1 MiB; 8 MB in ops/nats): a bigger observation is cut.
-    max_observation_bytes: int = 256 * 1024
-    max_request_bytes: int = 1024 * 1024
-    drain_grace_s: float = 600.0
-    close_timeout_s: float = 30.0
-    worker_id: str = field(default_factory=default_worker_id)
-    janitor_interval_s: float = 1.0
-    closed_memory_s: float = 120.0  # a retried close still gets its outcome this long
-
-    def __post_init__(self) -> None:
-        check_name(self.name, "env")
-        check_name(self.worker_id, "worker")
-        if self.capacity < 1 or self.max_starting < 1:
-            raise ValueError("capacity and max_starting must be >= 1")
-        if self.idle_timeout_s <= 0 or self.janitor_interval_s <= 0:
-            raise ValueError("idle_timeout_s and janitor_interval_s must be > 0")
-        if self.max_observation_bytes < 4096:
-            raise ValueError("max_observation_bytes must be >= 4096")
-
-
-@dataclass(eq=False)
-class Session:
-    session_id: str
-    env: Environment
-    deadline_at: float  # time.monotonic()
-    last_active: float
-    started_reply: bytes  # answered again to a retried start
-    job_id: str = ""
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    last_seq: int = 0
-    last_reply: bytes | None = None
-    steps: int = 0
-    closed: bool = False
-    expiring: bool = False  # the janitor is closing it
-
-
-@dataclass(frozen=True)
-class Tombstone:
-    """What is left of a closed session: why it ended, and its close reply if it had one."""
-
-    until: float
-    reason: str
-    reply: bytes | None = None
 
 
 class EnvWorker:
@@ -243,7 +171,7 @@ class EnvWorker:
             self.nc,
             name=self.topology.env_service(cfg.name),
             worker_id=cfg.worker_id,
-            version=_version(),
+            version=agentarium_version(),
             description=f"agentarium environment {cfg.name} ({self.env_cls.__qualname__})",
             metadata={
                 "kind": KIND,
