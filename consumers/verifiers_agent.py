@@ -17,6 +17,9 @@ imported only when such an agent is built.
 
 from __future__ import annotations
 
+import signal
+import threading
+from collections.abc import Callable
 from typing import Any
 
 from .agents import AgentLoadError, load_callable
@@ -52,13 +55,28 @@ def load_verifiers_agent(spec: str) -> VerifiersAgent:
         )
     vf = _verifiers()
     if ":" in target:
-        env = load_callable(target, "verifiers environment loader")()
+        env = _keeping_signal_handlers(load_callable(target, "verifiers environment loader"))
     else:
         try:
-            env = vf.load_environment(target)
+            env = _keeping_signal_handlers(lambda: vf.load_environment(target))
         except (ValueError, RuntimeError) as exc:
             raise AgentLoadError(f"verifiers environment {target!r}: {exc}") from exc
     return verifiers_agent(env, name=target)
+
+
+def _keeping_signal_handlers(build: Callable[[], Any]) -> Any:
+    """Build the environment, then put back the process's SIGINT and SIGTERM handlers: a
+    verifiers environment installs its own (SIGTERM exits at once), and a consumer must drain
+    instead. Its teardown still runs at exit (verifiers registers it with atexit)."""
+    if threading.current_thread() is not threading.main_thread():
+        return build()  # only the main thread can set handlers: verifiers cannot either
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return build()
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:
+                signal.signal(sig, handler)
 
 
 def verifiers_agent(

@@ -9,6 +9,7 @@ from the prompt it is sent, so the rubric's reward depends on what went through 
 from __future__ import annotations
 
 import re
+import signal
 
 import pytest
 from fake_sglang import FakeSGLang, dead_url
@@ -112,7 +113,11 @@ async def test_an_unreachable_llm_is_an_error_not_a_zero(js):
 
 
 def test_specs_and_rows():
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     agent = load_callable("verifiers:vf_envs:load_environment")
+    # verifiers installs its own handlers when an environment is built: the loader restores
+    # the process's, so a consumer still drains on SIGTERM
+    assert {sig: signal.getsignal(sig) for sig in handlers} == handlers
     spec = AgentSpec.of(agent, "vf")
     assert (spec.style, spec.kind) == ("endpoint", "async")
     with pytest.raises(AgentLoadError, match="group-level"):
