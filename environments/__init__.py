@@ -3,6 +3,7 @@
 This package is a component of its own: it imports only ``schemas`` and ``broker``.
 """
 
+from .agentbench import AgentBenchEnvironment, AgentBenchError, bridge_class
 from .base import Environment
 
-__all__ = ["Environment"]
+__all__ = ["AgentBenchEnvironment", "AgentBenchError", "Environment", "bridge_class"]
