@@ -41,7 +41,9 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
+from asyncio import FIRST_COMPLETED
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -192,9 +194,17 @@ def _probe(mode: str, network: bool) -> bool:
     return done.returncode == 0
 
 
-@functools.cache
+_PROBE_LOCK = threading.Lock()
+
+
 def isolation() -> Isolation:
     """What this host enforces (probed once per process, logged once)."""
+    with _PROBE_LOCK:
+        return _isolation()
+
+
+@functools.cache
+def _isolation() -> Isolation:
     found = Isolation("rlimits", False, nproc=False, sessions_apart=False)
     if os.geteuid() == 0 and _probe("uid", True):
         found = Isolation("uid", True, nproc=True, sessions_apart=True)
@@ -330,28 +340,45 @@ async def kill_uid(uid: int, *, within_s: float = 5.0) -> int:
     return rounds
 
 
-class _Capture(asyncio.SubprocessProtocol):
-    """Keeps the first ``cap`` bytes of the output and counts the rest; futures for the output
-    passing the cap, the pipe's end and the process's exit (which asyncio's ``Process.wait``
-    only reports once every pipe is closed, too late when a background process holds one)."""
+class _Capture(asyncio.Protocol):
+    """Keeps the first ``cap`` bytes of the output pipe and counts the rest; futures for the
+    output passing the cap and for the pipe's end (every writer gone)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, cap: int) -> None:
         self.cap, self.kept, self.seen = cap, bytearray(), 0
-        self.over, self.eof, self.exited = (loop.create_future() for _ in range(3))
+        self.over, self.eof = loop.create_future(), loop.create_future()
 
-    def pipe_data_received(self, fd: int, data: bytes | bytearray) -> None:
+    def data_received(self, data: bytes) -> None:
         self.seen += len(data)
         self.kept.extend(data[: max(0, self.cap - len(self.kept))])
         if self.seen > self.cap and not self.over.done():
             self.over.set_result(None)
 
-    def pipe_connection_lost(self, fd: int, exc: Exception | None) -> None:
+    def eof_received(self) -> bool:
+        self.connection_lost(None)
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
         if not self.eof.done():
             self.eof.set_result(None)
 
-    def process_exited(self) -> None:
-        if not self.exited.done():
-            self.exited.set_result(None)
+
+def _exit_future(loop: asyncio.AbstractEventLoop, pid: int) -> asyncio.Future:
+    """Done when ``pid`` (our child, not yet reaped) exits; it is not reaped here."""
+    exited = loop.create_future()
+    fd = os.pidfd_open(pid)
+
+    def cleanup(_: asyncio.Future) -> None:
+        loop.remove_reader(fd)
+        os.close(fd)
+
+    def ready() -> None:
+        if not exited.done():
+            exited.set_result(None)
+
+    loop.add_reader(fd, ready)
+    exited.add_done_callback(cleanup)
+    return exited
 
 
 def _remove_tree(path: Path) -> None:
@@ -412,11 +439,12 @@ class Sandbox:
         if self.closed:
             raise SandboxError("the sandbox is closed")
         loop, limits, started = asyncio.get_running_loop(), self.limits, time.monotonic()
-        capture = _Capture(loop, limits.output_bytes)
         try:
-            transport, _ = await loop.subprocess_exec(
-                lambda: capture,
-                SHELL, "-c", command, "bash", *args,
+            # Popen, not asyncio's subprocess: its Process.wait reports the exit only once the
+            # pipe closes (too late when a background process holds it), and the pid must be
+            # in _LEADERS before anything can await (reap_orphans must never take it).
+            proc = subprocess.Popen(
+                [SHELL, "-c", command, "bash", *args],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -424,19 +452,20 @@ class Sandbox:
                 env=self.env,
                 start_new_session=True,  # its own process group: killed as one
                 preexec_fn=self._preexec,
-            )  # fmt: skip
+            )
         except (OSError, subprocess.SubprocessError) as exc:
             # e.g. EAGAIN: the session's uid is at its process limit
             text = f"the command could not start: {exc}"
             return CommandResult(126, text, 0, False, None, time.monotonic() - started)
-        pid = transport.get_pid()
-        _LEADERS.add(pid)
+        _LEADERS.add(proc.pid)
+        exited = _exit_future(loop, proc.pid)
+        capture = _Capture(loop, limits.output_bytes)
         stopped: str | None = None
+        transport = None
         try:
+            transport, _ = await loop.connect_read_pipe(lambda: capture, proc.stdout)
             done, _ = await asyncio.wait(
-                {capture.over, capture.exited},
-                timeout=limits.wall_s,
-                return_when=asyncio.FIRST_COMPLETED,
+                {capture.over, exited}, timeout=limits.wall_s, return_when=FIRST_COMPLETED
             )
             if capture.over in done:
                 stopped = "output"
@@ -445,29 +474,32 @@ class Sandbox:
             else:
                 # It ended: end what it left in the background, then take what is still in the
                 # pipe. A process that left the group (setsid) and holds the pipe is cut off.
-                self._kill_group(pid)
+                self._kill_group(proc.pid)
                 left = max(0.0, started + limits.wall_s - time.monotonic())
                 done, _ = await asyncio.wait(
-                    {capture.eof, capture.over},
-                    timeout=min(left, 1.0),
-                    return_when=asyncio.FIRST_COMPLETED,
+                    {capture.eof, capture.over}, timeout=min(left, 1.0), return_when=FIRST_COMPLETED
                 )
                 if capture.over in done:
                     stopped = "output"
                 elif not done:
                     stopped = "background"
         finally:
-            self._kill_group(pid)
+            self._kill_group(proc.pid)
+            if transport is not None:
+                transport.close()
             if stopped in ("wall", "output") and self.uid is not None:
                 await kill_uid(self.uid)  # also what left the group (setsid)
-            transport.close()
-            await asyncio.shield(capture.exited)
-            _LEADERS.discard(pid)
+            await asyncio.wait({exited}, timeout=5.0)  # SIGKILLed: only a stuck kernel call waits
+            stuck = not exited.done()
+            exited.cancel()
+            code = await asyncio.to_thread(proc.wait) if stuck else proc.wait()
+            _LEADERS.discard(proc.pid)
+            if proc.stdout:
+                proc.stdout.close()
             if self.uid is not None:
                 reap_orphans()
-        code = transport.get_returncode()
         return CommandResult(
-            exit_code=-signal.SIGKILL if code is None else code,
+            exit_code=code,
             output=capture.kept.decode("utf-8", errors="replace"),
             output_bytes=capture.seen,
             truncated=capture.seen > limits.output_bytes,
