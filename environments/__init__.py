@@ -4,5 +4,7 @@ This package is a component of its own: it imports only ``schemas`` and ``broker
 """
 
 from .base import Environment
+from .sandbox import SandboxLimits
+from .shell import ShellEnvironment
 
-__all__ = ["Environment"]
+__all__ = ["Environment", "SandboxLimits", "ShellEnvironment"]
