@@ -146,8 +146,15 @@ def _preexec(
     libc = _libc()
     unshare, prctl = libc.unshare, libc.prctl
     setrlimit, get_errno = resource.setrlimit, ctypes.get_errno
+    setgroups, setgid, setuid = os.setgroups, os.setgid, os.setuid
+    write, open_, close, O_WRONLY = os.write, os.open, os.close, os.O_WRONLY
     rlimits = limits.rlimits(nproc=mode != "rlimits")
-    outer_uid, outer_gid = os.getuid(), os.getgid()
+    # userns: map our own uid and gid, so files keep their owner; setgroups is denied first.
+    maps = [
+        (b"/proc/self/setgroups", b"deny"),
+        (b"/proc/self/uid_map", f"{os.getuid()} {os.getuid()} 1".encode()),
+        (b"/proc/self/gid_map", f"{os.getgid()} {os.getgid()} 1".encode()),
+    ]
     flags = (CLONE_NEWUSER | CLONE_NEWNET) if mode == "userns" else CLONE_NEWNET
 
     def child() -> None:
@@ -156,23 +163,18 @@ def _preexec(
         if mode != "rlimits" and network and unshare(flags) != 0:
             raise OSError(get_errno(), "unshare")
         if mode == "userns":
-            # Map our own uid and gid, so files keep their owner; setgroups must be denied first.
-            for name, text in (
-                ("setgroups", "deny"),
-                ("uid_map", f"{outer_uid} {outer_uid} 1"),
-                ("gid_map", f"{outer_gid} {outer_gid} 1"),
-            ):
-                fd = os.open(f"/proc/self/{name}", os.O_WRONLY)
+            for path, text in maps:
+                fd = open_(path, O_WRONLY)
                 try:
-                    os.write(fd, text.encode())
+                    write(fd, text)
                 finally:
-                    os.close(fd)
+                    close(fd)
         for which, value in rlimits:
             setrlimit(which, value)
         if uid is not None:
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
+            setgroups([])
+            setgid(uid)
+            setuid(uid)
 
     return child
 
@@ -217,20 +219,25 @@ def _isolation() -> Isolation:
         # (a Python PID 1 in a container): a zombie still counts against its uid's nproc.
         _libc().prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     log.info("shell sandbox", **found.as_dict())
-    if found.mode != "uid" or not found.network:
-        log.warning(
-            "shell sandbox degraded: "
-            + ", ".join(
-                what
-                for what, ok in (
-                    ("no network isolation", found.network),
-                    ("no process limit (fork bombs are not stopped)", found.nproc),
-                    ("sessions share the worker's uid", found.sessions_apart),
-                )
-                if not ok
-            )
-            + "; run the worker as root for every limit"
+    missing = [
+        what
+        for what, ok in (
+            ("no network isolation", found.network),
+            ("no process limit (fork bombs are not stopped)", found.nproc),
+            (
+                "sessions share the worker's uid (no file isolation between them)",
+                found.sessions_apart,
+            ),
         )
+        if not ok
+    ]
+    if missing:
+        fix = (
+            "allow unshare(CLONE_NEWNET) (CAP_SYS_ADMIN) or give the container no network"
+            if found.mode == "uid"
+            else "run the worker as root for every limit"
+        )
+        log.warning("shell sandbox degraded: " + "; ".join(missing) + "; " + fix)
     return found
 
 
@@ -246,6 +253,14 @@ def _owned_dir(path: Path, mode: int) -> Path:
     return path
 
 
+def default_uid_lock_dir() -> Path:
+    """One directory per machine (not per base_dir), so every worker sees every lease."""
+    run = Path("/run")
+    return (
+        run if run.is_dir() and os.access(run, os.W_OK) else Path("/tmp")
+    ) / "agentarium-shell-uids"
+
+
 def default_base_dir() -> Path:
     suffix = "" if os.geteuid() == 0 else f"-{os.geteuid()}"
     return Path(tempfile.gettempdir()) / f"agentarium-shell{suffix}"
@@ -253,12 +268,15 @@ def default_base_dir() -> Path:
 
 class _UidLease:
     """An unprivileged uid of the range held for one session: an exclusive ``flock`` on a file
-    per uid, so the sessions of every worker process on the machine get different uids."""
+    per uid, so the sessions of every worker process on the machine get different uids. The
+    lowest free uid is taken, so lock files stay as many as sessions ever held at once."""
+
+    held: set[int] = set()  # by this process: skipped without a system call
 
     def __init__(self, lock_dir: Path, base: int, count: int) -> None:
-        start = secrets.randbelow(count)
-        for i in range(count):
-            uid = base + (start + i) % count
+        for uid in range(base, base + count):
+            if uid in self.held:
+                continue
             fd = os.open(lock_dir / f"{uid}.lock", os.O_RDWR | os.O_CREAT, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -266,6 +284,7 @@ class _UidLease:
                 os.close(fd)
                 continue
             self.uid, self._fd = uid, fd
+            self.held.add(uid)
             return
         raise SandboxError(
             f"every uid in {base}..{base + count - 1} is in use: widen the range (uid_count)"
@@ -273,6 +292,7 @@ class _UidLease:
 
     def release(self) -> None:
         if self._fd >= 0:
+            self.held.discard(self.uid)
             os.close(self._fd)  # closing the descriptor drops the lock
             self._fd = -1
 
@@ -408,13 +428,15 @@ class Sandbox:
         base_dir: str | Path | None = None,
         uid_base: int = DEFAULT_UID_BASE,
         uid_count: int = DEFAULT_UID_COUNT,
+        uid_lock_dir: str | Path | None = None,
     ) -> None:
         self.limits = limits or SandboxLimits()
         self.isolation = isolation()
         base = _owned_dir(Path(base_dir) if base_dir else default_base_dir(), 0o711)
         self._lease: _UidLease | None = None
         if self.isolation.mode == "uid":
-            self._lease = _UidLease(_owned_dir(base / ".uids", 0o700), uid_base, uid_count)
+            locks = _owned_dir(Path(uid_lock_dir or default_uid_lock_dir()), 0o700)
+            self._lease = _UidLease(locks, uid_base, uid_count)
         self.uid = self._lease.uid if self._lease else None
         self.path = base / f"s-{secrets.token_hex(8)}"
         self.path.mkdir(mode=0o700)

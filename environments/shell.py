@@ -128,9 +128,10 @@ def _arguments(call: dict) -> tuple[str, dict | None, str]:
 class ShellEnvironment(Environment):
     """One session: a sandbox, a task, the steps until the agent answers or finishes.
 
-    Options (``agentarium env serve shell`` passes them as keywords): ``tasks_file`` (for
-    ``{"index": id}`` tasks), ``max_steps``, ``limits`` (SandboxLimits or a dict of its fields),
-    ``base_dir``, ``uid_base`` and ``uid_count`` (the uid range sessions lease, as root).
+        Options (``agentarium env serve shell`` passes them as keywords): ``tasks_file`` (for
+        ``{"index": id}`` tasks), ``max_steps``, ``limits`` (SandboxLimits or a dict of its fields),
+        ``base_dir``, ``uid_base``, ``uid_count`` and ``uid_lock_dir`` (the uid range sessions lease
+    as root, and where the leases are: one directory for every worker of the machine).
     """
 
     name = "shell"
@@ -145,6 +146,7 @@ class ShellEnvironment(Environment):
         base_dir: str | Path | None = None,
         uid_base: int | None = None,
         uid_count: int | None = None,
+        uid_lock_dir: str | Path | None = None,
     ) -> None:
         if tasks_file is not None:
             self.tasks_file = Path(tasks_file)
@@ -157,6 +159,8 @@ class ShellEnvironment(Environment):
             self._box_options["uid_base"] = int(uid_base)
         if uid_count is not None:
             self._box_options["uid_count"] = int(uid_count)
+        if uid_lock_dir is not None:
+            self._box_options["uid_lock_dir"] = uid_lock_dir
         self.box: Sandbox | None = None
         self.task: ShellTask | None = None
         self.steps = 0

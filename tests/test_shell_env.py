@@ -7,6 +7,7 @@ no namespaces) are skipped with the reason ``isolation()`` gives."""
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import os
 import re
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from environments import ShellEnvironment
-from environments.sandbox import Sandbox, SandboxLimits, isolation
+from environments.sandbox import Sandbox, SandboxError, SandboxLimits, isolation
 from environments.shell_tasks import TaskError
 from schemas import Outcome, StepResult
 
@@ -338,3 +339,28 @@ async def test_the_sandbox_reports_what_it_enforces(tmp_path):
             assert (box.path.stat().st_uid, box.path.stat().st_mode & 0o777) == (box.uid, 0o700)
     finally:
         await box.close()
+
+
+@needs_uid
+async def test_a_uid_leased_elsewhere_is_skipped(tmp_path):
+    """Leases are flocks on one directory per machine: another process's lease is never reused."""
+    base = 0x70000000 + 60_000
+    other = os.open(tmp_path / f"{base}.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as another worker would hold it
+    options = {
+        "base_dir": tmp_path / "s",
+        "uid_base": base,
+        "uid_count": 2,
+        "uid_lock_dir": tmp_path,
+    }
+    try:
+        box = await Sandbox.open(**options)
+        assert box.uid == base + 1
+        with pytest.raises(SandboxError, match="every uid in .* is in use"):
+            await Sandbox.open(**options)
+        await box.close()
+        again = await Sandbox.open(**options)
+        assert again.uid == base + 1
+        await again.close()
+    finally:
+        os.close(other)
