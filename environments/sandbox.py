@@ -475,8 +475,8 @@ class Sandbox:
                 start_new_session=True,  # its own process group: killed as one
                 preexec_fn=self._preexec,
             )
-        except (OSError, subprocess.SubprocessError) as exc:
-            # e.g. EAGAIN: the session's uid is at its process limit
+        except (OSError, ValueError, subprocess.SubprocessError) as exc:
+            # EAGAIN: the session's uid is at its process limit; E2BIG; a NUL byte (ValueError)
             text = f"the command could not start: {exc}"
             return CommandResult(126, text, 0, False, None, time.monotonic() - started)
         _LEADERS.add(proc.pid)

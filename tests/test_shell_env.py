@@ -136,6 +136,7 @@ async def test_malformed_unknown_and_missing_tool_calls_get_clear_observations(o
             call("bash", {"cmd": "ls"}, "c"),
             call("bash", "[1, 2]", "d"),
             {"id": "e", "type": "function"},
+            call("bash", {"command": "echo a\u0000b"}, "g"),
             call("bash", {"command": "echo still here"}, "f"),
         )
     )
@@ -145,11 +146,12 @@ async def test_malformed_unknown_and_missing_tool_calls_get_clear_observations(o
     assert 'bash needs {"command"' in contents["c"]
     assert "must be a JSON object" in contents["d"]
     assert "malformed tool call" in contents["e"]
+    assert "could not start: embedded null byte" in contents["g"]
     assert contents["f"] == "still here\n[exit code 0]"
     assert not result.done
     outcome = await env.close()
     assert outcome.score == 0.0 and outcome.info["finished"] is False
-    assert outcome.metrics["invalid_calls"] == 6.0 and outcome.metrics["commands"] == 1.0
+    assert outcome.metrics["invalid_calls"] == 6.0 and outcome.metrics["commands"] == 2.0
 
 
 async def test_the_step_limit_ends_an_episode_unscored(open_env):
@@ -266,15 +268,24 @@ async def test_commands_have_no_network(open_env):
 
 
 async def test_commands_see_an_empty_environment_and_not_the_workers(open_env, monkeypatch):
-    monkeypatch.setenv("AGENTARIUM_NATS_PASSWORD", "hunter2-secret")
+    secret = "hunter2-secret"
+    monkeypatch.setenv("AGENTARIUM_NATS_PASSWORD", secret)
     env = await open_env()
     result = await env.step(bash("env | cut -d= -f1 | sort | tr '\\n' ' '"))
     names = set(result.messages[0]["content"].rsplit("\n[", 1)[0].split())
+    assert "PATH" in names and "AGENTARIUM_NATS_PASSWORD" not in names
     assert names <= {"PATH", "HOME", "TMPDIR", "LANG", "TERM", "USER", "SHELL", "PWD", "SHLVL", "_"}
-    result = await env.step(
-        bash("cat /proc/$PPID/environ; grep -ao 'hunter2-secret' /proc/*/environ")
-    )
-    assert "hunter2-secret" not in result.messages[0]["content"]
+    if ISO.mode == "rlimits":
+        return  # same uid, no namespace: /proc/<worker>/environ is readable (documented)
+    # a process started with the secret in its environment, as the worker is
+    worker = subprocess.Popen(["sleep", "30"], env={"AGENTARIUM_NATS_PASSWORD": secret})
+    try:
+        result = await env.step(bash(f"cat /proc/{worker.pid}/environ /proc/$PPID/environ"))
+        content = result.messages[0]["content"]
+        assert content.count("Permission denied") == 2 and secret not in content
+    finally:
+        worker.kill()
+        worker.wait()
 
 
 @needs_uid
