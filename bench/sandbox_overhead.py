@@ -6,6 +6,8 @@ which goes first), so machine noise hits them alike. Printed: median and range o
 
   plain          asyncio.create_subprocess_exec("/bin/bash", "-c", cmd), stdout+stderr piped,
                  communicate(): what a worker without a sandbox would do
+  plain+preexec  the same with a no-op preexec_fn: Python then forks and runs code in the child
+                 instead of vfork+exec (the price of applying limits in the child)
   sandbox        environments.sandbox.Sandbox.run(cmd): rlimits, a session uid (as root), a
                  fresh network namespace, empty environment, wall and output caps, group kill
   sandbox-no-net the same without the network namespace (where its cost goes)
@@ -31,16 +33,21 @@ from environments.sandbox import Sandbox, _preexec, isolation  # noqa: E402
 COMMANDS = ("true", "echo hello")
 
 
-async def plain(command: str) -> bytes:
+async def plain(command: str, **options) -> bytes:
     proc = await asyncio.create_subprocess_exec(
         "/bin/bash",
         "-c",
         command,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
+        **options,
     )
     out, _ = await proc.communicate()
     return out
+
+
+async def plain_preexec(command: str) -> bytes:
+    return await plain(command, preexec_fn=lambda: None)
 
 
 async def per_command_ms(run, command: str, n: int) -> float:
@@ -63,7 +70,7 @@ async def main(n: int, repeats: int) -> None:
     async def sandboxed_no_net(command: str) -> bytes:
         return (await bare.run(command)).output.encode()
 
-    variants = {"plain": plain, "sandbox": sandboxed}
+    variants = {"plain": plain, "plain+preexec": plain_preexec, "sandbox": sandboxed}
     if iso.network:
         variants["sandbox-no-net"] = sandboxed_no_net
     for command in COMMANDS:  # warm up, and the outputs agree
