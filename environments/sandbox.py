@@ -297,12 +297,12 @@ class _UidLease:
             self._fd = -1
 
 
-_LEADERS: set[int] = set()  # live commands' first processes: asyncio reaps those
+_LEADERS: set[int] = set()  # live commands' first processes: Sandbox.run reaps those itself
 
 
 def reap_orphans() -> int:
     """Reap zombie children of this process that belong to sandbox uids and are not a
-    command's first process (asyncio waits for those): orphans of commands (uid mode)."""
+    command's first process (``run`` waits for those): orphans of commands (uid mode)."""
     me, reaped = os.geteuid(), 0
     for tid in os.listdir("/proc/self/task"):
         try:
@@ -402,19 +402,17 @@ def _exit_future(loop: asyncio.AbstractEventLoop, pid: int) -> asyncio.Future:
 
 
 def _remove_tree(path: Path) -> None:
-    """rmtree that also removes what a command made unreadable (chmod 000)."""
-
-    def fix(func, name, exc_info) -> None:
-        with contextlib.suppress(OSError):
-            os.chmod(os.path.dirname(name), 0o700)
-            os.chmod(name, 0o700)
-        with contextlib.suppress(FileNotFoundError):
-            if os.path.isdir(name) and not os.path.islink(name):
-                shutil.rmtree(name, onerror=fix)
-            else:
-                os.unlink(name)
-
-    shutil.rmtree(path, onerror=fix)
+    """rmtree, after making every directory (never a symlink's target) ours to empty again:
+    a command may have left one unreadable (chmod 000), which stops a non-root worker."""
+    with contextlib.suppress(OSError):
+        os.chmod(path, 0o700)
+    for root, dirs, _ in os.walk(path):  # top-down: each directory opened after its chmod
+        for name in dirs:
+            child = os.path.join(root, name)
+            if not os.path.islink(child):
+                with contextlib.suppress(OSError):
+                    os.chmod(child, 0o700)
+    shutil.rmtree(path)
 
 
 class Sandbox:
@@ -548,7 +546,12 @@ class Sandbox:
         try:
             if self.uid is not None:
                 await kill_uid(self.uid)
-            await asyncio.to_thread(_remove_tree, self.path)
+            try:
+                await asyncio.to_thread(_remove_tree, self.path)
+            except OSError as exc:
+                log.warning(
+                    "a sandbox directory could not be removed", path=str(self.path), error=str(exc)
+                )
         finally:
             if self._lease:
                 self._lease.release()
