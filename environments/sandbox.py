@@ -233,7 +233,7 @@ def _isolation() -> Isolation:
     ]
     if missing:
         fix = (
-            "allow unshare(CLONE_NEWNET) (CAP_SYS_ADMIN) or give the container no network"
+            "allow unshare(CLONE_NEWNET): give the container CAP_SYS_ADMIN"
             if found.mode == "uid"
             else "run the worker as root for every limit"
         )
