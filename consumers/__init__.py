@@ -27,6 +27,7 @@ from .service import (
     normalize_urls,
     start_proxy,
 )
+from .verifiers_agent import VerifiersAgent, VerifiersRolloutError, verifiers_agent
 from .worker import Counters, Worker, WorkerConfig, default_worker_id
 
 __all__ = [
@@ -54,6 +55,8 @@ __all__ = [
     "RewardError",
     "TracingLLM",
     "TracingProxy",
+    "VerifiersAgent",
+    "VerifiersRolloutError",
     "Worker",
     "WorkerConfig",
     "default_worker_id",
@@ -61,4 +64,5 @@ __all__ = [
     "model_of_call",
     "normalize_urls",
     "start_proxy",
+    "verifiers_agent",
 ]
