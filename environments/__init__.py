@@ -16,7 +16,7 @@ from .service import KIND as SERVICE_KIND
 from .shell import ShellEnvironment
 from .sql import SqlEnvironment
 from .stats import WorkerCounters
-from .worker import EnvWorker
+from .worker import EnvWorker, check_options
 
 __all__ = [
     "AgentBenchEnvironment",
@@ -35,6 +35,7 @@ __all__ = [
     "bridge_class",
     "cap_observation",
     "cap_step_result",
+    "check_options",
     "default_worker_id",
     "load_environment",
     "service_name",

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import inspect
 import time
 from typing import Any
 
@@ -60,13 +61,20 @@ LOOP_STOP_S = 5.0  # how long stopping waits for the worker's own loops and requ
 
 
 class EnvWorker:
-    """Serves ``env_cls`` on ``topology``'s subjects: ``await start()``, then ``wait()``."""
+    """Serves ``env_cls`` on ``topology``'s subjects: ``await start()``, then ``wait()``. Each
+    session's instance is ``env_cls(**options)``; options it does not take are refused here."""
 
     def __init__(
-        self, nc: Client, topology: Topology, env_cls: type[Environment], config: EnvWorkerConfig
+        self,
+        nc: Client,
+        topology: Topology,
+        env_cls: type[Environment],
+        config: EnvWorkerConfig,
+        options: dict[str, Any] | None = None,
     ) -> None:
         if not (isinstance(env_cls, type) and issubclass(env_cls, Environment)):
             raise TypeError(f"{env_cls!r} is not a subclass of environments.Environment")
+        self.options = check_options(env_cls, options or {})
         self.nc = nc
         self.topology = topology
         self.env_cls = env_cls
@@ -319,7 +327,7 @@ class EnvWorker:
         env: Environment | None = None
         try:
             async with self._gate:
-                env = self.env_cls()
+                env = self.env_cls(**self.options)
                 deadline_at = time.monotonic() + start.deadline_s
                 async with asyncio.timeout(start.deadline_s):
                     observation = await env.reset(start.task)
@@ -332,15 +340,14 @@ class EnvWorker:
         except TimeoutError:
             await self._start_failed(msg, start, env, 408, "reset ran past its deadline", began)
             return
-        except (ValueError, LookupError) as exc:
-            if isinstance(exc, TooLarge):
-                await self._start_failed(msg, start, env, 500, str(exc), began)
-            else:  # the task itself is wrong (an unknown index, a missing field): not retryable
-                await self._start_failed(msg, start, env, 400, f"bad task: {_describe(exc)}", began)
-            return
         except Exception as exc:  # noqa: BLE001 - an environment's bug must not stop the worker
-            log.warning("environment reset raised", session=start.session_id, exc_info=True)
-            await self._start_failed(msg, start, env, 500, f"reset raised {_describe(exc)}", began)
+            # The task itself is wrong (an unknown index, a missing field): 400, not retryable.
+            bad_task = isinstance(exc, (ValueError, LookupError)) and not isinstance(exc, TooLarge)
+            code = error_code(exc, 400 if bad_task else 500)
+            if code == 500:
+                log.warning("environment reset raised", session=start.session_id, exc_info=True)
+            what = "bad task" if code == 400 else "reset raised"
+            await self._start_failed(msg, start, env, code, f"{what}: {_describe(exc)}", began)
             return
         now = time.monotonic()
         started = EnvStarted(
@@ -481,7 +488,7 @@ class EnvWorker:
         await self._end(session, "the environment raised during a step")
         await self._error(
             msg,
-            500,
+            error_code(exc, 500),
             f"session {session.session_id}: step raised {_describe(exc)}; the session is closed",
             self._session_ep,
             began,
@@ -501,7 +508,8 @@ class EnvWorker:
             self.counters.errors += 1
             self._forget(session, "closed; its close raised")
             await self._error(
-                msg, 500, f"session {session.session_id}: close raised {_describe(exc)}",
+                msg, error_code(exc, 500),
+                f"session {session.session_id}: close raised {_describe(exc)}",
                 self._session_ep, began,
             )  # fmt: skip
             return
@@ -616,6 +624,27 @@ def _encode_like(msg: Msg, message: Any) -> bytes:
     if content_type.startswith("application/json") or data.lstrip()[:1] == b"{":
         return encode_json(message)
     return encode(message)
+
+
+def check_options(env_cls: type[Environment], options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` if ``env_cls(**options)`` can be called, else a ValueError naming them."""
+    try:
+        inspect.signature(env_cls).bind(**options)
+    except TypeError as exc:
+        raise ValueError(
+            f"{env_cls.__qualname__} does not take the options {sorted(options)}: {exc}"
+        ) from None
+    return dict(options)
+
+
+def error_code(exc: BaseException, default: int) -> int:
+    """The error code an environment's exception stands for: its ``code`` attribute when that
+    is one of ``ENV_ERROR_CODES`` (the AgentBench bridge's errors carry one: 503 for a worker
+    that is full or unreachable, 404 for a session it lost), else ``default``."""
+    code = getattr(exc, "code", None)
+    if isinstance(code, int) and not isinstance(code, bool) and code in ENV_ERROR_CODES:
+        return code
+    return default
 
 
 def _describe(exc: BaseException) -> str:

@@ -133,11 +133,14 @@ def test_a_bad_override_is_refused_with_a_suggestion(override, expected):
     assert expected in str(err.value), str(err.value)
 
 
-@pytest.mark.parametrize("command", ["trainer", "consumer", "env serve"])
+@pytest.mark.parametrize("command", ["trainer", "consumer", "env serve", "env bridge"])
 def test_every_flag_has_a_key_and_every_key_a_flag(command):
-    keys = {"trainer": trainer_cmd.KEYS, "consumer": consumer_cmd.KEYS, "env serve": env_cmd.KEYS}[
-        command
-    ]
+    keys = {
+        "trainer": trainer_cmd.KEYS,
+        "consumer": consumer_cmd.KEYS,
+        "env serve": env_cmd.KEYS,
+        "env bridge": env_cmd.BRIDGE_KEYS,
+    }[command]
     flagged = {
         a.dest: a
         for a in subparser(command)._actions

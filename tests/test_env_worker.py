@@ -392,13 +392,13 @@ async def test_each_start_step_and_close_is_a_span(settings, nc, span_exporter):
 
 
 @asynccontextmanager
-async def serve_process(nats_url: str, *args: str):
+async def serve_process(nats_url: str, *args: str, command=("serve", "envlib:EchoEnv")):
     """`agentarium env serve envlib:EchoEnv ...` as a child; yields (process, worker id)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
     env["AGENTARIUM_LOG_FORMAT"] = "json"
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "agentarium", "env", "serve", "envlib:EchoEnv",
+        sys.executable, "-m", "agentarium", "env", *command,
         "--nats-url", nats_url, *args,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, env=env, cwd=ROOT,
     )  # fmt: skip
@@ -448,6 +448,45 @@ async def test_sigterm_drains_new_starts_refused_open_sessions_finish(nats_url, 
         ] == "during drain"
         await env.close()
         assert await asyncio.wait_for(proc.wait(), 10) == 0  # the last session gone: exits
+
+
+async def test_env_bridge_serves_an_agentbench_worker_with_the_same_rules(nats_url, nc):
+    """`agentarium env bridge --agentbench URL`: sessions on an AgentBench (fc) task worker;
+    its errors keep their meaning (a task that raised: the environment failed)."""
+    from agentbench_worker import Worker, WorkerThread
+
+    with WorkerThread(Worker("fc")) as served:
+        bridge = ("bridge", "--agentbench", served.url)
+        async with serve_process(nats_url, "--capacity", "2", command=bridge) as (_, worker_id):
+            envs = EnvClient(nc)
+            async with envs.session("agentbench", {"index": 0}) as env:
+                assert "17 + 25" in env.observation.messages[-1]["content"]
+                assert env.worker == worker_id
+                await env.step(tool_call("calculate", {"expression": "17+25"}))
+                final = await env.step(tool_call("commit_final_answer", {"answer": "42"}))
+                assert final.done and final.reward == 1.0
+            assert env.outcome.score == 1.0
+            async with envs.session("agentbench", {"index": 3}) as broken:
+                with pytest.raises(EnvironmentFailed):
+                    for _ in range(5):
+                        await broken.step(tool_call("calculate", {"expression": "1/0"}))
+        assert served.worker.sessions == {}
+
+
+async def test_env_serve_shell_by_name_with_options(nats_url, nc):
+    """The built-in `shell` by name (imported when asked), its class built with --option."""
+    from environments import ShellEnvironment, check_options
+
+    with pytest.raises(ValueError, match="does not take the options"):
+        check_options(ShellEnvironment, {"max_stepz": 3})
+    options = ("--option", "max_steps=1", "--option", "limits={wall_s: 5}")
+    async with serve_process(nats_url, *options, command=("serve", "shell")) as (_, worker_id):
+        envs = EnvClient(nc)
+        async with envs.session("shell", {"index": "count-lines"}) as env:
+            assert [t["function"]["name"] for t in env.observation.tools][0] == "bash"
+            result = await env.step(tool_call("bash", {"command": "echo hi"}))
+            assert result.done  # max_steps=1 reached the worker's instances
+        assert env.worker == worker_id and env.outcome.score == 0.0
 
 
 # ---- rollouts that use environments ----------------------------------------------------------------
@@ -544,8 +583,8 @@ def test_env_serve_takes_flags_a_config_file_and_overrides(tmp_path):
 
     path = tmp_path / "env.yaml"
     path.write_text("env: sql\ncapacity: 8\nidle_timeout_s: 30\n")
-    config, source = parse("--config", str(path), "--capacity", "16", "max_starting=2")
-    assert (config.env, config.capacity, config.max_starting, config.idle_timeout_s) == (
+    config, worker, source = parse("--config", str(path), "--capacity", "16", "max_starting=2")
+    assert (config.env, worker.capacity, worker.max_starting, worker.idle_timeout_s) == (
         "sql", 16, 2, 30.0,
     )  # fmt: skip
     assert source["set_by"] == {
@@ -554,7 +593,7 @@ def test_env_serve_takes_flags_a_config_file_and_overrides(tmp_path):
         "idle_timeout_s": "file",
         "max_starting": "override",
     }
-    config, _ = parse("sql", "capacity=3")
-    assert (config.env, config.capacity) == ("sql", 3)
+    config, worker, _ = parse("sql", "capacity=3")
+    assert (config.env, worker.capacity) == ("sql", 3)
     with pytest.raises(ValueError, match="name the environment to serve"):
         parse("capacity=3")
