@@ -73,7 +73,7 @@ class EnvServeConfig:
     """``agentarium env serve``'s own settings: what to serve, built with which options."""
 
     env: str  # sql | shell | module:Class
-    option: tuple[str, ...] = ()  # KEY=VALUE keywords of the class (values read as YAML)
+    option: tuple[str, ...] | None = None  # KEY=VALUE keywords of the class (YAML values)
 
 
 def parse_options(items: tuple[str, ...]) -> dict[str, Any]:
@@ -209,7 +209,7 @@ async def serve(
     try:
         cls = load_environment(config.env)
         wc = worker_config(worker, service_name(config.env, cls, worker.name))
-        options = parse_options(config.option)
+        options = parse_options(config.option or ())
     except (EnvironmentLoadError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
