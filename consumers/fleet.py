@@ -147,14 +147,17 @@ class Fleet:
         while True:
             if self.holding:
                 await self._serving.wait()
+            outages = self.outages
             try:
                 return await self.backend.generate(request)
             except BackendUnavailable:
                 if not self.policy.holds or self.past_limit:
                     raise
-                if not await self.confirm_down():
-                    raise  # a server answers its probe: the failure was this request's
-                # The fleet is down: wait for it (or for the limit) and call again.
+                # The fleet went down during the call (it may be back already), or a probe of
+                # every server now finds it down: wait for it and call again. Otherwise a
+                # server answers: the failure was this request's own.
+                if self.outages == outages and not await self.confirm_down():
+                    raise
 
     async def start(self) -> Fleet:
         if not self._tasks:

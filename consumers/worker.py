@@ -148,6 +148,7 @@ class Worker:
         # be lost inside nats-py's KV put (Python 3.11): the flag ends them at the next turn.
         self._quit_background = asyncio.Event()
         self._psub: JetStreamContext.PullSubscription | None = None
+        self.paused = False  # the pull loop waits for a fleet that is down
         # Set when the LLM fleet goes down or comes back: the registry shows it at once.
         self._registry_kick = asyncio.Event()
         for fleet in env.fleets:
@@ -277,7 +278,9 @@ class Worker:
         while not self._stop.is_set():
             held = [fleet for fleet in self.env.fleets if fleet.holding]
             if held:  # the fleet is down: take nothing new until it answers (or the limit)
+                self.paused = True
                 await self._wait_for_fleets(held)
+                self.paused = False
                 continue
             free = cfg.concurrency - len(self._inflight)
             if free <= 0:
@@ -378,6 +381,7 @@ class Worker:
                 "in_flight": len(self._inflight),
                 "started_at": started,
                 "rollouts_per_s": round(rate, 2),
+                "pulling": self.ready and not self.paused,
                 **vars(self.counters),
             }
             if self.env.fleets:  # what `broker status` shows of the agent's LLM fleet
