@@ -222,8 +222,7 @@ class Fleet:
         return self.down
 
     async def _probe_all(self) -> None:
-        timeout = self.policy.probe_timeout_s
-        errors = await asyncio.gather(*(self.backend.probe(u, timeout) for u in self.servers))
+        errors = await asyncio.gather(*(self._probe(u) for u in self.servers))
         for url, error in zip(self.servers, errors, strict=True):
             if error:
                 self._trip(url, error)
@@ -240,7 +239,7 @@ class Fleet:
                 failures = 0
                 await self._nap(url, policy.probe_interval_s)
                 continue
-            error = await self.backend.probe(url, policy.probe_timeout_s)
+            error = await self._probe(url)
             if not error:
                 failures = 0
                 self._close(url)
@@ -252,6 +251,13 @@ class Fleet:
                 await self._nap(url, policy.backoff(failures - policy.probe_failures + 1))
             else:  # one failed probe: look again soon before opening the breaker
                 await self._nap(url, policy.backoff_s)
+
+    async def _probe(self, url: str) -> str:
+        """The backend's probe of ``url``: "" when it answers, else why not (never raises)."""
+        try:
+            return str(await self.backend.probe(url, self.policy.probe_timeout_s))
+        except Exception as exc:  # noqa: BLE001 - a probe that breaks is a probe that failed
+            return f"probe failed: {type(exc).__name__}: {exc}"
 
     def _answered_recently(self, url: str) -> bool:
         answered = getattr(self.backend, "answered_at", {}).get(url, 0.0)
