@@ -162,7 +162,7 @@ class Fleet:
     async def start(self) -> Fleet:
         if not self._tasks:
             self._tasks = [
-                asyncio.create_task(self._watch(url), name=f"fleet-probe-{url}")
+                asyncio.create_task(self._watch(url), name=f"fleet-probe-{backend_label(url)}")
                 for url in self.servers
             ]
         return self

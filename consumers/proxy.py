@@ -25,7 +25,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -62,7 +62,7 @@ SECRET_BYTES = 32  # token_urlsafe(32): 43 characters, 256 bits
 @dataclass(frozen=True)
 class _Route:
     job_id: str
-    secret: str
+    secret: str = field(repr=False)
     llm: TracingLLM
 
 
