@@ -17,6 +17,7 @@ from .service import (
     normalize_urls,
     start_proxy,
 )
+from .verifiers_agent import VerifiersAgent, VerifiersRolloutError, verifiers_agent
 from .worker import Counters, Worker, WorkerConfig, default_worker_id
 
 __all__ = [
@@ -39,6 +40,8 @@ __all__ = [
     "RewardError",
     "TracingLLM",
     "TracingProxy",
+    "VerifiersAgent",
+    "VerifiersRolloutError",
     "Worker",
     "WorkerConfig",
     "default_worker_id",
@@ -46,4 +49,5 @@ __all__ = [
     "model_of_call",
     "normalize_urls",
     "start_proxy",
+    "verifiers_agent",
 ]
