@@ -17,6 +17,7 @@ from .errors import (
     EnvRequestError,
     LLMError,
 )
+from .fleet import Fleet, FleetPolicy
 from .llm import ChatResult, TracingLLM
 from .proxy import TracingProxy
 from .service import (
@@ -50,6 +51,8 @@ __all__ = [
     "EnvironmentFailed",
     "EnvironmentTimeout",
     "EnvironmentUnavailable",
+    "Fleet",
+    "FleetPolicy",
     "LLMError",
     "LLMTarget",
     "RewardError",

@@ -9,6 +9,10 @@ Outcomes are classified here, once:
   environment failure (EnvFailure)  an environment service was unavailable (no worker with
             room, or the session's worker died), even if the agent swallowed the error: the
             worker retries it; its last attempt is stored as status ``error``, never reward 0
+
+The deadline (``job.deadline_s``) stands still while the agent's LLM fleet is down and holds
+its calls (consumers/fleet.py): an outage within ``--fleet-outage-limit`` costs a rollout
+neither its attempt nor its time.
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ from . import genai
 from .agents import AgentRunner, extract_reward, finite_reward
 from .envclient import EnvClient
 from .errors import BackendUnavailable, EnvironmentUnavailable
+from .fleet import Fleet, deadline_held_by
 from .llm import TracingLLM
+from .proxy import secret_of
 
 tracer = trace.get_tracer("agentarium.consumers")
 
@@ -67,6 +73,9 @@ class RolloutEnv:
     model_name: str
     worker_id: str
     reward_fn: Callable[..., Any] | None = None
+    # The LLM fleets behind ``backend`` (the model's, a cross-sampling model's): while one is
+    # down within its outage limit, the worker pulls nothing and rollout deadlines stand still.
+    fleets: tuple[Fleet, ...] = ()
     envs: EnvClient | None = None  # handed to agents that declare an ``envs`` parameter
 
 
@@ -171,15 +180,27 @@ async def run_rollout(
             )
 
         deadline = asyncio.timeout(job.deadline_s)
+        secret = ""  # the endpoint's: scrubbed from whatever the agent's failure says
+
+        def failure(exc: BaseException) -> AgentFailure:
+            """The agent's failure, its text and span event without the endpoint's secret. The
+            caller raises it ``from None``: a chained cause would carry the raw text along."""
+            text, message = traceback.format_exc(), str(exc)
+            if secret:
+                text, message = text.replace(secret, "***"), message.replace(secret, "***")
+            span.record_exception(
+                exc, attributes={"exception.message": message, "exception.stacktrace": text}
+            )
+            return AgentFailure(text, calls=list(llm.calls), trace_id=trace_id, span_id=span_id)
+
         try:
-            with env.proxy.register(job.job_id, llm):
+            with env.proxy.register(job.job_id, llm) as endpoint:
+                secret = secret_of(endpoint)
                 async with deadline:
-                    result = await env.runner.run(
-                        job.task,
-                        llm=llm,
-                        endpoint=env.proxy.endpoint_for(job.job_id),
-                        envs=envs,
-                    )
+                    with deadline_held_by(env.fleets, deadline):
+                        result = await env.runner.run(
+                            job.task, llm=llm, endpoint=endpoint, envs=envs
+                        )
         except TimeoutError as exc:
             if deadline.expired():
                 return done(
@@ -187,12 +208,9 @@ async def run_rollout(
                 )
             if infra_failure() is not None:
                 return done("error", error=f"LLM backend failed: {infra_failure()}")
-            if (failure := env_failure()) is not None:
-                raise failure from exc
-            span.record_exception(exc)
-            raise AgentFailure(
-                traceback.format_exc(), calls=list(llm.calls), trace_id=trace_id, span_id=span_id
-            ) from None
+            if (env_lost := env_failure()) is not None:
+                raise env_lost from None
+            raise failure(exc) from None
         except BackendUnavailable as exc:
             return done("error", error=f"LLM backend failed: {exc}")
         except asyncio.CancelledError:
@@ -202,17 +220,14 @@ async def run_rollout(
                 return done("error", error=f"LLM backend failed: {infra_failure()}")
             if isinstance(exc, EnvironmentUnavailable) or env_failure() is not None:
                 span.record_exception(exc)
-                failure = env_failure() or EnvFailure(
+                env_lost = env_failure() or EnvFailure(
                     done("error", error=f"environment unavailable: {exc}")
                 )
-                raise failure from exc
-            span.record_exception(exc)
-            raise AgentFailure(
-                traceback.format_exc(), calls=list(llm.calls), trace_id=trace_id, span_id=span_id
-            ) from exc
+                raise env_lost from None
+            raise failure(exc) from None
 
-        if (failure := env_failure()) is not None:
-            raise failure  # the agent swallowed it: its reward may be a failed session's 0
+        if (env_lost := env_failure()) is not None:
+            raise env_lost  # the agent swallowed it: its reward may be a failed session's 0
         try:
             reward, metrics = extract_reward(result)
             if env.reward_fn is not None:
@@ -224,9 +239,6 @@ async def run_rollout(
                 metrics = {**metrics, **extra}
             reward = finite_reward(reward)
         except Exception as exc:  # RewardError or a failing reward function
-            span.record_exception(exc)
-            raise AgentFailure(
-                traceback.format_exc(), calls=list(llm.calls), trace_id=trace_id, span_id=span_id
-            ) from exc
+            raise failure(exc) from None
         span.set_attribute("agentarium.reward", reward)
         return done("ok", reward=reward, metrics=metrics)
