@@ -6,6 +6,7 @@ tracing, trace context in message headers) and the Prometheus side shared by eve
 from .engines import engine_key, engine_versions, record_engine
 from .errors import (
     ERR_CONSUMER_NOT_FOUND,
+    ERR_JS_TEMPORARILY_UNAVAILABLE,
     ERR_STREAM_FULL,
     ERR_STREAM_NOT_FOUND,
     ERR_WRONG_LAST_SEQUENCE,
@@ -17,6 +18,7 @@ from .errors import (
     ServerLaunchError,
     is_transient,
 )
+from .patience import START_PATIENCE_S, is_unavailable, patiently
 from .prometheus import MetricsServer, metrics_response, render_metrics
 from .provision import (
     ProvisionReport,
@@ -45,6 +47,7 @@ from .topology import Limits, Topology
 
 __all__ = [
     "ERR_CONSUMER_NOT_FOUND",
+    "ERR_JS_TEMPORARILY_UNAVAILABLE",
     "ERR_STREAM_FULL",
     "ERR_STREAM_NOT_FOUND",
     "ERR_WRONG_LAST_SEQUENCE",
@@ -59,6 +62,7 @@ __all__ = [
     "OPENINFERENCE_SPAN_KIND",
     "ProvisionReport",
     "ProvisioningError",
+    "START_PATIENCE_S",
     "ServerLaunchError",
     "StreamMetrics",
     "Tail",
@@ -78,8 +82,10 @@ __all__ = [
     "free_port",
     "inject_headers",
     "is_transient",
+    "is_unavailable",
     "live_workers",
     "metrics_response",
+    "patiently",
     "provision",
     "publish_worker",
     "read_tail",
