@@ -50,8 +50,9 @@ async def patiently(
     initial_s: float = 0.2,
     max_s: float = 2.0,
 ) -> T:
-    """``await call()``, again after each failure ``is_unavailable`` allows, for up to
-    ``patience_s`` seconds (0: once). ``call`` must be safe to repeat (idempotent)."""
+    """``await call()``, again after each failure ``is_unavailable`` allows, until
+    ``patience_s`` seconds have passed (0: once; the last try may end up to one request
+    timeout later). ``call`` must be safe to repeat (idempotent)."""
     deadline = time.monotonic() + patience_s
     delay = initial_s
     warned = False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import socket
@@ -12,7 +13,7 @@ import pytest
 
 from broker import Limits, NatsSettings, ProvisioningError, Topology, provision
 from broker.errors import BrokerUnavailable
-from broker.provision import ensure_provisioned
+from broker.provision import ensure_provisioned, ensure_streams
 from broker.status import collect_status, format_status
 from producers import TaskProducer
 
@@ -49,6 +50,21 @@ async def test_ensure_provisioned_creates_only_what_is_missing(nc, topology):
     assert (await js.stream_info(f"KV_{topology.workers_bucket}")).config.max_age == 7
     await js.key_value(topology.policy_bucket)  # recreated
     assert await ensure_provisioned(js, topology) is False
+
+
+async def test_start_up_checks_wait_for_a_restarting_broker_then_say_so(nats_server, nc, topology):
+    js = nc.jetstream(timeout=1)  # requests sent while the server is away fail sooner
+    await provision(js, topology)
+    nats_server.stop()
+    waiting = asyncio.create_task(ensure_provisioned(js, topology, patience_s=30))
+    await asyncio.sleep(1.0)  # the outage under test: the checks meet it, then it ends
+    assert not waiting.done()
+    nats_server.start()
+    assert await asyncio.wait_for(waiting, 30) is False  # everything was there all along
+    nats_server.stop()
+    with pytest.raises(BrokerUnavailable, match=r"did not answer for 1s .*broker status"):
+        await ensure_streams(js, topology, patience_s=1)
+    nats_server.start()
 
 
 async def test_status_jobs_before_the_first_consumer_are_waiting_not_stranded(js, topology):
