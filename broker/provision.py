@@ -17,6 +17,7 @@ from nats.js.api import ConsumerConfig, KeyValueConfig, ObjectStoreConfig, Stora
 from .errors import ProvisioningError
 from .patience import patiently
 from .topology import Limits, Topology
+from .version import MSG_TTL_SINCE, server_version
 
 log = structlog.get_logger("agentarium.broker")
 
@@ -249,6 +250,11 @@ async def ensure_buckets(
         storage=StorageType.FILE,
         replicas=limits.replicas,
     )
+    workers_settings: dict = {"max_age": limits.workers_ttl_s, "num_replicas": limits.replicas}
+    if server_version(js._nc) >= MSG_TTL_SINCE:
+        # per-entry TTLs for the registry (broker.registry); a bucket made on 2.9 lacks it.
+        # The server can turn it on for an existing stream, never off again.
+        workers_settings["allow_msg_ttl"] = True
     report.merge(
         await _ensure_bucket_stream(
             js,
@@ -265,7 +271,7 @@ async def ensure_buckets(
             f"KV_{topo.workers_bucket}",
             topo.workers_bucket,
             lambda: js.create_key_value(workers),
-            {"max_age": limits.workers_ttl_s, "num_replicas": limits.replicas},
+            workers_settings,
             update=update,
         )
     )

@@ -139,6 +139,7 @@ def cli(*args: str, user: str, password: str, timeout: float = 60) -> subprocess
     )
 
 
+@pytest.mark.nats_semantics
 async def test_the_pipeline_runs_with_one_user_per_role(
     admin, login, fake, auth_server, passwords, tmp_path
 ):
@@ -261,6 +262,7 @@ async def test_the_pipeline_runs_with_one_user_per_role(
         assert not who.errors, who.errors
 
 
+@pytest.mark.nats_semantics
 async def test_a_consumer_cannot_publish_weights_or_a_policy(admin, login):
     topo = Topology()
     policy = await admin.js.key_value(topo.policy_bucket)
@@ -316,6 +318,7 @@ async def test_sync_and_orchestrator_cannot_change_weights_or_policy(admin, logi
     assert (await admin.js.stream_info(f"KV_{topo.policy_bucket}")).state.messages == 0
 
 
+@pytest.mark.nats_semantics
 async def test_the_dashboard_cannot_publish_jobs_or_change_anything(admin, login):
     topo = Topology()
     who = await login("dashboard")
@@ -329,6 +332,7 @@ async def test_the_dashboard_cannot_publish_jobs_or_change_anything(admin, login
     assert (await admin.js.stream_info(topo.tasks_stream)).state.messages == 0
 
 
+@pytest.mark.nats_semantics
 def test_wrong_credentials_fail_fast_with_a_clear_message(auth_server):
     started = time.monotonic()
     proc = cli(

@@ -18,6 +18,7 @@ from broker.status import collect_status, format_status
 from producers import TaskProducer
 
 
+@pytest.mark.nats_semantics
 async def test_provision_is_idempotent_and_a_diff(nc, topology):
     js = nc.jetstream()
     first = await provision(js, topology, agents=("toy",))
@@ -34,6 +35,7 @@ async def test_provision_is_idempotent_and_a_diff(nc, topology):
     assert consumer.config.ack_wait == 20 and consumer.config.max_deliver == 4
 
 
+@pytest.mark.nats_semantics
 async def test_unsafe_change_is_refused_with_a_message(nc, topology):
     js = nc.jetstream()
     await provision(js, topology)
@@ -41,6 +43,7 @@ async def test_unsafe_change_is_refused_with_a_message(nc, topology):
         await provision(js, topology, Limits(replicas=3))
 
 
+@pytest.mark.nats_semantics
 async def test_ensure_provisioned_creates_only_what_is_missing(nc, topology):
     js = nc.jetstream()
     await provision(js, topology, Limits(tasks_max_msgs=10, workers_ttl_s=7))
@@ -52,6 +55,7 @@ async def test_ensure_provisioned_creates_only_what_is_missing(nc, topology):
     assert await ensure_provisioned(js, topology) is False
 
 
+@pytest.mark.nats_semantics
 async def test_start_up_checks_wait_for_a_restarting_broker_then_say_so(nats_server, nc, topology):
     js = nc.jetstream(timeout=1)  # requests sent while the server is away fail sooner
     await provision(js, topology)
@@ -67,6 +71,7 @@ async def test_start_up_checks_wait_for_a_restarting_broker_then_say_so(nats_ser
     nats_server.start()
 
 
+@pytest.mark.nats_semantics
 async def test_status_jobs_before_the_first_consumer_are_waiting_not_stranded(js, topology):
     await TaskProducer(js, topology).submit("nobody", [{"n": i} for i in range(3)], run="r")
     status = await collect_status(js, topology)
@@ -91,6 +96,7 @@ def agentarium(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.nats_semantics
 def test_broker_init_and_status_commands(nats_url):
     init = agentarium("broker", "init", "--nats-url", nats_url, "--agent", "toy")
     assert init.returncode == 0, init.stderr
@@ -176,6 +182,7 @@ def test_topology_rejects_names_that_would_reroute():
     assert topo.dead_subject("a.b") == "agentarium.dead._invalid"
 
 
+@pytest.mark.nats_semantics
 async def test_status_shows_live_workers_and_their_throughput(js, topology):
     from broker.registry import publish_worker
 

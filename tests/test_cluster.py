@@ -59,6 +59,7 @@ async def until(predicate, timeout_s: float, what: str):
         await asyncio.sleep(0.25)
 
 
+@pytest.mark.nats_semantics
 @pytest.mark.timeout(180)
 async def test_tasks_leader_killed_and_restarted_mid_batch(nodes, capsys):
     topo = Topology()
@@ -227,6 +228,7 @@ async def test_tasks_leader_killed_and_restarted_mid_batch(nodes, capsys):
         )
 
 
+@pytest.mark.nats_semantics
 @pytest.mark.timeout(180)
 async def test_produce_command_rides_out_a_leader_kill_at_start(nodes, tmp_path, capsys):
     """`agentarium produce` started the moment the TASKS leader is SIGKILLed: its start-up
