@@ -38,7 +38,12 @@ class RewardError(ValueError):
 
 
 def load_callable(spec: str, what: str = "agent") -> Callable[..., Any]:
-    """Import ``module:attr`` (attr may be dotted)."""
+    """Import ``module:attr`` (attr may be dotted). An agent spec ``verifiers:...`` is a
+    verifiers environment wrapped as an agent (consumers/verifiers_agent.py)."""
+    if what == "agent" and spec.startswith("verifiers:"):
+        from .verifiers_agent import load_verifiers_agent
+
+        return load_verifiers_agent(spec)
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise AgentLoadError(f"{what} {spec!r} must look like module.path:function")
