@@ -111,15 +111,19 @@ def test_broker_init_and_status_commands(nats_url):
     assert data["agents"][0]["agent"] == "toy" and data["agents"][0]["has_consumer"] is True
 
 
+@pytest.mark.nats_semantics
 def test_broker_up_exits_cleanly_on_sigterm(tmp_path):
-    """SIGTERM, a supervisor's stop signal, stops nats-server and the command itself (exit 0)."""
-    from broker import free_port
+    """SIGTERM, a supervisor's stop signal, stops nats-server and the command itself (exit 0).
+    ``--sync-interval always`` is written into the server's config on 2.10+, and left out
+    with a warning before."""
+    from broker import find_nats_server, free_port
+    from broker.version import SYNC_INTERVAL_SINCE, binary_version
 
     port = free_port()
     with open(tmp_path / "stderr", "w") as err:
         proc = subprocess.Popen(
             [sys.executable, "-m", "agentarium", "broker", "up", "--port", str(port),
-             "--store", str(tmp_path / "nats")],
+             "--store", str(tmp_path / "nats"), "--sync-interval", "always"],
             stdout=subprocess.PIPE, stderr=err, text=True,
         )  # fmt: skip
     try:
@@ -136,6 +140,12 @@ def test_broker_up_exits_cleanly_on_sigterm(tmp_path):
         assert proc.wait(timeout=15) == 0, (tmp_path / "stderr").read_text()
         with pytest.raises(OSError):  # nats-server stopped with it
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        config = tmp_path / "nats" / "agentarium-nats.conf"
+        if binary_version(find_nats_server()) >= SYNC_INTERVAL_SINCE:
+            assert 'sync_interval: "always"' in config.read_text()
+        else:
+            assert not config.exists()
+            assert "sync_interval needs nats-server 2.10+" in (tmp_path / "stderr").read_text()
     finally:
         if proc.poll() is None:
             proc.kill()

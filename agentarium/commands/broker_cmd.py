@@ -18,6 +18,7 @@ from broker import (
     collect_status,
     format_status,
     provision,
+    setup_logging,
 )
 
 from .common import add_command_group, add_nats_flags, run_async, settings_from_args
@@ -142,6 +143,7 @@ def _raise_terminated(signum: int, frame: object) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    setup_logging()  # before the server starts: it may warn (--sync-interval on an old binary)
     store = Path(args.store).expanduser()
     server = NatsServer(
         store_dir=store,
