@@ -1,6 +1,7 @@
 """A 3-node JetStream cluster started from ops/nats/cluster-{a,b,c}.conf, R3 streams: a batch of
 2,048 jobs runs while the TASKS stream's leader is SIGKILLed and later restarted, and every job
-ends with exactly one trajectory. Prints how long publishing stalled."""
+ends with exactly one trajectory. Prints how long publishing stalled. And `agentarium produce`
+started the moment the leader is killed waits out the election at start-up and exits 0."""
 
 from __future__ import annotations
 
