@@ -14,6 +14,7 @@ from .env_status import (
 )
 from .errors import (
     ERR_CONSUMER_NOT_FOUND,
+    ERR_JS_TEMPORARILY_UNAVAILABLE,
     ERR_STREAM_FULL,
     ERR_STREAM_NOT_FOUND,
     ERR_WRONG_LAST_SEQUENCE,
@@ -25,6 +26,7 @@ from .errors import (
     ServerLaunchError,
     is_transient,
 )
+from .patience import START_PATIENCE_S, is_unavailable, patiently
 from .prometheus import MetricsServer, metrics_response, render_metrics
 from .provision import (
     ProvisionReport,
@@ -58,6 +60,7 @@ __all__ = [
     "format_env_status",
     "gather_replies",
     "ERR_CONSUMER_NOT_FOUND",
+    "ERR_JS_TEMPORARILY_UNAVAILABLE",
     "ERR_STREAM_FULL",
     "ERR_STREAM_NOT_FOUND",
     "ERR_WRONG_LAST_SEQUENCE",
@@ -72,6 +75,7 @@ __all__ = [
     "OPENINFERENCE_SPAN_KIND",
     "ProvisionReport",
     "ProvisioningError",
+    "START_PATIENCE_S",
     "ServerLaunchError",
     "StreamMetrics",
     "Tail",
@@ -91,8 +95,10 @@ __all__ = [
     "free_port",
     "inject_headers",
     "is_transient",
+    "is_unavailable",
     "live_workers",
     "metrics_response",
+    "patiently",
     "provision",
     "publish_worker",
     "read_tail",

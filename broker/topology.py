@@ -128,6 +128,11 @@ class Topology:
     def metrics_subject(self, run: str) -> str:
         return f"{self.prefix}.metrics.{check_name(run, 'run')}"
 
+    def worker_subject(self, worker_id: str) -> str:
+        """A worker's entry in the workers KV, as a subject (``$KV.<bucket>.<key>``): written
+        directly when the entry carries its own TTL (``Nats-TTL``, nats-server 2.11+)."""
+        return f"$KV.{self.workers_bucket}.{worker_id}"
+
     def rollout_consumer(self, agent: str) -> str:
         return f"rollout-{check_name(agent, 'agent')}"
 

@@ -148,6 +148,7 @@ def cli(*args: str, user: str, password: str, timeout: float = 60) -> subprocess
     )
 
 
+@pytest.mark.nats_semantics
 async def test_the_pipeline_runs_with_one_user_per_role(
     admin, login, fake, auth_server, passwords, tmp_path
 ):
@@ -270,6 +271,7 @@ async def test_the_pipeline_runs_with_one_user_per_role(
         assert not who.errors, who.errors
 
 
+@pytest.mark.nats_semantics
 async def test_a_consumer_cannot_publish_weights_or_a_policy(admin, login):
     topo = Topology()
     policy = await admin.js.key_value(topo.policy_bucket)
@@ -325,6 +327,7 @@ async def test_sync_and_orchestrator_cannot_change_weights_or_policy(admin, logi
     assert (await admin.js.stream_info(f"KV_{topo.policy_bucket}")).state.messages == 0
 
 
+@pytest.mark.nats_semantics
 async def test_the_dashboard_cannot_publish_jobs_or_change_anything(admin, login):
     topo = Topology()
     who = await login("dashboard")
@@ -385,6 +388,7 @@ async def test_an_environment_worker_serves_its_sessions_and_nothing_else(admin,
         assert not who.errors, who.errors
 
 
+@pytest.mark.nats_semantics
 def test_wrong_credentials_fail_fast_with_a_clear_message(auth_server):
     started = time.monotonic()
     proc = cli(

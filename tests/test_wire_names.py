@@ -33,6 +33,8 @@ def test_default_prefix_names():
     assert t.dead_subject("bad name") == "agentarium.dead._invalid"
     assert t.rollout_consumer("calc") == "rollout-calc"
     assert t.metrics_subject("r1") == "agentarium.metrics.r1"
+    # a worker's registry entry written directly with its own TTL (nats-server 2.11+)
+    assert t.worker_subject("w1") == "$KV.agentarium-workers.w1"
     # the syncer's engine record: <run>.<16 hex of the URL's sha256>
     assert engine_key("r1", "http://127.0.0.1:30000") == "r1.0efdded5ae1f69f9"
     assert t.trainer_consumer("r1", "calc") == "trainer-r1-calc"
