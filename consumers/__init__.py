@@ -5,7 +5,19 @@ and the consumer service that assembles them. The local CPU engine (torch) is th
 from .agents import AgentLoadError, AgentSpec, RewardError, load_callable
 from .backends import CrossSamplingBackend, model_of_call
 from .chat_template import ChatTemplate
-from .errors import BackendUnavailable, BadRequest, CrossSamplingError, LLMError
+from .envclient import EnvClient, EnvSession
+from .errors import (
+    BackendUnavailable,
+    BadRequest,
+    CrossSamplingError,
+    EnvClientError,
+    EnvironmentFailed,
+    EnvironmentTimeout,
+    EnvironmentUnavailable,
+    EnvRequestError,
+    LLMError,
+)
+from .fleet import Fleet, FleetPolicy
 from .llm import ChatResult, TracingLLM
 from .proxy import TracingProxy
 from .service import (
@@ -16,6 +28,7 @@ from .service import (
     normalize_urls,
     start_proxy,
 )
+from .verifiers_agent import VerifiersAgent, VerifiersRolloutError, verifiers_agent
 from .worker import Counters, Worker, WorkerConfig, default_worker_id
 
 __all__ = [
@@ -31,11 +44,22 @@ __all__ = [
     "CrossSamplingBackend",
     "CrossSamplingError",
     "CrossTarget",
+    "EnvClient",
+    "EnvClientError",
+    "EnvRequestError",
+    "EnvSession",
+    "EnvironmentFailed",
+    "EnvironmentTimeout",
+    "EnvironmentUnavailable",
+    "Fleet",
+    "FleetPolicy",
     "LLMError",
     "LLMTarget",
     "RewardError",
     "TracingLLM",
     "TracingProxy",
+    "VerifiersAgent",
+    "VerifiersRolloutError",
     "Worker",
     "WorkerConfig",
     "default_worker_id",
@@ -43,4 +67,5 @@ __all__ = [
     "model_of_call",
     "normalize_urls",
     "start_proxy",
+    "verifiers_agent",
 ]
