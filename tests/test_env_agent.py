@@ -422,3 +422,12 @@ def test_consumer_env_flags_config_keys_and_errors(tmp_path):
     assert "--max-turns must be >= 1" in refused(
         "--agent", "db", "--env", "sql", "--max-turns", "0"
     )
+
+
+def test_eval_run_refuses_env_with_an_agent_function(capsys):
+    from agentarium.commands import eval_cmd
+
+    args = cli("eval", "run", "--agent", "db=examples.toy:rollout", "--env", "sql",
+               "--file", str(SQL_TASKS), "--llm", "http://a:1")  # fmt: skip
+    assert eval_cmd.cmd_eval_run(args) == 2
+    assert "names its own rollout function" in capsys.readouterr().err
