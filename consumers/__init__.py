@@ -5,6 +5,7 @@ and the consumer service that assembles them. The local CPU engine (torch) is th
 from .agents import AgentLoadError, AgentSpec, RewardError, load_callable
 from .backends import CrossSamplingBackend, model_of_call
 from .chat_template import ChatTemplate
+from .env_agent import EnvAgent, env_agent
 from .envclient import EnvClient, EnvSession
 from .errors import (
     BackendUnavailable,
@@ -44,6 +45,7 @@ __all__ = [
     "CrossSamplingBackend",
     "CrossSamplingError",
     "CrossTarget",
+    "EnvAgent",
     "EnvClient",
     "EnvClientError",
     "EnvRequestError",
@@ -63,6 +65,7 @@ __all__ = [
     "Worker",
     "WorkerConfig",
     "default_worker_id",
+    "env_agent",
     "load_callable",
     "model_of_call",
     "normalize_urls",

@@ -5,15 +5,21 @@ too: ``envlib:EchoEnv``).
 (bytes of reply), ``sleep`` (seconds per step), ``reset_sleep``, ``raise_on_step`` (the step
 number that raises), ``done_after`` (steps), ``mark`` (a key under which the test counts what
 ran). Counts live on the class, so a test in the same process can assert a step ran once.
+
+``solve_sql`` is a scripted policy for the shipped ``sql`` tasks (tests/fake_sglang.py's
+``scripted`` serves it as a model).
 """
 
 from __future__ import annotations
 
+import ast
 import asyncio
+import json
 import uuid
 from collections import Counter
 
 from environments import Environment
+from environments.sql import load_tasks as load_sql_tasks
 from schemas import Observation, Outcome, StepResult
 
 
@@ -71,3 +77,29 @@ class EchoEnv(Environment):
         if mark in type(self).closed:
             type(self).closed[mark].set()
         return Outcome(score=float(self.steps), metrics={"steps": float(self.steps)})
+
+
+# ---- a scripted policy that solves the shipped sql tasks ----------------------------------------
+
+
+def tool_call_text(name: str, arguments: dict) -> str:
+    """A Hermes tool call as the tiny model's chat template renders one in the history, so a
+    scripted reply and its rendering in the next prompt are the same tokens."""
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+def solve_sql(prompt: str) -> str:
+    """The next tool call of a policy that knows each task's reference SQL, found by the
+    question in the prompt: run it, then commit the rows it returned ("done" for an update)."""
+    tasks = [t for t in load_sql_tasks().values() if t["question"] in prompt]
+    if not tasks:
+        return "I do not know this task."
+    task = max(tasks, key=lambda t: len(t["question"]))
+    if "<tool_response>" not in prompt:
+        return tool_call_text("execute_sql", {"query": task["sql"]})
+    result = prompt.rsplit("<tool_response>\n", 1)[1].split("\n</tool_response>", 1)[0]
+    if task["kind"] == "update":
+        answer = ["done"]
+    else:
+        answer = [str(row[0]) for row in ast.literal_eval(result)]
+    return tool_call_text("commit_final_answer", {"answer": answer})
