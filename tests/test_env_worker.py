@@ -440,6 +440,16 @@ async def test_sigterm_drains_new_starts_refused_open_sessions_finish(nats_url, 
         [echo] = json.loads((await out.communicate())[0])
         assert (echo["env"], echo["sessions"], echo["capacity"]) == ("echo", 1, 4)
         proc.send_signal(signal.SIGTERM)
+
+        async def draining() -> bool:
+            services = await collect_env_status(nc, Topology())
+            return any(w.get("draining") for s in services for w in s.workers)
+
+        for _ in range(100):  # the signal is handled by the child in its own time
+            if await draining():
+                break
+        else:
+            raise AssertionError("the worker never reported draining after SIGTERM")
         with pytest.raises(EnvironmentUnavailable):  # draining: no new sessions
             await envs.start("echo", {}, deadline_s=1.0)
         assert proc.returncode is None  # still serving its open session
