@@ -114,15 +114,14 @@ def test_the_engine_and_the_tracing_client_name_a_bad_sampling_option():
             _sampling_params(Sampling(), [], {option: value})
 
 
-SWALLOW_S = 6.0
-gave_in = asyncio.Event()
+release, gave_in = asyncio.Event(), asyncio.Event()
 
 
 async def swallows_cancellation(task: dict, llm) -> float:
-    until = asyncio.get_running_loop().time() + SWALLOW_S
-    while asyncio.get_running_loop().time() < until:
+    """Ignores every cancellation until the test lets it go."""
+    while not release.is_set():
         try:
-            await asyncio.sleep(until - asyncio.get_running_loop().time())
+            await release.wait()
         except asyncio.CancelledError:
             continue
     gave_in.set()
@@ -146,6 +145,7 @@ async def publish(js, topology, agent: str, tasks: list[dict], deadline_s: float
 
 
 async def test_an_agent_can_neither_stop_its_worker_nor_hold_it_past_a_deadline(js, topology):
+    release.clear()
     gave_in.clear()
     fake = FakeSGLang()
     await fake.start()
@@ -163,7 +163,7 @@ async def test_an_agent_can_neither_stop_its_worker_nor_hold_it_past_a_deadline(
                 await worker.run()
                 elapsed = asyncio.get_running_loop().time() - started
             if agent == "swallows":
-                assert elapsed < SWALLOW_S - 1  # it did not wait for the agent to give in
+                assert elapsed < 10  # the deadline (0.3 s) and the grace (1 s), not forever
     finally:
         await fake.close()
     stored = {t.job_id: t for t in await TrajectoryReader(js, topology).read("default")}
@@ -171,4 +171,5 @@ async def test_an_agent_can_neither_stop_its_worker_nor_hold_it_past_a_deadline(
         assert stored[f"exits-{i}"].status == "error" and name in stored[f"exits-{i}"].error
     assert stored["swallows-0"].status == "timeout"
     assert stored["big-0"].status == "error" and "max_payload" in stored["big-0"].error
-    await gave_in.wait()  # the abandoned agent ends on its own
+    release.set()  # the abandoned agent, still running, may end now
+    await gave_in.wait()
