@@ -418,10 +418,11 @@ def summary(rows: list[dict]) -> None:
         ("RSS per worker, all held (MiB, mean)", None, ""),
         ("lost", "lost", "d"),
     ]
-    print("\n| | " + " | ".join(SIDES) + " |\n|---|" + "---|" * len(SIDES))
+    sides = sorted({r["side"] for r in rows}, key=SIDES.index)
+    print("\n| | " + " | ".join(sides) + " |\n|---|" + "---|" * len(sides))
     for label, key, fmt in metrics:
         cells = []
-        for side in SIDES:
+        for side in sides:
             mine = [r for r in rows if r["side"] == side]
             if label.startswith("sessions held"):
                 cells.append(
@@ -459,7 +460,7 @@ async def driver(opts: argparse.Namespace) -> None:
     rows = []
     try:
         for r in range(opts.repeats):
-            order = SIDES if r % 2 == 0 else SIDES[::-1]
+            order = opts.sides if r % 2 == 0 else opts.sides[::-1]
             for side in order:
                 row = await one_run(side, opts, opts.sessions, nc, log_dir)
                 row["repeat"], row["load"] = r, round(os.getloadavg()[0], 1)
@@ -491,6 +492,9 @@ def main() -> None:
         "--http-pool", type=int, default=0, help="connections per http client process (0: no limit)"
     )
     parser.add_argument("--nats-url", default="", help="a running server (default: start one)")
+    parser.add_argument(
+        "--sides", type=lambda text: tuple(text.split(",")), default=SIDES, help="nats,http"
+    )
     parser.add_argument("--json", default="", help="write every run's figures here")
     parser.add_argument("--client", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--offset", type=int, default=0, help=argparse.SUPPRESS)

@@ -292,8 +292,23 @@ class EnvWorker:
             )
         elif not want and self._start_sub is not None:
             sub, self._start_sub = self._start_sub, None
-            # UNSUB, a round trip, then the starts already routed here reach _on_start
-            await sub.drain()
+            # UNSUB and a round trip, as nats-py's drain does; but the subscription keeps its
+            # callback a while longer (_linger): nats-server can deliver a start it routed here
+            # before the UNSUB even after the PONG (seen 60 ms late on a loaded machine), and
+            # nats-py drops a message whose subscription is gone, so its client would wait for
+            # its request timeout (60 s) instead of an answer. nats-py has no public call that
+            # sends the UNSUB and keeps the subscription.
+            await self.nc._send_unsubscribe(sub._id)
+            await self.nc.flush()
+            self._spawn(self._linger(sub))
+
+    async def _linger(self, sub: Subscription) -> None:
+        """Answer what still comes on a start subscription after its UNSUB, then drop it."""
+        try:
+            await asyncio.sleep(self.config.start_linger_s)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.drain()  # a late start being answered now finishes first
 
     async def _on_start(self, msg: Msg) -> None:
         """Decide at once (this callback runs one message at a time); the reset runs in a task."""
