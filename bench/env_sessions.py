@@ -102,12 +102,14 @@ def assistant(k: int) -> dict:
 class NatsSide:
     def __init__(self, args: argparse.Namespace) -> None:
         self.url = args.nats_url
+        self.timeout_s = args.request_timeout
 
     async def open(self) -> None:
         from consumers import EnvClient
 
         self.nc = await NatsSettings(url=self.url).connect(name="bench-env-client")
-        self.envs = EnvClient(self.nc, Topology())
+        timeout = self.timeout_s
+        self.envs = EnvClient(self.nc, Topology(), start_timeout_s=timeout, step_timeout_s=timeout)
 
     async def start(self, i: int) -> Any:
         return await self.envs.start(ENV_NAME, {"index": str(i)})
@@ -127,13 +129,14 @@ class HttpSide:
     def __init__(self, args: argparse.Namespace) -> None:
         self.urls = args.http_urls.split(",")
         self.pool = args.http_pool
+        self.timeout_s = args.request_timeout
 
     async def open(self) -> None:
         import aiohttp
 
         self.aiohttp = aiohttp
         connector = aiohttp.TCPConnector(limit=self.pool, limit_per_host=0)
-        timeout = aiohttp.ClientTimeout(total=60)
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         self.http = aiohttp.ClientSession(connector=connector, timeout=timeout)
 
     async def _post(self, url: str, body: dict) -> dict:
@@ -338,6 +341,7 @@ async def one_run(side: str, opts: argparse.Namespace, n: int, nc: Any, log_dir:
                 sys.executable, str(Path(__file__).resolve()), "--client", side,
                 "--sessions", str(share), "--offset", str(offset), "--nats-url", opts.nats_url,
                 "--http-urls", ",".join(where), "--http-pool", str(opts.http_pool),
+                "--request-timeout", str(opts.request_timeout),
             ]  # fmt: skip
             offset += share
             clients.append(await Proc.spawn(args, log_dir / f"{side}-client-{c}.log", stdin=True))
@@ -349,6 +353,9 @@ async def one_run(side: str, opts: argparse.Namespace, n: int, nc: Any, log_dir:
         # The barrier: every client holds its sessions; nothing is closed before "go".
         worker_held = await held_by_workers(side, nc, where)
         rss_held = [memory_kib(w.proc.pid)["VmRSS"] for w in workers]
+        server_kib = (
+            memory_kib(opts.server_pid)["VmRSS"] if side == "nats" and opts.server_pid else 0
+        )
         for client in clients:
             await client.send("go")
         done = [json.loads(await client.line()) for client in clients]
@@ -393,6 +400,7 @@ async def one_run(side: str, opts: argparse.Namespace, n: int, nc: Any, log_dir:
         "step_p50_ms": percentile(step_ms, 50),
         "step_p99_ms": percentile(step_ms, 99),
         "rss_mib": [round(kib / 1024, 1) for kib in rss_held],
+        "nats_server_rss_mib": round(server_kib / 1024, 1),
         "peak_rss_mib": [round(kib / 1024, 1) for kib in worker_peak],
         "client_peak_rss_mib": [round(d["memory_kib"]["VmHWM"] / 1024, 1) for d in done],
         "completed": sum(d["completed"] for d in done),
@@ -446,10 +454,10 @@ def summary(rows: list[dict]) -> None:
 async def driver(opts: argparse.Namespace) -> None:
     limit = raise_fd_limit()
     log_dir = Path(tempfile.mkdtemp(prefix="bench-env-sessions-"))
-    server = None
+    server, opts.server_pid = None, 0
     if not opts.nats_url:
         server = NatsServer(store_dir=log_dir / "nats").start()
-        opts.nats_url = server.url
+        opts.nats_url, opts.server_pid = server.url, server.pid
     nc = await NatsSettings(url=opts.nats_url).connect(name="bench-env-driver")
     print(
         f"{opts.sessions} sessions x {opts.repeats} repeats; {opts.workers} worker and "
@@ -490,6 +498,13 @@ def main() -> None:
     parser.add_argument("--max-starting", type=int, default=64, help="nats workers' --max-starting")
     parser.add_argument(
         "--http-pool", type=int, default=0, help="connections per http client process (0: no limit)"
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=120.0,
+        help="one request, both sides (nats: EnvClient's start and step timeouts; it retries a "
+        "timed-out request twice, http does not)",
     )
     parser.add_argument("--nats-url", default="", help="a running server (default: start one)")
     parser.add_argument(
