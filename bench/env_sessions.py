@@ -495,7 +495,9 @@ def main() -> None:
     parser.add_argument(
         "--capacity", type=int, default=0, help="per nats worker (default: 1.1 N/W + 16)"
     )
-    parser.add_argument("--max-starting", type=int, default=64, help="nats workers' --max-starting")
+    parser.add_argument(
+        "--max-starting", type=int, default=8, help="nats workers' --max-starting (the default's)"
+    )
     parser.add_argument(
         "--http-pool", type=int, default=0, help="connections per http client process (0: no limit)"
     )
