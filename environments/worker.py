@@ -307,9 +307,9 @@ class EnvWorker:
             # nats-py drops a message whose subscription is gone, so its client would wait for
             # its request timeout (60 s) instead of an answer. nats-py has no public call that
             # sends the UNSUB and keeps the subscription.
+            self._spawn(self._linger(sub))  # first: drained in the end even if this fails
             await self.nc._send_unsubscribe(sub._id)
             await self.nc.flush()
-            self._spawn(self._linger(sub))
 
     async def _linger(self, sub: Subscription) -> None:
         """Answer what still comes on a start subscription after its UNSUB, then drop it."""
