@@ -146,6 +146,7 @@ async def test_a_start_delivered_after_the_worker_gave_up_its_subscription_is_an
         with pytest.raises(nats.errors.NoRespondersError):  # the server took the UNSUB
             await nc.request(worker.start_subject, encode(EnvStart(session_id="a", task={})))
         replies = await nc.subscribe(inbox := nc.new_inbox(), max_msgs=1)
+        await nc.flush()  # the server has the SUB before the worker answers
         late = encode(EnvStart(session_id="late", task={}))
         # what the server does in the race: a message on the old subscription's sid
         await worker.nc._process_msg(
@@ -520,6 +521,13 @@ async def test_sigterm_drains_new_starts_refused_open_sessions_finish(nats_url, 
         [echo] = json.loads((await out.communicate())[0])
         assert (echo["env"], echo["sessions"], echo["capacity"]) == ("echo", 1, 4)
         proc.send_signal(signal.SIGTERM)
+        # a start sent at once may reach the worker before it handles the signal: wait until
+        # its stats say it drains
+        for _ in range(200):
+            [echo] = await collect_env_status(nc, Topology())
+            if echo.workers[0]["draining"]:
+                break
+            await asyncio.sleep(0.05)
         with pytest.raises(EnvironmentUnavailable):  # draining: no new sessions
             await envs.start("echo", {}, deadline_s=1.0)
         assert proc.returncode is None  # still serving its open session
