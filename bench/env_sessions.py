@@ -412,6 +412,7 @@ async def one_run(side: str, opts: argparse.Namespace, n: int, nc: Any, log_dir:
 
 def summary(rows: list[dict]) -> None:
     def cell(values: list[float], fmt: str) -> str:
+        fmt = ",.0f" if fmt == "d" else fmt  # the median of an even count may be a float
         if len(values) == 1:
             return format(values[0], fmt)
         return f"{format(statistics.median(values), fmt)} ({format(min(values), fmt)}..{format(max(values), fmt)})"
@@ -481,9 +482,9 @@ async def driver(opts: argparse.Namespace) -> None:
         await nc.close()
         if server is not None:
             server.stop()
-    summary(rows)
     if opts.json:
         Path(opts.json).write_text(json.dumps(rows, indent=1))
+    summary(rows)
 
 
 def main() -> None:
