@@ -143,8 +143,7 @@ async def test_a_start_delivered_after_the_worker_gave_up_its_subscription_is_an
         old = worker._start_sub
         await EnvClient(nc).start("echo", {})
         await until(lambda: not worker.accepting)
-        with pytest.raises(nats.errors.NoRespondersError):  # the server took the UNSUB
-            await nc.request(worker.start_subject, encode(EnvStart(session_id="a", task={})))
+        rejected = worker.counters.rejected
         replies = await nc.subscribe(inbox := nc.new_inbox(), max_msgs=1)
         await nc.flush()  # the server has the SUB before the worker answers
         late = encode(EnvStart(session_id="late", task={}))
@@ -154,7 +153,7 @@ async def test_a_start_delivered_after_the_worker_gave_up_its_subscription_is_an
         )
         reply = await replies.next_msg(timeout=5)
         assert reply.headers["Nats-Service-Error-Code"] == "503"
-        assert worker.counters.rejected == 1 and worker.open_sessions == 1
+        assert worker.counters.rejected == rejected + 1 and worker.open_sessions == 1
 
 
 async def test_starts_are_admitted_a_few_at_a_time(settings, nc):
