@@ -44,6 +44,8 @@ class EnvWorkerConfig:
     worker_id: str = field(default_factory=default_worker_id)
     janitor_interval_s: float = 1.0
     closed_memory_s: float = 120.0  # a retried close still gets its outcome this long
+    # A start subscription given up (full) still answers this long: see EnvWorker._follow_room
+    start_linger_s: float = 2.0
 
     def __post_init__(self) -> None:
         check_name(self.name, "env")

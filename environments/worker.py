@@ -52,6 +52,7 @@ from schemas import (
 from .base import Environment
 from .caps import TooLarge, cap_observation, cap_step_result
 from .config import EnvWorkerConfig, Session, Tombstone, agentarium_version
+from .metrics import EnvMetrics
 from .service import KIND, Endpoint, EndpointCounters, EnvService
 from .stats import WorkerCounters
 
@@ -80,6 +81,7 @@ class EnvWorker:
         self.env_cls = env_cls
         self.config = config
         self.counters = WorkerCounters()
+        self.metrics = EnvMetrics(config.name)  # the same figures for Prometheus
         self.start_subject = topology.env_start_subject(config.name)
         self.sessions_filter = topology.env_sessions_filter(config.name, config.worker_id)
         self._sessions: dict[str, Session] = {}
@@ -196,6 +198,8 @@ class EnvWorker:
         self._start_sub = await self.nc.subscribe(
             self.start_subject, queue=self.topology.env_service(cfg.name), cb=self._on_start
         )
+        self.metrics.accepting.inc()
+        self.metrics.capacity.inc(cfg.capacity)
         await self.nc.flush()
         self._changed()
         self._loops = [
@@ -249,6 +253,9 @@ class EnvWorker:
         _, stuck = await asyncio.wait(self._loops, timeout=LOOP_STOP_S)
         for task in stuck:
             task.cancel()
+        if self._start_sub is not None:
+            self.metrics.accepting.dec()
+        self.metrics.capacity.dec(self.config.capacity)
         for sub in (self._start_sub, self._session_sub):
             if sub is not None:
                 with contextlib.suppress(Exception):
@@ -290,10 +297,27 @@ class EnvWorker:
                 queue=self.topology.env_service(self.config.name),
                 cb=self._on_start,
             )
+            self.metrics.accepting.inc()
         elif not want and self._start_sub is not None:
             sub, self._start_sub = self._start_sub, None
-            # UNSUB, a round trip, then the starts already routed here reach _on_start
-            await sub.drain()
+            self.metrics.accepting.dec()
+            # UNSUB and a round trip, as nats-py's drain does; but the subscription keeps its
+            # callback a while longer (_linger): nats-server can deliver a start it routed here
+            # before the UNSUB even after the PONG (seen 60 ms late on a loaded machine), and
+            # nats-py drops a message whose subscription is gone, so its client would wait for
+            # its request timeout (60 s) instead of an answer. nats-py has no public call that
+            # sends the UNSUB and keeps the subscription.
+            self._spawn(self._linger(sub))  # first: drained in the end even if this fails
+            await self.nc._send_unsubscribe(sub._id)
+            await self.nc.flush()
+
+    async def _linger(self, sub: Subscription) -> None:
+        """Answer what still comes on a start subscription after its UNSUB, then drop it."""
+        try:
+            await asyncio.sleep(self.config.start_linger_s)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.drain()  # a late start being answered now finishes first
 
     async def _on_start(self, msg: Msg) -> None:
         """Decide at once (this callback runs one message at a time); the reset runs in a task."""
@@ -309,6 +333,7 @@ class EnvWorker:
             return
         if self.draining or start.session_id in self._starting or not self._fits():
             self.counters.rejected += 1
+            self.metrics.rejected.inc()
             why = "draining" if self.draining else "full"
             if start.session_id in self._starting:
                 why = "this session is still starting"
@@ -371,6 +396,8 @@ class EnvWorker:
         self._starting.discard(start.session_id)
         self.counters.starts += 1
         self.counters.start_rate.add()
+        self.metrics.sessions.inc()
+        self.metrics.starts.inc()
         self._changed()
         await self._reply(msg, reply, self._start_ep, began)
 
@@ -386,6 +413,7 @@ class EnvWorker:
         self.counters.start_failures += 1
         if code == 500:
             self.counters.errors += 1
+            self.metrics.errors.inc()
         if env is not None:  # release what the reset may have taken
             await self._close_env(env, "start failed", start.session_id)
         self._starting.discard(start.session_id)
@@ -471,8 +499,11 @@ class EnvWorker:
         reply = _encode_like(msg, result)
         session.last_seq, session.last_reply = call.seq, reply
         session.steps += 1
+        seconds = (time.perf_counter_ns() - began) / 1e9
         self.counters.steps += 1
-        self.counters.latencies_s.append((time.perf_counter_ns() - began) / 1e9)
+        self.counters.latencies_s.append(seconds)
+        self.metrics.steps.inc()
+        self.metrics.step_seconds.observe(seconds)
         await self._reply(msg, reply, ep, began)
 
     async def _step_raised(
@@ -485,6 +516,7 @@ class EnvWorker:
             exc_info=exc,
         )
         self.counters.errors += 1
+        self.metrics.errors.inc()
         await self._end(session, "the environment raised during a step")
         await self._error(
             msg,
@@ -506,6 +538,7 @@ class EnvWorker:
         except Exception as exc:  # noqa: BLE001
             log.warning("environment close raised", session=session.session_id, exc_info=exc)
             self.counters.errors += 1
+            self.metrics.errors.inc()
             self._forget(session, "closed; its close raised")
             await self._error(
                 msg, error_code(exc, 500),
@@ -515,6 +548,7 @@ class EnvWorker:
             return
         reply = _encode_like(msg, dataclasses.replace(outcome, steps=session.steps))
         self.counters.closed += 1
+        self.metrics.closed.inc()
         self._forget(session, "closed", reply)
         await self._reply(msg, reply, self._session_ep, began)
 
@@ -537,12 +571,14 @@ class EnvWorker:
         session.closed = True
         if expired:
             self.counters.expired += 1
+            self.metrics.expired.inc()
         await self._close_env(session.env, reason, session.session_id)
         self._forget(session, reason)
 
     def _forget(self, session: Session, reason: str, reply: bytes | None = None) -> None:
         session.closed = True
-        self._sessions.pop(session.session_id, None)
+        if self._sessions.pop(session.session_id, None) is not None:
+            self.metrics.sessions.dec()
         until = time.monotonic() + self.config.closed_memory_s
         self._tombstones[session.session_id] = Tombstone(until, reason, reply)
         self._changed()
@@ -604,6 +640,7 @@ class EnvWorker:
     async def _error(self, msg: Msg, code: int, message: str, ep: Endpoint, began: int) -> None:
         name = ENV_ERROR_CODES[code]
         ep.counters.record(began, f"{code} {name}: {message}"[:300])
+        self.metrics.refused(code)
         if code in (400, 404, 408, 409, 413):
             self.counters.bad_requests += 1
         if not msg.reply:

@@ -497,6 +497,8 @@ def test_compose_services_serve_metrics_where_prometheus_scrapes_them():
     for service in SERVES_METRICS:
         port = flag(SERVICES[service]["command"], "--metrics-port")
         assert scrape_targets(f"agentarium-{service}") == [f"{service}:{port}"], service
+    port = flag(SERVICES["env-sql"]["command"], "--metrics-port")
+    assert scrape_targets("agentarium-env-sql") == [f"env-sql:{port}"]  # environment workers
     # both engines answer as `llm`, on the CLI's port; SGLang only with --enable-metrics
     assert scrape_targets("agentarium-engine") == [f"llm:{engine_port}"]
     assert "--enable-metrics" in SERVICES["sglang"]["command"]
