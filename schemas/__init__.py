@@ -2,7 +2,17 @@
 
 from .codec import JSON_CONTENT_TYPE, MSGPACK_CONTENT_TYPE, decode, encode, encode_json, loads
 from .deadletter import DeadLetter
-from .env import ENV_ERROR_CODES, EnvCall, EnvError, EnvStart, EnvStarted, Observation, Outcome, StepResult
+from .env import (
+    ENV_ERROR_CODES,
+    EnvCall,
+    EnvError,
+    EnvStart,
+    EnvStarted,
+    EnvWorkerStats,
+    Observation,
+    Outcome,
+    StepResult,
+)
 from .errors import DecodeError, SchemaError
 from .fields import SCHEMA_VERSION
 from .job import Job, Sampling
@@ -22,6 +32,7 @@ __all__ = [
     "EnvError",
     "EnvStart",
     "EnvStarted",
+    "EnvWorkerStats",
     "Observation",
     "Outcome",
     "StepResult",
