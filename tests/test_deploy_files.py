@@ -83,7 +83,10 @@ def flag(argv: list[str], name: str) -> str:
 
 
 def _argv(line: str) -> list[str]:
-    return [_substitute(t) for t in shlex.split(line.rstrip("\\ "))]
+    words = shlex.split(line.rstrip("\\ "))
+    if words and words[-1] == "&":  # a shell snippet's background job: not the command's
+        words.pop()
+    return [_substitute(t) for t in words]
 
 
 def command_lines() -> list[tuple[str, list[str]]]:

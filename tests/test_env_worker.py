@@ -139,7 +139,8 @@ async def test_a_start_delivered_after_the_worker_gave_up_its_subscription_is_an
     seen 60 ms late under load, 3 % of starts lost at 2,000 sessions). NATS never re-routes it,
     so a worker that dropped it would leave its client waiting 60 s for a timeout: the old
     subscription still answers (here 503, full) for a while."""
-    async with serving(settings, capacity=1) as worker:
+    # a linger far longer than this test takes on a loaded machine: the race is injected below
+    async with serving(settings, capacity=1, start_linger_s=60.0) as worker:
         old = worker._start_sub
         await EnvClient(nc).start("echo", {})
         await until(lambda: not worker.accepting)
