@@ -17,6 +17,7 @@ from .errors import (
     ServerLaunchError,
     is_transient,
 )
+from .eventloop import loop_name, new_event_loop, run_loop
 from .prometheus import MetricsServer, metrics_response, render_metrics
 from .provision import (
     ProvisionReport,
@@ -79,13 +80,16 @@ __all__ = [
     "inject_headers",
     "is_transient",
     "live_workers",
+    "loop_name",
     "metrics_response",
+    "new_event_loop",
     "provision",
     "publish_worker",
     "read_tail",
     "record_engine",
     "remove_worker",
     "render_metrics",
+    "run_loop",
     "setup_logging",
     "setup_tracing",
     "shutdown_tracing",

@@ -19,7 +19,7 @@ from typing import Any
 import structlog
 from nats.js import JetStreamContext
 
-from broker import Topology
+from broker import Topology, loop_name
 
 from .agents import AgentRunner, AgentSpec
 from .backends import CrossSamplingBackend, OpenAICompatBackend, SGLangBackend
@@ -236,6 +236,7 @@ class ConsumerService:
             worker_id=spec.worker_id,
             concurrency=spec.concurrency,
             burst=spec.burst,
+            loop=loop_name(),
         )
         return self
 
