@@ -58,9 +58,7 @@ class _Server:
                 if len(self.output_ids) > max_new
                 else {"type": "stop", "matched": output_ids[-1]}
             )
-            return 200, dumps(
-                self.shapes._response(request, prompt, output_ids, self.text, finish)
-            )
+            return 200, dumps(self.shapes._response(request, prompt, output_ids, self.text, finish))
         if path == b"/health":
             return 200, b""
         if path in (b"/model_info", b"/get_model_info"):
@@ -103,7 +101,8 @@ class _Connection(asyncio.Protocol):
             status, payload = self.server.answer(method, path, body)
             response = (
                 b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\n"
-                b"Content-Length: %d\r\n\r\n" % (status, b"OK" if status == 200 else b"NO", len(payload))
+                b"Content-Length: %d\r\n\r\n"
+                % (status, b"OK" if status == 200 else b"NO", len(payload))
             ) + payload
             if self.server.latency_s > 0:
                 self.loop.call_later(self.server.latency_s, self._write, response)

@@ -21,18 +21,35 @@ STEPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("fetch jobs (pull requests, Msg objects)", ("Worker._pull_loop", "JobPuller.", "fetch (")),
     ("decode job (msgpack + validation)", ("Worker._decode", "decode (schemas/codec.py")),
     ("trace context from headers", ("extract_context",)),
-    ("rollout bookkeeping (task, deadline, proxy)", ("run_rollout", "Worker._run", "Worker._handle", "Worker._process")),
+    (
+        "rollout bookkeeping (task, deadline, proxy)",
+        ("run_rollout", "Worker._run", "Worker._handle", "Worker._process"),
+    ),
     ("agent runner (sync agents: thread hop)", ("AgentRunner.",)),
     ("LLM call bookkeeping (LLMCall, attributes)", ("TracingLLM.",)),
     ("chat template + tokenizer", ("ChatTemplate.", "chat_template.py")),
     ("HTTP client (request, response)", ("SGLangBackend.", "HttpPool.", "HttpConnection.")),
     ("parse /generate response", ("parse_generate_response",)),
     ("build trajectory", ("trajectory_for",)),
-    ("publish trajectory + puback", ("publish_trajectory", "Publisher.", "_settle", "Worker._publish")),
+    (
+        "publish trajectory + puback",
+        ("publish_trajectory", "Publisher.", "_settle", "Worker._publish"),
+    ),
     ("encode trajectory (msgpack)", ("encode (schemas/codec.py",)),
     ("ack", ("Msg.ack", "Msg.in_progress")),
     ("prometheus metrics", ("prometheus_client/", "RolloutMetrics.", "observe_llm")),
-    ("spans (OpenTelemetry)", ("opentelemetry/", "(trace/", "(context/", "(attributes/", "_decorator.py", "propagat", "(sdk/")),
+    (
+        "spans (OpenTelemetry)",
+        (
+            "opentelemetry/",
+            "(trace/",
+            "(context/",
+            "(attributes/",
+            "_decorator.py",
+            "propagat",
+            "(sdk/",
+        ),
+    ),
     ("logging (structlog)", ("structlog/",)),
     ("registry + heartbeats", ("_registry_loop", "_heartbeat_loop", "publish_worker")),
     ("agent code", ("(examples/",)),
@@ -41,7 +58,10 @@ STEPS: tuple[tuple[str, tuple[str, ...]], ...] = (
 LIBRARIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("NATS client: read, parse, dispatch", ("nats/",)),
     ("HTTP client: callbacks (aiohttp)", ("aiohttp/",)),
-    ("event loop (asyncio/uvloop: scheduling, select)", ("asyncio/", "selectors.py", "uvloop", "events.py")),
+    (
+        "event loop (asyncio/uvloop: scheduling, select)",
+        ("asyncio/", "selectors.py", "uvloop", "events.py"),
+    ),
 )
 IDLE = ("_worker (concurrent/futures/thread.py:81)",)
 

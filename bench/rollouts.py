@@ -13,8 +13,8 @@ that survives a shared machine. Every trajectory is checked to be ``ok``.
 
 ``--tree NAME=PATH`` (repeatable) runs the consumer from other checkouts too, e.g. the code
 before a change: every tree gets its own consumer, and the trees' batches alternate within each
-repeat, so both see the same machine. With ``--pin`` (the default on >= 2 cores) consumers run
-on the first core and everything else (nats-server, the fake backend, this script) on the rest.
+repeat, so both see the same machine. With ``--pin`` consumers run on the first core and
+everything else (nats-server, the fake backend, this script) on the rest.
 
 ``--profile DIR`` then records one more batch per consumer with py-spy (``pip install
 py-spy``) and prints where the consumer's time goes per rollout (bench/profile_summary.py).
@@ -274,8 +274,9 @@ if __name__ == "__main__":
     parser.add_argument(
         "--pin",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="consumers on the first core, the rest elsewhere (default on)",
+        default=False,
+        help="consumers on the first core, the rest elsewhere (off by default: on a machine "
+        "others share too, a pinned consumer waits for its one core)",
     )
     parser.add_argument("--profile", metavar="DIR", help="py-spy one more batch per consumer")
     asyncio.run(main(parser.parse_args()))

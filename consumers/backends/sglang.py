@@ -18,18 +18,25 @@ first attempt, and SGLang refuses a duplicate request id.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Sequence
 from typing import Any
 
-import aiohttp
+import orjson
 
 from ..errors import BackendUnavailable, BadRequest
 from .balancer import StickyBalancer
 from .base import BackendRetry, GenerateRequest, GenerateResult, retryable_status
+from .http import HttpError, HttpPool
 
 _FINISH_TYPES = ("stop", "length", "abort")
+
+
+def _plain(value: Any) -> Any:
+    """What orjson cannot write itself: numpy scalars (and anything else with ``item()``)."""
+    if callable(getattr(value, "item", None)):
+        return value.item()
+    raise TypeError(f"cannot send a {type(value).__name__} to SGLang as JSON")
 
 
 class _ServerFailed(Exception):
@@ -99,27 +106,34 @@ class SGLangBackend:
         abort_retries: int = 3,
         down_for: float = 10.0,
         max_route_keys: int = 100_000,
+        max_connections: int | None = None,
     ) -> None:
         urls = [urls] if isinstance(urls, str) else list(urls)
         self.urls = [u.rstrip("/") for u in urls]
         self.policy = BackendRetry(retries=retries, backoff=backoff, max_backoff=max_backoff)
         self.abort_retries = abort_retries
         self.balancer = StickyBalancer(self.urls, max_keys=max_route_keys, down_for=down_for)
-        self._timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=connect_timeout)
-        self._session: aiohttp.ClientSession | None = None
+        self._timeout = timeout
+        self._connect_timeout = connect_timeout
+        # One socket per request in flight: the fleet, not the client, sets the pace, up to
+        # the process's open-file limit (HttpPool's default), beyond which requests wait.
+        self._max_connections = max_connections
+        self._http: HttpPool | None = None
 
     @property
-    def session(self) -> aiohttp.ClientSession:
-        # Created lazily: the constructor may run outside the event loop that will use it.
-        if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=0)  # the fleet, not the client, sets the pace
-            self._session = aiohttp.ClientSession(timeout=self._timeout, connector=connector)
-        return self._session
+    def http(self) -> HttpPool:
+        if self._http is None:  # again after aclose(): a closed backend may be reused
+            self._http = HttpPool(
+                timeout_s=self._timeout,
+                connect_timeout_s=self._connect_timeout,
+                max_connections=self._max_connections,
+            )
+        return self._http
 
     async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
 
     async def __aenter__(self) -> SGLangBackend:
         return self
@@ -183,20 +197,21 @@ class SGLangBackend:
         return body
 
     async def _post(self, url: str, request: GenerateRequest, attempt: int) -> GenerateResult:
+        body = orjson.dumps(
+            self._body(request, attempt), default=_plain, option=orjson.OPT_SERIALIZE_NUMPY
+        )
         self.balancer.started(url)
         start = time.perf_counter()
         try:
-            async with self.session.post(
-                f"{url}/generate", json=self._body(request, attempt)
-            ) as resp:
-                text = await resp.text()
-                status = resp.status
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            response = await self.http.request("POST", f"{url}/generate", body)
+        except (HttpError, TimeoutError, OSError) as exc:
             raise _ServerFailed(f"{type(exc).__name__}: {exc}") from exc
         finally:
             self.balancer.finished(url)
         latency = time.perf_counter() - start
+        status = response.status
         if status != 200:
+            text = response.text()
             if retryable_status(status):
                 raise _ServerFailed(f"HTTP {status}: {text[:300]}")
             raise BadRequest(
@@ -206,7 +221,7 @@ class SGLangBackend:
                 body=text,
             )
         try:
-            result = parse_generate_response(json.loads(text), url=url, latency_s=latency)
+            result = parse_generate_response(response.json(), url=url, latency_s=latency)
         except (ValueError, TypeError, KeyError, IndexError) as exc:
             raise _ServerFailed(f"unusable response: {exc}") from exc
         finish = result.meta_info.get("finish_reason")
@@ -215,7 +230,7 @@ class SGLangBackend:
                 f"{url} aborted the request: {finish.get('message', finish)}",
                 status=int(finish["status_code"]),
                 url=url,
-                body=text,
+                body=response.text(),
             )
         return result
 
@@ -224,10 +239,8 @@ class SGLangBackend:
 
         async def one(url: str) -> bool:
             try:
-                timeout = aiohttp.ClientTimeout(total=5.0)
-                async with self.session.get(f"{url}/health", timeout=timeout) as resp:
-                    ok = resp.status == 200
-            except (aiohttp.ClientError, TimeoutError):
+                ok = (await self.http.request("GET", f"{url}/health", timeout_s=5.0)).status == 200
+            except (HttpError, TimeoutError, OSError):
                 ok = False
             if ok:
                 self.balancer.mark_up(url)
@@ -243,14 +256,14 @@ class SGLangBackend:
         for url in self.urls:
             for path in ("/model_info", "/get_model_info"):
                 try:
-                    async with self.session.get(f"{url}{path}") as resp:
-                        if resp.status == 404:
-                            continue
-                        if resp.status == 200:
-                            return await resp.json(content_type=None)
-                        errors[url] = f"HTTP {resp.status}"
-                        break
-                except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                    resp = await self.http.request("GET", f"{url}{path}")
+                    if resp.status == 404:
+                        continue
+                    if resp.status == 200:
+                        return resp.json()
+                    errors[url] = f"HTTP {resp.status}"
+                    break
+                except (HttpError, TimeoutError, OSError, ValueError) as exc:
                     errors[url] = f"{type(exc).__name__}: {exc}"
                     break
         raise BackendUnavailable(f"no server answered /model_info: {errors}", errors=errors)
