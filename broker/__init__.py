@@ -26,6 +26,7 @@ from .provision import (
     ensure_streams,
     provision,
 )
+from .publisher import JetStreamPublisher
 from .registry import live_workers, publish_worker, remove_worker
 from .server import NatsServer, find_nats_server, free_port
 from .settings import NatsSettings
@@ -52,6 +53,7 @@ __all__ = [
     "BrokerError",
     "BrokerStatus",
     "BrokerUnavailable",
+    "JetStreamPublisher",
     "Limits",
     "MetricsServer",
     "MetricsServerError",

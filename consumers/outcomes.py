@@ -20,7 +20,7 @@ import nats.js.errors
 import structlog
 from nats.js import JetStreamContext
 
-from broker import ERR_WRONG_LAST_SEQUENCE, TRANSIENT_NATS_ERRORS, Topology
+from broker import ERR_WRONG_LAST_SEQUENCE, TRANSIENT_NATS_ERRORS, JetStreamPublisher, Topology
 from schemas import DeadLetter, Job, Trajectory, encode
 
 log = structlog.get_logger("agentarium.consumers")
@@ -62,10 +62,17 @@ async def _until_done(what: str, call: Callable[[], Awaitable[T]]) -> T:
 
 
 class OutcomeStore:
+    """Stores outcomes; publishes are pipelined (``broker.JetStreamPublisher``): many
+    rollouts' trajectories wait for their acks at once, each still acked only once stored."""
+
     def __init__(self, js: JetStreamContext, topo: Topology, worker_id: str) -> None:
         self.js = js
         self.topo = topo
         self.worker_id = worker_id
+        self.publisher = JetStreamPublisher(js._nc)
+
+    async def close(self) -> None:
+        await self.publisher.close()
 
     async def stored(self, job: Job) -> bool:
         """Whether the job's trajectory exists (one last-message lookup on its subject)."""
@@ -87,8 +94,8 @@ class OutcomeStore:
 
         async def publish() -> bool:
             try:
-                await self.js.publish(
-                    subject, payload, headers={"Nats-Expected-Last-Subject-Sequence": "0"}
+                await self.publisher.publish(
+                    subject, payload, {"Nats-Expected-Last-Subject-Sequence": "0"}
                 )
                 return True
             except nats.js.errors.APIError as exc:
@@ -128,7 +135,7 @@ class OutcomeStore:
             )
 
         async def publish() -> DeadLetter:
-            await self.js.publish(self.topo.dead_subject(agent), encode(letter))
+            await self.publisher.publish(self.topo.dead_subject(agent), encode(letter))
             return letter
 
         return await _until_done("dead-letter publish", publish)

@@ -47,6 +47,7 @@ from schemas import Job, SchemaError, Trajectory, check_name, decode
 from .delivery import Action, Decision, DeliveryPolicy, Event
 from .metrics import RolloutMetrics
 from .outcomes import OutcomeStore
+from .puller import JobPuller
 from .rollout import AgentFailure, RolloutEnv, run_rollout, trajectory_for
 
 log = structlog.get_logger("agentarium.consumers")
@@ -144,7 +145,8 @@ class Worker:
         # Ends the heartbeat and registry loops. They are cancelled too, but a cancellation can
         # be lost inside nats-py's KV put (Python 3.11): the flag ends them at the next turn.
         self._quit_background = asyncio.Event()
-        self._psub: JetStreamContext.PullSubscription | None = None
+        self._releasing: set[asyncio.Task] = set()  # naks of jobs delivered while stopping
+        self._puller: JobPuller | None = None
 
     def __repr__(self) -> str:
         c = self.counters
@@ -160,11 +162,13 @@ class Worker:
     @property
     def ready(self) -> bool:
         """Bound to the agent's consumer and pulling (false before that and while draining)."""
-        return self._psub is not None and not self._stop.is_set()
+        return self._puller is not None and not self._stop.is_set()
 
     def stop(self) -> None:
         """Begin draining (what SIGTERM does)."""
         self._stop.set()
+        if self._puller is not None:
+            self._puller.wake()
 
     # ---- main loop -------------------------------------------------------------------
     async def run(self) -> Counters:
@@ -196,12 +200,9 @@ class Worker:
             _, stuck = await asyncio.wait(background, timeout=BACKGROUND_STOP_S)
             if stuck:  # never let a stuck informational loop keep the worker from stopping
                 log.warning("background loop did not stop; left behind", tasks=len(stuck))
-            try:  # before any nc.drain(): a live pull sub hangs it
-                if self._psub is not None:  # None when _attach never bound it
-                    await self._psub.unsubscribe()
-            except Exception:
-                pass
+            await self._close_puller()  # before any nc.drain(): a live subscription hangs it
             await remove_worker(self.js, self.topo, cfg.worker_id)
+            await self.store.close()
             log.info(
                 "worker stopped",
                 worker_id=cfg.worker_id,
@@ -223,10 +224,18 @@ class Worker:
                     consumer,
                     keys=("filter_subject", "ack_policy"),
                 )
-                self._psub = await self.js.pull_subscribe_bind(
-                    consumer.durable_name, self.topo.tasks_stream
-                )
                 await self._adopt_consumer_settings(consumer.durable_name)
+                puller = JobPuller(
+                    self.js,
+                    self.topo.tasks_stream,
+                    consumer.durable_name,
+                    on_job=self._start,
+                    capacity=self.config.concurrency,
+                    max_batch=self.config.max_fetch,
+                    expires_s=self.config.fetch_timeout_s,
+                )
+                await puller.start()
+                self._puller = puller
                 return
             except _ATTACH_RETRYABLE as exc:
                 if self._stop.is_set():
@@ -263,41 +272,57 @@ class Worker:
             self.config = replace(self.config, retry=retry, ack_wait_s=ack_wait)
 
     async def _pull_loop(self) -> None:
+        """Keep a job on its way for every free slot (consumers/puller.py); jobs start as they
+        arrive, in ``_start``."""
         cfg = self.config
-        psub = self._psub
-        assert psub is not None, "run() binds the subscription (_attach) before the pull loop"
+        puller = self._puller
+        assert puller is not None, "run() binds the puller (_attach) before the pull loop"
         errors_in_row = 0
         while not self._stop.is_set():
-            free = cfg.concurrency - len(self._inflight)
-            if free <= 0:
-                await self._wait_for_slot()
-                continue
             try:
-                msgs = await psub.fetch(min(free, cfg.max_fetch), timeout=cfg.fetch_timeout_s)
+                await puller.top_up(cfg.concurrency - len(self._inflight))
                 errors_in_row = 0
-            except TimeoutError:  # nothing arrived (nats' TimeoutError is a subclass)
-                if cfg.burst and await self._queue_empty():
-                    return
-                continue
-            except (nats.errors.Error, nats.js.errors.Error, OSError) as exc:
+            except (nats.errors.Error, OSError) as exc:
                 errors_in_row += 1
-                log.warning("fetch failed; retrying", error=str(exc) or type(exc).__name__)
+                log.warning("pull request failed; retrying", error=str(exc) or type(exc).__name__)
                 await self._sleep_or_stop(min(5.0, 0.1 * 2**errors_in_row))
                 continue
-            for msg in msgs:
-                self.counters.fetched += 1
-                task = asyncio.create_task(self._handle(msg))
-                self._inflight[task] = msg
-                self.metrics.in_flight.inc()
-                task.add_done_callback(self._inflight.pop)
-                task.add_done_callback(lambda _: self.metrics.in_flight.dec())
+            await puller.wait(cfg.fetch_timeout_s)
+            if (
+                cfg.burst
+                and not self._inflight
+                and time.monotonic() - puller.last_job_at >= cfg.fetch_timeout_s
+                and await self._queue_empty()
+            ):
+                return
+        await self._close_puller()  # the server drops the requests still outstanding
 
-    async def _wait_for_slot(self) -> None:
-        stop = asyncio.create_task(self._stop.wait())
-        try:
-            await asyncio.wait([stop, *self._inflight], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stop.cancel()
+    def _start(self, msg: Msg) -> None:
+        """Run one delivered job (the puller calls this for each)."""
+        if self._stop.is_set():  # delivered as the worker stopped: release it at once
+            task = asyncio.create_task(self._quietly(msg.nak()))
+            self._releasing.add(task)
+            task.add_done_callback(self._releasing.discard)
+            return
+        self.counters.fetched += 1
+        task = asyncio.create_task(self._handle(msg))
+        self._inflight[task] = msg
+        self.metrics.in_flight.inc()
+        task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task) -> None:
+        del self._inflight[task]
+        self.metrics.in_flight.dec()
+        if self._puller is not None:
+            self._puller.freed(self.config.concurrency - len(self._inflight))
+
+    async def _close_puller(self) -> None:
+        puller, self._puller = self._puller, None
+        if puller is not None:
+            try:
+                await puller.close()
+            except Exception:  # noqa: BLE001 - stopping: the connection may be gone already
+                pass
 
     async def _sleep_or_stop(self, seconds: float) -> None:
         try:

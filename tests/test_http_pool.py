@@ -80,7 +80,7 @@ async def test_chunked_body(serve):
         await _read_request(reader)
         writer.write(
             b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
-            b"4\r\n{\"a\"\r\n6;ext=1\r\n: [1, \r\n3\r\n2]}\r\n0\r\n\r\n"
+            b'4\r\n{"a"\r\n6;ext=1\r\n: [1, \r\n3\r\n2]}\r\n0\r\n\r\n'
         )
         await writer.drain()
         await _echo_forever(reader, writer)
@@ -96,7 +96,7 @@ async def test_chunked_body(serve):
 async def test_connection_close_and_body_until_eof(serve):
     async def closing(reader, writer):
         await _read_request(reader)
-        writer.write(b"HTTP/1.1 503 Busy\r\nConnection: close\r\n\r\n{\"busy\": true}")
+        writer.write(b'HTTP/1.1 503 Busy\r\nConnection: close\r\n\r\n{"busy": true}')
         await writer.drain()
 
     url, stats = await serve(closing)
@@ -141,7 +141,7 @@ async def test_failures_raise_http_error_or_timeout(serve):
 
     async def half(reader, writer):
         await _read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{\"cut")
+        writer.write(b'HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{"cut')
         await writer.drain()
 
     url, _ = await serve(half)
