@@ -36,8 +36,14 @@ def pin(pid: int, cpus: set[int] | None) -> None:
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a live process, all its threads."""
+    user, system = cpu_split(pid)
+    return user + system
+
+
+def cpu_split(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of a live process, all its threads."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
+    return int(fields[11]) / TICKS, int(fields[12]) / TICKS
 
 
 def memory(pid: int) -> dict[str, int]:
@@ -72,6 +78,7 @@ class Consumer:
     cpus: set[int] | None = None
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
+    profile_out: Path | None = None  # run under bench/cpuprof.py, writing here
     proc: subprocess.Popen | None = None
 
     def start(self) -> Consumer:
@@ -80,15 +87,19 @@ class Consumer:
             OMP_NUM_THREADS="1",
             MKL_NUM_THREADS="1",
             AGENTARIUM_LOG_FORMAT="json",
-            PYTHONPATH=f"{self.tree}:{self.tree / 'tests'}:{ROOT / 'tests'}",
+            PYTHONPATH=f"{self.tree}:{self.tree / 'tests'}:{ROOT / 'tests'}:{ROOT / 'bench'}",
         )
         env.update(self.env)
+        launcher = [sys.executable]
+        if self.profile_out is not None:
+            launcher.append(str(ROOT / "bench" / "cpuprof.py"))
+            env["CPUPROF_OUT"] = str(self.profile_out)
         cpus = self.cpus
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [
-                    sys.executable,
+                    *launcher,
                     "-m",
                     "agentarium",
                     "consumer",
@@ -119,6 +130,25 @@ class Consumer:
 
     def cpu(self) -> float:
         return cpu_seconds(self.pid)
+
+    def cpu_split(self) -> tuple[float, float]:
+        return cpu_split(self.pid)
+
+    async def profile(self, body):
+        """Sample this consumer's CPU (bench/cpuprof.py) while ``await body()`` runs; returns
+        (the body's result, the collapsed stacks)."""
+        assert self.profile_out is not None, "start the consumer with profile_out"
+        self.profile_out.unlink(missing_ok=True)
+        self.proc.send_signal(signal.SIGUSR1)
+        try:
+            result = await body()
+        finally:
+            self.proc.send_signal(signal.SIGUSR2)
+        for _ in range(600):
+            if self.profile_out.exists():
+                return result, self.profile_out.read_text()
+            await asyncio.sleep(0.05)  # the consumer writes the file between two callbacks
+        raise RuntimeError(f"no profile from {self.agent}:\n{self.log_tail()}")
 
     def memory(self) -> dict[str, int]:
         return memory(self.pid)

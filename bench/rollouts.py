@@ -2,7 +2,9 @@
 process -> backend -> trajectory stored.
 
 Cases (one consumer process each, started once, warmed up, then measured batch after batch):
-  noop       agent ``examples.toy:noop`` (no LLM call): the pipeline's own ceiling
+  noop       agent ``examples.toy:noop`` (no LLM call; a sync function, so run in the
+             consumer's thread pool): the ceiling for sync agents
+  noop_async agent ``bench/agents.py:noop`` (no LLM call, async): the pipeline's own ceiling
   one_call   agent ``examples.toy:one_call`` (one LLM call, 1 token) against an instant fake
              backend with SGLang's response shape (bench/fake_fleet.py, another process)
   engine     (--engine) the same agent against the local CPU engine with the tiny model
@@ -16,8 +18,9 @@ before a change: every tree gets its own consumer, and the trees' batches altern
 repeat, so both see the same machine. With ``--pin`` consumers run on the first core and
 everything else (nats-server, the fake backend, this script) on the rest.
 
-``--profile DIR`` then records one more batch per consumer with py-spy (``pip install
-py-spy``) and prints where the consumer's time goes per rollout (bench/profile_summary.py).
+``--profile DIR`` runs the consumers under bench/cpuprof.py (CPU-time sampling) and records
+one more batch per consumer, then prints where the consumer's CPU goes per rollout
+(bench/profile_summary.py); the stacks stay in DIR.
 
     .venv/bin/python bench/rollouts.py [--jobs 5000] [--repeats 5] [--tree before=/tmp/base]
 """
@@ -27,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -49,6 +51,7 @@ from producers import TaskProducer, TrajectoryReader  # noqa: E402
 
 CASES = {
     "noop": "examples.toy:noop",
+    "noop_async": "agents:noop",
     "one_call": "examples.toy:one_call",
     "engine": "examples.toy:one_call",
 }
@@ -59,6 +62,7 @@ class Batch:
     rate: float  # rollouts/s
     cpu_us: float  # consumer CPU microseconds per rollout
     cpu_share: float  # consumer CPU seconds / wall seconds
+    system: float  # the kernel's part of the CPU time (sockets)
 
 
 @dataclass
@@ -85,7 +89,7 @@ async def one_batch(js, topo, row: Row, jobs: int, run: str, check: bool) -> Bat
     stream = topo.trajectories_stream
     before = await stored(js, stream)
     tasks = [{"task_id": f"t{i}", "prompt": f"repeat {i % 10}"} for i in range(jobs)]
-    cpu0 = row.consumer.cpu()
+    user0, sys0 = row.consumer.cpu_split()
     start = time.perf_counter()
     await TaskProducer(js, topo).submit(row.consumer.agent, tasks, run=run)
     while await stored(js, stream) < before + jobs:
@@ -93,7 +97,8 @@ async def one_batch(js, topo, row: Row, jobs: int, run: str, check: bool) -> Bat
             raise RuntimeError(f"consumer {row.consumer.agent} exited:\n{row.consumer.log_tail()}")
         await asyncio.sleep(0.02)  # polling a count: no event exists for "all stored"
     elapsed = time.perf_counter() - start
-    cpu = row.consumer.cpu() - cpu0
+    user1, sys1 = row.consumer.cpu_split()
+    cpu = user1 + sys1 - user0 - sys0
     if check:
         trajectories = await TrajectoryReader(js, topo).read(run)
         bad = [t for t in trajectories if t.status != "ok"]
@@ -102,38 +107,12 @@ async def one_batch(js, topo, row: Row, jobs: int, run: str, check: bool) -> Bat
                 f"{row.tree}/{row.case}: {len(trajectories)} trajectories for {jobs} jobs, "
                 f"{len(bad)} not ok: {bad[:1]}"
             )
-    return Batch(rate=jobs / elapsed, cpu_us=cpu / jobs * 1e6, cpu_share=cpu / elapsed)
-
-
-async def profile_batch(js, topo, row: Row, jobs: int, run: str, out: Path, cpus) -> Batch:
-    """One batch with py-spy recording the consumer (raw collapsed stacks, one file)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    spy = subprocess.Popen(
-        [
-            str(Path(sys.executable).parent / "py-spy"),
-            "record",
-            "--pid",
-            str(row.consumer.pid),
-            "--rate",
-            "250",
-            "--format",
-            "raw",
-            "--threads",
-            "--nonblocking",
-            "--output",
-            str(out),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+    return Batch(
+        rate=jobs / elapsed,
+        cpu_us=cpu / jobs * 1e6,
+        cpu_share=cpu / elapsed,
+        system=(sys1 - sys0) / max(cpu, 1e-9),
     )
-    await asyncio.sleep(1.0)  # py-spy attaches
-    try:
-        batch = await one_batch(js, topo, row, jobs, run, check=False)
-    finally:
-        spy.send_signal(signal.SIGINT)
-        await asyncio.to_thread(spy.wait, 30)
-    return batch
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -175,6 +154,7 @@ async def main(args: argparse.Namespace) -> None:
                     concurrency=args.concurrency,
                     log_path=logs / f"consumer-{agent}.log",
                     cpus=consumer_cpus,
+                    profile_out=Path(args.profile) / f"{name}-{case}.txt" if args.profile else None,
                 ).start()
                 rows.append(Row(tree=name, case=case, consumer=consumer))
         await wait_registered(js, topo, len(rows), [r.consumer for r in rows])
@@ -192,12 +172,12 @@ async def main(args: argparse.Namespace) -> None:
                 )
         profiles = {}
         if args.profile:
+            Path(args.profile).mkdir(parents=True, exist_ok=True)
             for row in rows:
-                out = Path(args.profile) / f"{row.tree}-{row.case}.txt"
-                batch = await profile_batch(
-                    js, topo, row, args.jobs, f"p-{row.consumer.agent}", out, other_cpus
+                run = f"p-{row.consumer.agent}"
+                profiles[(row.tree, row.case)] = await row.consumer.profile(
+                    lambda row=row, run=run: one_batch(js, topo, row, args.jobs, run, False)
                 )
-                profiles[(row.tree, row.case)] = (out, batch)
         peaks = {(row.tree, row.case): row.consumer.memory()["VmHWM"] for row in rows}
     finally:
         await nc.close()
@@ -215,7 +195,7 @@ async def main(args: argparse.Namespace) -> None:
     )
     print(
         f"  {'tree':<8} {'case':<9} {'rollouts/s':>22} {'CPU us/rollout':>22} "
-        f"{'consumer CPU share':>20} {'peak RSS':>9}"
+        f"{'consumer CPU share':>20} {'system':>7} {'peak RSS':>9}"
     )
     for row in rows:
         print(
@@ -223,6 +203,7 @@ async def main(args: argparse.Namespace) -> None:
             f"{median_range([b.rate for b in row.batches]):>22} "
             f"{median_range([b.cpu_us for b in row.batches]):>22} "
             f"{median_range([b.cpu_share for b in row.batches], '{:.2f}'):>20} "
+            f"{statistics.median(b.system for b in row.batches):7.0%} "
             f"{peaks[(row.tree, row.case)] / 2**20:7.0f} MiB"
         )
     if len(trees) > 1:
@@ -244,9 +225,9 @@ async def main(args: argparse.Namespace) -> None:
     if profiles:
         from profile_summary import summarize
 
-        for (tree, case), (path, batch) in profiles.items():
-            print(f"\nprofile {tree}/{case} ({batch.cpu_us:.0f} us CPU/rollout under py-spy)")
-            print(summarize(path.read_text(), batch.cpu_us))
+        for (tree, case), (batch, stacks) in profiles.items():
+            print(f"\nprofile {tree}/{case} ({batch.cpu_us:.0f} us CPU/rollout while sampled)")
+            print(summarize(stacks, batch.cpu_us))
 
 
 if __name__ == "__main__":
@@ -259,8 +240,8 @@ if __name__ == "__main__":
     parser.add_argument(
         "--cases",
         type=lambda s: [c for c in s.split(",") if c],
-        default=["noop", "one_call"],
-        help="comma-separated: noop, one_call (default both)",
+        default=["noop", "noop_async", "one_call"],
+        help="comma-separated: noop, noop_async, one_call (default all three)",
     )
     parser.add_argument("--engine", action="store_true", help="also the local CPU engine case")
     parser.add_argument(
@@ -278,5 +259,5 @@ if __name__ == "__main__":
         help="consumers on the first core, the rest elsewhere (off by default: on a machine "
         "others share too, a pinned consumer waits for its one core)",
     )
-    parser.add_argument("--profile", metavar="DIR", help="py-spy one more batch per consumer")
+    parser.add_argument("--profile", metavar="DIR", help="profile one more batch per consumer")
     asyncio.run(main(parser.parse_args()))

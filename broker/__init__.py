@@ -35,6 +35,7 @@ from .stream_metrics import StreamMetrics, collect_stream_metrics
 from .tail import Tail, read_tail
 from .telemetry import (
     OPENINFERENCE_SPAN_KIND,
+    CurrentSpan,
     extract_context,
     inject_headers,
     setup_logging,
@@ -53,6 +54,7 @@ __all__ = [
     "BrokerError",
     "BrokerStatus",
     "BrokerUnavailable",
+    "CurrentSpan",
     "JetStreamPublisher",
     "Limits",
     "MetricsServer",

@@ -14,10 +14,13 @@ value is None dropped). Tests pin the ids against transformers itself.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import json
+from array import array
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -27,6 +30,10 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer
+
+# The prompt-ids cache (ChatTemplate.encode): at most this many prompts of at most this size.
+CACHE_ENTRIES = 1024
+CACHE_MAX_CHARS = 16 * 1024
 
 # The named special tokens transformers puts in ``special_tokens_map`` (and so in the template).
 SPECIAL_TOKEN_NAMES = (
@@ -254,6 +261,10 @@ class ChatTemplate:
         self._sources = dict(templates)
         self._compiled = {key: compile_template(src) for key, src in templates.items()}
         self._eos_token_ids = tuple(dict.fromkeys(eos_token_ids))
+        # Prompt text -> ids: the G samples of a GRPO group render the same first prompt.
+        # Keyed by the exact text, so a hit is exactly what the tokenizer would return; ids
+        # are kept packed, and only for prompts up to CACHE_MAX_CHARS.
+        self._ids: collections.OrderedDict[str, array] = collections.OrderedDict()
 
     @classmethod
     def from_model_dir(cls, path: str | Path) -> ChatTemplate:
@@ -351,7 +362,18 @@ class ChatTemplate:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; no BOS/EOS added (the template writes its own)."""
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        cached = self._ids.get(text)
+        if cached is not None:
+            with contextlib.suppress(KeyError):  # another thread evicted it meanwhile
+                self._ids.move_to_end(text)
+            return cached.tolist()
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        if len(text) <= CACHE_MAX_CHARS:
+            self._ids[text] = array("i", ids)
+            while len(self._ids) > CACHE_ENTRIES:
+                with contextlib.suppress(KeyError):
+                    self._ids.popitem(last=False)
+        return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -9,8 +9,9 @@ re-tokenization of text. Tool calls are parsed from the generated text into Open
 
 from __future__ import annotations
 
+import functools
+import random
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +22,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.util.types import AttributeValue
 
-from broker import OPENINFERENCE_SPAN_KIND
+from broker import OPENINFERENCE_SPAN_KIND, CurrentSpan
 from schemas import LLMCall, Sampling
 
 from . import genai
@@ -33,6 +34,9 @@ from .metrics import observe_llm_call, observe_llm_failure
 from .toolcalls import ToolCallError, arguments_as_objects, parse_tool_calls
 
 tracer = trace.get_tracer("agentarium.consumers")
+# Request-id nonces: a private generator (seeded from os.urandom), so an agent seeding the
+# global one cannot make two attempts of a job, in two processes, send the same rid.
+_NONCES = random.Random()
 
 # Per-call keyword → SGLang sampling_params key. The aliases are the OpenAI names, so an agent
 # written against the OpenAI SDK can pass what it already passes.
@@ -83,6 +87,12 @@ class ChatResult:
     @property
     def content(self) -> str:
         return self.message.get("content") or ""
+
+
+@functools.lru_cache(maxsize=1024)  # a fleet's few URLs
+def _server_address(url: str) -> tuple[str, int | None]:
+    address = urlsplit(url)
+    return address.hostname or url, address.port
 
 
 def _sampling_params(job: Sampling, eos_ids: Sequence[int], overrides: dict[str, Any]) -> dict:
@@ -157,8 +167,9 @@ class TracingLLM:
         # OpenAI SDK turns the proxy's 503 into its own exception), so the worker can class
         # the rollout as an infrastructure failure.
         self.errors: list[LLMError] = []
-        self._nonce = uuid.uuid4().hex[:6]
+        self._nonce = f"{_NONCES.getrandbits(24):06x}"
         self._started = 0
+        self._span_name = f"chat {model_name}".rstrip()
 
     async def chat(
         self, messages: Sequence[Any], tools: Sequence[Any] | None = None, **sampling: Any
@@ -172,8 +183,9 @@ class TracingLLM:
         parent = self._parent_for_call()
         token = otel_context.attach(parent) if parent is not None else None
         try:
-            with tracer.start_as_current_span(
-                f"chat {self.model_name}".rstrip(),
+            with CurrentSpan(
+                tracer,
+                self._span_name,
                 kind=trace.SpanKind.CLIENT,
                 attributes=self._request_attributes(chat, tool_list, params),
             ) as span:
@@ -278,29 +290,30 @@ class TracingLLM:
 
         prompt_tokens = len(input_ids) or result.prompt_tokens
         output_tokens = len(result.output_ids) or result.completion_tokens
+        observe_llm_call(call, prompt_tokens, output_tokens)
+        # The model that answered: a cross-sampled call names the second model.
+        model = result.meta_info.get("model") or model_of_call(call, self.model_name)
+        attributes: dict[str, AttributeValue] = {
+            "gen_ai.response.model": str(model),
+            "gen_ai.usage.input_tokens": prompt_tokens,
+            "gen_ai.usage.output_tokens": output_tokens,
+            "gen_ai.usage.cache_read.input_tokens": result.cached_tokens,
+            "gen_ai.response.finish_reasons": [finish],
+            "agentarium.weight_version": result.weight_version,
+        }
         response_id = result.meta_info.get("id")
         if response_id:
-            span.set_attribute("gen_ai.response.id", str(response_id))
-        # The model that answered: a cross-sampled call names the second model.
-        span.set_attribute(
-            "gen_ai.response.model",
-            str(result.meta_info.get("model") or model_of_call(call, self.model_name)),
-        )
-        observe_llm_call(call, prompt_tokens, output_tokens)
-        span.set_attribute("gen_ai.usage.input_tokens", prompt_tokens)
-        span.set_attribute("gen_ai.usage.output_tokens", output_tokens)
-        span.set_attribute("gen_ai.usage.cache_read.input_tokens", result.cached_tokens)
-        span.set_attribute("gen_ai.response.finish_reasons", [finish])
-        span.set_attribute("agentarium.weight_version", result.weight_version)
+            attributes["gen_ai.response.id"] = str(response_id)
         if self.capture_content:
-            span.set_attribute("gen_ai.output.messages", genai.output_messages(message, finish))
+            attributes["gen_ai.output.messages"] = genai.output_messages(message, finish)
         if result.backend:
-            address = urlsplit(result.backend)
-            span.set_attribute("server.address", address.hostname or result.backend)
-            if address.port:
-                span.set_attribute("server.port", address.port)
+            host, port = _server_address(result.backend)
+            attributes["server.address"] = host
+            if port:
+                attributes["server.port"] = port
         if errors:
-            span.set_attribute("agentarium.tool_call_errors", len(errors))
+            attributes["agentarium.tool_call_errors"] = len(errors)
+        span.set_attributes(attributes)  # one call: each set_attribute takes the span's lock
         return ChatResult(
             text=result.text,
             message=message,

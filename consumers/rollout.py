@@ -23,7 +23,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
-from broker import OPENINFERENCE_SPAN_KIND, span_id_hex, trace_id_hex
+from broker import OPENINFERENCE_SPAN_KIND, CurrentSpan, span_id_hex, trace_id_hex
 from schemas import Job, Trajectory
 
 from . import genai
@@ -96,8 +96,8 @@ async def run_rollout(
     if capture:  # the task is content like a prompt: shown only when the user opted in
         attributes[genai.OPENINFERENCE_INPUT] = json.dumps(job.task, default=str)
         attributes[genai.OPENINFERENCE_INPUT_MIME] = "application/json"
-    with tracer.start_as_current_span(
-        "rollout", context=parent, kind=SpanKind.CONSUMER, attributes=attributes
+    with CurrentSpan(
+        tracer, "rollout", context=parent, kind=SpanKind.CONSUMER, attributes=attributes
     ) as span:
         trace_id = trace_id_hex(span)
         # The trajectory keeps this span's id: the trainer's step links to it.
