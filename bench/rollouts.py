@@ -88,7 +88,8 @@ def start_fake(cpus: set[int] | None) -> tuple[subprocess.Popen, str]:
 async def one_batch(js, topo, row: Row, jobs: int, run: str, check: bool) -> Batch:
     stream = topo.trajectories_stream
     before = await stored(js, stream)
-    tasks = [{"task_id": f"t{i}", "prompt": f"repeat {i % 10}"} for i in range(jobs)]
+    # Every prompt new (the run names the batch): no prompt-cache hit flatters the figures.
+    tasks = [{"task_id": f"t{i}", "prompt": f"repeat {i} of {run}"} for i in range(jobs)]
     user0, sys0 = row.consumer.cpu_split()
     start = time.perf_counter()
     await TaskProducer(js, topo).submit(row.consumer.agent, tasks, run=run)

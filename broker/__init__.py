@@ -17,7 +17,7 @@ from .errors import (
     ServerLaunchError,
     is_transient,
 )
-from .eventloop import loop_name, new_event_loop, run_loop
+from .eventloop import loop_name, new_event_loop, run_loop, watch_lag
 from .prometheus import MetricsServer, metrics_response, render_metrics
 from .provision import (
     ProvisionReport,
@@ -99,4 +99,5 @@ __all__ = [
     "shutdown_tracing",
     "span_id_hex",
     "trace_id_hex",
+    "watch_lag",
 ]

@@ -47,6 +47,18 @@ def run_loop(main: Coroutine[Any, Any, T]) -> T:
         return runner.run(main)
 
 
+async def watch_lag(observe: Callable[[float], None], *, every_s: float = 0.05) -> None:
+    """Until cancelled: sleep ``every_s`` and ``observe`` how late the loop woke up (seconds).
+
+    The event-loop lag: how long a callback that is due waits for the loop, which every
+    socket read, timer and rollout of the process shares."""
+    loop = asyncio.get_running_loop()
+    while True:
+        due = loop.time() + every_s
+        await asyncio.sleep(every_s)
+        observe(max(0.0, loop.time() - due))
+
+
 def loop_name(loop: asyncio.AbstractEventLoop | None = None) -> str:
     """``uvloop`` or ``asyncio``: what a process logs about its loop."""
     loop = loop or asyncio.get_running_loop()

@@ -53,6 +53,13 @@ ALREADY_STORED = Counter(
     ["agent"],
 )
 
+LOOP_LAG_SECONDS = Histogram(
+    "agentarium_event_loop_lag_seconds",
+    "How late the consumer's event loop runs a callback that is due (sampled every 50 ms): "
+    "what every rollout, socket and timer of the process waits on top of its own work",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)
+
 LLM_SECONDS = Histogram(
     "agentarium_llm_request_duration_seconds",
     "Wall time of one LLM call as the agent saw it (retries and failover included)",
