@@ -213,7 +213,9 @@ async def main(args: argparse.Namespace) -> None:
     res = results["inflight"]
     goal = 1.5 * (args.latency + args.jobs / rate)
     lag = res["lag"]
-    print(f"\n1. throughput R: one consumer, one-call agent, instant backend, {args.rate_jobs} jobs")
+    print(
+        f"\n1. throughput R: one consumer, one-call agent, instant backend, {args.rate_jobs} jobs"
+    )
     print(f"   {median_range(results['rates'])} rollouts/s (median (min..max) of {args.repeats})")
     print(
         f"\n2. {args.jobs} rollouts in flight in one consumer process (--concurrency {args.jobs}), "

@@ -85,14 +85,19 @@ def start_fake(cpus: set[int] | None) -> tuple[subprocess.Popen, str]:
     return proc, line.split(" on ", 1)[1].strip()
 
 
-async def one_batch(js, topo, row: Row, jobs: int, run: str, check: bool) -> Batch:
+async def one_batch(
+    js, topo, row: Row, jobs: int, run: str, check: bool, group_size: int = 1
+) -> Batch:
     stream = topo.trajectories_stream
     before = await stored(js, stream)
-    # Every prompt new (the run names the batch): no prompt-cache hit flatters the figures.
-    tasks = [{"task_id": f"t{i}", "prompt": f"repeat {i} of {run}"} for i in range(jobs)]
+    # Every task's prompt is new (the run names the batch); a task's group_size samples share it.
+    tasks = [
+        {"task_id": f"t{i}", "prompt": f"repeat {i} of {run}"} for i in range(jobs // group_size)
+    ]
+    jobs = len(tasks) * group_size
     user0, sys0 = row.consumer.cpu_split()
     start = time.perf_counter()
-    await TaskProducer(js, topo).submit(row.consumer.agent, tasks, run=run)
+    await TaskProducer(js, topo).submit(row.consumer.agent, tasks, run=run, group_size=group_size)
     while await stored(js, stream) < before + jobs:
         if not row.consumer.alive():
             raise RuntimeError(f"consumer {row.consumer.agent} exited:\n{row.consumer.log_tail()}")
@@ -160,11 +165,21 @@ async def main(args: argparse.Namespace) -> None:
                 rows.append(Row(tree=name, case=case, consumer=consumer))
         await wait_registered(js, topo, len(rows), [r.consumer for r in rows])
         for row in rows:  # warm-up: imports, connections, JIT-free but cache-warm
-            await one_batch(js, topo, row, min(args.jobs, 1000), f"w-{row.consumer.agent}", True)
+            await one_batch(
+                js,
+                topo,
+                row,
+                min(args.jobs, 1000),
+                f"w-{row.consumer.agent}",
+                True,
+                args.group_size,
+            )
         for r in range(args.repeats):
             for row in rows:
                 run = f"r{r}-{row.consumer.agent}"
-                row.batches.append(await one_batch(js, topo, row, args.jobs, run, r == 0))
+                row.batches.append(
+                    await one_batch(js, topo, row, args.jobs, run, r == 0, args.group_size)
+                )
                 print(
                     f"  repeat {r}: {row.tree:<8} {row.case:<9} "
                     f"{row.batches[-1].rate:7.0f} rollouts/s "
@@ -177,7 +192,9 @@ async def main(args: argparse.Namespace) -> None:
             for row in rows:
                 run = f"p-{row.consumer.agent}"
                 profiles[(row.tree, row.case)] = await row.consumer.profile(
-                    lambda row=row, run=run: one_batch(js, topo, row, args.jobs, run, False)
+                    lambda row=row, run=run: one_batch(
+                        js, topo, row, args.jobs, run, False, args.group_size
+                    )
                 )
         peaks = {(row.tree, row.case): row.consumer.memory()["VmHWM"] for row in rows}
     finally:
@@ -191,7 +208,8 @@ async def main(args: argparse.Namespace) -> None:
 
     pinned = f"consumer on CPU {sorted(consumer_cpus)}" if consumer_cpus else "not pinned"
     print(
-        f"\n{args.jobs} jobs per batch, consumer --concurrency {args.concurrency}, {pinned}; "
+        f"\n{args.jobs} jobs per batch ({args.jobs // args.group_size} prompts x group "
+        f"{args.group_size}), consumer --concurrency {args.concurrency}, {pinned}; "
         f"median (min..max) of {args.repeats} alternated batches"
     )
     print(
@@ -238,6 +256,13 @@ if __name__ == "__main__":
     parser.add_argument("--jobs", type=int, default=5000)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--concurrency", type=int, default=256)
+    parser.add_argument(
+        "--group-size",
+        type=int,
+        default=1,
+        help="samples per task (GRPO's G), sharing its prompt; every task's prompt is new "
+        "(default 1: every prompt new)",
+    )
     parser.add_argument(
         "--cases",
         type=lambda s: [c for c in s.split(",") if c],

@@ -18,6 +18,7 @@ from .errors import (
     is_transient,
 )
 from .eventloop import loop_name, new_event_loop, run_loop, watch_lag
+from .gc_tuning import tune_gc
 from .prometheus import MetricsServer, metrics_response, render_metrics
 from .provision import (
     ProvisionReport,
@@ -99,5 +100,6 @@ __all__ = [
     "shutdown_tracing",
     "span_id_hex",
     "trace_id_hex",
+    "tune_gc",
     "watch_lag",
 ]
