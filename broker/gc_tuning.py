@@ -19,13 +19,19 @@ ENV = "AGENTARIUM_GC"
 GEN0 = 50_000
 
 
-def tune_gc(gen0: int = GEN0) -> bool:
-    """Freeze the start-up heap and raise the young generation's threshold; False (nothing
-    done) when ``AGENTARIUM_GC=default``."""
+def tune_gc(gen0: int = GEN0, *, freeze: bool = True) -> bool:
+    """Raise the young generation's threshold (never lowering one set higher) and, with
+    ``freeze``, freeze the heap as it is now; False (nothing done) when
+    ``AGENTARIUM_GC=default``.
+
+    ``freeze`` suits a process of our own (the consumer command). Inside someone else's
+    process (the orchestrator in a training script) only the threshold is raised: a frozen
+    object that later becomes cyclic garbage would never be collected."""
     if os.environ.get(ENV, "").strip().lower() == "default":
         return False
-    gc.collect()
-    gc.freeze()
+    if freeze:
+        gc.collect()
+        gc.freeze()
     young, middle, old = gc.get_threshold()
     gc.set_threshold(max(young, gen0), middle, old)
     return True
