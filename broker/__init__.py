@@ -1,11 +1,20 @@
-"""NATS plumbing: connection settings, topology, provisioning, the embedded server, status,
+"""NATS plumbing: connection settings, topology, provisioning, the embedded server, status
+(environment services' included, from the NATS service API),
 the workers registry, engine weight versions, stream tails for live views, telemetry (logging,
 tracing, trace context in message headers) and the Prometheus side shared by every service
 (the /metrics and health server, queue gauges)."""
 
 from .engines import engine_key, engine_versions, record_engine
+from .env_status import (
+    ENV_SERVICE_KIND,
+    EnvServiceStatus,
+    collect_env_status,
+    format_env_status,
+    gather_replies,
+)
 from .errors import (
     ERR_CONSUMER_NOT_FOUND,
+    ERR_JS_TEMPORARILY_UNAVAILABLE,
     ERR_STREAM_FULL,
     ERR_STREAM_NOT_FOUND,
     ERR_WRONG_LAST_SEQUENCE,
@@ -19,6 +28,7 @@ from .errors import (
 )
 from .eventloop import loop_name, new_event_loop, run_loop, watch_lag
 from .gc_tuning import tune_gc
+from .patience import START_PATIENCE_S, is_unavailable, patiently
 from .prometheus import MetricsServer, metrics_response, render_metrics
 from .provision import (
     ProvisionReport,
@@ -48,7 +58,13 @@ from .telemetry import (
 from .topology import Limits, Topology
 
 __all__ = [
+    "ENV_SERVICE_KIND",
+    "EnvServiceStatus",
+    "collect_env_status",
+    "format_env_status",
+    "gather_replies",
     "ERR_CONSUMER_NOT_FOUND",
+    "ERR_JS_TEMPORARILY_UNAVAILABLE",
     "ERR_STREAM_FULL",
     "ERR_STREAM_NOT_FOUND",
     "ERR_WRONG_LAST_SEQUENCE",
@@ -65,6 +81,7 @@ __all__ = [
     "OPENINFERENCE_SPAN_KIND",
     "ProvisionReport",
     "ProvisioningError",
+    "START_PATIENCE_S",
     "ServerLaunchError",
     "StreamMetrics",
     "Tail",
@@ -84,10 +101,12 @@ __all__ = [
     "free_port",
     "inject_headers",
     "is_transient",
+    "is_unavailable",
     "live_workers",
     "loop_name",
     "metrics_response",
     "new_event_loop",
+    "patiently",
     "provision",
     "publish_worker",
     "read_tail",

@@ -6,6 +6,13 @@ Outcomes are classified here, once:
   error     infrastructure failed (the LLM backend was unreachable after retries):
             recorded, never scored as reward 0
   agent error (AgentFailure)  the agent or reward function raised: the worker retries it
+  environment failure (EnvFailure)  an environment service was unavailable (no worker with
+            room, or the session's worker died), even if the agent swallowed the error: the
+            worker retries it; its last attempt is stored as status ``error``, never reward 0
+
+The deadline (``job.deadline_s``) stands still while the agent's LLM fleet is down and holds
+its calls (consumers/fleet.py): an outage within ``--fleet-outage-limit`` costs a rollout
+neither its attempt nor its time.
 """
 
 from __future__ import annotations
@@ -28,8 +35,11 @@ from schemas import Job, Trajectory
 
 from . import genai
 from .agents import AgentRunner, extract_reward, finite_reward
-from .errors import BackendUnavailable
+from .envclient import EnvClient
+from .errors import BackendUnavailable, EnvironmentUnavailable
+from .fleet import Fleet, deadline_held_by
 from .llm import TracingLLM
+from .proxy import secret_of
 
 tracer = trace.get_tracer("agentarium.consumers")
 
@@ -44,6 +54,14 @@ class AgentFailure(Exception):
     span_id: str = ""
 
 
+@dataclass
+class EnvFailure(Exception):
+    """An environment service failed under the rollout: infrastructure, retried by the worker;
+    ``trajectory`` (status ``error``) is what its last attempt stores."""
+
+    trajectory: Trajectory
+
+
 @dataclass(frozen=True)
 class RolloutEnv:
     """What every rollout of one worker shares."""
@@ -55,10 +73,15 @@ class RolloutEnv:
     model_name: str
     worker_id: str
     reward_fn: Callable[..., Any] | None = None
+    # The LLM fleets behind ``backend`` (the model's, a cross-sampling model's): while one is
+    # down within its outage limit, the worker pulls nothing and rollout deadlines stand still.
+    fleets: tuple[Fleet, ...] = ()
+    envs: EnvClient | None = None  # handed to agents that declare an ``envs`` parameter
 
 
 def trajectory_for(job: Job, worker_id: str, **fields: Any) -> Trajectory:
     """The job's trajectory: its ids copied from the job, the outcome from ``fields``."""
+    metadata = fields.pop("metadata", job.metadata)
     return Trajectory(
         job_id=job.job_id,
         agent=job.agent,
@@ -71,7 +94,7 @@ def trajectory_for(job: Job, worker_id: str, **fields: Any) -> Trajectory:
         is_train=job.is_train,
         worker_id=worker_id,
         task=job.task,
-        metadata=job.metadata,
+        metadata=metadata,
         **fields,
     )
 
@@ -113,11 +136,23 @@ async def run_rollout(
             capture_content=capture,
         )
 
+        envs = (
+            env.envs.bind(job_id=job.job_id, deadline_s=job.deadline_s)
+            if env.envs is not None and env.runner.spec.envs
+            else None
+        )
+
         # Backend failures the agent may have swallowed (the OpenAI SDK turns the proxy's 503
         # into its own exception): they make the rollout an infrastructure error.
         def infra_failure() -> BackendUnavailable | None:
             found = [e for e in llm.errors if isinstance(e, BackendUnavailable)]
             return found[-1] if found else None
+
+        def env_failure() -> EnvFailure | None:
+            """An environment that was unavailable, raised or swallowed: retried."""
+            if envs is None or not envs.errors:
+                return None
+            return EnvFailure(done("error", error=f"environment unavailable: {envs.errors[-1]}"))
 
         def done(status: str, *, provisional: bool = False, **extra: Any) -> Trajectory:
             span.set_attribute("agentarium.status", status)
@@ -127,6 +162,10 @@ async def run_rollout(
                 outcome = {"status": status, "reward": extra.get("reward")}
                 span.set_attribute(genai.OPENINFERENCE_OUTPUT, json.dumps(outcome))
                 span.set_attribute(genai.OPENINFERENCE_OUTPUT_MIME, "application/json")
+            if envs is not None and envs.summary():
+                # what each environment session did; its tool results reached the model only
+                # as prompt context, so the trainer's loss mask leaves them out anyway
+                extra["metadata"] = {**job.metadata, "envs": envs.summary()}
             return trajectory_for(
                 job,
                 env.worker_id,
@@ -141,12 +180,27 @@ async def run_rollout(
             )
 
         deadline = asyncio.timeout(job.deadline_s)
+        secret = ""  # the endpoint's: scrubbed from whatever the agent's failure says
+
+        def failure(exc: BaseException) -> AgentFailure:
+            """The agent's failure, its text and span event without the endpoint's secret. The
+            caller raises it ``from None``: a chained cause would carry the raw text along."""
+            text, message = traceback.format_exc(), str(exc)
+            if secret:
+                text, message = text.replace(secret, "***"), message.replace(secret, "***")
+            span.record_exception(
+                exc, attributes={"exception.message": message, "exception.stacktrace": text}
+            )
+            return AgentFailure(text, calls=list(llm.calls), trace_id=trace_id, span_id=span_id)
+
         try:
-            with env.proxy.register(job.job_id, llm):
+            with env.proxy.register(job.job_id, llm) as endpoint:
+                secret = secret_of(endpoint)
                 async with deadline:
-                    result = await env.runner.run(
-                        job.task, llm=llm, endpoint=env.proxy.endpoint_for(job.job_id)
-                    )
+                    with deadline_held_by(env.fleets, deadline):
+                        result = await env.runner.run(
+                            job.task, llm=llm, endpoint=endpoint, envs=envs
+                        )
         except TimeoutError as exc:
             if deadline.expired():
                 return done(
@@ -154,10 +208,9 @@ async def run_rollout(
                 )
             if infra_failure() is not None:
                 return done("error", error=f"LLM backend failed: {infra_failure()}")
-            span.record_exception(exc)
-            raise AgentFailure(
-                traceback.format_exc(), calls=list(llm.calls), trace_id=trace_id, span_id=span_id
-            ) from None
+            if (env_lost := env_failure()) is not None:
+                raise env_lost from None
+            raise failure(exc) from None
         except BackendUnavailable as exc:
             return done("error", error=f"LLM backend failed: {exc}")
         except asyncio.CancelledError:
@@ -165,11 +218,16 @@ async def run_rollout(
         except Exception as exc:
             if infra_failure() is not None:
                 return done("error", error=f"LLM backend failed: {infra_failure()}")
-            span.record_exception(exc)
-            raise AgentFailure(
-                traceback.format_exc(), calls=list(llm.calls), trace_id=trace_id, span_id=span_id
-            ) from exc
+            if isinstance(exc, EnvironmentUnavailable) or env_failure() is not None:
+                span.record_exception(exc)
+                env_lost = env_failure() or EnvFailure(
+                    done("error", error=f"environment unavailable: {exc}")
+                )
+                raise env_lost from None
+            raise failure(exc) from None
 
+        if (env_lost := env_failure()) is not None:
+            raise env_lost  # the agent swallowed it: its reward may be a failed session's 0
         try:
             reward, metrics = extract_reward(result)
             if env.reward_fn is not None:
@@ -181,9 +239,6 @@ async def run_rollout(
                 metrics = {**metrics, **extra}
             reward = finite_reward(reward)
         except Exception as exc:  # RewardError or a failing reward function
-            span.record_exception(exc)
-            raise AgentFailure(
-                traceback.format_exc(), calls=list(llm.calls), trace_id=trace_id, span_id=span_id
-            ) from exc
+            raise failure(exc) from None
         span.set_attribute("agentarium.reward", reward)
         return done("ok", reward=reward, metrics=metrics)

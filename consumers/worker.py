@@ -9,7 +9,9 @@ Delivery rules (docs/design.md "Delivery and failure rules"):
   dead-lettered with the traceback and terminated;
 - a delivery past the attempts (the previous one crashed a worker) is never run;
 - SIGTERM drains: stop fetching, finish in-flight rollouts within a grace period, nak the rest
-  (dead-letter and term one on its last delivery: a nak would strand it).
+  (dead-letter and term one on its last delivery: a nak would strand it);
+- while the agent's LLM fleet is down within its outage limit (consumers/fleet.py), fetch
+  nothing: in-flight rollouts wait for the fleet, heartbeated, on their current delivery.
 
 Each delivery goes decode → decide → run → settle; what to do with it (run, ack, nak with a
 delay, dead-letter and term) is decided by ``DeliveryPolicy`` (consumers/delivery.py) alone.
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import socket
 import time
 import uuid
@@ -45,10 +46,12 @@ from broker import (
 from schemas import Job, SchemaError, Trajectory, check_name, decode
 
 from .delivery import Action, Decision, DeliveryPolicy, Event
+from .fleet import fleets_summary
 from .metrics import RolloutMetrics
 from .outcomes import OutcomeStore
 from .puller import JobPuller
-from .rollout import AgentFailure, RolloutEnv, run_rollout, trajectory_for
+from .redact import log_safe
+from .rollout import AgentFailure, EnvFailure, RolloutEnv, run_rollout, trajectory_for
 
 log = structlog.get_logger("agentarium.consumers")
 
@@ -145,8 +148,14 @@ class Worker:
         # Ends the heartbeat and registry loops. They are cancelled too, but a cancellation can
         # be lost inside nats-py's KV put (Python 3.11): the flag ends them at the next turn.
         self._quit_background = asyncio.Event()
-        self._releasing: set[asyncio.Task] = set()  # naks of jobs delivered while stopping
+        self._releasing: set[asyncio.Task] = set()  # jobs delivered as the worker stopped
         self._puller: JobPuller | None = None
+        self.paused = False  # the pull loop waits for a fleet that is down
+        # Set when the LLM fleet goes down or comes back: the registry shows it at once.
+        self._registry_kick = asyncio.Event()
+        for fleet in env.fleets:
+            fleet.listeners.append(self._registry_kick.set)
+            fleet.listeners.append(self._wake_puller)  # the pull loop pauses at once
 
     def __repr__(self) -> str:
         c = self.counters
@@ -167,6 +176,9 @@ class Worker:
     def stop(self) -> None:
         """Begin draining (what SIGTERM does)."""
         self._stop.set()
+        self._wake_puller()
+
+    def _wake_puller(self) -> None:
         if self._puller is not None:
             self._puller.wake()
 
@@ -279,6 +291,14 @@ class Worker:
         assert puller is not None, "run() binds the puller (_attach) before the pull loop"
         errors_in_row = 0
         while not self._stop.is_set():
+            held = [fleet for fleet in self.env.fleets if fleet.holding]
+            if held:  # the fleet is down: take nothing new until it answers (or the limit)
+                self.paused = True
+                await puller.close()  # the server drops the requests outstanding
+                await self._wait_for_fleets(held)
+                await puller.start()
+                self.paused = False
+                continue
             try:
                 await puller.top_up(cfg.concurrency - len(self._inflight))
                 errors_in_row = 0
@@ -299,8 +319,9 @@ class Worker:
 
     def _start(self, msg: Msg) -> None:
         """Run one delivered job (the puller calls this for each)."""
-        if self._stop.is_set():  # delivered as the worker stopped: release it at once
-            task = asyncio.create_task(self._quietly(msg.nak()))
+        if self._stop.is_set():  # delivered as the worker stopped: released as a drain does
+            released = Outcome(event=Event.RELEASED, error="released by a drain")
+            task = asyncio.create_task(self._fall_back(msg, released))
             self._releasing.add(task)
             task.add_done_callback(self._releasing.discard)
             return
@@ -324,6 +345,15 @@ class Worker:
             except Exception:  # noqa: BLE001 - stopping: the connection may be gone already
                 pass
 
+    async def _wait_for_fleets(self, fleets: list) -> None:
+        waits = [asyncio.create_task(self._stop.wait())]
+        waits += [asyncio.create_task(fleet.wait_serving()) for fleet in fleets]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in waits:
+                task.cancel()
+
     async def _sleep_or_stop(self, seconds: float) -> None:
         try:
             await asyncio.wait_for(self._stop.wait(), timeout=seconds)
@@ -343,6 +373,8 @@ class Worker:
         return not info.num_pending and not info.num_ack_pending
 
     async def _drain(self) -> None:
+        if self._releasing:  # jobs that arrived as the worker stopped
+            await asyncio.gather(*self._releasing, return_exceptions=True)
         if not self._inflight:
             return
         log.info("draining", in_flight=len(self._inflight), grace_s=self.config.drain_grace_s)
@@ -383,22 +415,30 @@ class Worker:
                 "in_flight": len(self._inflight),
                 "started_at": started,
                 "rollouts_per_s": round(rate, 2),
+                "pulling": self.ready and not self.paused,
                 **vars(self.counters),
             }
+            if self.env.fleets:  # what `broker status` shows of the agent's LLM fleet
+                info["fleet"] = fleets_summary(self.env.fleets)
             try:
                 await publish_worker(self.js, self.topo, cfg.worker_id, info)
             except Exception as exc:  # registry is informational; never stop the worker for it
                 log.debug("registry update failed", error=str(exc))
-            if await self._background_pause(cfg.registry_interval_s):
+            if await self._background_pause(cfg.registry_interval_s, self._registry_kick):
                 return
+            self._registry_kick.clear()
 
-    async def _background_pause(self, seconds: float) -> bool:
-        """Wait ``seconds``; True when the background loops must end."""
+    async def _background_pause(self, seconds: float, kick: asyncio.Event | None = None) -> bool:
+        """Wait ``seconds`` (or until ``kick`` is set); True when the background loops must end."""
+        waits = [asyncio.create_task(self._quit_background.wait())]
+        if kick is not None:
+            waits.append(asyncio.create_task(kick.wait()))
         try:
-            await asyncio.wait_for(self._quit_background.wait(), seconds)
-        except TimeoutError:
-            return False
-        return True
+            await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in waits:
+                task.cancel()
+        return self._quit_background.is_set()
 
     # ---- one message -------------------------------------------------------------------
     async def _handle(self, msg: Msg) -> None:
@@ -440,6 +480,18 @@ class Worker:
             trajectory = await run_rollout(
                 job, self.env, attempt=delivery, parent=parent, subject=msg.subject
             )
+        except EnvFailure as failure:
+            self.metrics.rollout("env_unavailable", time.monotonic() - started)
+            trajectory = failure.trajectory
+            return Outcome(
+                event=Event.ENV_UNAVAILABLE,
+                job=job,
+                trajectory=trajectory,
+                error=trajectory.error or "",
+                calls=list(trajectory.calls),
+                trace_id=trajectory.trace_id,
+                span_id=trajectory.span_id,
+            )
         except AgentFailure as failure:
             self.metrics.rollout("agent_error", time.monotonic() - started)
             return Outcome(
@@ -465,7 +517,7 @@ class Worker:
                 else:
                     await self._publish(outcome.trajectory)
                     self._count(outcome.trajectory)
-                if outcome.event is Event.ERROR:
+                if outcome.event in (Event.ERROR, Event.ENV_UNAVAILABLE):
                     self.counters.failed += 1
                     log.warning(
                         "rollout failed",
@@ -476,11 +528,13 @@ class Worker:
                     )
                 await msg.ack()
             case Action.NAK:
-                if outcome.event is Event.AGENT_ERROR:
+                if outcome.event in (Event.AGENT_ERROR, Event.ENV_UNAVAILABLE):
                     self.counters.retried += 1
                     self.metrics.retries.inc()
                     log.warning(
-                        "agent failed; retrying",
+                        "agent failed; retrying"
+                        if outcome.event is Event.AGENT_ERROR
+                        else "environment unavailable; retrying",
                         job_id=job.job_id if job else "",
                         attempt=delivery,
                         delay_s=round(decision.delay_s, 2),
@@ -595,24 +649,3 @@ class Worker:
             error=log_safe(error),
         )
         await msg.term()
-
-
-# Credentials an error text may carry: in a URL (user:password@host, ?api_key=...) or in an
-# echoed header. Logs travel further than the trajectory or dead letter that keep the full text.
-_URL_USERINFO = re.compile(r"(?<=://)[^/\s@]+@")
-_SECRET_PARAM = re.compile(
-    r"(?i)\b((?:api[_-]?key|access[_-]?token|token|secret|password|passwd|auth)=)[^&\s'\"]+"
-)
-_BEARER = re.compile(r"(?i)\b(bearer\s+)[^\s'\"]+")
-LOG_ERROR_CHARS = 300
-
-
-def log_safe(error: str, limit: int = LOG_ERROR_CHARS) -> str:
-    """An error text fit for one log line: its last line (a traceback's names the exception),
-    credentials masked, cut to ``limit`` characters."""
-    lines = error.strip().splitlines()
-    line = lines[-1].strip() if lines else ""
-    line = _URL_USERINFO.sub("***@", line)
-    line = _SECRET_PARAM.sub(r"\1***", line)
-    line = _BEARER.sub(r"\1***", line)
-    return line if len(line) <= limit else line[: limit - 1] + "…"

@@ -3,9 +3,12 @@ and the weight endpoints (``/pause_generation``, ``/update_weights_from_disk``,
 ``/continue_generation``), recorded in order in ``control``.
 (Also ``local_engine``, which starts the real local engine when it is available.)
 
-Instant, configurable answers; scripted failures (HTTP statuses, aborts); a gate to hold
+Instant, configurable answers (``scripted(template, policy)``: a policy that reads the prompt
+as text and answers text, tool calls included); scripted failures (HTTP statuses, aborts); a gate to hold
 requests in flight; per-server request counting. It refuses (HTTP 400) any request field that
-SGLang does not define, so a client sending extra fields fails its tests.
+SGLang does not define, so a client sending extra fields fails its tests. Outages: ``stop()``
+closes it (connections refused) and ``start()`` brings it back on the same port; ``hang()``
+makes it accept every request, ``/health`` included, and never answer until ``unhang()``.
 """
 
 from __future__ import annotations
@@ -67,6 +70,21 @@ UPDATE_WEIGHTS_FIELDS = frozenset(
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
+def scripted(
+    template: Any, policy: Callable[[str], str]
+) -> Callable[[dict], tuple[list[int], str]]:
+    """A ``reply`` for ``FakeSGLang``: the prompt's token ids decoded with the model's
+    ``template`` (a ``ChatTemplate``), ``policy(prompt_text)`` the answer, encoded with the same
+    tokenizer and ended with its EOS, as a model ends a turn. So a test can script a policy
+    that reads what the environment showed (tool results included) and calls tools."""
+
+    def reply(body: dict) -> tuple[list[int], str]:
+        text = policy(template.decode(body.get("input_ids") or []))
+        return template.encode(text) + template.eos_token_ids[:1], text
+
+    return reply
+
+
 def dead_url() -> str:
     """A URL where nothing listens: connections are refused."""
     return f"http://127.0.0.1:{free_port()}"
@@ -120,6 +138,7 @@ class FakeSGLang:
         cached_tokens: int = 0,
         tokenizer_path: str = "/models/fake",
         tokenizer_fingerprint: str | None = None,
+        context_len: int | None = None,
     ) -> None:
         self.output_ids = list(output_ids) if output_ids is not None else [11, 12, 13]
         self.text = text
@@ -129,6 +148,8 @@ class FakeSGLang:
         # /model_info: SGLang reports tokenizer_path; only the local engine a fingerprint.
         self.tokenizer_path = tokenizer_path
         self.tokenizer_fingerprint = tokenizer_fingerprint
+        # SGLang refuses (HTTP 400) a prompt whose length plus max_new_tokens is over this.
+        self.context_len = context_len
         self.requests: list[dict] = []
         self.failures: list[int] = []  # HTTP statuses for the next requests, in order
         self.aborts = 0  # how many of the next requests end in an empty abort
@@ -138,8 +159,12 @@ class FakeSGLang:
         self.control: list[tuple[str, dict]] = []  # (path, body) of weight/control calls
         self.update_failures = 0  # how many of the next weight updates fail
         self.paused = False
+        self.hung: list[str] = []  # paths of the requests that arrived while hung
+        self._answering = asyncio.Event()
+        self._answering.set()
         self._arrived = asyncio.Condition()
         self._runner: web.AppRunner | None = None
+        self.port = 0
         self.url = ""
 
     @property
@@ -147,25 +172,47 @@ class FakeSGLang:
         return len(self.requests)
 
     async def start(self) -> str:
-        app = web.Application()
+        """Listen on a free port, or on the same port again after ``stop()``."""
+        app = web.Application(middlewares=[self._hang_middleware])
         app.router.add_post("/generate", self._generate)
         app.router.add_get("/health", lambda r: web.Response(text=""))
         app.router.add_get("/model_info", self._model_info)
         app.router.add_post("/pause_generation", self._pause)
         app.router.add_post("/continue_generation", self._continue)
         app.router.add_post("/update_weights_from_disk", self._update_weights)
-        self._runner = web.AppRunner(app, access_log=None)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port)
         await site.start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        self.port = self._runner.addresses[0][1]
+        self.url = f"http://127.0.0.1:{self.port}"
         return self.url
+
+    async def stop(self) -> None:
+        """Close the server (connections refused) keeping its port and state for ``start()``."""
+        if self._runner is not None:
+            self._answering.set()  # hung handlers finish instead of holding the shutdown
+            await self._runner.cleanup()
+            self._runner = None
+
+    def hang(self) -> None:
+        """Accept every request and never answer it, until ``unhang()``."""
+        self._answering.clear()
+
+    def unhang(self) -> None:
+        self._answering.set()
+
+    @web.middleware
+    async def _hang_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if not self._answering.is_set():
+            self.hung.append(request.path)
+            await self._answering.wait()
+        return await handler(request)
 
     async def close(self) -> None:
         if self.gate is not None:
             self.gate.set()
-        if self._runner is not None:
-            await self._runner.cleanup()
+        await self.stop()
 
     async def wait_for_requests(self, n: int) -> None:
         """Return once ``n`` requests have arrived (in flight or done)."""
@@ -242,6 +289,13 @@ class FakeSGLang:
             status = self.failures.pop(0)
             return web.json_response({"error": {"message": f"scripted {status}"}}, status=status)
         prompt = body.get("input_ids") or []
+        asked = len(prompt) + body.get("sampling_params", {}).get("max_new_tokens", 128)
+        if self.context_len is not None and asked > self.context_len:
+            message = (  # SGLang's words (and the local engine's)
+                "Requested token count exceeds the model's maximum context length of "
+                f"{self.context_len} tokens. You requested a total of {asked} tokens."
+            )
+            return web.json_response({"error": {"message": message}}, status=400)
         if self.aborts:
             self.aborts -= 1
             return web.json_response(self._response(body, prompt, [], "", _abort()))

@@ -60,6 +60,11 @@ CASES = [
     ("agent error, one attempt", ONE, Event.AGENT_ERROR, 1, dead("agent_error", record_error=True)),
     ("backoff below the cap", CAPPED, Event.AGENT_ERROR, 3, nak(4.0)),
     ("backoff capped", CAPPED, Event.AGENT_ERROR, 9, nak(5.0)),
+    # -- an environment service failed under it: retried, the last attempt stored as error
+    ("environment unavailable, 1st of 3", THREE, Event.ENV_UNAVAILABLE, 1, nak(1.0)),
+    ("environment unavailable, 2nd: doubled", THREE, Event.ENV_UNAVAILABLE, 2, nak(2.0)),
+    ("environment unavailable, 3rd of 3: stored", THREE, Event.ENV_UNAVAILABLE, 3, ack()),
+    ("environment unavailable, one attempt", ONE, Event.ENV_UNAVAILABLE, 1, ack()),
     # -- the worker raised: another delivery while there is one, at the base delay
     ("worker error", THREE, Event.WORKER_ERROR, 1, nak(1.0)),
     ("worker error, last attempt", THREE, Event.WORKER_ERROR, 3, nak(1.0)),

@@ -207,6 +207,13 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.abort()
 
+    def cut(self, why: str) -> None:
+        """End the request waiting here at once (``HttpError``) and drop the connection."""
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(HttpError(why))
+        self.abort()
+
 
 class HttpPool:
     """Keep-alive connections to any number of hosts, ``max_connections`` open at most."""
@@ -227,6 +234,7 @@ class HttpPool:
         self._open = 0
         self._slots: collections.deque[asyncio.Future[None]] = collections.deque()
         self._targets: dict[str, tuple[tuple[str, str, int], str, str]] = {}
+        self._busy: dict[tuple[str, str, int], set[_Connection]] = {}
         self._ssl: ssl.SSLContext | None = None
         self._closed = False
 
@@ -263,6 +271,10 @@ class HttpPool:
         timer = loop.call_later(
             self.timeout_s if timeout_s is None else timeout_s, self._expire, conn, waiter
         )
+        busy = self._busy.get(key)
+        if busy is None:
+            busy = self._busy[key] = set()
+        busy.add(conn)
         try:
             conn.send(head + body if body else head, waiter)
             response = await waiter
@@ -272,8 +284,23 @@ class HttpPool:
             raise
         finally:
             timer.cancel()
+            busy.discard(conn)
         self._release(conn, reuse=conn.keep_alive and not conn.closed)
         return response
+
+    def cut(self, url: str) -> int:
+        """End every request in flight to ``url``'s host at once, each raising ``HttpError``
+        where it waits (a server found dead by its health probe: consumers/fleet.py); returns
+        how many there were."""
+        key = self._target(url)[0]
+        busy = list(self._busy.get(key, ()))
+        for conn in busy:
+            conn.cut(f"cut off: {url} was found dead")
+        return len(busy)
+
+    def in_flight(self, url: str) -> int:
+        """Requests waiting for an answer from ``url``'s host."""
+        return len(self._busy.get(self._target(url)[0], ()))
 
     def _target(self, url: str) -> tuple[tuple[str, str, int], str, str]:
         cached = self._targets.get(url)

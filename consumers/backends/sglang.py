@@ -9,7 +9,9 @@ handling, from the request's point of view:
   another one; when every server has failed, ``BackendUnavailable``;
 - any other 4xx (or an abort SGLang tags with status 400): ``BadRequest``, never retried;
 - ``finish_reason`` abort with no output tokens (a weight update aborted the request before it
-  produced anything): resubmitted up to ``abort_retries`` times.
+  produced anything): resubmitted up to ``abort_retries`` times;
+- a server whose breaker is open (``open_breaker``: its health probe failed, consumers/fleet.py)
+  is skipped, and the requests in flight on it are cut off and fail over at once.
 
 Each resubmission carries a fresh ``rid`` (``<rid>-r<n>``): the server may still hold the
 first attempt, and SGLang refuses a duplicate request id.
@@ -113,16 +115,20 @@ class SGLangBackend:
         self.policy = BackendRetry(retries=retries, backoff=backoff, max_backoff=max_backoff)
         self.abort_retries = abort_retries
         self.balancer = StickyBalancer(self.urls, max_keys=max_route_keys, down_for=down_for)
+        # When each server last answered a request: a server that answers needs no probe.
+        self.answered_at = dict.fromkeys(self.urls, 0.0)
         self._timeout = timeout
         self._connect_timeout = connect_timeout
         # One socket per request in flight: the fleet, not the client, sets the pace, up to
         # the process's open-file limit (HttpPool's default), beyond which requests wait.
         self._max_connections = max_connections
         self._http: HttpPool | None = None
+        self._control: HttpPool | None = None
 
     @property
     def http(self) -> HttpPool:
-        if self._http is None:  # again after aclose(): a closed backend may be reused
+        """The generation requests' connections (made again after ``aclose``)."""
+        if self._http is None:
             self._http = HttpPool(
                 timeout_s=self._timeout,
                 connect_timeout_s=self._connect_timeout,
@@ -130,10 +136,21 @@ class SGLangBackend:
             )
         return self._http
 
+    @property
+    def control(self) -> HttpPool:
+        """Health probes' and /model_info's own few connections: a probe never queues behind
+        generation requests waiting for a connection."""
+        if self._control is None:
+            self._control = HttpPool(
+                timeout_s=self._timeout, connect_timeout_s=self._connect_timeout, max_connections=64
+            )
+        return self._control
+
     async def aclose(self) -> None:
-        if self._http is not None:
-            await self._http.close()
-            self._http = None
+        for pool in (self._http, self._control):
+            if pool is not None:
+                await pool.close()
+        self._http = self._control = None
 
     async def __aenter__(self) -> SGLangBackend:
         return self
@@ -153,6 +170,9 @@ class SGLangBackend:
         while True:
             url = self.balancer.choose(request.route_key, exclude=failed)
             if url is None:
+                for held in self.urls:
+                    if self.balancer.is_held(held) and held not in errors:
+                        errors[held] = "skipped: its breaker is open (health probe failed)"
                 raise BackendUnavailable(
                     f"all {len(self.urls)} SGLang server(s) failed after retries: "
                     + "; ".join(f"{u}: {e}" for u, e in errors.items()),
@@ -160,6 +180,8 @@ class SGLangBackend:
                 )
             result = None
             for retry in range(self.policy.retries + 1):
+                if self.balancer.is_held(url):
+                    break  # its breaker opened meanwhile: fail over now
                 if retry:
                     await asyncio.sleep(self.policy.delay(retry - 1))
                 try:
@@ -205,11 +227,17 @@ class SGLangBackend:
         try:
             response = await self.http.request("POST", f"{url}/generate", body)
         except (HttpError, TimeoutError, OSError) as exc:
+            if self.balancer.is_held(url):
+                raise _ServerFailed(
+                    "cut off: the server stopped answering its health probe"
+                ) from exc
             raise _ServerFailed(f"{type(exc).__name__}: {exc}") from exc
         finally:
             self.balancer.finished(url)
         latency = time.perf_counter() - start
         status = response.status
+        if status < 500:
+            self.answered_at[url] = time.monotonic()
         if status != 200:
             text = response.text()
             if retryable_status(status):
@@ -234,14 +262,37 @@ class SGLangBackend:
             )
         return result
 
+    # ---- health: what consumers/fleet.py drives ----------------------------------------------
+    @property
+    def servers(self) -> list[str]:
+        return list(self.urls)
+
+    async def probe(self, url: str, timeout_s: float) -> str:
+        """``GET /health`` on one server: "" when it answers below 500 within ``timeout_s``,
+        else what went wrong. SGLang answers it without generating (503 while unhealthy)."""
+        try:
+            status = (
+                await self.control.request("GET", f"{url}/health", timeout_s=timeout_s)
+            ).status
+        except TimeoutError:
+            return f"no answer to GET /health within {timeout_s:g}s"
+        except (HttpError, OSError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "" if status < 500 else f"GET /health answered HTTP {status}"
+
+    def open_breaker(self, url: str) -> int:
+        """Skip ``url`` until ``close_breaker`` and cut off its requests in flight (how many)."""
+        self.balancer.hold(url)
+        return self.http.cut(url)
+
+    def close_breaker(self, url: str) -> None:
+        self.balancer.release(url)
+
     async def health(self) -> dict[str, bool]:
         """``GET /health`` on every server; a healthy answer also clears a down mark."""
 
         async def one(url: str) -> bool:
-            try:
-                ok = (await self.http.request("GET", f"{url}/health", timeout_s=5.0)).status == 200
-            except (HttpError, TimeoutError, OSError):
-                ok = False
+            ok = not await self.probe(url, 5.0)
             if ok:
                 self.balancer.mark_up(url)
             return ok
@@ -256,7 +307,7 @@ class SGLangBackend:
         for url in self.urls:
             for path in ("/model_info", "/get_model_info"):
                 try:
-                    resp = await self.http.request("GET", f"{url}{path}")
+                    resp = await self.control.request("GET", f"{url}{path}")
                     if resp.status == 404:
                         continue
                     if resp.status == 200:
