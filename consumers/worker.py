@@ -502,6 +502,7 @@ class Worker:
                 trace_id=failure.trace_id,
                 span_id=failure.span_id,
             )
+        trajectory = self.store.fitted(trajectory)  # over max_payload: stored as an error
         event = Event(trajectory.status)  # ok / timeout / error
         self.metrics.rollout(trajectory.status, time.monotonic() - started)
         return Outcome(event=event, job=job, trajectory=trajectory, error=trajectory.error or "")

@@ -55,7 +55,8 @@ def json_lines(text: str) -> list[dict]:
 def passwords(monkeypatch):
     # a letter first: nats-server reads a $VAR starting with a digit as a number
     chosen = {role: "p" + secrets.token_hex(12) for role in ROLES}
-    for role in ("admin", "producer", "consumer", "trainer", "sync", "orchestrator", "dashboard"):
+    every_role = ("admin", "producer", "consumer", "trainer", "sync", "orchestrator", "dashboard")
+    for role in (*every_role, "environment"):
         monkeypatch.setenv(
             f"AGENTARIUM_{role.upper()}_PASSWORD", chosen.get(role, "p" + secrets.token_hex(12))
         )

@@ -129,6 +129,7 @@ class Trainer:
         self._checkpoint_agents: tuple[str, ...] = ()
         self.last_checkpoint: Path | None = None
         self._running = False
+        self._vocab: int | None = None
 
     def __repr__(self) -> str:
         return (
@@ -160,7 +161,9 @@ class Trainer:
                 self.version = max(self.version, int(await latest_version() or 0))
             self.agents = await self._resolve_agents()
             try:
-                self.collector = TaskCollector(self.js, self.topology, cfg, self.agents, seen=seen)
+                self.collector = TaskCollector(
+                    self.js, self.topology, cfg, self.agents, seen=seen, vocab_size=self._vocab
+                )
             except ValueError as exc:  # --task-mix weights against the agents '*' found
                 raise TrainerConfigError(str(exc)) from None
             metrics = MetricsSink(
@@ -423,6 +426,7 @@ class Trainer:
             self._updater = await asyncio.to_thread(_make_updater, cfg)
         model = self._updater.publishable_model()
         self._pad_id = _pad_id(model)
+        self._vocab = _vocab_size(model)
         seen: set[str] = set()
         if self.checkpoints is None:
             if self.resume:
@@ -505,6 +509,13 @@ def _make_updater(config: TrainerConfig):
     from .step import LocalUpdater
 
     return LocalUpdater(config)
+
+
+def _vocab_size(model) -> int | None:
+    """Rows the embedding cannot look up would crash a step: trajectories holding token ids
+    at or above this are refused (None: not known, no such check)."""
+    embeddings = getattr(model, "get_input_embeddings", None)
+    return int(embeddings().num_embeddings) if callable(embeddings) else None
 
 
 def _pad_id(model) -> int:

@@ -52,6 +52,8 @@ async def _body(request: web.Request, *, required: bool = True) -> dict[str, Any
         data = json.loads(raw)
     except ValueError as exc:
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise InvalidRequest("the request body is not valid JSON: nested too deeply") from exc
     if not isinstance(data, dict):
         raise InvalidRequest("the request body must be a JSON object")
     return data
