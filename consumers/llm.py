@@ -21,9 +21,10 @@ from urllib.parse import urlsplit
 import jinja2
 from opentelemetry import context as otel_context
 from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
-from broker import OPENINFERENCE_SPAN_KIND, CurrentSpan
+from broker import OPENINFERENCE_SPAN_KIND
 from schemas import LLMCall, Sampling
 
 from . import genai
@@ -207,27 +208,40 @@ class TracingLLM:
         eos = self.template.eos_token_ids if self.template is not None else []
         params = _sampling_params(self.sampling, eos, sampling)
         index, self._started = self._started, self._started + 1
+        # The chat span is made once the call is over, with its start time and every attribute
+        # at once (the SDK cleans and locks per attribute update, and nothing runs under a chat
+        # span), parented as if it had been current: what an exporter receives is the same.
         parent = self._parent_for_call()
-        token = otel_context.attach(parent) if parent is not None else None
+        attributes = self._request_attributes(chat, tool_list, params)
+        started = time.time_ns()
         try:
-            with CurrentSpan(
-                tracer,
+            result, response = await self._chat(index, chat, tool_list, params)
+        except BaseException as exc:  # CancelledError too: a deadline cut the call
+            attributes["error.type"] = genai.error_type(exc)
+            span = tracer.start_span(
                 self._span_name,
+                context=parent,
                 kind=trace.SpanKind.CLIENT,
-                attributes=self._request_attributes(chat, tool_list, params),
-            ) as span:
-                try:
-                    return await self._chat(span, index, chat, tool_list, params)
-                except BaseException as exc:  # CancelledError too: a deadline cut the call
-                    span.set_attribute("error.type", genai.error_type(exc))
-                    raise
-        except LLMError as exc:
-            self.errors.append(exc)
-            observe_llm_failure(exc)
+                attributes=attributes,
+                start_time=started,
+            )
+            if isinstance(exc, Exception):  # as start_as_current_span records one
+                span.record_exception(exc)
+                span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+            span.end()
+            if isinstance(exc, LLMError):
+                self.errors.append(exc)
+                observe_llm_failure(exc)
             raise
-        finally:
-            if token is not None:
-                otel_context.detach(token)
+        attributes.update(response)
+        tracer.start_span(
+            self._span_name,
+            context=parent,
+            kind=trace.SpanKind.CLIENT,
+            attributes=attributes,
+            start_time=started,
+        ).end()
+        return result
 
     def _parent_for_call(self) -> otel_context.Context | None:
         """The context to attach for one call, or None to keep the current one.
@@ -264,8 +278,9 @@ class TracingLLM:
         return attributes
 
     async def _chat(
-        self, span: trace.Span, index: int, chat: list[dict], tools: list | None, params: dict
-    ) -> ChatResult:
+        self, index: int, chat: list[dict], tools: list | None, params: dict
+    ) -> tuple[ChatResult, dict[str, AttributeValue]]:
+        """The call, and the attributes its span gets from the response."""
         input_ids: list[int] = []
         if self.template is not None:
             try:
@@ -340,14 +355,14 @@ class TracingLLM:
                 attributes["server.port"] = port
         if errors:
             attributes["agentarium.tool_call_errors"] = len(errors)
-        span.set_attributes(attributes)  # one call: each set_attribute takes the span's lock
-        return ChatResult(
+        chat_result = ChatResult(
             text=result.text,
             message=message,
             finish_reason=finish,
             call=call,
             tool_call_errors=errors,
         )
+        return chat_result, attributes
 
     def __repr__(self) -> str:
         return (
