@@ -42,7 +42,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from harness import Consumer, median_range, pin, split_cpus, stored, wait_registered  # noqa: E402
+from harness import (  # noqa: E402
+    Consumer,
+    cpu_seconds,
+    median_range,
+    pin,
+    split_cpus,
+    stored,
+    wait_registered,
+)
 
 from agentarium.demo.processes import child_env, start_child  # noqa: E402
 from agentarium.tiny import ensure_tiny_model  # noqa: E402
@@ -63,6 +71,8 @@ class Batch:
     cpu_us: float  # consumer CPU microseconds per rollout
     cpu_share: float  # consumer CPU seconds / wall seconds
     system: float  # the kernel's part of the CPU time (sockets)
+    nats_us: float = 0.0  # nats-server CPU microseconds per rollout
+    others_us: float = 0.0  # the fake backend's and this script's (producer, polling)
 
 
 @dataclass
@@ -85,6 +95,16 @@ def start_fake(cpus: set[int] | None) -> tuple[subprocess.Popen, str]:
     return proc, line.split(" on ", 1)[1].strip()
 
 
+SIDE: dict[str, int] = {}  # "nats", "fake": pids whose CPU is reported beside the consumer's
+
+
+def side_cpu() -> tuple[float, float]:
+    """CPU seconds so far of nats-server, and of the fake backend plus this process."""
+    nats = cpu_seconds(SIDE["nats"]) if "nats" in SIDE else 0.0
+    others = time.process_time() + (cpu_seconds(SIDE["fake"]) if "fake" in SIDE else 0.0)
+    return nats, others
+
+
 async def one_batch(
     js, topo, row: Row, jobs: int, run: str, check: bool, group_size: int = 1
 ) -> Batch:
@@ -96,6 +116,7 @@ async def one_batch(
     ]
     jobs = len(tasks) * group_size
     user0, sys0 = row.consumer.cpu_split()
+    nats0, others0 = side_cpu()
     start = time.perf_counter()
     await TaskProducer(js, topo).submit(row.consumer.agent, tasks, run=run, group_size=group_size)
     while await stored(js, stream) < before + jobs:
@@ -104,6 +125,7 @@ async def one_batch(
         await asyncio.sleep(0.02)  # polling a count: no event exists for "all stored"
     elapsed = time.perf_counter() - start
     user1, sys1 = row.consumer.cpu_split()
+    nats1, others1 = side_cpu()
     cpu = user1 + sys1 - user0 - sys0
     if check:
         trajectories = await TrajectoryReader(js, topo).read(run)
@@ -118,6 +140,8 @@ async def one_batch(
         cpu_us=cpu / jobs * 1e6,
         cpu_share=cpu / elapsed,
         system=(sys1 - sys0) / max(cpu, 1e-9),
+        nats_us=(nats1 - nats0) / jobs * 1e6,
+        others_us=(others1 - others0) / jobs * 1e6,
     )
 
 
@@ -130,6 +154,7 @@ async def main(args: argparse.Namespace) -> None:
     server = NatsServer(store_dir=tmp / "nats").start()
     pin(server.pid, other_cpus)
     fake, fake_url = start_fake(other_cpus)
+    SIDE.update(nats=server.pid, fake=fake.pid)
     engine = None
     cases = list(args.cases)
     if args.engine:
@@ -214,7 +239,7 @@ async def main(args: argparse.Namespace) -> None:
     )
     print(
         f"  {'tree':<8} {'case':<9} {'rollouts/s':>22} {'CPU us/rollout':>22} "
-        f"{'consumer CPU share':>20} {'system':>7} {'peak RSS':>9}"
+        f"{'consumer CPU share':>20} {'system':>7} {'peak RSS':>9}  nats-server, fake+bench us"
     )
     for row in rows:
         print(
@@ -224,6 +249,8 @@ async def main(args: argparse.Namespace) -> None:
             f"{median_range([b.cpu_share for b in row.batches], '{:.2f}'):>20} "
             f"{statistics.median(b.system for b in row.batches):7.0%} "
             f"{peaks[(row.tree, row.case)] / 2**20:7.0f} MiB"
+            f"  {statistics.median(b.nats_us for b in row.batches):5.0f}, "
+            f"{statistics.median(b.others_us for b in row.batches):.0f}"
         )
     if len(trees) > 1:
         base = next(iter(trees))

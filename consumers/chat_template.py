@@ -335,24 +335,40 @@ class ChatTemplate:
         """The prompt text, as ``apply_chat_template(..., tokenize=False)`` renders it."""
         if not messages:
             raise ValueError("cannot render an empty conversation: give at least one message")
-        chat = normalize_messages(messages)
-        tool_schemas = None
+        tool_schemas = None if tools is None else plain_data(list(tools))
+        variables = plain_data(template_kwargs)
+        return self._render(
+            normalize_messages(messages), tool_schemas, add_generation_prompt, variables
+        )
+
+    def _render(
+        self,
+        chat: list[dict],
+        tools: list | None,
+        add_generation_prompt: bool,
+        variables: dict[str, Any],
+    ) -> str:
+        if not chat:
+            raise ValueError("cannot render an empty conversation: give at least one message")
         if tools is not None:
-            tool_schemas = plain_data(list(tools))
-            for tool in tool_schemas:
+            for tool in tools:
                 if not isinstance(tool, dict):
                     raise TypeError(
                         "tools must be JSON schemas (dicts like {'type': 'function', "
                         f"'function': {{...}}}}), got {tool!r}"
                     )
-        variables = {**self.special_tokens, **plain_data(template_kwargs)}
         return self._compiled[self._pick(tools)].render(
             messages=chat,
-            tools=tool_schemas,
+            tools=tools,
             documents=None,
             add_generation_prompt=add_generation_prompt,
-            **variables,
+            **{**self.special_tokens, **variables},
         )
+
+    def encode_normalized(self, chat: list[dict], tools: list | None = None) -> list[int]:
+        """``encode_chat`` for messages already through ``normalize_messages`` and tools already
+        plain data (what the tracing client holds): the same ids, without copying them again."""
+        return self.encode(self._render(chat, tools, True, {}))
 
     def encode_chat(
         self,

@@ -284,7 +284,7 @@ class TracingLLM:
         input_ids: list[int] = []
         if self.template is not None:
             try:
-                input_ids = self.template.encode_chat(arguments_as_objects(chat), tools=tools)
+                input_ids = self.template.encode_normalized(arguments_as_objects(chat), tools)
             except jinja2.TemplateError as exc:
                 raise BadRequest(f"the chat template refused these messages: {exc}") from exc
         request = GenerateRequest(

@@ -23,6 +23,7 @@ the cancellation is left running, abandoned, the rollout ending as ``timeout``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import traceback
@@ -275,7 +276,13 @@ async def run_rollout(
 
         agent: asyncio.Future | None = None
         try:
-            with env.proxy.register(job.job_id, llm) as endpoint:
+            # Only an endpoint-style agent calls the proxy: the others get no route to open.
+            registration = (
+                env.proxy.register(job.job_id, llm)
+                if env.runner.spec.style == "endpoint"
+                else contextlib.nullcontext("")
+            )
+            with registration as endpoint:
                 secret = secret_of(endpoint)
                 # The agent's own task: the deadline cancels this one, which stops waiting
                 # whether or not the agent lets itself be cancelled.
