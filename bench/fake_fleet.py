@@ -2,7 +2,7 @@
 
 Answers ``POST /generate`` with the response the tests' fake builds (tests/fake_sglang.py:
 SGLang's exact shapes), after ``--latency`` seconds (0: at once), plus ``GET /health`` and
-``GET /model_info``. It speaks HTTP/1.1 with keep-alive on a bare asyncio protocol (uvloop when
+``GET /model_info`` at once (SGLang answers its health probe without generating). It speaks HTTP/1.1 with keep-alive on a bare asyncio protocol (uvloop when
 installed) instead of aiohttp's server, so that at thousands of requests a second a benchmark
 measures the consumer, not its fake: on the machine of docs/benchmarks.md it costs a few
 tens of microseconds per request.
@@ -104,7 +104,7 @@ class _Connection(asyncio.Protocol):
                 b"Content-Length: %d\r\n\r\n"
                 % (status, b"OK" if status == 200 else b"NO", len(payload))
             ) + payload
-            if self.server.latency_s > 0:
+            if self.server.latency_s > 0 and path == b"/generate":  # /health answers at once
                 self.loop.call_later(self.server.latency_s, self._write, response)
             else:
                 self._write(response)

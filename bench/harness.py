@@ -64,6 +64,18 @@ def split_cpus(pin_enabled: bool) -> tuple[set[int] | None, set[int] | None]:
     return {cpus[0]}, set(cpus[1:])
 
 
+def _child_setup(cpus: set[int] | None) -> None:
+    """In the child before exec: its cores, and SIGTERM when the benchmark dies (Linux)."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 @dataclass
 class Consumer:
     """One ``agentarium consumer`` process of one source tree."""
@@ -119,7 +131,7 @@ class Consumer:
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+                preexec_fn=lambda: _child_setup(cpus),
             )
         return self
 

@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from harness import Consumer, median_range, stored, wait_registered  # noqa: E402
+from harness import Consumer, _child_setup, median_range, stored, wait_registered  # noqa: E402
 
 from agentarium.demo.processes import child_env  # noqa: E402
 from broker import Limits, NatsServer, NatsSettings, Topology, free_port, provision  # noqa: E402
@@ -54,6 +54,7 @@ def start_fake(latency_s: float) -> tuple[subprocess.Popen, str]:
         stdout=subprocess.PIPE,
         text=True,
         env=child_env(),
+        preexec_fn=lambda: _child_setup(None),
     )
     return proc, proc.stdout.readline().split(" on ", 1)[1].strip()
 

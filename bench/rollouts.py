@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from harness import (  # noqa: E402
     Consumer,
+    _child_setup,
     cpu_seconds,
     median_range,
     pin,
@@ -89,7 +90,7 @@ def start_fake(cpus: set[int] | None) -> tuple[subprocess.Popen, str]:
         stdout=subprocess.PIPE,
         text=True,
         env=child_env(),
-        preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+        preexec_fn=lambda: _child_setup(cpus),
     )
     line = proc.stdout.readline()
     return proc, line.split(" on ", 1)[1].strip()
