@@ -114,16 +114,18 @@ class _Connection(asyncio.Protocol):
             self.transport.write(response)
 
 
-async def main(port: int, latency_s: float) -> None:
+async def main(port: int, latency_s: float, servers: int) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # one socket per request in flight
     server = _Server(latency_s, output_ids=[49], text="1")
     loop = asyncio.get_running_loop()
-    listener = await loop.create_server(
-        lambda: _Connection(server), "127.0.0.1", port, backlog=4096
-    )
-    bound = listener.sockets[0].getsockname()[1]
-    print(f"engine ready on http://127.0.0.1:{bound}", flush=True)
+    urls = []
+    for i in range(servers):
+        listener = await loop.create_server(
+            lambda: _Connection(server), "127.0.0.1", port + i if port else 0, backlog=4096
+        )
+        urls.append(f"http://127.0.0.1:{listener.sockets[0].getsockname()[1]}")
+    print(f"engine ready on {','.join(urls)}", flush=True)
     await asyncio.Event().wait()
 
 
@@ -131,6 +133,13 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--latency", type=float, default=0.0, help="seconds before each answer")
+    parser.add_argument(
+        "--servers",
+        type=int,
+        default=1,
+        help="listen on this many ports (a fleet; printed comma-separated): tens of thousands "
+        "of connections to one address make the kernel search long for a free local port",
+    )
     args = parser.parse_args()
     try:
         import uvloop
@@ -138,4 +147,4 @@ if __name__ == "__main__":
         runner = uvloop.run
     except ImportError:  # pragma: no cover
         runner = asyncio.run
-    runner(main(args.port, args.latency))
+    runner(main(args.port, args.latency, args.servers))

@@ -48,9 +48,16 @@ from producers import TaskProducer, TrajectoryReader  # noqa: E402
 AGENT_SPEC = "examples.toy:one_call"
 
 
-def start_fake(latency_s: float) -> tuple[subprocess.Popen, str]:
+def start_fake(latency_s: float, servers: int = 1) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "bench" / "fake_fleet.py"), "--latency", str(latency_s)],
+        [
+            sys.executable,
+            str(ROOT / "bench" / "fake_fleet.py"),
+            "--latency",
+            str(latency_s),
+            "--servers",
+            str(servers),
+        ],
         stdout=subprocess.PIPE,
         text=True,
         env=child_env(),
@@ -115,7 +122,7 @@ async def main(args: argparse.Namespace) -> None:
     logs = tmp / "logs"
     server = NatsServer(store_dir=tmp / "nats").start()
     instant, instant_url = start_fake(0.0)
-    slow, slow_url = start_fake(args.latency)
+    slow, slow_url = start_fake(args.latency, args.servers)
     nc = await NatsSettings(url=server.url).connect()
     js = nc.jetstream()
     topo = Topology()
@@ -123,12 +130,14 @@ async def main(args: argparse.Namespace) -> None:
     limits = Limits(max_ack_pending=max(args.jobs, args.scaling_jobs) + 1000)
     consumers: list[Consumer] = []
 
-    def consumer(agent: str, url: str, concurrency: int, **kw) -> Consumer:
+    def consumer(agent: str, url: str, concurrency: int, extra_args=(), **kw) -> Consumer:
+        urls = url.split(",")
         c = Consumer(
             tree=ROOT,
             agent=agent,
             spec=AGENT_SPEC,
-            llm=url,
+            llm=urls[0],
+            extra_args=(*(a for u in urls[1:] for a in ("--llm", u)), *extra_args),
             nats_url=server.url,
             concurrency=concurrency,
             log_path=logs / f"{agent}-{len(consumers)}.log",
@@ -229,7 +238,7 @@ async def main(args: argparse.Namespace) -> None:
     print(f"   {median_range(results['rates'])} rollouts/s (median (min..max) of {args.repeats})")
     print(
         f"\n2. {args.jobs} rollouts in flight in one consumer process (--concurrency {args.jobs}), "
-        f"backend latency {args.latency:g} s"
+        f"backend latency {args.latency:g} s ({args.servers} servers)"
     )
     print(
         f"   wall {res['seconds']:.1f} s (goal <= 1.5 x ({args.latency:g} + {args.jobs} / {rate:.0f})"
@@ -267,4 +276,11 @@ if __name__ == "__main__":
     parser.add_argument("--rate-jobs", type=int, default=10_000)
     parser.add_argument("--scaling-jobs", type=int, default=20_000)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--servers",
+        type=int,
+        default=4,
+        help="ports the slow fake listens on, a fleet the consumer balances over (one address "
+        "for ~20,000 connections makes the kernel's search for a free local port costly)",
+    )
     asyncio.run(main(parser.parse_args()))

@@ -32,6 +32,7 @@ log = structlog.get_logger("agentarium.consumers")
 
 MAX_REQUESTS = 4  # pull requests outstanding at once
 EXPIRY_GRACE_S = 2.0  # past its expiry plus this, a request whose status never came is dropped
+START_CHUNK = 32  # jobs started between two turns of the event loop
 
 
 @dataclass(eq=False)
@@ -65,6 +66,7 @@ class JobPuller:
         # Ask again once this many slots are free: fewer, larger requests at high concurrency.
         self.threshold = max(1, min(self.max_batch, capacity) // 4)
         self.received = 0
+        self._started = 0
         self.last_job_at = time.monotonic()
         self._requests: collections.deque[_Request] = collections.deque()
         self._by_token: dict[str, _Request] = {}
@@ -128,6 +130,11 @@ class JobPuller:
                 if oldest.remaining <= 0:
                     self._drop(oldest)
             self.on_job(msg)
+            self._started += 1
+            if self._started % START_CHUNK == 0:
+                # nats-py hands over a whole read's messages in one turn of the loop: let the
+                # jobs started so far take their first step (and timers run) between chunks.
+                await asyncio.sleep(0)
             return
         if status == "100":  # an idle heartbeat (never asked for)
             return

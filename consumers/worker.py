@@ -56,6 +56,7 @@ from .rollout import AgentFailure, EnvFailure, RolloutEnv, run_rollout, trajecto
 log = structlog.get_logger("agentarium.consumers")
 
 BACKGROUND_STOP_S = 5.0  # how long stopping waits for the heartbeat and registry loops
+HEARTBEAT_CHUNK = 500  # heartbeats sent between two turns of the event loop
 
 # A job released by a drain on its last delivery is dead-lettered, but the drain's grace is
 # already over: give the dead letter this long (the broker may be the reason for the drain).
@@ -390,13 +391,15 @@ class Worker:
         """in_progress() on every in-flight job so long rollouts are not redelivered."""
         period = self.config.ack_wait_s / 3
         while not await self._background_pause(period):
-            for msg in list(self._inflight.values()):
+            for n, msg in enumerate(list(self._inflight.values()), 1):
                 try:
                     await msg.in_progress()
                 except (
                     Exception
                 ) as exc:  # a lost heartbeat only risks a redelivery, which is handled
                     log.debug("heartbeat failed", error=str(exc))
+                if n % HEARTBEAT_CHUNK == 0:  # tens of thousands in flight: let others run
+                    await asyncio.sleep(0)
 
     async def _registry_loop(self) -> None:
         cfg = self.config
