@@ -71,6 +71,7 @@ def orchestrator_batches(url: str, nats_url: str, batches: int) -> list[dict[str
     ) as orch:
         orch.register_agent_type("bench", one_call)
         for _ in range(batches + 1):  # the first batch warms up and is not counted
+            cpu0 = time.process_time()
             t0 = time.perf_counter()
             orch.initialize_batch_processing(tasks(), is_train=True)
             t1 = time.perf_counter()
@@ -81,7 +82,13 @@ def orchestrator_batches(url: str, nats_url: str, batches: int) -> list[dict[str
             orch.reset_orchestrator_state()
             assert counts["ok"] == TASKS * GROUP and len(batch) == TASKS * GROUP, counts
             out.append(
-                {"publish": t1 - t0, "wait": t2 - t1, "tensorize": t3 - t2, "total": t3 - t0}
+                {
+                    "publish": t1 - t0,
+                    "wait": t2 - t1,
+                    "tensorize": t3 - t2,
+                    "total": t3 - t0,
+                    "cpu": time.process_time() - cpu0,
+                }
             )
     return out[1:]
 
@@ -157,10 +164,15 @@ def ray_batches(url: str, batches: int, cpus: int, task_cpus: float) -> list[dic
 def report(label: str, runs: list[dict[str, float]]) -> None:
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     lo, hi = min(r["total"] for r in runs), max(r["total"] for r in runs)
+    cpu = (
+        f"  {med['cpu'] / (TASKS * GROUP) * 1e6:6.0f} us/rollout, {med['cpu'] / med['total']:.2f} of a core"
+        if "cpu" in med
+        else ""
+    )
     print(
         f"  {label:<16} {med['publish'] * 1e3:9.0f} {med['wait'] * 1e3:9.0f} "
         f"{med['tensorize'] * 1e3:10.0f} {med['total'] * 1e3:9.0f}  ({lo * 1e3:.0f}..{hi * 1e3:.0f})"
-        f"  {TASKS * GROUP / med['total']:8.0f}"
+        f"  {TASKS * GROUP / med['total']:8.0f}{cpu}"
     )
 
 
@@ -195,6 +207,7 @@ def main() -> None:
     )
     print(
         f"  {'':<16} {'publish':>9} {'wait':>9} {'tensorize':>10} {'total':>9}  {'':<13}  rollouts/s"
+        "  (orchestrator process CPU)"
     )
     report("orchestrator", orch)
     for task_cpus, runs in ray_runs.items():

@@ -27,6 +27,8 @@ from .errors import (
     ServerLaunchError,
     is_transient,
 )
+from .eventloop import loop_name, new_event_loop, run_loop, watch_lag
+from .gc_tuning import tune_gc
 from .patience import START_PATIENCE_S, is_unavailable, patiently
 from .prometheus import MetricsServer, metrics_response, render_metrics
 from .provision import (
@@ -36,6 +38,7 @@ from .provision import (
     ensure_streams,
     provision,
 )
+from .publisher import JetStreamPublisher
 from .registry import live_workers, publish_worker, remove_worker
 from .server import NatsServer, find_nats_server, free_port
 from .settings import NatsSettings
@@ -44,6 +47,7 @@ from .stream_metrics import StreamMetrics, collect_stream_metrics
 from .tail import Tail, read_tail
 from .telemetry import (
     OPENINFERENCE_SPAN_KIND,
+    CurrentSpan,
     extract_context,
     inject_headers,
     setup_logging,
@@ -68,6 +72,8 @@ __all__ = [
     "BrokerError",
     "BrokerStatus",
     "BrokerUnavailable",
+    "CurrentSpan",
+    "JetStreamPublisher",
     "Limits",
     "MetricsServer",
     "MetricsServerError",
@@ -99,7 +105,9 @@ __all__ = [
     "is_transient",
     "is_unavailable",
     "live_workers",
+    "loop_name",
     "metrics_response",
+    "new_event_loop",
     "patiently",
     "provision",
     "publish_worker",
@@ -108,10 +116,13 @@ __all__ = [
     "remove_worker",
     "render_metrics",
     "served_version",
+    "run_loop",
     "setup_logging",
     "setup_tracing",
     "shutdown_tracing",
     "span_id_hex",
     "trace_id_hex",
     "wait_served",
+    "tune_gc",
+    "watch_lag",
 ]

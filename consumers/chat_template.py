@@ -14,10 +14,13 @@ value is None dropped). Tests pin the ids against transformers itself.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import json
+from array import array
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -27,6 +30,10 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer
+
+# The prompt-ids cache (ChatTemplate.encode): at most this many prompts of at most this size.
+CACHE_ENTRIES = 1024
+CACHE_MAX_CHARS = 16 * 1024
 
 # The named special tokens transformers puts in ``special_tokens_map`` (and so in the template).
 SPECIAL_TOKEN_NAMES = (
@@ -114,7 +121,11 @@ def compile_template(source: str) -> jinja2.Template:
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _TemplateDict()
     env.globals["namespace"] = _Namespace
-    return env.from_string(source)
+    template = env.from_string(source)
+    # jinja keeps a template's globals as a ChainMap over the environment's and merges it into
+    # every render's context; flattened once, a render of a short chat costs ~40% less.
+    template.globals = dict(template.globals)
+    return template
 
 
 def plain_data(value: Any) -> Any:
@@ -254,6 +265,10 @@ class ChatTemplate:
         self._sources = dict(templates)
         self._compiled = {key: compile_template(src) for key, src in templates.items()}
         self._eos_token_ids = tuple(dict.fromkeys(eos_token_ids))
+        # Prompt text -> ids: the G samples of a GRPO group render the same first prompt.
+        # Keyed by the exact text, so a hit is exactly what the tokenizer would return; ids
+        # are kept packed, and only for prompts up to CACHE_MAX_CHARS.
+        self._ids: collections.OrderedDict[str, array] = collections.OrderedDict()
 
     @classmethod
     def from_model_dir(cls, path: str | Path) -> ChatTemplate:
@@ -320,24 +335,40 @@ class ChatTemplate:
         """The prompt text, as ``apply_chat_template(..., tokenize=False)`` renders it."""
         if not messages:
             raise ValueError("cannot render an empty conversation: give at least one message")
-        chat = normalize_messages(messages)
-        tool_schemas = None
+        tool_schemas = None if tools is None else plain_data(list(tools))
+        variables = plain_data(template_kwargs)
+        return self._render(
+            normalize_messages(messages), tool_schemas, add_generation_prompt, variables
+        )
+
+    def _render(
+        self,
+        chat: list[dict],
+        tools: list | None,
+        add_generation_prompt: bool,
+        variables: dict[str, Any],
+    ) -> str:
+        if not chat:
+            raise ValueError("cannot render an empty conversation: give at least one message")
         if tools is not None:
-            tool_schemas = plain_data(list(tools))
-            for tool in tool_schemas:
+            for tool in tools:
                 if not isinstance(tool, dict):
                     raise TypeError(
                         "tools must be JSON schemas (dicts like {'type': 'function', "
                         f"'function': {{...}}}}), got {tool!r}"
                     )
-        variables = {**self.special_tokens, **plain_data(template_kwargs)}
         return self._compiled[self._pick(tools)].render(
             messages=chat,
-            tools=tool_schemas,
+            tools=tools,
             documents=None,
             add_generation_prompt=add_generation_prompt,
-            **variables,
+            **{**self.special_tokens, **variables},
         )
+
+    def encode_normalized(self, chat: list[dict], tools: list | None = None) -> list[int]:
+        """``encode_chat`` for messages already through ``normalize_messages`` and tools already
+        plain data (what the tracing client holds): the same ids, without copying them again."""
+        return self.encode(self._render(chat, tools, True, {}))
 
     def encode_chat(
         self,
@@ -351,7 +382,18 @@ class ChatTemplate:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; no BOS/EOS added (the template writes its own)."""
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        cached = self._ids.get(text)
+        if cached is not None:
+            with contextlib.suppress(KeyError):  # another thread evicted it meanwhile
+                self._ids.move_to_end(text)
+            return cached.tolist()
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        if len(text) <= CACHE_MAX_CHARS:
+            self._ids[text] = array("i", ids)
+            while len(self._ids) > CACHE_ENTRIES:
+                with contextlib.suppress(KeyError):
+                    self._ids.popitem(last=False)
+        return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -57,11 +57,11 @@ class Decision:
 
     @classmethod
     def run(cls, *, check_stored: bool) -> Decision:
-        return cls(action=Action.RUN, check_stored=check_stored)
+        return _RUN_AGAIN if check_stored else _RUN_FIRST
 
     @classmethod
     def ack(cls) -> Decision:
-        return cls(action=Action.ACK)
+        return _ACK
 
     @classmethod
     def nak(cls, delay_s: float = 0.0) -> Decision:
@@ -83,6 +83,12 @@ class Decision:
             record_error=record_error,
             check_stored=check_stored,
         )
+
+
+# The decisions every rollout takes, made once (frozen: sharing them is safe).
+_RUN_FIRST = Decision(action=Action.RUN)
+_RUN_AGAIN = Decision(action=Action.RUN, check_stored=True)
+_ACK = Decision(action=Action.ACK)
 
 
 @dataclass(frozen=True, kw_only=True)

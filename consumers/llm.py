@@ -9,9 +9,10 @@ re-tokenization of text. Tool calls are parsed from the generated text into Open
 
 from __future__ import annotations
 
+import functools
 import math
+import random
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,7 @@ from urllib.parse import urlsplit
 import jinja2
 from opentelemetry import context as otel_context
 from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
 from broker import OPENINFERENCE_SPAN_KIND
@@ -34,6 +36,9 @@ from .metrics import observe_llm_call, observe_llm_failure
 from .toolcalls import ToolCallError, arguments_as_objects, parse_tool_calls
 
 tracer = trace.get_tracer("agentarium.consumers")
+# Request-id nonces: a private generator (seeded from os.urandom), so an agent seeding the
+# global one cannot make two attempts of a job, in two processes, send the same rid.
+_NONCES = random.Random()
 
 # Per-call keyword → SGLang sampling_params key. The aliases are the OpenAI names, so an agent
 # written against the OpenAI SDK can pass what it already passes.
@@ -84,6 +89,12 @@ class ChatResult:
     @property
     def content(self) -> str:
         return self.message.get("content") or ""
+
+
+@functools.lru_cache(maxsize=1024)  # a fleet's few URLs
+def _server_address(url: str) -> tuple[str, int | None]:
+    address = urlsplit(url)
+    return address.hostname or url, address.port
 
 
 def _sampling_params(job: Sampling, eos_ids: Sequence[int], overrides: dict[str, Any]) -> dict:
@@ -184,8 +195,9 @@ class TracingLLM:
         # OpenAI SDK turns the proxy's 503 into its own exception), so the worker can class
         # the rollout as an infrastructure failure.
         self.errors: list[LLMError] = []
-        self._nonce = uuid.uuid4().hex[:6]
+        self._nonce = f"{_NONCES.getrandbits(24):06x}"
         self._started = 0
+        self._span_name = f"chat {model_name}".rstrip()
 
     async def chat(
         self, messages: Sequence[Any], tools: Sequence[Any] | None = None, **sampling: Any
@@ -196,26 +208,40 @@ class TracingLLM:
         eos = self.template.eos_token_ids if self.template is not None else []
         params = _sampling_params(self.sampling, eos, sampling)
         index, self._started = self._started, self._started + 1
+        # The chat span is made once the call is over, with its start time and every attribute
+        # at once (the SDK cleans and locks per attribute update, and nothing runs under a chat
+        # span), parented as if it had been current: what an exporter receives is the same.
         parent = self._parent_for_call()
-        token = otel_context.attach(parent) if parent is not None else None
+        attributes = self._request_attributes(chat, tool_list, params)
+        started = time.time_ns()
         try:
-            with tracer.start_as_current_span(
-                f"chat {self.model_name}".rstrip(),
+            result, response = await self._chat(index, chat, tool_list, params)
+        except BaseException as exc:  # CancelledError too: a deadline cut the call
+            attributes["error.type"] = genai.error_type(exc)
+            span = tracer.start_span(
+                self._span_name,
+                context=parent,
                 kind=trace.SpanKind.CLIENT,
-                attributes=self._request_attributes(chat, tool_list, params),
-            ) as span:
-                try:
-                    return await self._chat(span, index, chat, tool_list, params)
-                except BaseException as exc:  # CancelledError too: a deadline cut the call
-                    span.set_attribute("error.type", genai.error_type(exc))
-                    raise
-        except LLMError as exc:
-            self.errors.append(exc)
-            observe_llm_failure(exc)
+                attributes=attributes,
+                start_time=started,
+            )
+            if isinstance(exc, Exception):  # as start_as_current_span records one
+                span.record_exception(exc)
+                span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+            span.end()
+            if isinstance(exc, LLMError):
+                self.errors.append(exc)
+                observe_llm_failure(exc)
             raise
-        finally:
-            if token is not None:
-                otel_context.detach(token)
+        attributes.update(response)
+        tracer.start_span(
+            self._span_name,
+            context=parent,
+            kind=trace.SpanKind.CLIENT,
+            attributes=attributes,
+            start_time=started,
+        ).end()
+        return result
 
     def _parent_for_call(self) -> otel_context.Context | None:
         """The context to attach for one call, or None to keep the current one.
@@ -252,12 +278,13 @@ class TracingLLM:
         return attributes
 
     async def _chat(
-        self, span: trace.Span, index: int, chat: list[dict], tools: list | None, params: dict
-    ) -> ChatResult:
+        self, index: int, chat: list[dict], tools: list | None, params: dict
+    ) -> tuple[ChatResult, dict[str, AttributeValue]]:
+        """The call, and the attributes its span gets from the response."""
         input_ids: list[int] = []
         if self.template is not None:
             try:
-                input_ids = self.template.encode_chat(arguments_as_objects(chat), tools=tools)
+                input_ids = self.template.encode_normalized(arguments_as_objects(chat), tools)
             except jinja2.TemplateError as exc:
                 raise BadRequest(f"the chat template refused these messages: {exc}") from exc
         request = GenerateRequest(
@@ -305,36 +332,37 @@ class TracingLLM:
 
         prompt_tokens = len(input_ids) or result.prompt_tokens
         output_tokens = len(result.output_ids) or result.completion_tokens
+        observe_llm_call(call, prompt_tokens, output_tokens)
+        # The model that answered: a cross-sampled call names the second model.
+        model = result.meta_info.get("model") or model_of_call(call, self.model_name)
+        attributes: dict[str, AttributeValue] = {
+            "gen_ai.response.model": str(model),
+            "gen_ai.usage.input_tokens": prompt_tokens,
+            "gen_ai.usage.output_tokens": output_tokens,
+            "gen_ai.usage.cache_read.input_tokens": result.cached_tokens,
+            "gen_ai.response.finish_reasons": [finish],
+            "agentarium.weight_version": result.weight_version,
+        }
         response_id = result.meta_info.get("id")
         if response_id:
-            span.set_attribute("gen_ai.response.id", str(response_id))
-        # The model that answered: a cross-sampled call names the second model.
-        span.set_attribute(
-            "gen_ai.response.model",
-            str(result.meta_info.get("model") or model_of_call(call, self.model_name)),
-        )
-        observe_llm_call(call, prompt_tokens, output_tokens)
-        span.set_attribute("gen_ai.usage.input_tokens", prompt_tokens)
-        span.set_attribute("gen_ai.usage.output_tokens", output_tokens)
-        span.set_attribute("gen_ai.usage.cache_read.input_tokens", result.cached_tokens)
-        span.set_attribute("gen_ai.response.finish_reasons", [finish])
-        span.set_attribute("agentarium.weight_version", result.weight_version)
+            attributes["gen_ai.response.id"] = str(response_id)
         if self.capture_content:
-            span.set_attribute("gen_ai.output.messages", genai.output_messages(message, finish))
+            attributes["gen_ai.output.messages"] = genai.output_messages(message, finish)
         if result.backend:
-            address = urlsplit(result.backend)
-            span.set_attribute("server.address", address.hostname or result.backend)
-            if address.port:
-                span.set_attribute("server.port", address.port)
+            host, port = _server_address(result.backend)
+            attributes["server.address"] = host
+            if port:
+                attributes["server.port"] = port
         if errors:
-            span.set_attribute("agentarium.tool_call_errors", len(errors))
-        return ChatResult(
+            attributes["agentarium.tool_call_errors"] = len(errors)
+        chat_result = ChatResult(
             text=result.text,
             message=message,
             finish_reason=finish,
             call=call,
             tool_call_errors=errors,
         )
+        return chat_result, attributes
 
     def __repr__(self) -> str:
         return (

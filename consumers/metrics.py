@@ -11,6 +11,7 @@ Queue depths are not here: they describe the streams, and come from one process
 
 from __future__ import annotations
 
+import functools
 from urllib.parse import urlsplit
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -50,6 +51,13 @@ ALREADY_STORED = Counter(
     "agentarium_rollouts_already_stored",
     "Deliveries acknowledged without running: the job's trajectory was stored before",
     ["agent"],
+)
+
+LOOP_LAG_SECONDS = Histogram(
+    "agentarium_event_loop_lag_seconds",
+    "How late the consumer's event loop runs a callback that is due (sampled every 50 ms): "
+    "what every rollout, socket and timer of the process waits on top of its own work",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
 )
 
 LLM_SECONDS = Histogram(
@@ -104,17 +112,26 @@ CACHED_TOKENS = Counter(
 
 
 class RolloutMetrics:
-    """One agent's children of the rollout series, resolved once per worker."""
+    """One agent's children of the rollout series, resolved once per worker (``labels()`` takes
+    a lock and builds a key: not something to pay per rollout)."""
 
     def __init__(self, agent: str) -> None:
         self.agent = agent
         self.in_flight = IN_FLIGHT.labels(agent)
         self.retries = RETRIES.labels(agent)
         self.already_stored = ALREADY_STORED.labels(agent)
+        self._by_status: dict[str, tuple[Counter, Histogram]] = {}
 
     def rollout(self, status: str, seconds: float) -> None:
-        ROLLOUTS.labels(self.agent, status).inc()
-        ROLLOUT_SECONDS.labels(self.agent, status).observe(seconds)
+        children = self._by_status.get(status)
+        if children is None:  # a handful of statuses: resolved once each
+            children = (
+                ROLLOUTS.labels(self.agent, status),
+                ROLLOUT_SECONDS.labels(self.agent, status),
+            )
+            self._by_status[status] = children
+        children[0].inc()
+        children[1].observe(seconds)
 
     def dead_letter(self, reason: str) -> None:
         DEAD_LETTERS.labels(self.agent, reason).inc()
@@ -132,15 +149,31 @@ def backend_label(url: str) -> str:
     return f"{parts.scheme}://{host}{port}{parts.path.rstrip('/')}"
 
 
+@functools.lru_cache(maxsize=1024)  # a fleet's URLs x finish reasons: a bounded set
+def _llm_children(url: str, finish_reason: str) -> tuple:
+    backend = backend_label(url)
+    return (
+        LLM_SECONDS.labels(backend),
+        LLM_REQUESTS.labels(backend, finish_reason),
+        PROMPT_TOKENS.labels(backend),
+        COMPLETION_TOKENS.labels(backend),
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_tokens_child(url: str):  # only once a server reports cached tokens
+    return CACHED_TOKENS.labels(backend_label(url))
+
+
 def observe_llm_call(call: LLMCall, prompt_tokens: int, completion_tokens: int) -> None:
     """Count one answered LLM call (``TracingLLM`` calls it once the call is recorded)."""
-    backend = backend_label(call.backend)
-    LLM_SECONDS.labels(backend).observe(call.latency_s)
-    LLM_REQUESTS.labels(backend, call.finish_reason).inc()
-    PROMPT_TOKENS.labels(backend).inc(prompt_tokens)
-    COMPLETION_TOKENS.labels(backend).inc(completion_tokens)
+    seconds, requests, prompt, completion = _llm_children(call.backend, call.finish_reason)
+    seconds.observe(call.latency_s)
+    requests.inc()
+    prompt.inc(prompt_tokens)
+    completion.inc(completion_tokens)
     if call.cached_tokens:
-        CACHED_TOKENS.labels(backend).inc(call.cached_tokens)
+        _cached_tokens_child(call.backend).inc(call.cached_tokens)
 
 
 def observe_llm_failure(error: Exception) -> None:

@@ -20,7 +20,7 @@ import nats.js.errors
 import structlog
 from nats.js import JetStreamContext
 
-from broker import ERR_WRONG_LAST_SEQUENCE, TRANSIENT_NATS_ERRORS, Topology
+from broker import ERR_WRONG_LAST_SEQUENCE, TRANSIENT_NATS_ERRORS, JetStreamPublisher, Topology
 from schemas import DeadLetter, Job, Trajectory, encode
 
 log = structlog.get_logger("agentarium.consumers")
@@ -35,6 +35,7 @@ MAX_RAW_BYTES = 64 * 1024
 DEFAULT_MAX_PAYLOAD = 1024 * 1024  # nats-server's default, when the client does not say
 # An error text in a message that had to be cut down to fit max_payload keeps this much.
 FITTED_ERROR_CHARS = 4_000
+PAYLOAD_MEMO = 1024
 
 
 def _server_side(exc: nats.js.errors.APIError) -> bool:
@@ -65,10 +66,20 @@ async def _until_done(what: str, call: Callable[[], Awaitable[T]]) -> T:
 
 
 class OutcomeStore:
+    """Stores outcomes; publishes are pipelined (``broker.JetStreamPublisher``): many
+    rollouts' trajectories wait for their acks at once, each still acked only once stored."""
+
     def __init__(self, js: JetStreamContext, topo: Topology, worker_id: str) -> None:
         self.js = js
         self.topo = topo
         self.worker_id = worker_id
+        self.publisher = JetStreamPublisher(js._nc)
+        # fitted() encodes a trajectory to measure it; publish_trajectory() sends those bytes
+        # instead of encoding again (by identity; popped at once, bounded against leaks).
+        self._payloads: dict[int, tuple[Trajectory, bytes]] = {}
+
+    async def close(self) -> None:
+        await self.publisher.close()
 
     @property
     def max_payload(self) -> int:
@@ -80,7 +91,11 @@ class OutcomeStore:
         limit, huge metrics, many long calls), a status ``error`` one that says so, without
         the calls and metrics (and without the task and metadata if need be). Publishing it
         as it is would fail every attempt, and the job would end without a trajectory."""
-        return self._fit(trajectory)[0]
+        fitted, payload = self._fit(trajectory)
+        self._payloads[id(fitted)] = (fitted, payload)
+        if len(self._payloads) > PAYLOAD_MEMO:  # fitted but never published (cancelled)
+            self._payloads.pop(next(iter(self._payloads)))
+        return fitted
 
     def _fit(self, trajectory: Trajectory) -> tuple[Trajectory, bytes]:
         payload = encode(trajectory)
@@ -125,12 +140,16 @@ class OutcomeStore:
     async def publish_trajectory(self, trajectory: Trajectory) -> bool:
         """Store it; False when the server says one is already stored for this job."""
         subject = self.topo.trajectory_subject(trajectory.run, trajectory.agent, trajectory.job_id)
-        trajectory, payload = self._fit(trajectory)
+        memo = self._payloads.pop(id(trajectory), None)
+        if memo is not None and memo[0] is trajectory:
+            payload = memo[1]
+        else:
+            trajectory, payload = self._fit(trajectory)
 
         async def publish() -> bool:
             try:
-                await self.js.publish(
-                    subject, payload, headers={"Nats-Expected-Last-Subject-Sequence": "0"}
+                await self.publisher.publish(
+                    subject, payload, {"Nats-Expected-Last-Subject-Sequence": "0"}
                 )
                 return True
             except nats.js.errors.APIError as exc:
@@ -182,7 +201,7 @@ class OutcomeStore:
             payload = encode(letter)
 
         async def publish() -> DeadLetter:
-            await self.js.publish(self.topo.dead_subject(agent), payload)
+            await self.publisher.publish(self.topo.dead_subject(agent), payload)
             return letter
 
         return await _until_done("dead-letter publish", publish)

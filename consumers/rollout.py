@@ -23,6 +23,7 @@ the cancellation is left running, abandoned, the rollout ending as ``timeout``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import traceback
@@ -36,7 +37,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
-from broker import OPENINFERENCE_SPAN_KIND, span_id_hex, trace_id_hex
+from broker import OPENINFERENCE_SPAN_KIND, CurrentSpan, span_id_hex, trace_id_hex
 from schemas import Job, Trajectory
 
 from . import genai
@@ -201,8 +202,8 @@ async def run_rollout(
     if capture:  # the task is content like a prompt: shown only when the user opted in
         attributes[genai.OPENINFERENCE_INPUT] = json.dumps(job.task, default=str)
         attributes[genai.OPENINFERENCE_INPUT_MIME] = "application/json"
-    with tracer.start_as_current_span(
-        "rollout", context=parent, kind=SpanKind.CONSUMER, attributes=attributes
+    with CurrentSpan(
+        tracer, "rollout", context=parent, kind=SpanKind.CONSUMER, attributes=attributes
     ) as span:
         trace_id = trace_id_hex(span)
         # The trajectory keeps this span's id: the trainer's step links to it.
@@ -275,7 +276,13 @@ async def run_rollout(
 
         agent: asyncio.Future | None = None
         try:
-            with env.proxy.register(job.job_id, llm) as endpoint:
+            # Only an endpoint-style agent calls the proxy: the others get no route to open.
+            registration = (
+                env.proxy.register(job.job_id, llm)
+                if env.runner.spec.style == "endpoint"
+                else contextlib.nullcontext("")
+            )
+            with registration as endpoint:
                 secret = secret_of(endpoint)
                 # The agent's own task: the deadline cancels this one, which stops waiting
                 # whether or not the agent lets itself be cancelled.

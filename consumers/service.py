@@ -19,7 +19,7 @@ from typing import Any
 import structlog
 from nats.js import JetStreamContext
 
-from broker import Topology
+from broker import Topology, loop_name, watch_lag
 
 from .agents import AgentRunner, AgentSpec
 from .backends import CrossSamplingBackend, OpenAICompatBackend, SGLangBackend
@@ -29,6 +29,7 @@ from .delivery import DeliveryPolicy
 from .envclient import EnvClient
 from .errors import CrossSamplingError
 from .fleet import Fleet, FleetPolicy, supports
+from .metrics import LOOP_LAG_SECONDS
 from .proxy import TracingProxy
 from .rollout import RolloutEnv
 from .worker import Counters, Worker, WorkerConfig, default_worker_id
@@ -36,6 +37,27 @@ from .worker import Counters, Worker, WorkerConfig, default_worker_id
 log = structlog.get_logger("agentarium.consumers")
 
 PORT_SCAN = 64  # ports tried upwards from a base port before giving up
+
+# One event-loop lag watcher per loop, however many consumers share it: [task, users].
+_lag_watchers: dict[asyncio.AbstractEventLoop, list] = {}
+
+
+def _watch_lag() -> None:
+    loop = asyncio.get_running_loop()
+    entry = _lag_watchers.get(loop)
+    if entry is None or entry[0].done():
+        entry = _lag_watchers[loop] = [loop.create_task(watch_lag(LOOP_LAG_SECONDS.observe)), 0]
+    entry[1] += 1
+
+
+def _unwatch_lag() -> None:
+    loop = asyncio.get_running_loop()
+    entry = _lag_watchers.get(loop)
+    if entry is not None:
+        entry[1] -= 1
+        if entry[1] <= 0:
+            entry[0].cancel()
+            del _lag_watchers[loop]
 
 
 def normalize_urls(urls: str | Sequence[str] | None) -> list[str]:
@@ -198,6 +220,7 @@ class ConsumerService:
         self._backend: Any = backend  # None: built from spec.target
         self._runner: AgentRunner | None = None
         self._task: asyncio.Task[Counters] | None = None
+        self._watching_lag = False
         self.fleets: tuple[Fleet, ...] = ()
 
     def __repr__(self) -> str:
@@ -263,6 +286,8 @@ class ConsumerService:
         )
         self.worker = Worker(self.js, self.topology, config, env)
         self._task = asyncio.create_task(self.worker.run(), name=f"worker-{spec.agent}")
+        _watch_lag()  # agentarium_event_loop_lag_seconds
+        self._watching_lag = True
         log.info(
             "consumer started",
             agent=spec.agent,
@@ -272,6 +297,7 @@ class ConsumerService:
             worker_id=spec.worker_id,
             concurrency=spec.concurrency,
             burst=spec.burst,
+            loop=loop_name(),
         )
         return self
 
@@ -367,6 +393,9 @@ class ConsumerService:
         return counters
 
     async def _close(self) -> None:
+        if self._watching_lag:
+            self._watching_lag = False
+            _unwatch_lag()
         if self._runner is not None:
             self._runner.close()
             self._runner = None

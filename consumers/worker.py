@@ -49,12 +49,14 @@ from .delivery import Action, Decision, DeliveryPolicy, Event
 from .fleet import fleets_summary
 from .metrics import RolloutMetrics
 from .outcomes import OutcomeStore
+from .puller import JobPuller
 from .redact import log_safe
 from .rollout import AgentFailure, EnvFailure, RolloutEnv, run_rollout, trajectory_for
 
 log = structlog.get_logger("agentarium.consumers")
 
 BACKGROUND_STOP_S = 5.0  # how long stopping waits for the heartbeat and registry loops
+HEARTBEAT_CHUNK = 500  # heartbeats sent between two turns of the event loop
 
 # A job released by a drain on its last delivery is dead-lettered, but the drain's grace is
 # already over: give the dead letter this long (the broker may be the reason for the drain).
@@ -147,12 +149,14 @@ class Worker:
         # Ends the heartbeat and registry loops. They are cancelled too, but a cancellation can
         # be lost inside nats-py's KV put (Python 3.11): the flag ends them at the next turn.
         self._quit_background = asyncio.Event()
-        self._psub: JetStreamContext.PullSubscription | None = None
+        self._releasing: set[asyncio.Task] = set()  # jobs delivered as the worker stopped
+        self._puller: JobPuller | None = None
         self.paused = False  # the pull loop waits for a fleet that is down
         # Set when the LLM fleet goes down or comes back: the registry shows it at once.
         self._registry_kick = asyncio.Event()
         for fleet in env.fleets:
             fleet.listeners.append(self._registry_kick.set)
+            fleet.listeners.append(self._wake_puller)  # the pull loop pauses at once
 
     def __repr__(self) -> str:
         c = self.counters
@@ -168,11 +172,16 @@ class Worker:
     @property
     def ready(self) -> bool:
         """Bound to the agent's consumer and pulling (false before that and while draining)."""
-        return self._psub is not None and not self._stop.is_set()
+        return self._puller is not None and not self._stop.is_set()
 
     def stop(self) -> None:
         """Begin draining (what SIGTERM does)."""
         self._stop.set()
+        self._wake_puller()
+
+    def _wake_puller(self) -> None:
+        if self._puller is not None:
+            self._puller.wake()
 
     # ---- main loop -------------------------------------------------------------------
     async def run(self) -> Counters:
@@ -204,12 +213,9 @@ class Worker:
             _, stuck = await asyncio.wait(background, timeout=BACKGROUND_STOP_S)
             if stuck:  # never let a stuck informational loop keep the worker from stopping
                 log.warning("background loop did not stop; left behind", tasks=len(stuck))
-            try:  # before any nc.drain(): a live pull sub hangs it
-                if self._psub is not None:  # None when _attach never bound it
-                    await self._psub.unsubscribe()
-            except Exception:
-                pass
+            await self._close_puller()  # before any nc.drain(): a live subscription hangs it
             await remove_worker(self.js, self.topo, cfg.worker_id)
+            await self.store.close()
             log.info(
                 "worker stopped",
                 worker_id=cfg.worker_id,
@@ -231,10 +237,18 @@ class Worker:
                     consumer,
                     keys=("filter_subject", "ack_policy"),
                 )
-                self._psub = await self.js.pull_subscribe_bind(
-                    consumer.durable_name, self.topo.tasks_stream
-                )
                 await self._adopt_consumer_settings(consumer.durable_name)
+                puller = JobPuller(
+                    self.js,
+                    self.topo.tasks_stream,
+                    consumer.durable_name,
+                    on_job=self._start,
+                    capacity=self.config.concurrency,
+                    max_batch=self.config.max_fetch,
+                    expires_s=self.config.fetch_timeout_s,
+                )
+                await puller.start()
+                self._puller = puller
                 return
             except _ATTACH_RETRYABLE as exc:
                 if self._stop.is_set():
@@ -271,47 +285,66 @@ class Worker:
             self.config = replace(self.config, retry=retry, ack_wait_s=ack_wait)
 
     async def _pull_loop(self) -> None:
+        """Keep a job on its way for every free slot (consumers/puller.py); jobs start as they
+        arrive, in ``_start``."""
         cfg = self.config
-        psub = self._psub
-        assert psub is not None, "run() binds the subscription (_attach) before the pull loop"
+        puller = self._puller
+        assert puller is not None, "run() binds the puller (_attach) before the pull loop"
         errors_in_row = 0
         while not self._stop.is_set():
             held = [fleet for fleet in self.env.fleets if fleet.holding]
             if held:  # the fleet is down: take nothing new until it answers (or the limit)
                 self.paused = True
+                await puller.close()  # the server drops the requests outstanding
                 await self._wait_for_fleets(held)
+                await puller.start()
                 self.paused = False
                 continue
-            free = cfg.concurrency - len(self._inflight)
-            if free <= 0:
-                await self._wait_for_slot()
-                continue
             try:
-                msgs = await psub.fetch(min(free, cfg.max_fetch), timeout=cfg.fetch_timeout_s)
+                await puller.top_up(cfg.concurrency - len(self._inflight))
                 errors_in_row = 0
-            except TimeoutError:  # nothing arrived (nats' TimeoutError is a subclass)
-                if cfg.burst and await self._queue_empty():
-                    return
-                continue
-            except (nats.errors.Error, nats.js.errors.Error, OSError) as exc:
+            except (nats.errors.Error, OSError) as exc:
                 errors_in_row += 1
-                log.warning("fetch failed; retrying", error=str(exc) or type(exc).__name__)
+                log.warning("pull request failed; retrying", error=str(exc) or type(exc).__name__)
                 await self._sleep_or_stop(min(5.0, 0.1 * 2**errors_in_row))
                 continue
-            for msg in msgs:
-                self.counters.fetched += 1
-                task = asyncio.create_task(self._handle(msg))
-                self._inflight[task] = msg
-                self.metrics.in_flight.inc()
-                task.add_done_callback(self._inflight.pop)
-                task.add_done_callback(lambda _: self.metrics.in_flight.dec())
+            await puller.wait(cfg.fetch_timeout_s)
+            if (
+                cfg.burst
+                and not self._inflight
+                and time.monotonic() - puller.last_job_at >= cfg.fetch_timeout_s
+                and await self._queue_empty()
+            ):
+                return
+        await self._close_puller()  # the server drops the requests still outstanding
 
-    async def _wait_for_slot(self) -> None:
-        stop = asyncio.create_task(self._stop.wait())
-        try:
-            await asyncio.wait([stop, *self._inflight], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stop.cancel()
+    def _start(self, msg: Msg) -> None:
+        """Run one delivered job (the puller calls this for each)."""
+        if self._stop.is_set():  # delivered as the worker stopped: released as a drain does
+            released = Outcome(event=Event.RELEASED, error="released by a drain")
+            task = asyncio.create_task(self._fall_back(msg, released))
+            self._releasing.add(task)
+            task.add_done_callback(self._releasing.discard)
+            return
+        self.counters.fetched += 1
+        task = asyncio.create_task(self._handle(msg))
+        self._inflight[task] = msg
+        self.metrics.in_flight.inc()
+        task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task) -> None:
+        del self._inflight[task]
+        self.metrics.in_flight.dec()
+        if self._puller is not None:
+            self._puller.freed(self.config.concurrency - len(self._inflight))
+
+    async def _close_puller(self) -> None:
+        puller, self._puller = self._puller, None
+        if puller is not None:
+            try:
+                await puller.close()
+            except Exception:  # noqa: BLE001 - stopping: the connection may be gone already
+                pass
 
     async def _wait_for_fleets(self, fleets: list) -> None:
         waits = [asyncio.create_task(self._stop.wait())]
@@ -341,6 +374,8 @@ class Worker:
         return not info.num_pending and not info.num_ack_pending
 
     async def _drain(self) -> None:
+        if self._releasing:  # jobs that arrived as the worker stopped
+            await asyncio.gather(*self._releasing, return_exceptions=True)
         if not self._inflight:
             return
         log.info("draining", in_flight=len(self._inflight), grace_s=self.config.drain_grace_s)
@@ -356,13 +391,15 @@ class Worker:
         """in_progress() on every in-flight job so long rollouts are not redelivered."""
         period = self.config.ack_wait_s / 3
         while not await self._background_pause(period):
-            for msg in list(self._inflight.values()):
+            for n, msg in enumerate(list(self._inflight.values()), 1):
                 try:
                     await msg.in_progress()
                 except (
                     Exception
                 ) as exc:  # a lost heartbeat only risks a redelivery, which is handled
                     log.debug("heartbeat failed", error=str(exc))
+                if n % HEARTBEAT_CHUNK == 0:  # tens of thousands in flight: let others run
+                    await asyncio.sleep(0)
 
     async def _registry_loop(self) -> None:
         cfg = self.config

@@ -33,7 +33,10 @@ def encode_json(message: WireMessage) -> bytes:
 def is_json(payload: bytes, content_type: str | None = None) -> bool:
     if content_type:
         return content_type.split(";")[0].strip().lower() == JSON_CONTENT_TYPE
-    return payload.lstrip()[:1] == b"{"
+    first = payload[:1]
+    if first.isspace():  # only then copy: a msgpack payload starts with its map's byte
+        first = payload.lstrip()[:1]
+    return first == b"{"
 
 
 def loads(payload: bytes, content_type: str | None = None) -> dict[str, Any]:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -172,8 +174,20 @@ def _packed(dtype: str, what: str) -> Callable[[Any, str], list]:
 
 
 def _packed_write(dtype: str) -> Callable[[Any, bool], Any]:
+    # array.array packs a short list faster than numpy does (a rollout's calls are short);
+    # numpy arrays (and anything else) go through numpy, which also casts.
+    typecode = "i" if dtype.endswith("i4") else "f"
+    native = array(typecode).itemsize == 4 and sys.byteorder == "little"
+
     def write(value: Any, binary: bool) -> Any:
-        return np.asarray(value, dtype=dtype).tobytes() if binary else list(value)
+        if not binary:
+            return list(value)
+        if native and type(value) is list:
+            try:
+                return array(typecode, value).tobytes()
+            except (TypeError, OverflowError):
+                pass  # numpy scalars, or ints numpy would wrap: numpy decides, as before
+        return np.asarray(value, dtype=dtype).tobytes()
 
     return write
 
@@ -259,9 +273,9 @@ class WireMessage:
     def to_wire(self, *, binary: bool = True) -> dict[str, Any]:
         """A plain dict ready for msgpack (``binary``) or JSON (lists instead of bytes)."""
         out: dict[str, Any] = {"schema_version": SCHEMA_VERSION}
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            value = getattr(self, f.name)
-            out[f.name] = None if value is None else f.metadata["kind"].write(value, binary)
+        for name, _, write, _, _ in _plan(type(self)):
+            value = getattr(self, name)
+            out[name] = None if value is None else write(value, binary)
         return out
 
     @classmethod
@@ -284,16 +298,16 @@ class WireMessage:
                 field=f"{prefix}schema_version",
             )
         values: dict[str, Any] = {}
-        known = {"schema_version"}
-        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-            known.add(f.name)
-            path = prefix + f.name
-            if f.name not in data or (data[f.name] is None and not _nullable(f)):
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+        for name, read, _, required, nullable in _plan(cls):
+            value = data.get(name)
+            if value is None and (not nullable or name not in data):
+                if required:
+                    path = prefix + name
                     raise SchemaError(f"{path}: required field missing", field=path)
                 continue
-            values[f.name] = f.metadata["kind"].read(data[f.name], path)
+            values[name] = read(value, prefix + name)
         if strict:
+            known = {"schema_version", *(name for name, *_ in _plan(cls))}
             extra = sorted(set(data) - known)
             if extra:
                 raise SchemaError(
@@ -305,6 +319,32 @@ class WireMessage:
             raise
         except (TypeError, ValueError) as exc:
             raise SchemaError(f"{prefix.rstrip('.')}: {exc}") from exc
+
+
+_Plan = tuple[tuple[str, Callable, Callable, bool, bool], ...]
+_PLANS: dict[type, _Plan] = {}
+
+
+def _plan(cls: type) -> _Plan:
+    """Per wire class, once: each field's name, reader, writer, whether it is required and
+    whether null is a value of it (decoding and encoding run per message, on the hot path)."""
+    plan = _PLANS.get(cls)
+    if plan is None:
+        plan = _PLANS[cls] = _make_plan(cls)
+    return plan
+
+
+def _make_plan(cls: type) -> _Plan:
+    return tuple(
+        (
+            f.name,
+            f.metadata["kind"].read,
+            f.metadata["kind"].write,
+            f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+            _nullable(f),
+        )
+        for f in dataclasses.fields(cls)
+    )
 
 
 def _nullable(f: dataclasses.Field) -> bool:

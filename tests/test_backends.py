@@ -315,16 +315,19 @@ async def test_health_and_model_info(servers, backends):
         await backends([dead]).model_info()
 
 
-async def test_one_lazy_session_closed_by_aclose(servers):
+async def test_one_lazy_pool_with_kept_alive_connections_closed_by_aclose(servers):
     (a,) = await servers(1)
     backend = SGLangBackend([a.url], backoff=0.0)
-    assert backend._session is None
+    assert backend._http is None
     await backend.generate(req())
-    session = backend.session
+    pool = backend.http
     await backend.generate(req())
-    assert backend.session is session
+    assert backend.http is pool and pool.open_connections == 1  # the connection was reused
     await backend.aclose()
-    assert session.closed
+    assert pool.closed and pool.open_connections == 0
+    await backend.generate(req())  # a closed backend opens a new pool when used again
+    assert backend.http is not pool
+    await backend.aclose()
 
 
 # --- OpenAI-compatible backend ------------------------------------------------------------------------

@@ -153,6 +153,8 @@ async def test_consumer_counts_rollouts_and_llm_calls_by_agent_and_status(js, ti
     )
     assert value(samples, "agentarium_dead_letters_total", agent=agent, reason="agent_error") == 1
     assert value(samples, "agentarium_rollouts_in_flight", agent=agent) == 0
+    # the consumer watched its event loop's lag while it ran (one sample every 50 ms)
+    assert value(samples, "agentarium_event_loop_lag_seconds_count") > 0
 
     backend = fake.url  # the server that answered, as configured
     assert (

@@ -17,7 +17,14 @@ import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from broker import MetricsServer, NatsSettings, setup_logging, setup_tracing, shutdown_tracing
+from broker import (
+    MetricsServer,
+    NatsSettings,
+    run_loop,
+    setup_logging,
+    setup_tracing,
+    shutdown_tracing,
+)
 
 
 class Parser(argparse.ArgumentParser):
@@ -164,7 +171,7 @@ def run_async(body: Callable[[], Coroutine[Any, Any, int]], *, service: str) -> 
     setup_logging()
     setup_tracing(service)
     try:
-        return asyncio.run(body())
+        return run_loop(body())
     except KeyboardInterrupt:
         return 130
     finally:

@@ -13,7 +13,7 @@ from typing import Any
 
 import structlog
 
-from broker import Topology
+from broker import Topology, tune_gc
 from consumers import (
     AgentLoadError,
     AgentSpec,
@@ -206,6 +206,7 @@ async def consume(args: argparse.Namespace, config: ConsumerConfig, source: dict
             metrics.readiness("consumer", lambda: service.ready)
             await metrics.start()
         await service.start()
+        tune_gc()  # after start-up: what exists now is frozen (broker/gc_tuning.py)
         install_stop_handlers(service.drain)
         counters = await service.wait()
     finally:

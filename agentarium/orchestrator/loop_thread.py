@@ -14,6 +14,8 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from broker import new_event_loop
+
 T = TypeVar("T")
 
 
@@ -21,7 +23,7 @@ class LoopThread:
     """``call(coro)`` runs ``coro`` on the background loop and returns its result."""
 
     def __init__(self, name: str = "agentarium-loop") -> None:
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_event_loop()  # uvloop when installed (broker/eventloop.py)
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()

@@ -75,6 +75,9 @@ class StickyBalancer:
 
         A server marked down is still chosen when nothing else is left (a held one never is).
         """
+        if len(self.urls) == 1:  # nothing to balance: no binding either
+            only = self.urls[0]
+            return None if only in exclude or only in self._held else only
         if route_key:
             url = self._bindings.get(route_key)
             if url is not None and url not in exclude and self.is_up(url):

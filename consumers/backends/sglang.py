@@ -20,19 +20,25 @@ first attempt, and SGLang refuses a duplicate request id.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Sequence
 from typing import Any
 
-import aiohttp
+import orjson
 
 from ..errors import BackendUnavailable, BadRequest
 from .balancer import StickyBalancer
 from .base import BackendRetry, GenerateRequest, GenerateResult, retryable_status
-from .cutoff import Cutoffs
+from .http import HttpError, HttpPool
 
 _FINISH_TYPES = ("stop", "length", "abort")
+
+
+def _plain(value: Any) -> Any:
+    """What orjson cannot write itself: numpy scalars (and anything else with ``item()``)."""
+    if callable(getattr(value, "item", None)):
+        return value.item()
+    raise TypeError(f"cannot send a {type(value).__name__} to SGLang as JSON")
 
 
 class _ServerFailed(Exception):
@@ -102,30 +108,49 @@ class SGLangBackend:
         abort_retries: int = 3,
         down_for: float = 10.0,
         max_route_keys: int = 100_000,
+        max_connections: int | None = None,
     ) -> None:
         urls = [urls] if isinstance(urls, str) else list(urls)
         self.urls = [u.rstrip("/") for u in urls]
         self.policy = BackendRetry(retries=retries, backoff=backoff, max_backoff=max_backoff)
         self.abort_retries = abort_retries
         self.balancer = StickyBalancer(self.urls, max_keys=max_route_keys, down_for=down_for)
-        self.cutoffs = Cutoffs(self.urls)
         # When each server last answered a request: a server that answers needs no probe.
         self.answered_at = dict.fromkeys(self.urls, 0.0)
-        self._timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=connect_timeout)
-        self._session: aiohttp.ClientSession | None = None
+        self._timeout = timeout
+        self._connect_timeout = connect_timeout
+        # One socket per request in flight: the fleet, not the client, sets the pace, up to
+        # the process's open-file limit (HttpPool's default), beyond which requests wait.
+        self._max_connections = max_connections
+        self._http: HttpPool | None = None
+        self._control: HttpPool | None = None
 
     @property
-    def session(self) -> aiohttp.ClientSession:
-        # Created lazily: the constructor may run outside the event loop that will use it.
-        if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=0)  # the fleet, not the client, sets the pace
-            self._session = aiohttp.ClientSession(timeout=self._timeout, connector=connector)
-        return self._session
+    def http(self) -> HttpPool:
+        """The generation requests' connections (made again after ``aclose``)."""
+        if self._http is None:
+            self._http = HttpPool(
+                timeout_s=self._timeout,
+                connect_timeout_s=self._connect_timeout,
+                max_connections=self._max_connections,
+            )
+        return self._http
+
+    @property
+    def control(self) -> HttpPool:
+        """Health probes' and /model_info's own few connections: a probe never queues behind
+        generation requests waiting for a connection."""
+        if self._control is None:
+            self._control = HttpPool(
+                timeout_s=self._timeout, connect_timeout_s=self._connect_timeout, max_connections=64
+            )
+        return self._control
 
     async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        for pool in (self._http, self._control):
+            if pool is not None:
+                await pool.close()
+        self._http = self._control = None
 
     async def __aenter__(self) -> SGLangBackend:
         return self
@@ -194,16 +219,14 @@ class SGLangBackend:
         return body
 
     async def _post(self, url: str, request: GenerateRequest, attempt: int) -> GenerateResult:
+        body = orjson.dumps(
+            self._body(request, attempt), default=_plain, option=orjson.OPT_SERIALIZE_NUMPY
+        )
         self.balancer.started(url)
         start = time.perf_counter()
         try:
-            async with (
-                self.cutoffs.guard(url),
-                self.session.post(f"{url}/generate", json=self._body(request, attempt)) as resp,
-            ):
-                text = await resp.text()
-                status = resp.status
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            response = await self.http.request("POST", f"{url}/generate", body)
+        except (HttpError, TimeoutError, OSError) as exc:
             if self.balancer.is_held(url):
                 raise _ServerFailed(
                     "cut off: the server stopped answering its health probe"
@@ -212,9 +235,11 @@ class SGLangBackend:
         finally:
             self.balancer.finished(url)
         latency = time.perf_counter() - start
+        status = response.status
         if status < 500:
             self.answered_at[url] = time.monotonic()
         if status != 200:
+            text = response.text()
             if retryable_status(status):
                 raise _ServerFailed(f"HTTP {status}: {text[:300]}")
             raise BadRequest(
@@ -224,7 +249,7 @@ class SGLangBackend:
                 body=text,
             )
         try:
-            result = parse_generate_response(json.loads(text), url=url, latency_s=latency)
+            result = parse_generate_response(response.json(), url=url, latency_s=latency)
         except (ValueError, TypeError, KeyError, IndexError) as exc:
             raise _ServerFailed(f"unusable response: {exc}") from exc
         finish = result.meta_info.get("finish_reason")
@@ -233,7 +258,7 @@ class SGLangBackend:
                 f"{url} aborted the request: {finish.get('message', finish)}",
                 status=int(finish["status_code"]),
                 url=url,
-                body=text,
+                body=response.text(),
             )
         return result
 
@@ -246,19 +271,19 @@ class SGLangBackend:
         """``GET /health`` on one server: "" when it answers below 500 within ``timeout_s``,
         else what went wrong. SGLang answers it without generating (503 while unhealthy)."""
         try:
-            timeout = aiohttp.ClientTimeout(total=timeout_s)
-            async with self.session.get(f"{url}/health", timeout=timeout) as resp:
-                status = resp.status
+            status = (
+                await self.control.request("GET", f"{url}/health", timeout_s=timeout_s)
+            ).status
         except TimeoutError:
             return f"no answer to GET /health within {timeout_s:g}s"
-        except aiohttp.ClientError as exc:
+        except (HttpError, OSError) as exc:
             return f"{type(exc).__name__}: {exc}"
         return "" if status < 500 else f"GET /health answered HTTP {status}"
 
     def open_breaker(self, url: str) -> int:
         """Skip ``url`` until ``close_breaker`` and cut off its requests in flight (how many)."""
         self.balancer.hold(url)
-        return self.cutoffs.cut(url)
+        return self.http.cut(url)
 
     def close_breaker(self, url: str) -> None:
         self.balancer.release(url)
@@ -282,14 +307,14 @@ class SGLangBackend:
         for url in self.urls:
             for path in ("/model_info", "/get_model_info"):
                 try:
-                    async with self.session.get(f"{url}{path}") as resp:
-                        if resp.status == 404:
-                            continue
-                        if resp.status == 200:
-                            return await resp.json(content_type=None)
-                        errors[url] = f"HTTP {resp.status}"
-                        break
-                except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                    resp = await self.control.request("GET", f"{url}{path}")
+                    if resp.status == 404:
+                        continue
+                    if resp.status == 200:
+                        return resp.json()
+                    errors[url] = f"HTTP {resp.status}"
+                    break
+                except (HttpError, TimeoutError, OSError, ValueError) as exc:
                     errors[url] = f"{type(exc).__name__}: {exc}"
                     break
         raise BackendUnavailable(f"no server answered /model_info: {errors}", errors=errors)
