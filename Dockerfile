@@ -36,13 +36,14 @@ COPY pyproject.toml README.md ./
 COPY agentarium ./agentarium
 COPY broker ./broker
 COPY consumers ./consumers
+COPY environments ./environments
 COPY producers ./producers
 COPY schemas ./schemas
 COPY trainer ./trainer
 COPY examples ./examples
 # hadolint ignore=DL3013
 RUN pip install ".[${EXTRAS}]" \
- && python -c "import agentarium.cli, broker, consumers, producers, schemas, trainer"
+ && python -c "import agentarium.cli, broker, consumers, environments, producers, schemas, trainer"
 
 FROM ${PYTHON_IMAGE} AS runtime
 # tini as PID 1: forwards SIGTERM (consumers drain on it) and reaps children.

@@ -38,6 +38,7 @@ class AgentStatus:
     has_consumer: bool = False
     workers: int = 0
     rollouts_per_s: float = 0.0  # the live workers' rates over their last registry interval
+    fleet_down: int = 0  # live workers whose LLM fleet is down (they pull nothing meanwhile)
 
 
 @dataclass
@@ -155,6 +156,11 @@ async def collect_status(
             served.rollouts_per_s = round(
                 served.rollouts_per_s + float(worker.get("rollouts_per_s", 0.0)), 2
             )
+            if (worker.get("fleet") or {}).get("state") == "down":
+                served.fleet_down += 1
+    for row in status.agents:
+        if row.fleet_down:
+            status.notes.append(fleet_note(row, status.workers))
     try:
         kv = await js.key_value(topo.policy_bucket)
         for key in await kv.keys():
@@ -185,6 +191,35 @@ async def _latest_metrics(js: JetStreamContext, topo: Topology, run: str) -> dic
     except TimeoutError:  # also how a user without permission to read the stream is refused
         return None
     return row if isinstance(row, dict) else None
+
+
+def fleet_note(row: AgentStatus, workers: list[dict[str, Any]]) -> str:
+    """What an agent's workers say of an LLM fleet outage."""
+    down = [
+        w["fleet"]
+        for w in workers
+        if w.get("agent") == row.agent and (w.get("fleet") or {}).get("state") == "down"
+    ]
+    longest = max(float(f.get("down_for_s", 0.0)) for f in down)
+    if any(f.get("past_limit") for f in down):
+        effect = "past the outage limit: their rollouts fail as errors until it answers"
+    else:
+        effect = "they pull no jobs and hold their rollouts until it answers"
+    return (
+        f"agent {row.agent}: LLM fleet down on {len(down)} of {row.workers} worker(s), for "
+        f"{longest:.0f}s: {effect}"
+    )
+
+
+def _fleet_cell(worker: dict[str, Any]) -> str:
+    fleet = worker.get("fleet")
+    if not fleet:
+        return ""
+    servers = f"{fleet.get('servers_down', 0)}/{fleet.get('servers', 0)} servers down"
+    if fleet.get("state") != "down":
+        return f" llm=up ({servers})" if fleet.get("servers_down") else " llm=up"
+    past = ", past limit" if fleet.get("past_limit") else ""
+    return f" llm=DOWN {float(fleet.get('down_for_s', 0.0)):.0f}s ({servers}{past})"
 
 
 TASK_COLUMNS = ("reward_mean", "success", "length", "dropped_stale", "dropped_groups")
@@ -256,6 +291,7 @@ def format_status(status: BrokerStatus) -> str:
         lines.append(
             f"  {w.get('worker_id', '?'):<32} agent={w.get('agent', '?')} in_flight={w.get('in_flight', 0)} "
             f"done={w.get('completed', 0)} errors={w.get('errors', 0)} dead={w.get('dead_lettered', 0)}"
+            + _fleet_cell(w)
         )
     lines.extend(f"note: {n}" for n in status.notes)
     return "\n".join(lines)

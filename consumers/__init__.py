@@ -6,6 +6,7 @@ from .agents import AgentLoadError, AgentSpec, RewardError, load_callable
 from .backends import CrossSamplingBackend, model_of_call
 from .chat_template import ChatTemplate
 from .errors import BackendUnavailable, BadRequest, CrossSamplingError, LLMError
+from .fleet import Fleet, FleetPolicy
 from .llm import ChatResult, TracingLLM
 from .proxy import TracingProxy
 from .service import (
@@ -32,6 +33,8 @@ __all__ = [
     "CrossSamplingBackend",
     "CrossSamplingError",
     "CrossTarget",
+    "Fleet",
+    "FleetPolicy",
     "LLMError",
     "LLMTarget",
     "RewardError",

@@ -1,21 +1,31 @@
 """TracingProxy: an OpenAI-compatible endpoint per rollout, so unmodified agents are traced.
 
 An agent with the seed's contract (``rollout(task, endpoint, model)``) gets
-``http://<advertised host>:<port>/rollouts/<job_id>/v1`` and points its OpenAI SDK or LangChain
+``http://<advertised host>:<port>/r/<secret>/v1`` and points its OpenAI SDK or LangChain
 ``ChatOpenAI`` at it; each ``POST .../chat/completions`` runs the rollout's ``TracingLLM``, so
-the call is recorded and traced exactly as a direct ``llm.chat``. The job id in the path is
-what ties a call to its rollout. ``POST /v1/chat/completions`` is a fallback for clients that
-cannot change the path: the API key must then be the job id (never the task id, which the G
-samples of a group share).
+the call is recorded and traced exactly as a direct ``llm.chat``.
+
+The proxy is closed: each rollout gets its own unguessable secret (``secrets.token_urlsafe``,
+256 bits), valid while the rollout runs. It is what ties a call to its rollout, in the path or,
+for clients that cannot change the path, as the API key on ``POST /v1/chat/completions``
+(``Authorization: Bearer <secret>``). Secrets are found by their SHA-256 and then compared with
+``hmac.compare_digest``; every request without a valid one gets the same 401, whether or not
+some job exists. The secret is never logged, put on a span, or stored in a trajectory (the
+rollout scrubs it from an agent's error text). The job id, derived from (run, batch, task,
+sample), is guessable and opens nothing.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import secrets
 import socket
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -39,10 +49,31 @@ _SAMPLING_FIELDS = (
     "presence_penalty",
     "repetition_penalty",
 )
-_PER_ROLLOUT_HINT = (
-    "use the per-rollout endpoint URL the agent was given "
-    "(http://<host>:<port>/rollouts/<job_id>/v1) as the OpenAI base_url"
+# One answer for every request without a valid secret: it must not tell a finished rollout,
+# an unknown job and a wrong key apart.
+_UNAUTHORIZED = (
+    "no rollout in flight here accepts this request: use the endpoint URL the agent was given "
+    "(http://<host>:<port>/r/<secret>/v1) as the OpenAI base_url, or send its secret as the "
+    "API key; an endpoint closes when its rollout ends"
 )
+SECRET_BYTES = 32  # token_urlsafe(32): 43 characters, 256 bits
+
+
+@dataclass(frozen=True)
+class _Route:
+    job_id: str
+    secret: str = field(repr=False)
+    llm: TracingLLM
+
+
+def _digest(secret: str) -> bytes:
+    return hashlib.sha256(secret.encode("utf-8", "surrogatepass")).digest()
+
+
+def secret_of(endpoint: str) -> str:
+    """The secret in an endpoint URL this proxy handed out (``.../r/<secret>/v1``), else ""."""
+    parts = endpoint.rstrip("/").split("/")
+    return parts[-2] if len(parts) >= 3 and parts[-3] == "r" and parts[-1] == "v1" else ""
 
 
 def default_advertised_host() -> str:
@@ -67,14 +98,15 @@ def default_advertised_host() -> str:
 
 def _error(status: int, message: str, code: str = "invalid_request_error") -> web.Response:
     body = {"error": {"message": message, "type": code, "param": None, "code": None}}
-    return web.json_response(body, status=status)
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return web.json_response(body, status=status, headers=headers)
 
 
 class TracingProxy:
     """One per consumer process; rollouts register their ``TracingLLM`` while they run."""
 
     def __init__(
-        self, host: str = "0.0.0.0", port: int = 0, advertised_host: str | None = None
+        self, host: str = "127.0.0.1", port: int = 0, advertised_host: str | None = None
     ) -> None:
         self.host = host
         self.port = port
@@ -84,7 +116,10 @@ class TracingProxy:
             self.advertised_host = host  # bound to one address: that is the one to advertise
         else:
             self.advertised_host = default_advertised_host()
-        self._llms: dict[str, TracingLLM] = {}
+        self._by_job: dict[str, _Route] = {}
+        self._by_digest: dict[bytes, _Route] = {}
+        # Compared against when no route matches, so a miss costs what a hit costs.
+        self._decoy = secrets.token_urlsafe(SECRET_BYTES)
         self._runner: web.AppRunner | None = None
         self.requests = 0
         self.rejected = 0
@@ -92,8 +127,8 @@ class TracingProxy:
     def _app(self) -> web.Application:
         # Long multi-turn conversations exceed aiohttp's 1 MB default body limit.
         app = web.Application(client_max_size=64 * 1024 * 1024)
-        app.router.add_post("/rollouts/{job_id}/v1/chat/completions", self._chat_in_path)
-        app.router.add_get("/rollouts/{job_id}/v1/models", self._models_in_path)
+        app.router.add_post("/r/{secret}/v1/chat/completions", self._chat_in_path)
+        app.router.add_get("/r/{secret}/v1/models", self._models_in_path)
         app.router.add_post("/v1/chat/completions", self._chat_by_key)
         app.router.add_get("/v1/models", self._models_by_key)
         return app
@@ -126,8 +161,10 @@ class TracingProxy:
         return f"http://{host}:{self.port}"
 
     def endpoint_for(self, job_id: str) -> str:
-        """The OpenAI base_url to hand to the agent of ``job_id``."""
-        return f"{self.base_url}/rollouts/{job_id}/v1"
+        """The OpenAI base_url of ``job_id``'s rollout while it is registered (its secret in
+        the path); KeyError once it is not."""
+        route = self._by_job[job_id]
+        return f"{self.base_url}/r/{route.secret}/v1"
 
     @contextmanager
     def _registration(self, job_id: str) -> Iterator[str]:
@@ -137,70 +174,68 @@ class TracingProxy:
             self.unregister(job_id)
 
     def register(self, job_id: str, llm: TracingLLM) -> AbstractContextManager[str]:
-        """Route ``job_id``'s calls to ``llm``; usable as ``with proxy.register(...) as endpoint``,
-        which unregisters on exit."""
-        if job_id in self._llms and self._llms[job_id] is not llm:
-            raise ValueError(f"job {job_id!r} is already registered with the proxy")
-        self._llms[job_id] = llm
+        """Route the calls of ``job_id``'s rollout to ``llm`` under a new secret; use it as
+        ``with proxy.register(job_id, llm) as endpoint:``, which closes the endpoint on exit."""
+        if job_id in self._by_job:
+            if self._by_job[job_id].llm is not llm:
+                raise ValueError(f"job {job_id!r} is already registered with the proxy")
+            return self._registration(job_id)
+        route = _Route(job_id, secrets.token_urlsafe(SECRET_BYTES), llm)
+        self._by_job[job_id] = route
+        self._by_digest[_digest(route.secret)] = route
         return self._registration(job_id)
 
     def unregister(self, job_id: str) -> None:
-        self._llms.pop(job_id, None)
+        route = self._by_job.pop(job_id, None)
+        if route is not None:
+            self._by_digest.pop(_digest(route.secret), None)
 
     @property
     def in_flight(self) -> list[str]:
-        return list(self._llms)
+        return list(self._by_job)
 
-    def _lookup_path(self, request: web.Request) -> tuple[TracingLLM | None, str]:
-        job_id = request.match_info["job_id"]
-        llm = self._llms.get(job_id)
-        if llm is None:
-            return None, (
-                f"no rollout {job_id!r} is in flight on this consumer: it finished, or the URL "
-                f"is not one this proxy handed out; {_PER_ROLLOUT_HINT}"
-            )
-        return llm, ""
+    def _find(self, presented: str) -> TracingLLM | None:
+        """The rollout whose secret is ``presented``: looked up by its SHA-256 (which tells an
+        attacker nothing about the secret), then compared in constant time."""
+        route = self._by_digest.get(_digest(presented)) if presented else None
+        expected = route.secret if route is not None else self._decoy
+        same = hmac.compare_digest(
+            expected.encode("utf-8", "surrogatepass"), presented.encode("utf-8", "surrogatepass")
+        )
+        return route.llm if route is not None and same else None
 
-    def _lookup_key(self, request: web.Request) -> tuple[TracingLLM | None, str]:
+    def _lookup_path(self, request: web.Request) -> TracingLLM | None:
+        return self._find(request.match_info["secret"])
+
+    def _lookup_key(self, request: web.Request) -> TracingLLM | None:
         auth = request.headers.get("Authorization", "")
         key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-        if not key:
-            return None, (
-                f"this path has no job id and no API key was sent: {_PER_ROLLOUT_HINT}, "
-                "or send the job id as the API key"
-            )
-        llm = self._llms.get(key)
-        if llm is None:
-            return None, (
-                "the API key is not the id of a rollout in flight on this consumer (it must be "
-                f"the job id, not the task id); {_PER_ROLLOUT_HINT}"
-            )
-        return llm, ""
+        return self._find(key)
 
     async def _chat_in_path(self, request: web.Request) -> web.Response:
-        return await self._chat(request, *self._lookup_path(request))
+        return await self._chat(request, self._lookup_path(request))
 
     async def _chat_by_key(self, request: web.Request) -> web.Response:
-        return await self._chat(request, *self._lookup_key(request))
+        return await self._chat(request, self._lookup_key(request))
 
     async def _models_in_path(self, request: web.Request) -> web.Response:
-        return self._models(*self._lookup_path(request))
+        return self._models(self._lookup_path(request))
 
     async def _models_by_key(self, request: web.Request) -> web.Response:
-        return self._models(*self._lookup_key(request))
+        return self._models(self._lookup_key(request))
 
-    def _models(self, llm: TracingLLM | None, why: str) -> web.Response:
+    def _models(self, llm: TracingLLM | None) -> web.Response:
         if llm is None:
             self.rejected += 1
-            return _error(400, why)
+            return _error(401, _UNAUTHORIZED, "authentication_error")
         model = {"id": llm.model_name, "object": "model", "created": 0, "owned_by": "agentarium"}
         return web.json_response({"object": "list", "data": [model]})
 
-    async def _chat(self, request: web.Request, llm: TracingLLM | None, why: str) -> web.Response:
+    async def _chat(self, request: web.Request, llm: TracingLLM | None) -> web.Response:
         self.requests += 1
         if llm is None:
             self.rejected += 1
-            return _error(400, why)
+            return _error(401, _UNAUTHORIZED, "authentication_error")
         try:
             body = await request.json()
         except ValueError:
@@ -261,6 +296,6 @@ class TracingProxy:
 
     def __repr__(self) -> str:
         return (
-            f"TracingProxy({self.base_url}, in_flight={len(self._llms)}, "
+            f"TracingProxy({self.base_url}, in_flight={len(self._by_job)}, "
             f"requests={self.requests}, rejected={self.rejected})"
         )

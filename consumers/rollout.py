@@ -6,6 +6,10 @@ Outcomes are classified here, once:
   error     infrastructure failed (the LLM backend was unreachable after retries):
             recorded, never scored as reward 0
   agent error (AgentFailure)  the agent or reward function raised: the worker retries it
+
+The deadline (``job.deadline_s``) stands still while the agent's LLM fleet is down and holds
+its calls (consumers/fleet.py): an outage within ``--fleet-outage-limit`` costs a rollout
+neither its attempt nor its time.
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ from schemas import Job, Trajectory
 from . import genai
 from .agents import AgentRunner, extract_reward, finite_reward
 from .errors import BackendUnavailable
+from .fleet import Fleet, deadline_held_by
 from .llm import TracingLLM
+from .proxy import secret_of
 
 tracer = trace.get_tracer("agentarium.consumers")
 
@@ -55,6 +61,9 @@ class RolloutEnv:
     model_name: str
     worker_id: str
     reward_fn: Callable[..., Any] | None = None
+    # The LLM fleets behind ``backend`` (the model's, a cross-sampling model's): while one is
+    # down within its outage limit, the worker pulls nothing and rollout deadlines stand still.
+    fleets: tuple[Fleet, ...] = ()
 
 
 def trajectory_for(job: Job, worker_id: str, **fields: Any) -> Trajectory:
@@ -141,12 +150,25 @@ async def run_rollout(
             )
 
         deadline = asyncio.timeout(job.deadline_s)
+        secret = ""  # the endpoint's: scrubbed from whatever the agent's failure says
+
+        def failure(exc: BaseException) -> AgentFailure:
+            """The agent's failure, its text and span event without the endpoint's secret. The
+            caller raises it ``from None``: a chained cause would carry the raw text along."""
+            text, message = traceback.format_exc(), str(exc)
+            if secret:
+                text, message = text.replace(secret, "***"), message.replace(secret, "***")
+            span.record_exception(
+                exc, attributes={"exception.message": message, "exception.stacktrace": text}
+            )
+            return AgentFailure(text, calls=list(llm.calls), trace_id=trace_id, span_id=span_id)
+
         try:
-            with env.proxy.register(job.job_id, llm):
+            with env.proxy.register(job.job_id, llm) as endpoint:
+                secret = secret_of(endpoint)
                 async with deadline:
-                    result = await env.runner.run(
-                        job.task, llm=llm, endpoint=env.proxy.endpoint_for(job.job_id)
-                    )
+                    with deadline_held_by(env.fleets, deadline):
+                        result = await env.runner.run(job.task, llm=llm, endpoint=endpoint)
         except TimeoutError as exc:
             if deadline.expired():
                 return done(
@@ -154,10 +176,7 @@ async def run_rollout(
                 )
             if infra_failure() is not None:
                 return done("error", error=f"LLM backend failed: {infra_failure()}")
-            span.record_exception(exc)
-            raise AgentFailure(
-                traceback.format_exc(), calls=list(llm.calls), trace_id=trace_id, span_id=span_id
-            ) from None
+            raise failure(exc) from None
         except BackendUnavailable as exc:
             return done("error", error=f"LLM backend failed: {exc}")
         except asyncio.CancelledError:
@@ -165,10 +184,7 @@ async def run_rollout(
         except Exception as exc:
             if infra_failure() is not None:
                 return done("error", error=f"LLM backend failed: {infra_failure()}")
-            span.record_exception(exc)
-            raise AgentFailure(
-                traceback.format_exc(), calls=list(llm.calls), trace_id=trace_id, span_id=span_id
-            ) from exc
+            raise failure(exc) from None
 
         try:
             reward, metrics = extract_reward(result)
@@ -181,9 +197,6 @@ async def run_rollout(
                 metrics = {**metrics, **extra}
             reward = finite_reward(reward)
         except Exception as exc:  # RewardError or a failing reward function
-            span.record_exception(exc)
-            raise AgentFailure(
-                traceback.format_exc(), calls=list(llm.calls), trace_id=trace_id, span_id=span_id
-            ) from exc
+            raise failure(exc) from None
         span.set_attribute("agentarium.reward", reward)
         return done("ok", reward=reward, metrics=metrics)

@@ -27,6 +27,7 @@ from .backends.cross_sampling import check_same_tokenizer
 from .chat_template import ChatTemplate
 from .delivery import DeliveryPolicy
 from .errors import CrossSamplingError
+from .fleet import Fleet, FleetPolicy, supports
 from .proxy import TracingProxy
 from .rollout import RolloutEnv
 from .worker import Counters, Worker, WorkerConfig, default_worker_id
@@ -111,7 +112,9 @@ class ConsumerSpec:
     model_dir: str | None  # tokenizer + chat template; None for OpenAI-compatible targets
     model_name: str
     concurrency: int = 64
-    proxy_host: str = "0.0.0.0"
+    # The tracing proxy's bind address; None: ``proxy_bind_host`` picks it (loopback unless
+    # agents may call from elsewhere). Each rollout's endpoint carries its own secret either way.
+    proxy_host: str | None = None
     proxy_port: int = 0  # 0: any free port; else a base port scanned upwards
     advertise_host: str | None = None
     attempts: int = 3
@@ -125,6 +128,29 @@ class ConsumerSpec:
     worker_id: str = field(default_factory=default_worker_id)
     reward_fn: Any = None
     cross: CrossTarget | None = None  # cross-sampling: some calls go to a second model
+    # How an outage of the LLM fleet is ridden out (consumers/fleet.py): probed, held, and
+    # turned into errors only past fleet.outage_limit_s.
+    fleet: FleetPolicy = field(default_factory=FleetPolicy)
+
+
+LOOPBACK_NAMES = ("localhost", "::1")
+
+
+def proxy_bind_host(proxy_host: str | None, advertise_host: str | None, agent: AgentSpec) -> str:
+    """Where the tracing proxy listens when ``proxy_host`` is not given: loopback (agents on
+    this machine), unless agents may call from elsewhere: all interfaces when an advertised
+    host other than loopback says where they reach us, and for a Ray remote function agent
+    (its tasks run anywhere in the Ray cluster) the address Ray knows this node by."""
+    if proxy_host:
+        return proxy_host
+    if advertise_host:
+        loopback = advertise_host.startswith("127.") or advertise_host in LOOPBACK_NAMES
+        return "127.0.0.1" if loopback else "0.0.0.0"
+    if agent.kind == "ray":
+        import ray
+
+        return str(ray.util.get_node_ip_address())
+    return "127.0.0.1"
 
 
 async def start_proxy(host: str, base_port: int, advertise_host: str | None) -> TracingProxy:
@@ -171,6 +197,7 @@ class ConsumerService:
         self._backend: Any = backend  # None: built from spec.target
         self._runner: AgentRunner | None = None
         self._task: asyncio.Task[Counters] | None = None
+        self.fleets: tuple[Fleet, ...] = ()
 
     def __repr__(self) -> str:
         return f"<ConsumerService {self.spec.agent} {self.worker!r}>"
@@ -194,8 +221,13 @@ class ConsumerService:
             self._backend = await self._build_backend()
         elif spec.cross is not None:
             raise ValueError("pass either a backend or spec.cross (which builds one), not both")
+        elif supports(self._backend):
+            self._backend = self._fleet(self._backend, "llm")
+        for fleet in self.fleets:
+            await fleet.start()
         try:
-            self.proxy = await start_proxy(spec.proxy_host, spec.proxy_port, spec.advertise_host)
+            host = proxy_bind_host(spec.proxy_host, spec.advertise_host, agent)
+            self.proxy = await start_proxy(host, spec.proxy_port, spec.advertise_host)
         except BaseException:
             await self._close()
             raise
@@ -210,6 +242,7 @@ class ConsumerService:
             model_name=spec.model_name,
             worker_id=spec.worker_id,
             reward_fn=spec.reward_fn,
+            fleets=self.fleets,
         )
         config = WorkerConfig(
             agent=spec.agent,
@@ -245,7 +278,7 @@ class ConsumerService:
         spec = self.spec
         primary = spec.target.backend(retries=spec.llm_retries, timeout=spec.llm_timeout_s)
         if spec.cross is None:
-            return primary
+            return self._fleet(primary, "llm")
         cross = spec.cross
         secondary = cross.target.backend(retries=spec.llm_retries, timeout=spec.llm_timeout_s)
         try:
@@ -275,13 +308,19 @@ class ConsumerService:
             cross_urls=list(cross.target.urls) or [cross.target.openai_base],
         )
         return CrossSamplingBackend(
-            primary,
-            secondary,
+            self._fleet(primary, "llm"),
+            self._fleet(secondary, cross.name),
             cross.ratio,
             primary_name=spec.model_name,
             secondary_name=cross.name,
             seed=cross.seed,
         )
+
+    def _fleet(self, backend: Any, name: str) -> Fleet:
+        """``backend`` watched as one LLM fleet of this agent (started with the service)."""
+        fleet = Fleet(backend, agent=self.spec.agent, name=name, policy=self.spec.fleet)
+        self.fleets = (*self.fleets, fleet)
+        return fleet
 
     @property
     def ready(self) -> bool:
@@ -332,5 +371,6 @@ class ConsumerService:
             await self.proxy.close()
             self.proxy = None
         if self._backend is not None:
-            await self._backend.aclose()
+            await self._backend.aclose()  # a Fleet closes its probes and the backend it wraps
             self._backend = None
+            self.fleets = ()

@@ -9,7 +9,9 @@ Delivery rules (docs/design.md "Delivery and failure rules"):
   dead-lettered with the traceback and terminated;
 - a delivery past the attempts (the previous one crashed a worker) is never run;
 - SIGTERM drains: stop fetching, finish in-flight rollouts within a grace period, nak the rest
-  (dead-letter and term one on its last delivery: a nak would strand it).
+  (dead-letter and term one on its last delivery: a nak would strand it);
+- while the agent's LLM fleet is down within its outage limit (consumers/fleet.py), fetch
+  nothing: in-flight rollouts wait for the fleet, heartbeated, on their current delivery.
 
 Each delivery goes decode → decide → run → settle; what to do with it (run, ack, nak with a
 delay, dead-letter and term) is decided by ``DeliveryPolicy`` (consumers/delivery.py) alone.
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import socket
 import time
 import uuid
@@ -45,8 +46,10 @@ from broker import (
 from schemas import Job, SchemaError, Trajectory, check_name, decode
 
 from .delivery import Action, Decision, DeliveryPolicy, Event
+from .fleet import fleets_summary
 from .metrics import RolloutMetrics
 from .outcomes import OutcomeStore
+from .redact import log_safe
 from .rollout import AgentFailure, RolloutEnv, run_rollout, trajectory_for
 
 log = structlog.get_logger("agentarium.consumers")
@@ -145,6 +148,11 @@ class Worker:
         # be lost inside nats-py's KV put (Python 3.11): the flag ends them at the next turn.
         self._quit_background = asyncio.Event()
         self._psub: JetStreamContext.PullSubscription | None = None
+        self.paused = False  # the pull loop waits for a fleet that is down
+        # Set when the LLM fleet goes down or comes back: the registry shows it at once.
+        self._registry_kick = asyncio.Event()
+        for fleet in env.fleets:
+            fleet.listeners.append(self._registry_kick.set)
 
     def __repr__(self) -> str:
         c = self.counters
@@ -268,6 +276,12 @@ class Worker:
         assert psub is not None, "run() binds the subscription (_attach) before the pull loop"
         errors_in_row = 0
         while not self._stop.is_set():
+            held = [fleet for fleet in self.env.fleets if fleet.holding]
+            if held:  # the fleet is down: take nothing new until it answers (or the limit)
+                self.paused = True
+                await self._wait_for_fleets(held)
+                self.paused = False
+                continue
             free = cfg.concurrency - len(self._inflight)
             if free <= 0:
                 await self._wait_for_slot()
@@ -298,6 +312,15 @@ class Worker:
             await asyncio.wait([stop, *self._inflight], return_when=asyncio.FIRST_COMPLETED)
         finally:
             stop.cancel()
+
+    async def _wait_for_fleets(self, fleets: list) -> None:
+        waits = [asyncio.create_task(self._stop.wait())]
+        waits += [asyncio.create_task(fleet.wait_serving()) for fleet in fleets]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in waits:
+                task.cancel()
 
     async def _sleep_or_stop(self, seconds: float) -> None:
         try:
@@ -358,22 +381,30 @@ class Worker:
                 "in_flight": len(self._inflight),
                 "started_at": started,
                 "rollouts_per_s": round(rate, 2),
+                "pulling": self.ready and not self.paused,
                 **vars(self.counters),
             }
+            if self.env.fleets:  # what `broker status` shows of the agent's LLM fleet
+                info["fleet"] = fleets_summary(self.env.fleets)
             try:
                 await publish_worker(self.js, self.topo, cfg.worker_id, info)
             except Exception as exc:  # registry is informational; never stop the worker for it
                 log.debug("registry update failed", error=str(exc))
-            if await self._background_pause(cfg.registry_interval_s):
+            if await self._background_pause(cfg.registry_interval_s, self._registry_kick):
                 return
+            self._registry_kick.clear()
 
-    async def _background_pause(self, seconds: float) -> bool:
-        """Wait ``seconds``; True when the background loops must end."""
+    async def _background_pause(self, seconds: float, kick: asyncio.Event | None = None) -> bool:
+        """Wait ``seconds`` (or until ``kick`` is set); True when the background loops must end."""
+        waits = [asyncio.create_task(self._quit_background.wait())]
+        if kick is not None:
+            waits.append(asyncio.create_task(kick.wait()))
         try:
-            await asyncio.wait_for(self._quit_background.wait(), seconds)
-        except TimeoutError:
-            return False
-        return True
+            await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in waits:
+                task.cancel()
+        return self._quit_background.is_set()
 
     # ---- one message -------------------------------------------------------------------
     async def _handle(self, msg: Msg) -> None:
@@ -570,24 +601,3 @@ class Worker:
             error=log_safe(error),
         )
         await msg.term()
-
-
-# Credentials an error text may carry: in a URL (user:password@host, ?api_key=...) or in an
-# echoed header. Logs travel further than the trajectory or dead letter that keep the full text.
-_URL_USERINFO = re.compile(r"(?<=://)[^/\s@]+@")
-_SECRET_PARAM = re.compile(
-    r"(?i)\b((?:api[_-]?key|access[_-]?token|token|secret|password|passwd|auth)=)[^&\s'\"]+"
-)
-_BEARER = re.compile(r"(?i)\b(bearer\s+)[^\s'\"]+")
-LOG_ERROR_CHARS = 300
-
-
-def log_safe(error: str, limit: int = LOG_ERROR_CHARS) -> str:
-    """An error text fit for one log line: its last line (a traceback's names the exception),
-    credentials masked, cut to ``limit`` characters."""
-    lines = error.strip().splitlines()
-    line = lines[-1].strip() if lines else ""
-    line = _URL_USERINFO.sub("***@", line)
-    line = _SECRET_PARAM.sub(r"\1***", line)
-    line = _BEARER.sub(r"\1***", line)
-    return line if len(line) <= limit else line[: limit - 1] + "…"

@@ -5,5 +5,14 @@ This package is a component of its own: it imports only ``schemas`` and ``broker
 
 from .agentbench import AgentBenchEnvironment, AgentBenchError, bridge_class
 from .base import Environment
+from .sandbox import SandboxLimits
+from .shell import ShellEnvironment
 
-__all__ = ["AgentBenchEnvironment", "AgentBenchError", "Environment", "bridge_class"]
+__all__ = [
+    "AgentBenchEnvironment",
+    "AgentBenchError",
+    "Environment",
+    "SandboxLimits",
+    "ShellEnvironment",
+    "bridge_class",
+]

@@ -2,9 +2,9 @@
 
 Ray 2.60 raises at decoration time on ``async def`` under ``@ray.remote``, so the rollout is a
 plain ``def``; everything else is the seed's code. ``endpoint`` is the consumer's tracing
-proxy scoped to this rollout (``http://<host>:<port>/rollouts/<job_id>/v1``): every call
-``ChatOpenAI`` makes is recorded with its token ids, and since the URL names the rollout the
-API key is not used (any value works).
+proxy scoped to this rollout (``http://<host>:<port>/r/<secret>/v1``, the secret the
+rollout's own): every call ``ChatOpenAI`` makes is recorded with its token ids, and since the
+URL names the rollout the API key is not used (any value works).
 
     orch = AgentOrchestrator(server_addresses=[...], ray_config={"num_actors": 4})
     orch.register_agent_type("langchain", rollout)

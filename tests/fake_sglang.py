@@ -5,7 +5,9 @@ and the weight endpoints (``/pause_generation``, ``/update_weights_from_disk``,
 
 Instant, configurable answers; scripted failures (HTTP statuses, aborts); a gate to hold
 requests in flight; per-server request counting. It refuses (HTTP 400) any request field that
-SGLang does not define, so a client sending extra fields fails its tests.
+SGLang does not define, so a client sending extra fields fails its tests. Outages: ``stop()``
+closes it (connections refused) and ``start()`` brings it back on the same port; ``hang()``
+makes it accept every request, ``/health`` included, and never answer until ``unhang()``.
 """
 
 from __future__ import annotations
@@ -138,8 +140,12 @@ class FakeSGLang:
         self.control: list[tuple[str, dict]] = []  # (path, body) of weight/control calls
         self.update_failures = 0  # how many of the next weight updates fail
         self.paused = False
+        self.hung: list[str] = []  # paths of the requests that arrived while hung
+        self._answering = asyncio.Event()
+        self._answering.set()
         self._arrived = asyncio.Condition()
         self._runner: web.AppRunner | None = None
+        self.port = 0
         self.url = ""
 
     @property
@@ -147,25 +153,47 @@ class FakeSGLang:
         return len(self.requests)
 
     async def start(self) -> str:
-        app = web.Application()
+        """Listen on a free port, or on the same port again after ``stop()``."""
+        app = web.Application(middlewares=[self._hang_middleware])
         app.router.add_post("/generate", self._generate)
         app.router.add_get("/health", lambda r: web.Response(text=""))
         app.router.add_get("/model_info", self._model_info)
         app.router.add_post("/pause_generation", self._pause)
         app.router.add_post("/continue_generation", self._continue)
         app.router.add_post("/update_weights_from_disk", self._update_weights)
-        self._runner = web.AppRunner(app, access_log=None)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port)
         await site.start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        self.port = self._runner.addresses[0][1]
+        self.url = f"http://127.0.0.1:{self.port}"
         return self.url
+
+    async def stop(self) -> None:
+        """Close the server (connections refused) keeping its port and state for ``start()``."""
+        if self._runner is not None:
+            self._answering.set()  # hung handlers finish instead of holding the shutdown
+            await self._runner.cleanup()
+            self._runner = None
+
+    def hang(self) -> None:
+        """Accept every request and never answer it, until ``unhang()``."""
+        self._answering.clear()
+
+    def unhang(self) -> None:
+        self._answering.set()
+
+    @web.middleware
+    async def _hang_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if not self._answering.is_set():
+            self.hung.append(request.path)
+            await self._answering.wait()
+        return await handler(request)
 
     async def close(self) -> None:
         if self.gate is not None:
             self.gate.set()
-        if self._runner is not None:
-            await self._runner.cleanup()
+        await self.stop()
 
     async def wait_for_requests(self, n: int) -> None:
         """Return once ``n`` requests have arrived (in flight or done)."""

@@ -1,21 +1,28 @@
-"""TracingProxy: the real OpenAI SDK against the per-rollout endpoint records what llm.chat does."""
+"""TracingProxy: the real OpenAI SDK against the per-rollout endpoint records what llm.chat does,
+and the endpoint is closed: only the rollout's own secret (in the path, or as the API key)
+opens it, and the secret is never logged, traced or stored."""
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import socket
 
 import aiohttp
 import openai
 import pytest
+import structlog.testing
 from fake_sglang import FakeSGLang
+from worker_env import worker_for
 
+import consumers.proxy as proxy_module
 from consumers.backends import SGLangBackend
 from consumers.llm import TracingLLM
-from consumers.proxy import TracingProxy, default_advertised_host
+from consumers.proxy import TracingProxy, default_advertised_host, secret_of
 from consumers.toolcalls import arguments_as_objects
-from schemas import Sampling
+from producers import TaskProducer, TrajectoryReader
+from schemas import Sampling, encode
 
 QUESTION = [{"role": "user", "content": "What is 2+3?"}]
 TOOLS = [
@@ -76,15 +83,36 @@ def client(base_url: str, api_key: str = "unused") -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
 
 
+endpoints: list[str] = []
+
+
+async def leaky_agent(task: dict, endpoint: str, model: str) -> float:
+    """Calls through its endpoint, then (task "fails") raises quoting the endpoint URL."""
+    endpoints.append(endpoint)
+    sdk = client(endpoint, api_key=task["task_id"])
+    await sdk.chat.completions.create(model=model, messages=QUESTION, max_tokens=4)
+    if task["task_id"] == "fails":
+        raise RuntimeError(f"could not parse the answer from {endpoint}/chat/completions")
+    return 1.0
+
+
+async def stream_bytes(js, stream: str) -> list[bytes]:
+    """Every message's payload in ``stream``."""
+    info = await js.stream_info(stream)
+    return [
+        (await js.get_msg(stream, seq)).data or b""
+        for seq in range(info.state.first_seq, info.state.last_seq + 1)
+        if info.state.messages
+    ]
+
+
 async def test_openai_sdk_records_what_a_direct_call_records(proxy, engine_backend, template):
     via_proxy = new_llm(engine_backend, template)
     direct = new_llm(engine_backend, template, job_id="job-8")
     with proxy.register("job-7", via_proxy) as endpoint:
-        assert (
-            endpoint
-            == proxy.endpoint_for("job-7")
-            == f"http://127.0.0.1:{proxy.port}/rollouts/job-7/v1"
-        )
+        assert endpoint == proxy.endpoint_for("job-7")
+        assert endpoint.startswith(f"http://127.0.0.1:{proxy.port}/r/") and endpoint.endswith("/v1")
+        assert "job-7" not in endpoint and len(secret_of(endpoint)) >= 43
         response = await client(endpoint).chat.completions.create(
             model="tiny", messages=QUESTION, temperature=0.0, max_tokens=8
         )
@@ -156,57 +184,140 @@ async def test_tool_calls_round_trip_through_the_sdk(proxy, fake, template):
         await backend.aclose()
 
 
-async def test_bearer_job_id_fallback(proxy, engine_backend, template):
-    llm = new_llm(engine_backend, template)
-    with proxy.register("job-7", llm):
-        sdk = client(f"{proxy.base_url}/v1", api_key="job-7")
-        await sdk.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=4)
-        models = await sdk.models.list()
-        assert [m.id for m in models.data] == ["tiny"]
-        with pytest.raises(openai.BadRequestError) as info:
-            await client(f"{proxy.base_url}/v1", api_key="task-3").chat.completions.create(
+async def test_the_secret_opens_the_rollout_in_the_path_or_as_the_api_key(proxy, fake, template):
+    backend = SGLangBackend([fake.url], backoff=0.0)
+    llm = TracingLLM(backend, template, Sampling(max_new_tokens=4), "g", "job-7", "tiny")
+    try:
+        with proxy.register("job-7", llm) as endpoint:
+            secret = secret_of(endpoint)
+            # The path form ignores whatever key the agent sends (the seed passes its task id).
+            await client(endpoint, api_key="task-3").chat.completions.create(
                 model="tiny", messages=QUESTION
             )
-        message = info.value.body["message"]
-        assert "job id" in message and "/rollouts/<job_id>/v1" in message
-    assert len(llm.calls) == 1
+            # The key form: the same secret as the OpenAI api_key, on the plain /v1 path.
+            sdk = client(f"{proxy.base_url}/v1", api_key=secret)
+            await sdk.chat.completions.create(model="tiny", messages=QUESTION)
+            assert [m.id for m in (await sdk.models.list()).data] == ["tiny"]
+    finally:
+        await backend.aclose()
+    assert len(llm.calls) == 2
 
 
-async def test_requests_that_cannot_be_routed_get_400(proxy, engine_backend, template):
-    llm = new_llm(engine_backend, template)
+async def test_a_guessed_job_id_or_a_wrong_secret_is_refused_alike(proxy, fake, template):
+    backend = SGLangBackend([fake.url], backoff=0.0)
+    llm = TracingLLM(backend, template, Sampling(max_new_tokens=4), "g", "job-7", "tiny")
     url = proxy.base_url
     body = {"model": "tiny", "messages": QUESTION}
-    with proxy.register("job-7", llm):
+    try:
+        with proxy.register("job-7", llm) as endpoint:
+            secret = secret_of(endpoint)
+            wrong = secret[:-1] + ("A" if secret[-1] != "A" else "B")
+            refused = {
+                "no key": (f"{url}/v1/chat/completions", {}),
+                "job id as key": (f"{url}/v1/chat/completions", {"Authorization": "Bearer job-7"}),
+                "job id in path": (f"{url}/r/job-7/v1/chat/completions", {}),
+                "unknown job in path": (f"{url}/r/job-404/v1/chat/completions", {}),
+                "wrong secret": (f"{url}/r/{wrong}/v1/chat/completions", {}),
+                "wrong key": (f"{url}/v1/chat/completions", {"Authorization": f"Bearer {wrong}"}),
+            }
+            answers = {}
+            async with aiohttp.ClientSession() as http:
+                for name, (target, headers) in refused.items():
+                    async with http.post(target, json=body, headers=headers) as resp:
+                        answers[name] = (resp.status, await resp.text())
+                # The old form with a job id in the path opens nothing either.
+                async with http.post(f"{url}/rollouts/job-7/v1/chat/completions", json=body) as r:
+                    assert r.status == 404
+                async with http.get(f"{url}/r/{wrong}/v1/models") as resp:
+                    assert resp.status == 401
+        # Once the rollout is over its endpoint is closed, and says so the same way.
         async with aiohttp.ClientSession() as http:
+            async with http.post(f"{endpoint}/chat/completions", json=body) as resp:
+                answers["finished rollout"] = (resp.status, await resp.text())
+    finally:
+        await backend.aclose()
+    assert llm.calls == [] and fake.count == 0
+    # One answer for all of them: nothing tells whether job-7 exists or ever ran.
+    assert {status for status, _ in answers.values()} == {401}
+    assert len({text for _, text in answers.values()}) == 1, answers
+    message = json.loads(answers["no key"][1])["error"]["message"]
+    assert "/r/<secret>/v1" in message and "job-7" not in message
+    assert proxy.rejected == len(answers) + 1
+
+
+async def test_secrets_are_compared_in_constant_time(proxy, fake, template, monkeypatch):
+    compared: list[tuple[bytes, bytes]] = []
+    real = hmac.compare_digest
+
+    def spy(a, b):
+        compared.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(proxy_module.hmac, "compare_digest", spy)
+    backend = SGLangBackend([fake.url], backoff=0.0)
+    llm = TracingLLM(backend, template, Sampling(max_new_tokens=4), "g", "job-7", "tiny")
+    try:
+        with proxy.register("job-7", llm) as endpoint:
+            secret = secret_of(endpoint).encode()
+            await client(endpoint).chat.completions.create(model="tiny", messages=QUESTION)
+            await client(f"{proxy.base_url}/v1", api_key=secret.decode()).models.list()
+            with pytest.raises(openai.AuthenticationError):
+                await client(f"{proxy.base_url}/v1", api_key="guess").models.list()
+    finally:
+        await backend.aclose()
+    assert compared[:2] == [(secret, secret), (secret, secret)]
+    assert len(compared) == 3 and compared[2][1] == b"guess"  # a miss is compared too
+
+
+async def test_the_secret_is_never_logged_traced_or_stored(js, topology, fake, span_exporter):
+    """An endpoint agent whose calls go through the proxy and whose failure message quotes its
+    endpoint URL: its secret appears in no log line, span, trajectory or dead letter."""
+    endpoints.clear()
+    await TaskProducer(js, topology).submit(
+        "leaky", [{"task_id": "fine"}, {"task_id": "fails"}], run="closed"
+    )
+    with structlog.testing.capture_logs() as logs:
+        async with worker_for(js, "leaky", leaky_agent, [fake.url], attempts=1) as worker:
+            counters = await worker.run()
+    assert counters.ok == 1 and counters.dead_lettered == 1 and counters.errors == 1
+    secrets_seen = [secret_of(e) for e in endpoints]
+    assert len(secrets_seen) == 2 and all(len(s) >= 43 for s in secrets_seen)
+    trajectories = await TrajectoryReader(js, topology).read("closed")
+    failed = next(t for t in trajectories if t.task_id == "fails")
+    assert "***" in failed.error and "/r/***/v1" in failed.error  # the URL is kept, masked
+    stored = [encode(t) for t in trajectories]
+    letters = await stream_bytes(js, topology.dead_stream)
+    spans = [span.to_json() for span in span_exporter.get_finished_spans()]
+    assert any("exception" in s for s in spans)  # the failure is on its span...
+    for secret in secrets_seen:
+        assert secret not in repr(logs)
+        assert all(secret.encode() not in raw for raw in [*stored, *letters])
+        assert all(secret not in s for s in spans)  # ...without the secret
+
+
+async def test_requests_the_proxy_cannot_serve_get_400(proxy, fake, template):
+    backend = SGLangBackend([fake.url], backoff=0.0)
+    llm = TracingLLM(backend, template, Sampling(max_new_tokens=4), "g", "job-7", "tiny")
+    body = {"model": "tiny", "messages": QUESTION}
+    try:
+        with proxy.register("job-7", llm) as endpoint:
             cases = {
-                "no key": (f"{url}/v1/chat/completions", body, {}),
-                "unknown job": (f"{url}/rollouts/job-404/v1/chat/completions", body, {}),
-                "stream": (
-                    f"{url}/rollouts/job-7/v1/chat/completions",
-                    {**body, "stream": True},
-                    {},
-                ),
-                "n": (f"{url}/rollouts/job-7/v1/chat/completions", {**body, "n": 3}, {}),
-                "no messages": (f"{url}/rollouts/job-7/v1/chat/completions", {"model": "tiny"}, {}),
+                "stream": {**body, "stream": True},
+                "n": {**body, "n": 3},
+                "no messages": {"model": "tiny"},
             }
             why = {}
-            for name, (target, payload, headers) in cases.items():
-                async with http.post(target, json=payload, headers=headers) as resp:
-                    assert resp.status == 400, name
-                    why[name] = (await resp.json())["error"]["message"]
-            async with http.get(f"{url}/rollouts/job-404/v1/models") as resp:
-                assert resp.status == 400
-    assert "no API key" in why["no key"] and "/rollouts/<job_id>/v1" in why["no key"]
-    assert "job-404" in why["unknown job"] and "per-rollout endpoint" in why["unknown job"]
+            async with aiohttp.ClientSession() as http:
+                for name, payload in cases.items():
+                    async with http.post(f"{endpoint}/chat/completions", json=payload) as resp:
+                        assert resp.status == 400, name
+                        why[name] = (await resp.json())["error"]["message"]
+    finally:
+        await backend.aclose()
     assert "streaming is not supported" in why["stream"]
     assert "n > 1" in why["n"]
     assert "messages" in why["no messages"]
     assert llm.calls == []
-    # Once the rollout is over its endpoint is closed too.
-    with pytest.raises(openai.BadRequestError, match="no rollout 'job-7' is in flight"):
-        await client(proxy.endpoint_for("job-7")).chat.completions.create(
-            model="tiny", messages=QUESTION
-        )
 
 
 async def test_backend_failures_map_to_http_errors(proxy, template):
@@ -214,26 +325,25 @@ async def test_backend_failures_map_to_http_errors(proxy, template):
 
     backend = SGLangBackend([dead_url()], retries=0, backoff=0.0)
     try:
-        proxy.register("job-1", new_llm(backend, template, job_id="job-1"))
-        with pytest.raises(openai.InternalServerError) as info:
-            await client(proxy.endpoint_for("job-1")).chat.completions.create(
-                model="tiny", messages=QUESTION
-            )
-        assert info.value.status_code == 503
-        with pytest.raises(openai.BadRequestError, match="max_new_tokens must be >= 1"):
-            await client(proxy.endpoint_for("job-1")).chat.completions.create(
-                model="tiny", messages=QUESTION, max_tokens=0
-            )
+        with proxy.register("job-1", new_llm(backend, template, job_id="job-1")) as endpoint:
+            with pytest.raises(openai.InternalServerError) as info:
+                await client(endpoint).chat.completions.create(model="tiny", messages=QUESTION)
+            assert info.value.status_code == 503
+            with pytest.raises(openai.BadRequestError, match="max_new_tokens must be >= 1"):
+                await client(endpoint).chat.completions.create(
+                    model="tiny", messages=QUESTION, max_tokens=0
+                )
     finally:
         await backend.aclose()
 
 
-async def test_advertised_host():
-    assert TracingProxy(advertised_host="consumer-3.cluster").endpoint_for("j") == (
-        "http://consumer-3.cluster:0/rollouts/j/v1"
-    )
+async def test_advertised_host_and_the_loopback_default():
+    advertised = TracingProxy(advertised_host="consumer-3.cluster")
+    with advertised.register("j", None):  # type: ignore[arg-type]
+        assert advertised.endpoint_for("j").startswith("http://consumer-3.cluster:0/r/")
+    assert TracingProxy().host == "127.0.0.1"  # single host: agents on this machine only
     assert TracingProxy(host="127.0.0.1").advertised_host == "127.0.0.1"
-    default = TracingProxy().advertised_host
+    default = TracingProxy(host="0.0.0.0").advertised_host
     assert default == default_advertised_host()
     resolved = socket.gethostbyname(socket.gethostname())
     if not resolved.startswith("127."):

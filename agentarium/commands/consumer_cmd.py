@@ -20,6 +20,7 @@ from consumers import (
     ConsumerSpec,
     Counters,
     CrossTarget,
+    FleetPolicy,
     LLMTarget,
     default_worker_id,
     load_callable,
@@ -64,7 +65,12 @@ class ConsumerConfig:
     drain_grace_s: float = 30.0
     llm_retries: int = 3
     llm_timeout_s: float = 600.0
-    proxy_host: str = "0.0.0.0"
+    # An outage of the whole LLM fleet: pulling pauses and rollouts wait this long for it
+    # before failing as errors (0: never wait); servers are probed every interval.
+    fleet_outage_limit_s: float = 300.0
+    fleet_probe_interval_s: float = 5.0
+    fleet_probe_timeout_s: float = 5.0
+    proxy_host: str | None = None  # None: loopback, or all interfaces with --advertise-host
     proxy_port: int = 0
     advertise_host: str | None = None
     worker_id: str = field(default_factory=default_worker_id)
@@ -100,6 +106,10 @@ def config_from_args(args: argparse.Namespace) -> tuple[ConsumerConfig, dict]:
         raise ValueError("no LLM server: pass --llm URL (repeat it for a fleet) or set llm:")
     if not 0.0 <= config.cross_ratio <= 1.0:
         raise ValueError(f"--cross-ratio must be in [0, 1], got {config.cross_ratio}")
+    if config.fleet_outage_limit_s < 0:
+        raise ValueError(f"--fleet-outage-limit must be >= 0, got {config.fleet_outage_limit_s}")
+    if config.fleet_probe_interval_s <= 0 or config.fleet_probe_timeout_s <= 0:
+        raise ValueError("--fleet-probe-interval and --fleet-probe-timeout must be > 0")
     return config, resolved.describe()
 
 
@@ -141,6 +151,11 @@ async def consume(args: argparse.Namespace, config: ConsumerConfig, source: dict
         drain_grace_s=config.drain_grace_s,
         llm_retries=config.llm_retries,
         llm_timeout_s=config.llm_timeout_s,
+        fleet=FleetPolicy(
+            outage_limit_s=config.fleet_outage_limit_s,
+            probe_interval_s=config.fleet_probe_interval_s,
+            probe_timeout_s=config.fleet_probe_timeout_s,
+        ),
         fetch_timeout_s=1.0,
         burst=config.burst,
         worker_id=config.worker_id,
@@ -290,9 +305,40 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="per LLM request (default %(default)s)",
     )
     p.add_argument(
+        "--fleet-outage-limit",
+        dest="fleet_outage_limit_s",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="when every LLM server stops answering, pull no new jobs and hold in-flight "
+        "rollouts (no attempt spent, deadlines paused) until one answers; only an outage longer "
+        "than this fails them as errors. 0: never hold, inf: hold for ever (default %(default)s)",
+    )
+    p.add_argument(
+        "--fleet-probe-interval",
+        dest="fleet_probe_interval_s",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="health probe (GET /health) period of each LLM server not answering calls "
+        "(default %(default)s)",
+    )
+    p.add_argument(
+        "--fleet-probe-timeout",
+        dest="fleet_probe_timeout_s",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="a server that does not answer its probe within this long is skipped, and its "
+        "requests in flight fail over (two misses in a row) (default %(default)s)",
+    )
+    p.add_argument(
         "--proxy-host",
-        default="0.0.0.0",
-        help="bind address of the OpenAI-compatible tracing proxy (default %(default)s)",
+        default=None,
+        help="bind address of the OpenAI-compatible tracing proxy, which endpoint-style agents "
+        "call (each rollout's URL carries its own secret). Default: 127.0.0.1, agents on this "
+        "machine; 0.0.0.0 when --advertise-host names another address, for agents on other "
+        "machines or containers",
     )
     p.add_argument(
         "--proxy-port",
@@ -303,7 +349,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--advertise-host",
         default=None,
-        help="host name put in the per-rollout endpoint URLs, for agents on other machines (default: this host)",
+        help="host name put in the per-rollout endpoint URLs, for agents on other machines "
+        "(default: the --proxy-host address, or this host's when that is 0.0.0.0)",
     )
     p.add_argument(
         "--cross-model",

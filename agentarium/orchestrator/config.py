@@ -40,7 +40,8 @@ class OrchestratorConfig:
     model: str = "tiny"
     model_name: str | None = None
     advertise_host: str | None = None
-    proxy_host: str = "0.0.0.0"
+    # None: loopback, unless agents may call from elsewhere (consumers.ConsumerSpec.proxy_host)
+    proxy_host: str | None = None
     concurrency: int = 64
     external_consumers: bool = False
     default_agent: str | None = None

@@ -3,8 +3,9 @@
 Each actor is an async Ray actor that runs one ``consumers.ConsumerService`` (a worker loop,
 its tracing proxy and its backend) in its own process, pulling the agent's jobs from
 NATS like any ``agentarium consumer``. Its proxy binds a base port plus the actor's offset
-(scanning upwards when taken), or any free port with 0, and advertises the node's IP, so
-several actors on one node never collide and agents on other nodes can reach them.
+(scanning upwards when taken), or any free port with 0, so several actors on one node never
+collide. An agent that runs in the actor calls it on loopback; a Ray remote function agent,
+whose tasks run anywhere in the cluster, on the node's IP (``consumers`` picks the address).
 """
 
 from __future__ import annotations
@@ -88,15 +89,12 @@ class RolloutActor:
         self.nc: Any = None
 
     async def start(self, settings: NatsSettings, spec: ConsumerSpec, model_ref: str | None) -> str:
-        import ray
-
         from ..tiny import resolve_model
 
         model_dir = spec.model_dir
         if model_ref and not (model_dir and Path(model_dir).is_dir()):
             model_dir = str(resolve_model(model_ref))  # another node: build or find it here
-        host = spec.advertise_host or ray.util.get_node_ip_address()
-        spec = replace(spec, model_dir=model_dir, advertise_host=host)
+        spec = replace(spec, model_dir=model_dir)
         self.nc = await settings.connect(name=f"agentarium-ray-{spec.agent}")
         self.consumer = await ConsumerService(
             self.nc.jetstream(), Topology(settings.prefix), spec

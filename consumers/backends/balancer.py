@@ -4,6 +4,11 @@ Every sample of one GRPO group shares its prompt, so sending the whole group to 
 computes the prefix once and serves the rest from its cache. A key is bound on first sight to
 the least-loaded healthy server and remembered in a bounded LRU; it moves only when its server
 fails. Keys without a binding and requests without a key go to the least-loaded server.
+
+A server is avoided in two ways. ``mark_down`` (its requests failed every retry) avoids it for
+``down_for`` seconds, yet still picks it when nothing else is left: a brief outage seen by
+other requests must not fail this one without a try. ``hold`` (its circuit breaker is open:
+its health probe failed, consumers/fleet.py) never picks it until ``release``.
 """
 
 from __future__ import annotations
@@ -36,10 +41,23 @@ class StickyBalancer:
         self.outstanding = dict.fromkeys(self.urls, 0)
         self.dispatched = dict.fromkeys(self.urls, 0)
         self._down_until = dict.fromkeys(self.urls, 0.0)
+        self._held: set[str] = set()
         self._bindings: OrderedDict[str, str] = OrderedDict()
 
     def is_up(self, url: str) -> bool:
-        return self._clock() >= self._down_until[url]
+        return url not in self._held and self._clock() >= self._down_until[url]
+
+    def is_held(self, url: str) -> bool:
+        return url in self._held
+
+    def hold(self, url: str) -> None:
+        """Never choose ``url`` until ``release`` (its breaker is open)."""
+        self._held.add(url)
+
+    def release(self, url: str) -> None:
+        """``url`` answers again: choose it as before (and forget a ``mark_down``)."""
+        self._held.discard(url)
+        self._down_until[url] = 0.0
 
     def mark_down(self, url: str) -> None:
         """Avoid ``url`` for ``down_for`` seconds (it failed every retry)."""
@@ -53,17 +71,16 @@ class StickyBalancer:
         return self._bindings.get(route_key)
 
     def choose(self, route_key: str = "", exclude: Collection[str] = ()) -> str | None:
-        """The server for this request, or None when every server is excluded.
+        """The server for this request, or None when every server is excluded or held.
 
-        A server marked down is still chosen when nothing else is left: a brief outage seen by
-        other requests must not fail this one without a try.
+        A server marked down is still chosen when nothing else is left (a held one never is).
         """
         if route_key:
             url = self._bindings.get(route_key)
             if url is not None and url not in exclude and self.is_up(url):
                 self._bindings.move_to_end(route_key)
                 return url
-        candidates = [u for u in self.urls if u not in exclude]
+        candidates = [u for u in self.urls if u not in exclude and u not in self._held]
         if not candidates:
             return None
         healthy = [u for u in candidates if self.is_up(u)] or candidates
@@ -87,7 +104,7 @@ class StickyBalancer:
     def __repr__(self) -> str:
         load = ", ".join(
             f"{u}: {self.outstanding[u]} out/{self.dispatched[u]} sent"
-            + ("" if self.is_up(u) else " (down)")
+            + (" (held)" if u in self._held else "" if self.is_up(u) else " (down)")
             for u in self.urls
         )
         return f"StickyBalancer({load}; {len(self._bindings)} keys)"

@@ -18,6 +18,7 @@ import aiohttp
 
 from ..errors import BackendUnavailable, BadRequest
 from .base import BackendRetry, FinishReason, GenerateRequest, GenerateResult, retryable_status
+from .cutoff import Cutoffs
 
 # SGLang sampling_params key → OpenAI chat.completions parameter.
 _SAMPLING_TO_OPENAI = {
@@ -63,6 +64,9 @@ class OpenAICompatBackend:
         self.extra_body = dict(extra_body or {})
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._session: aiohttp.ClientSession | None = None
+        self.cutoffs = Cutoffs([self.base_url])
+        self.answered_at = {self.base_url: 0.0}
+        self._held = False  # the breaker is open: fail at once instead of calling
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -95,18 +99,29 @@ class OpenAICompatBackend:
             raise BadRequest("OpenAICompatBackend needs the chat messages, not token ids")
         url = f"{self.base_url}/chat/completions"
         body = self._body(request)
-        last = ""
+        last, tries = "", 0
         for attempt in range(self.policy.retries + 1):
+            if self._held:
+                last = last or "skipped: its breaker is open (health probe failed)"
+                break
             if attempt:
                 await asyncio.sleep(self.policy.delay(attempt - 1))
             start = time.perf_counter()
+            tries += 1
             try:
-                async with self.session.post(url, json=body) as resp:
+                async with (
+                    self.cutoffs.guard(self.base_url),
+                    self.session.post(url, json=body) as resp,
+                ):
                     text = await resp.text()
                     status = resp.status
             except (aiohttp.ClientError, TimeoutError) as exc:
                 last = f"{type(exc).__name__}: {exc}"
+                if self._held:
+                    last = "cut off: the server stopped answering its health probe"
                 continue
+            if status < 500:
+                self.answered_at[self.base_url] = time.monotonic()
             if status == 200:
                 try:
                     return self._parse(json.loads(text), time.perf_counter() - start)
@@ -122,8 +137,33 @@ class OpenAICompatBackend:
                 )
             last = f"HTTP {status}: {text[:300]}"
         raise BackendUnavailable(
-            f"{url} failed {self.policy.retries + 1} times: {last}", errors={self.base_url: last}
+            f"{url} failed {tries} time(s): {last}", errors={self.base_url: last}
         )
+
+    # ---- health: what consumers/fleet.py drives ----------------------------------------------
+    @property
+    def servers(self) -> list[str]:
+        return [self.base_url]
+
+    async def probe(self, url: str, timeout_s: float) -> str:
+        """``GET <base>/models``: "" when the server answers below 500 within ``timeout_s``
+        (a 401 is an answer: the key is wrong, not the server down), else what went wrong."""
+        try:
+            timeout = aiohttp.ClientTimeout(total=timeout_s)
+            async with self.session.get(f"{url}/models", timeout=timeout) as resp:
+                status = resp.status
+        except TimeoutError:
+            return f"no answer to GET /models within {timeout_s:g}s"
+        except aiohttp.ClientError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "" if status < 500 else f"GET /models answered HTTP {status}"
+
+    def open_breaker(self, url: str) -> int:
+        self._held = True
+        return self.cutoffs.cut(self.base_url)
+
+    def close_breaker(self, url: str) -> None:
+        self._held = False
 
     def _parse(self, data: dict, latency_s: float) -> GenerateResult:
         choice = data["choices"][0]

@@ -9,7 +9,9 @@ handling, from the request's point of view:
   another one; when every server has failed, ``BackendUnavailable``;
 - any other 4xx (or an abort SGLang tags with status 400): ``BadRequest``, never retried;
 - ``finish_reason`` abort with no output tokens (a weight update aborted the request before it
-  produced anything): resubmitted up to ``abort_retries`` times.
+  produced anything): resubmitted up to ``abort_retries`` times;
+- a server whose breaker is open (``open_breaker``: its health probe failed, consumers/fleet.py)
+  is skipped, and the requests in flight on it are cut off and fail over at once.
 
 Each resubmission carries a fresh ``rid`` (``<rid>-r<n>``): the server may still hold the
 first attempt, and SGLang refuses a duplicate request id.
@@ -28,6 +30,7 @@ import aiohttp
 from ..errors import BackendUnavailable, BadRequest
 from .balancer import StickyBalancer
 from .base import BackendRetry, GenerateRequest, GenerateResult, retryable_status
+from .cutoff import Cutoffs
 
 _FINISH_TYPES = ("stop", "length", "abort")
 
@@ -105,6 +108,9 @@ class SGLangBackend:
         self.policy = BackendRetry(retries=retries, backoff=backoff, max_backoff=max_backoff)
         self.abort_retries = abort_retries
         self.balancer = StickyBalancer(self.urls, max_keys=max_route_keys, down_for=down_for)
+        self.cutoffs = Cutoffs(self.urls)
+        # When each server last answered a request: a server that answers needs no probe.
+        self.answered_at = dict.fromkeys(self.urls, 0.0)
         self._timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=connect_timeout)
         self._session: aiohttp.ClientSession | None = None
 
@@ -139,6 +145,9 @@ class SGLangBackend:
         while True:
             url = self.balancer.choose(request.route_key, exclude=failed)
             if url is None:
+                for held in self.urls:
+                    if self.balancer.is_held(held) and held not in errors:
+                        errors[held] = "skipped: its breaker is open (health probe failed)"
                 raise BackendUnavailable(
                     f"all {len(self.urls)} SGLang server(s) failed after retries: "
                     + "; ".join(f"{u}: {e}" for u, e in errors.items()),
@@ -146,6 +155,8 @@ class SGLangBackend:
                 )
             result = None
             for retry in range(self.policy.retries + 1):
+                if self.balancer.is_held(url):
+                    break  # its breaker opened meanwhile: fail over now
                 if retry:
                     await asyncio.sleep(self.policy.delay(retry - 1))
                 try:
@@ -186,16 +197,23 @@ class SGLangBackend:
         self.balancer.started(url)
         start = time.perf_counter()
         try:
-            async with self.session.post(
-                f"{url}/generate", json=self._body(request, attempt)
-            ) as resp:
+            async with (
+                self.cutoffs.guard(url),
+                self.session.post(f"{url}/generate", json=self._body(request, attempt)) as resp,
+            ):
                 text = await resp.text()
                 status = resp.status
         except (aiohttp.ClientError, TimeoutError) as exc:
+            if self.balancer.is_held(url):
+                raise _ServerFailed(
+                    "cut off: the server stopped answering its health probe"
+                ) from exc
             raise _ServerFailed(f"{type(exc).__name__}: {exc}") from exc
         finally:
             self.balancer.finished(url)
         latency = time.perf_counter() - start
+        if status < 500:
+            self.answered_at[url] = time.monotonic()
         if status != 200:
             if retryable_status(status):
                 raise _ServerFailed(f"HTTP {status}: {text[:300]}")
@@ -219,16 +237,37 @@ class SGLangBackend:
             )
         return result
 
+    # ---- health: what consumers/fleet.py drives ----------------------------------------------
+    @property
+    def servers(self) -> list[str]:
+        return list(self.urls)
+
+    async def probe(self, url: str, timeout_s: float) -> str:
+        """``GET /health`` on one server: "" when it answers below 500 within ``timeout_s``,
+        else what went wrong. SGLang answers it without generating (503 while unhealthy)."""
+        try:
+            timeout = aiohttp.ClientTimeout(total=timeout_s)
+            async with self.session.get(f"{url}/health", timeout=timeout) as resp:
+                status = resp.status
+        except TimeoutError:
+            return f"no answer to GET /health within {timeout_s:g}s"
+        except aiohttp.ClientError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "" if status < 500 else f"GET /health answered HTTP {status}"
+
+    def open_breaker(self, url: str) -> int:
+        """Skip ``url`` until ``close_breaker`` and cut off its requests in flight (how many)."""
+        self.balancer.hold(url)
+        return self.cutoffs.cut(url)
+
+    def close_breaker(self, url: str) -> None:
+        self.balancer.release(url)
+
     async def health(self) -> dict[str, bool]:
         """``GET /health`` on every server; a healthy answer also clears a down mark."""
 
         async def one(url: str) -> bool:
-            try:
-                timeout = aiohttp.ClientTimeout(total=5.0)
-                async with self.session.get(f"{url}/health", timeout=timeout) as resp:
-                    ok = resp.status == 200
-            except (aiohttp.ClientError, TimeoutError):
-                ok = False
+            ok = not await self.probe(url, 5.0)
             if ok:
                 self.balancer.mark_up(url)
             return ok
