@@ -9,11 +9,12 @@ What a row counts, for one run id on a broker of its own:
 - **rerun**: jobs whose agent *ran* more than once, from the agents' execution log
   (``chaos_agents``), and **extra runs** beyond one per job; both are checked against what was
   **in flight at the faults**: a job may run again only if a fault caught it running;
-- **dead**: dead letters;
+- **dead**: dead letters; **errors**: trajectories stored with a status other than ``ok``
+  (``error``, ``timeout``): a fault that turns work into errors fails its row as surely as one
+  that loses it;
 - **recovery**: per fault, from its end (a restart, a resume, a heal; for a SIGKILL with a
-  restart at once, the kill) until every job that was in flight when it began is stored; the
-  row shows the longest. A fault that caught nothing in flight counts until the first
-  trajectory stored after it.
+  restart at once, the kill) until every job that was in flight when it began is stored, and
+  a job first run since it began is stored (work flows again); the row shows the longest.
 
 Times are wall-clock (``time.time()``) on one machine: the agents' log, the fault records and
 the server's store timestamps share that clock.
@@ -72,6 +73,7 @@ class Row:
     extra_runs: int  # executions beyond one per job
     in_flight: int  # jobs in flight at the faults, summed over faults: what may be redone
     dead: int
+    errors: int  # stored with a status other than ok
     recovery_s: float
     faults: int
     command: str = ""
@@ -79,22 +81,23 @@ class Row:
 
     HEADER = (
         "| scenario | jobs | stored | lost | duplicate trajectories | rollouts run more than once "
-        "(extra runs / in flight at the faults) | dead-lettered | recovery | command |\n"
-        "|---|---|---|---|---|---|---|---|---|"
+        "(extra runs / in flight at the faults) | stored as error | dead-lettered | recovery | "
+        "command |\n|---|---|---|---|---|---|---|---|---|---|"
     )
 
     def markdown(self) -> str:
+        recovery = f"{self.recovery_s:.1f} s" if self.faults else "n/a"
         return (
             f"| {self.scenario} | {self.jobs:,} | {self.stored:,} | {self.lost} | "
             f"{self.duplicates} | {self.rerun} ({self.extra_runs} / {self.in_flight}) | "
-            f"{self.dead} | {self.recovery_s:.1f} s | `{self.command}` |"
+            f"{self.errors} | {self.dead} | {recovery} | `{self.command}` |"
         )
 
     def __str__(self) -> str:
         return (
             f"[chaos] {self.scenario}: jobs={self.jobs} stored={self.stored} lost={self.lost} "
             f"duplicates={self.duplicates} rerun={self.rerun} extra_runs={self.extra_runs} "
-            f"in_flight_at_faults={self.in_flight} dead={self.dead} faults={self.faults} "
+            f"in_flight_at_faults={self.in_flight} errors={self.errors} dead={self.dead} faults={self.faults} "
             f"recovery={self.recovery_s:.2f}s {self.notes}"
         )
 
@@ -105,6 +108,7 @@ class Row:
         assert self.stored + self.dead >= self.jobs, str(self)
         assert self.duplicates == 0, str(self)
         assert self.dead == dead, str(self)
+        assert self.errors == 0, str(self)
         assert self.extra_runs <= self.in_flight, str(self)
 
 
@@ -161,12 +165,12 @@ async def read_stream(
     return out
 
 
-def _task_key(payload: bytes) -> int:
+def _task_key(payload: bytes) -> tuple[int, str]:
     """The ``key`` of the job inside a trajectory or dead letter (both carry the job's task),
-    read without the full decode."""
+    and the trajectory's status, read without the full decode."""
     data = loads(payload)
     task = data.get("task") or (data.get("job") or {}).get("task") or {}
-    return int(task["key"])
+    return int(task["key"]), str(data.get("status", ""))
 
 
 class ChaosRun:
@@ -221,7 +225,9 @@ class ChaosRun:
         dead = (await self.js.stream_info(self.topo.dead_stream)).state.messages
         if stored + dead < len(self.published):
             return False
-        info = await self.js.consumer_info(self.topo.tasks_stream, self.topo.rollout_consumer(AGENT))
+        info = await self.js.consumer_info(
+            self.topo.tasks_stream, self.topo.rollout_consumer(AGENT)
+        )
         return not info.num_pending and not info.num_ack_pending
 
     async def wait_settled(self, timeout_s: float) -> float:
@@ -246,15 +252,19 @@ class ChaosRun:
             self.topo.trajectories_filter(self.run, AGENT),
         )
         stored_at: dict[int, float] = {}
+        errors = set()
         for payload, at in stored_msgs:
-            key = _task_key(payload)
+            key, status = _task_key(payload)
             stored_at[key] = min(at, stored_at.get(key, at))
-        dead_msgs = await read_stream(
-            self.js, self.topo.dead_stream, self.topo.dead_subject(AGENT)
-        )
-        dead = {_task_key(payload) for payload, _ in dead_msgs}
+            if status != "ok":
+                errors.add(key)
+        dead_msgs = await read_stream(self.js, self.topo.dead_stream, self.topo.dead_subject(AGENT))
+        dead = {_task_key(payload)[0] for payload, _ in dead_msgs}
         executions = read_executions(self.exec_log)
         runs = Counter(e.key for e in executions)
+        first_run: dict[int, float] = {}
+        for e in executions:
+            first_run[e.key] = min(e.at, first_run.get(e.key, e.at))
 
         in_flight_sets = []
         recoveries = []
@@ -267,11 +277,17 @@ class ChaosRun:
                 and stored_at.get(e.key, float("inf")) > fault.start
             }
             in_flight_sets.append(caught)
-            if caught:
-                done = max(stored_at.get(k, float("inf")) for k in caught)
-            else:
-                done = min((t for t in stored_at.values() if t > fault.end), default=fault.end)
-            recoveries.append(max(0.0, done - fault.end))
+            # the work it caught is stored, and work begun since it began is stored again
+            done = max((stored_at.get(k, float("inf")) for k in caught), default=fault.end)
+            resumed = min(
+                (
+                    at
+                    for key, at in stored_at.items()
+                    if at > fault.end and first_run.get(key, 0.0) >= fault.start
+                ),
+                default=fault.end,
+            )
+            recoveries.append(max(0.0, done - fault.end, resumed - fault.end))
         caught_any = set().union(*in_flight_sets) if in_flight_sets else set()
         rerun = {k for k, n in runs.items() if n > 1}
         unexplained = rerun - caught_any
@@ -288,6 +304,7 @@ class ChaosRun:
             extra_runs=sum(n - 1 for n in runs.values()),
             in_flight=sum(len(s) for s in in_flight_sets),
             dead=len(dead),
+            errors=len(errors),
             recovery_s=max(recoveries, default=0.0),
             faults=len(self.faults),
             command=command,

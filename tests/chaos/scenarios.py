@@ -13,16 +13,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import os
 import signal
+import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections import Counter
+from collections.abc import AsyncIterator
 from pathlib import Path
 
-from chaoslib import AGENT, ChaosRun, ConsumerPool, Row
+from chaoslib import AGENT, ROOT, ChaosRun, ConsumerPool, Row
 from fake_sglang import FakeSGLang
 from nats.js.api import DiscardPolicy
 
+from agentarium.demo.processes import child_env
 from broker import Limits, NatsServer, NatsSettings, Topology, provision
 from broker.registry import live_workers
 
@@ -330,7 +334,9 @@ async def store_full(
 
                 async def full() -> bool:
                     info = await js.stream_info(topo.trajectories_stream)
-                    consumer = await js.consumer_info(topo.tasks_stream, topo.rollout_consumer(AGENT))
+                    consumer = await js.consumer_info(
+                        topo.tasks_stream, topo.rollout_consumer(AGENT)
+                    )
                     return (
                         info.state.bytes + per_trajectory > info.config.max_bytes
                         and consumer.num_ack_pending > 0
@@ -352,3 +358,275 @@ async def store_full(
             f"store full: byte limits refuse writes for {full_s:g} s (ack wait {ACK_WAIT_S:g} s)",
             command=command,
         )
+
+
+async def fleet_down(
+    server: NatsServer,
+    workdir: Path,
+    *,
+    jobs: int = 400,
+    outage_s: float = 5.0,
+    hang: bool = False,
+    probe_s: float = 5.0,
+    sleep_s: float = 0.2,
+    concurrency: int = 16,
+    command: str = "",
+) -> Row:
+    """The whole LLM fleet (one server) goes away mid-batch for ``outage_s``: closed
+    (connections refused), or with ``hang`` accepting requests and never answering. Two
+    consumer processes must hold their rollouts and take nothing new until it answers again
+    (``--fleet-probe-interval``/``--fleet-probe-timeout`` ``probe_s``): no error, no dead
+    letter, no attempt spent."""
+    async with session(server.url) as js, fake_fleet() as fake:
+        run = ChaosRun(js, workdir)
+        flags = ("--fleet-probe-interval", str(probe_s), "--fleet-probe-timeout", str(probe_s))
+        pool = ConsumerPool(
+            run,
+            server.url,
+            [fake.url],
+            extra=("--concurrency", str(concurrency), *CONSUMER_FLAGS, *flags),
+        )
+        try:
+            for slot in range(2):
+                pool.start(slot)
+            await registered(js, pool)
+            await run.publish(range(jobs), sleep_s=sleep_s)
+
+            async def some_stored() -> bool:
+                info = await js.stream_info(run.topo.trajectories_stream)
+                return info.state.messages >= jobs // 4
+
+            await until(some_stored, 60, "a quarter of the batch stored")
+            how = "hung (accepts, never answers)" if hang else "closed (connections refused)"
+            with run.fault(f"LLM fleet {how} for {outage_s:g} s"):
+                if hang:
+                    fake.hang()
+                else:
+                    await fake.stop()
+                await asyncio.sleep(outage_s)  # the outage's length is the point
+                if hang:
+                    fake.unhang()
+                else:
+                    await fake.start()
+            await run.wait_settled(120 + jobs / 20)
+            info = await js.consumer_info(run.topo.tasks_stream, run.topo.rollout_consumer(AGENT))
+        finally:
+            codes = pool.stop()
+        assert all(code == 0 for code in codes), codes
+        assert info.num_redelivered == 0, info  # held rollouts kept their delivery
+        return await run.tally(
+            f"LLM fleet {'hung' if hang else 'down'} {outage_s:g} s mid-batch "
+            f"(probe every {probe_s:g} s)",
+            command=command,
+        )
+
+
+TRAIN_RUN, TRAIN_AGENT = "chaos-train", "toy"
+
+
+class TrainerChild:
+    """``python -m agentarium trainer`` with its JSON log events collected as they come."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+        self.events: list[dict] = []
+        self._changed = asyncio.Condition()
+        self._reader = asyncio.create_task(self._read())
+
+    @classmethod
+    async def start(cls, url: str, workdir: Path, *extra: str) -> TrainerChild:
+        from agentarium.tiny import ensure_tiny_model
+
+        args = [
+            sys.executable,
+            "-m",
+            "agentarium",
+            "trainer",
+            "--nats-url",
+            url,
+            "--run",
+            TRAIN_RUN,
+            "--agent",
+            TRAIN_AGENT,
+            "--model",
+            str(ensure_tiny_model()),
+            "--group-size",
+            "4",
+            "--lr",
+            "1e-3",
+            "--max-staleness",
+            "1000",
+            "--checkpoint-dir",
+            str(workdir / "ckpt"),
+            "--metrics",
+            str(workdir / "metrics.csv"),
+            "--torch-threads",
+            "1",
+            *extra,
+        ]
+        env = child_env(PYTHONPATH=str(ROOT))
+        proc = await asyncio.create_subprocess_exec(
+            *args,
+            cwd=ROOT,
+            env=env,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        return cls(proc)
+
+    async def _read(self) -> None:
+        assert self.proc.stderr is not None
+        while line := await self.proc.stderr.readline():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            record["_at"] = time.time()
+            async with self._changed:
+                self.events.append(record)
+                self._changed.notify_all()
+        async with self._changed:
+            self.events.append({"event": "_exited", "_at": time.time()})
+            self._changed.notify_all()
+
+    async def wait_for(self, event: str, timeout_s: float = 180.0, **fields) -> dict:
+        def found() -> dict | None:
+            for record in self.events:
+                if record.get("event") == event and all(
+                    record.get(k) == v for k, v in fields.items()
+                ):
+                    return record
+                if record.get("event") == "_exited":
+                    raise AssertionError(
+                        f"trainer exited before {event} {fields}: {self.events[-5:]}"
+                    )
+            return None
+
+        async with asyncio.timeout(timeout_s), self._changed:
+            while (record := found()) is None:
+                await self._changed.wait()
+            return record
+
+    def steps_done(self) -> list[int]:
+        return [e["step"] for e in self.events if e.get("event") == "step done"]
+
+    def checkpointed(self) -> int:
+        return max(
+            (e["step"] for e in self.events if e.get("event") == "checkpoint saved"), default=0
+        )
+
+    async def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        await self.proc.wait()
+        await self._reader
+
+    async def exit_code(self, timeout_s: float = 180.0) -> int:
+        async with asyncio.timeout(timeout_s):
+            await self._reader
+            return await self.proc.wait()
+
+
+async def trainer_kill_storm(
+    server: NatsServer,
+    workdir: Path,
+    *,
+    groups: int = 16,
+    kills: int = 2,
+    groups_per_step: int = 2,
+    checkpoint_every: int = 2,
+    command: str = "",
+) -> Row:
+    """The trainer SIGKILLed ``kills`` times over one run and resumed (``--resume``) at once
+    each time; kills alternate between right after a checkpoint and one step past it (that
+    step is computed again). Trajectories are published in stages, one per kill, so each kill
+    lands where it is aimed: on a trainer waiting for more. What was trained is read back from
+    the checkpoints' job id lists: every trajectory exactly once.
+
+    The row's columns read for training: jobs are trajectories, stored those trained, lost
+    those never trained, duplicates those trained twice; "run more than once" counts training
+    steps computed again (each kill may cost the steps done since its last checkpoint)."""
+    from trainlib import one_call_group, publish
+
+    from trainer.checkpoint import Checkpoints
+
+    steps = groups // groups_per_step
+    flags = (
+        "--groups-per-step",
+        str(groups_per_step),
+        "--checkpoint-every",
+        str(checkpoint_every),
+        "--max-steps",
+        str(steps),
+    )
+    items = [
+        t
+        for g in range(groups)
+        for t in one_call_group(
+            g,
+            run=TRAIN_RUN,
+            agent=TRAIN_AGENT,
+            job_id=lambda g, i: f"job-{g}-{i}",
+            group_id=f"group-{g}",
+            reward=lambda g, i: float(i == g % 4),
+        )
+    ]
+    per_step = groups_per_step * 4
+    async with session(server.url) as js:
+        topo = Topology()
+        trainers = [await TrainerChild.start(server.url, workdir, *flags)]
+        stages = []  # per kill: (the checkpoint it follows, the step it waits for)
+        for k in range(kills):
+            checkpoint = (k + 1) * steps // (kills + 1)
+            checkpoint -= checkpoint % checkpoint_every
+            stages.append((checkpoint, checkpoint + k % 2))  # odd kills: one step past it
+        ends = [stop_at * per_step for _, stop_at in stages] + [len(items)]
+        await publish(js, topo, items[: ends[0]])
+        costs: list[int] = []  # per kill: steps done since the last checkpoint
+        recoveries: list[float] = []
+        try:
+            for k, (checkpoint, stop_at) in enumerate(stages):
+                trainer = trainers[-1]
+                await trainer.wait_for("step done", step=stop_at)
+                await trainer.wait_for("checkpoint saved", step=checkpoint)
+                await trainer.kill()
+                killed_at = time.time()
+                last = max(trainer.checkpointed(), trainer_resumed_step(trainer))
+                costs.append(max(trainer.steps_done(), default=0) - last)
+                resumed = await TrainerChild.start(server.url, workdir, *flags, "--resume")
+                trainers.append(resumed)
+                await publish(js, topo, items[ends[k] : ends[k + 1]])
+                first = await resumed.wait_for("step done")
+                recoveries.append(first["_at"] - killed_at)
+            assert await trainers[-1].exit_code() == 0, trainers[-1].events[-5:]
+        finally:
+            for trainer in trainers:
+                if trainer.proc.returncode is None:
+                    trainer.proc.kill()
+                    await trainer.proc.wait()
+
+    history = Checkpoints(workdir / "ckpt").history()
+    trained = Counter(j for h in history for j in h["trained_job_ids"])
+    ok = {t.job_id for t in items}
+    computed = Counter(s for t in trainers for s in t.steps_done())
+    assert set(computed) == set(range(1, steps + 1)), computed
+    return Row(
+        scenario=f"trainer SIGKILL storm: {kills} kills over {steps} steps, checkpoint every "
+        f"{checkpoint_every} (redone: training steps)",
+        jobs=len(items),
+        stored=len(trained.keys() & ok),
+        lost=len(ok - trained.keys()),
+        duplicates=sum(n - 1 for n in trained.values()),
+        rerun=sum(1 for n in computed.values() if n > 1),
+        extra_runs=sum(n - 1 for n in computed.values()),
+        in_flight=sum(costs),
+        dead=0,
+        errors=0,
+        recovery_s=max(recoveries, default=0.0),
+        faults=kills,
+        command=command,
+    )
+
+
+def trainer_resumed_step(trainer: TrainerChild) -> int:
+    """The step a resumed trainer started from (0 for a fresh one)."""
+    return next((e["step"] for e in trainer.events if e.get("event") == "resumed"), 0)
