@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -158,6 +160,23 @@ def test_topology_rejects_names_that_would_reroute():
         with pytest.raises(ValueError, match="not a valid name"):
             topo.tasks_subject(bad)
     assert topo.dead_subject("a.b") == "agentarium.dead._invalid"
+
+
+async def test_removing_a_worker_from_a_broker_that_does_not_answer_is_not_an_error(
+    nc, js, topology, nats_server
+):
+    # A worker's last act on stopping; a broker that is slow (an election, a restart) then
+    # made a drained consumer exit 2 (found by tests/chaos: a cluster's node restarted).
+    from broker.registry import live_workers, publish_worker, remove_worker
+
+    await publish_worker(js, topology, "w1", {"agent": "toy"})
+    impatient = nc.jetstream(timeout=0.3)
+    os.kill(nats_server.pid, signal.SIGSTOP)
+    try:
+        await asyncio.wait_for(remove_worker(impatient, topology, "w1"), 5)
+    finally:
+        os.kill(nats_server.pid, signal.SIGCONT)
+    assert [w["worker_id"] for w in await live_workers(js, topology)] == ["w1"]  # TTL's job now
 
 
 async def test_status_shows_live_workers_and_their_throughput(js, topology):

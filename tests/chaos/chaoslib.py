@@ -8,7 +8,9 @@ What a row counts, for one run id on a broker of its own:
 - **duplicates**: trajectories stored beyond one per job (the server refuses them: 0);
 - **rerun**: jobs whose agent *ran* more than once, from the agents' execution log
   (``chaos_agents``), and **extra runs** beyond one per job; both are checked against what was
-  **in flight at the faults**: a job may run again only if a fault caught it running;
+  **in flight during the faults** (run before a fault ended, not stored before it began: for
+  an instant fault, what was running at that instant; for one that lasts, also what started
+  while it lasted): a job may run again only if a fault caught it so;
 - **dead**: dead letters; **errors**: trajectories stored with a status other than ``ok``
   (``error``, ``timeout``): a fault that turns work into errors fails its row as surely as one
   that loses it;
@@ -71,17 +73,18 @@ class Row:
     duplicates: int
     rerun: int  # jobs whose agent ran more than once
     extra_runs: int  # executions beyond one per job
-    in_flight: int  # jobs in flight at the faults, summed over faults: what may be redone
+    in_flight: int  # jobs in flight during the faults, summed over faults: what may be redone
     dead: int
     errors: int  # stored with a status other than ok
     recovery_s: float
     faults: int
+    stall_s: float = 0.0  # the longest time with no trajectory stored, first to last
     command: str = ""
     notes: str = ""
 
     HEADER = (
         "| scenario | jobs | stored | lost | duplicate trajectories | rollouts run more than once "
-        "(extra runs / in flight at the faults) | stored as error | dead-lettered | recovery | "
+        "(extra runs / in flight during the faults) | stored as error | dead-lettered | recovery | "
         "command |\n|---|---|---|---|---|---|---|---|---|---|"
     )
 
@@ -97,8 +100,8 @@ class Row:
         return (
             f"[chaos] {self.scenario}: jobs={self.jobs} stored={self.stored} lost={self.lost} "
             f"duplicates={self.duplicates} rerun={self.rerun} extra_runs={self.extra_runs} "
-            f"in_flight_at_faults={self.in_flight} errors={self.errors} dead={self.dead} faults={self.faults} "
-            f"recovery={self.recovery_s:.2f}s {self.notes}"
+            f"in_flight_during_faults={self.in_flight} errors={self.errors} dead={self.dead} faults={self.faults} "
+            f"recovery={self.recovery_s:.2f}s stall={self.stall_s:.2f}s {self.notes}"
         )
 
     def check(self, *, dead: int = 0) -> None:
@@ -184,16 +187,18 @@ class ChaosRun:
         run: str = "chaos",
         topology: Topology | None = None,
         producer: TaskProducer | None = None,
+        exec_log: Path | None = None,
     ) -> None:
         self.js = js
         self.topo = topology or Topology()
         self.run = run
         self.log_dir = log_dir
-        self.exec_log = log_dir / f"executions-{run}.log"
+        self.exec_log = exec_log or log_dir / f"executions-{run}.log"
         self.producer = producer or TaskProducer(js, self.topo)
         self.published: set[int] = set()
         self.faults: list[Fault] = []
         self.started = time.time()
+        self._baseline: tuple[int, int] | None = None  # stored, dead before this run's jobs
 
     @property
     def env(self) -> dict[str, str]:
@@ -204,6 +209,8 @@ class ChaosRun:
         }
 
     async def publish(self, keys: Sequence[int], *, sleep_s: float = 0.0, **submit) -> None:
+        if self._baseline is None:  # runs may follow each other on one broker
+            self._baseline = await self._counts()
         tasks = [{"task_id": f"k{k}", "key": k, "sleep": sleep_s} for k in keys]
         result = await self.producer.submit(AGENT, tasks, run=self.run, **submit)
         assert result.published + result.duplicates == len(keys)
@@ -219,11 +226,16 @@ class ChaosRun:
             fault.end = time.time()
             self.faults.append(fault)
 
-    async def settled(self) -> bool:
-        """Every published job has its trajectory or dead letter, and nothing is in flight."""
+    async def _counts(self) -> tuple[int, int]:
         stored = (await self.js.stream_info(self.topo.trajectories_stream)).state.messages
         dead = (await self.js.stream_info(self.topo.dead_stream)).state.messages
-        if stored + dead < len(self.published):
+        return stored, dead
+
+    async def settled(self) -> bool:
+        """Every published job has its trajectory or dead letter, and nothing is in flight."""
+        stored, dead = await self._counts()
+        stored0, dead0 = self._baseline or (0, 0)
+        if stored - stored0 + dead - dead0 < len(self.published):
             return False
         info = await self.js.consumer_info(
             self.topo.tasks_stream, self.topo.rollout_consumer(AGENT)
@@ -259,8 +271,8 @@ class ChaosRun:
             if status != "ok":
                 errors.add(key)
         dead_msgs = await read_stream(self.js, self.topo.dead_stream, self.topo.dead_subject(AGENT))
-        dead = {_task_key(payload)[0] for payload, _ in dead_msgs}
-        executions = read_executions(self.exec_log)
+        dead = {_task_key(payload)[0] for payload, _ in dead_msgs} & self.published
+        executions = [e for e in read_executions(self.exec_log) if e.key in self.published]
         runs = Counter(e.key for e in executions)
         first_run: dict[int, float] = {}
         for e in executions:
@@ -272,7 +284,7 @@ class ChaosRun:
             caught = {
                 e.key
                 for e in executions
-                if e.at < fault.start
+                if e.at < fault.end
                 and (fault.pids is None or e.pid in fault.pids)
                 and stored_at.get(e.key, float("inf")) > fault.start
             }
@@ -294,6 +306,8 @@ class ChaosRun:
         assert not unexplained, (
             f"jobs run again though no fault caught them in flight: {sorted(unexplained)[:20]}"
         )
+        times = sorted(stored_at.values())
+        stall = max((b - a for a, b in zip(times, times[1:], strict=False)), default=0.0)
         return Row(
             scenario=scenario,
             jobs=len(self.published),
@@ -307,6 +321,7 @@ class ChaosRun:
             errors=len(errors),
             recovery_s=max(recoveries, default=0.0),
             faults=len(self.faults),
+            stall_s=stall,
             command=command,
             notes=notes,
         )
@@ -350,8 +365,12 @@ class ConsumerPool:
         self.restarts += 1
         return self.start(slot)
 
-    def stop(self) -> list[int | None]:
-        """SIGTERM every consumer (they drain) and return their exit codes."""
+    async def stop(self) -> list[int | None]:
+        """SIGTERM every consumer (they drain) and return their exit codes. Waits in a
+        thread: the event loop keeps serving the fake fleet and proxies the consumers use."""
+        return await asyncio.to_thread(self._stop)
+
+    def _stop(self) -> list[int | None]:
         for child in self.children.values():
             if child.proc.poll() is None:
                 child.proc.send_signal(signal.SIGTERM)

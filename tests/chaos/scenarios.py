@@ -19,7 +19,7 @@ import signal
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 from chaoslib import AGENT, ROOT, ChaosRun, ConsumerPool, Row
@@ -132,7 +132,7 @@ async def consumer_kill_storm(
             await run.wait_settled(120 + jobs / 20)
             await registered(js, pool)  # a consumer stopped while it starts dies of SIGTERM
         finally:
-            codes = pool.stop()
+            codes = await pool.stop()
         assert all(code == 0 for code in codes), codes  # the survivors drained cleanly
         return await run.tally(
             f"consumer kill storm: {consumers} consumers, {kills} SIGKILLs every {every_s:g} s",
@@ -181,7 +181,7 @@ async def _two_consumers_batch(
             await run.wait_settled(120 + jobs / 20)
             await registered(js, pool)
         finally:
-            codes = pool.stop()
+            codes = await pool.stop()
         assert all(code == 0 for code in codes), codes  # drained cleanly after the fault
         return await run.tally(scenario, command=command)
 
@@ -278,7 +278,7 @@ async def slow_rollouts(
             await run.wait_settled(120 + sleep_s * 2)
             info = await js.consumer_info(run.topo.tasks_stream, run.topo.rollout_consumer(AGENT))
         finally:
-            codes = pool.stop()
+            codes = await pool.stop()
         assert codes == [0], codes
         assert info.num_redelivered == 0 and info.delivered.consumer_seq == jobs, info
         return await run.tally(
@@ -351,7 +351,7 @@ async def store_full(
             await run.wait_settled(120)
             info = await js.consumer_info(topo.tasks_stream, topo.rollout_consumer(AGENT))
         finally:
-            codes = pool.stop()
+            codes = await pool.stop()
         assert codes == [0], codes
         assert info.num_redelivered == 0, info
         return await run.tally(
@@ -411,7 +411,7 @@ async def fleet_down(
             await run.wait_settled(120 + jobs / 20)
             info = await js.consumer_info(run.topo.tasks_stream, run.topo.rollout_consumer(AGENT))
         finally:
-            codes = pool.stop()
+            codes = await pool.stop()
         assert all(code == 0 for code in codes), codes
         assert info.num_redelivered == 0, info  # held rollouts kept their delivery
         return await run.tally(
@@ -630,3 +630,125 @@ async def trainer_kill_storm(
 def trainer_resumed_step(trainer: TrainerChild) -> int:
     """The step a resumed trainer started from (0 for a fresh one)."""
     return next((e["step"] for e in trainer.events if e.get("event") == "resumed"), 0)
+
+
+CLUSTER_FAULTS = ("leader kill", "follower kill", "partition")
+
+
+async def cluster_faults(
+    workdir: Path,
+    *,
+    faults: Sequence[str] = CLUSTER_FAULTS,
+    jobs: int = 600,
+    down_s: float = 10.0,
+    sleep_s: float = 0.2,
+    concurrency: int = 16,
+    commands: dict[str, str] | None = None,
+) -> list[Row]:
+    """A 3-node cluster (ops/nats/cluster-*.conf, R3 streams) with every connection through a
+    loopback proxy (``partition``), three consumer processes on it, and one batch per fault,
+    each a run of its own on the same cluster:
+
+    - ``leader kill``: the TASKS stream's leader SIGKILLed, restarted ``down_s`` later;
+    - ``follower kill``: a TASKS follower SIGKILLed, restarted ``down_s`` later;
+    - ``partition``: the TASKS leader cut off from the other nodes and from its clients by
+      the proxies (every byte dropped, no FIN, no reset) for ``down_s``, then healed.
+    """
+    import partition
+    from nats_configs import wait_healthy
+
+    commands = commands or {}
+    nodes = await partition.proxied_cluster(workdir)
+    for node in nodes.values():
+        node.node.server.start()
+    urls = ",".join(node.url for node in nodes.values())
+    limits = dataclasses.replace(LIMITS, replicas=3)
+    rows = []
+    try:
+        await wait_healthy([node.node for node in nodes.values()])
+        async with session(urls, limits) as js, fake_fleet() as fake:
+            topo = Topology()
+
+            async def consumer_led() -> bool:  # an R3 consumer answers once it has a leader
+                try:
+                    info = await js.consumer_info(topo.tasks_stream, topo.rollout_consumer(AGENT))
+                except Exception:  # noqa: BLE001 - not yet
+                    return False
+                return bool(info.cluster and info.cluster.leader)
+
+            await until(consumer_led, 60, "the agent's consumer has a leader")
+            exec_log = workdir / "executions.log"
+            first = ChaosRun(js, workdir, exec_log=exec_log, run="cluster-0")
+            pool = ConsumerPool(
+                first, urls, [fake.url], extra=("--concurrency", str(concurrency), *CONSUMER_FLAGS)
+            )
+            try:
+                for slot in range(3):
+                    pool.start(slot)
+                await registered(js, pool)
+                for i, fault in enumerate(faults):
+                    run = ChaosRun(js, workdir, exec_log=exec_log, run=f"cluster-{i}")
+                    keys = range(i * jobs, (i + 1) * jobs)
+                    rows.append(
+                        await _cluster_fault(
+                            js,
+                            nodes,
+                            run,
+                            fault,
+                            keys,
+                            down_s=down_s,
+                            sleep_s=sleep_s,
+                            command=commands.get(fault, ""),
+                        )
+                    )
+                await registered(js, pool)
+            finally:
+                codes = await pool.stop()
+            assert all(code == 0 for code in codes), codes
+    finally:
+        await partition.close(nodes)
+    return rows
+
+
+async def _cluster_fault(
+    js,
+    nodes,
+    run: ChaosRun,
+    fault: str,
+    keys: range,
+    *,
+    down_s: float,
+    sleep_s: float,
+    command: str,
+) -> Row:
+    import partition
+
+    topo = run.topo
+    info = await js.stream_info(topo.tasks_stream)
+    leader = info.cluster.leader
+    followers = [r.name for r in info.cluster.replicas or []]
+    await run.publish(keys, sleep_s=sleep_s)
+    stored0 = (await js.stream_info(topo.trajectories_stream)).state.messages
+
+    async def some_stored() -> bool:
+        stored = (await js.stream_info(topo.trajectories_stream)).state.messages
+        return stored - stored0 >= len(keys) // 4
+
+    await until(some_stored, 60, "a quarter of the batch stored")
+    if fault == "partition":
+        with run.fault(f"{leader} (TASKS leader) cut off for {down_s:g} s"):
+            partition.cut(nodes, leader)
+            await asyncio.sleep(down_s)  # the partition's length is the point
+            partition.heal(nodes)
+        scenario = f"3-node cluster: the TASKS leader cut off by a proxy for {down_s:g} s, healed"
+    else:
+        victim = leader if fault == "leader kill" else followers[0]
+        role = "leader" if fault == "leader kill" else "follower"
+        server = nodes[victim].node.server
+        with run.fault(f"{victim} (TASKS {role}) SIGKILL, restart"):
+            server.kill()
+            await asyncio.sleep(down_s)  # the outage's length is the point
+            await asyncio.to_thread(server.start)
+        scenario = f"3-node cluster: TASKS {role} SIGKILLed, restarted after {down_s:g} s"
+    await run.wait_settled(180 + len(keys) / 20)
+    return await run.tally(scenario, command=command)
