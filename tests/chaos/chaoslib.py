@@ -14,9 +14,12 @@ What a row counts, for one run id on a broker of its own:
 - **dead**: dead letters; **errors**: trajectories stored with a status other than ``ok``
   (``error``, ``timeout``): a fault that turns work into errors fails its row as surely as one
   that loses it;
+- **stall**: the longest time with no trajectory stored, across a fault (while it lasts, the
+  system may ride it out: a cluster electing new leaders without a lost node);
 - **recovery**: per fault, from its end (a restart, a resume, a heal; for a SIGKILL with a
-  restart at once, the kill) until every job that was in flight when it began is stored, and
-  a job first run since it began is stored (work flows again); the row shows the longest.
+  restart at once, the kill) until every job it caught in flight is stored, and a job first
+  run since it began is stored (work flows again); 0 when that happened before its end; the
+  row shows the longest.
 
 Times are wall-clock (``time.time()``) on one machine: the agents' log, the fault records and
 the server's store timestamps share that clock.
@@ -78,22 +81,24 @@ class Row:
     errors: int  # stored with a status other than ok
     recovery_s: float
     faults: int
-    stall_s: float = 0.0  # the longest time with no trajectory stored, first to last
+    stall_s: float = 0.0  # the longest time with no trajectory stored, across a fault
     command: str = ""
     notes: str = ""
 
     HEADER = (
         "| scenario | jobs | stored | lost | duplicate trajectories | rollouts run more than once "
-        "(extra runs / in flight during the faults) | stored as error | dead-lettered | recovery | "
-        "command |\n|---|---|---|---|---|---|---|---|---|---|"
+        "(extra runs / in flight during the faults) | stored as error | dead-lettered | "
+        "longest stall | recovery after the fault | command |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|"
     )
 
     def markdown(self) -> str:
         recovery = f"{self.recovery_s:.1f} s" if self.faults else "n/a"
+        stall = f"{self.stall_s:.1f} s" if self.faults else "n/a"
         return (
             f"| {self.scenario} | {self.jobs:,} | {self.stored:,} | {self.lost} | "
             f"{self.duplicates} | {self.rerun} ({self.extra_runs} / {self.in_flight}) | "
-            f"{self.errors} | {self.dead} | {recovery} | `{self.command}` |"
+            f"{self.errors} | {self.dead} | {stall} | {recovery} | `{self.command}` |"
         )
 
     def __str__(self) -> str:
@@ -113,6 +118,34 @@ class Row:
         assert self.dead == dead, str(self)
         assert self.errors == 0, str(self)
         assert self.extra_runs <= self.in_flight, str(self)
+
+
+async def until(predicate, timeout_s: float, what: str) -> None:
+    """Poll an async predicate (process and server state have no event to await). A request
+    that fails (a broker restarting, an election) counts as not yet."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if await predicate():
+                return
+        except (nats.errors.Error, OSError):  # JetStream errors and timeouts included
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not reached within {timeout_s}s")
+        await asyncio.sleep(0.1)
+
+
+async def patiently(call, timeout_s: float = 60.0):
+    """``await call()`` until it answers, through an election or a restart."""
+    result = None
+
+    async def answered() -> bool:
+        nonlocal result
+        result = await call()
+        return True
+
+    await until(answered, timeout_s, "an answer")
+    return result
 
 
 @dataclass
@@ -210,7 +243,7 @@ class ChaosRun:
 
     async def publish(self, keys: Sequence[int], *, sleep_s: float = 0.0, **submit) -> None:
         if self._baseline is None:  # runs may follow each other on one broker
-            self._baseline = await self._counts()
+            self._baseline = await patiently(self._counts)
         tasks = [{"task_id": f"k{k}", "key": k, "sleep": sleep_s} for k in keys]
         result = await self.producer.submit(AGENT, tasks, run=self.run, **submit)
         assert result.published + result.duplicates == len(keys)
@@ -258,6 +291,16 @@ class ChaosRun:
             await asyncio.sleep(0.25)
 
     async def tally(self, scenario: str, *, command: str = "", notes: str = "") -> Row:
+        for attempt in range(20):  # a cluster may still be electing leaders after its fault
+            try:
+                return await self._tally(scenario, command=command, notes=notes)
+            except (nats.errors.Error, OSError):
+                if attempt == 19:
+                    raise
+                await asyncio.sleep(1.0)
+        raise AssertionError("unreachable")
+
+    async def _tally(self, scenario: str, *, command: str, notes: str) -> Row:
         stored_msgs = await read_stream(
             self.js,
             self.topo.trajectories_stream,
@@ -307,7 +350,14 @@ class ChaosRun:
             f"jobs run again though no fault caught them in flight: {sorted(unexplained)[:20]}"
         )
         times = sorted(stored_at.values())
-        stall = max((b - a for a, b in zip(times, times[1:], strict=False)), default=0.0)
+        stall = max(
+            (
+                b - a
+                for a, b in zip(times, times[1:], strict=False)
+                if any(b > f.start and a < f.end for f in self.faults)
+            ),
+            default=0.0,
+        )
         return Row(
             scenario=scenario,
             jobs=len(self.published),

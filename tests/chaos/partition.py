@@ -82,6 +82,11 @@ def cut(nodes: dict[str, ProxiedNode], name: str) -> None:
             other.route_proxy.cut(name)
 
 
+def dropped(nodes: dict[str, ProxiedNode]) -> int:
+    """Bytes the proxies black-holed so far."""
+    return sum(n.route_proxy.dropped + n.client_proxy.dropped for n in nodes.values())
+
+
 def heal(nodes: dict[str, ProxiedNode]) -> None:
     for node in nodes.values():
         node.route_proxy.heal()

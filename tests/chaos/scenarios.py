@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
-from chaoslib import AGENT, ROOT, ChaosRun, ConsumerPool, Row
+from chaoslib import AGENT, ROOT, ChaosRun, ConsumerPool, Row, patiently, until
 from fake_sglang import FakeSGLang
 from nats.js.api import DiscardPolicy
 
@@ -64,15 +64,6 @@ class _Tally(list):
 
     def __len__(self) -> int:
         return getattr(self, "n", 0)
-
-
-async def until(predicate, timeout_s: float, what: str) -> None:
-    """Poll an async predicate (process and server state have no event to await)."""
-    deadline = time.monotonic() + timeout_s
-    while not await predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not reached within {timeout_s}s")
-        await asyncio.sleep(0.1)
 
 
 async def registered(js, pool: ConsumerPool, timeout_s: float = 60.0) -> None:
@@ -622,6 +613,7 @@ async def trainer_kill_storm(
         dead=0,
         errors=0,
         recovery_s=max(recoveries, default=0.0),
+        stall_s=max(recoveries, default=0.0),  # nothing trains from the kill to that step
         faults=kills,
         command=command,
     )
@@ -724,11 +716,11 @@ async def _cluster_fault(
     import partition
 
     topo = run.topo
-    info = await js.stream_info(topo.tasks_stream)
+    info = await patiently(lambda: js.stream_info(topo.tasks_stream))
     leader = info.cluster.leader
     followers = [r.name for r in info.cluster.replicas or []]
     await run.publish(keys, sleep_s=sleep_s)
-    stored0 = (await js.stream_info(topo.trajectories_stream)).state.messages
+    stored0 = (await patiently(lambda: js.stream_info(topo.trajectories_stream))).state.messages
 
     async def some_stored() -> bool:
         stored = (await js.stream_info(topo.trajectories_stream)).state.messages
@@ -739,7 +731,9 @@ async def _cluster_fault(
         with run.fault(f"{leader} (TASKS leader) cut off for {down_s:g} s"):
             partition.cut(nodes, leader)
             await asyncio.sleep(down_s)  # the partition's length is the point
+            dropped = partition.dropped(nodes)
             partition.heal(nodes)
+        assert dropped > 0, "the proxies dropped nothing: the node was not cut off"
         scenario = f"3-node cluster: the TASKS leader cut off by a proxy for {down_s:g} s, healed"
     else:
         victim = leader if fault == "leader kill" else followers[0]
