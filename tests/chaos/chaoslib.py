@@ -241,10 +241,16 @@ class ChaosRun:
             LOG_ENV: str(self.exec_log),
         }
 
-    async def publish(self, keys: Sequence[int], *, sleep_s: float = 0.0, **submit) -> None:
+    async def publish(
+        self, keys: Sequence[int], *, sleep_s: float = 0.0, pad: int = 0, **submit
+    ) -> None:
+        """Counted jobs, one per key; ``pad`` bytes of filler make each job (and trajectory)
+        that much bigger."""
         if self._baseline is None:  # runs may follow each other on one broker
             self._baseline = await patiently(self._counts)
         tasks = [{"task_id": f"k{k}", "key": k, "sleep": sleep_s} for k in keys]
+        if pad:
+            tasks = [{**task, "pad": "x" * pad} for task in tasks]
         result = await self.producer.submit(AGENT, tasks, run=self.run, **submit)
         assert result.published + result.duplicates == len(keys)
         self.published.update(keys)

@@ -16,6 +16,7 @@ import dataclasses
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -746,3 +747,76 @@ async def _cluster_fault(
         scenario = f"3-node cluster: TASKS {role} SIGKILLed, restarted after {down_s:g} s"
     await run.wait_settled(180 + len(keys) / 20)
     return await run.tally(scenario, command=command)
+
+
+async def disk_full(
+    workdir: Path,
+    *,
+    size_mb: int = 8,
+    jobs: int = 3000,
+    pad: int = 2000,
+    full_s: float = 10.0,
+    concurrency: int = 16,
+    command: str = "",
+) -> Row:
+    """A real full disk: the broker's store on a ``size_mb`` tmpfs (root only: ``mount -t
+    tmpfs``). Jobs carry ``pad`` bytes so trajectories fill it. nats-server 2.9 then answers no
+    write (the clients' requests time out; at its own store limit, 75 % of the disk at start, it
+    would answer "insufficient resources"). Consumers must hold their jobs for ``full_s``; then
+    the operator grows the volume and restarts the broker (nats-server sizes its store at start),
+    and everything lands."""
+    mount = workdir / "tmpfs"
+    mount.mkdir(parents=True, exist_ok=True)
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(mount)], check=True
+    )
+    server = NatsServer(store_dir=mount / "nats", log_file=workdir / "nats-server.log")
+    try:
+        server.start()
+        # JetStream reserves a stream's max_bytes from the store: keep the bounded ones small
+        limits = dataclasses.replace(LIMITS, tasks_max_bytes=1 << 20, metrics_max_bytes=1 << 20)
+        async with session(server.url, limits) as js, fake_fleet() as fake:
+            topo = Topology()
+            run = ChaosRun(js, workdir)
+            pool = ConsumerPool(
+                run,
+                server.url,
+                [fake.url],
+                extra=("--concurrency", str(concurrency), *CONSUMER_FLAGS),
+            )
+            try:
+                pool.start(0)
+                await registered(js, pool)
+                publishing = asyncio.create_task(run.publish(range(jobs), pad=pad))
+
+                async def refused() -> bool:
+                    disk = os.statvfs(mount)
+                    if disk.f_bavail * disk.f_frsize > 64 * 1024:
+                        return False
+                    info = await js.consumer_info(topo.tasks_stream, topo.rollout_consumer(AGENT))
+                    return info.num_ack_pending > 0
+
+                await until(refused, 180, "the disk full, jobs held")
+                with run.fault(
+                    f"disk full ({size_mb} MB tmpfs) for {full_s:g} s, grown, restarted"
+                ):
+                    await asyncio.sleep(full_s)  # held past the ack wait: the length is the point
+                    subprocess.run(
+                        ["mount", "-o", f"remount,size={size_mb * 8}m", str(mount)], check=True
+                    )
+                    await asyncio.to_thread(server.stop)
+                    await asyncio.to_thread(server.start)
+                await asyncio.wait_for(publishing, 300)
+                await run.wait_settled(300)
+                await registered(js, pool)
+            finally:
+                codes = await pool.stop()
+            assert codes == [0], codes
+            return await run.tally(
+                f"disk full: store on a {size_mb} MB tmpfs, writes refused for {full_s:g} s, "
+                "volume grown and broker restarted",
+                command=command,
+            )
+    finally:
+        server.stop()
+        subprocess.run(["umount", "-l", str(mount)], check=False)
