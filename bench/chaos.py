@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -34,6 +35,11 @@ from chaoslib import Row  # noqa: E402
 from broker import NatsServer  # noqa: E402
 
 Scenario = Callable[[Path, str], Awaitable[list[Row]]]
+
+
+def _stores(directory: str, names: list[str]) -> list[str]:
+    """What --keep leaves behind: the brokers' stores (their logs are kept)."""
+    return [n for n in names if n == "jetstream"]
 
 
 def on_broker(run: Callable[..., Awaitable[Row]], **params) -> Scenario:
@@ -83,7 +89,7 @@ SCENARIOS: dict[str, Scenario] = {
 }
 
 
-async def main(names: list[str], out: Path | None, json_out: Path | None) -> int:
+async def main(names: list[str], out: Path | None, json_out: Path | None, keep: Path | None) -> int:
     rows: list[Row] = []
     failed = []
     for name in names:
@@ -91,7 +97,7 @@ async def main(names: list[str], out: Path | None, json_out: Path | None) -> int
             print(f"[chaos] {name}: skipped (mounting a tmpfs needs root)", flush=True)
             continue
         command = f".venv/bin/python bench/chaos.py --only {name}"
-        with tempfile.TemporaryDirectory(prefix=f"chaos-{name}-") as tmp:
+        with tempfile.TemporaryDirectory(prefix=f"chaos-{name}-", dir=keep) as tmp:
             started = time.monotonic()
             try:
                 got = await SCENARIOS[name](Path(tmp), command)
@@ -99,6 +105,9 @@ async def main(names: list[str], out: Path | None, json_out: Path | None) -> int
                 failed.append(name)
                 print(f"[chaos] {name}: FAILED: {type(exc).__name__}: {exc}", flush=True)
                 continue
+            finally:
+                if keep is not None:  # the logs of every process, for a closer look
+                    shutil.copytree(tmp, keep / name, dirs_exist_ok=True, ignore=_stores)
         for row in got:
             print(f"{row} ({time.monotonic() - started:.0f} s)", flush=True)
             try:
@@ -126,8 +135,11 @@ if __name__ == "__main__":
     parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
     parser.add_argument("--out", type=Path, help="also write the markdown table here")
     parser.add_argument("--json", type=Path, help="append each row as a JSON line here")
+    parser.add_argument("--keep", type=Path, help="keep each run's logs under this directory")
     args = parser.parse_args()
     if args.list:
         print("\n".join(SCENARIOS))
         sys.exit(0)
-    sys.exit(asyncio.run(main(args.only or list(SCENARIOS), args.out, args.json)))
+    if args.keep is not None:
+        args.keep.mkdir(parents=True, exist_ok=True)
+    sys.exit(asyncio.run(main(args.only or list(SCENARIOS), args.out, args.json, args.keep)))

@@ -776,7 +776,6 @@ async def disk_full(
         # JetStream reserves a stream's max_bytes from the store: keep the bounded ones small
         limits = dataclasses.replace(LIMITS, tasks_max_bytes=1 << 20, metrics_max_bytes=1 << 20)
         async with session(server.url, limits) as js, fake_fleet() as fake:
-            topo = Topology()
             run = ChaosRun(js, workdir)
             pool = ConsumerPool(
                 run,
@@ -788,25 +787,26 @@ async def disk_full(
                 pool.start(0)
                 await registered(js, pool)
                 publishing = asyncio.create_task(run.publish(range(jobs), pad=pad))
+                try:
 
-                async def refused() -> bool:
-                    disk = os.statvfs(mount)
-                    if disk.f_bavail * disk.f_frsize > 64 * 1024:
-                        return False
-                    info = await js.consumer_info(topo.tasks_stream, topo.rollout_consumer(AGENT))
-                    return info.num_ack_pending > 0
+                    async def full() -> bool:  # the broker may not answer now: ask the disk
+                        disk = os.statvfs(mount)
+                        return disk.f_bavail * disk.f_frsize < 64 * 1024
 
-                await until(refused, 180, "the disk full, jobs held")
-                with run.fault(
-                    f"disk full ({size_mb} MB tmpfs) for {full_s:g} s, grown, restarted"
-                ):
-                    await asyncio.sleep(full_s)  # held past the ack wait: the length is the point
-                    subprocess.run(
-                        ["mount", "-o", f"remount,size={size_mb * 8}m", str(mount)], check=True
-                    )
-                    await asyncio.to_thread(server.stop)
-                    await asyncio.to_thread(server.start)
-                await asyncio.wait_for(publishing, 300)
+                    await until(full, 180, "the disk full")
+                    with run.fault(
+                        f"disk full ({size_mb} MB tmpfs) for {full_s:g} s, grown, restarted"
+                    ):
+                        await asyncio.sleep(full_s)  # held past the ack wait: the point
+                        subprocess.run(
+                            ["mount", "-o", f"remount,size={size_mb * 8}m", str(mount)],
+                            check=True,
+                        )
+                        await asyncio.to_thread(server.stop)
+                        await asyncio.to_thread(server.start)
+                    await asyncio.wait_for(publishing, 300)
+                finally:
+                    publishing.cancel()  # on failure: a producer waiting on a dead broker
                 await run.wait_settled(300)
                 await registered(js, pool)
             finally:
