@@ -32,7 +32,12 @@ class _Pipe:
     tasks: list[asyncio.Task] = field(default_factory=list)
 
     def names(self, peer: str) -> bool:
-        return f'"server_name":"{peer}"'.encode() in self.head
+        """Whether the dialer is ``peer``: the server_name of the INFO that follows its
+        CONNECT. Only that first INFO: later ones forward gossip about other servers."""
+        for line in self.head.split(b"\r\n")[:4]:
+            if line.startswith(b"INFO "):
+                return f'"server_name":"{peer}"'.encode() in line
+        return False
 
     def abort(self) -> None:
         for writer in (self.client, self.upstream):

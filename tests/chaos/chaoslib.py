@@ -190,7 +190,10 @@ async def read_stream(
                 try:
                     msgs = await sub.fetch(512, timeout=2)
                 except nats.errors.TimeoutError:
-                    break
+                    # nothing came: caught up, or a cluster still electing after its fault
+                    if (await patiently(sub.consumer_info)).num_pending == 0:
+                        break
+                    continue
                 for msg in msgs:
                     out.append((msg.data, msg.metadata.timestamp.timestamp()))
                 if msgs[-1].metadata.num_pending == 0:
@@ -391,13 +394,15 @@ class ConsumerPool:
     nats_url: str
     llm_urls: Sequence[str]
     extra: Sequence[str] = ()
+    urls: dict[int, str] = field(default_factory=dict)  # a slot's own NATS URL(s)
     children: dict[int, Child] = field(default_factory=dict)
     worker_ids: dict[int, str] = field(default_factory=dict)
     restarts: int = 0
 
     def start(self, slot: int) -> Child:
         worker_id = self.worker_ids[slot] = f"chaos-{slot}-{self.restarts}"
-        args = ["consumer", "--agent", AGENT_SPEC, "--nats-url", self.nats_url]
+        url = self.urls.get(slot, self.nats_url)
+        args = ["consumer", "--agent", AGENT_SPEC, "--nats-url", url]
         for url in self.llm_urls:
             args += ["--llm", url]
         args += ["--worker-id", worker_id, *self.extra]

@@ -42,7 +42,8 @@ async def session(url: str, limits: Limits = LIMITS) -> AsyncIterator:
     nc = await NatsSettings(url=url).connect(name="chaos-harness")
     try:
         js = nc.jetstream()
-        await provision(js, Topology(), limits, agents=(AGENT,))
+        # a cluster that just elected its meta leader may time out the first requests
+        await patiently(lambda: provision(js, Topology(), limits, agents=(AGENT,)))
         yield js
     finally:
         await nc.close()
@@ -645,7 +646,9 @@ async def cluster_faults(
     - ``leader kill``: the TASKS stream's leader SIGKILLed, restarted ``down_s`` later;
     - ``follower kill``: a TASKS follower SIGKILLed, restarted ``down_s`` later;
     - ``partition``: the TASKS leader cut off from the other nodes and from its clients by
-      the proxies (every byte dropped, no FIN, no reset) for ``down_s``, then healed.
+      the proxies (every byte dropped, no FIN, no reset) for ``down_s``, then healed. One
+      consumer is given that node's URL alone (it learns the others from the cluster), so
+      the cut catches a consumer, not only a broker.
     """
     import partition
     from nats_configs import wait_healthy
@@ -675,6 +678,9 @@ async def cluster_faults(
             pool = ConsumerPool(
                 first, urls, [fake.url], extra=("--concurrency", str(concurrency), *CONSUMER_FLAGS)
             )
+            if "partition" in faults:  # one consumer reaches the cluster through the node cut
+                leader = (await patiently(lambda: js.stream_info(topo.tasks_stream))).cluster
+                pool.urls[0] = nodes[leader.leader].url
             try:
                 for slot in range(3):
                     pool.start(slot)
