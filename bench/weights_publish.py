@@ -1,28 +1,37 @@
-"""Weight broadcast: publish, fetch and reload time, object store vs shared path, side by side.
+"""Weights from the trainer to serving engines: stream vs object store vs shared path, one run.
 
-For the tiny model and for a ~515 MB Qwen2-shaped model (random weights, 8 layers of width
-1024), each policy version goes the way the trainer and the syncer send it:
+A ~515 MB Qwen2-shaped model (random weights, 8 layers of width 1024) is the trainer's; local
+engines serve the same architecture as ``agentarium engine`` subprocesses. Each repeat sends
+one new version by each path, in an order that rotates from repeat to repeat, and times it
+from the trainer's publish call until every engine serves the version:
 
-- publish: ``WeightStore.publish(model)`` — save_pretrained to one safetensors file, sha256,
-  then the object store (chunked) or the shared directory, then the policy KV;
-- fetch: the syncer's side — stream the object into a local file and verify its sha256; in
-  shared-path mode either verify the trainer's file in place (``--shared-path``) or copy it
-  to local disk while hashing;
-- reload: pause → ``/update_weights_from_disk`` → continue on a running local engine (the
-  model's tensors are copied into the live module).
+- stream: ``WeightStreamer.stream`` — rank 0 of a gloo group broadcasts each tensor to the
+  engines (pause → /update_weights_from_distributed → continue); no file. The trainer's publish
+  call then also stores the version in the object store for the syncer's fallback: that time
+  is printed too, but the engines serve the version before it starts;
+- object store: ``WeightStore.publish`` (save_pretrained, sha256, chunks into the object store,
+  policy KV), then the syncer (``WeightSyncer.apply``): stream the object to local disk with
+  its sha256, pause → /update_weights_from_disk → continue;
+- shared path: ``WeightStore.publish`` into a shared directory, then the syncer with
+  ``--shared-path``: verify the file's sha256 in place and reload from it.
 
-An extra row times nats-py's own ``ObjectStore.get(writeinto=file)``, the alternative a user
-would reach for, against our streaming fetch. Each figure is the best of ``--repeat`` runs
-(the box is shared, so the minimum is the least noisy estimate).
+Every version is checked afterwards: each engine's ``/weights_checksum`` equals the trainer's.
+Figures: median and range over ``--repeat`` repeats (the box is shared and noisy).
 
-    python bench/weights_publish.py [--repeat 2] [--big-layers 8] [--no-big]
+    python bench/weights_publish.py [--repeat 5] [--engines 1] [--layers 8] [--pin]
+
+``--pin`` runs the trainer (this process) on CPU 0 and the engines on CPU 1 (``taskset``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shutil
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -33,11 +42,14 @@ import torch
 from agentarium.tiny import MODEL_CONFIG, resolve_model
 from broker import NatsServer, NatsSettings, Topology, provision
 from broker.telemetry import setup_logging
-from consumers.engine import LocalEngine, start_server
-from trainer.sync import reload_engine
-from trainer.weights import WeightStore, verify_file
+from trainer import weight_group
+from trainer.sync import SyncConfig, WeightSyncer
+from trainer.weight_stream import StreamConfig, WeightStreamer
+from trainer.weights import WeightStore
 
 MB = 1024 * 1024
+ROOT = Path(__file__).resolve().parents[1]
+PATHS = ("stream", "object store", "shared path")
 
 
 def build_big_model(out: Path, tiny: Path, layers: int) -> None:
@@ -61,128 +73,154 @@ def build_big_model(out: Path, tiny: Path, layers: int) -> None:
         shutil.copy(tiny / name, out / name)
 
 
-async def bench_case(js, topology, model_dir: Path, work: Path, repeat: int) -> dict:
+def start_engines(model_dir: Path, count: int, pin: bool) -> list[tuple[subprocess.Popen, str]]:
+    prefix = ["taskset", "-c", "1"] if pin else []
+    procs = [
+        subprocess.Popen(
+            [*prefix, sys.executable, "-m", "agentarium", "engine"]
+            + ["--model", str(model_dir), "--port", "0", "--threads", "1"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            cwd=ROOT,
+        )
+        for _ in range(count)
+    ]
+    engines = []
+    for proc in procs:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if not line.startswith("engine ready on"):
+            raise SystemExit(f"engine did not start: {line!r}")
+        engines.append((proc, line.split(" on ", 1)[1].strip()))
+    return engines
+
+
+async def checksums(http: aiohttp.ClientSession, urls: list[str]) -> list[tuple[str, str]]:
+    out = []
+    for url in urls:
+        async with http.get(url + "/weights_checksum") as resp:
+            data = await resp.json()
+        out.append((data["checksum"], data["weight_version"]))
+    return out
+
+
+async def run(args: argparse.Namespace, work: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    engine = LocalEngine(model_dir, threads=1, max_batch=4)
-    server = await start_server(engine, "127.0.0.1", 0)
-    obj = WeightStore(js, topology, keep_versions=2)
-    shared = WeightStore(js, topology, weights_dir=work / "shared", keep_versions=2)
-    times: dict[str, list[float]] = {}
+    tiny = resolve_model("tiny")
+    big = work / "big-model"
+    build_big_model(big, tiny, args.layers)
+    model = AutoModelForCausalLM.from_pretrained(big, dtype=torch.float32)
+    size = sum(t.numel() * t.element_size() for _, t in weight_group.streamable(model))
+    engines = start_engines(big, args.engines, args.pin)
+    urls = [url for _, url in engines]
+    with NatsServer(store_dir=work / "nats") as server:
+        nc = await NatsSettings(url=server.url).connect(name="bench-weights")
+        js = nc.jetstream()
+        topology = Topology()
+        await provision(js, topology)
+        obj = WeightStore(js, topology, keep_versions=2)
+        shared = WeightStore(js, topology, weights_dir=work / "shared", keep_versions=2)
+        streamer = WeightStreamer(StreamConfig(engines=tuple(urls), timeout_s=120), run="bench")
+        obj_sync = WeightSyncer(
+            js, SyncConfig(run="bench", engines=tuple(urls), weights_dir=work / "local"),
+            topology=topology,
+        )  # fmt: skip
+        shared_sync = WeightSyncer(
+            js,
+            SyncConfig(run="bench-shared", engines=tuple(urls), weights_dir=work / "local2",
+                       shared_path=True),
+            topology=topology,
+        )  # fmt: skip
+        times: dict[str, list[float]] = {}
+        version = 0
 
-    def record(key: str, seconds: float) -> None:
-        times.setdefault(key, []).append(seconds)
+        def record(key: str, seconds: float) -> None:
+            times.setdefault(key, []).append(seconds)
 
-    async def reload(http, path: Path, version: int) -> float:
-        started = time.perf_counter()
-        ok, message = await reload_engine(
-            http, server.url, model_path=str(path), weight_version=str(version)
-        )
-        assert ok, message
-        return time.perf_counter() - started
+        async def send(path: str) -> None:
+            nonlocal version
+            version += 1
+            with torch.no_grad():  # new weights each time, as after an optimizer step
+                for p in model.parameters():
+                    p.add_(1e-4)
+            started = time.perf_counter()
+            if path == "stream":
+                tensors = weight_group.streamable(model)
+                result = await streamer.stream(tensors, version)
+                assert result.ok, result
+                serving = time.perf_counter() - started
+                record("stream: broadcast", result.broadcast_s)
+                await obj.publish(model, run="bench", version=version)
+                record(
+                    "stream: publish call incl. object-store copy", time.perf_counter() - started
+                )
+                expected = weight_group.weights_checksum(tensors)[0]
+            else:
+                store, syncer = (obj, obj_sync) if path == "object store" else (shared, shared_sync)
+                update = await store.publish(model, run=syncer.config.run, version=version)
+                published = time.perf_counter() - started
+                result = await syncer.apply(update)
+                assert result.ok, str(result)
+                serving = time.perf_counter() - started
+                record(f"{path}: publish", published)
+                record(f"{path}: fetch + sha256", result.fetch_s)
+                expected = weight_group.weights_checksum(weight_group.streamable(model))[0]
+            record(f"{path}: publish to serving", serving)
+            for checksum, served in await checksums(http, urls):
+                assert (checksum, served) == (expected, str(version)), (path, served)
 
-    version = 0
-    try:
-        async with aiohttp.ClientSession() as http:
-            for _ in range(repeat):
-                with tempfile.TemporaryDirectory(dir=work) as scratch:
-                    started = time.perf_counter()
-                    await asyncio.to_thread(model.save_pretrained, scratch)
-                    record("save", time.perf_counter() - started)
-                version += 1
-                run = f"bench-{model_dir.name}"
-                started = time.perf_counter()
-                update = await obj.publish(model, run=run, version=version)
-                record("obj publish", time.perf_counter() - started)
-                dest = work / "local" / f"v{version}"
-                started = time.perf_counter()
-                await obj.fetch(update, dest)
-                record("obj fetch", time.perf_counter() - started)
-                record("obj reload", await reload(http, dest, version))
-                size = update.size
-
-                nats_out = work / "nats-get.bin"
-                obs = await js.object_store(topology.weights_bucket)
-                started = time.perf_counter()
-                with open(nats_out, "wb") as f:
-                    await obs.get(update.object, writeinto=f)
-                record("nats get", time.perf_counter() - started)
-                nats_out.unlink()
-                shutil.rmtree(dest)
-
-                version += 1
-                started = time.perf_counter()
-                update = await shared.publish(model, run=run, version=version)
-                record("shared publish", time.perf_counter() - started)
-                started = time.perf_counter()
-                await asyncio.to_thread(verify_file, update.object, update)
-                record("shared verify", time.perf_counter() - started)
-                record("shared reload", await reload(http, Path(update.object).parent, version))
-                copy_dest = work / "copy" / f"v{version}"
-                started = time.perf_counter()
-                await shared.fetch(update, copy_dest)
-                record("shared copy", time.perf_counter() - started)
-                shutil.rmtree(copy_dest)
-    finally:
-        await server.close()
-    best = {k: min(v) for k, v in times.items()}
-    best["size_mb"] = size / MB
-    return best
+        try:
+            async with aiohttp.ClientSession() as http:
+                await send("stream")  # warm-up: builds the group, faults the receive buffers
+                times.clear()
+                for repeat in range(args.repeat):
+                    shift = repeat % len(PATHS)
+                    for path in PATHS[shift:] + PATHS[:shift]:
+                        await send(path)
+        finally:
+            await streamer.close()
+            await obj_sync.close()
+            await shared_sync.close()
+            await nc.close()
+            for proc, _ in engines:
+                proc.terminate()
+            for proc, _ in engines:
+                proc.wait()
+    report(times, size, args)
 
 
-def report(name: str, t: dict) -> None:
-    def row(label: str, left: float | None, right: float, note: str = "") -> None:
-        left_text = "" if left is None else f"{left:.3f}"
-        print(f"{label:<34}{left_text:>14}{right:>14.3f}{note}")
+def report(times: dict[str, list[float]], size: int, args: argparse.Namespace) -> None:
+    def cell(key: str) -> str:
+        values = times[key]
+        return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
 
-    print(f"\n{name}: {t['size_mb']:.1f} MB safetensors")
-    print(f"{'seconds':<34}{'object store':>14}{'shared path':>14}")
-    row("publish (save + store + KV)", t["obj publish"], t["shared publish"])
-    row("  of which save_pretrained", t["save"], t["save"])
-    row("fetch + sha256 (syncer)", t["obj fetch"], t["shared verify"], "  (in place)")
-    row("", None, t["shared copy"], "  (copied locally)")
-    row("reload (pause/update/continue)", t["obj reload"], t["shared reload"])
-    total_obj = t["obj publish"] + t["obj fetch"] + t["obj reload"]
-    total_shared = t["shared publish"] + t["shared verify"] + t["shared reload"]
-    row("total, publish to serving", total_obj, total_shared)
-    rate = t["size_mb"] / t["obj fetch"]
     print(
-        f"object store fetch: ours {t['obj fetch']:.2f} s ({rate:.0f} MB/s) vs nats-py "
-        f"get(writeinto) {t['nats get']:.2f} s ({t['size_mb'] / t['nats get']:.0f} MB/s)"
+        f"\n{size / MB:.0f} MB float32, {args.engines} engine(s), {args.repeat} alternated "
+        f"repeats{', pinned' if args.pin else ''}: seconds, median (min-max)"
     )
+    for key in times:
+        print(f"  {key:<48}{cell(key)}")
+    base = statistics.median(times["shared path: publish to serving"])
+    for path in PATHS:
+        mine = statistics.median(times[f"{path}: publish to serving"])
+        print(f"  {path} publish to serving vs shared path: {base / mine:.2f}x")
 
 
 async def main(args: argparse.Namespace) -> None:
     setup_logging("warning")  # logs on stderr; figures alone on stdout
     torch.set_num_threads(1)
-    tiny = resolve_model("tiny")
+    if args.pin:
+        os.sched_setaffinity(0, {0})
     with tempfile.TemporaryDirectory(prefix="agentarium-bench-weights-") as tmp:
-        work = Path(tmp)
-        with NatsServer(store_dir=work / "nats") as server:
-            nc = await NatsSettings(url=server.url).connect(name="bench-weights")
-            try:
-                js = nc.jetstream()
-                topology = Topology()
-                await provision(js, topology)
-                cases = [("tiny model", tiny)]
-                if not args.no_big:
-                    big = work / "big-model"
-                    build_big_model(big, tiny, args.big_layers)
-                    cases.append((f"Qwen2 width 1024 x {args.big_layers} layers", big))
-                for name, model_dir in cases:
-                    case_dir = work / f"case-{model_dir.name}"
-                    case_dir.mkdir()
-                    report(name, await bench_case(js, topology, model_dir, case_dir, args.repeat))
-            finally:
-                await nc.close()
+        await run(args, Path(tmp))
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeat", type=int, default=2, help="runs per figure; best is shown")
-    parser.add_argument(
-        "--big-layers", type=int, default=8, help="layers of the big model (~67 MB each)"
-    )
-    parser.add_argument("--no-big", action="store_true", help="only the tiny model")
+    parser.add_argument("--repeat", type=int, default=5, help="versions sent by each path")
+    parser.add_argument("--engines", type=int, default=1, help="local engines served")
+    parser.add_argument("--layers", type=int, default=8, help="model layers (~67 MB each)")
+    parser.add_argument("--pin", action="store_true", help="trainer on CPU 0, engines on CPU 1")
     asyncio.run(main(parser.parse_args()))

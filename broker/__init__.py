@@ -1,11 +1,21 @@
-"""NATS plumbing: connection settings, topology, provisioning, the embedded server, status,
+"""NATS plumbing: connection settings, topology, provisioning, the embedded server, status
+(environment services' included, from the NATS service API),
 the workers registry, engine weight versions, stream tails for live views, telemetry (logging,
 tracing, trace context in message headers) and the Prometheus side shared by every service
 (the /metrics and health server, queue gauges)."""
 
-from .engines import engine_key, engine_versions, record_engine
+from .aio import cancel_and_wait
+from .engines import engine_key, engine_versions, record_engine, served_version, wait_served
+from .env_status import (
+    ENV_SERVICE_KIND,
+    EnvServiceStatus,
+    collect_env_status,
+    format_env_status,
+    gather_replies,
+)
 from .errors import (
     ERR_CONSUMER_NOT_FOUND,
+    ERR_JS_TEMPORARILY_UNAVAILABLE,
     ERR_STREAM_FULL,
     ERR_STREAM_NOT_FOUND,
     ERR_WRONG_LAST_SEQUENCE,
@@ -17,6 +27,7 @@ from .errors import (
     ServerLaunchError,
     is_transient,
 )
+from .patience import START_PATIENCE_S, is_unavailable, patiently
 from .prometheus import MetricsServer, metrics_response, render_metrics
 from .provision import (
     ProvisionReport,
@@ -44,7 +55,13 @@ from .telemetry import (
 from .topology import Limits, Topology
 
 __all__ = [
+    "ENV_SERVICE_KIND",
+    "EnvServiceStatus",
+    "collect_env_status",
+    "format_env_status",
+    "gather_replies",
     "ERR_CONSUMER_NOT_FOUND",
+    "ERR_JS_TEMPORARILY_UNAVAILABLE",
     "ERR_STREAM_FULL",
     "ERR_STREAM_NOT_FOUND",
     "ERR_WRONG_LAST_SEQUENCE",
@@ -59,11 +76,13 @@ __all__ = [
     "OPENINFERENCE_SPAN_KIND",
     "ProvisionReport",
     "ProvisioningError",
+    "START_PATIENCE_S",
     "ServerLaunchError",
     "StreamMetrics",
     "Tail",
     "TRANSIENT_NATS_ERRORS",
     "Topology",
+    "cancel_and_wait",
     "collect_status",
     "collect_stream_metrics",
     "count_messages",
@@ -78,17 +97,21 @@ __all__ = [
     "free_port",
     "inject_headers",
     "is_transient",
+    "is_unavailable",
     "live_workers",
     "metrics_response",
+    "patiently",
     "provision",
     "publish_worker",
     "read_tail",
     "record_engine",
     "remove_worker",
     "render_metrics",
+    "served_version",
     "setup_logging",
     "setup_tracing",
     "shutdown_tracing",
     "span_id_hex",
     "trace_id_hex",
+    "wait_served",
 ]

@@ -18,6 +18,8 @@ ERR_STREAM_FULL = 10077  # maximum messages/bytes exceeded with discard-new
 ERR_WRONG_LAST_SEQUENCE = 10071  # Nats-Expected-Last-Subject-Sequence did not match
 ERR_STREAM_NOT_FOUND = 10059
 ERR_CONSUMER_NOT_FOUND = 10014
+# "JetStream system temporarily unavailable": a restarting server or a leader election.
+ERR_JS_TEMPORARILY_UNAVAILABLE = 10008
 
 # Failures that go away by themselves: a timeout, a restarting server, a leader election, a
 # client reconnecting with its buffer full. Whoever meets one waits and retries the same call.

@@ -15,7 +15,9 @@ from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, KeyValueConfig, ObjectStoreConfig, StorageType, StreamConfig
 
 from .errors import ProvisioningError
+from .patience import patiently
 from .topology import Limits, Topology
+from .version import MSG_TTL_SINCE, server_version
 
 log = structlog.get_logger("agentarium.broker")
 
@@ -256,6 +258,11 @@ async def ensure_buckets(
         storage=StorageType.FILE,
         replicas=limits.replicas,
     )
+    workers_settings: dict = {"max_age": limits.workers_ttl_s, "num_replicas": limits.replicas}
+    if server_version(js._nc) >= MSG_TTL_SINCE:
+        # per-entry TTLs for the registry (broker.registry); a bucket made on 2.9 lacks it.
+        # The server can turn it on for an existing stream, never off again.
+        workers_settings["allow_msg_ttl"] = True
     report.merge(
         await _ensure_bucket_stream(
             js,
@@ -272,7 +279,7 @@ async def ensure_buckets(
             f"KV_{topo.workers_bucket}",
             topo.workers_bucket,
             lambda: js.create_key_value(workers),
-            {"max_age": limits.workers_ttl_s, "num_replicas": limits.replicas},
+            workers_settings,
             update=update,
         )
     )
@@ -317,35 +324,53 @@ def _job_streams(topo: Topology) -> tuple[str, ...]:
 
 
 async def ensure_streams(
-    js: JetStreamContext, topo: Topology, limits: Limits | None = None
+    js: JetStreamContext,
+    topo: Topology,
+    limits: Limits | None = None,
+    *,
+    patience_s: float = 0.0,
 ) -> list[str]:
     """Create the missing streams only, never updating one: what a producer needs, and all
-    that its least-privilege role may look at (no buckets)."""
-    created: list[str] = []
-    for config in topo.stream_configs(limits or Limits()):
-        if config.name in _job_streams(topo):
-            created += (await ensure_stream(js, config, update=False)).created
-    return created
+    that its least-privilege role may look at (no buckets). With ``patience_s`` a broker that
+    is restarting or electing a leader is waited for that long (``patience.patiently``)."""
+
+    async def once() -> list[str]:
+        created: list[str] = []
+        for config in topo.stream_configs(limits or Limits()):
+            if config.name in _job_streams(topo):
+                created += (await ensure_stream(js, config, update=False)).created
+        return created
+
+    return await patiently(once, patience_s=patience_s, what="checking the job streams")
 
 
 async def ensure_provisioned(
-    js: JetStreamContext, topo: Topology, limits: Limits | None = None
+    js: JetStreamContext,
+    topo: Topology,
+    limits: Limits | None = None,
+    *,
+    patience_s: float = 0.0,
 ) -> bool:
     """When a stream or bucket that jobs need is missing, create whatever is missing (with
     ``limits`` or defaults); never update what exists, so every service may call it on start
     without reverting an operator's ``broker init``.
     Returns True if anything was created. On a cluster run ``broker init --replicas 3``
-    first: a stream created here gets ``limits``' replicas."""
-    try:  # the common case, and all a least-privilege role may look at: everything exists
-        for name in _job_streams(topo):
-            await js.stream_info(name)
-        await js.key_value(topo.workers_bucket)
-        await js.key_value(topo.policy_bucket)
-        return False
-    except nats.js.errors.NotFoundError:
-        pass
-    report = await provision(js, topo, limits, update=False)
-    return bool(report.created)
+    first: a stream created here gets ``limits``' replicas. With ``patience_s`` a broker that
+    is restarting or electing a leader is waited for that long (``patience.patiently``)."""
+
+    async def once() -> bool:
+        try:  # the common case, and all a least-privilege role may look at: everything exists
+            for name in _job_streams(topo):
+                await js.stream_info(name)
+            await js.key_value(topo.workers_bucket)
+            await js.key_value(topo.policy_bucket)
+            return False
+        except nats.js.errors.NotFoundError:
+            pass
+        report = await provision(js, topo, limits, update=False)
+        return bool(report.created)
+
+    return await patiently(once, patience_s=patience_s, what="checking the broker's streams")
 
 
 async def provision(

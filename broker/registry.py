@@ -1,7 +1,10 @@
-"""The live-workers registry: one KV entry per worker, expired by the bucket's TTL.
+"""The live-workers registry: one KV entry per worker, gone when the worker stops refreshing it.
 
-nats-server 2.9 ignores per-message TTLs, so liveness is the bucket-level ``max_age``:
-a worker that stops refreshing its entry disappears after ``workers_ttl_s``.
+On nats-server 2.11+ each entry carries its own TTL (``Nats-TTL``, ``ENTRY_TTL_S`` unless
+the worker says otherwise), so a worker that died disappears after three missed refreshes.
+Older servers have no per-message TTL (2.9 ignores the header): there the bucket-level
+``max_age`` (``Limits.workers_ttl_s``, 30 s) expires it. The bucket's ``max_age`` stays the
+backstop on every version.
 """
 
 from __future__ import annotations
@@ -15,15 +18,41 @@ import nats.js.errors
 from nats.js import JetStreamContext
 
 from .topology import Topology
+from .version import MSG_TTL_SINCE, server_version
+
+# Three refreshes of a worker's default 5 s interval: one lost refresh never hides a worker.
+ENTRY_TTL_S = 15.0
+
+
+async def entry_ttl_supported(js: JetStreamContext, topo: Topology) -> bool:
+    """Whether the workers bucket takes per-entry TTLs: a 2.11+ server and a stream created
+    (or updated by ``broker init``) with ``allow_msg_ttl``."""
+    if server_version(js._nc) < MSG_TTL_SINCE:  # nats-py keeps no public handle on it
+        return False
+    info = await js.stream_info(f"KV_{topo.workers_bucket}")
+    return bool(info.config.allow_msg_ttl)
 
 
 async def publish_worker(
-    js: JetStreamContext, topo: Topology, worker_id: str, info: dict[str, Any]
+    js: JetStreamContext,
+    topo: Topology,
+    worker_id: str,
+    info: dict[str, Any],
+    *,
+    ttl_s: float | None = None,
 ) -> None:
+    """Write (or refresh) the worker's entry. ``ttl_s``: how long it lives unless refreshed
+    (default ``ENTRY_TTL_S``; pass about three refresh intervals), where the server has
+    per-entry TTLs; elsewhere the bucket's TTL applies."""
+    payload = json.dumps({**info, "worker_id": worker_id, "updated_at": time.time()}).encode()
+    if await entry_ttl_supported(js, topo):
+        # kv.put has no TTL argument; a KV entry is a message on its key's subject.
+        await js.publish(
+            topo.worker_subject(worker_id), payload, msg_ttl=max(1.0, ttl_s or ENTRY_TTL_S)
+        )
+        return
     kv = await js.key_value(topo.workers_bucket)
-    await kv.put(
-        worker_id, json.dumps({**info, "worker_id": worker_id, "updated_at": time.time()}).encode()
-    )
+    await kv.put(worker_id, payload)
 
 
 async def remove_worker(js: JetStreamContext, topo: Topology, worker_id: str) -> None:

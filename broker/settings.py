@@ -19,6 +19,7 @@ import ssl
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import nats
 import nats.errors
@@ -78,6 +79,12 @@ class NatsSettings:
     def servers(self) -> list[str]:
         return [u.strip() for u in self.url.split(",") if u.strip()]
 
+    @property
+    def safe_url(self) -> str:
+        """``url`` for logs and messages: credentials written into it (``nats://user:pass@``,
+        ``nats://token@``) replaced by ``***``."""
+        return ",".join(redact_url(u) for u in self.servers)
+
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> NatsSettings:
         """Settings from AGENTARIUM_* variables; non-None ``overrides`` (flags) win."""
@@ -95,6 +102,7 @@ class NatsSettings:
         for secret in ("password", "token"):
             if out[secret]:
                 out[secret] = "***"
+        out["url"] = self.safe_url
         return out
 
     def _tls_context(self) -> ssl.SSLContext | None:
@@ -121,17 +129,17 @@ class NatsSettings:
         async def on_error(exc: Exception) -> None:
             detail = str(exc) or type(exc).__name__
             errors.append(detail)
-            if _is_auth_error(detail) and not nc.is_connected:
+            if (_is_auth_error(detail) or _is_untrusted(exc)) and not nc.is_connected:
                 refused.set()  # nats-py would retry a refused login ~10 times: stop at the first
                 return
             log.warning("nats error", error=detail)
 
         async def on_disconnect() -> None:
             if not nc.is_closed:  # also called on our own close(): not worth a warning then
-                log.warning("nats disconnected", servers=self.servers)
+                log.warning("nats disconnected", servers=self.safe_url)
 
         async def on_reconnect() -> None:
-            log.info("nats reconnected", servers=self.servers)
+            log.info("nats reconnected", servers=self.safe_url)
 
         options: dict[str, Any] = {
             "servers": self.servers,
@@ -181,18 +189,44 @@ class NatsSettings:
             detail = (
                 auth[-1] if auth else errors[-1] if errors else (str(exc) or type(exc).__name__)
             )
+            if any(_is_untrusted_detail(e) for e in errors):
+                raise BrokerUnavailable(
+                    f"NATS at {self.safe_url} presented a TLS certificate this client does not "
+                    f"trust ({detail}): set AGENTARIUM_NATS_TLS_CA (--nats-tls-ca) to the CA "
+                    "that signed the server's certificate"
+                ) from exc
             if auth or _is_auth_error(detail):
                 raise BrokerUnavailable(
-                    f"NATS at {self.url} refused the credentials ({detail}): check "
+                    f"NATS at {self.safe_url} refused the credentials ({detail}): check "
                     "AGENTARIUM_NATS_USER/PASSWORD, TOKEN, CREDS or NKEY"
                 ) from exc
             raise BrokerUnavailable(
-                f"cannot connect to NATS at {self.url} ({detail}): start one with "
+                f"cannot connect to NATS at {self.safe_url} ({detail}): start one with "
                 "`agentarium broker up`, or set AGENTARIUM_NATS_URL / --nats-url"
             ) from exc
         finally:
             refusal.cancel()
         return nc
+
+
+def redact_url(url: str) -> str:
+    """One server URL with its user info's secret replaced: ``user:***@`` or ``***@``."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    userinfo, _, host = parts.netloc.rpartition("@")
+    user, has_password, _ = userinfo.partition(":")
+    masked = f"{user}:***" if has_password else "***"  # no password: the user part is a token
+    return urlunsplit(parts._replace(netloc=f"{masked}@{host}"))
+
+
+def _is_untrusted(exc: BaseException) -> bool:
+    """The server's certificate failed verification: retrying cannot help."""
+    return isinstance(exc, ssl.SSLCertVerificationError)
+
+
+def _is_untrusted_detail(detail: str) -> bool:
+    return "certificate verify failed" in detail.lower()
 
 
 def _is_auth_error(detail: str) -> bool:

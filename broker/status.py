@@ -18,6 +18,7 @@ import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from .env_status import EnvServiceStatus, collect_env_status, format_env_status
 from .registry import live_workers
 from .topology import Topology
 
@@ -52,6 +53,8 @@ class BrokerStatus:
     tasks_total: int = 0
     tasks_bytes: int = 0
     notes: list[str] = field(default_factory=list)
+    # environment services ($SRV.STATS): one row per environment, its workers inside
+    environments: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -89,9 +92,17 @@ async def _subject_counts(
 
 
 async def collect_status(
-    js: JetStreamContext, topo: Topology, *, runs: tuple[str, ...] = ()
+    js: JetStreamContext,
+    topo: Topology,
+    *,
+    runs: tuple[str, ...] = (),
+    environments: bool = True,
 ) -> BrokerStatus:
     status = BrokerStatus()
+    if environments:
+        # $SRV requests are core NATS: nats-py keeps no public handle on a context's connection
+        envs = await collect_env_status(js._nc, topo)  # type: ignore[attr-defined]
+        status.environments = [e.to_json() for e in envs]
     try:
         tasks = await js.stream_info(topo.tasks_stream, subjects_filter=f"{topo.prefix}.tasks.>")
     except nats.js.errors.NotFoundError:
@@ -293,5 +304,10 @@ def format_status(status: BrokerStatus) -> str:
             f"done={w.get('completed', 0)} errors={w.get('errors', 0)} dead={w.get('dead_lettered', 0)}"
             + _fleet_cell(w)
         )
+    if status.environments:
+        lines.append("")
+        lines.append("environments:")
+        rows = [EnvServiceStatus(**e) for e in status.environments]
+        lines.extend("  " + line for line in format_env_status(rows, workers=False).splitlines())
     lines.extend(f"note: {n}" for n in status.notes)
     return "\n".join(lines)

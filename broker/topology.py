@@ -145,6 +145,11 @@ class Topology:
     def metrics_subject(self, run: str) -> str:
         return f"{self.prefix}.metrics.{check_name(run, 'run')}"
 
+    def worker_subject(self, worker_id: str) -> str:
+        """A worker's entry in the workers KV, as a subject (``$KV.<bucket>.<key>``): written
+        directly when the entry carries its own TTL (``Nats-TTL``, nats-server 2.11+)."""
+        return f"$KV.{self.workers_bucket}.{worker_id}"
+
     def rollout_consumer(self, agent: str) -> str:
         return f"rollout-{check_name(agent, 'agent')}"
 
@@ -159,6 +164,24 @@ class Topology:
         """The one-agent trainer's durable before several agents: a trainer adopts its ack
         floor (then deletes it) instead of replaying the run from its first trajectory."""
         return f"trainer-{check_name(run, 'run')}"
+
+    # environment services (docs/design.md "Environment sessions")
+    def env_service(self, name: str) -> str:
+        """The NATS micro service name of environment ``name``, also its start queue group."""
+        return f"{self.prefix}-env-{check_name(name, 'env')}"
+
+    def env_start_subject(self, name: str) -> str:
+        return f"{self.prefix}.env.{check_name(name, 'env')}.start"
+
+    def env_session_subject(self, name: str, worker: str, session_id: str) -> str:
+        return (
+            f"{self.prefix}.env.{check_name(name, 'env')}.s.{check_name(worker, 'worker')}."
+            f"{check_name(session_id, 'session_id')}"
+        )
+
+    def env_sessions_filter(self, name: str, worker: str) -> str:
+        """The one wildcard subscription of a worker instance: every session it holds."""
+        return f"{self.prefix}.env.{check_name(name, 'env')}.s.{check_name(worker, 'worker')}.*"
 
     def agent_of_subject(self, subject: str) -> str:
         """The <agent> token of a tasks subject (not validated: the caller decides)."""

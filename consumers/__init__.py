@@ -5,7 +5,19 @@ and the consumer service that assembles them. The local CPU engine (torch) is th
 from .agents import AgentLoadError, AgentSpec, RewardError, load_callable
 from .backends import CrossSamplingBackend, model_of_call
 from .chat_template import ChatTemplate
-from .errors import BackendUnavailable, BadRequest, CrossSamplingError, LLMError
+from .env_agent import EnvAgent, env_agent
+from .envclient import EnvClient, EnvSession
+from .errors import (
+    BackendUnavailable,
+    BadRequest,
+    CrossSamplingError,
+    EnvClientError,
+    EnvironmentFailed,
+    EnvironmentTimeout,
+    EnvironmentUnavailable,
+    EnvRequestError,
+    LLMError,
+)
 from .fleet import Fleet, FleetPolicy
 from .llm import ChatResult, TracingLLM
 from .proxy import TracingProxy
@@ -33,6 +45,14 @@ __all__ = [
     "CrossSamplingBackend",
     "CrossSamplingError",
     "CrossTarget",
+    "EnvAgent",
+    "EnvClient",
+    "EnvClientError",
+    "EnvRequestError",
+    "EnvSession",
+    "EnvironmentFailed",
+    "EnvironmentTimeout",
+    "EnvironmentUnavailable",
     "Fleet",
     "FleetPolicy",
     "LLMError",
@@ -45,6 +65,7 @@ __all__ = [
     "Worker",
     "WorkerConfig",
     "default_worker_id",
+    "env_agent",
     "load_callable",
     "model_of_call",
     "normalize_urls",

@@ -6,6 +6,9 @@ Shapes (docs/design.md "Rollouts: agents and LLM calls"):
   async/def rollout(task, endpoint, model)   endpoint = this rollout's tracing proxy URL
   @ray.remote def rollout(task, endpoint, model)   called with .remote() on Ray
 
+An async agent that also declares a parameter named ``envs`` (any of the shapes above) gets
+the environment client (consumers/envclient.py) bound to its rollout: ``envs.session(...)``.
+
 Results: a number, ``{"reward": x, "metrics": {...}}``, or any object; a reward function
 ``fn(task, result, trajectory)`` may compute the reward from it.
 """
@@ -79,6 +82,7 @@ class AgentSpec:
     style: str  # "llm" | "endpoint"
     kind: str  # "async" | "sync" | "ray"
     name: str = ""
+    envs: bool = False  # declares an ``envs`` parameter: gets the environment client
 
     @classmethod
     def of(cls, fn: Any, name: str = "") -> AgentSpec:
@@ -90,11 +94,15 @@ class AgentSpec:
             raise AgentLoadError(
                 f"agent {name or fn!r}: cannot read its signature ({exc})"
             ) from exc
-        # Only parameters without defaults decide the shape: rollout(task, llm, max_turns=4) is llm-style.
+        wants_envs = any(p.name == "envs" for p in params)
+        # Only parameters without defaults decide the shape: rollout(task, llm, max_turns=4) is
+        # llm-style; ``envs`` is passed by name, whatever the shape.
         positional = [
             p
             for p in params
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+            and p.default is p.empty
+            and p.name != "envs"
         ]
         names = [p.name for p in positional]
         if "endpoint" in names or len(positional) >= 3:
@@ -111,7 +119,19 @@ class AgentSpec:
                 "a Ray remote agent runs in another process and cannot take the llm object: "
                 "write rollout(task, endpoint, model) and call the endpoint (OpenAI-compatible)"
             )
-        return cls(fn=fn, style=style, kind=kind, name=name or getattr(target, "__name__", "agent"))
+        if wants_envs and kind != "async":
+            raise AgentLoadError(
+                f"agent {name or getattr(target, '__name__', fn)!r} takes envs, the environment "
+                "client, which is async and lives on the worker's event loop: write it as "
+                "`async def rollout(task, llm, envs)`"
+            )
+        return cls(
+            fn=fn,
+            style=style,
+            kind=kind,
+            name=name or getattr(target, "__name__", "agent"),
+            envs=wants_envs,
+        )
 
 
 def _is_async(fn: Any) -> bool:
@@ -161,10 +181,12 @@ class AgentRunner:
             else None
         )
 
-    async def run(self, task: dict, *, llm: Any, endpoint: str) -> Any:
+    async def run(self, task: dict, *, llm: Any, endpoint: str, envs: Any = None) -> Any:
         spec = self.spec
         args = (task, llm) if spec.style == "llm" else (task, endpoint, self.model_name)
         if spec.kind == "async":
+            if spec.envs:
+                return await spec.fn(*args, envs=envs)
             return await spec.fn(*args)
         if spec.kind == "ray":
             return await spec.fn.remote(*args)

@@ -35,6 +35,7 @@ class Event(Enum):
     TIMEOUT = "timeout"  # ...its deadline passed: an outcome, rerunning would time out again
     ERROR = "error"  # ...the LLM backend failed after its own retries: recorded, not rerun
     AGENT_ERROR = "agent_error"  # the agent or its reward function raised
+    ENV_UNAVAILABLE = "env_unavailable"  # an environment service failed under it: infrastructure
     WORKER_ERROR = "worker_error"  # the worker itself raised while handling the job
     RELEASED = "released"  # a drain (SIGTERM) cancelled it before it finished
 
@@ -155,6 +156,13 @@ class DeliveryPolicy:
             case Event.AGENT_ERROR:
                 # The lookup was made before this run (check_stored on RUN): none needed here.
                 return Decision.dead_letter(event.value, record_error=True)
+            case Event.ENV_UNAVAILABLE if failures + 1 < self.attempts and not last_delivery:
+                # No worker with room, or the session's worker died: another attempt (another
+                # worker) can succeed, and nothing says the job is at fault. It ran and
+                # failed, so it is counted as an attempt.
+                return Decision.nak(self.delay_s(failures + 1), count_failure=True)
+            case Event.ENV_UNAVAILABLE:
+                return Decision.ack()  # the status error trajectory is stored: never reward 0
             case Event.WORKER_ERROR if not last_delivery:
                 # A bug or an outage in the worker says nothing about the job: give it another
                 # delivery, a lost one (the last delivery is judged as max_deliveries).

@@ -9,6 +9,7 @@ re-tokenization of text. Tool calls are parsed from the generated text into Open
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import Sequence
@@ -104,8 +105,14 @@ def _sampling_params(job: Sampling, eos_ids: Sequence[int], overrides: dict[str,
         if value is None:  # clients pass None for "not set"
             continue
         if key == "stop":
-            value = [value] if isinstance(value, str) else list(value)
+            value = [value] if isinstance(value, str) else value
+            if not isinstance(value, list | tuple) or not all(isinstance(s, str) for s in value):
+                raise ValueError(f"stop must be a string or a list of strings, got {value!r}")
+            value = list(value)
         params[key] = value
+    for key in ("temperature", "top_p", "max_new_tokens", "top_k", "min_p", "sampling_seed"):
+        if key in params:
+            params[key] = _number(key, params[key], integer=key in _INTEGER_KEYS)
     if params["temperature"] < 0:
         raise ValueError(f"temperature must be >= 0, got {params['temperature']}")
     if not 0 < params["top_p"] <= 1:
@@ -113,6 +120,26 @@ def _sampling_params(job: Sampling, eos_ids: Sequence[int], overrides: dict[str,
     if params["max_new_tokens"] < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {params['max_new_tokens']}")
     return params
+
+
+_INTEGER_KEYS = frozenset({"max_new_tokens", "top_k", "sampling_seed"})
+
+
+def _number(key: str, value: Any, *, integer: bool) -> float | int:
+    """A sampling option as a finite number (an integer where SGLang wants one), or a
+    ValueError naming the option: an agent or an OpenAI client may send anything."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or (isinstance(value, float) and not math.isfinite(value))
+    ):
+        kind = "an integer" if integer else "a finite number"
+        raise ValueError(f"{key} must be {kind}, got {value!r}")
+    if integer:
+        if value != int(value):
+            raise ValueError(f"{key} must be an integer, got {value!r}")
+        return int(value)
+    return value
 
 
 class TracingLLM:

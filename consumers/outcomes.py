@@ -34,6 +34,9 @@ MAX_BACKOFF_S = 5.0
 # A dead letter keeps at most this much of an undecodable payload (base64 grows it by 4/3 and
 # the server's max_payload is 1 MiB by default).
 MAX_RAW_BYTES = 64 * 1024
+DEFAULT_MAX_PAYLOAD = 1024 * 1024  # nats-server's default, when the client does not say
+# An error text in a message that had to be cut down to fit max_payload keeps this much.
+FITTED_ERROR_CHARS = 4_000
 
 
 def _server_side(exc: nats.js.errors.APIError) -> bool:
@@ -119,6 +122,45 @@ class OutcomeStore:
                 error=str(exc) or type(exc).__name__,
             )
 
+    @property
+    def max_payload(self) -> int:
+        """The largest message the server takes (its INFO's max_payload)."""
+        return getattr(getattr(self.js, "_nc", None), "max_payload", 0) or DEFAULT_MAX_PAYLOAD
+
+    def fitted(self, trajectory: Trajectory) -> Trajectory:
+        """The trajectory, or, when it would exceed the server's max_payload (a task near the
+        limit, huge metrics, many long calls), a status ``error`` one that says so, without
+        the calls and metrics (and without the task and metadata if need be). Publishing it
+        as it is would fail every attempt, and the job would end without a trajectory."""
+        return self._fit(trajectory)[0]
+
+    def _fit(self, trajectory: Trajectory) -> tuple[Trajectory, bytes]:
+        payload = encode(trajectory)
+        limit = self.max_payload
+        if len(payload) <= limit:
+            return trajectory, payload
+        why = (
+            f"the trajectory is {len(payload)} bytes, over the NATS server's max_payload of "
+            f"{limit}: stored as an error without its {len(trajectory.calls)} calls and its "
+            "metrics (keep tasks and agent results small, or raise max_payload)"
+        )
+        if trajectory.error:
+            why += f"; its own error: {trajectory.error[:FITTED_ERROR_CHARS]}"
+        smaller = replace(trajectory, status="error", reward=None, metrics={}, calls=[], error=why)
+        payload = encode(smaller)
+        if len(payload) > limit:
+            smaller = replace(
+                smaller, task={}, metadata={}, error=f"{why}; the task and metadata dropped too"
+            )
+            payload = encode(smaller)
+        log.warning(
+            "trajectory over max_payload stored as an error",
+            job_id=trajectory.job_id,
+            size=len(payload),
+            max_payload=limit,
+        )
+        return smaller, payload
+
     async def stored(self, job: Job) -> bool:
         """Whether the job's trajectory exists (one last-message lookup on its subject)."""
         subject = self.topo.trajectory_subject(job.run, job.agent, job.job_id)
@@ -135,7 +177,7 @@ class OutcomeStore:
     async def publish_trajectory(self, trajectory: Trajectory) -> bool:
         """Store it; False when the server says one is already stored for this job."""
         subject = self.topo.trajectory_subject(trajectory.run, trajectory.agent, trajectory.job_id)
-        payload = encode(trajectory)
+        trajectory, payload = self._fit(trajectory)
 
         async def publish() -> bool:
             try:
@@ -178,9 +220,21 @@ class OutcomeStore:
                 letter,
                 error=f"{error} (raw payload truncated to {MAX_RAW_BYTES} of {len(data)} bytes)",
             )
+        payload = encode(letter)
+        if len(payload) > self.max_payload:  # a job near the limit plus its error
+            keep = min(MAX_RAW_BYTES, self.max_payload // 4)
+            letter = replace(
+                letter,
+                job={},
+                raw=base64.b64encode(data[:keep]).decode(),
+                error=f"{error[:FITTED_ERROR_CHARS]} (the dead letter would exceed max_payload: "
+                f"the job is kept as raw bytes, truncated to {min(keep, len(data))} of "
+                f"{len(data)})",
+            )
+            payload = encode(letter)
 
         async def publish() -> DeadLetter:
-            await self.js.publish(self.topo.dead_subject(agent), encode(letter))
+            await self.js.publish(self.topo.dead_subject(agent), payload)
             return letter
 
         return await _until_done("dead-letter publish", publish)

@@ -238,7 +238,7 @@ class TracingProxy:
             return _error(401, _UNAUTHORIZED, "authentication_error")
         try:
             body = await request.json()
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: JSON nested too deeply
             return _error(400, "the request body is not JSON")
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
             return _error(400, "the request needs a 'messages' list")

@@ -26,6 +26,7 @@ from .backends import CrossSamplingBackend, OpenAICompatBackend, SGLangBackend
 from .backends.cross_sampling import check_same_tokenizer
 from .chat_template import ChatTemplate
 from .delivery import DeliveryPolicy
+from .envclient import EnvClient
 from .errors import CrossSamplingError
 from .fleet import Fleet, FleetPolicy, supports
 from .proxy import TracingProxy
@@ -243,6 +244,8 @@ class ConsumerService:
             worker_id=spec.worker_id,
             reward_fn=spec.reward_fn,
             fleets=self.fleets,
+            # nats-py keeps no public handle on a context's connection
+            envs=EnvClient(self.js._nc, self.topology) if agent.envs else None,
         )
         config = WorkerConfig(
             agent=spec.agent,

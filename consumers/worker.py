@@ -50,7 +50,7 @@ from .fleet import fleets_summary
 from .metrics import RolloutMetrics
 from .outcomes import OutcomeStore
 from .redact import log_safe
-from .rollout import AgentFailure, RolloutEnv, run_rollout, trajectory_for
+from .rollout import AgentFailure, EnvFailure, RolloutEnv, run_rollout, trajectory_for
 
 log = structlog.get_logger("agentarium.consumers")
 
@@ -460,6 +460,18 @@ class Worker:
             trajectory = await run_rollout(
                 job, self.env, attempt=delivery, parent=parent, subject=msg.subject
             )
+        except EnvFailure as failure:
+            self.metrics.rollout("env_unavailable", time.monotonic() - started)
+            trajectory = failure.trajectory
+            return Outcome(
+                event=Event.ENV_UNAVAILABLE,
+                job=job,
+                trajectory=trajectory,
+                error=trajectory.error or "",
+                calls=list(trajectory.calls),
+                trace_id=trajectory.trace_id,
+                span_id=trajectory.span_id,
+            )
         except AgentFailure as failure:
             self.metrics.rollout("agent_error", time.monotonic() - started)
             return Outcome(
@@ -470,6 +482,7 @@ class Worker:
                 trace_id=failure.trace_id,
                 span_id=failure.span_id,
             )
+        trajectory = self.store.fitted(trajectory)  # over max_payload: stored as an error
         event = Event(trajectory.status)  # ok / timeout / error
         self.metrics.rollout(trajectory.status, time.monotonic() - started)
         return Outcome(event=event, job=job, trajectory=trajectory, error=trajectory.error or "")
@@ -487,7 +500,7 @@ class Worker:
                 else:
                     await self._publish(outcome.trajectory)
                     self._count(outcome.trajectory)
-                if outcome.event is Event.ERROR:
+                if outcome.event in (Event.ERROR, Event.ENV_UNAVAILABLE):
                     self.counters.failed += 1
                     log.warning(
                         "rollout failed",
@@ -498,11 +511,13 @@ class Worker:
                     )
                 await msg.ack()
             case Action.NAK:
-                if outcome.event is Event.AGENT_ERROR:
+                if outcome.event in (Event.AGENT_ERROR, Event.ENV_UNAVAILABLE):
                     self.counters.retried += 1
                     self.metrics.retries.inc()
                     log.warning(
-                        "agent failed; retrying",
+                        "agent failed; retrying"
+                        if outcome.event is Event.AGENT_ERROR
+                        else "environment unavailable; retrying",
                         job_id=job.job_id if job else "",
                         attempt=failures + 1,
                         delivery=delivery,

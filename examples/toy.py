@@ -5,12 +5,20 @@ verl dataset: ``prompt`` a list of chat messages, the answer in ``reward_model.g
 ``rollout``'s reward is 1.0 when the reply starts with the answer, else 0.0: it depends on the
 prompt, so no constant output scores well.
 
+``delayed_rollout`` is ``rollout`` followed by a wait drawn from a lognormal distribution
+(``bench/async_vs_sync.py``: the long tail of agentic rollouts, tools and environments that take
+seconds, sometimes ten times the usual).
+
 ``next_digit`` is the multi-task demo's second task (``{"prompt": "next 3", "answer": "4"}``,
 9 wraps to 0) with a graded reward: 1.0 for the answer, 0.5 for a digit one away from it
 (echoing the prompt's digit, what the repeat task teaches, earns half), 0.0 otherwise.
 """
 
 from __future__ import annotations
+
+import asyncio
+import math
+import random
 
 
 def messages_of(task: dict) -> list[dict]:
@@ -32,6 +40,22 @@ async def rollout(task: dict, llm) -> dict:
         "reward": 1.0 if reply.startswith(answer) else 0.0,
         "metrics": {"reply_chars": float(len(reply))},
     }
+
+
+_DELAYS = random.Random()  # one stream per consumer process; the bench compares distributions
+
+
+async def delayed_rollout(task: dict, llm) -> dict:
+    """``rollout``, then ``asyncio.sleep`` for a lognormal time with median
+    ``task["delay_median_s"]`` and shape ``task["delay_sigma"]`` (p99 = median x e^(2.33 sigma)),
+    after the model's reply: the reply keeps the policy version it was sampled with while the
+    rest of the rollout (an environment, a tool, a judge) takes its time."""
+    result = await rollout(task, llm)
+    median, sigma = float(task.get("delay_median_s", 0.0)), float(task.get("delay_sigma", 0.0))
+    delay = _DELAYS.lognormvariate(math.log(median), sigma) if median > 0 else 0.0
+    await asyncio.sleep(delay)
+    result["metrics"]["delay_s"] = delay
+    return result
 
 
 async def next_digit(task: dict, llm) -> dict:

@@ -20,7 +20,7 @@ import structlog
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from broker import Topology
+from broker import Topology, cancel_and_wait
 from schemas import Job, Trajectory
 
 from .reader import TrajectoryReader
@@ -72,9 +72,7 @@ class TrajectoryFeed:
 
     async def close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+            await cancel_and_wait([self._task])  # a fetch may swallow one cancel (broker/aio.py)
             self._task = None
         if self._sub is not None:
             with contextlib.suppress(Exception):

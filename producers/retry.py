@@ -13,10 +13,7 @@ from dataclasses import dataclass
 
 import nats.js.errors
 
-from broker import ERR_STREAM_FULL, is_transient
-
-# "JetStream system temporarily unavailable": a restarting server or a leader election.
-ERR_JS_TEMPORARILY_UNAVAILABLE = 10008
+from broker import ERR_JS_TEMPORARILY_UNAVAILABLE, ERR_STREAM_FULL, is_transient
 
 
 class Outcome(enum.Enum):

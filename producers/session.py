@@ -12,7 +12,7 @@ import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from broker import Limits, NatsSettings, Topology, ensure_provisioned
+from broker import START_PATIENCE_S, Limits, NatsSettings, Topology, ensure_provisioned
 from schemas import Job, Trajectory
 
 from .feed import TrajectoryFeed
@@ -47,7 +47,8 @@ class RunSession:
     async def start(self) -> RunSession:
         self.nc = await self.settings.connect(name=self.name)
         self.js = self.nc.jetstream()
-        await ensure_provisioned(self.js, self.topology, self.limits)
+        # A restarting broker or a leader election is waited out, as publishes wait it out.
+        await ensure_provisioned(self.js, self.topology, self.limits, patience_s=START_PATIENCE_S)
         self.producer = TaskProducer(self.js, self.topology)
         self.feed = TrajectoryFeed(self.js, self.topology, self.run)
         # Before anything is read or published, so nothing stored in between is missed.

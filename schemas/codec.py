@@ -38,14 +38,20 @@ def is_json(payload: bytes, content_type: str | None = None) -> bool:
 
 def loads(payload: bytes, content_type: str | None = None) -> dict[str, Any]:
     """Parse bytes into a dict, raising DecodeError (with the raw bytes) on garbage."""
+    kind = "JSON" if is_json(payload, content_type) else "msgpack"
     try:
-        if is_json(payload, content_type):
+        if kind == "JSON":
             data = json.loads(payload)
         else:
             data = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
-        kind = "JSON" if is_json(payload, content_type) else "msgpack"
-        raise DecodeError(f"payload is not valid {kind}: {exc}", raw=bytes(payload)) from exc
+    except (RecursionError, msgpack.StackError) as exc:
+        raise DecodeError(
+            f"payload is not valid {kind}: nested too deeply", raw=bytes(payload)
+        ) from exc
+    # TypeError: msgpack holding a map keyed by a list or a map (unhashable in Python)
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError) as exc:
+        detail = str(exc) or type(exc).__name__
+        raise DecodeError(f"payload is not valid {kind}: {detail}", raw=bytes(payload)) from exc
     if not isinstance(data, dict):
         raise DecodeError(
             f"payload must be an object/map, got {type(data).__name__}", raw=bytes(payload)

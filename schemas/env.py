@@ -35,6 +35,7 @@ ENV_OPS = ("step", "close")
 ENV_ERROR_CODES = {
     400: "bad_request",  # the message could not be decoded or failed validation
     404: "unknown_session",  # no such session here: expired, closed, or its worker restarted
+    408: "deadline_exceeded",  # the session's deadline passed during the step; it is closed
     409: "out_of_order",  # an EnvCall whose seq is neither the next step nor the last one
     413: "too_large",  # a request over the worker's limit
     500: "environment_error",  # the environment raised; the session is closed with a failure
@@ -160,6 +161,35 @@ class EnvError(WireMessage):
 
     WIRE_DOC = "An error reply from an environment worker; code as in ENV_ERROR_CODES."
 
-    code: int = spec(INT, doc="400, 404, 409, 413, 500 or 503")
+    code: int = spec(INT, doc="400, 404, 408, 409, 413, 500 or 503")
     error: str = spec(STR, doc="short name of the code, e.g. unknown_session")
     message: str = spec(STR, "", doc="what went wrong, in words")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EnvWorkerStats(WireMessage):
+    """What one worker instance reports in its ``$SRV.STATS`` reply (the ``start`` endpoint's
+    custom ``data``): the NATS service API's built-in stats hold only counts and an average."""
+
+    WIRE_DOC = (
+        "An environment worker's figures, the custom data of the start endpoint in its "
+        "$SRV.STATS reply (JSON, as the NATS service API wants)."
+    )
+
+    worker: str = spec(STR, doc="the worker instance (host-pid-random)")
+    env: str = spec(STR, doc="the environment's service name")
+    sessions: int = spec(INT, 0, doc="sessions open now")
+    capacity: int = spec(INT, 0, doc="the most sessions this worker holds at once")
+    starting: int = spec(INT, 0, doc="starts admitted and not finished (reset running)")
+    max_starting: int = spec(INT, 0, doc="the most starts admitted at once")
+    starts: int = spec(INT, 0, doc="sessions started since the worker began")
+    starts_per_s: float = spec(FLOAT, 0.0, doc="sessions started per second over the last 10 s")
+    rejected: int = spec(INT, 0, doc="starts answered 503 (full or draining)")
+    steps: int = spec(INT, 0, doc="steps run")
+    step_p50_ms: float = spec(FLOAT, 0.0, doc="step latency median over the last 2,048 steps")
+    step_p99_ms: float = spec(FLOAT, 0.0, doc="step latency 99th percentile, same window")
+    closed: int = spec(INT, 0, doc="sessions closed by their client")
+    expired: int = spec(INT, 0, doc="sessions the worker closed: idle too long or past deadline")
+    errors: int = spec(INT, 0, doc="requests answered 500: the environment raised")
+    draining: bool = spec(BOOL, False, doc="SIGTERM received: no new sessions")
+    accepting: bool = spec(BOOL, False, doc="listening on the start subject now")

@@ -20,6 +20,11 @@ from .names import check_name
 
 SCHEMA_VERSION = 1
 
+# What msgpack can carry: integers of 64 bits, and (with the dead letter and trajectory that
+# wrap a job's task a few levels deeper) far less than its 511 levels of nesting.
+INT64_MIN, INT64_MAX, UINT64_MAX = -(2**63), 2**63 - 1, 2**64 - 1
+MAX_DEPTH = 64
+
 
 @dataclass(frozen=True)
 class Kind:
@@ -31,7 +36,10 @@ class Kind:
 
 
 def _fail(path: str, expected: str, value: Any) -> SchemaError:
-    shown = repr(value)
+    try:
+        shown = repr(value)
+    except (RecursionError, ValueError):  # nested too deeply; an int of > 4,300 digits
+        shown = f"<{type(value).__name__}>"
     if len(shown) > 80:
         shown = shown[:77] + "..."
     return SchemaError(f"{path}: expected {expected}, got {shown}", field=path)
@@ -40,7 +48,21 @@ def _fail(path: str, expected: str, value: Any) -> SchemaError:
 def _read_str(value: Any, path: str) -> str:
     if not isinstance(value, str):
         raise _fail(path, "a string", value)
+    if not _utf8(value):
+        raise _fail(path, "a string of Unicode characters (no lone surrogates)", value)
     return value
+
+
+def _utf8(text: str) -> bool:
+    """Whether the text can be written as UTF-8 again: JSON's "\\ud800" escape decodes to a
+    lone surrogate that no encoder (msgpack's, or JSON's to UTF-8) can write."""
+    if text.isascii():
+        return True
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _read_opt_str(value: Any, path: str) -> str | None:
@@ -49,16 +71,21 @@ def _read_opt_str(value: Any, path: str) -> str | None:
 
 def _read_int(value: Any, path: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise _fail(path, "an integer", value)
+        if not (isinstance(value, float) and value.is_integer()):
+            raise _fail(path, "an integer", value)
+        value = int(value)
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise _fail(path, "an integer that fits in 64 bits", value)
     return value
 
 
 def _read_float(value: Any, path: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _fail(path, "a number", value)
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an integer beyond any double
+        raise _fail(path, "a number that fits in a double", value) from None
 
 
 def _read_opt_float(value: Any, path: str) -> float | None:
@@ -74,6 +101,40 @@ def _read_bool(value: Any, path: str) -> bool:
 def _read_dict(value: Any, path: str) -> dict:
     if not isinstance(value, dict):
         raise _fail(path, "an object", value)
+    return value
+
+
+def _read_object(value: Any, path: str) -> dict:
+    """A JSON object: string keys, JSON values, integers msgpack can carry, at most
+    ``MAX_DEPTH`` levels deep. Anything else would be accepted here and then fail where the
+    job is stored again (its trajectory, its dead letter) or shown as JSON."""
+    stack: list[tuple[Any, int]] = [(_read_dict(value, path), 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list, tuple)) and depth > MAX_DEPTH:
+            raise SchemaError(f"{path}: nested deeper than {MAX_DEPTH} levels", field=path)
+        if isinstance(item, dict):
+            for key in item:
+                if not isinstance(key, str) or not _utf8(key):
+                    raise _fail(f"{path} (an object key)", "a string of Unicode characters", key)
+            children: Any = item.values()
+        elif isinstance(item, (list, tuple)):
+            children = item
+        elif isinstance(item, int) and not isinstance(item, bool):
+            if not INT64_MIN <= item <= UINT64_MAX:
+                raise _fail(f"{path} (a number in it)", "an integer that fits in 64 bits", item)
+            continue
+        elif isinstance(item, str):
+            if not _utf8(item):
+                raise _fail(path, "strings of Unicode characters (no lone surrogates)", item)
+            continue
+        elif item is None or isinstance(item, (float, bool)):
+            continue
+        else:
+            raise _fail(
+                path, "JSON values only (null, booleans, numbers, strings, lists, objects)", item
+            )
+        stack.extend((child, depth + 1) for child in children)
     return value
 
 
@@ -124,7 +185,7 @@ INT = Kind({"type": "integer"}, _read_int)
 FLOAT = Kind({"type": "number"}, _read_float)
 OPT_FLOAT = Kind({"type": ["number", "null"]}, _read_opt_float)
 BOOL = Kind({"type": "boolean"}, _read_bool)
-OBJECT = Kind({"type": "object"}, _read_dict)
+OBJECT = Kind({"type": "object"}, _read_object)
 METRICS = Kind({"type": "object", "additionalProperties": {"type": "number"}}, _read_metrics)
 STR_LIST = Kind(
     {"type": "array", "items": {"type": "string"}},

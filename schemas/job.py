@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, replace
 
@@ -20,8 +21,10 @@ class Sampling(WireMessage):
     stop: tuple[str, ...] = spec(STR_LIST, (), doc="stop strings")
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise SchemaError("sampling.temperature must be >= 0", field="sampling.temperature")
+        if not 0 <= self.temperature < math.inf:  # NaN fails too
+            raise SchemaError(
+                "sampling.temperature must be a finite number >= 0", field="sampling.temperature"
+            )
         if not 0 < self.top_p <= 1:
             raise SchemaError("sampling.top_p must be in (0, 1]", field="sampling.top_p")
         if self.max_new_tokens < 1:
@@ -77,8 +80,8 @@ class Job(WireMessage):
                 f"job.sample_index {self.sample_index} must be in [0, group_size={self.group_size})",
                 field="job.sample_index",
             )
-        if self.deadline_s <= 0:
-            raise SchemaError("job.deadline_s must be > 0", field="job.deadline_s")
+        if not 0 < self.deadline_s < math.inf:  # NaN fails too
+            raise SchemaError("job.deadline_s must be a finite number > 0", field="job.deadline_s")
 
     def stamped(self) -> Job:
         """A copy with ``created_at`` set to now, unless already set."""

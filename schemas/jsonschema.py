@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .deadletter import DeadLetter
-from .env import EnvCall, EnvError, EnvStart, EnvStarted, Outcome, StepResult
+from .env import EnvCall, EnvError, EnvStart, EnvStarted, EnvWorkerStats, Outcome, StepResult
 from .fields import SCHEMA_VERSION, WireMessage
 from .job import Job
 from .trajectory import Trajectory
@@ -32,6 +32,7 @@ EXPORTED = {
     "env_step_result": StepResult,
     "env_outcome": Outcome,
     "env_error": EnvError,
+    "env_worker_stats": EnvWorkerStats,
 }
 
 

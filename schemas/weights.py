@@ -41,9 +41,9 @@ def version_number(weight_version: str) -> int:
     """An engine's weight_version string as an int: "default" is 0, decimals are themselves."""
     if weight_version in ("", "default"):
         return 0
-    try:
-        return int(weight_version)
-    except ValueError:
+    # digits only: int() would also take "-3", "+3", " 3" and "1_000"
+    if not (weight_version.isascii() and weight_version.isdigit()):
         raise SchemaError(
-            f"weight_version {weight_version!r} is not 'default' or a decimal integer"
-        ) from None
+            f"weight_version {weight_version!r} is not 'default' or a decimal integer >= 0"
+        )
+    return int(weight_version)

@@ -15,9 +15,34 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from broker import NatsServer, NatsSettings, Topology, provision
+from broker import NatsServer, NatsSettings, Topology, find_nats_server, provision
+from broker.errors import ServerLaunchError
+from broker.server import ENV_BINARY
+from broker.version import binary_version, format_version
 
 _EXPORTER = InMemorySpanExporter()
+
+
+def _nats_server_line() -> str:
+    how = f"${ENV_BINARY}" if os.environ.get(ENV_BINARY) else "default resolution"
+    try:
+        binary = find_nats_server()
+    except ServerLaunchError as exc:
+        return f"nats-server: none ({exc})"
+    return f"nats-server: {binary} (v{format_version(binary_version(binary))}, {how})"
+
+
+def pytest_report_header(config) -> str:
+    """Which nats-server every fixture launches: $AGENTARIUM_NATS_SERVER, or the default
+    resolution of ``broker.find_nats_server`` (never a virtualenv's bin first on PATH)."""
+    return _nats_server_line()
+
+
+def pytest_sessionstart(session) -> None:
+    """``-q`` hides the header: say which nats-server runs anyway, first thing."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and session.config.get_verbosity() < 0:
+        reporter.write_line(_nats_server_line())
 
 
 def _install_span_exporter() -> None:

@@ -3,7 +3,8 @@ and the weight endpoints (``/pause_generation``, ``/update_weights_from_disk``,
 ``/continue_generation``), recorded in order in ``control``.
 (Also ``local_engine``, which starts the real local engine when it is available.)
 
-Instant, configurable answers; scripted failures (HTTP statuses, aborts); a gate to hold
+Instant, configurable answers (``scripted(template, policy)``: a policy that reads the prompt
+as text and answers text, tool calls included); scripted failures (HTTP statuses, aborts); a gate to hold
 requests in flight; per-server request counting. It refuses (HTTP 400) any request field that
 SGLang does not define, so a client sending extra fields fails its tests. Outages: ``stop()``
 closes it (connections refused) and ``start()`` brings it back on the same port; ``hang()``
@@ -69,6 +70,21 @@ UPDATE_WEIGHTS_FIELDS = frozenset(
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
+def scripted(
+    template: Any, policy: Callable[[str], str]
+) -> Callable[[dict], tuple[list[int], str]]:
+    """A ``reply`` for ``FakeSGLang``: the prompt's token ids decoded with the model's
+    ``template`` (a ``ChatTemplate``), ``policy(prompt_text)`` the answer, encoded with the same
+    tokenizer and ended with its EOS, as a model ends a turn. So a test can script a policy
+    that reads what the environment showed (tool results included) and calls tools."""
+
+    def reply(body: dict) -> tuple[list[int], str]:
+        text = policy(template.decode(body.get("input_ids") or []))
+        return template.encode(text) + template.eos_token_ids[:1], text
+
+    return reply
+
+
 def dead_url() -> str:
     """A URL where nothing listens: connections are refused."""
     return f"http://127.0.0.1:{free_port()}"
@@ -122,6 +138,7 @@ class FakeSGLang:
         cached_tokens: int = 0,
         tokenizer_path: str = "/models/fake",
         tokenizer_fingerprint: str | None = None,
+        context_len: int | None = None,
     ) -> None:
         self.output_ids = list(output_ids) if output_ids is not None else [11, 12, 13]
         self.text = text
@@ -131,6 +148,8 @@ class FakeSGLang:
         # /model_info: SGLang reports tokenizer_path; only the local engine a fingerprint.
         self.tokenizer_path = tokenizer_path
         self.tokenizer_fingerprint = tokenizer_fingerprint
+        # SGLang refuses (HTTP 400) a prompt whose length plus max_new_tokens is over this.
+        self.context_len = context_len
         self.requests: list[dict] = []
         self.failures: list[int] = []  # HTTP statuses for the next requests, in order
         self.aborts = 0  # how many of the next requests end in an empty abort
@@ -270,6 +289,13 @@ class FakeSGLang:
             status = self.failures.pop(0)
             return web.json_response({"error": {"message": f"scripted {status}"}}, status=status)
         prompt = body.get("input_ids") or []
+        asked = len(prompt) + body.get("sampling_params", {}).get("max_new_tokens", 128)
+        if self.context_len is not None and asked > self.context_len:
+            message = (  # SGLang's words (and the local engine's)
+                "Requested token count exceeds the model's maximum context length of "
+                f"{self.context_len} tokens. You requested a total of {asked} tokens."
+            )
+            return web.json_response({"error": {"message": message}}, status=400)
         if self.aborts:
             self.aborts -= 1
             return web.json_response(self._response(body, prompt, [], "", _abort()))

@@ -26,14 +26,23 @@ from worker_env import worker_for
 
 from agentarium.dashboard import DashboardConfig, LiveView
 from agentarium.demo.processes import child_env
-from broker import Topology, provision, record_engine
+from broker import Topology, collect_env_status, provision, record_engine
 from broker.provision import ensure_provisioned
 from producers import TaskProducer, TrajectoryReader
 from trainer.live import LiveMetrics
 from trainer.metrics import StepMetrics
 from trainer.tasks import discover_agents
 
-ROLES = ("admin", "producer", "consumer", "trainer", "sync", "orchestrator", "dashboard")
+ROLES = (
+    "admin",
+    "producer",
+    "consumer",
+    "trainer",
+    "sync",
+    "orchestrator",
+    "dashboard",
+    "environment",
+)
 REFUSED_TIMEOUT_S = 1.0  # a refused JetStream request gets no answer: don't wait long for it
 
 
@@ -139,6 +148,7 @@ def cli(*args: str, user: str, password: str, timeout: float = 60) -> subprocess
     )
 
 
+@pytest.mark.nats_semantics
 async def test_the_pipeline_runs_with_one_user_per_role(
     admin, login, fake, auth_server, passwords, tmp_path
 ):
@@ -269,6 +279,7 @@ async def test_the_pipeline_runs_with_one_user_per_role(
         assert not who.errors, who.errors
 
 
+@pytest.mark.nats_semantics
 async def test_a_consumer_cannot_publish_weights_or_a_policy(admin, login):
     topo = Topology()
     policy = await admin.js.key_value(topo.policy_bucket)
@@ -324,6 +335,7 @@ async def test_sync_and_orchestrator_cannot_change_weights_or_policy(admin, logi
     assert (await admin.js.stream_info(f"KV_{topo.policy_bucket}")).state.messages == 0
 
 
+@pytest.mark.nats_semantics
 async def test_the_dashboard_cannot_publish_jobs_or_change_anything(admin, login):
     topo = Topology()
     who = await login("dashboard")
@@ -337,6 +349,54 @@ async def test_the_dashboard_cannot_publish_jobs_or_change_anything(admin, login
     assert (await admin.js.stream_info(topo.tasks_stream)).state.messages == 0
 
 
+async def test_an_environment_worker_serves_its_sessions_and_nothing_else(admin, login):
+    """The environment role serves sessions (starts, steps, close) to a consumer and its
+    figures to the service API (admin, dashboard); it can publish nothing of its own."""
+    from consumers import EnvClient
+    from environments import EnvWorker, EnvWorkerConfig, SqlEnvironment
+
+    topo = Topology()
+    env_user, consumer, dashboard = [
+        await login(r) for r in ("environment", "consumer", "dashboard")
+    ]
+    worker = EnvWorker(env_user.nc, topo, SqlEnvironment, EnvWorkerConfig(name="sql"))
+    await worker.start()
+    try:
+        envs = EnvClient(consumer.nc, topo)
+        async with envs.session("sql", {"index": "aggregate-01"}) as env:
+            call = {"name": "commit_final_answer", "arguments": '{"answer": ["10"]}'}
+            result = await env.step({"tool_calls": [{"id": "c", "function": call}]})
+            assert result.done and result.reward == 1.0
+        assert env.outcome.score == 1.0
+        for who in (admin, dashboard):  # broker status and the dashboard read the stats
+            [sql] = await collect_env_status(who.nc, topo)
+            assert (sql.env, sql.starts, sql.steps) == ("sql", 1, 1)
+
+        # it cannot publish jobs, trajectories or session starts, nor read trajectories
+        await env_user.nc.publish(topo.tasks_subject("echo"), b"{}")
+        await env_user.nc.publish(topo.trajectory_subject("r", "a", "forged"), b"{}")
+        await env_user.nc.publish(topo.env_start_subject("sql"), b"{}")
+        await env_user.nc.subscribe("agentarium.trajectories.>")
+        await settle(env_user)
+        for refused in (
+            'Publish to "agentarium.tasks.echo"',
+            'Publish to "agentarium.trajectories.r.a.forged"',
+            'Publish to "agentarium.env.sql.start"',
+            'Subscription to "agentarium.trajectories.>"',
+        ):
+            assert await env_user.wait_refused(refused), (refused, env_user.errors)
+        with pytest.raises(nats.errors.TimeoutError):  # no JetStream at all
+            await env_user.js_short.stream_info(topo.tasks_stream)
+    finally:
+        await worker.stop(grace_s=0)
+    assert (await admin.js.stream_info(topo.tasks_stream)).state.messages == 0
+    assert (await admin.js.stream_info(topo.trajectories_stream)).state.messages == 0
+    for who in (consumer, dashboard):
+        await settle(who)
+        assert not who.errors, who.errors
+
+
+@pytest.mark.nats_semantics
 def test_wrong_credentials_fail_fast_with_a_clear_message(auth_server):
     started = time.monotonic()
     proc = cli(

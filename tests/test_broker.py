@@ -14,11 +14,12 @@ import pytest
 
 from broker import Limits, NatsSettings, ProvisioningError, Topology, provision
 from broker.errors import BrokerUnavailable
-from broker.provision import ensure_provisioned
+from broker.provision import ensure_provisioned, ensure_streams
 from broker.status import collect_status, format_status
 from producers import TaskProducer
 
 
+@pytest.mark.nats_semantics
 async def test_provision_is_idempotent_and_a_diff(nc, topology):
     js = nc.jetstream()
     first = await provision(js, topology, agents=("toy",))
@@ -35,6 +36,7 @@ async def test_provision_is_idempotent_and_a_diff(nc, topology):
     assert consumer.config.ack_wait == 20 and consumer.config.max_deliver == 3 + 5 + 1
 
 
+@pytest.mark.nats_semantics
 async def test_unsafe_change_is_refused_with_a_message(nc, topology):
     js = nc.jetstream()
     await provision(js, topology)
@@ -42,6 +44,7 @@ async def test_unsafe_change_is_refused_with_a_message(nc, topology):
         await provision(js, topology, Limits(replicas=3))
 
 
+@pytest.mark.nats_semantics
 async def test_ensure_provisioned_creates_only_what_is_missing(nc, topology):
     js = nc.jetstream()
     await provision(js, topology, Limits(tasks_max_msgs=10, workers_ttl_s=7))
@@ -53,6 +56,23 @@ async def test_ensure_provisioned_creates_only_what_is_missing(nc, topology):
     assert await ensure_provisioned(js, topology) is False
 
 
+@pytest.mark.nats_semantics
+async def test_start_up_checks_wait_for_a_restarting_broker_then_say_so(nats_server, nc, topology):
+    js = nc.jetstream(timeout=1)  # requests sent while the server is away fail sooner
+    await provision(js, topology)
+    nats_server.stop()
+    waiting = asyncio.create_task(ensure_provisioned(js, topology, patience_s=30))
+    await asyncio.sleep(1.0)  # the outage under test: the checks meet it, then it ends
+    assert not waiting.done()
+    nats_server.start()
+    assert await asyncio.wait_for(waiting, 30) is False  # everything was there all along
+    nats_server.stop()
+    with pytest.raises(BrokerUnavailable, match=r"did not answer for 1s .*broker status"):
+        await ensure_streams(js, topology, patience_s=1)
+    nats_server.start()
+
+
+@pytest.mark.nats_semantics
 async def test_status_jobs_before_the_first_consumer_are_waiting_not_stranded(js, topology):
     await TaskProducer(js, topology).submit("nobody", [{"n": i} for i in range(3)], run="r")
     status = await collect_status(js, topology)
@@ -77,6 +97,7 @@ def agentarium(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.nats_semantics
 def test_broker_init_and_status_commands(nats_url):
     init = agentarium("broker", "init", "--nats-url", nats_url, "--agent", "toy")
     assert init.returncode == 0, init.stderr
@@ -91,15 +112,19 @@ def test_broker_init_and_status_commands(nats_url):
     assert data["agents"][0]["agent"] == "toy" and data["agents"][0]["has_consumer"] is True
 
 
+@pytest.mark.nats_semantics
 def test_broker_up_exits_cleanly_on_sigterm(tmp_path):
-    """SIGTERM, a supervisor's stop signal, stops nats-server and the command itself (exit 0)."""
-    from broker import free_port
+    """SIGTERM, a supervisor's stop signal, stops nats-server and the command itself (exit 0).
+    ``--sync-interval always`` is written into the server's config on 2.10+, and left out
+    with a warning before."""
+    from broker import find_nats_server, free_port
+    from broker.version import SYNC_INTERVAL_SINCE, binary_version
 
     port = free_port()
     with open(tmp_path / "stderr", "w") as err:
         proc = subprocess.Popen(
             [sys.executable, "-m", "agentarium", "broker", "up", "--port", str(port),
-             "--store", str(tmp_path / "nats")],
+             "--store", str(tmp_path / "nats"), "--sync-interval", "always"],
             stdout=subprocess.PIPE, stderr=err, text=True,
         )  # fmt: skip
     try:
@@ -116,6 +141,12 @@ def test_broker_up_exits_cleanly_on_sigterm(tmp_path):
         assert proc.wait(timeout=15) == 0, (tmp_path / "stderr").read_text()
         with pytest.raises(OSError):  # nats-server stopped with it
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        config = tmp_path / "nats" / "agentarium-nats.conf"
+        if binary_version(find_nats_server()) >= SYNC_INTERVAL_SINCE:
+            assert 'sync_interval: "always"' in config.read_text()
+        else:
+            assert not config.exists()
+            assert "sync_interval needs nats-server 2.10+" in (tmp_path / "stderr").read_text()
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -179,6 +210,7 @@ async def test_removing_a_worker_from_a_broker_that_does_not_answer_is_not_an_er
     assert [w["worker_id"] for w in await live_workers(js, topology)] == ["w1"]  # TTL's job now
 
 
+@pytest.mark.nats_semantics
 async def test_status_shows_live_workers_and_their_throughput(js, topology):
     from broker.registry import publish_worker
 

@@ -1,6 +1,7 @@
 """A 3-node JetStream cluster started from ops/nats/cluster-{a,b,c}.conf, R3 streams: a batch of
 2,048 jobs runs while the TASKS stream's leader is SIGKILLed and later restarted, and every job
-ends with exactly one trajectory. Prints how long publishing stalled."""
+ends with exactly one trajectory. Prints how long publishing stalled. And `agentarium produce`
+started the moment the leader is killed waits out the election at start-up and exits 0."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from agentarium.demo.processes import child_env
 from broker import Limits, NatsSettings, Topology, provision
 from broker.registry import live_workers
 from producers import TaskProducer, TrajectoryReader
+from schemas import Job, decode
 
 GROUPS, GROUP_SIZE = 256, 8  # 2,048 jobs
 KILL_AFTER = 512  # acked publishes before the leader is killed: publishing is in full swing
@@ -58,6 +60,7 @@ async def until(predicate, timeout_s: float, what: str):
         await asyncio.sleep(0.25)
 
 
+@pytest.mark.nats_semantics
 @pytest.mark.timeout(180)
 async def test_tasks_leader_killed_and_restarted_mid_batch(nodes, capsys):
     topo = Topology()
@@ -224,4 +227,69 @@ async def test_tasks_leader_killed_and_restarted_mid_batch(nodes, capsys):
             f"from {stall_from - killed_at:.2f}s to {stall_from - killed_at + stall:.2f}s after the "
             f"kill); all published in {published_s:.1f}s, all stored in {stored_s:.1f}s; "
             f"redeliveries found already stored: {sum(c.already_stored for c in counters)}"
+        )
+
+
+@pytest.mark.nats_semantics
+@pytest.mark.timeout(180)
+async def test_produce_command_rides_out_a_leader_kill_at_start(nodes, tmp_path, capsys):
+    """`agentarium produce` started the moment the TASKS leader is SIGKILLed: its start-up
+    requests (stream checks) meet the election and wait for it, as its publishes do."""
+    topo = Topology()
+    await wait_healthy(list(nodes.values()))
+    admin = await connect(nodes, "test-admin")
+    js = admin.jetstream()
+    try:
+        await provision(js, topo, Limits(replicas=3))
+        jobs = 64 * 4
+        task_file = tmp_path / "tasks.jsonl"
+        task_file.write_text(
+            "".join(f'{{"task_id": "t{i}", "prompt": "say {i}"}}\n' for i in range(64))
+        )
+        victim = nodes[(await js.stream_info(topo.tasks_stream)).cluster.leader]
+        produce = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "agentarium",
+                "produce",
+                "--agent",
+                "echo",
+                "--file",
+                str(task_file),
+                "--group-size",
+                "4",
+                "--run",
+                "election",
+                "--nats-url",
+                ",".join(n.url for n in nodes.values()),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=child_env(),
+        )
+        victim.server.kill()  # while produce imports, connects and checks the streams
+        out, err = await asyncio.to_thread(produce.communicate, timeout=120)
+        assert produce.returncode == 0, err[-3000:]
+        assert f"jobs={jobs} published={jobs} duplicates=0" in out, out
+        waited = "broker unavailable; waiting for it" in err
+
+        async def stored() -> list[str]:
+            info = await js.stream_info(topo.tasks_stream)
+            ids = []
+            for seq in range(info.state.first_seq, info.state.last_seq + 1):
+                raw = await js.get_msg(topo.tasks_stream, seq)
+                ids.append(decode(Job, raw.data).job_id)
+            return ids
+
+        ids = await until(stored, 30, "the TASKS stream answers again")
+        assert len(ids) == len(set(ids)) == jobs, (len(ids), len(set(ids)))
+    finally:
+        await admin.close()
+    with capsys.disabled():
+        print(
+            f"\n[cluster] produce started as the TASKS leader {victim.name} was killed: exit 0, "
+            f"{jobs} jobs stored once each; its start-up "
+            + ("met the election and waited for it" if waited else "missed the election")
         )

@@ -13,16 +13,19 @@ import yaml
 from structlog.testing import capture_logs
 
 from agentarium.cli import build_parser
-from agentarium.commands import consumer_cmd, trainer_cmd
+from agentarium.commands import consumer_cmd, env_cmd, trainer_cmd
 from agentarium.commands.config_file import ConfigError, read_config_file
 from broker import NatsSettings
 
 
 def subparser(name: str) -> argparse.ArgumentParser:
-    for action in build_parser()._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return action.choices[name]
-    raise AssertionError("the CLI has no commands")
+    """The parser of ``name``, a command or a command group's command (``env serve``)."""
+    parser = build_parser()
+    for word in name.split():
+        parser = next(
+            a for a in parser._actions if isinstance(a, argparse._SubParsersAction)
+        ).choices[word]
+    return parser
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -130,9 +133,14 @@ def test_a_bad_override_is_refused_with_a_suggestion(override, expected):
     assert expected in str(err.value), str(err.value)
 
 
-@pytest.mark.parametrize("command", ["trainer", "consumer"])
+@pytest.mark.parametrize("command", ["trainer", "consumer", "env serve", "env bridge"])
 def test_every_flag_has_a_key_and_every_key_a_flag(command):
-    keys = {"trainer": trainer_cmd.KEYS, "consumer": consumer_cmd.KEYS}[command]
+    keys = {
+        "trainer": trainer_cmd.KEYS,
+        "consumer": consumer_cmd.KEYS,
+        "env serve": env_cmd.KEYS,
+        "env bridge": env_cmd.BRIDGE_KEYS,
+    }[command]
     flagged = {
         a.dest: a
         for a in subparser(command)._actions

@@ -96,6 +96,12 @@ CASES = [
     ),
     ("backoff below the cap", CAPPED, Event.AGENT_ERROR, 3, 2, failed(4.0)),
     ("backoff capped", CAPPED, Event.AGENT_ERROR, 9, 8, failed(5.0)),
+    # -- an environment service failed under it: counted, retried, the last attempt stored
+    ("environment unavailable, 1st of 3", THREE, Event.ENV_UNAVAILABLE, 1, 0, failed(1.0)),
+    ("environment unavailable, 2nd: doubled", THREE, Event.ENV_UNAVAILABLE, 2, 1, failed(2.0)),
+    ("environment unavailable, 3rd of 3: stored", THREE, Event.ENV_UNAVAILABLE, 3, 2, ack()),
+    ("environment unavailable after lost ones", THREE, Event.ENV_UNAVAILABLE, 6, 1, failed(2.0)),
+    ("environment unavailable, one attempt", ONE, Event.ENV_UNAVAILABLE, 1, 0, ack()),
     # -- the worker raised: another delivery (a lost one) while there is one, at the base delay
     ("worker error", THREE, Event.WORKER_ERROR, 1, 0, nak(1.0)),
     ("worker error, last attempt", THREE, Event.WORKER_ERROR, 3, 2, nak(1.0)),
@@ -134,7 +140,8 @@ def test_no_decision_strands_a_job(attempts):
         if decision.action is Action.NAK:
             assert delivery < policy.max_deliver, (event, delivery)
             assert decision.delay_s >= 0
-            assert decision.count_failure == (event is Event.AGENT_ERROR)
+            # a run that failed is counted; a lost delivery (worker error, drain) is not
+            assert decision.count_failure == (event in (Event.AGENT_ERROR, Event.ENV_UNAVAILABLE))
         if decision.action is Action.RUN:
             assert event is Event.RECEIVED and delivery < policy.max_deliver
         if decision.action is Action.DEAD_LETTER:

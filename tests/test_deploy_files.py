@@ -83,7 +83,10 @@ def flag(argv: list[str], name: str) -> str:
 
 
 def _argv(line: str) -> list[str]:
-    return [_substitute(t) for t in shlex.split(line.rstrip("\\ "))]
+    words = shlex.split(line.rstrip("\\ "))
+    if words and words[-1] == "&":  # a shell snippet's background job: not the command's
+        words.pop()
+    return [_substitute(t) for t in words]
 
 
 def command_lines() -> list[tuple[str, list[str]]]:
@@ -497,6 +500,8 @@ def test_compose_services_serve_metrics_where_prometheus_scrapes_them():
     for service in SERVES_METRICS:
         port = flag(SERVICES[service]["command"], "--metrics-port")
         assert scrape_targets(f"agentarium-{service}") == [f"{service}:{port}"], service
+    port = flag(SERVICES["env-sql"]["command"], "--metrics-port")
+    assert scrape_targets("agentarium-env-sql") == [f"env-sql:{port}"]  # environment workers
     # both engines answer as `llm`, on the CLI's port; SGLang only with --enable-metrics
     assert scrape_targets("agentarium-engine") == [f"llm:{engine_port}"]
     assert "--enable-metrics" in SERVICES["sglang"]["command"]
@@ -822,6 +827,7 @@ def test_nats_configs_are_accepted_by_nats_server(conf, tmp_path):
                 "SYNC",
                 "ORCHESTRATOR",
                 "DASHBOARD",
+                "ENVIRONMENT",
             )
         },
     }
@@ -868,13 +874,16 @@ def test_auth_config_keeps_secrets_out_and_gives_every_role_its_inbox():
         "sync",
         "orchestrator",
         "dashboard",
+        "environment",
     }
     for user, password, perms in users:
         assert password == f"$AGENTARIUM_{user.upper()}_PASSWORD", (
             f"{user}'s password must come from the environment"
         )
         block = re.search(rf"\n  {perms} = \{{(.*?)\n  \}}", text, re.S).group(1)
-        assert "_INBOX.>" in block or 'subscribe: ">"' in block, user
+        # a role that only answers requests (an environment worker) makes none: no inbox
+        responder = "allow_responses: true" in block and not re.search(r"^\s*publish:", block, re.M)
+        assert "_INBOX.>" in block or 'subscribe: ">"' in block or responder, user
 
 
 # ---- waiting for broker init on Kubernetes ---------------------------------------------------------
@@ -887,10 +896,14 @@ def test_k8s_nats_clients_wait_for_broker_init():
         if doc["kind"] != "Deployment":
             continue
         pod = doc["spec"]["template"]["spec"]
+        # The engine does not talk to NATS; an environment worker uses no stream (core NATS
+        # request/reply only), so it has nothing to wait for, and its role could not look.
         talks_to_nats = [
             c
             for c in pod["containers"]
-            if c["image"] == AGENTARIUM_IMAGE and c["args"][0] != "engine"
+            if c["image"] == AGENTARIUM_IMAGE
+            and c["args"][0] != "engine"
+            and c["args"][:2] != ["env", "serve"]
         ]
         if not talks_to_nats:
             continue

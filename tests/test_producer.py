@@ -147,6 +147,7 @@ async def test_one_bad_job_in_a_list_publishes_nothing(js, topology):
 # publishing
 
 
+@pytest.mark.nats_semantics
 async def test_resubmitting_a_batch_adds_nothing(js, topology):
     producer = TaskProducer(js, topology)
     first = await producer.submit("calc", tasks(5), run="r1", group_size=3)
@@ -182,6 +183,7 @@ async def test_stored_jobs_match_the_exported_json_schema(js, topology):
         validator.validate({"job_id": "a.b", "agent": "calc", "task": {}})
 
 
+@pytest.mark.nats_semantics
 async def test_full_stream_backpressure_waits_and_loses_nothing(js, topology, warnings_seen):
     events, warned = warnings_seen
     await provision(js, topology, Limits(tasks_max_msgs=10), agents=("bp",))
@@ -212,6 +214,7 @@ async def test_full_stream_backpressure_waits_and_loses_nothing(js, topology, wa
     assert len(full) == 1  # once per episode, not once per retry
 
 
+@pytest.mark.nats_semantics
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("how", ["stop", "kill"])
 async def test_broker_restart_during_submit_stores_every_job_once(nats_server, js, topology, how):
@@ -269,11 +272,13 @@ async def test_traceparent_carries_the_publish_span(js, topology, span_exporter)
         assert span.attributes["agentarium.run"] == "traced"
 
 
+@pytest.mark.nats_semantics
 async def test_missing_stream_is_a_clear_error(nc, topology):
     with pytest.raises(StreamMissing, match="broker init"):
         await TaskProducer(nc.jetstream(), topology, retry=FAST).submit("calc", tasks(3), run="r")
 
 
+@pytest.mark.nats_semantics
 async def test_a_refusal_that_retrying_cannot_fix_names_the_job(js, topology):
     config = (await js.stream_info(topology.tasks_stream)).config
     config.max_msg_size = 1024
@@ -308,6 +313,7 @@ def summary(out: str) -> str:
     return next(line for line in out.splitlines() if line.startswith("run="))
 
 
+@pytest.mark.nats_semantics
 async def test_produce_command_on_a_fresh_broker(settings, topology, tmp_path, capsys):
     path = tmp_path / "tasks.jsonl"
     path.write_text('{"id": 1, "q": "1+1"}\n\n{"id": 2, "q": "2+2"}\n   \n{"q": "3+3"}\n')

@@ -5,7 +5,11 @@ to start)."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
+import structlog
 from orchestrator_env import ThreadedFake
 
 from agentarium import AgentOrchestrator
@@ -69,3 +73,92 @@ def test_seed_langchain_agent_on_ray_actors(ray_cluster, nats_url):
     assert batch["responses"][:, :3].tolist() == [OUTPUT] * 4
     assert batch["token_level_scores"][:, 2].tolist() == [1.0, 1.0, 0.0, 0.0]
     assert metrics["langchain/success_rate"] == 0.5
+
+
+def orchestrator(fake, nats_url, ray_config):
+    return AgentOrchestrator(
+        server_addresses=[fake.url],
+        nats_url=nats_url,
+        ray_config=ray_config,
+        advertise_host="127.0.0.1",
+        progress=False,
+    )
+
+
+TASKS = [{"prompt": "What is 6 x 7?", "answer": "42"}, {"prompt": "2 + 3?", "answer": "5"}]
+
+
+def test_a_ray_config_that_leaves_no_cpu_for_agent_tasks_is_refused(ray_cluster, nats_url):
+    with (
+        ThreadedFake(output_ids=OUTPUT, text="42") as fake,
+        orchestrator(fake, nats_url, {"num_cpus": 2}) as orch,
+    ):
+        with pytest.raises(ValueError) as refused:
+            orch.register_agent_type("langchain", rollout, None, "tiny")
+    message = str(refused.value)
+    assert "needing 0.1 CPU" in message and "hold 2 of the Ray cluster's 2 CPU" in message
+    assert "lower ray_config num_cpus" in message
+
+
+def test_agent_tasks_behind_the_actors_own_cpus_fail_the_wait_within_seconds(ray_cluster, nats_url):
+    from agentarium.orchestrator.ray_resources import AgentTasksUnschedulable
+
+    with (
+        ThreadedFake(output_ids=OUTPUT, text="42") as fake,
+        orchestrator(fake, nats_url, {"num_cpus": 2, "check_resources": False}) as orch,
+    ):
+        orch.register_agent_type("langchain", rollout, None, "tiny")
+        orch.initialize_batch_processing(data=TASKS, is_train=True)
+        started = time.monotonic()
+        with pytest.raises(AgentTasksUnschedulable) as stalled:
+            orch.wait_for_batch_completion(timeout=60)
+        took = time.monotonic() - started
+    message = str(stalled.value)
+    assert "cannot be scheduled" in message and "consumer actors hold 2" in message
+    assert "'langchain' 0.1 CPU" in message and "2 trajectories missing" in message
+    assert took < 20, took
+
+
+def test_agent_tasks_waiting_on_another_workload_are_named_then_run(ray_cluster, nats_url):
+    """Something else holds the CPUs: a warning in words within seconds, and the batch
+    completes once they are freed (the orchestrator cannot tell it from long rollouts)."""
+    warned = threading.Event()
+    events: list[dict] = []
+
+    def capture(_logger, method, event_dict):
+        events.append(event_dict)
+        if event_dict.get("event") == "agent tasks wait for a CPU":
+            warned.set()
+        raise structlog.DropEvent
+
+    @ray.remote(num_cpus=1.9)
+    class Hog:
+        def ping(self):
+            return True
+
+    hog = Hog.remote()
+    ray.get(hog.ping.remote(), timeout=60)
+    old = structlog.get_config()
+    structlog.configure(processors=[capture], wrapper_class=structlog.BoundLogger)
+    try:
+        with (
+            ThreadedFake(output_ids=OUTPUT, text="42") as fake,
+            orchestrator(fake, nats_url, {"num_cpus": 0.1}) as orch,
+        ):
+            orch.register_agent_type("langchain", rollout, None, "tiny")
+            orch.initialize_batch_processing(data=TASKS, is_train=True)
+            result: dict = {}
+            waiter = threading.Thread(
+                target=lambda: result.update(orch.wait_for_batch_completion(timeout=90))
+            )
+            waiter.start()
+            assert warned.wait(20), [e.get("event") for e in events]
+            ray.kill(hog)
+            waiter.join(90)
+            assert result.get("ok") == 2, result
+    finally:
+        structlog.configure(**old)
+        ray.kill(hog)
+    [warning] = [e for e in events if e.get("event") == "agent tasks wait for a CPU"]
+    assert "0 of 2 CPU free, the consumer actors hold 0.1" in warning["detail"]
+    assert "other tasks and actors 1.9" in warning["detail"]

@@ -56,6 +56,7 @@ async def reader_consumers(js, topology) -> list[str]:
     return [c.name for c in await js.consumers_info(topology.trajectories_stream)]
 
 
+@pytest.mark.nats_semantics
 async def test_read_returns_what_is_stored_with_filters(js, topology):
     await store(
         js,
@@ -79,6 +80,7 @@ async def test_read_returns_what_is_stored_with_filters(js, topology):
     assert await reader_consumers(js, topology) == []  # every read cleans up its consumer
 
 
+@pytest.mark.nats_semantics
 async def test_read_spans_many_batches(js, topology):
     await store(js, topology, *(trajectory("big", "a", f"j{i}") for i in range(700)))
     reader = TrajectoryReader(js, topology, batch=64)
@@ -116,6 +118,7 @@ async def test_get_returns_one_job_or_none(js, topology):
     assert await reader.get("r", "b", "j1") is None
 
 
+@pytest.mark.nats_semantics
 async def test_wait_for_returns_when_all_jobs_have_landed(js, topology):
     await store(js, topology, trajectory("w", "a", "early"), trajectory("w", "a", "unrelated"))
     reader = TrajectoryReader(js, topology)
@@ -146,6 +149,7 @@ async def test_wait_for_times_out_saying_how_many_are_missing(js, topology):
         await reader.wait_for("t", ["here", "gone1", "gone2"], timeout=0.3)
 
 
+@pytest.mark.nats_semantics
 async def test_follow_yields_stored_then_new_until_stopped(js, topology):
     await store(js, topology, trajectory("f", "a", "j0"), trajectory("f", "a", "j1"))
     reader = TrajectoryReader(js, topology)
@@ -163,6 +167,7 @@ async def test_follow_yields_stored_then_new_until_stopped(js, topology):
     assert await reader_consumers(js, topology) == []
 
 
+@pytest.mark.nats_semantics
 async def test_a_broker_without_streams_is_a_clear_error(nc, topology):
     reader = TrajectoryReader(nc.jetstream(), topology)
     with pytest.raises(StreamMissing, match="broker init"):

@@ -221,7 +221,8 @@ async def test_a_sleeping_command_is_killed_at_the_wall_limit_with_its_group(ope
         result.messages[0]["content"]
         == "(no output)\n[stopped: it ran past the wall-time limit (1 s)]"
     )
-    left = await env.step(bash("ps -eo args | grep -c '^sleep 60' || true"))
+    # this session's uid only: other sessions (other tests, other runs) may sleep too
+    left = await env.step(bash("ps -u $(id -u) -o args | grep -c '^sleep 60' || true"))
     assert left.messages[0]["content"].startswith("0\n")
 
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from broker import read_tail
 
 
+@pytest.mark.nats_semantics
 async def test_reads_the_newest_then_only_what_came_next(js, topology):
     subject = topology.metrics_subject("r1")
     for step in range(1, 11):
@@ -27,6 +30,7 @@ async def test_reads_the_newest_then_only_what_came_next(js, topology):
     assert [c async for c in _consumers(js, topology.metrics_stream)] == []
 
 
+@pytest.mark.nats_semantics
 async def test_a_filter_that_matches_nothing_moves_past_the_window(js, topology):
     await js.publish(topology.metrics_subject("a"), b"{}")
     tail = await read_tail(

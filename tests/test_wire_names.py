@@ -33,11 +33,18 @@ def test_default_prefix_names():
     assert t.dead_subject("bad name") == "agentarium.dead._invalid"
     assert t.rollout_consumer("calc") == "rollout-calc"
     assert t.metrics_subject("r1") == "agentarium.metrics.r1"
+    # a worker's registry entry written directly with its own TTL (nats-server 2.11+)
+    assert t.worker_subject("w1") == "$KV.agentarium-workers.w1"
     # the syncer's engine record: <run>.<16 hex of the URL's sha256>
     assert engine_key("r1", "http://127.0.0.1:30000") == "r1.0efdded5ae1f69f9"
     assert t.trainer_consumer("r1", "calc") == "trainer-r1-calc"
     assert t.legacy_trainer_consumer("r1") == "trainer-r1"  # adopted once, then deleted
     assert t.agent_of_subject("agentarium.tasks.calc") == "calc"
+    # environment services: start through the queue group, then the session's own subject
+    assert t.env_service("sql") == "agentarium-env-sql"  # micro service name = queue group
+    assert t.env_start_subject("sql") == "agentarium.env.sql.start"
+    assert t.env_session_subject("sql", "h-1-ab", "s1") == "agentarium.env.sql.s.h-1-ab.s1"
+    assert t.env_sessions_filter("sql", "h-1-ab") == "agentarium.env.sql.s.h-1-ab.*"
     assert object_name("r1", 3) == "r1/v3"  # object store name; the policy KV key is the run
     # failed runs per job, so that lost deliveries spend no attempt
     assert t.attempts_bucket == "agentarium-attempts"

@@ -55,6 +55,7 @@ async def dead_letters(js, topology) -> list[DeadLetter]:
     return [decode(DeadLetter, m.data) for m in msgs]
 
 
+@pytest.mark.nats_semantics
 async def test_minimal_json_job_from_plain_nats_py_is_a_group_of_one(js, topology, fake):
     # Published with nats-py alone: no SDK, JSON, only the three required fields.
     await js.publish(
@@ -80,6 +81,7 @@ async def test_minimal_json_job_from_plain_nats_py_is_a_group_of_one(js, topolog
     assert (await js.stream_info(topology.tasks_stream)).state.messages == 0
 
 
+@pytest.mark.nats_semantics
 async def test_sdk_batch_groups_and_republish_adds_nothing(js, topology, fake):
     producer = TaskProducer(js, topology)
     tasks = [{"task_id": f"t{i}", "prompt": f"p{i}"} for i in range(4)]
@@ -105,6 +107,7 @@ async def test_sdk_batch_groups_and_republish_adds_nothing(js, topology, fake):
     assert len(groups) == 4 and all(sorted(v) == [0, 1, 2] for v in groups.values())
 
 
+@pytest.mark.nats_semantics
 async def test_bad_jobs_are_dead_lettered_and_free_a_full_queue(js, topology, fake):
     await provision(js, topology, Limits(tasks_max_msgs=5))
     subject = topology.tasks_subject("echo")
@@ -140,6 +143,7 @@ async def test_bad_jobs_are_dead_lettered_and_free_a_full_queue(js, topology, fa
     assert sum(1 for letter in letters if letter.raw) == 4  # invalid ones keep their raw bytes
 
 
+@pytest.mark.nats_semantics
 async def test_agent_that_always_raises_is_retried_then_dead_lettered(js, topology, fake):
     producer = TaskProducer(js, topology)
     result = await producer.submit("boom", [{"n": 1}, {"n": 2}], run="r-boom")
@@ -320,6 +324,7 @@ def _contains(haystack: list[int], needle: list[int]) -> bool:
     return any(haystack[i : i + n] == needle for i in range(len(haystack) - n + 1))
 
 
+@pytest.mark.nats_semantics
 async def test_sigterm_style_stop_drains_in_flight_jobs(js, topology, fake):
     await TaskProducer(js, topology).submit(
         "slow", [{"n": i, "sleep": 0.5} for i in range(4)], run="drain"
@@ -346,6 +351,7 @@ async def test_agent_spans_nest_under_the_rollout_span(js, topology, fake, span_
     )
 
 
+@pytest.mark.nats_semantics
 async def test_worker_started_while_the_broker_restarts_waits_for_it(
     js, topology, nats_server, fake
 ):
@@ -360,6 +366,7 @@ async def test_worker_started_while_the_broker_restarts_waits_for_it(
     assert counters.ok == 1
 
 
+@pytest.mark.nats_semantics
 async def test_rollouts_longer_than_ack_wait_are_heartbeated_not_redelivered(js, topology, fake):
     await TaskProducer(js, topology).submit("slow", [{"n": 0, "sleep": 4.5}], run="long")
     async with worker_for(js, "slow", agentlib.slow, [fake.url], ack_wait=3.0) as w:
@@ -371,6 +378,7 @@ async def test_rollouts_longer_than_ack_wait_are_heartbeated_not_redelivered(js,
     assert info.num_redelivered == 0
 
 
+@pytest.mark.nats_semantics
 async def test_an_oversized_undecodable_job_is_dead_lettered_not_stranded(js, topology, fake):
     garbage = b"\xc1" * 800_000  # its base64 alone would exceed the server's 1 MiB max payload
     await js.publish(topology.tasks_subject("echo"), garbage)
@@ -382,6 +390,7 @@ async def test_an_oversized_undecodable_job_is_dead_lettered_not_stranded(js, to
     assert (await js.stream_info(topology.tasks_stream)).state.messages == 0
 
 
+@pytest.mark.nats_semantics
 async def test_workers_adopt_the_shared_consumers_attempts(js, topology, fake):
     # An operator set one attempt for this agent; a worker started with --attempts 3 follows it,
     # so the job's last delivery is judged the same way by every worker.
@@ -406,6 +415,7 @@ async def lose_deliveries(js, topology, agent: str, times: int) -> None:
     await sub.unsubscribe()
 
 
+@pytest.mark.nats_semantics
 async def test_lost_deliveries_spend_no_attempt(js, topology, fake):
     # Found by tests/chaos: three consumers SIGKILLed in turn dead-lettered the jobs each of
     # them held (max_deliveries), though no run of those jobs had failed.
@@ -419,6 +429,7 @@ async def test_lost_deliveries_spend_no_attempt(js, topology, fake):
     assert traj.status == "ok" and traj.attempts == 4  # the fourth delivery ran it
 
 
+@pytest.mark.nats_semantics
 async def test_failed_runs_are_counted_across_lost_deliveries(js, topology, fake):
     await provision(js, topology, Limits(attempts=2), agents=("boom",))
     result = await TaskProducer(js, topology).submit("boom", [{"n": 1}], run="counted")

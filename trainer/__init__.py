@@ -1,5 +1,5 @@
 """The asynchronous GRPO trainer: collector, GRPO math, step, checkpoints, metrics and
-experiment trackers, weight publishing and the weight syncer (see docs/design.md, "The trainer").
+experiment trackers, weight publishing and streaming, and the weight syncer (see docs/design.md, "The trainer").
 
 ``import trainer`` stays light (no torch): the names that need torch load on first use. The
 torch-free trajectory -> token rows rules (trainer/rows.py) are shared with the verl tensorizer
@@ -33,6 +33,7 @@ from .rows import (
 )
 from .sync import PAUSE_MODES, SyncConfig, WeightSyncer
 from .trackers import TRACKERS
+from .weight_stream import WEIGHT_TRANSPORTS, StreamConfig, stream_publisher
 from .weights import WeightsError, WeightStore
 
 _LAZY = {"Trainer": ".loop"}  # torch + transformers
@@ -46,9 +47,11 @@ __all__ = [
     "STALE_POLICIES",
     "TASK_ADV_NORMS",
     "TRACKERS",
+    "WEIGHT_TRANSPORTS",
     "CheckpointError",
     "DistributedError",
     "PublisherFactory",
+    "StreamConfig",
     "SyncConfig",
     "TokenRow",
     "TrackerError",
@@ -70,6 +73,7 @@ __all__ = [
     "run_sync",
     "run_trainer",
     "store_publisher",
+    "stream_publisher",
 ]
 
 

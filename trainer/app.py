@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from nats.js import JetStreamContext
 
-from broker import MetricsServer, NatsSettings, Topology, ensure_provisioned
+from broker import START_PATIENCE_S, MetricsServer, NatsSettings, Topology, ensure_provisioned
 
 from .config import TrainerConfig
 from .errors import TrainerError
@@ -92,7 +92,7 @@ async def run_trainer(
     try:
         js = nc.jetstream()
         topology = Topology(settings.prefix)
-        await ensure_provisioned(js, topology)
+        await ensure_provisioned(js, topology, patience_s=START_PATIENCE_S)
         publisher = (make_publisher or store_publisher())(js, topology, config)
         from .loop import Trainer
 
@@ -119,6 +119,9 @@ async def run_trainer(
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
+            close = getattr(publisher, "close", None)  # a streaming publisher leaves its group
+            if close is not None:
+                await close()
     finally:
         if metrics is not None:
             await metrics.close()
@@ -146,7 +149,7 @@ async def run_sync(
     try:
         js = nc.jetstream()
         topology = Topology(settings.prefix)
-        await ensure_provisioned(js, topology)
+        await ensure_provisioned(js, topology, patience_s=START_PATIENCE_S)
         syncer = WeightSyncer(js, config, topology=topology)
         if metrics is not None:
             metrics.readiness("nats", lambda: nc.is_connected)

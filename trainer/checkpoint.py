@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle  # for UnpicklingError only: a weights_only load refusing a payload raises it
 import random
 import shutil
 import time
@@ -103,7 +104,7 @@ class Checkpoints:
                 path / "optimizer.pt", map_location=map_location, weights_only=True
             )
             rng = torch.load(path / "rng.pt", weights_only=True)
-        except (OSError, ValueError, RuntimeError, KeyError) as exc:
+        except (OSError, ValueError, RuntimeError, KeyError, pickle.UnpicklingError) as exc:
             raise CheckpointError(
                 f"checkpoint {path} is unreadable ({exc}): delete it to resume from the one "
                 "before, or start without --resume"

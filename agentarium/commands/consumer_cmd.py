@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import structlog
 
@@ -23,6 +24,7 @@ from consumers import (
     FleetPolicy,
     LLMTarget,
     default_worker_id,
+    env_agent,
     load_callable,
     normalize_urls,
 )
@@ -52,8 +54,12 @@ log = structlog.get_logger("agentarium.cli")
 class ConsumerConfig:
     """The consumer command's settings; ``ConsumerSpec`` is built from them."""
 
-    agent: str  # NAME=module:function
+    agent: str  # NAME=module:function, or NAME with env
     llm: tuple[str, ...]
+    # The generic function-call agent (consumers/env_agent.py) on this environment, for a
+    # bare agent NAME; max_turns: its model calls per rollout.
+    env: str | None = None
+    max_turns: int = 10
     model: str = "tiny"
     model_name: str | None = None
     concurrency: int = 32
@@ -84,24 +90,46 @@ class ConsumerConfig:
 KEYS = ConfigKeys.of("consumer", ConsumerConfig, keyless={**connection_flags(), **metrics_flags()})
 
 
-def parse_agent(value: str) -> tuple[str, str]:
+def parse_agent(value: str, env: str | None = None) -> tuple[str, str]:
+    """``NAME=module:function`` -> (NAME, module:function); a bare NAME with ``env`` -> (NAME,
+    "") for the generic function-call agent on that environment."""
     name, sep, spec = value.partition("=")
-    if not sep:
+    if sep and env:
         raise ValueError(
-            f"--agent {value!r}: write NAME=module:function, e.g. toy=examples.toy:rollout"
+            f"--agent {value!r} names its own rollout function, and --env {env} asks for the "
+            f"generic function-call agent: pass --agent {name} --env {env}, or drop --env"
+        )
+    if not sep and not env:
+        raise ValueError(
+            f"--agent {value!r}: write NAME=module:function, e.g. toy=examples.toy:rollout, "
+            f"or NAME with --env ENV for the generic agent on an environment (--agent {value} "
+            "--env sql)"
         )
     try:
         check_name(name, "agent")
+        if env:
+            check_name(env, "env")
     except SchemaError as exc:
         raise ValueError(str(exc)) from None
     return name, spec
+
+
+def build_agent(config: ConsumerConfig) -> tuple[str, Any]:
+    """The agent's name and callable: the generic agent with ``env``, else the imported
+    function (``load_callable``)."""
+    name, spec_text = parse_agent(config.agent, config.env)
+    if config.env:
+        return name, env_agent(config.env, max_turns=config.max_turns)
+    return name, load_callable(spec_text, "agent")
 
 
 def config_from_args(args: argparse.Namespace) -> tuple[ConsumerConfig, dict]:
     """The settings from defaults, --config, flags and overrides, and where they came from."""
     resolved = resolve(args, KEYS)
     config = ConsumerConfig(**resolved.pick(ConsumerConfig))
-    parse_agent(config.agent)
+    parse_agent(config.agent, config.env)
+    if config.max_turns < 1:
+        raise ValueError(f"--max-turns must be >= 1, got {config.max_turns}")
     if not normalize_urls(config.llm):
         raise ValueError("no LLM server: pass --llm URL (repeat it for a fleet) or set llm:")
     if not 0.0 <= config.cross_ratio <= 1.0:
@@ -116,8 +144,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[ConsumerConfig, dict]:
 async def consume(args: argparse.Namespace, config: ConsumerConfig, source: dict) -> int:
     settings = settings_from_args(args)
     try:
-        name, spec_text = parse_agent(config.agent)
-        fn = load_callable(spec_text, "agent")
+        name, fn = build_agent(config)
         agent = AgentSpec.of(fn, name)
         reward_fn = load_callable(config.reward, "reward function") if config.reward else None
         model_dir = resolve_model(config.model)
@@ -204,7 +231,7 @@ def format_counters(counters: Counters) -> str:
 
 def cmd_consumer(args: argparse.Namespace) -> int:
     config, source = config_from_args(args)  # a ValueError: `error: ...`, exit 2 (agentarium.cli)
-    name = parse_agent(config.agent)[0]
+    name = parse_agent(config.agent, config.env)[0]
     return run_async(lambda: consume(args, config, source), service=f"agentarium-consumer-{name}")
 
 
@@ -214,6 +241,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="run a rollout worker for one agent",
         description="Pull jobs for one agent from JetStream, run the agent with a tracing LLM client, and store "
         "one trajectory per job. Any number of consumers may run on the same agent and share its queue. "
+        "With --env ENV and a bare --agent NAME, the agent is the generic function-call agent on an "
+        "environment service (agentarium env serve ENV): no code of yours runs. "
         "SIGTERM drains: no new jobs, in-flight ones finish within --drain-grace, the rest are released. "
         "Settings may come from --config FILE.yaml and KEY=VALUE overrides (defaults < file < flags < "
         "overrides); the resolved ones are logged once.",
@@ -221,9 +250,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--agent",
         required=True,
-        metavar="NAME=module:function",
+        metavar="NAME=module:function|NAME",
         help="agent name and its rollout function, e.g. toy=examples.toy:rollout. The function is "
-        "rollout(task, llm) (async or not) or rollout(task, endpoint, model), or a Ray remote function",
+        "rollout(task, llm) (async or not) or rollout(task, endpoint, model), or a Ray remote "
+        "function. A bare NAME with --env runs the generic function-call agent instead",
+    )
+    p.add_argument(
+        "--env",
+        default=None,
+        metavar="ENV",
+        help="run the generic function-call agent on environment ENV (`agentarium env serve "
+        "ENV`), no code needed: each job's task opens a session, the model calls the "
+        "environment's tools until it is done or --max-turns, and the reward is the session's "
+        "score. Give --agent a bare NAME with it, e.g. --agent db --env sql",
+    )
+    p.add_argument(
+        "--max-turns",
+        type=int,
+        default=10,
+        metavar="N",
+        help="with --env: model calls per rollout before the episode is cut (truncated, scored "
+        "as the environment scores it at close) (default %(default)s)",
     )
     p.add_argument(
         "--llm",

@@ -131,6 +131,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(default: the trainer's)",
     )
     p.add_argument(
+        "--sync-rollouts",
+        action="store_true",
+        help="synchronous training: one step's tasks at a time, the next released only once the "
+        "engine serves the weights trained on the last (the trainer's --sync-rollouts; --ahead "
+        "and --max-staleness do not apply)",
+    )
+    p.add_argument(
         "--rollouts-only",
         action="store_true",
         help="no training: publish --tasks once and wait for every trajectory",

@@ -35,6 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "engine",
         help="serve a model on the CPU with SGLang's HTTP API (the local engine)",
         description="The local CPU engine: torch + transformers behind SGLang's /generate, /health, /model_info, "
+        "/init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group, "
         "/update_weights_from_disk, /pause_generation and /continue_generation, batching concurrent requests; "
         "Prometheus metrics on the same port at /metrics (as SGLang's --enable-metrics). "
         "Prints 'engine ready on http://HOST:PORT' when it listens.",

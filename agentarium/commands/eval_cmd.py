@@ -40,9 +40,19 @@ def cmd_eval_run(args: argparse.Namespace) -> int:
         )
         return 2
     name, fn = args.agent
+    if fn and args.env:
+        print(
+            f"error: --agent {name}={fn} names its own rollout function, and --env {args.env} "
+            f"asks for the generic function-call agent: pass --agent {name} --env {args.env}, "
+            "or drop --env",
+            file=sys.stderr,
+        )
+        return 2
     cfg = EvalConfig(
         agent=name,
         agent_fn=fn,
+        env=args.env,
+        max_turns=args.max_turns,
         tasks_file=Path(args.file),
         k=args.k,
         out_dir=Path(args.out) if args.out else None,
@@ -89,8 +99,21 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
         required=True,
         type=_agent,
         metavar="NAME[=module:function]",
-        help="the agent; with =module:function the rollouts run in this process, "
+        help="the agent; with =module:function (or --env) the rollouts run in this process, "
         "otherwise on running `agentarium consumer` services for NAME",
+    )
+    p.add_argument(
+        "--env",
+        metavar="ENV",
+        help="the rollouts run in this process with the generic function-call agent on "
+        "environment ENV (`agentarium env serve ENV`); --agent is then a bare NAME",
+    )
+    p.add_argument(
+        "--max-turns",
+        type=int,
+        default=10,
+        metavar="N",
+        help="with --env: model calls per rollout (default 10)",
     )
     p.add_argument(
         "--file",

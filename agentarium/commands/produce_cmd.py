@@ -10,7 +10,7 @@ from typing import IO
 
 import structlog
 
-from broker import NatsSettings, Topology, ensure_streams
+from broker import START_PATIENCE_S, NatsSettings, Topology, ensure_streams
 from producers import ProducerError, TaskFile, TaskProducer, agent_of, expand_tasks, read_task_file
 from schemas import Sampling, SchemaError, check_name
 
@@ -217,7 +217,8 @@ async def run_produce(args: argparse.Namespace, settings: NatsSettings) -> int:
     )
     async with producer:
         # Create what a fresh broker lacks; never reset limits an operator set with broker init.
-        created = await ensure_streams(producer.js, topology)
+        # A leader election under way is waited out, as the publishes below wait it out.
+        created = await ensure_streams(producer.js, topology, patience_s=START_PATIENCE_S)
         if created:
             print(f"produce: created {', '.join(created)}", file=sys.stderr)
         try:

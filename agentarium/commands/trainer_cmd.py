@@ -14,7 +14,15 @@ from pathlib import Path
 
 import trainer
 from broker import NatsSettings
-from trainer import LOSS_AGGS, MULTI_TURN, TASK_ADV_NORMS, TRACKERS, TrainerConfig
+from trainer import (
+    LOSS_AGGS,
+    MULTI_TURN,
+    TASK_ADV_NORMS,
+    TRACKERS,
+    WEIGHT_TRANSPORTS,
+    StreamConfig,
+    TrainerConfig,
+)
 
 from ..tiny import resolve_model
 from .common import (
@@ -39,8 +47,14 @@ class TrainerProcess:
     """What this trainer process does beside the algorithm (TrainerConfig's fields)."""
 
     max_steps: int | None = None  # counted across resumes; None: until SIGTERM
-    weights_dir: str | None = None  # shared-path mode instead of the weights object store
+    # object-store, shared-path or stream; None: shared-path with weights_dir, else object-store
+    weight_transport: str | None = None
+    weights_dir: str | None = None  # where shared-path writes (stream's stored copy too)
     keep_versions: int = 3
+    stream_engines: tuple[str, ...] = ()  # the engines a stream reaches (their base URLs)
+    stream_address: str | None = None  # how they reach this process; None: found out
+    stream_backend: str | None = None  # gloo or nccl; None: nccl on cuda, else gloo
+    stream_timeout_s: float = 60.0
     publish: bool = True
     torch_threads: int | None = None
 
@@ -248,6 +262,14 @@ def add_trainer_arguments(parser: argparse.ArgumentParser) -> None:
         help="trajectories sampled more than S published versions ago are dropped or importance-weighted (default %(default)s)",
     )
     g.add_argument(
+        "--sync-rollouts",
+        action="store_true",
+        help="synchronous training: train only trajectories of the current version (sets "
+        "--max-staleness 0), publish every step, and wait until the run's engines serve the new "
+        "version before taking the next batch; the producer must release each batch only then "
+        "(agentarium demo --sync-rollouts does)",
+    )
+    g.add_argument(
         "--stale-policy",
         choices=("drop", "tis"),
         default="drop",
@@ -283,9 +305,53 @@ def add_trainer_arguments(parser: argparse.ArgumentParser) -> None:
         help="publish new weights every K steps (default %(default)s)",
     )
     g.add_argument(
+        "--weight-transport",
+        choices=WEIGHT_TRANSPORTS,
+        default=None,
+        help="how new weights reach the engines: object-store (the default: `agentarium sync` "
+        "beside the engines fetches each version), shared-path (files under --weights-dir, "
+        "which the syncers read in place; the default when --weights-dir is given) or stream "
+        "(this process broadcasts each version to the --stream-engine URLs over "
+        "torch.distributed, no file, then stores it as object-store, or shared-path with "
+        "--weights-dir, does: the syncers catch up any engine the stream missed)",
+    )
+    g.add_argument(
         "--weights-dir",
         metavar="DIR",
         help="shared-path mode: write each version under DIR/<run>/v<version>/ (a filesystem the engines' syncers also see) instead of the weights object store",
+    )
+    g.add_argument(
+        "--stream-engine",
+        dest="stream_engines",
+        action=_Append,
+        default=TrainerProcess.__dataclass_fields__["stream_engines"].default,
+        metavar="URL",
+        help="with --weight-transport stream: an engine's base URL (SGLang or the local engine); "
+        "repeat it for every engine",
+    )
+    g.add_argument(
+        "--stream-address",
+        metavar="HOST",
+        help="with --weight-transport stream: the address the engines reach this process at "
+        "(the group's master_address); default 127.0.0.1 when every engine is local, else this "
+        "machine's address on the route to the first engine",
+    )
+    g.add_argument(
+        "--stream-backend",
+        choices=("gloo", "nccl"),
+        default=None,
+        help="with --weight-transport stream: the torch.distributed backend (default: nccl with "
+        "--device cuda, else gloo; the local engine takes gloo only)",
+    )
+    g.add_argument(
+        "--stream-timeout",
+        dest="stream_timeout_s",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="with --weight-transport stream: longest wait for the engines to join the group and "
+        "for each broadcast; an engine that times out keeps its weights until the syncer "
+        "brings it the stored version (default %(default)s)",
     )
     g.add_argument(
         "--keep-versions",
@@ -427,13 +493,11 @@ async def train(args: argparse.Namespace, settings: NatsSettings) -> int:
     except (trainer.TrainerError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    publisher = (
-        trainer.store_publisher(
-            Path(process.weights_dir) if process.weights_dir else None, process.keep_versions
-        )
-        if process.publish
-        else (lambda js, topology, cfg: None)
-    )
+    try:
+        publisher = make_publisher(config, process)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return await trainer.run_trainer(
         config,
         settings,
@@ -447,6 +511,36 @@ async def train(args: argparse.Namespace, settings: NatsSettings) -> int:
     )
 
 
+def make_publisher(config: TrainerConfig, process: TrainerProcess) -> trainer.PublisherFactory:
+    """The publisher of the chosen --weight-transport; ValueError for contradicting settings."""
+    if not process.publish:
+        return lambda js, topology, cfg: None
+    weights_dir = Path(process.weights_dir) if process.weights_dir else None
+    transport = process.weight_transport or ("shared-path" if weights_dir else "object-store")
+    if transport not in WEIGHT_TRANSPORTS:
+        raise ValueError(
+            f"weight_transport {transport!r} is not one of {', '.join(WEIGHT_TRANSPORTS)}"
+        )
+    if transport == "shared-path" and weights_dir is None:
+        raise ValueError("--weight-transport shared-path writes under --weights-dir: pass it")
+    if transport == "object-store" and weights_dir is not None:
+        raise ValueError(
+            "--weights-dir is the shared-path mode's directory: drop it, or pass "
+            "--weight-transport shared-path (or stream)"
+        )
+    if transport != "stream":
+        if process.stream_engines:
+            raise ValueError("--stream-engine is for --weight-transport stream")
+        return trainer.store_publisher(weights_dir, process.keep_versions)
+    stream = StreamConfig(
+        engines=tuple(process.stream_engines),
+        master_address=process.stream_address,
+        backend=process.stream_backend or ("nccl" if config.device == "cuda" else "gloo"),
+        timeout_s=process.stream_timeout_s,
+    )
+    return trainer.stream_publisher(stream, weights_dir, process.keep_versions)
+
+
 def cmd_trainer(args: argparse.Namespace) -> int:
     return run_async(lambda: train(args, settings_from_args(args)), service="agentarium-trainer")
 
@@ -456,7 +550,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "trainer",
         help="asynchronous GRPO on a run's trajectories; publishes new weights",
         description="Group a run's training trajectories by group_id, run asynchronous GRPO updates with torch + "
-        "transformers, publish new weights every --publish-every steps (object store + policy KV), and checkpoint. "
+        "transformers, publish new weights every --publish-every steps (object store + policy KV; or a shared path, "
+        "or streamed to the engines over torch.distributed first: --weight-transport), and checkpoint. "
         "SIGTERM checkpoints and exits 0; --resume continues from the last checkpoint. Settings may come "
         "from --config FILE.yaml and KEY=VALUE overrides (defaults < file < flags < overrides); the "
         "resolved ones are logged once and written to <checkpoint-dir>/config.yaml.",

@@ -11,6 +11,11 @@ Tasks are fed continuously, a little ahead of the trainer, so rollouts never sto
 its own agent name with its own consumer(s), fed in equal proportion, and one trainer started
 with one ``--agent`` per family (agentarium/demo/tasks.py); the report gives each task's reward.
 
+``--sync-rollouts`` trains synchronously, the baseline asynchronous RL is measured against: one
+step's tasks are released at a time, the next only once the engine serves the weights trained on
+the last (read from the engines KV the syncer writes), and the trainer runs with
+``--sync-rollouts``.
+
 ``--rollouts-only`` runs just the rollout half: publish a task file, wait for every trajectory.
 """
 
@@ -27,7 +32,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from broker import NatsServer, NatsSettings, Topology, count_messages, provision, setup_logging
+from broker import (
+    NatsServer,
+    NatsSettings,
+    Topology,
+    count_messages,
+    provision,
+    setup_logging,
+    wait_served,
+)
 from producers import RunSession, expand_tasks, read_task_file
 from trainer import TASK_ADV_NORMS
 
@@ -67,6 +80,9 @@ class DemoConfig:
     task_set: tuple[str, ...] = ()
     # The multi-agent trainer's --task-adv-norm (none | token | trajectory); None: its default.
     task_adv_norm: str | None = None
+    # Synchronous training: one step's tasks at a time, each batch released once the engine
+    # serves the version trained on the previous one (the trainer's --sync-rollouts).
+    sync_rollouts: bool = False
 
     def __post_init__(self) -> None:
         for name in ("steps", "groups_per_step", "group_size", "consumers", "concurrency"):
@@ -88,6 +104,8 @@ class DemoConfig:
             )
         if self.rollouts_only and self.task_set:
             raise ValueError("--rollouts-only publishes --tasks to one agent: drop --task-set")
+        if self.rollouts_only and self.sync_rollouts:
+            raise ValueError("--rollouts-only trains nothing: drop --sync-rollouts")
 
     def agents(self) -> dict[str, str]:
         """Agent name -> module:function of every agent the demo serves."""
@@ -139,9 +157,25 @@ async def _feed_and_watch(args: DemoConfig, url: str, out: Path, trainer: Child)
     row = None
     try:
         while step < args.steps and time.monotonic() < deadline and trainer.proc.poll() is None:
+            if args.sync_rollouts:
+                # Synchronous: batch k+1 only once the engine serves version k, the weights
+                # trained on batch k (version 0, the initial weights, needs no wait). The wait
+                # doubles as the status refresh tick.
+                released = published_groups // args.groups_per_step
+                if released >= args.steps:
+                    await asyncio.sleep(0.5)
+                elif await wait_served(js, topo, args.run, released, timeout=0.5):
+                    for agent, batch in _step_batches(args, rng, published_groups):
+                        await producer.submit(
+                            agent, batch, run=args.run, group_size=args.group_size
+                        )
+                    published_groups += args.groups_per_step
             # Stay `ahead` steps in front of the trainer: enough to keep rollouts busy, few
             # enough that trajectories are not many versions stale when they are trained on.
-            while published_groups < (step + args.ahead) * args.groups_per_step:
+            while (
+                not args.sync_rollouts
+                and published_groups < (step + args.ahead) * args.groups_per_step
+            ):
                 for agent, batch in _step_batches(args, rng, published_groups):
                     await producer.submit(agent, batch, run=args.run, group_size=args.group_size)
                 published_groups += args.groups_per_step
@@ -159,7 +193,8 @@ async def _feed_and_watch(args: DemoConfig, url: str, out: Path, trainer: Child)
             else:
                 info = f"waiting for the first step ({stored} rollouts stored)"
             display.show(step, info)
-            await asyncio.sleep(0.5)  # a status refresh tick, not a wait for an event
+            if not args.sync_rollouts:
+                await asyncio.sleep(0.5)  # a status refresh tick, not a wait for an event
     finally:
         display.close()
         await session.close()
@@ -330,6 +365,7 @@ def trainer_argv(args: DemoConfig, model_dir: Path, out: Path, nats_url: str) ->
         "1",
         "--max-staleness",
         str(args.max_staleness),
+        *(["--sync-rollouts"] if args.sync_rollouts else []),
         "--metrics",
         str(out / "metrics.csv"),
         "--checkpoint-dir",

@@ -8,8 +8,9 @@ trajectory (jobs still queued are deduplicated, jobs in flight in a killed proce
 redelivered), and a finished eval does nothing and says so. ``results.jsonl`` in the output
 directory is rebuilt from the stream on every run and appended to as trajectories arrive.
 
-The rollouts run in this process when the agent is given as ``NAME=module:function`` (with
-``--llm`` SGLang servers, or ``--openai-base`` for an OpenAI-compatible API, text only),
+The rollouts run in this process when the agent is given as ``NAME=module:function``, or as
+``NAME`` with ``--env ENV`` (the generic function-call agent on that environment), with
+``--llm`` SGLang servers, or ``--openai-base`` for an OpenAI-compatible API, text only;
 otherwise on whatever ``agentarium consumer`` services serve the agent.
 """
 
@@ -32,7 +33,9 @@ from consumers import (
     ConsumerService,
     ConsumerSpec,
     CrossTarget,
+    EnvAgent,
     LLMTarget,
+    env_agent,
     load_callable,
     normalize_urls,
 )
@@ -59,6 +62,9 @@ class EvalError(ValueError):
 class EvalConfig:
     agent: str
     agent_fn: str | None  # module:function for an in-process consumer; None: running consumers
+    # The generic function-call agent on this environment, in an in-process consumer.
+    env: str | None = None
+    max_turns: int = 10
     tasks_file: Path
     k: int = 1
     out_dir: Path | None = None
@@ -114,9 +120,10 @@ def read_task_file(path: Path) -> tuple[list[dict], list[str], str]:
 
 def default_run(cfg: EvalConfig, tasks_sha: str) -> str:
     model = cfg.openai_base or ",".join(cfg.llm) or "consumers"
-    blob = json.dumps(
-        [cfg.agent, tasks_sha, cfg.k, model, cfg.model, cfg.cross_model, cfg.cross_ratio]
-    )
+    parts = [cfg.agent, tasks_sha, cfg.k, model, cfg.model, cfg.cross_model, cfg.cross_ratio]
+    if cfg.env:  # an eval without it keeps the run id it always had
+        parts += [cfg.env, cfg.max_turns]
+    blob = json.dumps(parts)
     return f"eval-{cfg.agent}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"[:128]
 
 
@@ -163,12 +170,24 @@ class EvalRun:
         self.primary_name = cfg.model_name or (
             cfg.model if cfg.openai_base else Path(cfg.model).name
         )
-        if cfg.cross_model and not cfg.agent_fn:
+        if cfg.env and cfg.agent_fn:
+            raise EvalError(
+                f"agent {cfg.agent}={cfg.agent_fn} names its own rollout function, and env "
+                f"{cfg.env} asks for the generic function-call agent: pass one or the other"
+            )
+        self.in_process = bool(cfg.agent_fn or cfg.env)
+        self.env_agent: EnvAgent | None = None
+        if cfg.env:
+            try:
+                self.env_agent = env_agent(cfg.env, max_turns=cfg.max_turns)
+            except ValueError as exc:
+                raise EvalError(f"--env {cfg.env!r}: {exc}") from None
+        if cfg.cross_model and not self.in_process:
             raise EvalError(
                 "cross-sampling wraps the consumer's backend, so it needs an in-process "
-                "consumer: pass --agent NAME=module:function"
+                "consumer: pass --agent NAME=module:function (or --env ENV)"
             )
-        if cfg.agent_fn and not (cfg.llm or cfg.openai_base):
+        if self.in_process and not (cfg.llm or cfg.openai_base):
             raise EvalError(
                 "an in-process consumer needs an LLM: pass --llm URL (SGLang or "
                 "`agentarium engine`) or --openai-base URL --model NAME"
@@ -241,7 +260,7 @@ class EvalRun:
                 f"eval run {self.run_id}: {len(pending)} of {len(self.tasks) * cfg.k} "
                 f"(task, attempt) pairs to run" + (f" ({len(final)} kept)" if final else "")
             )
-            if cfg.agent_fn:
+            if self.in_process:
                 consumer = await self._start_consumer(js, topology)
             progress = ProgressBar(len(pending), label="pairs", stream=self.err, every_s=5.0)
             with open(results_path, "a") as sink:
@@ -291,8 +310,8 @@ class EvalRun:
 
     async def _start_consumer(self, js: Any, topology: Topology) -> ConsumerService:
         cfg = self.cfg
-        assert cfg.agent_fn is not None, "run() starts an in-process consumer only with agent_fn"
-        fn = load_callable(cfg.agent_fn, "agent")
+        assert self.in_process, "run() starts an in-process consumer only with agent_fn or env"
+        fn = self.env_agent or load_callable(cfg.agent_fn or "", "agent")
         reward_fn = load_callable(cfg.reward, "reward function") if cfg.reward else None
         if cfg.openai_base:
             target = LLMTarget(

@@ -3,6 +3,7 @@
     orch = AgentOrchestrator(server_addresses=["http://sglang-0:30000"], proxy_port=8123,
                              ray_config={"num_actors": 4}, nats_url="nats://broker:4222")
     orch.register_agent_type("calc", rollout, endpoint=None, model="qwen")
+    orch.register_agent_type("db", env="sql")   # the generic agent on `agentarium env serve sql`
     orch.initialize_batch_processing(data=batch_dict, is_train=True)
     orch.wait_for_batch_completion()
     batch, metrics = orch.generate_training_batch(max_prompt_length=1024,
@@ -26,7 +27,7 @@ from typing import Any
 import structlog
 
 from broker import NatsSettings
-from consumers import AgentSpec, ChatTemplate, ConsumerSpec, LLMTarget
+from consumers import AgentSpec, ChatTemplate, ConsumerSpec, LLMTarget, env_agent
 from schemas import Sampling, Trajectory, check_name
 from trainer import pad_token_id
 
@@ -155,6 +156,8 @@ class AgentOrchestrator:
         *,
         reward_fn: Any = None,
         concurrency: int | None = None,
+        env: str | None = None,
+        max_turns: int | None = None,
     ) -> list[str]:
         """Register an agent and start its consumers; returns their proxy base URLs.
 
@@ -162,11 +165,21 @@ class AgentOrchestrator:
         Ray remote function). ``endpoint``: where this agent's LLM calls go (default: the
         orchestrator's ``server_addresses``; a URL ending in ``/v1`` is an OpenAI-compatible
         server, for evaluation). ``model``: the model name handed to endpoint-style agents.
+        ``env`` instead of ``fn``: the generic function-call agent on that environment service
+        (``agentarium env serve ENV``), at most ``max_turns`` model calls per rollout (None: the
+        agent's default, 10); each row of a batch is the environment's task.
         """
         self._check_open()
         check_name(agent_name, "agent")
         if agent_name in self.agents:
             raise ValueError(f"agent {agent_name!r} is already registered")
+        if env is not None:
+            if fn is not None:
+                raise ValueError(
+                    f"register_agent_type({agent_name!r}): pass fn (your agent) or env (the "
+                    "generic function-call agent on that environment), not both"
+                )
+            fn = env_agent(env) if max_turns is None else env_agent(env, max_turns=max_turns)
         cfg = self.config
         if cfg.external_consumers:
             self.agents[agent_name] = AgentSpec.of(fn, agent_name) if fn is not None else None

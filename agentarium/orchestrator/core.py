@@ -20,11 +20,12 @@ from pathlib import Path
 import structlog
 
 from broker import Limits, NatsServer, NatsSettings, Topology
-from consumers import ChatTemplate, ConsumerService, ConsumerSpec
+from consumers import AgentSpec, ChatTemplate, ConsumerService, ConsumerSpec
 from producers import RunSession, TrajectoryFeed
 from schemas import Job, Trajectory
 
 from .ray_consumers import RayConfig, RayConsumerPool
+from .ray_resources import StallWatch, read_snapshot, task_cpus
 
 log = structlog.get_logger("agentarium.orchestrator")
 
@@ -59,6 +60,7 @@ class RolloutCore:
         self.session: RunSession | None = None
         self.local: dict[str, ConsumerService] = {}
         self.pool: RayConsumerPool | None = None
+        self.ray_agents: dict[str, float] = {}  # Ray remote agents: CPUs per task
 
     async def start(self) -> None:
         if self.settings is None:
@@ -84,6 +86,7 @@ class RolloutCore:
         consumer = ConsumerService(self.session.js, self.topology, spec, template=template)
         await consumer.start()
         self.local[spec.agent] = consumer
+        self._note_ray_agent(spec)
         return consumer.endpoint_base
 
     async def start_ray(self, spec: ConsumerSpec, model_ref: str | None) -> list[str]:
@@ -91,7 +94,13 @@ class RolloutCore:
             assert self.ray_config is not None, "start_ray needs a ray_config"
             assert self.settings is not None, "start() first (it sets settings when None)"
             self.pool = await asyncio.to_thread(RayConsumerPool, self.ray_config, self.settings)
-        return await self.pool.start_agent(spec, model_ref)
+        endpoints = await self.pool.start_agent(spec, model_ref)
+        self._note_ray_agent(spec)
+        return endpoints
+
+    def _note_ray_agent(self, spec: ConsumerSpec) -> None:
+        if AgentSpec.of(spec.fn, spec.agent).kind == "ray":
+            self.ray_agents[spec.agent] = task_cpus(spec.fn)
 
     def _consumer_failure(self) -> str | None:
         for name, consumer in self.local.items():
@@ -109,9 +118,11 @@ class RolloutCore:
         return await self.session.submit(jobs, on_result)
 
     async def wait(self, timeout: float | None = None) -> dict[str, Trajectory]:
-        """Every expected trajectory, or TimeoutError; fails early if a local consumer died."""
+        """Every expected trajectory, or TimeoutError; fails early if a local consumer died,
+        or if agents' Ray tasks can never get a CPU (and warns when they wait for one)."""
         assert self.session is not None, "start() first"
         waiting = asyncio.create_task(self.session.wait(timeout))
+        watch = StallWatch()
         try:
             while True:
                 done, _ = await asyncio.wait({waiting}, timeout=WATCH_EVERY_S)
@@ -120,6 +131,15 @@ class RolloutCore:
                 failure = self._consumer_failure()
                 if failure is not None:
                     raise RuntimeError(f"{failure}; {self.feed.missing} trajectories missing")
+                if self.ray_agents:
+                    warning = watch.observe(
+                        await asyncio.to_thread(read_snapshot),
+                        missing=self.feed.missing,
+                        actor_cpus=self.pool.actor_cpus if self.pool else 0.0,
+                        agents=self.ray_agents,
+                    )
+                    if warning is not None:
+                        log.warning("agent tasks wait for a CPU", detail=warning)
         finally:
             if not waiting.done():
                 waiting.cancel()

@@ -19,7 +19,9 @@ from typing import Any
 import structlog
 
 from broker import NatsSettings, Topology
-from consumers import ConsumerService, ConsumerSpec
+from consumers import AgentSpec, ConsumerService, ConsumerSpec
+
+from .ray_resources import check_fits, task_cpus
 
 log = structlog.get_logger("agentarium.ray")
 
@@ -37,6 +39,9 @@ class RayConfig:
     concurrency: int | None = None  # rollouts at once per actor (default: the orchestrator's)
     runtime_env: dict[str, Any] | None = None  # for ray.init, when the orchestrator starts Ray
     namespace: str | None = None
+    # Refuse actors that leave no CPU for an agent's Ray tasks (ray_resources.check_fits);
+    # off for an autoscaling cluster, whose CPUs are not all there when the actors start.
+    check_resources: bool = True
 
     def __post_init__(self) -> None:
         if self.num_actors < 1:
@@ -121,6 +126,7 @@ class RayConsumerPool:
         self.settings = settings
         self.actors: dict[str, list[Any]] = {}
         self.endpoints: dict[str, list[str]] = {}
+        self.actor_cpus = 0.0  # CPUs the started actors hold, all agents together
         self._offset = 0
         ensure_ray(config)
         import ray
@@ -132,7 +138,21 @@ class RayConsumerPool:
         return await asyncio.wrap_future(ref.future())
 
     async def start_agent(self, spec: ConsumerSpec, model_ref: str | None) -> list[str]:
-        """Start this agent's actors; returns their proxy base URLs once all of them pull."""
+        """Start this agent's actors; returns their proxy base URLs once all of them pull.
+
+        Refuses (ValueError) actors that would hold CPUs the agent's Ray tasks need."""
+        import ray
+
+        if self.config.check_resources:
+            agent = AgentSpec.of(spec.fn, spec.agent)
+            check_fits(
+                cluster_cpus=float(ray.cluster_resources().get("CPU", 0.0)),
+                actor_cpus=self.actor_cpus,
+                new_actors=self.config.num_actors,
+                cpus_per_actor=self.config.num_cpus,
+                agent=spec.agent,
+                agent_task_cpus=task_cpus(spec.fn) if agent.kind == "ray" else None,
+            )
         options = self.config.actor_options()
         concurrency = self.config.concurrency or spec.concurrency
         actors, refs = [], []
@@ -149,6 +169,7 @@ class RayConsumerPool:
             # Ray types .remote only on @ray.method-decorated methods (stub gap).
             refs.append(actor.start.remote(self.settings, actor_spec, model_ref))  # type: ignore[attr-defined]
         self.actors.setdefault(spec.agent, []).extend(actors)
+        self.actor_cpus += self.config.num_actors * self.config.num_cpus
         try:
             endpoints = list(await asyncio.gather(*(self._get(r) for r in refs)))
         except Exception as exc:
@@ -189,3 +210,4 @@ class RayConsumerPool:
             with contextlib.suppress(Exception):
                 ray.kill(actor)
         self.actors.clear()
+        self.actor_cpus = 0.0

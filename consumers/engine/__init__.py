@@ -1,7 +1,8 @@
 """The local inference engine: SGLang's native HTTP API on torch + transformers, on the CPU.
 
 It serves any local transformers model directory (the built-in tiny model included) with
-continuous batching, token-level logprobs, pause/continue and in-place weight reloads, so the
+continuous batching, token-level logprobs, pause/continue, in-place weight reloads from disk and
+weights received over torch.distributed (SGLang's distributed weight update, gloo), so the
 weight syncer and the tracing client have one code path for it and for SGLang.
 
 Reported logprobs are log_softmax(logits / temperature) of each sampled token, before any

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import uuid
 from pathlib import Path
 from typing import Any
 
 import structlog
 
 from ..chat_template import load_tokenizer, tokenizer_fingerprint
-from .errors import InvalidRequest
+from . import weight_group
+from .errors import InvalidRequest, WeightLoadError
 from .model import EngineModel
 from .request import parse_generate
 from .scheduler import PAUSE_MODES, Scheduler
@@ -41,6 +43,12 @@ class LocalEngine:
         self.model_path = Path(model_path)
         self.model = EngineModel(self.model_path, threads=threads)
         self.scheduler = Scheduler(self.model, max_batch=max_batch, batch_window_s=batch_window_s)
+        # Not in SGLang: tells a trainer that streams weights that this is another process
+        # than the one that joined its group (restarted on the same URL), so it rebuilds it.
+        self.engine_id = uuid.uuid4().hex
+        self._groups: dict[str, weight_group.WeightGroup] = {}
+        self._group_lock = asyncio.Lock()  # one join, leave or receive at a time
+        self._spares: dict = {}  # receive buffers: the tensors the last swap replaced
         log.info(
             "engine loaded",
             model_path=str(self.model_path),
@@ -63,6 +71,10 @@ class LocalEngine:
 
     async def close(self) -> None:
         await self.scheduler.close()
+        async with self._group_lock:
+            for group in list(self._groups.values()):
+                await asyncio.to_thread(weight_group.leave_group, group)
+            self._groups.clear()
 
     @property
     def weight_version(self) -> str:
@@ -125,6 +137,7 @@ class LocalEngine:
             # Not in SGLang: lets a consumer check that a cross-sampling model takes the
             # policy's token ids (consumers/backends/cross_sampling.py).
             "tokenizer_fingerprint": self.tokenizer_fingerprint,
+            "engine_id": self.engine_id,
         }
 
     @functools.cached_property
@@ -154,6 +167,117 @@ class LocalEngine:
             abort_all=bool(body.get("abort_all_requests", False)),
         )
         return {"success": success, "message": message, "num_paused_requests": paused}
+
+    # ---- weights streamed over torch.distributed (weight_group.py) ------------------------
+
+    async def init_weights_update_group(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Join a trainer's weight-update group at ``rank_offset`` (this engine takes one
+        rank); answers once every rank has joined."""
+        try:
+            address, port = str(body["master_address"]), int(body["master_port"])
+            rank, world_size = int(body["rank_offset"]), int(body["world_size"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidRequest(
+                "init_weights_update_group needs master_address, master_port, rank_offset and "
+                f"world_size ({exc})"
+            ) from exc
+        name = str(body.get("group_name") or "weight_update_group")
+        backend = str(body.get("backend") or "nccl")
+        if backend != "gloo":
+            return _failed(
+                f"backend {backend!r} needs GPUs; the local engine runs on the CPU: use gloo"
+            )
+        if not 0 < rank < world_size:
+            return _failed(f"rank_offset {rank} is not a receiving rank of world_size {world_size}")
+        async with self._group_lock:
+            if name in self._groups:
+                return _failed(f"group {name!r} exists: destroy it first")
+            try:
+                group = await asyncio.to_thread(
+                    weight_group.join_group,
+                    master_address=address,
+                    master_port=port,
+                    rank=rank,
+                    world_size=world_size,
+                    group_name=name,
+                    backend=backend,
+                )
+            except (RuntimeError, ValueError) as exc:
+                log.warning("weight group join failed", group=name, error=str(exc))
+                return _failed(f"Failed to initialize group {name!r}: {exc}")
+            self._groups[name] = group
+            if not self._spares:  # fault the receive buffers in now, not during an update
+                self._spares = await asyncio.to_thread(
+                    weight_group.prefault, self.model.streamable()
+                )
+        log.info("weight group joined", group=name, rank=rank, world_size=world_size)
+        return {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    async def destroy_weights_update_group(self, body: dict[str, Any]) -> dict[str, Any]:
+        name = str(body.get("group_name") or "weight_update_group")
+        async with self._group_lock:
+            group = self._groups.pop(name, None)
+            if group is None:
+                return _failed("The group to be destroyed does not exist.")
+            await asyncio.to_thread(weight_group.leave_group, group)
+        log.info("weight group left", group=name, updates=group.updates)
+        return {"success": True, "message": "Succeeded to destroy custom process group."}
+
+    async def update_weights_from_distributed(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Receive one update broadcast from rank 0, then swap it in (between steps, as
+        update_weights_from_disk does): all tensors, or none if any broadcast failed."""
+        specs = weight_group.parse_specs(body)
+        name = str(body.get("group_name") or "weight_update_group")
+        load_format = body.get("load_format")
+        if load_format not in (None, "auto", weight_group.FLATTENED_BUCKET):
+            raise InvalidRequest(
+                f"load_format {load_format!r} is not supported: null or "
+                f"{weight_group.FLATTENED_BUCKET!r}"
+            )
+        version = body.get("weight_version")
+        if body.get("abort_all_requests", False):
+            await self.scheduler.abort(
+                message="aborted by update_weights_from_distributed(abort_all_requests=true)"
+            )
+        async with self._group_lock:
+            group = self._groups.get(name)
+            if group is None:
+                return _failed(f"group {name!r} does not exist: call /init_weights_update_group")
+            try:
+                received = await asyncio.to_thread(
+                    weight_group.receive, group, specs, self._spares, load_format=load_format
+                )
+            except WeightLoadError as exc:
+                log.warning("weight broadcast failed", group=name, error=str(exc))
+                return _failed(str(exc))
+            group.updates += 1
+
+            replaced: dict = {}
+
+            def swap() -> str:
+                replaced.update(self.model.swap_weights(received, source=f"group {name!r}"))
+                return f"Succeeded to update {len(received)} tensors from group {name!r}."
+
+            success, message, _ = await self.scheduler.apply_weights(
+                swap,
+                version=None if version is None else str(version),
+                what=f"group {name}",
+            )
+            # what was swapped out is the next update's receive buffers (a bucket arrives in
+            # one new buffer and leaves the spares unused)
+            if load_format != weight_group.FLATTENED_BUCKET:
+                self._spares.update(replaced)
+        return {"success": success, "message": message}
+
+    async def weights_checksum(self) -> dict[str, Any]:
+        """Not in SGLang: a sha256 over the served tensors (weight_group.weights_checksum),
+        taken between steps, to compare an engine's weights with the trainer's."""
+        async with self.scheduler.step_lock:
+            digest, count, size = await asyncio.to_thread(
+                weight_group.weights_checksum, self.model.streamable().items()
+            )
+            version = self.scheduler.weight_version
+        return {"checksum": digest, "tensors": count, "bytes": size, "weight_version": version}
 
     async def pause_generation(self, body: dict[str, Any] | None = None) -> dict[str, Any]:
         mode = (body or {}).get("mode", "abort")
@@ -186,3 +310,7 @@ class LocalEngine:
         in retract mode leaves none running: their caches are recomputed on continue)."""
         s = self.scheduler
         return s.num_running == 0 and (s.num_waiting == 0 or s.paused)
+
+
+def _failed(message: str) -> dict[str, Any]:
+    return {"success": False, "message": message}

@@ -1,5 +1,5 @@
 """The engine's model: a transformers causal LM and its tokenizer, batched forward passes over a
-left-padded KV cache, and in-place weight reloads from safetensors.
+left-padded KV cache, in-place weight reloads from safetensors, and swaps of received tensors.
 
 Everything here is synchronous and runs on the scheduler's worker thread; the scheduler makes
 sure a forward pass and a weight reload never overlap.
@@ -139,6 +139,50 @@ class EngineModel:
                 current[name].copy_(tensor.to(current[name].dtype))
         self.model_path = path
         return f"Succeeded to update model weights from {path} ({len(state)} tensors)."
+
+    def streamable(self) -> dict[str, torch.Tensor]:
+        """The tensors a weight update carries, by state-dict name: every one but those derived
+        from another (a tied output head). The same set a checkpoint file holds."""
+        derived = self._derived_keys()
+        return {k: v for k, v in self.model.state_dict().items() if k not in derived}
+
+    def swap_weights(
+        self, state: dict[str, torch.Tensor], *, source: str
+    ) -> dict[str, torch.Tensor]:
+        """Make ``state``'s tensors the live ones (a subset of ``streamable()`` may be given):
+        each becomes its parameter's or buffer's storage, without a copy when the dtype
+        matches. Returns the tensors they replaced, for reuse as receive buffers.
+
+        Raises WeightLoadError, changing nothing, when a name or a shape does not fit.
+        """
+        current = self.streamable()
+        unexpected = sorted(set(state) - set(current))
+        if unexpected:
+            raise WeightLoadError(
+                f"weights from {source} do not fit the served model "
+                f"({type(self.model).__name__}): unexpected {unexpected[:5]}"
+            )
+        for name, tensor in state.items():
+            if tuple(tensor.shape) != tuple(current[name].shape):
+                raise WeightLoadError(
+                    f"weights from {source} do not fit the served model: {name} has shape "
+                    f"{tuple(tensor.shape)}, the served model {tuple(current[name].shape)}"
+                )
+        targets = {name: self._live_tensor(name) for name in state}
+        replaced: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for name, tensor in state.items():
+                target = targets[name]
+                replaced[name] = target.data
+                target.data = tensor if tensor.dtype == target.dtype else tensor.to(target.dtype)
+        return replaced
+
+    def _live_tensor(self, name: str) -> torch.Tensor:
+        # state_dict() returns detached aliases: swapping storage needs the module's own object
+        try:
+            return self.model.get_parameter(name)
+        except AttributeError:
+            return self.model.get_buffer(name)
 
     def _derived_keys(self) -> set[str]:
         # A tied output head has no tensor of its own in the checkpoint.

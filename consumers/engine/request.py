@@ -214,6 +214,8 @@ def _sampling(params: Any) -> SamplingParams:
     seed = params.get("sampling_seed")
     if seed is not None:
         seed = _int(seed, "sampling_seed")
+        if not -(2**63) <= seed < 2**64:  # what a torch.Generator can be seeded with
+            raise InvalidRequest(f"sampling_seed must be in [-2**63, 2**64), got {seed}")
     return SamplingParams(
         max_new_tokens=max_new,
         temperature=temperature,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections import deque
+from collections.abc import Callable
 
 import structlog
 import torch
@@ -71,6 +72,11 @@ class Scheduler:
             f"paused={self.paused} steps={self.steps} tokens={self.tokens_generated} "
             f"weight_version={self.weight_version!r}>"
         )
+
+    @property
+    def step_lock(self) -> asyncio.Lock:
+        """Held during every step and control operation: what holds it sees no step run."""
+        return self._step_lock
 
     @property
     def busy(self) -> bool:
@@ -165,9 +171,29 @@ class Scheduler:
     async def update_weights(
         self, path, *, version: str | None = None, abort_all: bool = False
     ) -> tuple[bool, str, int]:
-        """Reload weights in place; returns (success, message, num_paused_requests)."""
+        """Reload weights in place from disk; returns (success, message, num_paused_requests)."""
+        return await self.apply_weights(
+            lambda: self.model.load_weights(path),
+            version=version,
+            abort_all=abort_all,
+            abort_message="aborted by update_weights_from_disk(abort_all_requests=true)",
+            what=str(path),
+        )
+
+    async def apply_weights(
+        self,
+        load: Callable[[], str],
+        *,
+        version: str | None = None,
+        abort_all: bool = False,
+        abort_message: str = "aborted by a weight update (abort_all_requests=true)",
+        what: str = "",
+    ) -> tuple[bool, str, int]:
+        """Run ``load()`` (a worker thread) between steps, once the running batch has drained
+        or the engine is paused; returns (success, message, num_paused_requests). ``load``
+        returns a message, or raises WeightLoadError leaving the current weights in place."""
         if abort_all:
-            await self.abort(message="aborted by update_weights_from_disk(abort_all_requests=true)")
+            await self.abort(message=abort_message)
 
         def drained() -> bool:
             return self.paused or not self._running
@@ -181,9 +207,9 @@ class Scheduler:
                     if not drained():
                         continue
                     try:
-                        message = await asyncio.to_thread(self.model.load_weights, path)
+                        message = await asyncio.to_thread(load)
                     except WeightLoadError as exc:
-                        log.warning("weight update failed", path=str(path), error=str(exc))
+                        log.warning("weight update failed", source=what, error=str(exc))
                         return False, str(exc), 0
                     if version is not None:
                         self.weight_version = str(version)
@@ -193,7 +219,7 @@ class Scheduler:
         finally:
             self._hold_admission -= 1
             await self._notify()
-        log.info("weights updated", path=str(path), weight_version=self.weight_version)
+        log.info("weights updated", source=what, weight_version=self.weight_version)
         return True, message, paused
 
     # ---- the loop -------------------------------------------------------------------------

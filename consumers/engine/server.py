@@ -1,8 +1,9 @@
 """The local engine's HTTP face: SGLang's native routes, on aiohttp, plus ``GET /metrics``
-(Prometheus, see metrics.py).
+(Prometheus, see metrics.py) and ``GET /weights_checksum`` (ours: a sha256 of the served
+weights, to compare them with the trainer's).
 
 Bad requests answer 400 with `{"error": {"message": ...}}`, as SGLang's /generate does; a
-failed weight update answers 400 with `{"success": false, "message": ...}`.
+failed weight update or weight-group call answers 400 with `{"success": false, "message": ...}`.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ async def _body(request: web.Request, *, required: bool = True) -> dict[str, Any
         data = json.loads(raw)
     except ValueError as exc:
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise InvalidRequest("the request body is not valid JSON: nested too deeply") from exc
     if not isinstance(data, dict):
         raise InvalidRequest("the request body must be a JSON object")
     return data
@@ -94,6 +97,26 @@ async def _update_weights_from_disk(request: web.Request) -> web.Response:
     return web.json_response(out, status=200 if out["success"] else 400)
 
 
+async def _init_weights_update_group(request: web.Request) -> web.Response:
+    out = await request.app[ENGINE_KEY].init_weights_update_group(await _body(request))
+    return web.json_response(out, status=200 if out["success"] else 400)
+
+
+async def _update_weights_from_distributed(request: web.Request) -> web.Response:
+    out = await request.app[ENGINE_KEY].update_weights_from_distributed(await _body(request))
+    return web.json_response(out, status=200 if out["success"] else 400)
+
+
+async def _destroy_weights_update_group(request: web.Request) -> web.Response:
+    body = await _body(request, required=False)
+    out = await request.app[ENGINE_KEY].destroy_weights_update_group(body)
+    return web.json_response(out, status=200 if out["success"] else 400)
+
+
+async def _weights_checksum(request: web.Request) -> web.Response:
+    return web.json_response(await request.app[ENGINE_KEY].weights_checksum())
+
+
 async def _pause(request: web.Request) -> web.Response:
     body = await _body(request, required=False)
     return web.json_response(await request.app[ENGINE_KEY].pause_generation(body))
@@ -131,6 +154,10 @@ def make_app(engine: LocalEngine) -> web.Application:
     r.add_get("/model_info", _model_info)
     r.add_get("/get_model_info", _model_info)
     r.add_post("/update_weights_from_disk", _update_weights_from_disk)
+    r.add_post("/init_weights_update_group", _init_weights_update_group)
+    r.add_post("/update_weights_from_distributed", _update_weights_from_distributed)
+    r.add_post("/destroy_weights_update_group", _destroy_weights_update_group)
+    r.add_get("/weights_checksum", _weights_checksum)  # local engine only
     r.add_post("/pause_generation", _pause)
     r.add_post("/continue_generation", _continue)
     r.add_post("/update_weight_version", _update_weight_version)
