@@ -244,6 +244,14 @@ async def ensure_buckets(
         storage=StorageType.FILE,
         replicas=limits.replicas,
     )
+    attempts = KeyValueConfig(
+        bucket=topo.attempts_bucket,
+        description="failed runs per job (<agent>.<job_id>), so lost deliveries spend no attempt",
+        history=1,
+        ttl=limits.attempts_ttl_s,
+        storage=StorageType.FILE,
+        replicas=limits.replicas,
+    )
     weights = ObjectStoreConfig(
         bucket=topo.weights_bucket,
         description="policy weights (safetensors), <run>/v<version>",
@@ -272,6 +280,16 @@ async def ensure_buckets(
             topo.workers_bucket,
             lambda: js.create_key_value(workers),
             workers_settings,
+            update=update,
+        )
+    )
+    report.merge(
+        await _ensure_bucket_stream(
+            js,
+            f"KV_{topo.attempts_bucket}",
+            topo.attempts_bucket,
+            lambda: js.create_key_value(attempts),
+            {"max_age": limits.attempts_ttl_s, "num_replicas": limits.replicas},
             update=update,
         )
     )

@@ -13,6 +13,7 @@ import json
 import time
 from typing import Any
 
+import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext
 
@@ -55,11 +56,14 @@ async def publish_worker(
 
 
 async def remove_worker(js: JetStreamContext, topo: Topology, worker_id: str) -> None:
+    """Best effort, on shutdown: a broker that does not answer (restarting, electing a leader,
+    unreachable) costs nothing, since the bucket's TTL removes the entry anyway; it must not
+    turn a worker's clean stop into a crash."""
     try:
         kv = await js.key_value(topo.workers_bucket)
         await kv.delete(worker_id)
-    except nats.js.errors.Error:
-        pass  # best effort on shutdown; the TTL removes it anyway
+    except (nats.errors.Error, OSError):  # JetStream errors, timeouts, a closed connection
+        pass
 
 
 async def json_entries(js: JetStreamContext, bucket: str) -> list[dict[str, Any]]:

@@ -57,6 +57,12 @@ class NatsSettings:
     tls_key: str | None = None
     prefix: str = "agentarium"
     connect_timeout_s: float = 5.0
+    # A server that stops answering without closing the connection (a partition, a host gone)
+    # is noticed after max_outstanding_pings unanswered pings: 20-30 s here, where nats-py's
+    # defaults (120 s, 2) leave a client waiting on it for 4-6 minutes; then the client
+    # reconnects to another server of the cluster.
+    ping_interval_s: float = 10.0
+    max_outstanding_pings: int = 2
 
     def __post_init__(self) -> None:
         for url in self.servers:
@@ -142,6 +148,8 @@ class NatsSettings:
             "allow_reconnect": True,
             "max_reconnect_attempts": -1 if reconnect_forever else 10,
             "reconnect_time_wait": 0.5,
+            "ping_interval": self.ping_interval_s,
+            "max_outstanding_pings": self.max_outstanding_pings,
             "error_cb": on_error,
             "disconnected_cb": on_disconnect,
             "reconnected_cb": on_reconnect,

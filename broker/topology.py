@@ -47,7 +47,14 @@ class Limits:
     engines_ttl_s: float = 3600.0
     # Rollout consumer defaults (each worker's flags may change ack_wait/attempts).
     ack_wait_s: float = 60.0
-    attempts: int = 3  # runs of a job; max_deliver = attempts + 1 (the last is dead-lettered)
+    attempts: int = 3  # runs of a job that may fail (the agent raised) before it is dead-lettered
+    # Deliveries a job may lose besides (its worker crashed or was stopped, its ack timed
+    # out): they spend no attempt. max_deliver = attempts + lost_deliveries + 1, the last one
+    # never run, only dead-lettered (a job that keeps crashing its workers ends there).
+    lost_deliveries: int = 5
+    # How long a job's count of failed runs is kept (the attempts KV): longer than a retried
+    # job may wait in the queue. An expired count only gives a job more runs, never fewer.
+    attempts_ttl_s: float = 7 * DAY_S
     max_ack_pending: int = 20_000  # cluster-wide in-flight jobs per agent; > total concurrency
     max_waiting: int = 2048  # concurrent pull requests per agent (one per worker batch)
 
@@ -56,6 +63,8 @@ class Limits:
             raise ValueError("replicas must be 1, 3 or 5")
         if self.attempts < 1:
             raise ValueError("attempts must be >= 1")
+        if self.lost_deliveries < 0:
+            raise ValueError("lost_deliveries must be >= 0")
         if self.duplicate_window_s > self.trajectories_max_age_s:
             raise ValueError("duplicate window must not exceed the trajectories max age")
 
@@ -101,6 +110,14 @@ class Topology:
     @property
     def workers_bucket(self) -> str:
         return f"{self.prefix}-workers"
+
+    @property
+    def attempts_bucket(self) -> str:
+        return f"{self.prefix}-attempts"
+
+    def attempts_key(self, agent: str, job_id: str) -> str:
+        """A job's entry in the attempts KV: how many of its runs failed so far."""
+        return f"{check_name(agent, 'agent')}.{check_name(job_id, 'job_id')}"
 
     # subjects
     def tasks_subject(self, agent: str) -> str:
@@ -229,8 +246,10 @@ class Topology:
         *,
         ack_wait_s: float | None = None,
         attempts: int | None = None,
+        lost_deliveries: int | None = None,
     ) -> ConsumerConfig:
         attempts = limits.attempts if attempts is None else attempts
+        lost = limits.lost_deliveries if lost_deliveries is None else lost_deliveries
         return ConsumerConfig(
             durable_name=self.rollout_consumer(agent),
             description=f"rollout workers for agent {agent}",
@@ -238,7 +257,7 @@ class Topology:
             deliver_policy=DeliverPolicy.ALL,
             ack_policy=AckPolicy.EXPLICIT,
             ack_wait=limits.ack_wait_s if ack_wait_s is None else ack_wait_s,
-            max_deliver=attempts + 1,
+            max_deliver=attempts + lost + 1,
             max_ack_pending=limits.max_ack_pending,
             max_waiting=limits.max_waiting,
         )

@@ -1,15 +1,20 @@
-"""What to do with one delivery of a job, as data: ``DeliveryPolicy.decide(event, delivery)``.
+"""What to do with one delivery of a job, as data:
+``DeliveryPolicy.decide(event, delivery, failures)``.
 
-The worker reports what happened (an ``Event``) and the delivery number; the policy answers
-with a ``Decision``: run it, ack, nak with a delay, or dead-letter and term. Every rule lives
-in ``decide``, so the whole table can be read (and is tested) in one place
-(tests/test_delivery_policy.py) instead of being spread through the worker's control flow.
+The worker reports what happened (an ``Event``), the delivery number and how many of the
+job's runs failed so far; the policy answers with a ``Decision``: run it, ack, nak with a
+delay, or dead-letter and term. Every rule lives in ``decide``, so the whole table can be read
+(and is tested) in one place (tests/test_delivery_policy.py) instead of being spread through
+the worker's control flow.
 
-A job is run at most ``attempts`` times. JetStream's ``max_deliver`` is set to
-``attempts + 1`` so that a job whose last run crashed the worker (or missed its ack)
-is delivered once more: that delivery is never run, only dead-lettered and terminated,
-because a work-queue stream would otherwise keep a max-delivered job forever. For the same
-reason no decision naks a job's last delivery: the server would never deliver it again.
+A job's agent may fail (raise) ``attempts`` times; each failure is counted in the attempts KV
+before the job is naked for another run. A delivery that ends otherwise (its worker crashed
+or was stopped, its ack timed out) is *lost*, not failed: it spends no attempt, so a storm
+of consumer restarts dead-letters nothing. A job may lose ``lost_deliveries`` deliveries;
+JetStream's ``max_deliver`` is ``attempts + lost_deliveries + 1``, and that last delivery is
+never run, only dead-lettered and terminated (a job that crashes every worker that runs it
+ends there), because a work-queue stream would otherwise keep a max-delivered job forever. For
+the same reason no decision naks a job's last delivery: the server would never deliver it again.
 """
 
 from __future__ import annotations
@@ -54,6 +59,9 @@ class Decision:
     # RUN / record_error: look up the job's trajectory first. A redelivery may follow a
     # delivery that stored it and then crashed before its ack.
     check_stored: bool = False
+    # NAK: the run failed; count it (the attempts KV) before the nak, so that whoever runs the
+    # job next knows which attempt it is.
+    count_failure: bool = False
 
     @classmethod
     def run(cls, *, check_stored: bool) -> Decision:
@@ -64,8 +72,8 @@ class Decision:
         return _ACK
 
     @classmethod
-    def nak(cls, delay_s: float = 0.0) -> Decision:
-        return cls(action=Action.NAK, delay_s=delay_s)
+    def nak(cls, delay_s: float = 0.0, *, count_failure: bool = False) -> Decision:
+        return cls(action=Action.NAK, delay_s=delay_s, count_failure=count_failure)
 
     @classmethod
     def dead_letter(
@@ -93,10 +101,12 @@ _ACK = Decision(action=Action.ACK)
 
 @dataclass(frozen=True, kw_only=True)
 class DeliveryPolicy:
-    """How many times a job is run, and how long it waits between runs (capped exponential
-    backoff with jitter, so jobs that failed together do not all come back together)."""
+    """How many runs of a job may fail, how many deliveries it may lose besides, and how long
+    it waits between runs (capped exponential backoff with jitter, so jobs that failed together
+    do not all come back together)."""
 
     attempts: int = 3
+    lost_deliveries: int = 5
     base_delay_s: float = 1.0
     max_delay_s: float = 60.0
     jitter: float = 0.2
@@ -104,6 +114,8 @@ class DeliveryPolicy:
     def __post_init__(self) -> None:
         if self.attempts < 1:
             raise ValueError("attempts must be >= 1")
+        if self.lost_deliveries < 0:
+            raise ValueError("lost_deliveries must be >= 0")
         if self.base_delay_s < 0 or self.max_delay_s < self.base_delay_s:
             raise ValueError("need 0 <= base_delay_s <= max_delay_s")
         if not 0 <= self.jitter < 1:
@@ -111,26 +123,32 @@ class DeliveryPolicy:
 
     @property
     def max_deliver(self) -> int:
-        """JetStream's max_deliver for the agent's consumer: one delivery past the attempts."""
-        return self.attempts + 1
+        """JetStream's max_deliver for the agent's consumer: the attempts, the deliveries a
+        job may lose, and one more that is never run."""
+        return self.attempts + self.lost_deliveries + 1
 
     def delay_s(self, delivery: int) -> float:
         """Capped exponential backoff before the next delivery, with jitter."""
         delay = min(self.max_delay_s, self.base_delay_s * 2 ** max(0, delivery - 1))
         return delay * (1 + random.uniform(-self.jitter, self.jitter))
 
-    def decide(self, event: Event, delivery: int) -> Decision:
-        """The decision for ``event`` on the job's ``delivery``-th delivery (1-based)."""
+    def decide(self, event: Event, delivery: int, failures: int = 0) -> Decision:
+        """The decision for ``event`` on the job's ``delivery``-th delivery (1-based), after
+        ``failures`` of its runs failed (the attempts KV; the other earlier deliveries were
+        lost)."""
         last_delivery = delivery >= self.max_deliver  # the server will not deliver it again
         match event:
             case Event.INVALID_JOB | Event.WRONG_SUBJECT:
                 return Decision.dead_letter(event.value)
-            case Event.RECEIVED if delivery > self.attempts:
+            case Event.RECEIVED if last_delivery:
+                lost = max(0, delivery - 1 - failures)
                 return Decision.dead_letter(
                     "max_deliveries",
                     detail=(
-                        f"delivered {delivery} times without an acknowledgement (worker crash "
-                        f"or ack timeout on the last of {self.attempts} attempts)"
+                        f"delivered {delivery} times without an outcome: {failures} runs "
+                        f"failed, {lost} deliveries were lost (a worker crashed or was stopped, "
+                        f"or an ack timed out; {self.lost_deliveries} may be): does the job "
+                        "crash its workers?"
                     ),
                     record_error=True,
                     check_stored=True,
@@ -139,20 +157,21 @@ class DeliveryPolicy:
                 return Decision.run(check_stored=delivery > 1)
             case Event.ALREADY_STORED | Event.OK | Event.TIMEOUT | Event.ERROR:
                 return Decision.ack()
-            case Event.AGENT_ERROR if delivery < self.attempts:
-                return Decision.nak(self.delay_s(delivery))
+            case Event.AGENT_ERROR if failures + 1 < self.attempts and not last_delivery:
+                return Decision.nak(self.delay_s(failures + 1), count_failure=True)
             case Event.AGENT_ERROR:
                 # The lookup was made before this run (check_stored on RUN): none needed here.
                 return Decision.dead_letter(event.value, record_error=True)
-            case Event.ENV_UNAVAILABLE if delivery < self.attempts:
+            case Event.ENV_UNAVAILABLE if failures + 1 < self.attempts and not last_delivery:
                 # No worker with room, or the session's worker died: another attempt (another
-                # worker) can succeed, and nothing says the job is at fault.
-                return Decision.nak(self.delay_s(delivery))
+                # worker) can succeed, and nothing says the job is at fault. It ran and
+                # failed, so it is counted as an attempt.
+                return Decision.nak(self.delay_s(failures + 1), count_failure=True)
             case Event.ENV_UNAVAILABLE:
                 return Decision.ack()  # the status error trajectory is stored: never reward 0
             case Event.WORKER_ERROR if not last_delivery:
                 # A bug or an outage in the worker says nothing about the job: give it another
-                # delivery (the one past the attempts is judged as max_deliveries).
+                # delivery, a lost one (the last delivery is judged as max_deliveries).
                 return Decision.nak(self.delay_s(1))
             case Event.RELEASED if not last_delivery:
                 return Decision.nak()  # at once: another worker can take it now

@@ -16,9 +16,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import TypeVar
 
+import nats.errors
 import nats.js.errors
 import structlog
 from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
 
 from broker import ERR_WRONG_LAST_SEQUENCE, TRANSIENT_NATS_ERRORS, JetStreamPublisher, Topology
 from schemas import DeadLetter, Job, Trajectory, encode
@@ -80,6 +82,57 @@ class OutcomeStore:
 
     async def close(self) -> None:
         await self.publisher.close()
+
+        self._attempts: KeyValue | None = None
+        self._attempts_missing = False  # warned once: no attempts KV, every delivery counts
+
+    async def _attempts_kv(self) -> KeyValue:
+        if self._attempts is None:
+            self._attempts = await self.js.key_value(self.topo.attempts_bucket)
+        return self._attempts
+
+    async def failures(self, job: Job, delivery: int) -> int:
+        """How many runs of the job failed so far (the attempts KV). Without the KV (a broker
+        provisioned by an older release, a role that may not read it) every earlier delivery
+        counts as a failed run, as before lost deliveries were told apart."""
+        key = self.topo.attempts_key(job.agent, job.job_id)
+
+        async def lookup() -> int:
+            kv = await self._attempts_kv()
+            try:
+                entry = await kv.get(key)
+            except nats.js.errors.KeyNotFoundError:  # deleted or never failed
+                return 0
+            return int(entry.value or 0)
+
+        try:
+            return await _until_done("failed-runs lookup", lookup)
+        except (nats.errors.Error, ValueError) as exc:
+            self._no_attempts_kv(exc)
+            return delivery - 1
+
+    async def count_failure(self, job: Job, failures: int) -> None:
+        """Record that ``failures`` runs of the job have failed, before it is naked."""
+        key = self.topo.attempts_key(job.agent, job.job_id)
+
+        async def put() -> None:
+            kv = await self._attempts_kv()
+            await kv.put(key, str(failures).encode())
+
+        try:
+            await _until_done("failed-run count", put)
+        except nats.errors.Error as exc:
+            self._no_attempts_kv(exc)
+
+    def _no_attempts_kv(self, exc: Exception) -> None:
+        if not self._attempts_missing:
+            self._attempts_missing = True
+            log.warning(
+                "no attempts KV: a lost delivery counts as a failed run; `agentarium broker "
+                "init` creates it",
+                bucket=self.topo.attempts_bucket,
+                error=str(exc) or type(exc).__name__,
+            )
 
     @property
     def max_payload(self) -> int:

@@ -187,7 +187,11 @@ class Worker:
     async def run(self) -> Counters:
         cfg = self.config
         consumer = self.topo.rollout_consumer_config(
-            cfg.agent, self.limits, ack_wait_s=cfg.ack_wait_s, attempts=cfg.retry.attempts
+            cfg.agent,
+            self.limits,
+            ack_wait_s=cfg.ack_wait_s,
+            attempts=cfg.retry.attempts,
+            lost_deliveries=cfg.retry.lost_deliveries,
         )
         await self._attach(consumer)
         log.info(
@@ -198,6 +202,7 @@ class Worker:
             burst=cfg.burst,
             ack_wait_s=cfg.ack_wait_s,
             attempts=cfg.retry.attempts,
+            lost_deliveries=cfg.retry.lost_deliveries,
         )
         background = [
             asyncio.create_task(self._heartbeat_loop()),
@@ -269,20 +274,25 @@ class Worker:
         info = await self.js.consumer_info(self.topo.tasks_stream, durable)
         max_deliver = info.config.max_deliver or 0
         ack_wait = float(info.config.ack_wait or self.config.ack_wait_s)
+        retry = self.config.retry
         if max_deliver >= 2 and (
-            max_deliver != self.config.retry.max_deliver or ack_wait != self.config.ack_wait_s
+            max_deliver != retry.max_deliver or ack_wait != self.config.ack_wait_s
         ):
+            # max_deliver = attempts + lost_deliveries + 1; one made by a release before lost
+            # deliveries (max_deliver = attempts + 1) leaves no room for them: it is read so.
+            lost = retry.lost_deliveries if max_deliver - 1 - retry.lost_deliveries >= 1 else 0
+            adopted = replace(retry, attempts=max_deliver - 1 - lost, lost_deliveries=lost)
             log.warning(
                 "the agent's consumer already exists with other settings: using them; change "
                 "them with `agentarium broker init --agent NAME --attempts N --ack-wait S`",
                 consumer=durable,
-                attempts=max_deliver - 1,
+                attempts=adopted.attempts,
+                lost_deliveries=adopted.lost_deliveries,
                 ack_wait_s=ack_wait,
-                flag_attempts=self.config.retry.attempts,
+                flag_attempts=retry.attempts,
                 flag_ack_wait_s=self.config.ack_wait_s,
             )
-            retry = replace(self.config.retry, attempts=max_deliver - 1)
-            self.config = replace(self.config, retry=retry, ack_wait_s=ack_wait)
+            self.config = replace(self.config, retry=adopted, ack_wait_s=ack_wait)
 
     async def _pull_loop(self) -> None:
         """Keep a job on its way for every free slot (consumers/puller.py); jobs start as they
@@ -456,12 +466,16 @@ class Worker:
     async def _process(self, msg: Msg) -> None:
         delivery = msg.metadata.num_delivered
         outcome = self._decode(msg)
-        decision = self.config.retry.decide(outcome.event, delivery)
+        # A redelivery follows a failed run or a lost delivery: only the failures count.
+        failures = 0
+        if outcome.job is not None and delivery > 1:
+            failures = await self.store.failures(outcome.job, delivery)
+        decision = self.config.retry.decide(outcome.event, delivery, failures)
         if decision.action is Action.RUN:
             assert outcome.job is not None  # RUN is only decided for a decoded job
             outcome = await self._run(msg, outcome.job, delivery, decision)
-            decision = self.config.retry.decide(outcome.event, delivery)
-        await self._settle(msg, decision, outcome, delivery)
+            decision = self.config.retry.decide(outcome.event, delivery, failures)
+        await self._settle(msg, decision, outcome, delivery, failures)
 
     def _decode(self, msg: Msg) -> Outcome:
         headers = msg.headers or {}
@@ -510,7 +524,9 @@ class Worker:
         self.metrics.rollout(trajectory.status, time.monotonic() - started)
         return Outcome(event=event, job=job, trajectory=trajectory, error=trajectory.error or "")
 
-    async def _settle(self, msg: Msg, decision: Decision, outcome: Outcome, delivery: int) -> None:
+    async def _settle(
+        self, msg: Msg, decision: Decision, outcome: Outcome, delivery: int, failures: int = 0
+    ) -> None:
         """Carry out the decision: whatever must be stored first, then ack, nak or term."""
         job = outcome.job
         match decision.action:
@@ -540,10 +556,13 @@ class Worker:
                         if outcome.event is Event.AGENT_ERROR
                         else "environment unavailable; retrying",
                         job_id=job.job_id if job else "",
-                        attempt=delivery,
+                        attempt=failures + 1,
+                        delivery=delivery,
                         delay_s=round(decision.delay_s, 2),
                         error=log_safe(outcome.error),
                     )
+                if decision.count_failure and job is not None:
+                    await self.store.count_failure(job, failures + 1)
                 await msg.nak(delay=decision.delay_s or None)
             case Action.DEAD_LETTER:
                 if outcome.event in (Event.INVALID_JOB, Event.WRONG_SUBJECT):

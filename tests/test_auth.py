@@ -266,6 +266,14 @@ async def test_the_pipeline_runs_with_one_user_per_role(
     assert len(state["trajectories"]) == 9 and len(state["dead_letters"]) == 1
     assert [e["weight_version"] for e in state["engines"]] == ["1"]
 
+    # consumer: a failed run is counted in the attempts KV and read back on the redelivery
+    await TaskProducer(orchestrator.js, topo).submit("flaky", [{"n": "auth"}], run="auth-retry")
+    async with worker_for(
+        consumer.js, "flaky", agentlib.flaky, [fake.url], worker_id="auth-flaky"
+    ) as worker:
+        counters = await asyncio.wait_for(worker.run(), 60)
+    assert (counters.retried, counters.ok) == (1, 1), counters
+
     for who in (consumer, trainer, sync, orchestrator, dashboard):
         await settle(who)
         assert not who.errors, who.errors

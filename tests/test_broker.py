@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -22,9 +23,9 @@ from producers import TaskProducer
 async def test_provision_is_idempotent_and_a_diff(nc, topology):
     js = nc.jetstream()
     first = await provision(js, topology, agents=("toy",))
-    assert len(first.created) == 9 and not first.updated
+    assert len(first.created) == 10 and not first.updated
     again = await provision(js, topology, agents=("toy",))
-    assert not again.created and not again.updated and len(again.unchanged) == 9
+    assert not again.created and not again.updated and len(again.unchanged) == 10
     changed = await provision(
         js, topology, Limits(tasks_max_msgs=50, ack_wait_s=20), agents=("toy",)
     )
@@ -32,7 +33,7 @@ async def test_provision_is_idempotent_and_a_diff(nc, topology):
     info = await js.stream_info(topology.tasks_stream)
     assert info.config.max_msgs == 50 and info.config.duplicate_window == 3600
     consumer = await js.consumer_info(topology.tasks_stream, "rollout-toy")
-    assert consumer.config.ack_wait == 20 and consumer.config.max_deliver == 4
+    assert consumer.config.ack_wait == 20 and consumer.config.max_deliver == 3 + 5 + 1
 
 
 @pytest.mark.nats_semantics
@@ -100,9 +101,9 @@ def agentarium(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 def test_broker_init_and_status_commands(nats_url):
     init = agentarium("broker", "init", "--nats-url", nats_url, "--agent", "toy")
     assert init.returncode == 0, init.stderr
-    assert "created: 9" in init.stdout
+    assert "created: 10" in init.stdout
     assert (
-        "created: 0  updated: 0  unchanged: 9"
+        "created: 0  updated: 0  unchanged: 10"
         in agentarium("broker", "init", "--nats-url", nats_url, "--agent", "toy").stdout
     )
     status = agentarium("broker", "status", "--json", "--nats-url", nats_url)
@@ -190,6 +191,23 @@ def test_topology_rejects_names_that_would_reroute():
         with pytest.raises(ValueError, match="not a valid name"):
             topo.tasks_subject(bad)
     assert topo.dead_subject("a.b") == "agentarium.dead._invalid"
+
+
+async def test_removing_a_worker_from_a_broker_that_does_not_answer_is_not_an_error(
+    nc, js, topology, nats_server
+):
+    # A worker's last act on stopping; a broker that is slow (an election, a restart) then
+    # made a drained consumer exit 2 (found by tests/chaos: a cluster's node restarted).
+    from broker.registry import live_workers, publish_worker, remove_worker
+
+    await publish_worker(js, topology, "w1", {"agent": "toy"})
+    impatient = nc.jetstream(timeout=0.3)
+    os.kill(nats_server.pid, signal.SIGSTOP)
+    try:
+        await asyncio.wait_for(remove_worker(impatient, topology, "w1"), 10)
+    finally:
+        os.kill(nats_server.pid, signal.SIGCONT)
+    assert [w["worker_id"] for w in await live_workers(js, topology)] == ["w1"]  # TTL's job now
 
 
 @pytest.mark.nats_semantics

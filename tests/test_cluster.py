@@ -78,6 +78,7 @@ async def test_tasks_leader_killed_and_restarted_mid_batch(nodes, capsys):
         topo.metrics_stream,
         f"KV_{topo.policy_bucket}",
         f"KV_{topo.workers_bucket}",
+        f"KV_{topo.attempts_bucket}",
         f"KV_{topo.engines_bucket}",
         f"OBJ_{topo.weights_bucket}",
     ):

@@ -46,6 +46,9 @@ def test_default_prefix_names():
     assert t.env_session_subject("sql", "h-1-ab", "s1") == "agentarium.env.sql.s.h-1-ab.s1"
     assert t.env_sessions_filter("sql", "h-1-ab") == "agentarium.env.sql.s.h-1-ab.*"
     assert object_name("r1", 3) == "r1/v3"  # object store name; the policy KV key is the run
+    # failed runs per job, so that lost deliveries spend no attempt
+    assert t.attempts_bucket == "agentarium-attempts"
+    assert t.attempts_key("calc", "j1") == "calc.j1"
 
 
 def test_stream_subjects_and_durable_config():
@@ -66,3 +69,5 @@ def test_stream_subjects_and_durable_config():
         "acme-weights",
         "acme-engines",
     )
+    assert t.attempts_bucket == "acme-attempts"
+    assert durable.max_deliver == 3 + 5 + 1  # attempts, lost deliveries, the dead-letter one

@@ -401,7 +401,48 @@ async def test_workers_adopt_the_shared_consumers_attempts(js, topology, fake):
         assert (w.config.retry.attempts, w.config.ack_wait_s) == (1, 20)
     assert counters.retried == 0 and counters.dead_lettered == 1
     info = await js.consumer_info(topology.tasks_stream, "rollout-boom")
-    assert info.config.max_deliver == 2  # not overwritten by the worker's flag
+    assert info.config.max_deliver == 1 + 5 + 1  # not overwritten by the worker's flag
+
+
+async def lose_deliveries(js, topology, agent: str, times: int) -> None:
+    """Take the agent's next job ``times`` times and give it back unfinished, as a worker
+    stopped mid-rollout does (a drain's nak; a crash is the same after ack_wait)."""
+    sub = await js.pull_subscribe_bind(topology.rollout_consumer(agent), topology.tasks_stream)
+    for delivery in range(1, times + 1):
+        [msg] = await sub.fetch(1, timeout=5)
+        assert msg.metadata.num_delivered == delivery
+        await msg.nak()
+    await sub.unsubscribe()
+
+
+@pytest.mark.nats_semantics
+async def test_lost_deliveries_spend_no_attempt(js, topology, fake):
+    # Found by tests/chaos: three consumers SIGKILLed in turn dead-lettered the jobs each of
+    # them held (max_deliveries), though no run of those jobs had failed.
+    await provision(js, topology, Limits(attempts=1), agents=("echo",))
+    await TaskProducer(js, topology).submit("echo", [{"n": 1}], run="lost")
+    await lose_deliveries(js, topology, "echo", 3)
+    async with worker_for(js, "echo", agentlib.echo, [fake.url], attempts=1) as w:
+        counters = await w.run()
+    assert (counters.ok, counters.dead_lettered) == (1, 0)
+    [traj] = await TrajectoryReader(js, topology).read("lost")
+    assert traj.status == "ok" and traj.attempts == 4  # the fourth delivery ran it
+
+
+@pytest.mark.nats_semantics
+async def test_failed_runs_are_counted_across_lost_deliveries(js, topology, fake):
+    await provision(js, topology, Limits(attempts=2), agents=("boom",))
+    result = await TaskProducer(js, topology).submit("boom", [{"n": 1}], run="counted")
+    await lose_deliveries(js, topology, "boom", 2)
+    async with worker_for(js, "boom", agentlib.always_raises, [fake.url], attempts=2) as w:
+        counters = await w.run()
+    # two runs, both failed: the second is the last attempt, whatever was lost before
+    assert (counters.retried, counters.dead_lettered) == (1, 1)
+    [letter] = await dead_letters(js, topology)
+    assert letter.reason == "agent_error" and letter.attempts == 4
+    kv = await js.key_value(topology.attempts_bucket)
+    entry = await kv.get(topology.attempts_key("boom", result.job_ids[0]))
+    assert entry.value == b"1"  # the failure before the last one, counted before its nak
 
 
 async def test_sync_agents_past_their_deadline_are_counted_as_busy_threads():

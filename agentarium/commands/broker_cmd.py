@@ -73,7 +73,8 @@ def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
         "--attempts",
         type=int,
         default=d.attempts,
-        help="runs per job before it is dead-lettered (max_deliver = attempts + 1; default %(default)s)",
+        help="failed runs per job before it is dead-lettered; deliveries lost to a crashed or "
+        "drained worker do not count (max_deliver = attempts + 5 + 1; default %(default)s)",
     )
     g.add_argument(
         "--max-ack-pending",

@@ -312,7 +312,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--attempts",
         type=int,
         default=3,
-        help="runs of a failing job before it is dead-lettered (default %(default)s)",
+        help="runs of a failing job before it is dead-lettered; a delivery lost to a crashed or "
+        "drained worker spends none (default %(default)s)",
     )
     p.add_argument(
         "--retry-delay",
