@@ -79,12 +79,11 @@ class OutcomeStore:
         # fitted() encodes a trajectory to measure it; publish_trajectory() sends those bytes
         # instead of encoding again (by identity; popped at once, bounded against leaks).
         self._payloads: dict[int, tuple[Trajectory, bytes]] = {}
+        self._attempts: KeyValue | None = None
+        self._attempts_missing = False  # warned once: no attempts KV, every delivery counts
 
     async def close(self) -> None:
         await self.publisher.close()
-
-        self._attempts: KeyValue | None = None
-        self._attempts_missing = False  # warned once: no attempts KV, every delivery counts
 
     async def _attempts_kv(self) -> KeyValue:
         if self._attempts is None:
