@@ -304,6 +304,8 @@ class Worker:
         while not self._stop.is_set():
             held = [fleet for fleet in self.env.fleets if fleet.holding]
             if held:  # the fleet is down: take nothing new until it answers (or the limit)
+                if cfg.burst and not self._inflight and await self._queue_empty():
+                    return  # a burst with nothing left to do has no reason to wait for it
                 self.paused = True
                 await puller.close()  # the server drops the requests outstanding
                 await self._wait_for_fleets(held)
