@@ -1150,7 +1150,8 @@ def chat_requests(draw_: Callable, kind: str) -> Request:
             "max_completion_tokens": "max_new_tokens",
             "seed": "sampling_seed",
         }
-        reason = (field, names.get(field, field), "context")
+        # an integer past 64 bits is refused by the JSON decoder itself, before any field
+        reason = (field, names.get(field, field), "context", "64-bit")
         return Request("absurd sampling", path, _json(body), reason)
     assert kind == "unsupported"
     field, value, reason = draw_(
