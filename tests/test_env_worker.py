@@ -45,6 +45,7 @@ async def serving(settings, env_cls=EchoEnv, **options):
     )
     worker = EnvWorker(nc, Topology(), env_cls, config)
     await worker.start()
+    await nc.flush()  # the server has the worker's subscriptions before a raw request is sent
     try:
         yield worker
     finally:
