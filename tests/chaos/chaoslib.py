@@ -168,9 +168,15 @@ def read_executions(path: Path) -> list[Execution]:
 async def read_stream(
     js: JetStreamContext, stream: str, subject: str, *, timeout_s: float = 60.0
 ) -> list[tuple[bytes, float]]:
-    """Every message on ``subject`` with the time the server stored it (unix seconds)."""
-    info = await js.stream_info(stream)
-    if not info.state.messages:
+    """Every message on ``subject`` with the time the server stored it (unix seconds).
+
+    The count to read is the stream leader's (``subjects_filter``), not the reading consumer's
+    ``num_pending``: in a cluster an ephemeral consumer may sit on a replica that is still
+    catching up after its restart or partition, whose store, and so whose pending count, ends
+    before the leader's. Reading stops only once the leader's count is in hand."""
+    info = await patiently(lambda: js.stream_info(stream, subjects_filter=subject))
+    expected = sum((info.state.subjects or {}).values())
+    if not expected:
         return []
     sub = await js.pull_subscribe(
         subject,
@@ -190,13 +196,10 @@ async def read_stream(
                 try:
                     msgs = await sub.fetch(512, timeout=2)
                 except nats.errors.TimeoutError:
-                    # nothing came: caught up, or a cluster still electing after its fault
-                    if (await patiently(sub.consumer_info)).num_pending == 0:
-                        break
-                    continue
+                    continue  # a cluster still electing after its fault, or a replica behind
                 for msg in msgs:
                     out.append((msg.data, msg.metadata.timestamp.timestamp()))
-                if msgs[-1].metadata.num_pending == 0:
+                if len(out) >= expected:
                     break
     finally:
         with contextlib.suppress(Exception):

@@ -721,6 +721,28 @@ async def cluster_faults(
     return rows
 
 
+async def cluster_whole(js, topo: Topology) -> bool:
+    """The fault is over once the cluster is whole again: the TASKS and TRAJECTORIES streams and
+    the agent's consumer each have a leader and every replica is current. Until then leaders
+    may still change (a healed node's stale term, a restarted node catching up), and work that
+    such a change catches in flight is the fault's doing."""
+    try:
+        infos = [
+            await js.stream_info(topo.tasks_stream),
+            await js.stream_info(topo.trajectories_stream),
+            await js.consumer_info(topo.tasks_stream, topo.rollout_consumer(AGENT)),
+        ]
+    except Exception:  # noqa: BLE001 - not answering yet: not whole
+        return False
+    return all(
+        info.cluster
+        and info.cluster.leader
+        and len(info.cluster.replicas or []) == 2
+        and all(r.current and not r.offline for r in info.cluster.replicas or [])
+        for info in infos
+    )
+
+
 async def _cluster_fault(
     js,
     nodes,
@@ -752,6 +774,7 @@ async def _cluster_fault(
             await asyncio.sleep(down_s)  # the partition's length is the point
             dropped = partition.dropped(nodes)
             partition.heal(nodes)
+            await until(lambda: cluster_whole(js, topo), 120, "the cluster whole again")
         assert dropped > 0, "the proxies dropped nothing: the node was not cut off"
         scenario = f"3-node cluster: the TASKS leader cut off by a proxy for {down_s:g} s, healed"
     else:
@@ -762,6 +785,7 @@ async def _cluster_fault(
             server.kill()
             await asyncio.sleep(down_s)  # the outage's length is the point
             await asyncio.to_thread(server.start)
+            await until(lambda: cluster_whole(js, topo), 120, "the cluster whole again")
         scenario = f"3-node cluster: TASKS {role} SIGKILLed, restarted after {down_s:g} s"
     await run.wait_settled(180 + len(keys) / 20)
     return await run.tally(scenario, command=command)
