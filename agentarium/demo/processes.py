@@ -22,6 +22,23 @@ class Child:
     log_path: Path
     url: str = ""
     _threads: list[threading.Thread] = field(default_factory=list)
+    _ready: threading.Event | None = None
+    _holder: dict = field(default_factory=dict)
+
+    def wait_ready(self, timeout_s: float = 120.0) -> str:
+        """Block until the child printed its URL (started with ``watch_ready``); returns it."""
+        if self._ready is None:
+            raise ValueError(f"{self.name} was started without watch_ready")
+        if not self._ready.wait(timeout_s) or "url" not in self._holder:
+            self.kill()
+            tail = (
+                self.log_path.read_text(errors="replace")[-3000:] if self.log_path.exists() else ""
+            )
+            raise RuntimeError(
+                f"{self.name} did not become ready within {timeout_s}s; log tail:\n{tail}"
+            )
+        self.url = self._holder["url"]
+        return self.url
 
     def terminate(self, timeout_s: float = 30.0) -> int | None:
         """SIGTERM (the consumer drains), then SIGKILL if it does not exit in time."""
@@ -82,10 +99,13 @@ def start_child(
     log_dir: Path,
     *,
     wait_ready: bool = False,
+    watch_ready: bool = False,
     timeout_s: float = 120.0,
     env: dict[str, str] | None = None,
 ) -> Child:
-    """Run ``python -m agentarium ARGS``; with ``wait_ready``, block until it prints its URL."""
+    """Run ``python -m agentarium ARGS``; with ``wait_ready``, block until it prints its URL;
+    with ``watch_ready``, return at once and let ``Child.wait_ready()`` block later (so other
+    processes start while this one loads)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     proc = subprocess.Popen(
@@ -95,17 +115,13 @@ def start_child(
         env=env or child_env(),
         preexec_fn=_die_with_parent,
     )
-    ready = threading.Event() if wait_ready else None
+    ready = threading.Event() if wait_ready or watch_ready else None
     holder: dict = {}
     pump = threading.Thread(target=_pump, args=(proc.stdout, log_path, ready, holder), daemon=True)
     pump.start()
-    child = Child(name=name, proc=proc, log_path=log_path, _threads=[pump])
-    if ready is not None:
-        if not ready.wait(timeout_s) or "url" not in holder:
-            child.kill()
-            tail = log_path.read_text(errors="replace")[-3000:] if log_path.exists() else ""
-            raise RuntimeError(
-                f"{name} did not become ready within {timeout_s}s; log tail:\n{tail}"
-            )
-        child.url = holder["url"]
+    child = Child(
+        name=name, proc=proc, log_path=log_path, _threads=[pump], _ready=ready, _holder=holder
+    )
+    if wait_ready:
+        child.wait_ready(timeout_s)
     return child

@@ -267,10 +267,20 @@ def run_demo(args: DemoConfig) -> int:
     started = time.monotonic()
     try:
         asyncio.run(_provision(server.url, tuple(args.agents())))
+        # The engine and the trainer load torch and the model at the same time (the trainer
+        # needs no URL); everything that needs the engine's URL waits for it.
         engine = start_child(
-            "engine", ["engine", "--model", str(model_dir), "--port", "0"], logs, wait_ready=True
+            "engine", ["engine", "--model", str(model_dir), "--port", "0"], logs, watch_ready=True
         )
         children.append(engine)
+        trainer = (
+            None
+            if args.rollouts_only
+            else start_child("trainer", trainer_argv(args, model_dir, out, server.url), logs)
+        )
+        if trainer is not None:
+            children.append(trainer)
+        engine.wait_ready()
         agents = args.agents()
         for (name, agent), i in itertools.product(agents.items(), range(args.consumers)):
             children.append(
@@ -319,19 +329,15 @@ def run_demo(args: DemoConfig) -> int:
                 logs,
             )
         )
-        trainer = start_child(
-            "trainer",
-            trainer_argv(args, model_dir, out, server.url),
-            logs,
-        )
-        children.append(trainer)
+        assert trainer is not None
         print(
             f"trainer and weight syncer running; run {args.run}: {args.groups_per_step} groups x "
             f"{args.group_size} per step, up to {args.steps} steps or {args.minutes:g} minutes"
         )
         asyncio.run(_feed_and_watch(args, server.url, out, trainer))
     finally:
-        for child in reversed(children):
+        # the trainer first (it checkpoints), then the rest, last started first
+        for child in sorted(reversed(children), key=lambda c: c.name != "trainer"):
             child.terminate()
         server.stop()
     return report(out, time.monotonic() - started, args.digits, args.task_set)
