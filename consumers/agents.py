@@ -238,7 +238,7 @@ def _number(value: Any) -> float | None:
 
 def extract_reward(result: Any) -> tuple[float | None, dict[str, float]]:
     """Reward and metrics from an agent or reward-function result (None if absent)."""
-    number = _number(result)
+    number = None if type(result) is dict else _number(result)
     if number is not None:
         return number, {}
     if isinstance(result, dict):

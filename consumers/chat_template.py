@@ -136,8 +136,13 @@ def compile_template(source: str) -> jinja2.Template:
 def plain_data(value: Any) -> Any:
     """A deep copy made of plain JSON types: dataclasses and pydantic models (the OpenAI SDK's
     message objects) become dicts, so templates never see rich objects."""
-    if value is None or type(value) in (str, int, float, bool):
+    kind = type(value)
+    if value is None or kind in (str, int, float, bool):
         return value
+    if kind is dict:  # the usual message: no ABC checks
+        return {plain_data(k): plain_data(v) for k, v in value.items()}
+    if kind is list:
+        return [plain_data(v) for v in value]
     if isinstance(value, str):
         return str.__str__(value)
     if isinstance(value, int):
