@@ -36,9 +36,11 @@ from tokenizers import AddedToken, Tokenizer
 CACHE_ENTRIES = 1024
 CACHE_MAX_CHARS = 16 * 1024
 # The segment cache (SegmentEncoder): the text between two added tokens (a template's fixed
-# parts: "system\nYou are...", "assistant\n") -> ids; at most this many of at most this size.
+# parts: "system\nYou are...", "assistant\n"; a multi-turn rollout's earlier messages) -> ids,
+# packed; at most this many pieces of at most SEGMENT_MAX_CHARS, SEGMENT_BUDGET_CHARS in all.
 SEGMENT_ENTRIES = 4096
-SEGMENT_MAX_CHARS = 4 * 1024
+SEGMENT_MAX_CHARS = 16 * 1024
+SEGMENT_BUDGET_CHARS = 2 * 1024 * 1024
 
 # The named special tokens transformers puts in ``special_tokens_map`` (and so in the template).
 SPECIAL_TOKEN_NAMES = (
@@ -272,7 +274,8 @@ class SegmentEncoder:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self._size = tokenizer.get_vocab_size(with_added_tokens=True)
-        self._segments: dict[str, list[int]] = {}
+        self._segments: dict[str, array] = {}
+        self._chars = 0  # in the cached pieces
         self._ids: dict[str, int] = {}
         self._split: re.Pattern[str] | None = None
         added = tokenizer.get_added_tokens_decoder()
@@ -322,16 +325,27 @@ class SegmentEncoder:
                 ids.append(self._ids[piece])
             elif piece:
                 cached = segments.get(piece)
-                if cached is None:
-                    cached = self.tokenizer.encode(piece, add_special_tokens=False).ids
-                    if len(piece) <= SEGMENT_MAX_CHARS:
-                        segments[piece] = cached
-                        if len(segments) > SEGMENT_ENTRIES:
-                            # the oldest out; another thread may have taken it already
-                            with contextlib.suppress(KeyError, RuntimeError, StopIteration):
-                                del segments[next(iter(segments))]
-                ids.extend(cached)
+                if cached is not None:
+                    ids.extend(cached)
+                    continue
+                piece_ids = self.tokenizer.encode(piece, add_special_tokens=False).ids
+                ids.extend(piece_ids)
+                if len(piece) <= SEGMENT_MAX_CHARS:
+                    self._remember(piece, piece_ids)
         return ids
+
+    def _remember(self, piece: str, piece_ids: list[int]) -> None:
+        segments = self._segments
+        segments[piece] = array("i", piece_ids)
+        self._chars += len(piece)
+        while len(segments) > SEGMENT_ENTRIES or self._chars > SEGMENT_BUDGET_CHARS:
+            # the oldest out; another thread may have taken it already
+            try:
+                oldest = next(iter(segments))
+                del segments[oldest]
+            except (KeyError, RuntimeError, StopIteration):
+                break
+            self._chars -= len(oldest)
 
 
 class ChatTemplate:

@@ -294,3 +294,20 @@ def test_segment_encoder_steps_aside_where_pieces_are_not_independent(tiny_dir):
         tokens = [t.content for t in tokenizer.get_added_tokens_decoder().values()]
         for text in _random_texts(tokens, 300, seed=1) + ["a<s>a", "x <sep> y", "a<new>b"]:
             assert encoder.encode(text) == tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def test_segment_cache_is_bounded(tiny_dir, monkeypatch):
+    """The piece cache holds at most SEGMENT_BUDGET_CHARS of text, the oldest pieces out first;
+    ids stay the tokenizer's."""
+    from consumers import chat_template
+    from consumers.chat_template import SegmentEncoder, load_tokenizer
+
+    monkeypatch.setattr(chat_template, "SEGMENT_BUDGET_CHARS", 200)
+    tokenizer = load_tokenizer(tiny_dir)
+    encoder = SegmentEncoder(tokenizer)
+    for i in range(100):
+        text = f"<|im_start|>user\nmessage number {i}<|im_end|>\n"
+        assert encoder.encode(text) == tokenizer.encode(text, add_special_tokens=False).ids
+        assert encoder._chars == sum(map(len, encoder._segments)) <= 200
+    assert "user\nmessage number 99" in encoder._segments
+    assert "user\nmessage number 0" not in encoder._segments
