@@ -10,6 +10,10 @@ rollout layer, not a model. Same machine, same backend, same tensorization, side
   ray tasks      1,024 @ray.remote tasks, each rendering the chat template and POSTing to
                  /generate, ray.get on all of them, then the same tensorization
 
+The sides take turns batch by batch (the order reversed every other round, the first round a
+warm-up), in one process with the orchestrator open and Ray started, so each sees the same
+machine; the ratio is printed per round too.
+
     .venv/bin/python bench/orchestrator_overhead.py [--batches 5] [--ray-cpus 2]
 """
 
@@ -58,48 +62,32 @@ def tasks() -> list[dict]:
     return [{"task_id": f"t{i}", "prompt": f"repeat {i % 10}"} for i in range(TASKS)]
 
 
-def orchestrator_batches(url: str, nats_url: str, batches: int) -> list[dict[str, float]]:
-    out = []
-    with AgentOrchestrator(
-        [url],
-        nats_url=nats_url,
-        group_size=GROUP,
-        concurrency=256,
-        advertise_host="127.0.0.1",
-        proxy_host="127.0.0.1",
-        progress=False,
-    ) as orch:
-        orch.register_agent_type("bench", one_call)
-        for _ in range(batches + 1):  # the first batch warms up and is not counted
-            cpu0 = time.process_time()
-            t0 = time.perf_counter()
-            orch.initialize_batch_processing(tasks(), is_train=True)
-            t1 = time.perf_counter()
-            counts = orch.wait_for_batch_completion(timeout=300)
-            t2 = time.perf_counter()
-            batch, _ = orch.generate_training_batch(P, R)
-            t3 = time.perf_counter()
-            orch.reset_orchestrator_state()
-            assert counts["ok"] == TASKS * GROUP and len(batch) == TASKS * GROUP, counts
-            out.append(
-                {
-                    "publish": t1 - t0,
-                    "wait": t2 - t1,
-                    "tensorize": t3 - t2,
-                    "total": t3 - t0,
-                    "cpu": time.process_time() - cpu0,
-                }
-            )
-    return out[1:]
+def orchestrator_batch(orch: AgentOrchestrator) -> dict[str, float]:
+    cpu0 = time.process_time()
+    t0 = time.perf_counter()
+    orch.initialize_batch_processing(tasks(), is_train=True)
+    t1 = time.perf_counter()
+    counts = orch.wait_for_batch_completion(timeout=300)
+    t2 = time.perf_counter()
+    batch, _ = orch.generate_training_batch(P, R)
+    t3 = time.perf_counter()
+    orch.reset_orchestrator_state()
+    assert counts["ok"] == TASKS * GROUP and len(batch) == TASKS * GROUP, counts
+    return {
+        "publish": t1 - t0,
+        "wait": t2 - t1,
+        "tensorize": t3 - t2,
+        "total": t3 - t0,
+        "cpu": time.process_time() - cpu0,
+    }
 
 
-def ray_batches(url: str, batches: int, cpus: int, task_cpus: float) -> list[dict[str, float]]:
+def ray_rollout(url: str):
     import ray
 
-    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
     model_dir = str(ensure_tiny_model())
 
-    @ray.remote(num_cpus=task_cpus)
+    @ray.remote
     def rollout(task: dict, group_id: str, index: int) -> dict:
         from consumers.chat_template import ChatTemplate
 
@@ -121,44 +109,82 @@ def ray_batches(url: str, batches: int, cpus: int, task_cpus: float) -> list[dic
             "job_id": f"{group_id}-{index}",
         }
 
-    out = []
-    try:
-        for _ in range(batches + 1):
-            t0 = time.perf_counter()
-            refs = [rollout.remote(t, t["task_id"], i) for t in tasks() for i in range(GROUP)]
-            t1 = time.perf_counter()
-            results = ray.get(refs)
-            t2 = time.perf_counter()
-            trajectories = [
-                Trajectory(
-                    job_id=r["job_id"],
-                    agent="bench",
-                    task_id=r["group_id"],
-                    group_id=r["group_id"],
-                    status="ok",
-                    reward=0.0,
-                    calls=[
-                        LLMCall(
-                            prompt_ids=r["prompt_ids"],
-                            response_ids=r["output_ids"],
-                            response_logprobs=r["logprobs"],
-                            finish_reason="stop",
-                        )
-                    ],
+    return rollout
+
+
+def ray_batch(rollout, task_cpus: float) -> dict[str, float]:
+    import ray
+
+    remote = rollout.options(num_cpus=task_cpus)
+    t0 = time.perf_counter()
+    refs = [remote.remote(t, t["task_id"], i) for t in tasks() for i in range(GROUP)]
+    t1 = time.perf_counter()
+    results = ray.get(refs)
+    t2 = time.perf_counter()
+    trajectories = [
+        Trajectory(
+            job_id=r["job_id"],
+            agent="bench",
+            task_id=r["group_id"],
+            group_id=r["group_id"],
+            status="ok",
+            reward=0.0,
+            calls=[
+                LLMCall(
+                    prompt_ids=r["prompt_ids"],
+                    response_ids=r["output_ids"],
+                    response_logprobs=r["logprobs"],
+                    finish_reason="stop",
                 )
-                for r in results
-            ]
-            batch, _ = tensorize(
-                trajectories, max_prompt_length=P, max_response_length=R, pad_token_id=256
-            )
-            t3 = time.perf_counter()
-            assert len(batch) == TASKS * GROUP
-            out.append(
-                {"publish": t1 - t0, "wait": t2 - t1, "tensorize": t3 - t2, "total": t3 - t0}
-            )
-    finally:
-        ray.shutdown()
-    return out[1:]
+            ],
+        )
+        for r in results
+    ]
+    batch, _ = tensorize(trajectories, max_prompt_length=P, max_response_length=R, pad_token_id=256)
+    t3 = time.perf_counter()
+    assert len(batch) == TASKS * GROUP
+    return {"publish": t1 - t0, "wait": t2 - t1, "tensorize": t3 - t2, "total": t3 - t0}
+
+
+def alternated(url: str, nats_url: str, args: argparse.Namespace) -> dict[str, list[dict]]:
+    """Every side's batches in turns, the order reversed every other round; the first round
+    warms every side up and is not counted."""
+    import ray
+
+    runs: dict[str, list[dict]] = {}
+    with AgentOrchestrator(
+        [url],
+        nats_url=nats_url,
+        group_size=GROUP,
+        concurrency=256,
+        advertise_host="127.0.0.1",
+        proxy_host="127.0.0.1",
+        progress=False,
+    ) as orch:
+        orch.register_agent_type("bench", one_call)
+        # Ray kills workers beyond num_cpus after 1 s idle: while the other sides take their
+        # turns, the 0.1-CPU side's twenty workers would die and restart every round (each
+        # importing Ray and loading the tokenizer). Kept warm, as in a run of Ray alone.
+        ray.init(
+            num_cpus=args.ray_cpus,
+            include_dashboard=False,
+            log_to_driver=False,
+            _system_config={"idle_worker_killing_time_threshold_ms": 3_600_000},
+        )
+        try:
+            rollout = ray_rollout(url)
+            sides = {"orchestrator": lambda: orchestrator_batch(orch)}
+            for c in args.ray_task_cpus:
+                sides[f"ray {c:g} cpu"] = lambda c=c: ray_batch(rollout, c)
+            for round_ in range(args.batches + 1):
+                order = list(sides) if round_ % 2 == 0 else list(reversed(sides))
+                for name in order:
+                    result = sides[name]()
+                    if round_:
+                        runs.setdefault(name, []).append(result)
+        finally:
+            ray.shutdown()
+    return runs
 
 
 def report(label: str, runs: list[dict[str, float]]) -> None:
@@ -196,22 +222,32 @@ def main() -> None:
         store_dir=Path(tempfile.mkdtemp(prefix="agentarium-bench-")) / "nats"
     ).start()
     try:
-        orch = orchestrator_batches(url, server.url, args.batches)
-        ray_runs = {c: ray_batches(url, args.batches, args.ray_cpus, c) for c in args.ray_task_cpus}
+        runs = alternated(url, server.url, args)
     finally:
         server.stop()
         fake.terminate()
     print(
         f"\n{TASKS} tasks x group {GROUP} = {TASKS * GROUP} rollouts per batch, instant backend, "
-        f"median of {args.batches} batches (ms; total min..max)"
+        f"median of {args.batches} alternated rounds (ms; total min..max)"
     )
     print(
         f"  {'':<16} {'publish':>9} {'wait':>9} {'tensorize':>10} {'total':>9}  {'':<13}  rollouts/s"
         "  (orchestrator process CPU)"
     )
-    report("orchestrator", orch)
-    for task_cpus, runs in ray_runs.items():
-        report(f"ray {task_cpus:g} cpu", runs)
+    for name, side in runs.items():
+        report(name, side)
+    orch = runs["orchestrator"]
+    for name, side in runs.items():
+        if name == "orchestrator":
+            continue
+        ratios = sorted(r["total"] / o["total"] for o, r in zip(orch, side, strict=True))
+        median = statistics.median(r["total"] for r in side) / statistics.median(
+            o["total"] for o in orch
+        )
+        print(
+            f"  orchestrator vs {name}: {median:.2f}x rollouts/s (medians); per round "
+            + ", ".join(f"{x:.2f}" for x in ratios)
+        )
 
 
 if __name__ == "__main__":

@@ -64,6 +64,7 @@ LIBRARIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
 )
 IDLE = ("_worker (concurrent/futures/thread.py:81)",)
+IDLE_PREFIXES = ("AgentThreads._work (consumers/agents.py",)  # a sync agent's thread, waiting
 
 
 def bucket(frames: list[str]) -> str:
@@ -89,7 +90,7 @@ def summarize(text: str, cpu_us: float | None = None, *, top: int = 40) -> str:
         if not stack or not n.isdigit():
             continue
         frames = stack.split(";")
-        if frames[-1] in IDLE:
+        if frames[-1] in IDLE or frames[-1].startswith(IDLE_PREFIXES):
             continue
         counts[bucket(frames[1:])] += int(n)  # frames[0] names the thread
         total += int(n)

@@ -25,8 +25,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -203,15 +202,13 @@ class Fleet:
             "servers_down": len(self._open),
         }
 
-    @contextmanager
-    def _tracking(self, clock: DeadlineClock) -> Iterator[None]:
+    def _track(self, clock: DeadlineClock) -> None:
         self._clocks.add(clock)
         if self.holding:
             clock.pause()
-        try:
-            yield
-        finally:
-            self._clocks.discard(clock)
+
+    def _untrack(self, clock: DeadlineClock) -> None:
+        self._clocks.discard(clock)
 
     async def confirm_down(self) -> bool:
         """A call just failed on every server: probe them all now (one probe shared by every
@@ -389,14 +386,31 @@ def supports(backend: Any) -> bool:
     return all(hasattr(backend, name) for name in ("servers", "probe", "open_breaker"))
 
 
-@contextmanager
-def deadline_held_by(fleets: Sequence[Fleet], timeout: asyncio.Timeout) -> Iterator[None]:
-    """While inside, ``timeout`` (entered) stands still whenever one of ``fleets`` holds."""
-    clock = DeadlineClock(timeout)
-    with ExitStack() as stack:
-        for fleet in fleets:
-            stack.enter_context(fleet._tracking(clock))
-        yield
+class deadline_held_by:  # noqa: N801 - used as a function: ``with deadline_held_by(...)``
+    """While inside, ``timeout`` (entered) stands still whenever one of ``fleets`` holds.
+
+    A class rather than a generator over an ExitStack: entered once per rollout."""
+
+    __slots__ = ("_clock", "_fleets", "_entered")
+
+    def __init__(self, fleets: Sequence[Fleet], timeout: asyncio.Timeout) -> None:
+        self._clock = DeadlineClock(timeout)
+        self._fleets = fleets
+        self._entered: list[Fleet] = []
+
+    def __enter__(self) -> None:
+        try:
+            for fleet in self._fleets:
+                fleet._track(self._clock)
+                self._entered.append(fleet)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        for fleet in reversed(self._entered):
+            fleet._untrack(self._clock)
+        self._entered.clear()
 
 
 def fleets_summary(fleets: Sequence[Fleet]) -> dict[str, Any]:

@@ -147,6 +147,23 @@ async def _abandon(agent: asyncio.Future, job_id: str) -> None:
     agent.add_done_callback(_retrieve)
 
 
+def _end_of(task: asyncio.Future) -> asyncio.Future:
+    """A future that is done once ``task`` is: awaiting it waits for the task, and cancelling
+    the waiter (the deadline, a drain) leaves the task running (what ``asyncio.wait({task})``
+    does, without its set, its per-call waiter bookkeeping and its callback removal)."""
+    waiter = task.get_loop().create_future()
+
+    def wake(_: asyncio.Future) -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    if task.done():
+        waiter.set_result(None)
+    else:
+        task.add_done_callback(wake)
+    return waiter
+
+
 def _retrieve(task: asyncio.Future) -> None:
     """An abandoned agent's outcome, read so that asyncio does not log it as never retrieved."""
     if not task.cancelled():
@@ -291,7 +308,7 @@ async def run_rollout(
                 )
                 async with deadline:
                     with deadline_held_by(env.fleets, deadline):
-                        await asyncio.wait({agent})
+                        await _end_of(agent)
                 result = agent.result()
         except TimeoutError as exc:
             if deadline.expired():

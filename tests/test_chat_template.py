@@ -240,3 +240,74 @@ def test_import_pulls_in_neither_transformers_nor_torch():
         "assert not heavy, heavy"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
+
+
+def _random_texts(tokens: list[str], count: int, seed: int = 0) -> list[str]:
+    """Texts mixing added tokens with what tokenizers treat specially around them: spaces and
+    newlines on either side, a decomposed é (NFC), CJK, digits, contractions."""
+    import random
+
+    rng = random.Random(seed)
+    parts = [*tokens, " ", "  ", "\n", "\n\n", " \n", "\t", "e\u0301", "é", "你好", "12", "'s", "a"]
+    parts += ["word", "<|im", "_end|>", "<", ">", "|"]  # pieces of tokens: never one by chance
+    return ["".join(rng.choice(parts) for _ in range(rng.randint(0, 12))) for _ in range(count)]
+
+
+def test_segment_encoder_matches_the_tokenizer(tiny_dir):
+    """ChatTemplate.encode caches the text between added tokens: the same ids as encoding the
+    whole text, for any text, and a template's fixed pieces are encoded once."""
+    from consumers.chat_template import SegmentEncoder, load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_dir)
+    encoder = SegmentEncoder(tokenizer)
+    assert encoder.active
+    tokens = [t.content for t in tokenizer.get_added_tokens_decoder().values()]
+    for text in _random_texts(tokens, 3000):
+        assert encoder.encode(text) == tokenizer.encode(text, add_special_tokens=False).ids, text
+
+    template = ChatTemplate.from_model_dir(tiny_dir)
+    first = template.encode_chat([{"role": "user", "content": "repeat 1"}])
+    pieces = set(template._segments._segments)
+    second = template.encode_chat([{"role": "user", "content": "repeat 2"}])
+    assert set(template._segments._segments) - pieces == {"user\nrepeat 2"}  # only the new one
+    assert first != second and len(first) == len(second)
+
+
+def test_segment_encoder_steps_aside_where_pieces_are_not_independent(tiny_dir):
+    """Added tokens that swallow spaces, a pre-tokenizer that marks a text's first piece, or
+    tokens added after the encoder was made: the tokenizer's own encode, the same ids."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    from consumers.chat_template import SegmentEncoder, load_tokenizer
+
+    stripping = load_tokenizer(tiny_dir)
+    stripping.add_tokens([AddedToken("<sep>", lstrip=True, rstrip=True, special=True)])
+    metaspace = Tokenizer(models.WordLevel({"[UNK]": 0, "▁a": 1, "a": 2}, unk_token="[UNK]"))
+    metaspace.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    metaspace.add_special_tokens(["<s>"])
+    grown = load_tokenizer(tiny_dir)
+    cases = [(stripping, False), (metaspace, False), (grown, True)]
+    encoders = [(tok, SegmentEncoder(tok), active) for tok, active in cases]
+    grown.add_tokens([AddedToken("<new>", special=True, normalized=False)])
+    for tokenizer, encoder, active in encoders:
+        assert encoder.active is active
+        tokens = [t.content for t in tokenizer.get_added_tokens_decoder().values()]
+        for text in _random_texts(tokens, 300, seed=1) + ["a<s>a", "x <sep> y", "a<new>b"]:
+            assert encoder.encode(text) == tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def test_segment_cache_is_bounded(tiny_dir, monkeypatch):
+    """The piece cache holds at most SEGMENT_BUDGET_CHARS of text, the oldest pieces out first;
+    ids stay the tokenizer's."""
+    from consumers import chat_template
+    from consumers.chat_template import SegmentEncoder, load_tokenizer
+
+    monkeypatch.setattr(chat_template, "SEGMENT_BUDGET_CHARS", 200)
+    tokenizer = load_tokenizer(tiny_dir)
+    encoder = SegmentEncoder(tokenizer)
+    for i in range(100):
+        text = f"<|im_start|>user\nmessage number {i}<|im_end|>\n"
+        assert encoder.encode(text) == tokenizer.encode(text, add_special_tokens=False).ids
+        assert encoder._chars == sum(map(len, encoder._segments)) <= 200
+    assert "user\nmessage number 99" in encoder._segments
+    assert "user\nmessage number 0" not in encoder._segments

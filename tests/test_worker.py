@@ -466,3 +466,43 @@ async def test_sync_agents_past_their_deadline_are_counted_as_busy_threads():
         assert runner.busy_threads == 0
     finally:
         runner.close()
+
+
+async def test_agent_threads_hand_results_errors_and_context_to_the_loop():
+    """Sync agents' threads: a result, an exception (SystemExit and StopIteration included)
+    and the caller's context reach the rollout; a call cancelled while queued never runs; no
+    more threads than asked for."""
+    import contextvars
+    import threading
+
+    from consumers.agents import AgentThreads
+
+    loop = asyncio.get_running_loop()
+    pool = AgentThreads(max_workers=2)
+    var = contextvars.ContextVar("var", default="unset")
+    var.set("rollout")
+    gate, ran = threading.Event(), []
+
+    def raise_(exc):
+        raise exc
+
+    try:
+        assert await pool.run(loop, var.get) == "rollout"
+        with pytest.raises(ValueError, match="bad"):
+            await pool.run(loop, raise_, ValueError("bad"))
+        with pytest.raises(SystemExit):
+            await pool.run(loop, raise_, SystemExit(3))
+        with pytest.raises(RuntimeError, match="StopIteration"):
+            await pool.run(loop, raise_, StopIteration())
+        blockers = [pool.run(loop, gate.wait, 10) for _ in range(2)]  # both threads busy
+        queued = pool.run(loop, ran.append, "queued")
+        queued.cancel()
+        gate.set()
+        assert await asyncio.gather(*blockers) == [True, True]
+        assert await pool.run(loop, lambda: threading.current_thread().daemon) is True
+        assert ran == [] and len(pool._threads) == 2
+        assert await loop.run_in_executor(pool, sum, [1, 2]) == 3  # the Executor interface
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.run(loop, int)
