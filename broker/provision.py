@@ -17,7 +17,7 @@ from nats.js.api import ConsumerConfig, KeyValueConfig, ObjectStoreConfig, Stora
 from .errors import ProvisioningError
 from .patience import patiently
 from .topology import Limits, Topology
-from .version import MSG_TTL_SINCE, server_version
+from .version import DISCARD_NEW_BYTES_SINCE, MSG_TTL_SINCE, UNKNOWN, format_version, server_version
 
 log = structlog.get_logger("agentarium.broker")
 
@@ -316,6 +316,36 @@ async def ensure_buckets(
     return report
 
 
+_warned_byte_limit = False
+
+
+def stream_configs(js: JetStreamContext, topo: Topology, limits: Limits) -> list[StreamConfig]:
+    """``topo.stream_configs(limits)`` fitted to the connected server: before nats-server
+    2.10.5 a discard-new stream gets no byte limit (its message limit stays, and is exact),
+    since such a server, once the byte limit is reached, deletes the oldest messages (jobs
+    not yet run) to make room (broker/version.py). Logged once per process."""
+    global _warned_byte_limit
+    configs = topo.stream_configs(limits)
+    version = server_version(js._nc)
+    if version == UNKNOWN or version >= DISCARD_NEW_BYTES_SINCE:
+        return configs
+    for config in configs:
+        if _norm(config.discard) == "new" and (config.max_bytes or -1) > 0:
+            if not _warned_byte_limit:
+                _warned_byte_limit = True
+                log.warning(
+                    "this nats-server drops the oldest messages of a full discard-new stream "
+                    "(fixed in 2.10.5): the job queue gets no byte limit, only its message "
+                    "limit; upgrade nats-server to have both",
+                    stream=config.name,
+                    server=format_version(version),
+                    max_bytes=config.max_bytes,
+                    max_msgs=config.max_msgs,
+                )
+            config.max_bytes = -1
+    return configs
+
+
 def _job_streams(topo: Topology) -> tuple[str, ...]:
     """What jobs need to flow. The live-view objects (the metrics stream, the engines KV) are
     left to ``provision``: a service started against a broker provisioned by an older release
@@ -336,7 +366,7 @@ async def ensure_streams(
 
     async def once() -> list[str]:
         created: list[str] = []
-        for config in topo.stream_configs(limits or Limits()):
+        for config in stream_configs(js, topo, limits or Limits()):
             if config.name in _job_streams(topo):
                 created += (await ensure_stream(js, config, update=False)).created
         return created
@@ -385,7 +415,7 @@ async def provision(
     With ``update=False`` existing objects are left exactly as they are."""
     limits = limits or Limits()
     report = ProvisionReport()
-    for stream in topo.stream_configs(limits):
+    for stream in stream_configs(js, topo, limits):
         report.merge(await ensure_stream(js, stream, update=update))
     report.merge(await ensure_buckets(js, topo, limits, update=update))
     for agent in agents:

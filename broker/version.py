@@ -2,7 +2,8 @@
 
 The floor is nats-server 2.9 (Debian's 2.9.10). Newer servers are used for what they add:
 ``sync_interval`` (2.10: fsync on a schedule, or on every write) when the launcher writes a
-config, per-message TTLs (2.11: ``Nats-TTL``) for the workers registry. Each use checks the
+config, per-message TTLs (2.11: ``Nats-TTL``) for the workers registry, byte limits on the
+discard-new job queue (2.10.5: before it, a full queue dropped its oldest jobs). Each use checks the
 version first and falls back to what 2.9 does.
 """
 
@@ -17,6 +18,11 @@ Version = tuple[int, int, int]
 
 SYNC_INTERVAL_SINCE: Version = (2, 10, 0)
 MSG_TTL_SINCE: Version = (2, 11, 0)
+# Before 2.10.5 the file store checks a discard-new byte limit against the payload's size,
+# stores the message at its full size, then deletes the stream's OLDEST messages to get back
+# under the limit (nats-server bf8ac377f, "Fix DiscardNew exceed bytes calculation"): a full
+# work queue loses jobs silently. Found by tests/chaos' store-full scenario.
+DISCARD_NEW_BYTES_SINCE: Version = (2, 10, 5)
 UNKNOWN: Version = (0, 0, 0)
 
 _VERSION = re.compile(r"v?(\d+)\.(\d+)\.(\d+)")

@@ -23,11 +23,20 @@ import nats.js.api
 import pytest
 import structlog
 
-from broker import NatsServer, Topology, find_nats_server, free_port, live_workers, provision
+from broker import (
+    Limits,
+    NatsServer,
+    Topology,
+    find_nats_server,
+    free_port,
+    live_workers,
+    provision,
+)
 from broker.errors import ServerLaunchError
 from broker.registry import entry_ttl_supported, publish_worker
 from broker.server import ENV_BINARY
 from broker.version import (
+    DISCARD_NEW_BYTES_SINCE,
     MSG_TTL_SINCE,
     SYNC_INTERVAL_SINCE,
     UNKNOWN,
@@ -170,6 +179,42 @@ async def test_broker_init_turns_on_entry_ttls_for_a_bucket_made_before(nc):
         assert await entry_ttl_supported(js, topo)
     else:
         assert label in report.unchanged and not config.allow_msg_ttl
+
+
+async def test_a_full_job_queue_refuses_new_jobs_and_keeps_every_queued_one(nc):
+    """Before 2.10.5 a server filling a discard-new stream to its byte limit stores the message
+    at its full size, then deletes the stream's oldest messages to get back under the limit
+    (broker/version.py): queued jobs vanish. Provisioning leaves the job queue no byte limit
+    there (its message limit, which that server checks exactly, holds it). On every server a
+    full queue refuses the next job with a clear error and keeps each one it acknowledged."""
+    js = nc.jetstream()
+    topo = Topology()
+    limits = Limits(tasks_max_msgs=40, tasks_max_bytes=30 * 600)  # ~30 jobs of 500 bytes
+    await provision(js, topo, limits)
+    config = (await js.stream_info(topo.tasks_stream)).config
+    exact_bytes = server_version(nc) >= DISCARD_NEW_BYTES_SINCE
+    assert config.max_bytes == (limits.tasks_max_bytes if exact_bytes else -1)
+    assert config.max_msgs == 40
+    acked: list[int] = []
+    refusals: list[str] = []
+    for i in range(60):
+        try:
+            ack = await js.publish(
+                topo.tasks_subject("a"), b"x" * 500, headers={"Nats-Msg-Id": f"j{i}"}
+            )
+        except nats.js.errors.APIError as exc:
+            refusals.append(str(exc.description))
+            continue
+        acked.append(ack.seq)
+    assert refusals and all("maximum" in r for r in refusals), refusals
+    if exact_bytes:  # the byte limit binds first
+        assert 25 <= len(acked) < 40, acked
+    else:
+        assert len(acked) == 40, acked
+    state = (await js.stream_info(topo.tasks_stream)).state
+    assert (state.messages, state.first_seq) == (len(acked), 1)
+    for seq in acked:  # every acknowledged job is still queued
+        assert (await js.get_msg(topo.tasks_stream, seq)).seq == seq
 
 
 def test_the_test_extra_brings_todays_server():

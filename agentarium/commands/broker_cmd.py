@@ -46,7 +46,7 @@ def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
         "--tasks-max-bytes",
         type=int,
         default=d.tasks_max_bytes,
-        help="queue capacity in bytes (default %(default)s)",
+        help="queue capacity in bytes (default %(default)s; not set on nats-server < 2.10.5, which drops the oldest jobs of a byte-full queue)",
     )
     g.add_argument(
         "--duplicate-window",

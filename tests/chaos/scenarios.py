@@ -30,6 +30,7 @@ from nats.js.api import DiscardPolicy
 from agentarium.demo.processes import child_env
 from broker import Limits, NatsServer, NatsSettings, Topology, provision
 from broker.registry import live_workers
+from broker.version import DISCARD_NEW_BYTES_SINCE, format_version, server_version
 
 ACK_WAIT_S = 3.0
 LIMITS = Limits(ack_wait_s=ACK_WAIT_S, attempts=3)
@@ -302,11 +303,13 @@ async def store_full(
     concurrency: int = 16,
     command: str = "",
 ) -> Row:
-    """The store fills up: TRAJECTORIES and TASKS get byte limits that refuse new messages
-    (discard new, as a full disk refuses writes) with room for ``room`` more of each. The
-    producer must wait, the consumers must hold their finished jobs (heartbeated, not
-    redelivered, not dead-lettered) for ``full_s`` past the moment the store is full; then the
-    operator raises the limits and everything lands."""
+    """The store fills up: TRAJECTORIES and TASKS get limits that refuse new messages
+    (discard new, as a full disk refuses writes) with room for ``room`` more of each: byte
+    limits on nats-server 2.10.5+, message limits before it (whose byte limits delete the
+    oldest messages instead of refusing: broker/version.py). The producer must wait, the
+    consumers must hold their finished jobs (heartbeated, not redelivered, not dead-lettered)
+    for ``full_s`` past the moment the store is full; then the operator raises the limits and
+    everything lands."""
     async with session(server.url) as js, fake_fleet() as fake:
         topo = Topology()
         run = ChaosRun(js, workdir)
@@ -321,7 +324,9 @@ async def store_full(
             await run.wait_settled(60)
             trajectories = await js.stream_info(topo.trajectories_stream)
             per_trajectory = trajectories.state.bytes / trajectories.state.messages
-            with run.fault("store full (byte limits, discard new)"):
+            by_bytes = server_version(js._nc) >= DISCARD_NEW_BYTES_SINCE
+            kind = "byte" if by_bytes else "message"
+            with run.fault(f"store full ({kind} limits, discard new)"):
                 original = {}
                 for stream, size in (
                     (topo.trajectories_stream, per_trajectory),
@@ -329,11 +334,12 @@ async def store_full(
                 ):
                     info = await js.stream_info(stream)
                     original[stream] = info.config
-                    config = dataclasses.replace(
-                        info.config,
-                        max_bytes=int(info.state.bytes + room * size),
-                        discard=DiscardPolicy.NEW,
+                    limit = (
+                        {"max_bytes": int(info.state.bytes + room * size)}
+                        if by_bytes
+                        else {"max_msgs": info.state.messages + room}
                     )
+                    config = dataclasses.replace(info.config, discard=DiscardPolicy.NEW, **limit)
                     await js.update_stream(config)
                 publishing = asyncio.create_task(run.publish(range(warmup, jobs)))
 
@@ -342,10 +348,12 @@ async def store_full(
                     consumer = await js.consumer_info(
                         topo.tasks_stream, topo.rollout_consumer(AGENT)
                     )
-                    return (
+                    full = (
                         info.state.bytes + per_trajectory > info.config.max_bytes
-                        and consumer.num_ack_pending > 0
+                        if by_bytes
+                        else info.state.messages >= info.config.max_msgs
                     )
+                    return full and consumer.num_ack_pending > 0
 
                 await until(full, 60, "the trajectories stream full with jobs held")
                 await asyncio.sleep(full_s)  # held past the ack wait: the length is the point
@@ -360,7 +368,8 @@ async def store_full(
         assert codes == [0], codes
         assert info.num_redelivered == 0, info
         return await run.tally(
-            f"store full: byte limits refuse writes for {full_s:g} s (ack wait {ACK_WAIT_S:g} s)",
+            f"store full: {kind} limits refuse writes for {full_s:g} s (ack wait {ACK_WAIT_S:g} s, "
+            f"nats-server {format_version(server_version(js._nc))})",
             command=command,
         )
 
