@@ -13,7 +13,7 @@ pytestmark = pytest.mark.chaos
 @pytest.mark.timeout(300)
 async def test_follower_kill_and_a_partitioned_leader_lose_nothing(tmp_path, capsys):
     rows = await scenarios.cluster_faults(
-        tmp_path, faults=("follower kill", "partition"), jobs=300, down_s=10.0
+        tmp_path, faults=("follower kill", "partition"), jobs=300, down_s=6.0
     )
     with capsys.disabled():
         print("", *rows, sep="\n")
