@@ -8,6 +8,29 @@ for both prompts, which run decides by its seed: one task would rise and the oth
 Each task's reward, read from its own column of the trainer's metrics CSV, must rise by at least
 30% of the task's reward range (mean of the last 20 steps against the first 20, over the steps
 that trained groups of the task); with learning rate 0 neither may rise.
+
+A rare outcome of the dynamics, not a pipeline bug, is handled by one fresh run: the neighbour
+trap. ``next`` pays 0.5 for 6 or 8, ``repeat`` only for 7, and the random tiny policy starts
+near uniform and blind to the prompt (each digit's first-token probability differs by under 5%
+between ``repeat 7`` and ``next 6``), so what ``next`` teaches, ``repeat`` answers too. With
+group-std normalisation a ``next`` group that sampled a 6 or 8 and no 7 gives the neighbour the
+same unit advantage a 7 would get, and the first rare samples (about 0.2 a step of each, from
+those probabilities), each turned into a full-size Adam step, decide which digit the policy
+climbs. It usually recovers: a 7 sampled in a ``repeat`` group, or among 0.5s in a ``next``
+group, gets a large normalised advantage. If no 7 is sampled before 7's probability vanishes,
+every ``repeat`` group is flat at 0 and every ``next`` group at 0.5: no gradient is left, for
+good. ``neighbour_trap`` recognises that end state (``repeat`` 0, ``next`` 0.5 with no exact
+answer over the last 20 steps); only then the learning run is repeated once, with seed 2, so a
+pipeline fault (a task whose reward stays 0 while the other learns 7) still fails at once.
+
+Measured on a shared 2-core machine, learning runs of this test's flags: 24 runs, 0 trapped, 5
+climbed a neighbour first (at least half of ``next``'s replies over 5 steps) and recovered; CI
+has seen one trapped run (``repeat`` 0 for all 60 steps). Variants did not remove the trap:
+``--entropy-coef 0.02`` 2 trapped of 5, Dr. GRPO advantages (the trainer's ``--no-std-norm``
+through a demo flag tried and not kept; it halves the neighbour's pull but also the rescuing 7's
+advantage) 2 of 18, ``--digits 1`` (the digit most likely at the start against its neighbours) 1
+of 10, ``--group-size 16`` 0 of 6 but 2 climbed a neighbour, at a 50% longer training phase.
+``neighbour_trap`` flagged exactly the 5 failed runs of these 63.
 """
 
 from __future__ import annotations
@@ -59,6 +82,24 @@ def run_demo(out, *extra: str) -> dict[str, list[float | None]]:
     return task_rewards(read_metrics(out / "metrics.csv"), TASKS)
 
 
+def neighbour_trap(out) -> str | None:
+    """How the run in ``out`` ended in the neighbour trap the module docstring describes, or None:
+    over the last steps ``repeat`` scores 0 and ``next`` 0.5 with no exact answer (the policy
+    answers 6 or 8 to both prompts and every group is flat)."""
+    rows = read_metrics(out / "metrics.csv")
+    last = {
+        name: first_last(values, WINDOW)[2]
+        for name, values in (
+            ("repeat", task_rewards(rows, TASKS)["repeat"]),
+            ("next", task_rewards(rows, TASKS)["next"]),
+            ("next exact", task_rewards(rows, TASKS, metric="success")["next"]),
+        )
+    }
+    if last["repeat"] < 0.05 and abs(last["next"] - 0.5) < 0.05 and last["next exact"] < 0.05:
+        return ", ".join(f"{k} {v:.2f}" for k, v in last.items()) + f" over the last {WINDOW} steps"
+    return None
+
+
 def rise(values: list[float | None]) -> float:
     n, first, last = first_last(values, WINDOW)
     assert n == WINDOW, f"{len(values)} steps, need {2 * WINDOW}"
@@ -66,13 +107,20 @@ def rise(values: list[float | None]) -> float:
 
 
 def test_each_task_rises_with_learning_and_not_without(tmp_path):
-    learned = run_demo(tmp_path / "lr", "--lr", "3e-3", "--steps", str(STEPS))
+    out = tmp_path / "lr"
+    learned = run_demo(out, "--lr", "3e-3", "--steps", str(STEPS))
+    trap = neighbour_trap(out)
+    if trap:  # the rare absorbing state of the dynamics (module docstring): one fresh run
+        print(f"run 1 ended in the neighbour trap ({trap}); running again with seed 2")
+        out = tmp_path / "lr-seed2"
+        learned = run_demo(out, "--lr", "3e-3", "--steps", str(STEPS), "--seed", "2")
+        trap = neighbour_trap(out)
     for task in TASKS:
         needed = 0.3 * FAMILIES[task].reward_range
-        assert rise(learned[task]) >= needed, (task, rise(learned[task]), learned[task])
+        assert rise(learned[task]) >= needed, (task, rise(learned[task]), learned[task], trap)
 
     frozen = run_demo(tmp_path / "lr0", "--lr", "0", "--steps", str(FROZEN_STEPS))
     for task in TASKS:
         limit = 0.1 * FAMILIES[task].reward_range
         assert rise(frozen[task]) < limit, (task, rise(frozen[task]), frozen[task])
-    assert (tmp_path / "lr" / "reward.png").stat().st_size > 0
+    assert (out / "reward.png").stat().st_size > 0
