@@ -44,6 +44,7 @@ from .server import NatsServer, find_nats_server, free_port
 from .settings import NatsSettings
 from .status import BrokerStatus, collect_status, count_messages, format_status
 from .stream_metrics import StreamMetrics, collect_stream_metrics
+from .sweep import SweepReport, format_sweep, sweep_stranded
 from .tail import Tail, read_tail
 from .telemetry import (
     OPENINFERENCE_SPAN_KIND,
@@ -85,11 +86,14 @@ __all__ = [
     "START_PATIENCE_S",
     "ServerLaunchError",
     "StreamMetrics",
+    "SweepReport",
+    "SweepReport",
     "Tail",
     "TRANSIENT_NATS_ERRORS",
     "Topology",
     "cancel_and_wait",
     "collect_status",
+    "sweep_stranded",
     "collect_stream_metrics",
     "count_messages",
     "engine_key",
@@ -100,6 +104,7 @@ __all__ = [
     "extract_context",
     "find_nats_server",
     "format_status",
+    "format_sweep",
     "free_port",
     "inject_headers",
     "is_transient",

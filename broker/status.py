@@ -134,6 +134,12 @@ async def collect_status(
     for row in per_agent.values():
         if row.has_consumer:
             row.stranded = max(0, row.waiting - row.pending - row.in_flight)
+            if row.stranded:
+                status.notes.append(
+                    f"agent {row.agent}: {row.stranded} stranded jobs (in the queue, never to be "
+                    f"delivered again): `agentarium broker sweep --agent {row.agent}` removes "
+                    "those whose trajectory is stored and lists the rest"
+                )
         elif row.waiting:
             status.notes.append(
                 f"agent {row.agent}: {row.waiting} jobs wait for their first consumer "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -10,13 +11,17 @@ import socket
 import subprocess
 import sys
 
+import nats.errors
 import pytest
+from nats.js.api import AckPolicy, ConsumerConfig
 
 from broker import Limits, NatsSettings, ProvisioningError, Topology, provision
 from broker.errors import BrokerUnavailable
 from broker.provision import ensure_provisioned, ensure_streams
 from broker.status import collect_status, format_status
+from broker.sweep import format_sweep, sweep_stranded
 from producers import TaskProducer
+from schemas import Job, Trajectory, decode, encode
 
 
 @pytest.mark.nats_semantics
@@ -89,6 +94,78 @@ async def test_status_jobs_before_the_first_consumer_are_waiting_not_stranded(js
     [row] = (await collect_status(js, topology)).agents
     assert (row.waiting, row.pending, row.stranded, row.has_consumer) == (3, 3, 0, True)
     assert "no consumer yet" not in format_status(await collect_status(js, topology))
+
+
+@pytest.mark.nats_semantics
+async def test_sweep_removes_the_stranded_jobs_already_done_and_keeps_the_rest(
+    js, topology, nats_url
+):
+    """A consumer made by hand with max_deliver 1 gives up on three jobs it nak'd: they stay in
+    the work queue below its ack floor, never to be delivered again (stranded). Two of them
+    have a trajectory stored (done: a lost ack); the sweep removes those two, keeps the one
+    that may never have run, and never touches the job still waiting above the ack floor."""
+    producer = TaskProducer(js, topology)
+    ids = (await producer.submit("toy", [{"n": i} for i in range(3)], run="r")).job_ids
+    await js.add_consumer(
+        topology.tasks_stream,
+        ConsumerConfig(
+            durable_name=topology.rollout_consumer("toy"),
+            filter_subject=topology.tasks_subject("toy"),
+            ack_policy=AckPolicy.EXPLICIT,
+            max_deliver=1,
+            ack_wait=1,
+        ),
+    )
+    pull = await js.pull_subscribe_bind(topology.rollout_consumer("toy"), topology.tasks_stream)
+    for msg in await pull.fetch(3, timeout=5):
+        await msg.nak()
+
+    async def in_flight() -> int:
+        info = await js.consumer_info(topology.tasks_stream, topology.rollout_consumer("toy"))
+        return info.num_ack_pending
+
+    # The server gives up on a nak'd job (no deliveries left) once its ack wait is over and a
+    # pull request makes it look at its redeliveries.
+    async with asyncio.timeout(10):
+        while await in_flight():
+            with contextlib.suppress(nats.errors.TimeoutError):
+                await pull.fetch(1, timeout=0.2)  # nothing left to deliver: only the look
+    # The next job's ack, with nothing else pending, moves the ack floor past all four.
+    ids += (await producer.submit("toy", [{"n": 3}], run="r")).job_ids
+    [fourth] = await pull.fetch(1, timeout=5)
+    await fourth.ack_sync()
+    ids += (await producer.submit("toy", [{"n": 4}], run="r")).job_ids  # waits above the floor
+    for job_id in ids[:2]:
+        done = Trajectory(
+            job_id=job_id, agent="toy", run="r", task_id="t", group_id="g", status="ok", reward=1.0
+        )
+        await js.publish(topology.trajectory_subject("r", "toy", job_id), encode(done))
+    status = await collect_status(js, topology)
+    [row] = status.agents
+    assert (row.waiting, row.pending, row.in_flight, row.stranded) == (4, 1, 0, 3)
+    assert any("3 stranded jobs" in n and "broker sweep --agent toy" in n for n in status.notes)
+
+    [dry] = await sweep_stranded(js, topology, dry_run=True)
+    assert (dry.ack_floor, dry.stranded, dry.removed, dry.kept) == (4, 3, 2, 1)
+    assert (await js.stream_info(topology.tasks_stream)).state.messages == 4  # nothing deleted
+    assert ids[2] in format_sweep([dry], dry_run=True)
+    run = await asyncio.to_thread(
+        agentarium, "broker", "sweep", "--agent", "toy", "--nats-url", nats_url
+    )
+    assert run.returncode == 0, run.stderr
+    header, row_line, kept = run.stdout.splitlines()
+    assert header.split() == ["agent", "ack", "floor", "stranded", "removed", "kept"]
+    assert row_line.split() == ["toy", "4", "3", "2", "1"]
+    assert "kept 1 stranded job(s)" in kept and f"{ids[2]} (no trajectory stored)" in kept
+    assert "re-publish" in kept
+    [row] = (await collect_status(js, topology)).agents
+    assert (row.waiting, row.pending, row.stranded) == (2, 1, 1)  # the kept one, the waiting one
+    left = [await js.get_msg(topology.tasks_stream, seq) for seq in (3, 5)]
+    assert [decode(Job, m.data).job_id for m in left] == [ids[2], ids[4]]
+    with pytest.raises(ValueError, match="no rollout consumer for agent.*nobody"):
+        await sweep_stranded(js, topology, agents=("nobody",))
+    [again] = await sweep_stranded(js, topology)  # idempotent: the kept one stays kept
+    assert (again.stranded, again.removed, again.kept) == (1, 0, 1)
 
 
 def agentarium(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:

@@ -35,7 +35,7 @@ def run_cli(*argv: str) -> tuple[int, str]:
     "group, commands",
     [
         ((), ("broker", "consumer", "produce", "trajectories", "eval", "demo")),
-        (("broker",), ("up", "init", "status")),
+        (("broker",), ("up", "init", "status", "sweep")),
         (("eval",), ("run", "summary")),
         (("trajectories",), ("show", "export")),
     ],

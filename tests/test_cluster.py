@@ -21,6 +21,7 @@ from worker_env import worker_for
 from agentarium.demo.processes import child_env
 from broker import Limits, NatsSettings, Topology, provision
 from broker.registry import live_workers
+from broker.sweep import sweep_stranded
 from producers import TaskProducer, TrajectoryReader
 from schemas import Job, decode
 
@@ -200,6 +201,12 @@ async def test_tasks_leader_killed_and_restarted_mid_batch(nodes, capsys):
             # Exactly one stored message per job: no duplicate hid behind the reader's view.
             stored = (await js.stream_info(topo.trajectories_stream)).state.messages
             assert stored == GROUPS * GROUP_SIZE
+            # nats-server before 2.11 can keep jobs the consumer acked across the leader change
+            # (nats-server#3953; seen: 191 of 2,048 on 2.9.10): never redelivered, only still
+            # stored. They are stranded, and the sweep removes them, each having a trajectory.
+            left_over = (await js.stream_info(topo.tasks_stream)).state.messages
+            [swept] = await sweep_stranded(js, topo)
+            assert swept.kept == 0 and swept.removed + swept.already_gone == swept.stranded
             assert (await js.stream_info(topo.tasks_stream)).state.messages == 0
             assert (await js.stream_info(topo.dead_stream)).state.messages == 0
             assert sum(c.ok for c in counters) >= stored
@@ -226,7 +233,8 @@ async def test_tasks_leader_killed_and_restarted_mid_batch(nodes, capsys):
             f"{GROUPS * GROUP_SIZE} publishes were acked: publishing stalled {stall:.2f}s (no ack "
             f"from {stall_from - killed_at:.2f}s to {stall_from - killed_at + stall:.2f}s after the "
             f"kill); all published in {published_s:.1f}s, all stored in {stored_s:.1f}s; "
-            f"redeliveries found already stored: {sum(c.already_stored for c in counters)}"
+            f"redeliveries found already stored: {sum(c.already_stored for c in counters)}; "
+            f"acked jobs the server kept (swept): {left_over}"
         )
 
 

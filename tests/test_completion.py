@@ -44,7 +44,7 @@ def test_bash_completes_commands_flags_and_choices(capsys):
         "seq-mean-token-mean",
         "seq-mean-token-sum-norm",
     ]
-    assert complete(bash, "agentarium", "broker", "") == ["up", "init", "status"]
+    assert complete(bash, "agentarium", "broker", "") == ["up", "init", "status", "sweep"]
 
 
 def test_zsh_script_names_every_command(capsys):

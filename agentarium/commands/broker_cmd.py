@@ -1,4 +1,4 @@
-"""``agentarium broker up|init|status``."""
+"""``agentarium broker up|init|status|sweep``."""
 
 from __future__ import annotations
 
@@ -17,8 +17,10 @@ from broker import (
     Topology,
     collect_status,
     format_status,
+    format_sweep,
     provision,
     setup_logging,
+    sweep_stranded,
 )
 
 from .common import add_command_group, add_nats_flags, run_async, settings_from_args
@@ -199,13 +201,39 @@ def cmd_status(args: argparse.Namespace) -> int:
     return run_async(lambda: _status(args), service="agentarium-broker")
 
 
+async def _sweep(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    nc = await settings.connect(name="agentarium-sweep", reconnect_forever=False)
+    try:
+        reports = await sweep_stranded(
+            nc.jetstream(),
+            Topology(settings.prefix),
+            agents=tuple(args.agent),
+            dry_run=args.dry_run,
+        )
+    except ValueError as exc:
+        log.error("nothing swept", error=str(exc))
+        return 2
+    finally:
+        await nc.close()
+    if args.json:
+        print(json.dumps([r.to_json() for r in reports], indent=2))
+    else:
+        print(format_sweep(reports, dry_run=args.dry_run))
+    return 0
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    return run_async(lambda: _sweep(args), service="agentarium-broker")
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     broker = sub.add_parser(
         "broker",
         help="run, provision and inspect the NATS JetStream broker",
         description="Run, provision and inspect the NATS JetStream broker.",
     )
-    bsub = add_command_group(broker, "broker_command", "{up,init,status}")
+    bsub = add_command_group(broker, "broker_command", "{up,init,status,sweep}")
 
     up = bsub.add_parser(
         "up",
@@ -273,3 +301,28 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_nats_flags(status)
     status.set_defaults(func=cmd_status)
+
+    sweep = bsub.add_parser(
+        "sweep",
+        help="remove stranded jobs that are already done (trajectory stored)",
+        description="Remove stranded jobs: jobs still in the TASKS stream at or below their "
+        "consumer's ack floor, which it will never deliver again (`broker status` counts them). "
+        "nats-server before 2.11 can leave such jobs in a cluster after a leader change, though "
+        "their consumer acked them; a consumer made by hand with a smaller max_deliver leaves "
+        "them too. A stranded job is deleted only when its trajectory is stored; any other is "
+        "kept and listed (re-publish it, or look for it in AGENTARIUM_DEAD). Jobs waiting or "
+        "in flight are never read.",
+    )
+    sweep.add_argument(
+        "--agent",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="sweep only this agent's jobs (repeatable; default: every agent with a consumer)",
+    )
+    sweep.add_argument(
+        "--dry-run", action="store_true", help="delete nothing; report what would be removed"
+    )
+    sweep.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_nats_flags(sweep)
+    sweep.set_defaults(func=cmd_sweep)

@@ -1,0 +1,145 @@
+"""Sweep stranded jobs: what ``agentarium broker sweep`` does.
+
+A job is *stranded* when it is still in the TASKS work-queue stream but its agent's
+``rollout-<agent>`` consumer will never deliver it again: its stream sequence is at or below
+the consumer's ack floor. Two ways lead there:
+
+- a consumer made by hand with a smaller ``max_deliver`` gave up on it (our workers dead-letter
+  and terminate a job on its last delivery, which removes it);
+- nats-server before 2.11 in a cluster can keep messages of a work-queue stream whose consumer
+  acked them across a leader change (upstream issue nats-io/nats-server#3953 and later fixes:
+  from 2.11 the consumer leader proposes each removal and the server re-checks on leader
+  change). Nothing is redelivered, but the jobs keep their room in the queue, so a queue with
+  a message limit fills with jobs already done.
+
+The sweep reads each stranded job and deletes it only when its trajectory is stored: that job
+is done, and removing it loses nothing. Any other stranded job is kept and listed (it may
+never have run: re-publish it, or read ``AGENTARIUM_DEAD`` for it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import nats.js.errors
+from nats.js import JetStreamContext
+
+from schemas import Job, SchemaError, decode
+
+from .topology import Topology
+
+# How many kept job ids a report lists (the count is always exact).
+LIST_KEPT = 20
+
+
+@dataclass
+class SweepReport:
+    """One agent's sweep: stranded jobs found, removed (trajectory stored), kept."""
+
+    agent: str
+    ack_floor: int = 0  # the consumer's ack floor (stream sequence) the sweep read up to
+    stranded: int = 0
+    removed: int = 0
+    already_gone: int = 0  # removed by the server between the read and the delete
+    kept: int = 0
+    kept_jobs: list[str] = field(default_factory=list)  # the first LIST_KEPT, "job_id (why)"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+async def sweep_stranded(
+    js: JetStreamContext,
+    topo: Topology,
+    *,
+    agents: tuple[str, ...] = (),
+    dry_run: bool = False,
+) -> list[SweepReport]:
+    """Delete every stranded job whose trajectory is stored, for each agent with a
+    ``rollout-<agent>`` consumer (or only ``agents``). ``dry_run`` deletes nothing and reports
+    what would go. Jobs above the ack floor (waiting or in flight) are never read."""
+    reports = []
+    for info in await js.consumers_info(topo.tasks_stream):
+        if not info.name.startswith("rollout-"):
+            continue
+        agent = info.name[len("rollout-") :]
+        if agents and agent not in agents:
+            continue
+        floor = int(info.ack_floor.stream_seq or 0) if info.ack_floor else 0
+        reports.append(await _sweep_agent(js, topo, agent, floor, dry_run))
+    missing = set(agents) - {r.agent for r in reports}
+    if missing:
+        raise ValueError(
+            f"no rollout consumer for agent(s) {', '.join(sorted(missing))} on "
+            f"{topo.tasks_stream}: nothing of theirs can be stranded"
+        )
+    return sorted(reports, key=lambda r: r.agent)
+
+
+async def _sweep_agent(
+    js: JetStreamContext, topo: Topology, agent: str, floor: int, dry_run: bool
+) -> SweepReport:
+    report = SweepReport(agent=agent, ack_floor=floor)
+    subject = topo.tasks_subject(agent)
+    seq = 1
+    while seq <= floor:
+        try:
+            msg = await js.get_msg(topo.tasks_stream, seq, subject=subject, next=True)
+        except nats.js.errors.NotFoundError:
+            break  # no message of this agent from seq on
+        if msg.seq is None or msg.seq > floor:
+            break
+        seq = msg.seq + 1
+        report.stranded += 1
+        why = await _not_done(js, topo, agent, msg.data or b"", msg.headers)
+        if why:
+            report.kept += 1
+            if len(report.kept_jobs) < LIST_KEPT:
+                report.kept_jobs.append(why)
+            continue
+        if dry_run:
+            report.removed += 1
+            continue
+        try:
+            await js.delete_msg(topo.tasks_stream, msg.seq)
+            report.removed += 1
+        except nats.js.errors.NotFoundError:
+            report.already_gone += 1
+    return report
+
+
+async def _not_done(
+    js: JetStreamContext, topo: Topology, agent: str, data: bytes, headers: dict | None
+) -> str:
+    """Why a stranded job must stay ("" when its trajectory is stored)."""
+    try:
+        job = decode(Job, data, (headers or {}).get("Content-Type"))
+        subject = topo.trajectory_subject(job.run, agent, job.job_id)
+    except (SchemaError, ValueError) as exc:
+        return f"(undecodable: {str(exc)[:80]})"
+    try:
+        await js.get_last_msg(topo.trajectories_stream, subject)
+    except nats.js.errors.NotFoundError:
+        return f"{job.job_id} (no trajectory stored)"
+    return ""
+
+
+def format_sweep(reports: list[SweepReport], *, dry_run: bool) -> str:
+    if not reports:
+        return "no rollout consumers: nothing is stranded"
+    verb = "would remove" if dry_run else "removed"
+    lines = [f"{'agent':<20} {'ack floor':>10} {'stranded':>8} {verb:>12} {'kept':>6}"]
+    for r in reports:
+        removed = r.removed + r.already_gone
+        lines.append(f"{r.agent:<20} {r.ack_floor:>10} {r.stranded:>8} {removed:>12} {r.kept:>6}")
+    for r in reports:
+        if r.kept:
+            more = f" (and {r.kept - len(r.kept_jobs)} more)" if r.kept > len(r.kept_jobs) else ""
+            lines.append(
+                f"agent {r.agent}: kept {r.kept} stranded job(s) with no trajectory stored — they "
+                f"may never have run; re-publish them or look for them in the dead letters: "
+                + ", ".join(r.kept_jobs)
+                + more
+            )
+    return "\n".join(lines)
