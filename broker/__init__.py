@@ -4,7 +4,7 @@ the workers registry, engine weight versions, stream tails for live views, telem
 tracing, trace context in message headers) and the Prometheus side shared by every service
 (the /metrics and health server, queue gauges)."""
 
-from .aio import cancel_and_wait
+from .aio import cancel_and_wait, round_trip
 from .engines import engine_key, engine_versions, record_engine, served_version, wait_served
 from .env_status import (
     ENV_SERVICE_KIND,
@@ -120,6 +120,7 @@ __all__ = [
     "record_engine",
     "remove_worker",
     "render_metrics",
+    "round_trip",
     "served_version",
     "run_loop",
     "setup_logging",

@@ -1,4 +1,5 @@
-"""Stopping background tasks for sure: ``cancel_and_wait``.
+"""Two asyncio pitfalls under nats-py: stopping background tasks for sure
+(``cancel_and_wait``), and a round trip that covers what was sent before it (``round_trip``).
 
 On Python 3.11, ``asyncio.wait_for`` returns the inner result instead of raising when a
 cancellation arrives in the same loop iteration as that result (CPython gh-86296, fixed in
@@ -6,12 +7,21 @@ cancellation arrives in the same loop iteration as that result (CPython gh-86296
 messages stream in can swallow one ``cancel()`` and go on pulling, and whoever awaits it after
 cancelling (a collector or feed being closed) waits forever. Cancelling until the task is done
 ends it whatever the race.
+
+nats-py's ``flush()`` (2.16) writes its PING straight to the socket, while SUB, UNSUB and PUB
+wait in the client's buffer for its flusher task: the PING goes out first, so its PONG can come
+back before the server has read them (nats-server's trace shows ``PING`` before the ``SUB`` just
+made). Another connection's message sent after that flush can then find no subscription (a
+reply to a new inbox dropped: the flaky late-start test of the env worker). ``round_trip``
+hands the buffer to the socket first, then flushes.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable
+
+from nats.aio.client import Client
 
 RETRY_S = 0.1
 
@@ -24,3 +34,14 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task]) -> None:
         for task in pending:
             task.cancel()
         _, pending = await asyncio.wait(pending, timeout=RETRY_S)
+
+
+async def round_trip(nc: Client, timeout_s: float = 10.0) -> None:
+    """Return once the server has read every command this client sent before the call: the
+    buffered commands are written (nats-py's forced flush of its buffer), then a PING, whose
+    PONG comes back after them on the one connection. Raises TimeoutError after
+    ``timeout_s``."""
+    async with asyncio.timeout(timeout_s):
+        # nats-py has no public call that waits for its buffer to reach the socket
+        await nc._flush_pending(force_flush=True)
+        await nc.flush(timeout=max(1, int(timeout_s)))

@@ -32,7 +32,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from broker import Topology
+from broker import Topology, round_trip
 from schemas import (
     ENV_ERROR_CODES,
     EnvCall,
@@ -200,7 +200,7 @@ class EnvWorker:
         )
         self.metrics.accepting.inc()
         self.metrics.capacity.inc(cfg.capacity)
-        await self.nc.flush()
+        await round_trip(self.nc)  # the server has every subscription once start() returns
         self._changed()
         self._loops = [
             asyncio.create_task(self._interest_loop(), name="env-interest"),
@@ -301,15 +301,17 @@ class EnvWorker:
         elif not want and self._start_sub is not None:
             sub, self._start_sub = self._start_sub, None
             self.metrics.accepting.dec()
-            # UNSUB and a round trip, as nats-py's drain does; but the subscription keeps its
-            # callback a while longer (_linger): nats-server can deliver a start it routed here
-            # before the UNSUB even after the PONG (seen 60 ms late on a loaded machine), and
-            # nats-py drops a message whose subscription is gone, so its client would wait for
-            # its request timeout (60 s) instead of an answer. nats-py has no public call that
-            # sends the UNSUB and keeps the subscription.
+            # UNSUB and a round trip, as nats-py's drain does (but one whose PONG follows the
+            # UNSUB: broker.round_trip); the subscription keeps its callback a while longer
+            # (_linger): nats-server can deliver a start it routed here before the UNSUB after
+            # the worker's round trip (seen 60 ms late on a loaded machine, with nats-py's
+            # flush, whose PING overtook the UNSUB), and nats-py drops a message whose
+            # subscription is gone, so its client would wait for its request timeout (60 s)
+            # instead of an answer. nats-py has no public call that sends the UNSUB and keeps
+            # the subscription.
             self._spawn(self._linger(sub))  # first: drained in the end even if this fails
             await self.nc._send_unsubscribe(sub._id)
-            await self.nc.flush()
+            await round_trip(self.nc)
 
     async def _linger(self, sub: Subscription) -> None:
         """Answer what still comes on a start subscription after its UNSUB, then drop it."""

@@ -26,7 +26,7 @@ from worker_env import worker_for
 
 from agentarium.dashboard import DashboardConfig, LiveView
 from agentarium.demo.processes import child_env
-from broker import Topology, collect_env_status, provision, record_engine
+from broker import Topology, collect_env_status, provision, record_engine, round_trip
 from broker.provision import ensure_provisioned
 from producers import TaskProducer, TrajectoryReader
 from trainer.live import LiveMetrics
@@ -124,8 +124,9 @@ async def admin(login):
 
 
 async def settle(who: Login) -> None:
-    """The server answers a refused publish asynchronously: a round trip makes sure it arrived."""
-    await who.nc.flush(timeout=2)
+    """The server answers a refused publish asynchronously: a round trip makes sure it arrived
+    (broker.round_trip: nats-py's flush() alone sends its PING ahead of the buffered PUB)."""
+    await round_trip(who.nc, timeout_s=2)
 
 
 @pytest.fixture
