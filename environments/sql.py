@@ -43,6 +43,11 @@ MAX_ROWS = 50  # rows shown per query; the rest are counted, not shown
 MAX_TEXT = 8000  # characters of one tool result
 MAX_STEPS = 20  # the episode ends (score 0) after this many steps without an answer
 QUERY_TIME_S = 1.0
+# A session's database may grow to this many bytes (PRAGMA max_page_count): rows an agent
+# inserts stay in the worker's memory until the session ends, and one step's time limit alone
+# would let 20 steps fill hundreds of MiB per session. A statement past it fails, its changes
+# rolled back, and the agent reads why.
+MAX_DB_BYTES = 32 * 1024 * 1024
 KINDS = ("select", "join", "aggregate", "update")
 
 SYSTEM_PROMPT = (
@@ -309,6 +314,11 @@ class SqlEnvironment(Environment):
             self.sql_errors += 1
             if "interrupted" in str(exc):
                 return f"error: the query ran over {QUERY_TIME_S:g} s and was stopped"
+            if isinstance(exc, sqlite3.OperationalError) and "full" in str(exc):
+                return (
+                    f"error: the database is full: a session's database holds at most "
+                    f"{MAX_DB_BYTES // 2**20} MiB; the statement was not applied"
+                )
             return f"error: {type(exc).__name__}: {exc}"
         except (OverflowError, ValueError, MemoryError) as exc:  # e.g. a huge integer in text
             self.sql_errors += 1
@@ -381,11 +391,14 @@ def _checked(task: dict) -> dict:
 
 
 def _database(tables: list[dict]) -> sqlite3.Connection:
-    """An in-memory database with ``tables``, which cannot attach or write files."""
+    """An in-memory database with ``tables``, which cannot attach or write files, nor grow
+    past ``MAX_DB_BYTES``."""
     db = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
     db.setlimit(sqlite3.SQLITE_LIMIT_ATTACHED, 0)  # no ATTACH, no VACUUM INTO a file
     db.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, 1_000_000)  # no string or blob over 1 MB
     db.setlimit(sqlite3.SQLITE_LIMIT_SQL_LENGTH, 100_000)
+    page_size = db.execute("PRAGMA page_size").fetchone()[0]
+    db.execute(f"PRAGMA max_page_count = {MAX_DB_BYTES // page_size}")
     for t in tables:
         columns = ", ".join(
             f"{_quote(c['name'])} {c.get('type', '')}".strip() for c in t["columns"]

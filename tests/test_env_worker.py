@@ -337,6 +337,17 @@ async def test_bad_actions_on_sql_get_clear_observations_and_others_are_served(s
             envs.session("sql", {"index": "aggregate-01"}) as good,
         ):
             forever = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c) SELECT count(*) FROM c"
+            # rows that would stay in the worker's memory: one big statement, then growth by steps
+            rows = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c LIMIT {n}) "
+            fill = (
+                "CREATE TABLE big AS " + rows.format(n=10**6) + "SELECT x, randomblob(900) FROM c"
+            )
+            half = (
+                "CREATE TABLE half AS "
+                + rows.format(n=20_000)
+                + "SELECT randomblob(900) AS b FROM c"
+            )
+            double = "INSERT INTO half SELECT b FROM half"  # ~18 MiB more: over the 32 MiB
             cases = [
                 ({"role": "assistant", "content": "It is Alice."}, "No tool call found"),
                 (tool_call("execute_sql", "{not json"), "not valid JSON"),
@@ -349,6 +360,9 @@ async def test_bad_actions_on_sql_get_clear_observations_and_others_are_served(s
                 (tool_call("execute_sql", {"query": forever}), "ran over 1 s and was stopped"),
                 (tool_call("execute_sql", {"query": "ATTACH 'x.db' AS x"}), "not authorized"),
                 (tool_call("execute_sql", {"query": "SELECT randomblob(5000000)"}), "too big"),
+                (tool_call("execute_sql", {"query": fill}), "the database is full"),
+                (tool_call("execute_sql", {"query": half}), "OK"),
+                (tool_call("execute_sql", {"query": double}), "the database is full"),
             ]
             for action, expected in cases:
                 result = await bad.step(action)
