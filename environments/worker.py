@@ -59,6 +59,7 @@ from .stats import WorkerCounters
 log = structlog.get_logger("agentarium.environments")
 
 LOOP_STOP_S = 5.0  # how long stopping waits for the worker's own loops and requests
+REPLY_HEADROOM = 1024  # room under max_payload for the reply's subject and headers
 
 
 class EnvWorker:
@@ -387,6 +388,9 @@ class EnvWorker:
             idle_timeout_s=self.config.idle_timeout_s,
         )
         reply = _encode_like(msg, started)
+        if over := self._over_max_payload(reply):
+            await self._start_failed(msg, start, env, 500, over, began)
+            return
         self._sessions[start.session_id] = Session(
             session_id=start.session_id,
             env=env,
@@ -499,6 +503,9 @@ class EnvWorker:
             await self._step_raised(session, msg, exc, began)
             return
         reply = _encode_like(msg, result)
+        if over := self._over_max_payload(reply):
+            await self._step_raised(session, msg, ReplyTooLarge(over), began)
+            return
         session.last_seq, session.last_reply = call.seq, reply
         session.steps += 1
         seconds = (time.perf_counter_ns() - began) / 1e9
@@ -549,6 +556,15 @@ class EnvWorker:
             )  # fmt: skip
             return
         reply = _encode_like(msg, dataclasses.replace(outcome, steps=session.steps))
+        if over := self._over_max_payload(reply):
+            log.warning("environment outcome too large", session=session.session_id, error=over)
+            self.counters.errors += 1
+            self.metrics.errors.inc()
+            self._forget(session, "closed; its outcome was too large to send")
+            await self._error(
+                msg, 500, f"session {session.session_id}: {over}", self._session_ep, began
+            )
+            return
         self.counters.closed += 1
         self.metrics.closed.inc()
         self._forget(session, "closed", reply)
@@ -634,6 +650,19 @@ class EnvWorker:
                 del self._tombstones[session_id]
 
     # ---- replies -------------------------------------------------------------------------
+    def _over_max_payload(self, reply: bytes) -> str:
+        """Why a reply cannot be sent ("" when it can): nats-server refuses a message over its
+        max_payload, and the client would only see its request time out. The observation cap
+        is measured on msgpack; a JSON reply (control characters escaped) or an outcome's
+        ``info`` (not capped) can still exceed the server's limit."""
+        limit = self.nc.max_payload
+        if limit and len(reply) > limit - REPLY_HEADROOM:
+            return (
+                f"the reply is {len(reply)} bytes, over the server's max_payload of {limit} "
+                "(lower the worker's --max-observation-bytes, or keep the outcome's info small)"
+            )
+        return ""
+
     async def _reply(self, msg: Msg, data: bytes, ep: Endpoint, began: int) -> None:
         ep.counters.record(began)
         if msg.reply:
@@ -674,6 +703,10 @@ def check_options(env_cls: type[Environment], options: dict[str, Any]) -> dict[s
             f"{env_cls.__qualname__} does not take the options {sorted(options)}: {exc}"
         ) from None
     return dict(options)
+
+
+class ReplyTooLarge(RuntimeError):
+    """A step's reply over the server's max_payload: the session ends with a failure (500)."""
 
 
 def error_code(exc: BaseException, default: int) -> int:

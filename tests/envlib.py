@@ -64,6 +64,7 @@ class EchoEnv(Environment):
         content = (
             "y" * int(self.task["big"]) if self.task.get("big") else str(action.get("content"))
         )
+        content = "\x01" * int(self.task.get("control_chars", 0)) or content  # 6 bytes each in JSON
         done = self.steps >= int(self.task.get("done_after", 10**9))
         return StepResult(
             messages=[{"role": "tool", "tool_call_id": "c", "content": content}],
@@ -76,7 +77,8 @@ class EchoEnv(Environment):
         mark = self.task.get("mark")
         if mark in type(self).closed:
             type(self).closed[mark].set()
-        return Outcome(score=float(self.steps), metrics={"steps": float(self.steps)})
+        info = {"blob": "z" * int(self.task["big_info"])} if self.task.get("big_info") else {}
+        return Outcome(score=float(self.steps), metrics={"steps": float(self.steps)}, info=info)
 
 
 # ---- a scripted policy that solves the shipped sql tasks ----------------------------------------

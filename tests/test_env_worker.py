@@ -212,6 +212,31 @@ async def test_an_oversized_observation_is_cut_with_a_marker(settings, nc):
         assert env.truncated == 1
 
 
+async def test_a_reply_over_the_servers_max_payload_fails_its_session_at_once(settings, nc):
+    """The observation cap is measured on msgpack: a JSON client's reply (control characters
+    escaped, 6 bytes each) or an outcome's info (not capped) can still exceed nats-server's
+    max_payload, which would refuse it, leaving the client to time out three times. The
+    worker answers 500 instead and ends the session."""
+    limit = nc.max_payload
+    async with serving(settings) as worker:
+        envs = EnvClient(nc)
+        env = await envs.start("echo", {"control_chars": 200_000})  # 1.2 MB as JSON
+        step = json.dumps({"op": "step", "seq": 1, "message": {"content": "x"}}).encode()
+        reply = await nc.request(env.subject, step, timeout=10)
+        assert reply.headers["Nats-Service-Error-Code"] == "500"
+        error = json.loads(reply.data)
+        assert f"over the server's max_payload of {limit}" in error["message"]
+        again = await nc.request(env.subject, step, timeout=10)
+        assert again.headers["Nats-Service-Error-Code"] == "404"  # the session is over
+        assert worker.open_sessions == 0 and worker.counters.errors == 1
+
+        env = await envs.start("echo", {"big_info": 2 * limit})
+        with pytest.raises(EnvironmentFailed, match="over the server's max_payload") as failed:
+            await env.close()
+        assert failed.value.code == 500
+        assert worker.open_sessions == 0 and worker.counters.errors == 2
+
+
 async def test_an_environment_that_raises_fails_its_session_only(settings, nc):
     async with serving(settings) as worker:
         envs = EnvClient(nc)
