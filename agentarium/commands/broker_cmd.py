@@ -170,9 +170,16 @@ def cmd_up(args: argparse.Namespace) -> int:
             url=server.url,
             prefix=args.prefix,
         )
+        # A SIGTERM while provisioning waits for its event loop to close: raised inside the
+        # loop's shutdown it would turn into "Cannot close a running event loop" (exit 1).
+        deferred: list[int] = []
+        signal.signal(signal.SIGTERM, lambda signum, frame: deferred.append(signum))
         code = run_async(lambda: _init(args, settings), service="agentarium-broker")
+        signal.signal(signal.SIGTERM, _raise_terminated)
         if code:
             return code
+        if deferred:
+            raise _Terminated
         server.wait()
     except (KeyboardInterrupt, _Terminated):
         pass
