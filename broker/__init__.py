@@ -44,7 +44,7 @@ from .server import NatsServer, find_nats_server, free_port
 from .settings import NatsSettings
 from .status import BrokerStatus, collect_status, count_messages, format_status
 from .stream_metrics import StreamMetrics, collect_stream_metrics
-from .sweep import SweepReport, format_sweep, sweep_stranded
+from .sweep import SweepReport, format_sweep, sweep_stranded, trajectory_stored
 from .tail import Tail, read_tail
 from .telemetry import (
     OPENINFERENCE_SPAN_KIND,
@@ -87,13 +87,13 @@ __all__ = [
     "ServerLaunchError",
     "StreamMetrics",
     "SweepReport",
-    "SweepReport",
     "Tail",
     "TRANSIENT_NATS_ERRORS",
     "Topology",
     "cancel_and_wait",
     "collect_status",
     "sweep_stranded",
+    "trajectory_stored",
     "collect_stream_metrics",
     "count_messages",
     "engine_key",

@@ -6,11 +6,12 @@ the consumer's ack floor. Two ways lead there:
 
 - a consumer made by hand with a smaller ``max_deliver`` gave up on it (our workers dead-letter
   and terminate a job on its last delivery, which removes it);
-- nats-server before 2.11 in a cluster can keep messages of a work-queue stream whose consumer
-  acked them across a leader change (upstream issue nats-io/nats-server#3953 and later fixes:
-  from 2.11 the consumer leader proposes each removal and the server re-checks on leader
-  change). Nothing is redelivered, but the jobs keep their room in the queue, so a queue with
-  a message limit fills with jobs already done.
+- an older nats-server in a cluster can keep messages of a work-queue stream whose consumer
+  acked them across a leader change (seen on 2.9.10 after a SIGKILL of the TASKS leader: 191 of
+  2,048; related upstream reports: nats-io/nats-server#3953; 2.11 changed clustered removals
+  to proposals from the consumer leader, nats-io/nats-server#6140). Nothing is redelivered,
+  but the jobs keep their room in the queue, so a queue with a message limit fills with jobs
+  already done.
 
 The sweep reads each stranded job and deletes it only when its trajectory is stored: that job
 is done, and removing it loses nothing. Any other stranded job is kept and listed (it may
@@ -38,6 +39,7 @@ class SweepReport:
     """One agent's sweep: stranded jobs found, removed (trajectory stored), kept."""
 
     agent: str
+    dry_run: bool = False  # then ``removed`` counts what would have been removed
     ack_floor: int = 0  # the consumer's ack floor (stream sequence) the sweep read up to
     stranded: int = 0
     removed: int = 0
@@ -59,28 +61,28 @@ async def sweep_stranded(
     """Delete every stranded job whose trajectory is stored, for each agent with a
     ``rollout-<agent>`` consumer (or only ``agents``). ``dry_run`` deletes nothing and reports
     what would go. Jobs above the ack floor (waiting or in flight) are never read."""
-    reports = []
+    floors = {}
     for info in await js.consumers_info(topo.tasks_stream):
-        if not info.name.startswith("rollout-"):
-            continue
-        agent = info.name[len("rollout-") :]
-        if agents and agent not in agents:
-            continue
-        floor = int(info.ack_floor.stream_seq or 0) if info.ack_floor else 0
-        reports.append(await _sweep_agent(js, topo, agent, floor, dry_run))
-    missing = set(agents) - {r.agent for r in reports}
-    if missing:
+        if info.name.startswith("rollout-"):
+            floors[info.name[len("rollout-") :]] = (
+                int(info.ack_floor.stream_seq or 0) if info.ack_floor else 0
+            )
+    missing = set(agents) - set(floors)
+    if missing:  # before anything is deleted
         raise ValueError(
             f"no rollout consumer for agent(s) {', '.join(sorted(missing))} on "
             f"{topo.tasks_stream}: nothing of theirs can be stranded"
         )
-    return sorted(reports, key=lambda r: r.agent)
+    return [
+        await _sweep_agent(js, topo, agent, floors[agent], dry_run)
+        for agent in sorted(agents or floors)
+    ]
 
 
 async def _sweep_agent(
     js: JetStreamContext, topo: Topology, agent: str, floor: int, dry_run: bool
 ) -> SweepReport:
-    report = SweepReport(agent=agent, ack_floor=floor)
+    report = SweepReport(agent=agent, dry_run=dry_run, ack_floor=floor)
     subject = topo.tasks_subject(agent)
     seq = 1
     while seq <= floor:
@@ -92,7 +94,7 @@ async def _sweep_agent(
             break
         seq = msg.seq + 1
         report.stranded += 1
-        why = await _not_done(js, topo, agent, msg.data or b"", msg.headers)
+        why = await _not_done(js, topo, agent, msg.seq, msg.data or b"", msg.headers)
         if why:
             report.kept += 1
             if len(report.kept_jobs) < LIST_KEPT:
@@ -110,19 +112,26 @@ async def _sweep_agent(
 
 
 async def _not_done(
-    js: JetStreamContext, topo: Topology, agent: str, data: bytes, headers: dict | None
+    js: JetStreamContext, topo: Topology, agent: str, seq: int, data: bytes, headers: dict | None
 ) -> str:
     """Why a stranded job must stay ("" when its trajectory is stored)."""
     try:
         job = decode(Job, data, (headers or {}).get("Content-Type"))
-        subject = topo.trajectory_subject(job.run, agent, job.job_id)
+        stored = await trajectory_stored(js, topo, job.run, agent, job.job_id)
     except (SchemaError, ValueError) as exc:
-        return f"(undecodable: {str(exc)[:80]})"
+        return f"seq {seq} (undecodable: {str(exc)[:80]})"
+    return "" if stored else f"{job.job_id} (seq {seq}, no trajectory stored)"
+
+
+async def trajectory_stored(
+    js: JetStreamContext, topo: Topology, run: str, agent: str, job_id: str
+) -> bool:
+    """Whether a job's trajectory is stored: one last-message lookup on its own subject."""
     try:
-        await js.get_last_msg(topo.trajectories_stream, subject)
+        await js.get_last_msg(topo.trajectories_stream, topo.trajectory_subject(run, agent, job_id))
     except nats.js.errors.NotFoundError:
-        return f"{job.job_id} (no trajectory stored)"
-    return ""
+        return False
+    return True
 
 
 def format_sweep(reports: list[SweepReport], *, dry_run: bool) -> str:
@@ -137,9 +146,8 @@ def format_sweep(reports: list[SweepReport], *, dry_run: bool) -> str:
         if r.kept:
             more = f" (and {r.kept - len(r.kept_jobs)} more)" if r.kept > len(r.kept_jobs) else ""
             lines.append(
-                f"agent {r.agent}: kept {r.kept} stranded job(s) with no trajectory stored — they "
-                f"may never have run; re-publish them or look for them in the dead letters: "
-                + ", ".join(r.kept_jobs)
-                + more
+                f"agent {r.agent}: kept {r.kept} stranded job(s) with no trajectory stored (or "
+                "undecodable): they may never have run; re-publish them or look for them in the "
+                "dead letters: " + ", ".join(r.kept_jobs) + more
             )
     return "\n".join(lines)

@@ -22,7 +22,13 @@ import structlog
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from broker import ERR_WRONG_LAST_SEQUENCE, TRANSIENT_NATS_ERRORS, JetStreamPublisher, Topology
+from broker import (
+    ERR_WRONG_LAST_SEQUENCE,
+    TRANSIENT_NATS_ERRORS,
+    JetStreamPublisher,
+    Topology,
+    trajectory_stored,
+)
 from schemas import DeadLetter, Job, Trajectory, encode
 
 log = structlog.get_logger("agentarium.consumers")
@@ -178,16 +184,10 @@ class OutcomeStore:
 
     async def stored(self, job: Job) -> bool:
         """Whether the job's trajectory exists (one last-message lookup on its subject)."""
-        subject = self.topo.trajectory_subject(job.run, job.agent, job.job_id)
-
-        async def lookup() -> bool:
-            try:
-                await self.js.get_last_msg(self.topo.trajectories_stream, subject)
-                return True
-            except nats.js.errors.NotFoundError:
-                return False
-
-        return await _until_done("trajectory lookup", lookup)
+        return await _until_done(
+            "trajectory lookup",
+            lambda: trajectory_stored(self.js, self.topo, job.run, job.agent, job.job_id),
+        )
 
     async def publish_trajectory(self, trajectory: Trajectory) -> bool:
         """Store it; False when the server says one is already stored for this job."""

@@ -314,10 +314,11 @@ class SqlEnvironment(Environment):
             self.sql_errors += 1
             if "interrupted" in str(exc):
                 return f"error: the query ran over {QUERY_TIME_S:g} s and was stopped"
-            if isinstance(exc, sqlite3.OperationalError) and "full" in str(exc):
+            if getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
                 return (
                     f"error: the database is full: a session's database holds at most "
-                    f"{MAX_DB_BYTES // 2**20} MiB; the statement was not applied"
+                    f"{MAX_DB_BYTES // 2**20} MiB; the statement was rolled back (with its "
+                    "transaction, if one was open)"
                 )
             return f"error: {type(exc).__name__}: {exc}"
         except (OverflowError, ValueError, MemoryError) as exc:  # e.g. a huge integer in text
@@ -410,7 +411,22 @@ def _database(tables: list[dict]) -> sqlite3.Connection:
     return db
 
 
-def _authorize(action: int, *_: Any) -> int:
-    if action in (sqlite3.SQLITE_ATTACH, sqlite3.SQLITE_DETACH):
+# PRAGMAs an agent may run: reading the schema. Every other one is refused, since some would
+# lift the session's limits (max_page_count, page_size, temp_store, cache_size, mmap_size).
+READ_PRAGMAS = frozenset(
+    {"table_info", "table_xinfo", "table_list", "index_list", "index_info", "index_xinfo",
+     "foreign_key_list"}
+)  # fmt: skip
+# TEMP objects live in the temp database, which has no page limit of its own here.
+_TEMP_CREATES = frozenset(
+    {sqlite3.SQLITE_CREATE_TEMP_TABLE, sqlite3.SQLITE_CREATE_TEMP_INDEX,
+     sqlite3.SQLITE_CREATE_TEMP_TRIGGER, sqlite3.SQLITE_CREATE_TEMP_VIEW}
+)  # fmt: skip
+
+
+def _authorize(action: int, arg1: str | None, *_: Any) -> int:
+    if action in (sqlite3.SQLITE_ATTACH, sqlite3.SQLITE_DETACH) or action in _TEMP_CREATES:
+        return sqlite3.SQLITE_DENY
+    if action == sqlite3.SQLITE_PRAGMA and (arg1 or "").lower() not in READ_PRAGMAS:
         return sqlite3.SQLITE_DENY
     return sqlite3.SQLITE_OK

@@ -105,7 +105,15 @@ async def test_sweep_removes_the_stranded_jobs_already_done_and_keeps_the_rest(
     have a trajectory stored (done: a lost ack); the sweep removes those two, keeps the one
     that may never have run, and never touches the job still waiting above the ack floor."""
     producer = TaskProducer(js, topology)
-    ids = (await producer.submit("toy", [{"n": i} for i in range(3)], run="r")).job_ids
+    ids = (await producer.submit("toy", [{"n": 0}], run="r")).job_ids
+    # one job from another language's client: JSON, said so in its header
+    json_job = {"job_id": "json-1", "agent": "toy", "run": "r", "task": {"n": 1}}
+    await js.publish(
+        topology.tasks_subject("toy"),
+        json.dumps(json_job).encode(),
+        headers={"Content-Type": "application/json", "Nats-Msg-Id": "json-1"},
+    )
+    ids += ["json-1"] + (await producer.submit("toy", [{"n": 2}], run="r")).job_ids
     await js.add_consumer(
         topology.tasks_stream,
         ConsumerConfig(
@@ -147,6 +155,9 @@ async def test_sweep_removes_the_stranded_jobs_already_done_and_keeps_the_rest(
 
     [dry] = await sweep_stranded(js, topology, dry_run=True)
     assert (dry.ack_floor, dry.stranded, dry.removed, dry.kept) == (4, 3, 2, 1)
+    assert dry.to_json()["dry_run"] is True
+    with pytest.raises(ValueError, match="no rollout consumer for agent.*nobody"):
+        await sweep_stranded(js, topology, agents=("toy", "nobody"))  # checked before deleting
     assert (await js.stream_info(topology.tasks_stream)).state.messages == 4  # nothing deleted
     assert ids[2] in format_sweep([dry], dry_run=True)
     run = await asyncio.to_thread(
@@ -156,7 +167,7 @@ async def test_sweep_removes_the_stranded_jobs_already_done_and_keeps_the_rest(
     header, row_line, kept = run.stdout.splitlines()
     assert header.split() == ["agent", "ack", "floor", "stranded", "removed", "kept"]
     assert row_line.split() == ["toy", "4", "3", "2", "1"]
-    assert "kept 1 stranded job(s)" in kept and f"{ids[2]} (no trajectory stored)" in kept
+    assert "kept 1 stranded job(s)" in kept and f"{ids[2]} (seq 3, no trajectory stored)" in kept
     assert "re-publish" in kept
     [row] = (await collect_status(js, topology)).agents
     assert (row.waiting, row.pending, row.stranded) == (2, 1, 1)  # the kept one, the waiting one

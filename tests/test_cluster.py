@@ -202,9 +202,10 @@ async def test_tasks_leader_killed_and_restarted_mid_batch(nodes, capsys):
             # Exactly one stored message per job: no duplicate hid behind the reader's view.
             stored = (await js.stream_info(topo.trajectories_stream)).state.messages
             assert stored == GROUPS * GROUP_SIZE
-            # nats-server before 2.11 can keep jobs the consumer acked across the leader change
-            # (nats-server#3953; seen: 191 of 2,048 on 2.9.10): never redelivered, only still
-            # stored. They are stranded, and the sweep removes them, each having a trajectory.
+            # An older nats-server can keep jobs the consumer acked across the leader change
+            # (seen: 191 of 2,048 on 2.9.10; related: nats-server#3953): never redelivered,
+            # only still stored. They are stranded; the sweep removes them, each having a
+            # trajectory.
             left_over = (await js.stream_info(topo.tasks_stream)).state.messages
             [swept] = await patiently(  # idempotent: again if an election answers first
                 lambda: sweep_stranded(js, topo), patience_s=30, what="sweep"

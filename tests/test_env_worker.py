@@ -218,6 +218,7 @@ async def test_a_reply_over_the_servers_max_payload_fails_its_session_at_once(se
     max_payload, which would refuse it, leaving the client to time out three times. The
     worker answers 500 instead and ends the session."""
     limit = nc.max_payload
+    assert 200_000 < limit < 6 * 200_000  # the fixture's server: 1 MiB, nats-server's default
     async with serving(settings) as worker:
         envs = EnvClient(nc)
         env = await envs.start("echo", {"control_chars": 200_000})  # 1.2 MB as JSON
@@ -385,10 +386,23 @@ async def test_bad_actions_on_sql_get_clear_observations_and_others_are_served(s
                 (tool_call("execute_sql", {"query": forever}), "ran over 1 s and was stopped"),
                 (tool_call("execute_sql", {"query": "ATTACH 'x.db' AS x"}), "not authorized"),
                 (tool_call("execute_sql", {"query": "SELECT randomblob(5000000)"}), "too big"),
-                (tool_call("execute_sql", {"query": fill}), "the database is full"),
-                (tool_call("execute_sql", {"query": half}), "OK"),
-                (tool_call("execute_sql", {"query": double}), "the database is full"),
             ]
+            # the database's size cap, and what would lift it, in a session of their own
+            limits = [
+                (fill, "the database is full"),
+                (half, "OK"),
+                (double, "the database is full"),
+                ("SELECT count(*) FROM half", "[(20000,)]"),  # the statement was rolled back
+                ("PRAGMA max_page_count = 2147483647", "not authorized"),
+                ("PRAGMA temp_store = MEMORY", "not authorized"),
+                ("CREATE TEMP TABLE t AS SELECT 1", "not authorized"),
+                ("PRAGMA table_info(employees)", "'salary'"),  # reading the schema is fine
+                ("SELECT full FROM employees", "no such column: full"),  # not "full"
+            ]
+            async with envs.session("sql", {"index": "select-01"}) as capped:
+                for query, expected in limits:
+                    result = await capped.step(tool_call("execute_sql", {"query": query}))
+                    assert expected in result.messages[-1]["content"], (expected, result.messages)
             for action, expected in cases:
                 result = await bad.step(action)
                 assert expected in result.messages[-1]["content"], (expected, result.messages)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import signal
@@ -170,16 +171,35 @@ def cmd_up(args: argparse.Namespace) -> int:
             url=server.url,
             prefix=args.prefix,
         )
-        # A SIGTERM while provisioning waits for its event loop to close: raised inside the
-        # loop's shutdown it would turn into "Cannot close a running event loop" (exit 1).
-        deferred: list[int] = []
-        signal.signal(signal.SIGTERM, lambda signum, frame: deferred.append(signum))
-        code = run_async(lambda: _init(args, settings), service="agentarium-broker")
+        # A SIGTERM while provisioning cancels it through its event loop and is acted on once
+        # that loop has closed: raised inside the loop's shutdown it would turn into "Cannot
+        # close a running event loop" (exit 1, nats-server left to the finally below).
+        stop_requested: list[int] = []
+        provisioning: list[asyncio.Task] = []
+
+        def on_sigterm(signum: int, frame: object) -> None:
+            stop_requested.append(signum)
+            for task in provisioning:
+                if not task.done():
+                    task.get_loop().call_soon_threadsafe(task.cancel)
+
+        async def provision_now() -> int:
+            provisioning.append(asyncio.current_task())  # type: ignore[arg-type]
+            return await _init(args, settings)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+        try:
+            code = run_async(provision_now, service="agentarium-broker")
+        except asyncio.CancelledError:
+            if not stop_requested:
+                raise
+            code = 0
+        provisioning.clear()
         signal.signal(signal.SIGTERM, _raise_terminated)
+        if stop_requested:
+            raise _Terminated
         if code:
             return code
-        if deferred:
-            raise _Terminated
         server.wait()
     except (KeyboardInterrupt, _Terminated):
         pass
@@ -314,11 +334,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="remove stranded jobs that are already done (trajectory stored)",
         description="Remove stranded jobs: jobs still in the TASKS stream at or below their "
         "consumer's ack floor, which it will never deliver again (`broker status` counts them). "
-        "nats-server before 2.11 can leave such jobs in a cluster after a leader change, though "
-        "their consumer acked them; a consumer made by hand with a smaller max_deliver leaves "
+        "An older nats-server (seen on 2.9.10) can leave such jobs in a cluster after a leader "
+        "change, though their consumer acked them; a consumer made by hand with a smaller max_deliver leaves "
         "them too. A stranded job is deleted only when its trajectory is stored; any other is "
         "kept and listed (re-publish it, or look for it in AGENTARIUM_DEAD). Jobs waiting or "
-        "in flight are never read.",
+        "in flight are never deleted.",
     )
     sweep.add_argument(
         "--agent",
