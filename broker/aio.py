@@ -41,7 +41,13 @@ async def round_trip(nc: Client, timeout_s: float = 10.0) -> None:
     buffered commands are written (nats-py's forced flush of its buffer), then a PING, whose
     PONG comes back after them on the one connection. Raises TimeoutError after
     ``timeout_s``."""
-    async with asyncio.timeout(timeout_s):
-        # nats-py has no public call that waits for its buffer to reach the socket
-        await nc._flush_pending(force_flush=True)
-        await nc.flush(timeout=max(1, int(timeout_s)))
+    # nats-py has no public call that waits for its buffer to reach the socket; and its
+    # _flush_pending swallows a CancelledError, so it runs as a task of its own, waited for
+    # with a bound, rather than under asyncio.timeout (whose cancel it would eat).
+    writing = asyncio.ensure_future(nc._flush_pending(force_flush=True))
+    done, _ = await asyncio.wait({writing}, timeout=timeout_s)
+    if not done:
+        writing.cancel()
+        raise TimeoutError(f"nats-py did not write its buffer within {timeout_s:g}s")
+    writing.result()
+    await nc.flush(timeout=max(1, int(timeout_s)))
