@@ -76,8 +76,10 @@ class Session:
 
 @dataclass(frozen=True)
 class Tombstone:
-    """What is left of a closed session: why it ended, and its close reply if it had one."""
+    """What is left of a closed session: why it ended, and the answer its close got (the reply,
+    or the error code and message), so a retried close gets the same answer."""
 
     until: float
     reason: str
     reply: bytes | None = None
+    error: tuple[int, str] | None = None

@@ -544,26 +544,20 @@ class EnvWorker:
                     f"{self.env_cls.__qualname__}.close returned {type(outcome).__name__}, "
                     "not an Outcome"
                 )
+            reply = _encode_like(msg, dataclasses.replace(outcome, steps=session.steps))
+            if over := self._over_max_payload(reply):
+                raise ReplyTooLarge(over)
         except Exception as exc:  # noqa: BLE001
-            log.warning("environment close raised", session=session.session_id, exc_info=exc)
+            log.warning("environment close failed", session=session.session_id, exc_info=exc)
             self.counters.errors += 1
             self.metrics.errors.inc()
-            self._forget(session, "closed; its close raised")
-            await self._error(
-                msg, error_code(exc, 500),
-                f"session {session.session_id}: close raised {_describe(exc)}",
-                self._session_ep, began,
-            )  # fmt: skip
-            return
-        reply = _encode_like(msg, dataclasses.replace(outcome, steps=session.steps))
-        if over := self._over_max_payload(reply):
-            log.warning("environment outcome too large", session=session.session_id, error=over)
-            self.counters.errors += 1
-            self.metrics.errors.inc()
-            self._forget(session, "closed; its outcome was too large to send")
-            await self._error(
-                msg, 500, f"session {session.session_id}: {over}", self._session_ep, began
-            )
+            if isinstance(exc, ReplyTooLarge):
+                detail = f"its outcome cannot be sent: {exc}"
+            else:
+                detail = f"close raised {_describe(exc)}"
+            error = (error_code(exc, 500), f"session {session.session_id}: {detail}")
+            self._forget(session, f"closed; {detail}", error=error)
+            await self._error(msg, *error, self._session_ep, began)
             return
         self.counters.closed += 1
         self.metrics.closed.inc()
@@ -574,6 +568,9 @@ class EnvWorker:
         tomb = self._tombstones.get(session_id)
         if tomb is not None and call.op == "close" and tomb.reply is not None:
             await self._reply(msg, tomb.reply, self._session_ep, began)  # a retried close
+            return
+        if tomb is not None and call.op == "close" and tomb.error is not None:
+            await self._error(msg, *tomb.error, self._session_ep, began)  # the same failure
             return
         why = (
             f"session {session_id} ended here: {tomb.reason}"
@@ -593,12 +590,19 @@ class EnvWorker:
         await self._close_env(session.env, reason, session.session_id)
         self._forget(session, reason)
 
-    def _forget(self, session: Session, reason: str, reply: bytes | None = None) -> None:
+    def _forget(
+        self,
+        session: Session,
+        reason: str,
+        reply: bytes | None = None,
+        *,
+        error: tuple[int, str] | None = None,
+    ) -> None:
         session.closed = True
         if self._sessions.pop(session.session_id, None) is not None:
             self.metrics.sessions.dec()
         until = time.monotonic() + self.config.closed_memory_s
-        self._tombstones[session.session_id] = Tombstone(until, reason, reply)
+        self._tombstones[session.session_id] = Tombstone(until, reason, reply, error)
         self._changed()
 
     async def _close_env(self, env: Environment, reason: str, session_id: str = "") -> None:
@@ -706,7 +710,7 @@ def check_options(env_cls: type[Environment], options: dict[str, Any]) -> dict[s
 
 
 class ReplyTooLarge(RuntimeError):
-    """A step's reply over the server's max_payload: the session ends with a failure (500)."""
+    """A reply over the server's max_payload: the session ends with a failure (500)."""
 
 
 def error_code(exc: BaseException, default: int) -> int:

@@ -235,6 +235,11 @@ async def test_a_reply_over_the_servers_max_payload_fails_its_session_at_once(se
         with pytest.raises(EnvironmentFailed, match="over the server's max_payload") as failed:
             await env.close()
         assert failed.value.code == 500
+        # a close sent again (its answer lost) gets the same failure, not "no such session"
+        close = json.dumps({"op": "close"}).encode()
+        again = await nc.request(env.subject, close, timeout=10)
+        assert again.headers["Nats-Service-Error-Code"] == "500"
+        assert "its outcome cannot be sent" in json.loads(again.data)["message"]
         assert worker.open_sessions == 0 and worker.counters.errors == 2
 
 
