@@ -124,9 +124,10 @@ async def collect_status(
     ).items():
         agent(subject.rsplit(".", 1)[-1]).dead_lettered = count
     for info in await js.consumers_info(topo.tasks_stream):
-        if not info.name.startswith("rollout-"):
+        name = topo.agent_of_rollout_consumer(info.name)
+        if name is None:
             continue
-        row = agent(info.name[len("rollout-") :])
+        row = agent(name)
         row.has_consumer = True
         row.pending = info.num_pending or 0
         row.in_flight = info.num_ack_pending or 0

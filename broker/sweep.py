@@ -60,13 +60,12 @@ async def sweep_stranded(
 ) -> list[SweepReport]:
     """Delete every stranded job whose trajectory is stored, for each agent with a
     ``rollout-<agent>`` consumer (or only ``agents``). ``dry_run`` deletes nothing and reports
-    what would go. Jobs above the ack floor (waiting or in flight) are never read."""
+    what would go. Jobs above the ack floor (waiting or in flight) are never deleted: the walk
+    stops at the first of them."""
     floors = {}
     for info in await js.consumers_info(topo.tasks_stream):
-        if info.name.startswith("rollout-"):
-            floors[info.name[len("rollout-") :]] = (
-                int(info.ack_floor.stream_seq or 0) if info.ack_floor else 0
-            )
+        if (agent := topo.agent_of_rollout_consumer(info.name)) is not None:
+            floors[agent] = int(info.ack_floor.stream_seq or 0) if info.ack_floor else 0
     missing = set(agents) - set(floors)
     if missing:  # before anything is deleted
         raise ValueError(
@@ -134,10 +133,10 @@ async def trajectory_stored(
     return True
 
 
-def format_sweep(reports: list[SweepReport], *, dry_run: bool) -> str:
+def format_sweep(reports: list[SweepReport]) -> str:
     if not reports:
         return "no rollout consumers: nothing is stranded"
-    verb = "would remove" if dry_run else "removed"
+    verb = "would remove" if reports[0].dry_run else "removed"
     lines = [f"{'agent':<20} {'ack floor':>10} {'stranded':>8} {verb:>12} {'kept':>6}"]
     for r in reports:
         removed = r.removed + r.already_gone

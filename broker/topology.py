@@ -153,6 +153,12 @@ class Topology:
     def rollout_consumer(self, agent: str) -> str:
         return f"rollout-{check_name(agent, 'agent')}"
 
+    @staticmethod
+    def agent_of_rollout_consumer(name: str) -> str | None:
+        """The agent whose ``rollout-<agent>`` consumer this is; None for any other consumer
+        (the name is not validated: the caller decides)."""
+        return name.removeprefix("rollout-") if name.startswith("rollout-") else None
+
     def trainer_consumer(self, run: str, agent: str) -> str:
         """The trainer's durable on TRAJECTORIES for one agent of a run: one per agent, since
         nats-server 2.9 has no multi-filter consumers (and each agent gets its own

@@ -248,8 +248,8 @@ async def discover_agents(
         pass
     try:
         for consumer in await js.consumers_info(topology.tasks_stream):
-            agent = consumer.name.removeprefix("rollout-")
-            if consumer.name.startswith("rollout-") and _valid(agent):
+            agent = topology.agent_of_rollout_consumer(consumer.name)
+            if agent is not None and _valid(agent):
                 found.add(agent)
     except nats.js.errors.NotFoundError:
         pass

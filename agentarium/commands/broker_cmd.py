@@ -246,7 +246,7 @@ async def _sweep(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([r.to_json() for r in reports], indent=2))
     else:
-        print(format_sweep(reports, dry_run=args.dry_run))
+        print(format_sweep(reports))
     return 0
 
 
