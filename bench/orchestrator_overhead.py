@@ -240,7 +240,7 @@ def main() -> None:
     for name, side in runs.items():
         if name == "orchestrator":
             continue
-        ratios = sorted(r["total"] / o["total"] for o, r in zip(orch, side, strict=True))
+        ratios = [r["total"] / o["total"] for o, r in zip(orch, side, strict=True)]
         median = statistics.median(r["total"] for r in side) / statistics.median(
             o["total"] for o in orch
         )

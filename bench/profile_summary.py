@@ -25,7 +25,7 @@ STEPS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "rollout bookkeeping (task, deadline, proxy)",
         ("run_rollout", "Worker._run", "Worker._handle", "Worker._process"),
     ),
-    ("agent runner (sync agents: thread hop)", ("AgentRunner.",)),
+    ("agent runner (sync agents: thread hop)", ("AgentRunner.", "AgentThreads.", "_settle_call")),
     ("LLM call bookkeeping (LLMCall, attributes)", ("TracingLLM.",)),
     ("chat template + tokenizer", ("ChatTemplate.", "chat_template.py")),
     ("HTTP client (request, response)", ("SGLangBackend.", "HttpPool.", "HttpConnection.")),
@@ -63,8 +63,21 @@ LIBRARIES: tuple[tuple[str, tuple[str, ...]], ...] = (
         ("asyncio/", "selectors.py", "uvloop", "events.py"),
     ),
 )
-IDLE = ("_worker (concurrent/futures/thread.py:81)",)
-IDLE_PREFIXES = ("AgentThreads._work (consumers/agents.py",)  # a sync agent's thread, waiting
+
+
+def _agent_thread_wait() -> str:
+    """The frame of a sync agent's thread parked on its pool's queue (the line, found in the
+    source, so that the thread's real work on other lines still counts)."""
+    import inspect
+
+    from consumers.agents import AgentThreads
+
+    lines, first = inspect.getsourcelines(AgentThreads._work)
+    offset = next(i for i, line in enumerate(lines) if "self._queue.get()" in line)
+    return f"AgentThreads._work (consumers/agents.py:{first + offset})"
+
+
+IDLE = ("_worker (concurrent/futures/thread.py:81)", _agent_thread_wait())
 
 
 def bucket(frames: list[str]) -> str:
@@ -90,7 +103,7 @@ def summarize(text: str, cpu_us: float | None = None, *, top: int = 40) -> str:
         if not stack or not n.isdigit():
             continue
         frames = stack.split(";")
-        if frames[-1] in IDLE or frames[-1].startswith(IDLE_PREFIXES):
+        if frames[-1] in IDLE:
             continue
         counts[bucket(frames[1:])] += int(n)  # frames[0] names the thread
         total += int(n)

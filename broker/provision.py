@@ -17,7 +17,7 @@ from nats.js.api import ConsumerConfig, KeyValueConfig, ObjectStoreConfig, Stora
 from .errors import ProvisioningError
 from .patience import patiently
 from .topology import Limits, Topology
-from .version import DISCARD_NEW_BYTES_SINCE, MSG_TTL_SINCE, UNKNOWN, format_version, server_version
+from .version import DISCARD_NEW_BYTES_SINCE, MSG_TTL_SINCE, format_version, js_server_version
 
 log = structlog.get_logger("agentarium.broker")
 
@@ -259,7 +259,7 @@ async def ensure_buckets(
         replicas=limits.replicas,
     )
     workers_settings: dict = {"max_age": limits.workers_ttl_s, "num_replicas": limits.replicas}
-    if server_version(js._nc) >= MSG_TTL_SINCE:
+    if js_server_version(js) >= MSG_TTL_SINCE:
         # per-entry TTLs for the registry (broker.registry); a bucket made on 2.9 lacks it.
         # The server can turn it on for an existing stream, never off again.
         workers_settings["allow_msg_ttl"] = True
@@ -326,8 +326,8 @@ def stream_configs(js: JetStreamContext, topo: Topology, limits: Limits) -> list
     not yet run) to make room (broker/version.py). Logged once per process."""
     global _warned_byte_limit
     configs = topo.stream_configs(limits)
-    version = server_version(js._nc)
-    if version == UNKNOWN or version >= DISCARD_NEW_BYTES_SINCE:
+    version = js_server_version(js)
+    if version >= DISCARD_NEW_BYTES_SINCE:  # an unknown version (0.0.0) is treated as 2.9
         return configs
     for config in configs:
         if _norm(config.discard) == "new" and (config.max_bytes or -1) > 0:

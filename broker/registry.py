@@ -18,7 +18,7 @@ import nats.js.errors
 from nats.js import JetStreamContext
 
 from .topology import Topology
-from .version import MSG_TTL_SINCE, server_version
+from .version import MSG_TTL_SINCE, js_server_version
 
 # Three refreshes of a worker's default 5 s interval: one lost refresh never hides a worker.
 ENTRY_TTL_S = 15.0
@@ -27,7 +27,7 @@ ENTRY_TTL_S = 15.0
 async def entry_ttl_supported(js: JetStreamContext, topo: Topology) -> bool:
     """Whether the workers bucket takes per-entry TTLs: a 2.11+ server and a stream created
     (or updated by ``broker init``) with ``allow_msg_ttl``."""
-    if server_version(js._nc) < MSG_TTL_SINCE:  # nats-py keeps no public handle on it
+    if js_server_version(js) < MSG_TTL_SINCE:
         return False
     info = await js.stream_info(f"KV_{topo.workers_bucket}")
     return bool(info.config.allow_msg_ttl)

@@ -47,6 +47,12 @@ def server_version(nc: Any) -> Version:
     return parse_version(str(info.get("version", "")))
 
 
+def js_server_version(js: Any) -> Version:
+    """``server_version`` of a JetStream context's connection (nats-py keeps no public handle
+    on it: the one place that reaches for ``_nc``)."""
+    return server_version(js._nc)
+
+
 @functools.lru_cache(maxsize=16)
 def binary_version(binary: str) -> Version:
     """``nats-server --version`` of a binary (cached per path); ``UNKNOWN`` if it says none."""

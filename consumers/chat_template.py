@@ -21,6 +21,7 @@ import functools
 import hashlib
 import json
 import re
+import threading
 from array import array
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -276,6 +277,7 @@ class SegmentEncoder:
         self._size = tokenizer.get_vocab_size(with_added_tokens=True)
         self._segments: dict[str, array] = {}
         self._chars = 0  # in the cached pieces
+        self._remembering = threading.Lock()
         self._ids: dict[str, int] = {}
         self._split: re.Pattern[str] | None = None
         added = tokenizer.get_added_tokens_decoder()
@@ -335,17 +337,18 @@ class SegmentEncoder:
         return ids
 
     def _remember(self, piece: str, piece_ids: list[int]) -> None:
-        segments = self._segments
-        segments[piece] = array("i", piece_ids)
-        self._chars += len(piece)
-        while len(segments) > SEGMENT_ENTRIES or self._chars > SEGMENT_BUDGET_CHARS:
-            # the oldest out; another thread may have taken it already
-            try:
-                oldest = next(iter(segments))
+        # Only on a miss; sync agents' threads share a template, so the count of cached
+        # characters is kept under a lock (a piece two threads missed at once counts once).
+        with self._remembering:
+            segments = self._segments
+            if piece in segments:
+                return
+            segments[piece] = array("i", piece_ids)
+            self._chars += len(piece)
+            while len(segments) > SEGMENT_ENTRIES or self._chars > SEGMENT_BUDGET_CHARS:
+                oldest = next(iter(segments))  # the oldest out
                 del segments[oldest]
-            except (KeyError, RuntimeError, StopIteration):
-                break
-            self._chars -= len(oldest)
+                self._chars -= len(oldest)
 
 
 class ChatTemplate:

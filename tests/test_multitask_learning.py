@@ -89,11 +89,12 @@ def neighbour_trap(out) -> str | None:
     over the last steps ``repeat`` scores 0 and ``next`` 0.5 with no exact answer (the policy
     answers 6 or 8 to both prompts and every group is flat)."""
     rows = read_metrics(out / "metrics.csv")
+    rewards = task_rewards(rows, TASKS)
     last = {
         name: first_last(values, WINDOW)[2]
         for name, values in (
-            ("repeat", task_rewards(rows, TASKS)["repeat"]),
-            ("next", task_rewards(rows, TASKS)["next"]),
+            ("repeat", rewards["repeat"]),
+            ("next", rewards["next"]),
             ("next exact", task_rewards(rows, TASKS, metric="success")["next"]),
         )
     }

@@ -42,6 +42,7 @@ from broker.version import (
     SYNC_INTERVAL_SINCE,
     UNKNOWN,
     binary_version,
+    js_server_version,
     parse_version,
     server_version,
 )
@@ -145,7 +146,7 @@ async def test_a_worker_entry_lives_by_its_own_ttl_where_the_server_has_them(js,
     assert [w["worker_id"] for w in await live_workers(js, topology)] == ["w-ttl"]
     bucket = (await js.stream_info(f"KV_{topology.workers_bucket}")).config
     assert bucket.max_age == 30  # the bucket's TTL, the backstop on every version
-    if server_version(js._nc) >= MSG_TTL_SINCE:
+    if js_server_version(js) >= MSG_TTL_SINCE:
         assert await entry_ttl_supported(js, topology)
         # Gone within seconds though the bucket keeps entries 30 s: the entry's own TTL did it.
         assert await wait_gone(js, topology, "w-ttl", timeout_s=10) < 10

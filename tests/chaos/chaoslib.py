@@ -203,6 +203,10 @@ async def read_stream(
                     out.append((msg.data, msg.metadata.timestamp.timestamp()))
                 if len(out) >= expected:
                     break
+    except TimeoutError:
+        raise AssertionError(
+            f"read {len(out)} of the {expected} messages stored within {timeout_s:g}s"
+        ) from None
     finally:
         with contextlib.suppress(Exception):
             await sub.unsubscribe()

@@ -30,7 +30,7 @@ from nats.js.api import DiscardPolicy
 from agentarium.demo.processes import child_env
 from broker import Limits, NatsServer, NatsSettings, Topology, provision
 from broker.registry import live_workers
-from broker.version import DISCARD_NEW_BYTES_SINCE, format_version, server_version
+from broker.version import DISCARD_NEW_BYTES_SINCE, format_version, js_server_version
 
 ACK_WAIT_S = 3.0
 LIMITS = Limits(ack_wait_s=ACK_WAIT_S, attempts=3)
@@ -324,7 +324,8 @@ async def store_full(
             await run.wait_settled(60)
             trajectories = await js.stream_info(topo.trajectories_stream)
             per_trajectory = trajectories.state.bytes / trajectories.state.messages
-            by_bytes = server_version(js._nc) >= DISCARD_NEW_BYTES_SINCE
+            version = js_server_version(js)
+            by_bytes = version >= DISCARD_NEW_BYTES_SINCE
             kind = "byte" if by_bytes else "message"
             with run.fault(f"store full ({kind} limits, discard new)"):
                 original = {}
@@ -369,7 +370,7 @@ async def store_full(
         assert info.num_redelivered == 0, info
         return await run.tally(
             f"store full: {kind} limits refuse writes for {full_s:g} s (ack wait {ACK_WAIT_S:g} s, "
-            f"nats-server {format_version(server_version(js._nc))})",
+            f"nats-server {format_version(version)})",
             command=command,
         )
 
