@@ -40,6 +40,8 @@ RETRYABLE: tuple[type[Exception], ...] = (
 EXPIRES_S = 5.0  # a lingering pull request lives this long; the server answers 408 at the end
 SILENCE_S = EXPIRES_S + 3.0  # no answer at all by then: the request (or consumer) was lost
 INACTIVE_S = 120.0  # the server deletes a reader's consumer this long after the reader vanished
+# A read waits at most this long for a replica that is catching up (see _replicas_current).
+REPLICA_WAIT_S = 15.0
 
 _STATUS_DONE = {
     "404",
@@ -228,6 +230,8 @@ class TrajectoryReader:
         self, run: str, agent: str, *, until_caught_up: bool
     ) -> AsyncGenerator[Trajectory, None]:
         subject_filter = self.topology.trajectories_filter(run, agent)
+        if until_caught_up:
+            await self._replicas_current()
         cursor = _Cursor(self.js, self.topology.trajectories_stream, subject_filter, self.batch)
         try:
             await cursor.open()
@@ -237,6 +241,34 @@ class TrajectoryReader:
                     yield trajectory
         finally:
             await cursor.close()
+
+    async def _replicas_current(self) -> None:
+        """In a cluster, the reader's ephemeral consumer may be placed on a replica that is
+        still catching up (a node just restarted); a read that stops once that consumer has
+        nothing pending would then stop at that replica's end and come up short. So a read
+        first waits, at most REPLICA_WAIT_S, until every replica that is online is current
+        (an offline one holds no consumer). One stream info; nothing on a single server."""
+        deadline = time.monotonic() + REPLICA_WAIT_S
+        while True:
+            try:
+                info = await self.js.stream_info(self.topology.trajectories_stream)
+            except nats.errors.Error:
+                return  # missing or not answering: the cursor reports or rides it out
+            behind = [
+                r.name for r in (info.cluster.replicas if info.cluster else None) or []
+                if not (r.current or r.offline)
+            ]  # fmt: skip
+            if not behind:
+                return
+            if time.monotonic() > deadline:
+                log.warning(
+                    "trajectory reader: replicas still catching up; the read may miss the "
+                    "newest trajectories",
+                    replicas=behind,
+                    waited_s=REPLICA_WAIT_S,
+                )
+                return
+            await asyncio.sleep(0.2)
 
     async def read(
         self, run: str, agent: str = "*", *, status: str | None = None
