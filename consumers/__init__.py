@@ -5,6 +5,7 @@ and the consumer service that assembles them. The local CPU engine (torch) is th
 from .agents import AgentLoadError, AgentSpec, RewardError, load_callable
 from .backends import CrossSamplingBackend, model_of_call
 from .chat_template import ChatTemplate
+from .config import ConsumerSettings, default_worker_id
 from .env_agent import EnvAgent, env_agent
 from .envclient import EnvClient, EnvSession
 from .errors import (
@@ -30,7 +31,7 @@ from .service import (
     start_proxy,
 )
 from .verifiers_agent import VerifiersAgent, VerifiersRolloutError, verifiers_agent
-from .worker import Counters, Worker, WorkerConfig, default_worker_id
+from .worker import Counters, Worker
 
 __all__ = [
     "AgentLoadError",
@@ -40,6 +41,7 @@ __all__ = [
     "ChatResult",
     "ChatTemplate",
     "ConsumerService",
+    "ConsumerSettings",
     "ConsumerSpec",
     "Counters",
     "CrossSamplingBackend",
@@ -63,7 +65,6 @@ __all__ = [
     "VerifiersAgent",
     "VerifiersRolloutError",
     "Worker",
-    "WorkerConfig",
     "default_worker_id",
     "env_agent",
     "load_callable",

@@ -23,6 +23,8 @@ import random
 from dataclasses import dataclass
 from enum import Enum
 
+from schemas import check_settings, setting
+
 
 class Event(Enum):
     """What the worker found out about one delivery. The dead-letter reasons reuse the values."""
@@ -105,18 +107,31 @@ class DeliveryPolicy:
     it waits between runs (capped exponential backoff with jitter, so jobs that failed together
     do not all come back together)."""
 
-    attempts: int = 3
-    lost_deliveries: int = 5
-    base_delay_s: float = 1.0
-    max_delay_s: float = 60.0
-    jitter: float = 0.2
+    attempts: int = setting(
+        3,
+        ge=1,
+        help="runs of a failing job before it is dead-lettered; a delivery lost to a crashed or "
+        "drained worker spends none",
+    )
+    lost_deliveries: int = setting(
+        5,
+        ge=0,
+        flagless="deliveries a job may lose to crashed or drained workers besides its attempts; "
+        "a safety net, not a tuning knob",
+    )
+    base_delay_s: float = setting(
+        1.0, ge=0, help="first retry delay; doubles per attempt, capped at --retry-max-delay"
+    )
+    max_delay_s: float = setting(60.0, ge=0, help="the longest wait between two runs of a job")
+    jitter: float = setting(
+        0.2,
+        ge=0,
+        flagless="the random share of each retry wait, so jobs that failed together come back apart",
+    )
 
     def __post_init__(self) -> None:
-        if self.attempts < 1:
-            raise ValueError("attempts must be >= 1")
-        if self.lost_deliveries < 0:
-            raise ValueError("lost_deliveries must be >= 0")
-        if self.base_delay_s < 0 or self.max_delay_s < self.base_delay_s:
+        check_settings(self)
+        if self.max_delay_s < self.base_delay_s:
             raise ValueError("need 0 <= base_delay_s <= max_delay_s")
         if not 0 <= self.jitter < 1:
             raise ValueError("need 0 <= jitter < 1")

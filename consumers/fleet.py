@@ -31,6 +31,8 @@ from typing import Any
 
 import structlog
 
+from schemas import check_settings, setting
+
 from .backends.base import GenerateRequest, GenerateResult
 from .errors import BackendUnavailable
 from .metrics import FLEET_DOWN_SECONDS, FLEET_OUTAGES, FLEET_UP, SERVER_UP, backend_label
@@ -44,20 +46,39 @@ class FleetPolicy:
     """How a consumer watches its LLM fleet. ``outage_limit_s`` 0 never holds (errors at once,
     as before fleet handling); ``inf`` holds for ever."""
 
-    outage_limit_s: float = 300.0
-    probe_interval_s: float = 5.0  # a server that answers is probed this often (when idle)
-    probe_timeout_s: float = 5.0  # a probe unanswered this long failed: the server hangs
-    probe_failures: int = 2  # failed probes in a row that open a closed breaker
-    backoff_s: float = 0.5  # an open breaker is re-probed after this, doubling...
-    max_backoff_s: float = 10.0  # ...up to this
+    outage_limit_s: float = setting(
+        300.0,
+        ge=0,
+        flag="--fleet-outage-limit",
+        help="when every LLM server stops answering, pull no new jobs and hold in-flight "
+        "rollouts (no attempt spent, deadlines paused) until one answers; only an outage longer "
+        "than this fails them as errors. 0: never hold, inf: hold for ever",
+    )
+    probe_interval_s: float = setting(
+        5.0,
+        gt=0,
+        flag="--fleet-probe-interval",
+        help="health probe (GET /health) period of each LLM server not answering calls",
+    )
+    probe_timeout_s: float = setting(
+        5.0,
+        gt=0,
+        flag="--fleet-probe-timeout",
+        help="a server that does not answer its probe within this long is skipped, and its "
+        "requests in flight fail over (two misses in a row)",
+    )
+    probe_failures: int = setting(
+        2, ge=1, flagless="failed probes in a row that open a closed breaker; rarely changed"
+    )
+    backoff_s: float = setting(
+        0.5, gt=0, flagless="an open breaker is re-probed after this, doubling up to max_backoff_s"
+    )
+    max_backoff_s: float = setting(
+        10.0, gt=0, flagless="the longest wait before an open breaker is re-probed"
+    )
 
     def __post_init__(self) -> None:
-        if self.outage_limit_s < 0:
-            raise ValueError(f"fleet outage limit must be >= 0 s, got {self.outage_limit_s}")
-        if self.probe_interval_s <= 0 or self.probe_timeout_s <= 0:
-            raise ValueError("fleet probe interval and timeout must be > 0 s")
-        if self.probe_failures < 1:
-            raise ValueError("fleet probe_failures must be >= 1")
+        check_settings(self)
         if not 0 < self.backoff_s <= self.max_backoff_s:
             raise ValueError("need 0 < backoff_s <= max_backoff_s")
 

@@ -25,14 +25,14 @@ from .agents import AgentRunner, AgentSpec
 from .backends import CrossSamplingBackend, OpenAICompatBackend, SGLangBackend
 from .backends.cross_sampling import check_same_tokenizer
 from .chat_template import ChatTemplate
-from .delivery import DeliveryPolicy
+from .config import ConsumerSettings
 from .envclient import EnvClient
 from .errors import CrossSamplingError
-from .fleet import Fleet, FleetPolicy, supports
+from .fleet import Fleet, supports
 from .metrics import LOOP_LAG_SECONDS
 from .proxy import TracingProxy
 from .rollout import RolloutEnv
-from .worker import Counters, Worker, WorkerConfig, default_worker_id
+from .worker import Counters, Worker
 
 log = structlog.get_logger("agentarium.consumers")
 
@@ -134,26 +134,9 @@ class ConsumerSpec:
     target: LLMTarget
     model_dir: str | None  # tokenizer + chat template; None for OpenAI-compatible targets
     model_name: str
-    concurrency: int = 64
-    # The tracing proxy's bind address; None: ``proxy_bind_host`` picks it (loopback unless
-    # agents may call from elsewhere). Each rollout's endpoint carries its own secret either way.
-    proxy_host: str | None = None
-    proxy_port: int = 0  # 0: any free port; else a base port scanned upwards
-    advertise_host: str | None = None
-    attempts: int = 3
-    retry_delay_s: float = 1.0
-    ack_wait_s: float = 60.0
-    drain_grace_s: float = 10.0
-    llm_retries: int = 3
-    llm_timeout_s: float = 600.0
-    fetch_timeout_s: float = 0.5
-    burst: bool = False  # stop once the agent's queue is empty and nothing is in flight
-    worker_id: str = field(default_factory=default_worker_id)
     reward_fn: Any = None
     cross: CrossTarget | None = None  # cross-sampling: some calls go to a second model
-    # How an outage of the LLM fleet is ridden out (consumers/fleet.py): probed, held, and
-    # turned into errors only past fleet.outage_limit_s.
-    fleet: FleetPolicy = field(default_factory=FleetPolicy)
+    settings: ConsumerSettings = field(default_factory=ConsumerSettings)
 
 
 LOOPBACK_NAMES = ("localhost", "::1")
@@ -250,13 +233,15 @@ class ConsumerService:
         for fleet in self.fleets:
             await fleet.start()
         try:
-            host = proxy_bind_host(spec.proxy_host, spec.advertise_host, agent)
-            self.proxy = await start_proxy(host, spec.proxy_port, spec.advertise_host)
+            host = proxy_bind_host(spec.settings.proxy_host, spec.settings.advertise_host, agent)
+            self.proxy = await start_proxy(
+                host, spec.settings.proxy_port, spec.settings.advertise_host
+            )
         except BaseException:
             await self._close()
             raise
         self._runner = AgentRunner(
-            agent, model_name=spec.model_name, threads=max(4, min(spec.concurrency, 256))
+            agent, model_name=spec.model_name, threads=max(4, min(spec.settings.concurrency, 256))
         )
         env = RolloutEnv(
             runner=self._runner,
@@ -264,27 +249,13 @@ class ConsumerService:
             template=template,
             proxy=self.proxy,
             model_name=spec.model_name,
-            worker_id=spec.worker_id,
+            worker_id=spec.settings.worker_id,
             reward_fn=spec.reward_fn,
             fleets=self.fleets,
             # nats-py keeps no public handle on a context's connection
             envs=EnvClient(self.js._nc, self.topology) if agent.envs else None,
         )
-        config = WorkerConfig(
-            agent=spec.agent,
-            concurrency=spec.concurrency,
-            ack_wait_s=spec.ack_wait_s,
-            fetch_timeout_s=spec.fetch_timeout_s,
-            drain_grace_s=spec.drain_grace_s,
-            burst=spec.burst,
-            worker_id=spec.worker_id,
-            retry=DeliveryPolicy(
-                attempts=spec.attempts,
-                base_delay_s=spec.retry_delay_s,
-                max_delay_s=max(60.0, spec.retry_delay_s),
-            ),
-        )
-        self.worker = Worker(self.js, self.topology, config, env)
+        self.worker = Worker(self.js, self.topology, spec.agent, spec.settings, env)
         self._task = asyncio.create_task(self.worker.run(), name=f"worker-{spec.agent}")
         _watch_lag()  # agentarium_event_loop_lag_seconds
         self._watching_lag = True
@@ -294,9 +265,9 @@ class ConsumerService:
             style=agent.style,
             kind=agent.kind,
             proxy=self.proxy.base_url,
-            worker_id=spec.worker_id,
-            concurrency=spec.concurrency,
-            burst=spec.burst,
+            worker_id=spec.settings.worker_id,
+            concurrency=spec.settings.concurrency,
+            burst=spec.settings.burst,
             loop=loop_name(),
         )
         return self
@@ -305,11 +276,15 @@ class ConsumerService:
         """The target's backend, wrapped for cross-sampling when ``spec.cross`` is set, once
         the second model is known to take the policy's token ids."""
         spec = self.spec
-        primary = spec.target.backend(retries=spec.llm_retries, timeout=spec.llm_timeout_s)
+        primary = spec.target.backend(
+            retries=spec.settings.llm_retries, timeout=spec.settings.llm_timeout_s
+        )
         if spec.cross is None:
             return self._fleet(primary, "llm")
         cross = spec.cross
-        secondary = cross.target.backend(retries=spec.llm_retries, timeout=spec.llm_timeout_s)
+        secondary = cross.target.backend(
+            retries=spec.settings.llm_retries, timeout=spec.settings.llm_timeout_s
+        )
         try:
             if cross.target.trainable != spec.target.trainable:
                 raise CrossSamplingError(
@@ -347,7 +322,7 @@ class ConsumerService:
 
     def _fleet(self, backend: Any, name: str) -> Fleet:
         """``backend`` watched as one LLM fleet of this agent (started with the service)."""
-        fleet = Fleet(backend, agent=self.spec.agent, name=name, policy=self.spec.fleet)
+        fleet = Fleet(backend, agent=self.spec.agent, name=name, policy=self.spec.settings.fleet)
         self.fleets = (*self.fleets, fleet)
         return fleet
 
@@ -383,7 +358,7 @@ class ConsumerService:
             self.worker.stop()
             try:
                 counters = await asyncio.wait_for(
-                    asyncio.shield(self._task), self.spec.drain_grace_s + 5
+                    asyncio.shield(self._task), self.spec.settings.drain_grace_s + 5
                 )
             except (TimeoutError, Exception):  # noqa: BLE001 - stopping: report, do not raise
                 self._task.cancel()

@@ -23,7 +23,6 @@ import asyncio
 import os
 import socket
 import time
-import uuid
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -45,7 +44,8 @@ from broker import (
 )
 from schemas import Job, SchemaError, Trajectory, check_name, decode
 
-from .delivery import Action, Decision, DeliveryPolicy, Event
+from .config import ConsumerSettings
+from .delivery import Action, Decision, Event
 from .fleet import fleets_summary
 from .metrics import RolloutMetrics
 from .outcomes import OutcomeStore
@@ -67,31 +67,6 @@ _ATTACH_RETRYABLE: tuple[type[Exception], ...] = (
     *TRANSIENT_NATS_ERRORS,
     nats.js.errors.ServiceUnavailableError,
 )
-
-
-def default_worker_id() -> str:
-    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-
-
-@dataclass(frozen=True, kw_only=True)
-class WorkerConfig:
-    agent: str
-    concurrency: int = 32
-    max_fetch: int = 256
-    fetch_timeout_s: float = 1.0
-    ack_wait_s: float = 60.0
-    retry: DeliveryPolicy = field(default_factory=DeliveryPolicy)
-    burst: bool = False
-    drain_grace_s: float = 30.0
-    registry_interval_s: float = 5.0
-    worker_id: str = field(default_factory=default_worker_id)
-
-    def __post_init__(self) -> None:
-        check_name(self.agent, "agent")
-        if self.concurrency < 1:
-            raise ValueError("concurrency must be >= 1")
-        if self.ack_wait_s < 3:
-            raise ValueError("ack_wait_s must be >= 3 (heartbeats go out every ack_wait/3)")
 
 
 @dataclass
@@ -132,17 +107,20 @@ class Worker:
         self,
         js: JetStreamContext,
         topo: Topology,
-        config: WorkerConfig,
+        agent: str,
+        config: ConsumerSettings,
         env: RolloutEnv,
         limits: Limits | None = None,
     ) -> None:
+        check_name(agent, "agent")
         self.js = js
         self.topo = topo
+        self.agent = agent
         self.config = config
         self.env = env
         self.limits = limits or Limits()
         self.counters = Counters()
-        self.metrics = RolloutMetrics(config.agent)
+        self.metrics = RolloutMetrics(agent)
         self.store = OutcomeStore(js, topo, config.worker_id)
         self._inflight: dict[asyncio.Task, Msg] = {}
         self._stop = asyncio.Event()
@@ -161,7 +139,7 @@ class Worker:
     def __repr__(self) -> str:
         c = self.counters
         return (
-            f"<Worker {self.config.worker_id} agent={self.config.agent} in_flight={len(self._inflight)} "
+            f"<Worker {self.config.worker_id} agent={self.agent} in_flight={len(self._inflight)} "
             f"ok={c.ok} errors={c.errors} timeouts={c.timeouts} retried={c.retried} dead={c.dead_lettered}>"
         )
 
@@ -187,22 +165,22 @@ class Worker:
     async def run(self) -> Counters:
         cfg = self.config
         consumer = self.topo.rollout_consumer_config(
-            cfg.agent,
+            self.agent,
             self.limits,
             ack_wait_s=cfg.ack_wait_s,
-            attempts=cfg.retry.attempts,
-            lost_deliveries=cfg.retry.lost_deliveries,
+            attempts=cfg.delivery.attempts,
+            lost_deliveries=cfg.delivery.lost_deliveries,
         )
         await self._attach(consumer)
         log.info(
             "worker started",
             worker_id=cfg.worker_id,
-            agent=cfg.agent,
+            agent=self.agent,
             concurrency=cfg.concurrency,
             burst=cfg.burst,
             ack_wait_s=cfg.ack_wait_s,
-            attempts=cfg.retry.attempts,
-            lost_deliveries=cfg.retry.lost_deliveries,
+            attempts=cfg.delivery.attempts,
+            lost_deliveries=cfg.delivery.lost_deliveries,
         )
         background = [
             asyncio.create_task(self._heartbeat_loop()),
@@ -224,7 +202,7 @@ class Worker:
             log.info(
                 "worker stopped",
                 worker_id=cfg.worker_id,
-                agent=cfg.agent,
+                agent=self.agent,
                 **asdict(self.counters),
             )
         return self.counters
@@ -274,7 +252,7 @@ class Worker:
         info = await self.js.consumer_info(self.topo.tasks_stream, durable)
         max_deliver = info.config.max_deliver or 0
         ack_wait = float(info.config.ack_wait or self.config.ack_wait_s)
-        retry = self.config.retry
+        retry = self.config.delivery
         if max_deliver >= 2 and (
             max_deliver != retry.max_deliver or ack_wait != self.config.ack_wait_s
         ):
@@ -292,7 +270,7 @@ class Worker:
                 flag_attempts=retry.attempts,
                 flag_ack_wait_s=self.config.ack_wait_s,
             )
-            self.config = replace(self.config, retry=adopted, ack_wait_s=ack_wait)
+            self.config = replace(self.config, delivery=adopted, ack_wait_s=ack_wait)
 
     async def _pull_loop(self) -> None:
         """Keep a job on its way for every free slot (consumers/puller.py); jobs start as they
@@ -379,7 +357,7 @@ class Worker:
             return False
         try:
             info = await self.js.consumer_info(
-                self.topo.tasks_stream, self.topo.rollout_consumer(self.config.agent)
+                self.topo.tasks_stream, self.topo.rollout_consumer(self.agent)
             )
         except (nats.errors.Error, nats.js.errors.Error):
             return False
@@ -423,7 +401,7 @@ class Worker:
             rate = (self.counters.completed - last_done) / max(now - last_time, 1e-9)
             last_time, last_done = now, self.counters.completed
             info = {
-                "agent": cfg.agent,
+                "agent": self.agent,
                 "host": socket.gethostname(),
                 "pid": os.getpid(),
                 "concurrency": cfg.concurrency,
@@ -472,11 +450,11 @@ class Worker:
         failures = 0
         if outcome.job is not None and delivery > 1:
             failures = await self.store.failures(outcome.job, delivery)
-        decision = self.config.retry.decide(outcome.event, delivery, failures)
+        decision = self.config.delivery.decide(outcome.event, delivery, failures)
         if decision.action is Action.RUN:
             assert outcome.job is not None  # RUN is only decided for a decoded job
             outcome = await self._run(msg, outcome.job, delivery, decision)
-            decision = self.config.retry.decide(outcome.event, delivery, failures)
+            decision = self.config.delivery.decide(outcome.event, delivery, failures)
         await self._settle(msg, decision, outcome, delivery, failures)
 
     def _decode(self, msg: Msg) -> Outcome:
@@ -585,7 +563,7 @@ class Worker:
         here, and a job on its last delivery is terminated even when its dead letter cannot
         be written: a nak would strand it in the work queue forever."""
         delivery = msg.metadata.num_delivered
-        decision = self.config.retry.decide(outcome.event, delivery)
+        decision = self.config.delivery.decide(outcome.event, delivery)
         if decision.action is Action.NAK:
             if exc is not None:
                 log.error(

@@ -1,5 +1,6 @@
 """Agentarium's wire contracts: the only place wire compatibility lives."""
 
+from . import settings
 from .codec import JSON_CONTENT_TYPE, MSGPACK_CONTENT_TYPE, decode, encode, encode_json, loads
 from .deadletter import DeadLetter
 from .env import (
@@ -17,6 +18,7 @@ from .errors import DecodeError, SchemaError
 from .fields import SCHEMA_VERSION
 from .job import Job, Sampling
 from .names import check_name
+from .settings import SettingError, check_settings, section, setting
 from .trajectory import FINISH_REASONS, STATUSES, LLMCall, Trajectory
 from .weights import WeightUpdate, version_number
 
@@ -41,12 +43,17 @@ __all__ = [
     "LLMCall",
     "Sampling",
     "SchemaError",
+    "SettingError",
     "Trajectory",
     "WeightUpdate",
     "check_name",
+    "check_settings",
     "decode",
     "encode",
     "encode_json",
     "loads",
+    "section",
+    "setting",
+    "settings",
     "version_number",
 ]

@@ -16,6 +16,7 @@ from agentarium.cli import build_parser
 from agentarium.commands import consumer_cmd, env_cmd, trainer_cmd
 from agentarium.commands.config_file import ConfigError, read_config_file
 from broker import NatsSettings
+from schemas import settings
 
 
 def subparser(name: str) -> argparse.ArgumentParser:
@@ -174,8 +175,9 @@ def test_the_consumer_takes_a_config_file_and_overrides(tmp_path):
     args = parse("consumer", "--config", path, "--concurrency", "16", "attempts=5")
     config, source = consumer_cmd.config_from_args(args)
     assert config.llm == ("http://a:1", "http://b:2")
-    assert (config.concurrency, config.attempts, config.ack_wait_s) == (16, 5, 90.0)
-    assert config.worker_id  # a default made per process
+    c = config.consumer
+    assert (c.concurrency, c.delivery.attempts, c.ack_wait_s) == (16, 5, 90.0)
+    assert config.consumer.worker_id  # a default made per process
     assert source == {
         "config_file": path,
         "set_by": {
@@ -257,4 +259,4 @@ async def test_resolved_consumer_config_is_logged_once(nats_url, tmp_path):
         "burst": "file",
         "concurrency": "override",
     }
-    assert {f.name for f in dataclasses.fields(consumer_cmd.ConsumerConfig)} <= set(event)
+    assert {k.name for k in settings.keys(consumer_cmd.ConsumerConfig)} <= set(event)

@@ -18,6 +18,7 @@ from agentarium.commands import consumer_cmd
 from broker import Topology
 from consumers import (
     ConsumerService,
+    ConsumerSettings,
     ConsumerSpec,
     CrossSamplingError,
     CrossTarget,
@@ -76,11 +77,13 @@ async def test_cross_sampled_calls_record_which_model_and_version(js, tiny_dir, 
         cross=CrossTarget(target=LLMTarget(urls=(other.url,)), ratio=0.5, name="big", seed=3),
         model_dir=str(tiny_dir),
         model_name="tiny",
-        concurrency=1,  # one rollout at a time: the seeded coin gives the same calls each run
-        proxy_host="127.0.0.1",
-        attempts=1,
-        fetch_timeout_s=0.2,
-        drain_grace_s=5.0,
+        settings=ConsumerSettings.of(
+            concurrency=1,  # one rollout at a time: the seeded coin gives the same calls each run
+            proxy_host="127.0.0.1",
+            attempts=1,
+            fetch_timeout_s=0.2,
+            drain_grace_s=5.0,
+        ),
     )
     service = ConsumerService(js, Topology(), spec)
     try:

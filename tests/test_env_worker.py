@@ -660,11 +660,11 @@ async def solve_with_sql(task: dict, llm, envs) -> dict:
 @asynccontextmanager
 async def rollout_worker(js, nc, agent_fn, *, attempts: int = 3):
     """A rollout worker for agent ``db`` whose agent never calls its LLM: no model, no fleet."""
+    from consumers import ConsumerSettings
     from consumers.agents import AgentRunner, AgentSpec
-    from consumers.delivery import DeliveryPolicy
     from consumers.proxy import TracingProxy
     from consumers.rollout import RolloutEnv
-    from consumers.worker import Worker, WorkerConfig
+    from consumers.worker import Worker
 
     proxy = TracingProxy(host="127.0.0.1", port=0, advertised_host="127.0.0.1")
     await proxy.start()
@@ -678,15 +678,16 @@ async def rollout_worker(js, nc, agent_fn, *, attempts: int = 3):
         worker_id="test-db",
         envs=EnvClient(nc),
     )
-    config = WorkerConfig(
-        agent="db",
+    config = ConsumerSettings.of(
         burst=True,
         fetch_timeout_s=0.3,
         worker_id="test-db",
-        retry=DeliveryPolicy(attempts=attempts, base_delay_s=0.05, max_delay_s=0.2),
+        attempts=attempts,
+        retry_delay_s=0.05,
+        retry_max_delay_s=0.2,
     )
     try:
-        yield Worker(js, Topology(), config, env)
+        yield Worker(js, Topology(), "db", config, env)
     finally:
         runner.close()
         await proxy.stop()

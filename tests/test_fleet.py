@@ -16,7 +16,7 @@ from structlog.testing import capture_logs
 from worker_env import tiny_template
 
 from broker import collect_status, format_status, live_workers
-from consumers import ConsumerService, ConsumerSpec, Fleet, FleetPolicy, LLMTarget
+from consumers import ConsumerService, ConsumerSettings, ConsumerSpec, Fleet, FleetPolicy, LLMTarget
 from consumers.backends import GenerateRequest, SGLangBackend
 from consumers.errors import BackendUnavailable
 from producers import TaskProducer, TrajectoryReader
@@ -32,22 +32,27 @@ async def two_calls(task: dict, llm) -> float:
 
 
 def consumer(js, topology, urls: list[str], *, limit_s: float = 60.0, **spec) -> ConsumerService:
-    options = dict(
-        agent="steady",
-        fn=two_calls,
-        target=LLMTarget(urls=tuple(urls)),
-        model_dir=None,
-        model_name="tiny",
+    consumer = dict(
         concurrency=16,
         ack_wait_s=3.0,  # the outages below last longer: heartbeats keep the held jobs
         fetch_timeout_s=0.2,
         retry_delay_s=0.05,
         llm_retries=1,
         burst=True,
-        fleet=FleetPolicy(outage_limit_s=limit_s, **FAST),
+        fleet_outage_limit_s=limit_s,
+        **{f"fleet_{k}": v for k, v in FAST.items()},
         worker_id="fleet-test",
     )
-    options.update(spec)
+    options: dict = dict(
+        agent="steady",
+        fn=two_calls,
+        target=LLMTarget(urls=tuple(urls)),
+        model_dir=None,
+        model_name="tiny",
+    )
+    for key, value in spec.items():
+        (options if key in ConsumerSpec.__dataclass_fields__ else consumer)[key] = value
+    options["settings"] = ConsumerSettings.of(**consumer)
     return ConsumerService(js, topology, ConsumerSpec(**options), template=tiny_template())
 
 

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from trainlib import one_call_group, publish
 
 from broker import MetricsServer, MetricsServerError, Topology, collect_stream_metrics
-from consumers import ConsumerService, ConsumerSpec, LLMTarget
+from consumers import ConsumerService, ConsumerSettings, ConsumerSpec, LLMTarget
 from producers import TaskProducer, TrajectoryReader
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,11 +113,13 @@ async def test_consumer_counts_rollouts_and_llm_calls_by_agent_and_status(js, ti
         target=LLMTarget(urls=(fake.url,)),
         model_dir=str(tiny_dir),
         model_name="tiny",
-        concurrency=8,
-        proxy_host="127.0.0.1",
-        attempts=1,  # an agent error is dead-lettered at once
-        fetch_timeout_s=0.2,
-        drain_grace_s=5.0,
+        settings=ConsumerSettings.of(
+            concurrency=8,
+            proxy_host="127.0.0.1",
+            attempts=1,  # an agent error is dead-lettered at once
+            fetch_timeout_s=0.2,
+            drain_grace_s=5.0,
+        ),
     )
     service = ConsumerService(js, Topology(), spec)
     server = MetricsServer(0, host="127.0.0.1")

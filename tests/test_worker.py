@@ -398,7 +398,7 @@ async def test_workers_adopt_the_shared_consumers_attempts(js, topology, fake):
     await TaskProducer(js, topology).submit("boom", [{"n": 1}], run="adopt")
     async with worker_for(js, "boom", agentlib.always_raises, [fake.url], attempts=3) as w:
         counters = await w.run()
-        assert (w.config.retry.attempts, w.config.ack_wait_s) == (1, 20)
+        assert (w.config.delivery.attempts, w.config.ack_wait_s) == (1, 20)
     assert counters.retried == 0 and counters.dead_lettered == 1
     info = await js.consumer_info(topology.tasks_stream, "rollout-boom")
     assert info.config.max_deliver == 1 + 5 + 1  # not overwritten by the worker's flag

@@ -7,13 +7,13 @@ from contextlib import asynccontextmanager
 from functools import lru_cache
 
 from broker import Topology
+from consumers import ConsumerSettings
 from consumers.agents import AgentRunner, AgentSpec
 from consumers.backends.sglang import SGLangBackend
 from consumers.chat_template import ChatTemplate
-from consumers.delivery import DeliveryPolicy
 from consumers.proxy import TracingProxy
 from consumers.rollout import RolloutEnv
-from consumers.worker import Worker, WorkerConfig
+from consumers.worker import Worker
 
 
 @lru_cache(maxsize=1)
@@ -53,18 +53,17 @@ async def worker_for(
         worker_id=worker_id or f"test-{agent_name}",
         reward_fn=reward_fn,
     )
-    config = WorkerConfig(
-        agent=agent_name,
+    config = ConsumerSettings.of(
         concurrency=concurrency,
         burst=burst,
         ack_wait_s=ack_wait,
         fetch_timeout_s=0.3,
         worker_id=worker_id or f"test-{agent_name}",
-        retry=DeliveryPolicy(
-            attempts=attempts, base_delay_s=retry_delay, max_delay_s=retry_delay * 4
-        ),
+        attempts=attempts,
+        retry_delay_s=retry_delay,
+        retry_max_delay_s=retry_delay * 4,
     )
-    worker = Worker(js, topology or Topology(), config, env, limits=limits)
+    worker = Worker(js, topology or Topology(), agent_name, config, env, limits=limits)
     try:
         yield worker
     finally:

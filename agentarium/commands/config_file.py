@@ -30,6 +30,8 @@ from typing import Any
 
 import yaml
 
+from schemas import settings
+
 from .common import add_metrics_flags, add_nats_flags
 
 SOURCES = ("file", "flag", "override")  # what can set a key, lowest precedence first
@@ -74,27 +76,42 @@ class ConfigKeys:
         flagless: Mapping[str, str] | None = None,
         keyless: Mapping[str, str] | None = None,
     ) -> ConfigKeys:
-        """The fields of ``classes`` (config dataclasses), in declaration order."""
+        """The settings of ``classes`` (config dataclasses, sections flattened), in
+        declaration order; a key's reason for having no flag comes from its ``setting()``."""
         kinds: dict[str, Any] = {}
         defaults: dict[str, Any] = {}
         factories: dict[str, Callable[[], Any]] = {}
+        reasons: dict[str, str] = {}
         for klass in classes:
-            hints = typing.get_type_hints(klass)
-            for f in dataclasses.fields(klass):
-                assert f.name not in kinds, f"{f.name} is a field of two config classes"
-                kinds[f.name] = hints[f.name]
-                if f.default is not dataclasses.MISSING:
-                    defaults[f.name] = f.default
-                elif f.default_factory is not dataclasses.MISSING:
-                    factories[f.name] = f.default_factory
+            for key in settings.keys(klass) if _declares(klass) else _plain_keys(klass):
+                assert key.name not in kinds, f"{key.name} is a key of two config classes"
+                kinds[key.name] = typing.get_type_hints(key.owner)[key.path[-1]]
+                if key.field.default is not dataclasses.MISSING:
+                    defaults[key.name] = key.field.default
+                elif key.field.default_factory is not dataclasses.MISSING:
+                    factories[key.name] = key.field.default_factory
+                if key.meta.flagless is not None:
+                    reasons[key.name] = key.meta.flagless
         return cls(
             command=command,
             types=kinds,
             defaults=defaults,
             factories=factories,
-            flagless=dict(flagless or {}),
+            flagless={**reasons, **(flagless or {})},
             keyless=dict(keyless or {}),
         )
+
+
+def _declares(klass: type) -> bool:
+    return any(settings.META in f.metadata for f in dataclasses.fields(klass))
+
+
+def _plain_keys(klass: type) -> list[settings.Key]:
+    """TRANSITION: the fields of a config class not yet declared with ``setting()``."""
+    return [
+        settings.Key(f.name, (f.name,), f, settings.Meta(help=""), klass)
+        for f in dataclasses.fields(klass)
+    ]
 
 
 def connection_flags(reason: str | None = None) -> dict[str, str]:
@@ -159,8 +176,13 @@ class Resolved:
     file: str | None
 
     def pick(self, klass: type) -> dict[str, Any]:
-        """The values of ``klass``'s fields, ready for ``klass(**...)``."""
+        """TRANSITION: the values of a not yet declared ``klass``'s fields."""
         return {f.name: self.values[f.name] for f in dataclasses.fields(klass)}
+
+    def build(self, klass: type, **runtime: Any) -> Any:
+        """``klass`` (a settings dataclass) from these values; ``runtime``: its fields that
+        are not settings."""
+        return settings.build(klass, self.values, **runtime)
 
     def describe(self) -> dict[str, Any]:
         """Where the settings came from, for the command's config log event."""
@@ -349,3 +371,88 @@ def _describe(kind: Any) -> str:
         return f"a list of {len(args)} values ({', '.join(_describe(a) for a in args)})"
     names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
     return names.get(kind, str(kind))
+
+
+def add_settings(parser: argparse.ArgumentParser, *classes: type) -> None:
+    """A flag for every setting of ``classes`` that has one, derived from its field: the
+    name (``schemas.settings.flag_for``, or the setting's ``flag``), the type from the
+    annotation (``bool`` a switch, ``tuple[X, ...]`` a repeatable flag, ``X | None`` an X),
+    choices, metavar, the help with the default, and the ``--help`` section (``group``).
+    The dest is the key, so ``resolve`` reads flags, files and overrides alike."""
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for klass in classes:
+        for key in settings.keys(klass):
+            if key.flag is None:
+                continue
+            meta = key.meta
+            target: Any = parser
+            if meta.group:
+                if meta.group not in groups:
+                    groups[meta.group] = parser.add_argument_group(meta.group)
+                target = groups[meta.group]
+            target.add_argument(*_flag_names(key), **_flag_options(key))
+
+
+def _flag_names(key: settings.Key) -> list[str]:
+    flag = key.flag
+    assert flag is not None
+    if key.meta.negate:
+        return ["--no-" + flag[2:]]
+    return [flag]
+
+
+def _flag_options(key: settings.Key) -> dict[str, Any]:
+    meta, f = key.meta, key.field
+    kind = _base(typing.get_type_hints(key.owner)[key.path[-1]])
+    default = f.default if f.default is not dataclasses.MISSING else None
+    options: dict[str, Any] = {"dest": key.name, "default": default}
+    if key.required:
+        options["required"] = True
+    help_text = meta.help
+    if kind is bool:
+        options["action"] = "store_false" if meta.negate else "store_true"
+        options["default"] = default if isinstance(default, bool) else False
+        options["help"] = help_text
+        return options
+    if meta.metavar:
+        options["metavar"] = meta.metavar
+    elif key.name.endswith("_s") and kind is float:
+        options["metavar"] = "SECONDS"
+    elif kind is int:
+        options["metavar"] = "N"
+    if meta.choices is not None:
+        options["choices"] = list(meta.choices)
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        options["action"] = Append
+        options["type"] = meta.parse or _base(args[0])
+        options["default"] = default if default is not None else ()
+    elif origin is tuple:
+        options["nargs"] = len(args)
+        options["type"] = meta.parse or _base(args[0])
+    else:
+        options["type"] = meta.parse or (kind if kind in (int, float, str) else str)
+    shown = options["default"]
+    if shown not in (None, (), "") and "default" not in help_text:
+        help_text += " (default %(default)s)"
+    options["help"] = help_text
+    return options
+
+
+def _base(kind: Any) -> Any:
+    """``X | None`` -> ``X``."""
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(kind) if a is not type(None)]
+        if len(inner) == 1:
+            return inner[0]
+    return kind
+
+
+class Append(argparse.Action):
+    """``append`` whose default is not a list (a tuple, wrapped in ``Unset`` until
+    ``resolve``): the first use starts a fresh list instead of adding to the default."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:  # type: ignore[no-untyped-def]
+        current = getattr(namespace, self.dest, None)
+        items = list(current) if isinstance(current, list) else []
+        setattr(namespace, self.dest, [*items, values])

@@ -31,6 +31,7 @@ from broker import NatsSettings, Topology
 from consumers import (
     ChatTemplate,
     ConsumerService,
+    ConsumerSettings,
     ConsumerSpec,
     CrossTarget,
     EnvAgent,
@@ -342,14 +343,18 @@ class EvalRun:
             target=target,
             model_dir=model_dir,
             model_name=self.primary_name,
-            concurrency=cfg.concurrency,
-            proxy_host="127.0.0.1",
-            advertise_host="127.0.0.1",
-            attempts=cfg.attempts,
-            ack_wait_s=cfg.ack_wait_s,
             reward_fn=reward_fn,
-            worker_id=f"{self.run_id}-{cfg.agent}"[:120],
             cross=cross,
+            settings=ConsumerSettings.of(
+                **{
+                    "concurrency": cfg.concurrency,
+                    "proxy_host": "127.0.0.1",
+                    "advertise_host": "127.0.0.1",
+                    "attempts": cfg.attempts,
+                    "ack_wait_s": cfg.ack_wait_s,
+                    "worker_id": f"{self.run_id}-{cfg.agent}"[:120],
+                },
+            ),
         )
         service = ConsumerService(js, topology, spec, template=template)
         return await service.start()

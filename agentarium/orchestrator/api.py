@@ -27,7 +27,7 @@ from typing import Any
 import structlog
 
 from broker import NatsSettings, tune_gc
-from consumers import AgentSpec, ChatTemplate, ConsumerSpec, LLMTarget, env_agent
+from consumers import AgentSpec, ChatTemplate, ConsumerSettings, ConsumerSpec, LLMTarget, env_agent
 from schemas import Sampling, Trajectory, check_name
 from trainer import pad_token_id
 
@@ -202,13 +202,17 @@ class AgentOrchestrator:
             target=target,
             model_dir=self.model_dir if target.trainable else None,
             model_name=model_name,
-            concurrency=concurrency or cfg.concurrency,
-            proxy_host=cfg.proxy_host,
-            proxy_port=self._next_proxy_port,
-            advertise_host=cfg.advertise_host,
-            attempts=cfg.attempts,
             reward_fn=reward_fn,
-            worker_id=f"{self.run}-{agent_name}",
+            settings=ConsumerSettings.of(
+                **{
+                    **({"concurrency": c} if (c := concurrency or cfg.concurrency) else {}),
+                    "proxy_host": cfg.proxy_host,
+                    "proxy_port": self._next_proxy_port,
+                    "advertise_host": cfg.advertise_host,
+                    "attempts": cfg.attempts,
+                    "worker_id": f"{self.run}-{agent_name}",
+                },
+            ),
         )
         if cfg.ray_config is not None:
             model_ref = cfg.model if target.trainable else None

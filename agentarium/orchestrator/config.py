@@ -42,7 +42,7 @@ class OrchestratorConfig:
     advertise_host: str | None = None
     # None: loopback, unless agents may call from elsewhere (consumers.ConsumerSpec.proxy_host)
     proxy_host: str | None = None
-    concurrency: int = 64
+    concurrency: int | None = None  # None: the consumer's own default (ConsumerSettings)
     external_consumers: bool = False
     default_agent: str | None = None
     multi_turn: str = "concat"
@@ -63,6 +63,8 @@ class OrchestratorConfig:
             )
         for name in ("group_size", "val_group_size", "concurrency", "attempts"):
             value = getattr(self, name)
+            if name == "concurrency" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if isinstance(self.proxy_port, bool) or not isinstance(self.proxy_port, int):

@@ -154,17 +154,21 @@ class RayConsumerPool:
                 agent_task_cpus=task_cpus(spec.fn) if agent.kind == "ray" else None,
             )
         options = self.config.actor_options()
-        concurrency = self.config.concurrency or spec.concurrency
+        concurrency = self.config.concurrency or spec.settings.concurrency
         actors, refs = [], []
         for i in range(self.config.num_actors):
-            port = spec.proxy_port + self._offset if spec.proxy_port else 0
+            port = spec.settings.proxy_port + self._offset if spec.settings.proxy_port else 0
             self._offset += 1
             actor = self._actor_class.options(
                 name=None, max_concurrency=max(1000, concurrency * 4), **options
             ).remote()
-            actor_spec = replace(
-                spec, proxy_port=port, concurrency=concurrency, worker_id=f"{spec.worker_id}-ray{i}"
+            own = replace(
+                spec.settings,
+                proxy_port=port,
+                concurrency=concurrency,
+                worker_id=f"{spec.settings.worker_id}-ray{i}",
             )
+            actor_spec = replace(spec, settings=own)
             actors.append(actor)
             # Ray types .remote only on @ray.method-decorated methods (stub gap).
             refs.append(actor.start.remote(self.settings, actor_spec, model_ref))  # type: ignore[attr-defined]
