@@ -6,7 +6,6 @@ to the checkpoints."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 import pytest
 import yaml
