@@ -32,6 +32,8 @@ from broker import Topology
 from broker.settings import DEFAULT_URL
 
 ROOT = Path(__file__).resolve().parents[1]
+# the documentation pages whose command lines are checked: the README and every page of docs/
+DOC_PAGES = ["README.md"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 K8S = ROOT / "ops" / "k8s"
 NATS_CONF = ROOT / "ops" / "nats"
@@ -90,8 +92,8 @@ def _argv(line: str) -> list[str]:
 
 
 def command_lines() -> list[tuple[str, list[str]]]:
-    """Every `agentarium ...` command line in the deployment files, the operations page and the
-    README."""
+    """Every `agentarium ...` command line in the deployment files, the README and the pages of
+    docs/."""
     lines: list[tuple[str, list[str]]] = []
     for name, service in SERVICES.items():
         if uses_agentarium_image(service):
@@ -113,15 +115,14 @@ def command_lines() -> list[tuple[str, list[str]]]:
                         )
                     )
     # documented command lines: indented `#   agentarium ...` examples in the nats configs' comments,
-    # and lines of fenced code blocks in the operations page
+    # and lines of fenced code blocks in the documentation pages
     for path in sorted(NATS_CONF.glob("*.conf")):
         for n, line in enumerate(path.read_text().splitlines(), 1):
             m = re.match(r"^#\s{2,}agentarium\s+(.*?)\s*(?:#.*)?$", line)
             if m:
                 lines.append((f"{path.relative_to(ROOT)}:{n}", _argv(m.group(1))))
-    for page in ("docs/operations.md", "README.md"):
-        if (ROOT / page).exists():
-            lines.extend(fenced_command_lines(page))
+    for page in DOC_PAGES:
+        lines.extend(fenced_command_lines(page))
     return lines
 
 
@@ -203,20 +204,45 @@ def test_command_line_parses_with_the_cli(cli_parser, argv):
                 pytest.fail(f"`agentarium {' '.join(argv)}` is refused by the CLI: {exc}")
 
 
-def test_readme_command_lines_are_all_checked():
+def test_documented_command_lines_are_all_checked():
+    # the page list is found, not written down: the README and the topic pages are all in it
+    assert {
+        "README.md",
+        "docs/agents.md",
+        "docs/environments.md",
+        "docs/evaluation.md",
+        "docs/integrations.md",
+        "docs/observability.md",
+        "docs/operations.md",
+        "docs/training.md",
+    } <= set(DOC_PAGES)
     checked = {w.split(":")[0] + " " + " ".join(a[:2]) for w, a in COMMAND_LINES}
     for expected in (
         "README.md broker up",
-        "README.md trajectories export",
-        "README.md eval run",
+        "README.md produce --agent",
+        "README.md consumer --agent",
+        "README.md trainer --run",
         "README.md plot m.csv",
+        "README.md dashboard --port",
+        "docs/agents.md consumer --agent",
+        "docs/environments.md env serve",
+        "docs/environments.md env bridge",
+        "docs/training.md trainer --config",
+        "docs/training.md demo --sync-rollouts",
+        "docs/evaluation.md trajectories export",
+        "docs/evaluation.md eval run",
+        "docs/evaluation.md eval summary",
+        "docs/integrations.md produce --file",
+        "docs/observability.md demo --rollouts-only",
+        "docs/observability.md dashboard --port",
+        "docs/operations.md broker init",
     ):
         assert expected in checked, expected
     # `...` lines become whole command lines
     resume = [
         a
         for w, a in COMMAND_LINES
-        if w.startswith("README.md") and a[:2] == ["eval", "run"] and "--resume" in a
+        if w.startswith("docs/evaluation.md") and a[:2] == ["eval", "run"] and "--resume" in a
     ]
     assert resume and all("--agent" in a for a in resume)
 
@@ -229,7 +255,7 @@ def _inline_mentions(page: str) -> list[tuple[str, list[str]]]:
     ]
 
 
-INLINE = _inline_mentions("README.md") + _inline_mentions("docs/operations.md")
+INLINE = [m for page in DOC_PAGES for m in _inline_mentions(page)]
 
 
 @pytest.mark.parametrize("argv", [a for _, a in INLINE], ids=[w for w, _ in INLINE])
@@ -248,6 +274,61 @@ def test_inline_command_mentions_name_real_commands_and_flags(cli_parser, argv):
     for token in argv:
         if token.startswith("--"):
             assert token.split("=")[0] in known, f"`agentarium {' '.join(argv)}`: no {token}"
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation but `-` and `_` dropped, spaces to `-`,
+    a repeated one suffixed `-1`, `-2`, ..."""
+    anchors: set[str] = set()
+    fenced = False
+    for line in page.read_text().splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        m = None if fenced else re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if m:
+            slug = re.sub(r"[^\w\- ]", "", m.group(1).lower()).replace(" ", "-")
+            n, unique = 0, slug
+            while unique in anchors:
+                n += 1
+                unique = f"{slug}-{n}"
+            anchors.add(unique)
+    return anchors
+
+
+def _relative_links(page: str) -> list[tuple[str, str]]:
+    text, fenced, links = (ROOT / page).read_text(), False, []
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced:
+            for target in re.findall(r"\]\(([^)\s]+)\)", line):
+                if not re.match(r"[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
+                    links.append((page, target))
+    return links
+
+
+LINKS = [link for page in DOC_PAGES for link in _relative_links(page)]
+
+
+@pytest.mark.parametrize("page,target", LINKS, ids=[f"{p}->{t}" for p, t in LINKS])
+def test_documentation_links_reach_a_file_and_heading(page, target):
+    path, _, anchor = target.partition("#")
+    file = (ROOT / page).parent / path if path else ROOT / page
+    assert file.exists(), f"{page}: the link {target} names no file"
+    if anchor and file.suffix == ".md":
+        assert anchor in _anchors(file), (
+            f"{page}: the link {target} names no heading of {path or page}"
+        )
+
+
+def test_every_docs_page_is_linked_from_the_readme():
+    linked = {
+        str(((ROOT / "README.md").parent / t.partition("#")[0]).resolve().relative_to(ROOT))
+        for p, t in LINKS
+        if p == "README.md" and t.partition("#")[0]
+    }
+    missing = [page for page in DOC_PAGES[1:] if page not in linked]
+    assert not missing, f"docs pages the README does not link: {missing}"
 
 
 def _pending_subcommand(name: str):
