@@ -5,6 +5,7 @@ tracing, trace context in message headers) and the Prometheus side shared by eve
 (the /metrics and health server, queue gauges)."""
 
 from .aio import cancel_and_wait, round_trip
+from .backoff import Backoff
 from .engines import engine_key, engine_versions, record_engine, served_version, wait_served
 from .env_status import (
     ENV_SERVICE_KIND,
@@ -60,6 +61,7 @@ from .telemetry import (
 from .topology import Limits, Topology
 
 __all__ = [
+    "Backoff",
     "ENV_SERVICE_KIND",
     "EnvServiceStatus",
     "collect_env_status",
