@@ -21,6 +21,7 @@ from .errors import (
     TrainerError,
 )
 from .metrics import plot_metrics, read_metrics
+from .process import TrainerProcess, publisher_for
 from .rows import (
     HOW,
     MULTI_TURN,
@@ -59,6 +60,7 @@ __all__ = [
     "TrainerConfig",
     "TrainerConfigError",
     "TrainerError",
+    "TrainerProcess",
     "WeightStore",
     "WeightSyncer",
     "WeightsError",
@@ -67,6 +69,7 @@ __all__ = [
     "grpo_advantages",
     "pad_token_id",
     "plot_metrics",
+    "publisher_for",
     "read_metrics",
     "refusal",
     "rows_of",

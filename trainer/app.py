@@ -25,7 +25,7 @@ from .errors import TrainerError
 from .sync import SyncConfig, WeightSyncer
 
 if TYPE_CHECKING:  # torch loads only when a trainer actually runs, not for --help or a consumer
-    from .loop import WeightPublisher
+    from .publishing import WeightPublisher
 
 log = structlog.get_logger("agentarium.trainer")
 

@@ -26,16 +26,20 @@ import pickle  # for UnpicklingError only: a weights_only load refusing a payloa
 import random
 import shutil
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import structlog
 import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
 from .errors import CheckpointError
+from .prometheus import CHECKPOINT_SECONDS
+
+log = structlog.get_logger("agentarium.trainer")
 
 _PREFIX = "step-"
 CONFIG = "config.yaml"
@@ -60,13 +64,21 @@ class Loaded:
 
 
 class Checkpoints:
-    def __init__(self, directory: str | Path, *, keep: int = 3) -> None:
+    """A checkpoint directory, written every ``every`` steps (the trainer acks what each one
+    covers)."""
+
+    def __init__(self, directory: str | Path, *, keep: int = 3, every: int = 1) -> None:
         assert keep >= 1, "keep at least one checkpoint"
         self.directory = Path(directory)
         self.keep = keep
+        self.every = every
+        self.last: Path | None = None  # written by this process
 
     def __repr__(self) -> str:
-        return f"<Checkpoints {self.directory} keep={self.keep}>"
+        return f"<Checkpoints {self.directory} keep={self.keep} every={self.every}>"
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0
 
     # ---- reading -----------------------------------------------------------------------
     def steps(self) -> list[Path]:
@@ -118,6 +130,30 @@ class Checkpoints:
             raise CheckpointError(f"checkpoint {path}: state.json unreadable ({exc})") from exc
 
     # ---- writing -----------------------------------------------------------------------
+    def snapshot(
+        self,
+        state: Callable[[], tuple[dict[str, torch.Tensor], dict]],
+        *,
+        run: str,
+        groups: int,
+        **fields: Any,
+    ) -> Path:
+        """``save`` the (model, optimizer) state that ``state()`` returns, with ``fields``
+        (``save``'s), timed for /metrics and logged (``groups``: how many it covers)."""
+        started = time.monotonic()
+        model_state, optimizer_state = state()
+        path = self.save(model_state=model_state, optimizer_state=optimizer_state, **fields)
+        self.last = path
+        CHECKPOINT_SECONDS.labels(run).observe(time.monotonic() - started)
+        log.info(
+            "checkpoint saved",
+            step=fields["step"],
+            version=fields["version"],
+            path=str(path),
+            groups=groups,
+        )
+        return path
+
     def save(
         self,
         *,
@@ -197,6 +233,38 @@ class Checkpoints:
         for path in whole[: -self.keep]:
             for name in _WEIGHT_FILES:
                 (path / name).unlink(missing_ok=True)
+
+
+class NoCheckpoints:
+    """No checkpoint directory: nothing is written or resumed, and every step is "due", so
+    its trajectories are acked right after it."""
+
+    directory = None
+    last = None
+
+    def __repr__(self) -> str:
+        return "<NoCheckpoints>"
+
+    def due(self, step: int) -> bool:
+        return True
+
+    def clean_partial(self) -> None:
+        pass
+
+    def latest(self) -> Path | None:
+        return None
+
+    def seen_job_ids(self) -> set[str]:
+        return set()
+
+    def load(self, path: Path) -> Loaded:
+        raise AssertionError("NoCheckpoints has no checkpoint to load (latest() is None)")
+
+    def write_config(self, values: Mapping[str, Any], header: str = "") -> list[str]:
+        return []
+
+    def snapshot(self, state: Callable[[], Any], *, run: str, groups: int, **fields: Any) -> None:
+        return None  # the state is not even asked for
 
 
 def restore_rng(rng: dict, state: dict) -> None:

@@ -40,7 +40,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from broker import Topology, cancel_and_wait
+from broker import Backoff, Topology, cancel_and_wait
 from schemas import SchemaError, Trajectory, check_name, decode
 
 from .batch import refusal
@@ -49,6 +49,9 @@ from .errors import TrainerConfigError
 from .groups import ACK_NOW, INVALID, LATE, Group, GroupBuffer
 
 log = structlog.get_logger("agentarium.trainer")
+
+# a failing fetch (broker restarting, connection lost) is retried after 0.2 s, 0.4 s, ... 5 s
+FETCH_BACKOFF = Backoff(initial_s=0.2, max_s=5.0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -315,7 +318,7 @@ class Collector:
             except (nats.errors.Error, nats.js.errors.Error, OSError) as exc:
                 errors_in_row += 1
                 log.warning("trajectory fetch failed; retrying", error=str(exc) or repr(exc))
-                await asyncio.sleep(min(5.0, 0.1 * 2**errors_in_row))
+                await asyncio.sleep(FETCH_BACKOFF.delay(errors_in_row))
                 continue
             for msg in msgs:
                 await self._receive(msg)

@@ -1,127 +1,353 @@
-"""TrainerConfig: every setting of the asynchronous GRPO trainer, validated once at the edge."""
+"""TrainerConfig: every setting of the asynchronous GRPO algorithm, declared once.
+
+Each field is a ``setting`` (schemas/settings.py): ``agentarium trainer`` derives its flags,
+``--config`` keys, help and defaults from these fields, and ``check_settings`` their bounds and
+choices; the checks that relate two settings are in ``__post_init__``.
+"""
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from schemas import check_name
+from schemas import SettingError, check_name, check_settings, setting
 
 from .errors import TrainerConfigError
 from .mix import TaskMix
 from .rows import MULTI_TURN
-from .trackers import check_installed, parse_report_to
+from .trackers import TRACKERS, check_installed, parse_report_to
 
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 STALE_POLICIES = ("drop", "tis")
 DEVICES = ("cpu", "cuda")
 TASK_ADV_NORMS = ("none", "token", "trajectory")
 EVERY_AGENT = "*"  # --agent '*': every agent of the run (trainer/tasks.py, discover_agents)
+DEFAULT_REPORT_TO = ("csv",)
+
+BATCH = "batch and optimiser"
+TASKS = "several agents (tasks)"
+LOSS = "GRPO loss"
+GROUPS = "groups and off-policy control"
+OUTPUTS = "outputs"
+COMPUTE = "compute"
+
+
+def parse_dual_clip(value: str) -> float:
+    """``--dual-clip``'s text: a number, or 'none'/'off' (0, no dual clip)."""
+    if value.strip().lower() in ("none", "off"):
+        return 0.0
+    try:
+        return float(value)
+    except ValueError:
+        # argparse shows this message as it is (a ValueError would read "invalid value")
+        raise argparse.ArgumentTypeError(
+            f"--dual-clip takes a number > 1 or 'none', got {value!r}"
+        ) from None
 
 
 @dataclass(frozen=True, kw_only=True)
 class TrainerConfig:
-    """Settings of one trainer process; the CLI flags map one to one onto these fields."""
+    """Settings of one trainer process's algorithm; each field is a flag and a config key."""
 
-    run: str
+    run: str = setting(
+        help="run id: trains on trajectories.<run>.<agent>.* and publishes <run>'s weights"
+    )
     # The agents (tasks) trained: `agents` (--agent, repeatable; '*' = every agent of the run);
     # `agent` is the one-agent spelling, kept for config files and callers that name one.
     # After validation `agents` always holds them and `agent` is set only for exactly one.
-    agent: str = ""
-    agents: tuple[str, ...] = ()
-    model_dir: str
+    agent: str = setting(
+        "",
+        flagless="the one-agent spelling kept for config files (agent: toy); --agent sets "
+        "agents, and either key names what is trained",
+    )
+    agents: tuple[str, ...] = setting(
+        (),
+        flag="--agent",
+        metavar="NAME",
+        help="agent whose trajectories are trained on; repeat it to train one policy on several "
+        "agents (tasks), or pass '*' for every agent of the run found at start (its stored "
+        "trajectories and the agents with a rollout consumer)",
+    )
+    model_dir: str = setting(
+        flag="--model",
+        metavar="tiny|PATH",
+        help="policy to train: 'tiny' or a local transformers model directory (the same one "
+        "the engines serve)",
+    )
+    # batch shape
+    group_size: int = setting(
+        8,
+        gt=0,
+        group=BATCH,
+        metavar="G",
+        help="rollouts per task (a group completes at its trajectories' own group_size; this "
+        "sizes buffers)",
+    )
+    groups_per_step: int = setting(
+        16, gt=0, group=BATCH, metavar="B", help="groups per optimizer step"
+    )
+    micro_batch_size: int = setting(
+        0,
+        ge=0,
+        group=BATCH,
+        metavar="ROWS",
+        help="rows per forward/backward pass, gradients accumulated; 0 = the whole batch at once",
+    )
+    # optimisation
+    lr: float = setting(1e-5, ge=0, group=BATCH, help="AdamW learning rate")
+    weight_decay: float = setting(0.0, ge=0, group=BATCH, help="AdamW weight decay")
+    adam_betas: tuple[float, float] = setting(
+        (0.9, 0.999),
+        flagless="AdamW's (beta1, beta2), rarely changed: adam_betas: [0.9, 0.95]",
+    )
+    grad_clip: float = setting(
+        1.0, ge=0, group=BATCH, help="clip the gradient's global norm to this; 0 = off"
+    )
+    seed: int = setting(
+        0, group=BATCH, help="base seed; each step's seed derives from (seed, step)"
+    )
     # several agents: how each step's groups are shared (trainer/mix.py), how long a step
     # waits for a short task, and the optional per-task advantage normalisation (grpo.py)
-    task_mix: str = "proportional"
-    task_wait_s: float = 30.0
-    task_adv_norm: str = "none"
-    success_threshold: float = 1.0  # a trajectory succeeds when reward >= this (metrics)
-    # batch shape
-    group_size: int = 8  # G: expected members per group (groups complete at their own group_size)
-    groups_per_step: int = 16  # B: groups per optimizer step
-    micro_batch_size: int = 0  # rows per forward/backward; 0 = the whole (shard of the) batch
-    # optimisation
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    adam_betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float = 1.0
-    seed: int = 0
+    task_mix: str = setting(
+        "proportional",
+        group=TASKS,
+        metavar="proportional|balanced|a=W,b=W",
+        help="how each step's groups are shared between agents: proportional (the oldest ready "
+        "groups whatever their agent), balanced (equal shares) or weights per agent "
+        "(a=0.7,b=0.3)",
+    )
+    task_wait_s: float = setting(
+        30.0,
+        ge=0,
+        group=TASKS,
+        help="with balanced or weighted shares, how long a step waits for an agent short of its "
+        "share before giving that share to the others",
+    )
+    task_adv_norm: str = setting(
+        "none",
+        choices=TASK_ADV_NORMS,
+        group=TASKS,
+        help="standardise advantages per agent after the group's: token weighs each trajectory "
+        "by its trained tokens, trajectory counts each once; flat groups stay 0",
+    )
+    success_threshold: float = setting(
+        1.0,
+        group=TASKS,
+        metavar="REWARD",
+        help="a trajectory succeeds when its reward is at least this (the success/<agent> metric)",
+    )
     # GRPO loss
-    clip_low: float = 0.2
-    clip_high: float = 0.2
+    clip_low: float = setting(
+        0.2, ge=0, group=LOSS, help="ratio clip below 1: min ratio 1 - clip_low"
+    )
+    clip_high: float = setting(
+        0.2, ge=0, group=LOSS, help="ratio clip above 1: max ratio 1 + clip_high; DAPO uses 0.28"
+    )
     # dual-clip: for A < 0 the loss is capped at -A * dual_clip (verl's clip_ratio_c); 0 or None
     # turns it off
-    dual_clip: float | None = 3.0
-    kl_coef: float = 0.0
-    entropy_coef: float = 0.0  # a bonus on the policy entropy of model tokens (not textbook GRPO)
-    bf16_autocast: bool = False  # forward passes in bf16 (GPUs); weights and Adam stay fp32
-    loss_agg: str = "token-mean"
-    loss_norm_tokens: int = 1024  # the constant divisor of seq-mean-token-sum-norm (Dr. GRPO)
-    std_norm: bool = True
-    adv_eps: float = 1e-6  # >= 0; a flat group has zero advantages whatever it is
-    multi_turn: str = "concat"
+    dual_clip: float | None = setting(
+        3.0,
+        group=LOSS,
+        metavar="C|none",
+        parse=parse_dual_clip,
+        help="dual-clip: a token with a negative advantage stops adding loss once its ratio "
+        "passes C (verl's clip_ratio_c); 'none' or 0 = off",
+    )
+    kl_coef: float = setting(
+        0.0,
+        ge=0,
+        group=LOSS,
+        help="weight of the k3 KL to the frozen initial model; 0 = off, no reference model loaded",
+    )
+    # a bonus on the policy entropy of model tokens (not textbook GRPO)
+    entropy_coef: float = setting(
+        0.0,
+        ge=0,
+        group=LOSS,
+        help="weight of an entropy bonus on model tokens; small values (0.01-0.05) stop a tiny "
+        "policy collapsing onto one answer before it learns",
+    )
+    bf16_autocast: bool = setting(
+        False,
+        flag="--bf16",
+        group=LOSS,
+        help="run forward passes under bf16 autocast (fast on GPUs); weights, gradients and the "
+        "optimizer stay fp32, log-probs are computed in fp32",
+    )
+    loss_agg: str = setting(
+        "token-mean",
+        choices=LOSS_AGGS,
+        group=LOSS,
+        help="token-mean: every model token weighs the same (DAPO); seq-mean-token-mean: mean "
+        "per sequence, then over sequences (GRPO paper); seq-mean-token-sum-norm: token sum / "
+        "--loss-norm-tokens per sequence, mean over sequences (Dr. GRPO)",
+    )
+    loss_norm_tokens: int = setting(
+        1024, gt=0, group=LOSS, help="the constant divisor of seq-mean-token-sum-norm"
+    )
+    std_norm: bool = setting(
+        True,
+        negate=True,
+        group=LOSS,
+        help="advantage = reward - group mean, not divided by the group std (Dr. GRPO)",
+    )
+    # >= 0; a flat group has zero advantages whatever it is
+    adv_eps: float = setting(
+        1e-6,
+        ge=0,
+        flagless="a numerical guard in the advantage's denominator, not a tuning knob",
+    )
+    multi_turn: str = setting(
+        "concat",
+        choices=MULTI_TURN,
+        group=LOSS,
+        help="concat: a multi-call rollout whose prompts extend each other is one sequence, "
+        "observations masked; per-call: one row per LLM call",
+    )
     # off-policy control and group buffering
-    max_staleness: int = 4
-    stale_policy: str = "drop"
+    max_staleness: int = setting(
+        4,
+        ge=0,
+        group=GROUPS,
+        metavar="S",
+        help="trajectories sampled more than S published versions ago are dropped or "
+        "importance-weighted",
+    )
+    stale_policy: str = setting(
+        "drop",
+        choices=STALE_POLICIES,
+        group=GROUPS,
+        help="drop: too-stale trajectories are counted and skipped; tis: trained with truncated "
+        "importance weights min(pi/pi_rollout, 2)",
+    )
     # synchronous training (the baseline asynchronous RL is measured against): every step trains
     # only trajectories of the current version (max_staleness is set to 0), publishes, and waits
     # until the run's engines serve the new version before it takes the next batch
-    sync_rollouts: bool = False
-    tis_clip: float = 2.0
-    filter_flat_groups: bool = False
-    group_timeout_s: float = 600.0
-    min_group_members: int = 2
-    ack_wait_s: float = 300.0
+    sync_rollouts: bool = setting(
+        False,
+        group=GROUPS,
+        help="synchronous training: train only trajectories of the current version (sets "
+        "--max-staleness 0), publish every step, and wait until the run's engines serve the new "
+        "version before taking the next batch; the producer must release each batch only then "
+        "(agentarium demo --sync-rollouts does)",
+    )
+    tis_clip: float = setting(
+        2.0,
+        gt=0,
+        flagless="the cap of truncated importance weights (stale_policy tis), 2 as in TIS",
+    )
+    filter_flat_groups: bool = setting(
+        False,
+        group=GROUPS,
+        help="skip groups whose rewards are all equal (zero advantage), waiting for informative "
+        "ones instead (DAPO's dynamic sampling)",
+    )
+    group_timeout_s: float = setting(
+        600.0,
+        gt=0,
+        group=GROUPS,
+        help="release a group this long after its first member with >= 2 ok members, or drop it",
+    )
+    min_group_members: int = setting(
+        2,
+        ge=2,
+        flagless="trainable members a timed-out group needs; below 2 nothing is learnt",
+    )
+    ack_wait_s: float = setting(
+        300.0,
+        ge=3,  # heartbeats go every third of it
+        group=GROUPS,
+        help="trajectory consumer ack wait; unacked trajectories are heartbeated every third of it",
+    )
     # outputs
-    publish_every: int = 1
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 10
-    keep_checkpoints: int = 3
-    metrics_path: str | None = None
+    publish_every: int = setting(
+        1, gt=0, group=OUTPUTS, metavar="K", help="publish new weights every K steps"
+    )
+    checkpoint_dir: str | None = setting(
+        None,
+        group=OUTPUTS,
+        metavar="DIR",
+        help="write checkpoints here; trajectories are acked only once a checkpoint covers them "
+        "(without it: right after their step, and nothing can resume)",
+    )
+    checkpoint_every: int = setting(
+        10,
+        gt=0,
+        group=OUTPUTS,
+        metavar="N",
+        help="checkpoint every N steps, and on SIGTERM and at the end",
+    )
+    keep_checkpoints: int = setting(
+        3,
+        gt=0,
+        group=OUTPUTS,
+        metavar="K",
+        help="keep the weights of the newest K checkpoints (job id lists are always kept)",
+    )
+    metrics_path: str | None = setting(
+        None,
+        flag="--metrics",
+        group=OUTPUTS,
+        metavar="FILE",
+        help="append one CSV row per step here (plot it with `agentarium plot FILE`)",
+    )
     # experiment trackers, any of csv (the metrics_path file), tensorboard, wandb, mlflow; a
     # comma-separated string or a list is accepted and normalised to a tuple
-    report_to: tuple[str, ...] = ("csv",)
-    tracker_dir: str | None = None  # where trackers write; see tracker_path()
-    device: str = "cpu"
-    ray_workers: int = 0
+    report_to: tuple[str, ...] = setting(
+        DEFAULT_REPORT_TO,
+        group=OUTPUTS,
+        metavar="LIST",
+        help=f"experiment trackers, comma-separated: any of {','.join(TRACKERS)}, or none; each "
+        "step's metrics go to every one, under the same names (default: csv, the --metrics "
+        "file). W&B runs offline unless WANDB_MODE says otherwise; MLflow writes a SQLite file "
+        "unless MLFLOW_TRACKING_URI is set",
+    )
+    tracker_dir: str | None = setting(
+        None,
+        group=OUTPUTS,
+        metavar="DIR",
+        help="where tensorboard/, wandb/ and mlflow.db go (default: the --metrics file's "
+        "directory, else --checkpoint-dir, else ./runs/<run>)",
+    )
+    device: str = setting("cpu", choices=DEVICES, group=COMPUTE, help="where the model trains")
+    ray_workers: int = setting(
+        0,
+        ge=0,
+        group=COMPUTE,
+        help="data-parallel workers as Ray actors (gloo on CPU, nccl on CUDA, one GPU each); "
+        "0 = train in this process",
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "report_to", parse_report_to(self.report_to))
         check_installed(self.report_to)
+        try:
+            check_settings(self)
+        except SettingError as exc:
+            raise TrainerConfigError(str(exc)) from None
         self._check_agents()
         if not (Path(self.model_dir) / "config.json").is_file():
             raise TrainerConfigError(
                 f"--model {self.model_dir!r} is not a transformers model directory "
                 "(no config.json): pass 'tiny' or the path of a local model directory"
             )
-        _positive(self, "group_size", "groups_per_step", "publish_every", "checkpoint_every")
-        _positive(self, "keep_checkpoints", "loss_norm_tokens", "tis_clip", "ack_wait_s")
-        _positive(self, "group_timeout_s")
-        _at_least(
-            self, 0, "micro_batch_size", "max_staleness", "ray_workers", "kl_coef", "entropy_coef"
-        )
-        _at_least(self, 0, "weight_decay", "grad_clip", "lr", "adv_eps")
-        if self.min_group_members < 2:
-            raise TrainerConfigError(
-                "min_group_members must be >= 2: a group of one has advantage 0 and teaches nothing"
-            )
-        if not 0 <= self.clip_low < 1:
+        if not self.clip_low < 1:
             raise TrainerConfigError(f"--clip-low must be in [0, 1), got {self.clip_low}")
-        if self.clip_high < 0:
-            raise TrainerConfigError(f"--clip-high must be >= 0, got {self.clip_high}")
         if self.dual_clip and not self.dual_clip > 1:
             raise TrainerConfigError(
                 f"--dual-clip must be > 1 (the ratio above which a negative advantage's loss "
                 f"stops growing; verl's clip_ratio_c, 3 by default), or 0/none to turn it off, "
                 f"got {self.dual_clip}"
             )
-        _choice(self, "loss_agg", LOSS_AGGS, "--loss-agg")
-        _choice(self, "stale_policy", STALE_POLICIES, "--stale-policy")
-        _choice(self, "multi_turn", MULTI_TURN, "--multi-turn")
-        _choice(self, "device", DEVICES, "--device")
-        _choice(self, "task_adv_norm", TASK_ADV_NORMS, "--task-adv-norm")
-        _at_least(self, 0, "task_wait_s")
+        # csv alone is the default (written only with --metrics); asked for beside other
+        # trackers, it needs its file
+        asked = self.report_to != DEFAULT_REPORT_TO
+        if asked and "csv" in self.report_to and not self.metrics_path:
+            raise TrainerConfigError(
+                "--report-to csv writes the --metrics file: pass --metrics FILE as well"
+            )
         try:
             mix = TaskMix.parse(self.task_mix)
             if not self.discover:
@@ -129,8 +355,6 @@ class TrainerConfig:
         except ValueError as exc:
             raise TrainerConfigError(str(exc)) from None
         object.__setattr__(self, "task_mix", str(mix))
-        if self.ack_wait_s < 3:
-            raise TrainerConfigError("ack_wait_s must be >= 3 (heartbeats go every third of it)")
         if self.sync_rollouts:
             if self.publish_every != 1:
                 raise TrainerConfigError(
@@ -214,27 +438,3 @@ class TrainerConfig:
         out = asdict(self)
         out["max_ack_pending"] = self.max_ack_pending
         return out
-
-
-def _positive(config: TrainerConfig, *names: str) -> None:
-    for name in names:
-        if not getattr(config, name) > 0:
-            raise TrainerConfigError(f"{_flag(name)} must be > 0, got {getattr(config, name)}")
-
-
-def _at_least(config: TrainerConfig, low: float, *names: str) -> None:
-    for name in names:
-        if getattr(config, name) < low:
-            raise TrainerConfigError(f"{_flag(name)} must be >= {low}, got {getattr(config, name)}")
-
-
-def _choice(config: TrainerConfig, name: str, allowed: tuple[str, ...], flag: str) -> None:
-    if getattr(config, name) not in allowed:
-        raise TrainerConfigError(
-            f"{flag} {getattr(config, name)!r} is not one of {', '.join(allowed)}"
-        )
-
-
-def _flag(name: str) -> str:
-    """The flag of a field: durations in seconds drop their ``_s`` (``--task-wait``)."""
-    return "--" + name.removesuffix("_s").replace("_", "-")

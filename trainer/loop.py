@@ -4,11 +4,14 @@
         groups  = await collector.take(B)            # oldest complete groups, staleness applied
         batch   = collate(build_rows(samples))       # (B, T) tensors, loss on model tokens only
         stats   = updater.step(batch, seed(step))    # forward, GRPO loss, backward, clip, AdamW
-        metrics.record(step)                         # CSV + OpenTelemetry + trackers
-        live.publish(step)                           # the same row on <p>.metrics.<run>
-        every publish_every steps:    version += 1; await publisher.publish(model, version, step)
-        every checkpoint_every steps: checkpoint, then ack the groups it covers
-        with sync_rollouts:           await every engine serving `version` (broker.wait_served)
+        report(row)                                  # CSV, trackers, /metrics, <p>.metrics.<run>
+        publishing.due(step):  version += 1; await publisher.publish(model, version, step)
+        checkpoints.due(step): checkpoint, then ack the groups it covers (no directory: ack)
+        with sync_rollouts:    await every engine serving `version` (broker.wait_served)
+
+Setup and teardown are ``_session()``, a context manager around the loop; a missing publisher
+or checkpoint directory is a do-nothing object (trainer/publishing.py, trainer/checkpoint.py),
+and a step's metrics, span and log line are built in trainer/step_report.py.
 
 The algorithm and its departures from textbook GRPO are in trainer/grpo.py; grouping,
 dedup and staleness rules in trainer/groups.py; delivery in trainer/collector.py.
@@ -36,51 +39,34 @@ each step's groups composed across them by ``--task-mix`` with a bounded wait fo
 from __future__ import annotations
 
 import asyncio
-import statistics
+import contextlib
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import structlog
-import torch
 from nats.js import JetStreamContext
-from opentelemetry import trace
-from opentelemetry.trace import INVALID_SPAN_ID, Link, SpanContext, TraceFlags
 
-from broker import OPENINFERENCE_SPAN_KIND, Topology, extract_context, wait_served
+from broker import Topology, wait_served
 
 from .batch import Sample, build_rows, collate, with_task_advantages
-from .checkpoint import Checkpoints, restore_rng
+from .checkpoint import Checkpoints, NoCheckpoints, restore_rng
 from .config import TrainerConfig
 from .errors import TrainerConfigError
 from .groups import Group
 from .live import LiveMetrics
-from .metrics import MetricsSink, StepMetrics, TaskMetrics
-from .prometheus import BUFFERS, CHECKPOINT_SECONDS, PUBLISH_SECONDS, record_step
+from .metrics import MetricsSink, StepMetrics
+from .prometheus import BUFFERS
+from .publishing import WeightPublisher, publishing_for
 from .rows import pad_token_id
+from .step import StepStats
+from .step_report import StepReporter, log_step, span_attributes, step_metrics, step_span
 from .tasks import TaskCollector, discover_agents
 from .trackers import open_trackers
 
 log = structlog.get_logger("agentarium.trainer")
-tracer = trace.get_tracer("agentarium.trainer")
-
-LINKS_PER_SPAN = 4096  # broker.telemetry raises the SDK's default of 128 to this
-
-
-@runtime_checkable
-class WeightPublisher(Protocol):
-    """Makes a new policy version available to the fleet (trainer/weights.py has the real one).
-
-    ``publish`` must return only once the version is durable (object store, then KV). A
-    publisher may also offer ``async latest_version() -> int | None``: a resumed trainer then
-    numbers its next version above anything a killed predecessor published after its last
-    checkpoint, so one version number never names two different sets of weights.
-    """
-
-    # Returns whatever it likes (RunPublisher: the WeightUpdate); the loop ignores it.
-    async def publish(self, model: torch.nn.Module, version: int, step: int) -> object: ...
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -115,7 +101,7 @@ class Trainer:
         self.run_config = dict(run_config) if run_config is not None else asdict(config)
         self.js = js
         self.topology = topology or Topology()
-        self.publisher = publisher
+        self.publishing = publishing_for(publisher, run=config.run, every=config.publish_every)
         self.resume = resume
         self.step = 0
         self.version = 0
@@ -123,17 +109,21 @@ class Trainer:
         self._updater = updater
         self._stop = asyncio.Event()
         self._pending: list[Group] = []  # used since the last checkpoint, unacked
-        self.checkpoints = (
-            Checkpoints(config.checkpoint_dir, keep=config.keep_checkpoints)
+        self.checkpoints: Checkpoints | NoCheckpoints = (
+            Checkpoints(
+                config.checkpoint_dir,
+                keep=config.keep_checkpoints,
+                every=config.checkpoint_every,
+            )
             if config.checkpoint_dir
-            else None
+            else NoCheckpoints()
         )
         self.collector: TaskCollector | None = None
         # run() finds the agents of '*'
         self.agents: tuple[str, ...] = () if config.discover else config.agents
         self._checkpoint_agents: tuple[str, ...] = ()
-        self.last_checkpoint: Path | None = None
         self._running = False
+        self._pad_id = 0
         self._vocab: int | None = None
 
     def __repr__(self) -> str:
@@ -152,52 +142,17 @@ class Trainer:
         """Collecting and training: false while loading or resuming, and once stopping."""
         return self._running and not self._stop.is_set()
 
+    @property
+    def last_checkpoint(self) -> Path | None:
+        return self.checkpoints.last
+
     async def run(self, max_steps: int | None = None) -> TrainSummary:
         """Train until ``max_steps`` (counted from step 0, across resumes) or stop()."""
         cfg = self.config
-        metrics = None
-        failed = False
-        try:
-            seen = await self._setup()
-            # Never let one version number name two sets of weights: continue above whatever
-            # was published for this run already (by a predecessor killed after publishing).
-            latest_version = getattr(self.publisher, "latest_version", None)
-            if latest_version is not None:
-                self.version = max(self.version, int(await latest_version() or 0))
-            if cfg.sync_rollouts and self.publisher is None:
-                raise TrainerConfigError(
-                    "--sync-rollouts waits for the engines to serve each new version: it needs "
-                    "a weight publisher (drop --no-publish)"
-                )
-            self.agents = await self._resolve_agents()
-            try:
-                self.collector = TaskCollector(
-                    self.js, self.topology, cfg, self.agents, seen=seen, vocab_size=self._vocab
-                )
-            except ValueError as exc:  # --task-mix weights against the agents '*' found
-                raise TrainerConfigError(str(exc)) from None
-            metrics = MetricsSink(
-                cfg.metrics_path if "csv" in cfg.report_to else None,
-                attributes={"run": cfg.run, "agent": cfg.label},
-                append=self.resume,
-                tracker=open_trackers(cfg, resume=self.resume, start_step=self.step),
-                tasks=self.agents,
-            )
-            live = LiveMetrics(self.js, self.topology, run=cfg.run, agent=cfg.agent)
-            await self.collector.start()
-            BUFFERS.track(cfg.run, lambda: self.collector.counters if self.collector else None)
-            self._running = True
-            log.info(
-                "trainer started",
-                step=self.step,
-                version=self.version,
-                resumed=self.resume,
-                agents=list(self.agents),
-                task_mix=cfg.task_mix,
-            )
+        async with self._session() as (collector, report):
             while not self._stop.is_set() and (max_steps is None or self.step < max_steps):
                 waited = time.monotonic()
-                groups = await self.collector.take(
+                groups = await collector.take(
                     cfg.groups_per_step,
                     version=self.version,
                     max_staleness=cfg.max_staleness,
@@ -210,187 +165,135 @@ class Trainer:
                 if groups is None:
                     break
                 row = await self._train_step(groups, wait_s=time.monotonic() - waited)
-                metrics.record(row)
-                record_step(cfg.run, row, trajectories=sum(len(g.samples) for g in groups))
-                await live.publish(row)
-                if self.publisher is not None and self.step % cfg.publish_every == 0:
+                await report(row, groups)
+                if self.publishing.due(self.step):
                     await self._publish()
-                if self.checkpoints is None:
-                    groups, self._pending = self._pending, []
-                    await self.collector.ack(groups)
-                elif self.step % cfg.checkpoint_every == 0:
+                if self.checkpoints.due(self.step):  # without a directory: ack at once
                     await self._checkpoint()
                 if cfg.sync_rollouts:
                     await self._await_served()
-        except BaseException:
-            failed = True  # no checkpoint of a half-known state: the last one stands
-            raise
-        finally:
-            self._running = False
-            try:
-                if not failed and self._pending and self.checkpoints is not None:
-                    await self._checkpoint()
-            finally:
-                if self.collector is not None:
-                    await self.collector.close()
-                    # the last totals stay on /metrics; the trainer itself is let go
-                    final = replace(self.collector.counters)
-                    BUFFERS.track(cfg.run, lambda: final)
-                if metrics is not None:
-                    metrics.close()
-                if self._updater is not None:
-                    self._updater.close()
-                counters = vars(self.collector.counters) if self.collector else {}
-                log.info("trainer stopped", trainer=repr(self), counters=counters)
         return TrainSummary(
             steps=self.step,
             version=self.version,
             trained=self.trained,
-            counters=dict(vars(self.collector.counters)),
+            counters=dict(vars(collector.counters)),
             checkpoint=str(self.last_checkpoint) if self.last_checkpoint else None,
-            tasks={a: dict(vars(c)) for a, c in self.collector.task_counters.items()},
+            tasks={a: dict(vars(c)) for a, c in collector.task_counters.items()},
         )
+
+    # ---- setup and teardown -------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def _session(self) -> AsyncIterator[tuple[TaskCollector, StepReporter]]:
+        """Everything run() needs, and its teardown: each part is closed (in reverse) once
+        it exists; a last checkpoint is written only when the loop ended cleanly, since a
+        half-known state must not replace the last good one."""
+        async with contextlib.AsyncExitStack() as stack:
+            stack.callback(self._log_stopped)
+            yield await self._start(stack)
+
+    async def _start(self, stack: contextlib.AsyncExitStack) -> tuple[TaskCollector, StepReporter]:
+        cfg = self.config
+        if self._updater is None:
+            self._updater = await asyncio.to_thread(_make_updater, cfg)
+        stack.callback(self._updater.close)
+        model = self._updater.publishable_model()
+        self._pad_id, self._vocab = _pad_id(model), _vocab_size(model)
+        seen = await self._restore()
+        # Never let one version number name two sets of weights: continue above whatever
+        # was published for this run already (by a predecessor killed after publishing).
+        self.version = max(self.version, await self.publishing.latest_version())
+        if cfg.sync_rollouts and not self.publishing.publishes:
+            raise TrainerConfigError(
+                "--sync-rollouts waits for the engines to serve each new version: it needs "
+                "a weight publisher (drop --no-publish)"
+            )
+        self.agents = await self._resolve_agents()
+        try:
+            collector = TaskCollector(
+                self.js, self.topology, cfg, self.agents, seen=seen, vocab_size=self._vocab
+            )
+        except ValueError as exc:  # --task-mix weights against the agents '*' found
+            raise TrainerConfigError(str(exc)) from None
+        self.collector = collector
+        stack.push_async_callback(self._close_collector, collector)
+        sink = MetricsSink(
+            cfg.metrics_path if "csv" in cfg.report_to else None,
+            attributes={"run": cfg.run, "agent": cfg.label},
+            append=self.resume,
+            tracker=open_trackers(cfg, resume=self.resume, start_step=self.step),
+            tasks=self.agents,
+        )
+        stack.callback(sink.close)
+        stack.push_async_exit(self._last_checkpoint)
+        live = LiveMetrics(self.js, self.topology, run=cfg.run, agent=cfg.agent)
+        await collector.start()
+        BUFFERS.track(cfg.run, lambda: collector.counters)
+        stack.callback(setattr, self, "_running", False)
+        self._running = True
+        log.info(
+            "trainer started",
+            step=self.step,
+            version=self.version,
+            resumed=self.resume,
+            agents=list(self.agents),
+            task_mix=cfg.task_mix,
+        )
+        return collector, StepReporter(sink, live, run=cfg.run)
+
+    async def _last_checkpoint(self, exc_type: type | None, *_: object) -> bool:
+        if exc_type is None and self._pending:
+            await self._checkpoint()
+        return False  # an error goes on
+
+    async def _close_collector(self, collector: TaskCollector) -> None:
+        await collector.close()
+        # the last totals stay on /metrics; the trainer itself is let go
+        final = replace(collector.counters)
+        BUFFERS.track(self.config.run, lambda: final)
+
+    def _log_stopped(self) -> None:
+        counters = vars(self.collector.counters) if self.collector else {}
+        log.info("trainer stopped", trainer=repr(self), counters=counters)
 
     # ---- one step ------------------------------------------------------------------------
     async def _train_step(self, groups: list[Group], *, wait_s: float) -> StepMetrics:
         cfg = self.config
+        assert self.collector is not None, "run() creates the collector before any step"
         samples: list[Sample] = [s for g in groups for s in g.samples]
         started = time.monotonic()
-        links = _links(groups)
-        chain = {OPENINFERENCE_SPAN_KIND: "CHAIN"}
-        with tracer.start_as_current_span(
-            "train step", links=links[:LINKS_PER_SPAN], attributes=chain
-        ) as span:
-            for start in range(LINKS_PER_SPAN, len(links), LINKS_PER_SPAN):
-                # Past one span's limit: child spans carry the rest of the links.
-                chunk = links[start : start + LINKS_PER_SPAN]
-                with tracer.start_as_current_span(
-                    "train step links", links=chunk, attributes=chain
-                ):
-                    pass
+        with step_span(groups) as span:
             rows, built = build_rows(samples, multi_turn=cfg.multi_turn)
             if cfg.task_adv_norm != "none":
                 rows = with_task_advantages(rows, samples, mode=cfg.task_adv_norm, eps=cfg.adv_eps)
             if rows:
-                batch = collate(rows, pad_id=self._pad_id)
-                stats = await asyncio.to_thread(
-                    self._updater.step, batch, step_seed(cfg.seed, self.step + 1)
-                )
+                batch = collate(rows, pad_id=self._pad_id)  # (N, T)
+                seed = step_seed(cfg.seed, self.step + 1)
+                stats = await asyncio.to_thread(self._updater.step, batch, seed)
             else:  # nothing generated a token (e.g. agents that never called the model)
-                from .step import StepStats
-
                 stats = StepStats()
             self.step += 1
             self.trained += len(samples)
             self._pending.extend(groups)
-            step_s = time.monotonic() - started
-            rewards: list[float] = []
-            for s in samples:  # samples come from trainable (status ok) members only
-                assert s.trajectory.reward is not None, (
-                    "status ok implies a reward (Trajectory.__post_init__)"
-                )
-                rewards.append(float(s.trajectory.reward))
-            staleness = [x for g in groups for x in g.staleness]
-            assert self.collector is not None, "run() creates the collector before any step"
-            c = self.collector.counters
-            row = StepMetrics(
+            row = step_metrics(
+                groups,
+                stats,
+                built,
+                self.collector,
                 step=self.step,
                 version=self.version,
-                reward_mean=statistics.fmean(rewards) if rewards else 0.0,
-                reward_std=statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
-                loss=stats.loss,
-                kl=stats.kl,
-                clip_frac=stats.clip_frac,
-                entropy=stats.entropy,
-                tokens=stats.tokens,
-                tokens_per_s=stats.tokens / step_s if step_s > 0 else 0.0,
-                step_s=step_s,
-                groups_used=len(groups),
-                dropped_stale=c.dropped_stale,
-                dropped_flat=c.dropped_flat,
-                staleness_max=max(staleness, default=0),
-                staleness_mean=statistics.fmean(staleness) if staleness else 0.0,
-                staleness_hist=self.collector.staleness_histogram(groups),
-                model_tokens=stats.model_tokens,
-                rows=stats.rows,
-                grad_norm=stats.grad_norm,
-                ratio_mean=stats.ratio_mean,
+                step_s=time.monotonic() - started,
                 wait_s=wait_s,
-                tis_weighted=c.tis_weighted,
-                prefix_mismatches=built.prefix_mismatches,
-                failed_members=c.failed_members,
-                refused=c.refused,
-                validation_skipped=c.validation_skipped,
-                tasks=self._task_metrics(groups),
+                success_threshold=cfg.success_threshold,
             )
-            span.set_attributes(
-                {
-                    "agentarium.run": cfg.run,
-                    "agentarium.step": self.step,
-                    "agentarium.version": self.version,
-                    "agentarium.groups": len(groups),
-                    "agentarium.trajectories": len(samples),
-                    "agentarium.tokens": stats.tokens,
-                    "agentarium.loss": stats.loss,
-                    "agentarium.reward_mean": row.reward_mean,
-                }
-            )
-        log.info(
-            "step done",
-            step=self.step,
-            version=self.version,
-            reward_mean=round(row.reward_mean, 4),
-            loss=round(row.loss, 6),
-            groups=len(groups),
-            tokens=row.tokens,
-            step_s=round(step_s, 3),
-            dropped_stale=row.dropped_stale,
-            **(
-                {"groups_by_task": {a: t.groups for a, t in row.tasks.items()}}
-                if len(row.tasks) > 1
-                else {}
-            ),
-        )
+            span.set_attributes(span_attributes(cfg.run, row, len(samples)))
+        log_step(row)
         return row
-
-    def _task_metrics(self, groups: list[Group]) -> dict[str, TaskMetrics]:
-        assert self.collector is not None, "run() creates the collector before any step"
-        threshold = self.config.success_threshold
-        out: dict[str, TaskMetrics] = {}
-        for agent, counters in self.collector.task_counters.items():
-            mine = [g for g in groups if g.task == agent]
-            rewards: list[float] = []
-            lengths: list[int] = []
-            for s in (s for g in mine for s in g.samples):
-                assert s.trajectory.reward is not None, "trained samples are status ok"
-                rewards.append(float(s.trajectory.reward))
-                lengths.append(sum(len(call.response_ids) for call in s.trajectory.calls))
-            out[agent] = TaskMetrics(
-                groups=len(mine),
-                trajectories=len(rewards),
-                reward_mean=statistics.fmean(rewards) if rewards else None,
-                success=statistics.fmean(r >= threshold for r in rewards) if rewards else None,
-                length=statistics.fmean(lengths) if lengths else None,
-                dropped_stale=counters.dropped_stale,
-                dropped_groups=counters.dropped_groups,
-            )
-        return out
 
     # ---- publish, checkpoint, ack ----------------------------------------------------------
     async def _publish(self) -> None:
         version = self.version + 1
-        started = time.monotonic()
-        model = await asyncio.to_thread(self._updater.publishable_model)
-        assert self.publisher is not None, "run() publishes only when it has a publisher"
-        await self.publisher.publish(model, version, self.step)
+        await self.publishing.publish(self._updater.publishable_model, version, self.step)
         self.version = version
-        PUBLISH_SECONDS.labels(self.config.run).observe(time.monotonic() - started)
-        log.info(
-            "version published",
-            version=version,
-            step=self.step,
-            publish_s=round(time.monotonic() - started, 3),
-        )
 
     async def _await_served(self) -> None:
         """Synchronous training: block until every engine of the run serves the version just
@@ -419,57 +322,38 @@ class Trainer:
             )
 
     async def _checkpoint(self) -> None:
+        """Checkpoint (with a directory), then ack the groups it covers."""
+        assert self.collector is not None, "pending groups were taken from the collector"
         groups, self._pending = self._pending, []
-        started = time.monotonic()
-        model_state, optimizer_state = await asyncio.to_thread(self._updater.state)
-        assert self.checkpoints is not None, "run() checkpoints only with a checkpoint_dir"
-        path = await asyncio.to_thread(
-            self.checkpoints.save,
+        cfg = self.config
+        await asyncio.to_thread(
+            self.checkpoints.snapshot,
+            self._updater.state,
+            run=cfg.run,
+            groups=len(groups),
             step=self.step,
             version=self.version,
-            model_state=model_state,
-            optimizer_state=optimizer_state,
             trained_job_ids=[j for g in groups for j in g.trained_job_ids],
             # plus what was dropped on purpose since the last checkpoint, so a replay after a
             # crash does not judge it again
             consumed_job_ids=[j for g in groups for j in g.other_job_ids]
-            + (self.collector.take_decided() if self.collector else []),
+            + self.collector.take_decided(),
             extra={
-                "run": self.config.run,
-                "agent": self.config.agent,  # one agent's trainer, as before several
+                "run": cfg.run,
+                "agent": cfg.agent,  # one agent's trainer, as before several
                 "agents": list(self.agents),
-                "consumers": {
-                    a: self.topology.trainer_consumer(self.config.run, a) for a in self.agents
-                },
-                "seed": self.config.seed,
+                "consumers": {a: self.topology.trainer_consumer(cfg.run, a) for a in self.agents},
+                "seed": cfg.seed,
             },
         )
-        self.last_checkpoint = path
-        CHECKPOINT_SECONDS.labels(self.config.run).observe(time.monotonic() - started)
-        log.info(
-            "checkpoint saved",
-            step=self.step,
-            version=self.version,
-            path=str(path),
-            groups=len(groups),
-        )
-        assert self.collector is not None, "pending groups were taken from the collector"
         await self.collector.ack(groups)
 
-    # ---- setup ------------------------------------------------------------------------------
-    async def _setup(self) -> set[str]:
-        """Build the updater, restore a checkpoint if resuming; returns the seen job ids."""
+    # ---- resume -----------------------------------------------------------------------------
+    async def _restore(self) -> set[str]:
+        """Restore the newest checkpoint when resuming; returns the job ids already seen."""
         cfg = self.config
-        if self._updater is None:
-            self._updater = await asyncio.to_thread(_make_updater, cfg)
-        model = self._updater.publishable_model()
-        self._pad_id = _pad_id(model)
-        self._vocab = _vocab_size(model)
-        seen: set[str] = set()
-        if self.checkpoints is None:
-            if self.resume:
-                raise TrainerConfigError("--resume needs --checkpoint-dir")
-            return seen
+        if self.resume and not cfg.checkpoint_dir:
+            raise TrainerConfigError("--resume needs --checkpoint-dir")
         self.checkpoints.clean_partial()
         latest = self.checkpoints.latest()
         if latest is not None and not self.resume:
@@ -490,7 +374,7 @@ class Trainer:
                     "resume asked but no checkpoint found; starting fresh",
                     checkpoint_dir=cfg.checkpoint_dir,
                 )
-            return seen
+            return set()
         loaded = await asyncio.to_thread(self.checkpoints.load, latest)
         self._checkpoint_agents = self._check_checkpoint(latest, loaded.state)
         await asyncio.to_thread(
@@ -561,45 +445,3 @@ def _pad_id(model) -> int:
     return pad_token_id(
         getattr(config, "pad_token_id", None), getattr(config, "eos_token_id", None)
     )
-
-
-def _links(groups: list[Group]) -> list[Link]:
-    """One link per used trajectory, to the ``rollout`` span that produced it: the trajectory
-    keeps that span's trace and span ids. A trajectory without a span id (from a writer older
-    than the field) is linked to the span of a ``traceparent`` its message carries, else to
-    its trace alone, with span id zero: the spec lets such a link be recorded since it has
-    attributes, but a viewer cannot follow it to a span."""
-    links = []
-    for group in groups:
-        for sample in group.samples:
-            traj = sample.trajectory
-            attrs = {"agentarium.job_id": traj.job_id, "agentarium.group_id": traj.group_id}
-            trace_id, span_id = _hex_id(traj.trace_id, 32), _hex_id(traj.span_id, 16)
-            if trace_id and span_id:
-                flags = TraceFlags(TraceFlags.SAMPLED)
-                links.append(Link(SpanContext(trace_id, span_id, True, flags), attrs))
-                continue
-            member = group.members.get(traj.job_id)
-            headers = getattr(getattr(member, "handle", None), "headers", None) or {}
-            parent = trace.get_current_span(extract_context(headers)).get_span_context()
-            if parent.is_valid:
-                links.append(Link(parent, attrs))
-            elif trace_id:
-                ctx = SpanContext(
-                    trace_id,
-                    INVALID_SPAN_ID,
-                    is_remote=True,
-                    trace_flags=TraceFlags(TraceFlags.SAMPLED),
-                )
-                links.append(Link(ctx, attrs))
-    return links
-
-
-def _hex_id(text: str, digits: int) -> int:
-    """A trace (32) or span (16) id from its hex digits; 0, the invalid id, for anything else."""
-    if len(text) != digits:
-        return 0
-    try:
-        return int(text, 16)
-    except ValueError:
-        return 0
