@@ -29,7 +29,9 @@ from .errors import (
     is_transient,
 )
 from .eventloop import loop_name, new_event_loop, run_loop, watch_lag
+from .foreground import run_in_foreground
 from .gc_tuning import tune_gc
+from .limits import Limits
 from .patience import START_PATIENCE_S, is_unavailable, patiently
 from .prometheus import MetricsServer, metrics_response, render_metrics
 from .provision import (
@@ -58,7 +60,7 @@ from .telemetry import (
     span_id_hex,
     trace_id_hex,
 )
-from .topology import Limits, Topology
+from .topology import Topology
 
 __all__ = [
     "Backoff",
@@ -123,6 +125,7 @@ __all__ = [
     "remove_worker",
     "render_metrics",
     "round_trip",
+    "run_in_foreground",
     "served_version",
     "run_loop",
     "setup_logging",

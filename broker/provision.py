@@ -15,8 +15,9 @@ from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, KeyValueConfig, ObjectStoreConfig, StorageType, StreamConfig
 
 from .errors import ProvisioningError
+from .limits import Limits
 from .patience import patiently
-from .topology import Limits, Topology
+from .topology import Topology
 from .version import DISCARD_NEW_BYTES_SINCE, MSG_TTL_SINCE, format_version, js_server_version
 
 log = structlog.get_logger("agentarium.broker")

@@ -20,53 +20,7 @@ from nats.js.api import (
 
 from schemas import check_name
 
-GiB = 1024**3
-DAY_S = 86400.0
-
-
-@dataclass(frozen=True, kw_only=True)
-class Limits:
-    """Tunable settings; the defaults suit one box to a few hundred workers."""
-
-    replicas: int = 1
-    tasks_max_msgs: int = 1_000_000
-    tasks_max_bytes: int = 4 * GiB
-    # Re-publishing a batch inside this window is deduplicated by the server; a redelivery
-    # later than that is caught by the per-job trajectory subject (see docs/design.md).
-    duplicate_window_s: float = 3600.0
-    trajectories_max_age_s: float = 30 * DAY_S
-    trajectories_max_bytes: int = -1
-    dead_max_age_s: float = 30 * DAY_S
-    workers_ttl_s: float = 30.0
-    policy_history: int = 5
-    # Live views (the dashboard): the trainer's step rows and the engines' weight versions.
-    metrics_max_age_s: float = 7 * DAY_S
-    metrics_max_bytes: int = 256 * 1024**2
-    # A running syncer rewrites its engines' entries every --recheck-s (30 s): an entry this
-    # old belongs to an engine nobody syncs any more.
-    engines_ttl_s: float = 3600.0
-    # Rollout consumer defaults (each worker's flags may change ack_wait/attempts).
-    ack_wait_s: float = 60.0
-    attempts: int = 3  # runs of a job that may fail (the agent raised) before it is dead-lettered
-    # Deliveries a job may lose besides (its worker crashed or was stopped, its ack timed
-    # out): they spend no attempt. max_deliver = attempts + lost_deliveries + 1, the last one
-    # never run, only dead-lettered (a job that keeps crashing its workers ends there).
-    lost_deliveries: int = 5
-    # How long a job's count of failed runs is kept (the attempts KV): longer than a retried
-    # job may wait in the queue. An expired count only gives a job more runs, never fewer.
-    attempts_ttl_s: float = 7 * DAY_S
-    max_ack_pending: int = 20_000  # cluster-wide in-flight jobs per agent; > total concurrency
-    max_waiting: int = 2048  # concurrent pull requests per agent (one per worker batch)
-
-    def __post_init__(self) -> None:
-        if self.replicas not in (1, 3, 5):
-            raise ValueError("replicas must be 1, 3 or 5")
-        if self.attempts < 1:
-            raise ValueError("attempts must be >= 1")
-        if self.lost_deliveries < 0:
-            raise ValueError("lost_deliveries must be >= 0")
-        if self.duplicate_window_s > self.trajectories_max_age_s:
-            raise ValueError("duplicate window must not exceed the trajectories max age")
+from .limits import Limits
 
 
 @dataclass(frozen=True)

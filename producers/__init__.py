@@ -14,8 +14,7 @@ from .jobs import (
     task_id_of,
 )
 from .reader import TrajectoryReader
-from .retry import PublishRetry
-from .routing import AGENT_COLUMN, SOURCE_COLUMN, agent_of
+from .routing import AGENT_COLUMN, SOURCE_COLUMN, RoutingProblem, Unrouted, agent_of
 from .sdk import SubmitResult, TaskProducer
 from .session import RunSession
 from .taskfile import TaskFile, TaskFileError, read_task_file, read_tasks
@@ -24,7 +23,7 @@ __all__ = [
     "AGENT_COLUMN",
     "SOURCE_COLUMN",
     "ProducerError",
-    "PublishRetry",
+    "RoutingProblem",
     "RunSession",
     "StreamMissing",
     "SubmitResult",
@@ -34,6 +33,7 @@ __all__ = [
     "TaskRow",
     "TrajectoryFeed",
     "TrajectoryReader",
+    "Unrouted",
     "agent_of",
     "check_expansion",
     "expand_rows",

@@ -34,7 +34,7 @@ from broker import OPENINFERENCE_SPAN_KIND, inject_headers
 from schemas import Job
 
 from .errors import ProducerError, StreamMissing
-from .retry import Outcome, classify
+from .retry import PublishOutcome, classify
 
 if TYPE_CHECKING:
     from .sdk import TaskProducer
@@ -201,18 +201,18 @@ class Pipeline:
         if self.nc.is_closed:
             return self._give_up(entry, self.p.closed_error(entry.job), exc)
         outcome = classify(exc)
-        if outcome is Outcome.FATAL:
+        if outcome is PublishOutcome.FATAL:
             return self._give_up(entry, self.p.fatal_error(entry.job, entry.subject, exc), exc)
-        entry.maybe_stored = entry.maybe_stored or outcome is Outcome.UNAVAILABLE
+        entry.maybe_stored = entry.maybe_stored or outcome is PublishOutcome.UNAVAILABLE
         entry.attempt += 1
-        if outcome is Outcome.NO_STREAM:
+        if outcome is PublishOutcome.NO_STREAM:
             task = self.loop.create_task(self._check_stream_then_retry(entry, exc))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
             return
         self._retry_later(entry, outcome, exc)
 
-    def _retry_later(self, entry: Entry, outcome: Outcome, exc: BaseException) -> None:
+    def _retry_later(self, entry: Entry, outcome: PublishOutcome, exc: BaseException) -> None:
         delay = self.p.note_retry(outcome, entry.subject, exc, entry.attempt)
         if entry.span is not None:
             entry.span.add_event(
@@ -231,7 +231,7 @@ class Pipeline:
         except StreamMissing as missing:
             self._give_up(entry, missing, exc)
             return
-        self._retry_later(entry, Outcome.NO_STREAM, exc)
+        self._retry_later(entry, PublishOutcome.NO_STREAM, exc)
 
     def _give_up(self, entry: Entry, error: ProducerError, cause: BaseException) -> None:
         error.__cause__ = cause

@@ -21,13 +21,13 @@ import structlog
 from nats.js import JetStreamContext
 from opentelemetry import context as otel_context
 
-from broker import NatsSettings, Topology
+from broker import Backoff, NatsSettings, Topology
 from schemas import Job, Sampling, check_name, encode
 
 from .errors import ProducerError, StreamMissing
 from .jobs import expand_tasks
 from .pipeline import Entry, Pipeline
-from .retry import Outcome, PublishRetry
+from .retry import PUBLISH_BACKOFF, PublishOutcome
 
 log = structlog.get_logger("agentarium.producers")
 
@@ -86,7 +86,7 @@ class TaskProducer:
         *,
         max_in_flight: int = 512,
         ack_timeout_s: float = 5.0,
-        retry: PublishRetry | None = None,
+        retry: Backoff = PUBLISH_BACKOFF,
     ) -> None:
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be >= 1")
@@ -97,7 +97,7 @@ class TaskProducer:
         self.topology = topology or Topology()
         self.max_in_flight = max_in_flight
         self.ack_timeout_s = ack_timeout_s
-        self.retry = retry or PublishRetry()
+        self.retry = retry
         self.stats = ProducerStats()
         self._owns_connection = False
         self._full = _Episode("TASKS stream is full: waiting for consumers to drain it")
@@ -207,12 +207,14 @@ class TaskProducer:
 
     # called by the pipeline
 
-    def note_retry(self, outcome: Outcome, subject: str, exc: BaseException, attempt: int) -> float:
+    def note_retry(
+        self, outcome: PublishOutcome, subject: str, exc: BaseException, attempt: int
+    ) -> float:
         """Log the episode (once), count it, and return how long to wait."""
         delay = self.retry.delay(attempt)
         self.stats.retries += 1
         self.stats.waited_s += delay
-        if outcome is Outcome.FULL:
+        if outcome is PublishOutcome.FULL:
             self.stats.full_waits += 1
             self._full.hit(stream=self.topology.tasks_stream, subject=subject)
         else:

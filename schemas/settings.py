@@ -40,7 +40,7 @@ class Meta:
     help: str
     flag: str | None = None  # None: derived from the key (flag_for)
     metavar: str | None = None
-    choices: Sequence[str] | None = None
+    choices: Sequence[Any] | None = None
     ge: float | None = None  # the value must be >= this (None: no bound)
     gt: float | None = None  # the value must be > this
     le: float | None = None  # the value must be <= this
@@ -67,7 +67,7 @@ def setting(
     factory: Callable[[], Any] | None = None,
     flag: str | None = None,
     metavar: str | None = None,
-    choices: Sequence[str] | None = None,
+    choices: Sequence[Any] | None = None,
     ge: float | None = None,
     gt: float | None = None,
     le: float | None = None,
@@ -209,7 +209,9 @@ def _check_one(name: str, value: Any, meta: Meta) -> None:
     if value is None:
         return
     if meta.choices is not None and value not in meta.choices:
-        raise SettingError(f"{name} must be one of {', '.join(meta.choices)}, got {value!r}")
+        raise SettingError(
+            f"{name} must be one of {', '.join(map(str, meta.choices))}, got {value!r}"
+        )
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return
     if isinstance(value, float) and math.isnan(value):

@@ -14,17 +14,16 @@ from opentelemetry.trace import SpanKind
 
 from agentarium.commands import produce_cmd as producers_cli
 from agentarium.commands import trajectories_cmd
-from broker import Limits, provision
+from broker import Backoff, Limits, provision
 from producers import (
     ProducerError,
-    PublishRetry,
     StreamMissing,
     TaskProducer,
     expand_tasks,
 )
 from schemas import Job, Sampling, SchemaError, decode, encode_json
 
-FAST = PublishRetry(initial_s=0.02, max_s=0.3)
+FAST = Backoff(initial_s=0.02, max_s=0.3, jitter=0.5)
 
 
 def tasks(n: int, **extra) -> list[dict]:

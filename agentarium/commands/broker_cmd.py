@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
-import signal
 from pathlib import Path
 
 import structlog
@@ -20,78 +18,21 @@ from broker import (
     format_status,
     format_sweep,
     provision,
+    run_in_foreground,
     setup_logging,
     sweep_stranded,
 )
+from schemas import settings
 
 from .common import add_command_group, add_nats_flags, run_async, settings_from_args
+from .config_file import add_settings
 
 log = structlog.get_logger("agentarium.cli")
 
 
 def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
-    d = Limits()
-    g = parser.add_argument_group("stream and consumer settings")
-    g.add_argument(
-        "--replicas",
-        type=int,
-        default=d.replicas,
-        choices=(1, 3, 5),
-        help="replicas of every stream and bucket (3 on a 3-node cluster; default %(default)s)",
-    )
-    g.add_argument(
-        "--tasks-max-msgs",
-        type=int,
-        default=d.tasks_max_msgs,
-        help="queue capacity in jobs; producers wait when full (default %(default)s)",
-    )
-    g.add_argument(
-        "--tasks-max-bytes",
-        type=int,
-        default=d.tasks_max_bytes,
-        help="queue capacity in bytes (default %(default)s; not set on nats-server < 2.10.5, which drops the oldest jobs of a byte-full queue)",
-    )
-    g.add_argument(
-        "--duplicate-window",
-        type=float,
-        default=d.duplicate_window_s,
-        metavar="SECONDS",
-        help="server-side dedup window for re-published jobs (default %(default)s)",
-    )
-    g.add_argument(
-        "--trajectories-max-age",
-        type=float,
-        default=d.trajectories_max_age_s,
-        metavar="SECONDS",
-        help="how long trajectories are kept (default %(default)s = 30 days)",
-    )
-    g.add_argument(
-        "--ack-wait",
-        type=float,
-        default=d.ack_wait_s,
-        metavar="SECONDS",
-        help="redelivery timeout of rollout consumers; workers heartbeat every third of it (default %(default)s)",
-    )
-    g.add_argument(
-        "--attempts",
-        type=int,
-        default=d.attempts,
-        help="failed runs per job before it is dead-lettered; deliveries lost to a crashed or "
-        "drained worker do not count (max_deliver = attempts + 5 + 1; default %(default)s)",
-    )
-    g.add_argument(
-        "--max-ack-pending",
-        type=int,
-        default=d.max_ack_pending,
-        help="in-flight jobs per agent across all workers; keep above total concurrency (default %(default)s)",
-    )
-    g.add_argument(
-        "--max-waiting",
-        type=int,
-        default=d.max_waiting,
-        help="concurrent pull requests per agent (default %(default)s)",
-    )
-    g.add_argument(
+    add_settings(parser, Limits)
+    parser.add_argument(
         "--agent",
         action="append",
         default=[],
@@ -101,17 +42,8 @@ def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _limits(args: argparse.Namespace) -> Limits:
-    return Limits(
-        replicas=args.replicas,
-        tasks_max_msgs=args.tasks_max_msgs,
-        tasks_max_bytes=args.tasks_max_bytes,
-        duplicate_window_s=args.duplicate_window,
-        trajectories_max_age_s=args.trajectories_max_age,
-        ack_wait_s=args.ack_wait,
-        attempts=args.attempts,
-        max_ack_pending=args.max_ack_pending,
-        max_waiting=args.max_waiting,
-    )
+    flagged = {key.name: getattr(args, key.name) for key in settings.keys(Limits) if key.flag}
+    return settings.build(Limits, flagged)  # type: ignore[no-any-return]
 
 
 async def _init(args: argparse.Namespace, settings: NatsSettings) -> int:
@@ -136,16 +68,6 @@ def cmd_init(args: argparse.Namespace) -> int:
     return run_async(lambda: _init(args, settings_from_args(args)), service="agentarium-broker")
 
 
-class _Terminated(BaseException):
-    """Raised by the SIGTERM handler so ``broker up`` unwinds as it does on Ctrl-C."""
-
-
-def _raise_terminated(signum: int, frame: object) -> None:
-    # Only raise: stopping the server here would wait on the child while the interrupted main
-    # thread holds the same wait (Popen's waitpid lock), and the process would never exit.
-    raise _Terminated
-
-
 def cmd_up(args: argparse.Namespace) -> int:
     setup_logging()  # before the server starts: it may warn (--sync-interval on an old binary)
     store = Path(args.store).expanduser()
@@ -157,58 +79,29 @@ def cmd_up(args: argparse.Namespace) -> int:
         binary=args.nats_server,
         sync_interval=args.sync_interval,
     )
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
-    try:
-        server.start()
+
+    def started(server: NatsServer) -> None:
         print(
             f"nats-server running at {server.url} (JetStream store {store}); "
             "Ctrl-C or SIGTERM to stop",
             flush=True,
         )
+
+    async def provision_it() -> int:
         # The server just started has no auth or TLS: only the prefix matters for provisioning.
         settings = NatsSettings.from_env(
             {"AGENTARIUM_PREFIX": os.environ.get("AGENTARIUM_PREFIX", "")},
             url=server.url,
             prefix=args.prefix,
         )
-        # A SIGTERM while provisioning cancels it through its event loop and is acted on once
-        # that loop has closed: raised inside the loop's shutdown it would turn into "Cannot
-        # close a running event loop" (exit 1, nats-server left to the finally below).
-        stop_requested: list[int] = []
-        provisioning: list[asyncio.Task] = []
+        return await _init(args, settings)
 
-        def on_sigterm(signum: int, frame: object) -> None:
-            stop_requested.append(signum)
-            for task in provisioning:
-                if not task.done():
-                    task.get_loop().call_soon_threadsafe(task.cancel)
-
-        async def provision_now() -> int:
-            provisioning.append(asyncio.current_task())  # type: ignore[arg-type]
-            return await _init(args, settings)
-
-        signal.signal(signal.SIGTERM, on_sigterm)
-        try:
-            code = run_async(provision_now, service="agentarium-broker")
-        except asyncio.CancelledError:
-            if not stop_requested:
-                raise
-            code = 0
-        provisioning.clear()
-        signal.signal(signal.SIGTERM, _raise_terminated)
-        if stop_requested:
-            raise _Terminated
-        if code:
-            return code
-        server.wait()
-    except (KeyboardInterrupt, _Terminated):
-        pass
-    finally:
-        # a second SIGTERM must not cut the stop short
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        server.stop()
-        signal.signal(signal.SIGTERM, previous)
-    return 0
+    return run_in_foreground(
+        server,
+        provision_it,
+        run=lambda body: run_async(body, service="agentarium-broker"),
+        on_started=started,
+    )
 
 
 async def _status(args: argparse.Namespace) -> int:

@@ -11,7 +11,16 @@ from typing import IO
 import structlog
 
 from broker import START_PATIENCE_S, NatsSettings, Topology, ensure_streams
-from producers import ProducerError, TaskFile, TaskProducer, agent_of, expand_tasks, read_task_file
+from producers import (
+    ProducerError,
+    RoutingProblem,
+    TaskFile,
+    TaskProducer,
+    Unrouted,
+    agent_of,
+    expand_tasks,
+    read_task_file,
+)
 from schemas import Sampling, SchemaError, check_name
 
 from .common import add_nats_flags, positive_int, run_async, settings_from_args
@@ -101,11 +110,11 @@ def check_produce(args: argparse.Namespace) -> None:
 
 def route(tasks: list[dict], agent_from: str, default: str | None, where: TaskFile) -> list[str]:
     """One agent per task by ``producers.agent_of``; every task without one is named."""
-    problems: dict[str, list[int]] = {}
+    problems: dict[RoutingProblem, list[int]] = {}
     agents = []
     for task, position in zip(tasks, where.positions, strict=True):
         agent, problem = agent_of(task, known=_is_name, default=default, source=agent_from)
-        if problem:
+        if problem is not None:
             problems.setdefault(problem, []).append(position)
         agents.append(agent or "")
     if not problems:
@@ -117,13 +126,13 @@ def route(tasks: list[dict], agent_from: str, default: str | None, where: TaskFi
         at = f"{unit} {', '.join(map(str, positions[:5]))}" + (
             f" and {len(positions) - 5} more" if len(positions) > 5 else ""
         )
-        if problem.startswith("unknown:"):
+        if problem.kind is Unrouted.UNKNOWN_AGENT:
             lines.append(
-                f"{at}: agent_name {problem[8:]!r} is not an agent name ([A-Za-z0-9_-]): fix it"
+                f"{at}: agent_name {problem.value!r} is not an agent name ([A-Za-z0-9_-]): fix it"
             )
-        elif problem.startswith("source:"):
+        elif problem.kind is Unrouted.SOURCE_NOT_AGENT:
             lines.append(
-                f"{at}: {agent_from} {problem[7:]!r} is not an agent name ([A-Za-z0-9_-]): {fix}"
+                f"{at}: {agent_from} {problem.value!r} is not an agent name ([A-Za-z0-9_-]): {fix}"
             )
         else:
             lines.append(f"{at}: no {agent_from}: {fix}")

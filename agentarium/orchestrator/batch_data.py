@@ -22,7 +22,16 @@ from typing import Any
 
 import numpy as np
 
-from producers import AGENT_COLUMN, SOURCE_COLUMN, TaskRow, agent_of, expand_rows, task_id_of
+from producers import (
+    AGENT_COLUMN,
+    SOURCE_COLUMN,
+    RoutingProblem,
+    TaskRow,
+    Unrouted,
+    agent_of,
+    expand_rows,
+    task_id_of,
+)
 from schemas import Job, Sampling, SchemaError
 
 AGENT_COLUMNS = (AGENT_COLUMN, SOURCE_COLUMN)
@@ -134,14 +143,14 @@ def normalize(
             f"default agent {default_agent!r} is not registered (registered: {sorted(registered)})"
         )
     rows = rows_of(data)
-    problems: dict[str, list[int]] = {}
+    problems: dict[RoutingProblem, list[int]] = {}
     out: list[BatchRow] = []
     seen: dict[str, int] = {}
     for index, row in enumerate(rows):
         agent, problem = agent_of(
             row, known=lambda name: name in registered, default=default_agent, source=SOURCE_COLUMN
         )
-        if problem:
+        if problem is not None:
             problems.setdefault(problem, []).append(index)
             continue
         try:
@@ -166,24 +175,24 @@ def normalize(
     return out
 
 
-def _describe(problems: dict[str, list[int]], registered: list[str]) -> str:
+def _describe(problems: dict[RoutingProblem, list[int]], registered: list[str]) -> str:
     lines = []
     for problem, indices in problems.items():
-        if problem == "missing":
+        if problem.kind is Unrouted.NOTHING_NAMES_ONE:
             lines.append(
                 f"rows {_names(indices)} name no agent and {len(registered)} agents are registered "
                 f"({', '.join(registered)}): add an agent_name column, or pass agent=NAME to "
                 "initialize_batch_processing (or default_agent= to the orchestrator)"
             )
-        elif problem.startswith("unknown:"):
+        elif problem.kind is Unrouted.UNKNOWN_AGENT:
             lines.append(
-                f"rows {_names(indices)} ask for agent {problem[8:]!r}, which is not registered "
+                f"rows {_names(indices)} ask for agent {problem.value!r}, which is not registered "
                 f"(registered: {', '.join(registered)}): register it with register_agent_type "
                 "or fix the agent_name column"
             )
         else:
             lines.append(
-                f"rows {_names(indices)} have data_source {problem[7:]!r}, which is not a "
+                f"rows {_names(indices)} have data_source {problem.value!r}, which is not a "
                 f"registered agent (registered: {', '.join(registered)}), and there is no default "
                 "agent: add an agent_name column or pass agent=NAME"
             )
