@@ -240,7 +240,7 @@ def test_embedded_broker_when_no_nats_url(fake):
     with AgentOrchestrator(
         [fake.url], advertise_host="127.0.0.1", proxy_host="127.0.0.1", progress=False
     ) as orch:
-        server = orch._core.server
+        server = orch._runtime.core.server
         assert server is not None and orch.nats_url == server.url
         orch.register_agent_type("plain", plain)
         orch.initialize_batch_processing([{"prompt": "q", "n": 1}], is_train=False)

@@ -106,7 +106,8 @@ def test_sections_flatten_with_their_prefix_and_renames():
 def test_one_default_per_setting_across_the_consumer_the_orchestrator_and_eval():
     from agentarium import OrchestratorConfig
 
-    assert OrchestratorConfig().concurrency is None  # the consumer's own default applies
+    # the consumer's own defaults apply: the orchestrator holds a ConsumerSettings section
+    assert OrchestratorConfig().consumer.concurrency == 32
     assert ConsumerSettings().concurrency == 32
 
 

@@ -1,19 +1,31 @@
-"""OrchestratorConfig: every setting of an ``AgentOrchestrator``, validated once, frozen."""
+"""OrchestratorConfig: every setting of an ``AgentOrchestrator``, validated once, frozen.
+
+Its consumers' settings are a ``consumers.ConsumerSettings`` section, so their defaults
+(concurrency, attempts, the proxy's host and port, ...) are the consumer's own, declared
+once; ``AgentOrchestrator(concurrency=8, attempts=1)`` spells them as flat keys, as a
+consumer's config file does.
+"""
 
 from __future__ import annotations
 
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from broker import Limits
-from consumers import normalize_urls
-from schemas import Sampling, check_name
+from consumers import ConsumerSettings, normalize_urls
+from schemas import Sampling, check_name, check_settings, section, setting, settings
 
 from .ray_consumers import RayConfig
 from .tensorize import MODES
+
+# Consumer settings the orchestrator decides itself, so an option for them would do nothing.
+DECIDED = {
+    "worker_id": "each agent's consumer is named <run>-<agent>",
+    "burst": "the orchestrator's consumers serve until close()",
+}
 
 
 def _default_run() -> str:
@@ -22,53 +34,59 @@ def _default_run() -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class OrchestratorConfig:
-    """``AgentOrchestrator(**options)`` builds one with ``of``; pass ``config=`` to reuse one.
+    """``AgentOrchestrator(**options)`` builds one with ``of``; pass ``config=`` to reuse one."""
 
-    ``server_addresses``: SGLang-compatible servers every agent uses unless it names its own
-    endpoint. ``nats_url``: a broker to use (None: an embedded nats-server). ``ray_config``:
-    consumers as Ray actors; ``external_consumers``: ``agentarium consumer`` services pull the
-    jobs instead. ``model``: 'tiny' or a model directory (tokenizer and chat template).
-    """
-
-    server_addresses: tuple[str, ...] = ()
-    proxy_port: int = 0
-    ray_config: RayConfig | None = None
-    nats_url: str | None = None
-    group_size: int = 1
-    val_group_size: int = 1
-    run: str = field(default_factory=_default_run)
-    model: str = "tiny"
-    model_name: str | None = None
-    advertise_host: str | None = None
-    # None: loopback, unless agents may call from elsewhere (consumers.ConsumerSpec.proxy_host)
-    proxy_host: str | None = None
-    concurrency: int | None = None  # None: the consumer's own default (ConsumerSettings)
-    external_consumers: bool = False
-    default_agent: str | None = None
-    multi_turn: str = "concat"
-    sampling: Sampling | None = None
-    deadline_s: float = 600.0
-    attempts: int = 3
-    success_threshold: float = 1.0
-    limits: Limits | None = None
-    progress: bool | None = None
+    server_addresses: tuple[str, ...] = setting(
+        (), help="SGLang-compatible servers every agent uses unless it names its own endpoint"
+    )
+    ray_config: RayConfig | None = setting(
+        None, help="run the consumers as Ray actors (a dict of RayConfig's fields)"
+    )
+    nats_url: str | None = setting(None, help="the broker (None: an embedded nats-server)")
+    external_consumers: bool = setting(
+        False, help="start no consumers: `agentarium consumer` services pull the jobs"
+    )
+    group_size: int = setting(1, ge=1, help="jobs per row of a training batch")
+    val_group_size: int = setting(1, ge=1, help="jobs per row of a validation batch")
+    run: str = setting(factory=_default_run, help="the run id (default: orch-<time>-<random>)")
+    model: str = setting("tiny", help="'tiny' or a model directory: tokenizer, chat template")
+    model_name: str | None = setting(
+        None, help="model name handed to endpoint-style agents (default: from model)"
+    )
+    default_agent: str | None = setting(
+        None, help="the agent of rows that name none (default: the only one registered)"
+    )
+    multi_turn: str = setting(
+        "concat", choices=MODES, help="how a trajectory's calls become rows (tensorize)"
+    )
+    sampling: Sampling | None = setting(None, help="the jobs' sampling (None: Sampling())")
+    deadline_s: float = setting(600.0, gt=0, help="each rollout's deadline")
+    success_threshold: float = setting(
+        1.0, help="a rollout succeeds when its reward >= this (success rate, pass@k)"
+    )
+    limits: Limits | None = setting(None, help="the streams' limits (None: broker.Limits())")
+    progress: bool | None = setting(
+        None, help="the progress bar (None: on a terminal); AgentOrchestrator.progress flips it"
+    )
+    consumer: ConsumerSettings = section(ConsumerSettings)
 
     def __post_init__(self) -> None:
-        if self.multi_turn not in MODES:
-            raise ValueError(f"multi_turn must be one of {MODES}, got {self.multi_turn!r}")
+        check_settings(self)
         if self.ray_config is not None and self.external_consumers:
             raise ValueError(
                 "ray_config starts consumer actors; external_consumers=True says "
                 "consumers run elsewhere: pass one or the other"
             )
-        for name in ("group_size", "val_group_size", "concurrency", "attempts"):
-            value = getattr(self, name)
-            if name == "concurrency" and value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if isinstance(self.proxy_port, bool) or not isinstance(self.proxy_port, int):
-            raise ValueError(f"proxy_port must be an integer, got {self.proxy_port!r}")
+        # The bounds are checked by check_settings; a Python caller may also pass "8" or True.
+        for name, value in (
+            ("group_size", self.group_size),
+            ("val_group_size", self.val_group_size),
+            ("concurrency", self.consumer.concurrency),
+            ("attempts", self.consumer.delivery.attempts),
+            ("proxy_port", self.consumer.proxy_port),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
         check_name(self.run, "run")
         if self.default_agent is not None:
             check_name(self.default_agent, "agent")
@@ -85,23 +103,29 @@ class OrchestratorConfig:
         **options: Any,
     ) -> OrchestratorConfig:
         """From the constructor's loose forms: a URL string or list, a dict for Ray and
-        sampling, None for defaults. Unknown options are refused by name."""
-        unknown = sorted(set(options) - {f for f in cls.__dataclass_fields__})
+        sampling, None for defaults; the consumers' settings as flat keys (``attempts=1``).
+        Unknown options are refused by name."""
+        known = {key.name for key in settings.keys(cls)}
+        unknown = sorted(set(options) - known)
         if unknown:
             raise TypeError(
                 f"AgentOrchestrator got unknown option(s) {', '.join(unknown)}; see "
-                "help(agentarium.OrchestratorConfig) for the settings"
+                "help(agentarium.OrchestratorConfig) for the settings, and "
+                "consumers.ConsumerSettings for its consumers'"
             )
+        for name in sorted(set(options) & set(DECIDED)):
+            raise TypeError(f"AgentOrchestrator does not take {name}: {DECIDED[name]}")
         if isinstance(ray_config, Mapping):
             ray_config = RayConfig.of(dict(ray_config))
         if isinstance(sampling, Mapping):
             sampling = Sampling(**sampling)
         if run is not None:
             options["run"] = run
-        return cls(
-            server_addresses=tuple(normalize_urls(server_addresses)),
-            ray_config=ray_config,
-            sampling=sampling,
-            proxy_port=int(proxy_port or 0),
+        values = {
             **options,
-        )
+            "server_addresses": tuple(normalize_urls(server_addresses)),
+            "ray_config": ray_config,
+            "sampling": sampling,
+            "proxy_port": int(proxy_port or 0),
+        }
+        return settings.build(cls, values)  # type: ignore[no-any-return]

@@ -1,0 +1,38 @@
+"""The orchestrator's model: the tokenizer and chat template its trainable agents render
+prompts with, and the name endpoint-style agents are handed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from consumers import ChatTemplate
+from trainer import pad_token_id
+
+from ..tiny import resolve_model
+
+
+@dataclass(frozen=True)
+class PolicyModel:
+    dir: str | None  # None: no model given, prompts are not rendered here
+    name: str
+    template: ChatTemplate | None
+
+    @classmethod
+    def load(cls, model: str | None, name: str | None = None) -> PolicyModel:
+        """``model``: 'tiny' or a model directory; ``name`` defaults to 'tiny' or the
+        directory's name."""
+        path = str(resolve_model(model)) if model else None
+        default = "tiny" if model == "tiny" else (Path(path).name if path else "model")
+        template = ChatTemplate.from_model_dir(path) if path else None
+        return cls(dir=path, name=name or default, template=template)
+
+    @property
+    def pad_token_id(self) -> int:
+        template = self.template
+        if template is None:
+            return 0
+        pad = template.special_tokens.get("pad_token")
+        return pad_token_id(
+            template.tokenizer.token_to_id(pad) if pad else None, template.eos_token_ids
+        )
