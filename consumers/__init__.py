@@ -21,6 +21,7 @@ from .errors import (
 )
 from .fleet import Fleet, FleetPolicy
 from .llm import ChatResult, TracingLLM
+from .process import ConsumerProcess, build_agent, parse_agent
 from .proxy import TracingProxy
 from .service import (
     ConsumerService,
@@ -41,6 +42,7 @@ __all__ = [
     "ChatResult",
     "ChatTemplate",
     "ConsumerService",
+    "ConsumerProcess",
     "ConsumerSettings",
     "ConsumerSpec",
     "Counters",
@@ -66,8 +68,10 @@ __all__ = [
     "VerifiersRolloutError",
     "Worker",
     "default_worker_id",
+    "build_agent",
     "env_agent",
     "load_callable",
+    "parse_agent",
     "model_of_call",
     "normalize_urls",
     "start_proxy",

@@ -15,6 +15,7 @@ from agentarium.cli import build_parser
 from agentarium.commands import consumer_cmd, env_cmd, trainer_cmd
 from agentarium.commands.config_file import ConfigError, read_config_file
 from broker import NatsSettings
+from consumers import ConsumerProcess
 from schemas import settings
 
 
@@ -258,4 +259,4 @@ async def test_resolved_consumer_config_is_logged_once(nats_url, tmp_path):
         "burst": "file",
         "concurrency": "override",
     }
-    assert {k.name for k in settings.keys(consumer_cmd.ConsumerConfig)} <= set(event)
+    assert {k.name for k in settings.keys(ConsumerProcess)} <= set(event)

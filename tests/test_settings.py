@@ -15,8 +15,7 @@ from agentarium.commands.config_file import (
     add_settings,
     resolve,
 )
-from agentarium.commands.consumer_cmd import ConsumerConfig
-from consumers import ConsumerSettings
+from consumers import ConsumerProcess, ConsumerSettings
 from schemas import SettingError, check_settings, section, setting, settings
 
 
@@ -64,7 +63,7 @@ class Grown(ConsumerSettings):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Command(ConsumerConfig):
+class Command(ConsumerProcess):
     consumer: Grown = section(Grown)
 
 

@@ -1,0 +1,122 @@
+"""ConsumerProcess: the settings of one ``agentarium consumer`` process, declared once.
+
+What it runs (the agent given as ``NAME=module:function`` or as a bare NAME on an
+environment, the model whose tokenizer renders prompts, the LLM servers, cross-sampling),
+then how (``ConsumerSettings``). The command derives its flags and file keys from these
+fields (schemas.settings) and only wires and prints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from schemas import SchemaError, check_name, check_settings, section, setting
+
+from .agents import load_callable
+from .config import ConsumerSettings
+from .env_agent import DEFAULT_MAX_TURNS, env_agent
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConsumerProcess:
+    """One ``agentarium consumer`` process: what it runs (the agent, its model and LLM
+    servers), then how (``ConsumerSettings``)."""
+
+    agent: str = setting(
+        metavar="NAME=module:function|NAME",
+        help="agent name and its rollout function, e.g. toy=examples.toy:rollout. The function "
+        "is rollout(task, llm) (async or not) or rollout(task, endpoint, model), or a Ray "
+        "remote function. A bare NAME with --env runs the generic function-call agent instead",
+    )
+    llm: tuple[str, ...] = setting(
+        metavar="URL",
+        help="SGLang-compatible server (or `agentarium engine`); repeat for a fleet: "
+        "least-loaded balancing, every sample of a group on the same server",
+    )
+    env: str | None = setting(
+        None,
+        metavar="ENV",
+        help="run the generic function-call agent on environment ENV (`agentarium env serve "
+        "ENV`), no code needed: each job's task opens a session, the model calls the "
+        "environment's tools until it is done or --max-turns, and the reward is the session's "
+        "score. Give --agent a bare NAME with it, e.g. --agent db --env sql",
+    )
+    max_turns: int = setting(
+        DEFAULT_MAX_TURNS,
+        ge=1,
+        metavar="N",
+        help="with --env: model calls per rollout before the episode is cut (truncated, scored "
+        "as the environment scores it at close)",
+    )
+    model: str = setting(
+        "tiny",
+        metavar="PATH|tiny",
+        help="model directory whose tokenizer and chat template render prompts (default: the "
+        "built-in tiny model)",
+    )
+    model_name: str | None = setting(
+        None, help="model name handed to endpoint-style agents and spans (default: from --model)"
+    )
+    reward: str | None = setting(
+        None,
+        metavar="module:fn",
+        help="reward function fn(task, result, trajectory) -> float | dict",
+    )
+    # Cross-sampling (as `eval run --cross-model`): a call goes to this second model with
+    # probability cross_ratio; recorded with policy false, never trained on.
+    cross_model: tuple[str, ...] = setting(
+        (),
+        metavar="URL",
+        help="cross-sampling: a second model's server (SGLang or `agentarium engine`; repeat "
+        "for a fleet) sharing the policy's tokenizer (checked at start); each LLM call goes "
+        "there with probability --cross-ratio, and is recorded as not the policy's: the trainer "
+        "keeps its tokens as context and trains only on the policy's",
+    )
+    cross_model_name: str = setting(
+        "cross", metavar="NAME", help="the second model's name in the recorded calls"
+    )
+    cross_ratio: float = setting(
+        0.5,
+        ge=0,
+        le=1,
+        metavar="P",
+        help="probability that a call goes to --cross-model, decided per call",
+    )
+    consumer: ConsumerSettings = section(ConsumerSettings)
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+
+
+def parse_agent(value: str, env: str | None = None) -> tuple[str, str]:
+    """``NAME=module:function`` -> (NAME, module:function); a bare NAME with ``env`` -> (NAME,
+    "") for the generic function-call agent on that environment."""
+    name, sep, spec = value.partition("=")
+    if sep and env:
+        raise ValueError(
+            f"--agent {value!r} names its own rollout function, and --env {env} asks for the "
+            f"generic function-call agent: pass --agent {name} --env {env}, or drop --env"
+        )
+    if not sep and not env:
+        raise ValueError(
+            f"--agent {value!r}: write NAME=module:function, e.g. toy=examples.toy:rollout, "
+            f"or NAME with --env ENV for the generic agent on an environment (--agent {value} "
+            "--env sql)"
+        )
+    try:
+        check_name(name, "agent")
+        if env:
+            check_name(env, "env")
+    except SchemaError as exc:
+        raise ValueError(str(exc)) from None
+    return name, spec
+
+
+def build_agent(config: ConsumerProcess) -> tuple[str, Any]:
+    """The agent's name and callable: the generic agent with ``env``, else the imported
+    function (``load_callable``)."""
+    name, spec_text = parse_agent(config.agent, config.env)
+    if config.env:
+        return name, env_agent(config.env, max_turns=config.max_turns)
+    return name, load_callable(spec_text, "agent")
