@@ -6,6 +6,13 @@ tracing, trace context in message headers) and the Prometheus side shared by eve
 
 from .aio import cancel_and_wait, round_trip
 from .backoff import Backoff
+from .engine_control import (
+    CONTROL_TIMEOUT_S,
+    MODEL_INFO_PATHS,
+    EngineControl,
+    EngineControlError,
+    weights_checksum,
+)
 from .engines import engine_key, engine_versions, record_engine, served_version, wait_served
 from .env_status import (
     ENV_SERVICE_KIND,
@@ -64,6 +71,11 @@ from .topology import Topology
 
 __all__ = [
     "Backoff",
+    "CONTROL_TIMEOUT_S",
+    "MODEL_INFO_PATHS",
+    "EngineControl",
+    "EngineControlError",
+    "weights_checksum",
     "ENV_SERVICE_KIND",
     "EnvServiceStatus",
     "collect_env_status",

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -42,7 +41,7 @@ import nats.js.errors
 import structlog
 from nats.js import JetStreamContext
 
-from broker import Topology, record_engine
+from broker import EngineControl, EngineControlError, Topology, record_engine
 from schemas import SchemaError, WeightUpdate, check_name, decode, version_number
 
 from .prometheus import SYNC_SEEN, record_sync_round
@@ -59,7 +58,7 @@ from .weights import (
 log = structlog.get_logger("agentarium.sync")
 
 PAUSE_MODES = ("in_place", "retract", "abort")
-CONTROL_TIMEOUT_S = 30.0  # pause, continue, model_info
+SYNC_CONTROL_TIMEOUT_S = 30.0  # pause, continue, model_info: a loaded engine may be slow
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,10 +130,6 @@ class _Counters:
     applied: int = 0
     failed: int = 0
     bad_versions: set[int] = field(default_factory=set)
-
-
-class EngineCallError(Exception):
-    """An engine endpoint could not be reached or answered an error."""
 
 
 class WeightSyncer:
@@ -455,85 +450,46 @@ async def reload_engine(
     pause_mode: str = "in_place",
     update_timeout_s: float = 600.0,
 ) -> tuple[bool, str]:
-    """pause → update_weights_from_disk → continue on one engine; returns (success, message).
+    """pause → update_weights_from_disk → continue on one engine (broker.EngineControl);
+    returns (success, message) for the sync round's report.
 
     ``/continue_generation`` is always sent, even after a failed pause or update; a failed
     pause only means the update waits for requests in flight, as SGLang does without one.
     """
+    engine = EngineControl(http, url)
     notes: list[str] = []
     try:
-        await _post(http, url, "/pause_generation", {"mode": pause_mode}, CONTROL_TIMEOUT_S)
-    except EngineCallError as exc:
+        await engine.pause(pause_mode, SYNC_CONTROL_TIMEOUT_S)
+    except EngineControlError as exc:
         notes.append(f"pause failed ({exc}); updated without it")
     try:
-        body = {
-            "model_path": model_path,
-            "load_format": None,
-            "weight_version": weight_version,
-            "flush_cache": True,
-            "abort_all_requests": False,
-        }
-        answer = await _post(
-            http, url, "/update_weights_from_disk", body, update_timeout_s, allow_400=True
+        message = await engine.update_weights_from_disk(
+            model_path=model_path, weight_version=weight_version, timeout_s=update_timeout_s
         )
-        ok = answer.get("success") is True
-        notes.insert(0, str(answer.get("message", "")))
-    except EngineCallError as exc:
+        ok = True
+        notes.insert(0, message)
+    except EngineControlError as exc:
         ok = False
-        notes.insert(0, f"update failed: {exc}")
+        # the engine's own refusal (SGLang: 400 {success: false, message}) reads as it said it
+        notes.insert(0, exc.message if exc.status in (200, 400) else f"update failed: {exc}")
     finally:
         try:
             # shielded: a syncer cancelled mid-update must still un-pause the engine
-            await asyncio.shield(_post(http, url, "/continue_generation", {}, CONTROL_TIMEOUT_S))
-        except EngineCallError as exc:
+            await asyncio.shield(engine.resume(SYNC_CONTROL_TIMEOUT_S))
+        except EngineControlError as exc:
             ok = False
             notes.append(f"continue_generation failed: {exc}")
     return ok, "; ".join(n for n in notes if n)
 
 
-async def _post(
-    http: aiohttp.ClientSession,
-    url: str,
-    path: str,
-    body: dict,
-    timeout_s: float,
-    *,
-    allow_400: bool = False,
-) -> dict:
-    try:
-        async with http.post(
-            url.rstrip("/") + path, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)
-        ) as resp:
-            text = await resp.text()
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        raise EngineCallError(f"{path}: {str(exc) or type(exc).__name__}") from exc
-    try:
-        data = json.loads(text) if text.strip() else {}
-    except ValueError:
-        data = None
-    if resp.status == 200 or (allow_400 and resp.status == 400 and isinstance(data, dict)):
-        return data if isinstance(data, dict) else {}
-    raise EngineCallError(f"{path} answered HTTP {resp.status}: {text[:200]}")
-
-
 async def _engine_version(http: aiohttp.ClientSession, url: str) -> str | None:
     """The engine's ``weight_version``, or None when it cannot be read (then it is reloaded)."""
-    for path in ("/model_info", "/get_model_info"):  # older SGLang has only the second
-        try:
-            async with http.get(
-                url.rstrip("/") + path, timeout=aiohttp.ClientTimeout(total=CONTROL_TIMEOUT_S)
-            ) as resp:
-                if resp.status == 404:
-                    continue
-                if resp.status != 200:
-                    return None
-                data = await resp.json(content_type=None)
-                version = data.get("weight_version") if isinstance(data, dict) else None
-                return None if version is None else str(version)
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            log.warning("engine unreachable", engine=url, error=str(exc) or type(exc).__name__)
-            return None
-    return None
+    try:
+        return await EngineControl(http, url).weight_version(SYNC_CONTROL_TIMEOUT_S)
+    except EngineControlError as exc:
+        if exc.status is None:
+            log.warning("engine unreachable", engine=url, error=exc.message)
+        return None
 
 
 def _as_number(weight_version: str | None) -> int | None:

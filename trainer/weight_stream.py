@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-import json
 import socket
 import time
 from dataclasses import dataclass, field
@@ -43,7 +42,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import structlog
 
-from broker import Topology, record_engine
+from broker import CONTROL_TIMEOUT_S, EngineControl, EngineControlError, Topology, record_engine
 from schemas import WeightUpdate, check_name
 
 if TYPE_CHECKING:
@@ -56,7 +55,6 @@ log = structlog.get_logger("agentarium.weights")
 
 BACKENDS = ("gloo", "nccl")
 WEIGHT_TRANSPORTS = ("object-store", "shared-path", "stream")  # the trainer's --weight-transport
-CONTROL_TIMEOUT_S = 10.0  # probe, pause, continue, destroy
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -419,78 +417,44 @@ class WeightStreamer:
 
     # ---- HTTP ------------------------------------------------------------------------------
 
+    def _engine(self, url: str) -> EngineControl:
+        return EngineControl(self._session(), url)
+
     async def _probe(self, url: str) -> _Probe:
-        for path in ("/model_info", "/get_model_info"):  # older SGLang has only the second
-            try:
-                async with self._session().get(
-                    url.rstrip("/") + path, timeout=self._timeout(CONTROL_TIMEOUT_S)
-                ) as resp:
-                    if resp.status == 404:
-                        continue
-                    if resp.status != 200:
-                        return _Probe(url, False, message=f"{path} answered HTTP {resp.status}")
-                    data = await resp.json(content_type=None)
-            except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-                return _Probe(url, False, message=str(exc) or type(exc).__name__)
-            if not isinstance(data, dict):
-                return _Probe(url, False, message=f"{path} did not answer a JSON object")
-            version = data.get("weight_version")
-            engine_id = data.get("engine_id")
-            return _Probe(
-                url,
-                True,
-                engine_id=None if engine_id is None else str(engine_id),
-                version=None if version is None else str(version),
-            )
-        return _Probe(url, False, message="no /model_info")
+        try:
+            data = await self._engine(url).model_info(self._bounded(CONTROL_TIMEOUT_S))
+        except EngineControlError as exc:
+            return _Probe(url, False, message=_said(exc))
+        version = data.get("weight_version")
+        engine_id = data.get("engine_id")
+        return _Probe(
+            url,
+            True,
+            engine_id=None if engine_id is None else str(engine_id),
+            version=None if version is None else str(version),
+        )
 
     async def _ranks(self, url: str) -> int:
         """Ranks an engine takes in the group: SGLang's tp_size, else 1."""
-        for path in ("/server_info", "/get_server_info"):
-            try:
-                async with self._session().get(
-                    url.rstrip("/") + path, timeout=self._timeout(CONTROL_TIMEOUT_S)
-                ) as resp:
-                    if resp.status != 200:
-                        continue
-                    data = await resp.json(content_type=None)
-            except (aiohttp.ClientError, TimeoutError, ValueError):
-                continue
-            tp = data.get("tp_size") if isinstance(data, dict) else None
-            if isinstance(tp, int) and tp > 0:
-                return tp
-        return 1
+        try:
+            data = await self._engine(url).server_info(self._bounded(CONTROL_TIMEOUT_S))
+        except EngineControlError:
+            return 1
+        tp = data.get("tp_size")
+        return tp if isinstance(tp, int) and tp > 0 else 1
 
     async def _call(
         self, url: str, path: str, body: dict, timeout_s: float | None = CONTROL_TIMEOUT_S
     ) -> tuple[bool, str]:
-        """POST a control call; (success, message). SGLang answers {success, message} (400 on
-        failure) to the weight calls and plain 200s to pause/continue."""
+        """One control call (EngineControl) as this engine's note for the publish report:
+        (success, the engine's message or what failed)."""
         try:
-            async with self._session().post(
-                url.rstrip("/") + path, json=body, timeout=self._timeout(timeout_s)
-            ) as resp:
-                text = await resp.text()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            return False, f"{path}: {str(exc) or type(exc).__name__}"
-        try:
-            data = json.loads(text) if text.strip() else {}
-        except ValueError:
-            data = {}
-        if not isinstance(data, dict):
-            data = {}
-        if resp.status != 200:
-            return False, str(
-                data.get("message") or f"{path} answered HTTP {resp.status}: {text[:200]}"
-            )
-        if data.get("success") is False:
-            return False, str(data.get("message", ""))
-        return True, str(data.get("message", ""))
+            return True, await self._engine(url).weights_call(path, body, self._bounded(timeout_s))
+        except EngineControlError as exc:
+            return False, _said(exc)
 
-    def _timeout(self, seconds: float | None) -> aiohttp.ClientTimeout:
-        if seconds is None:
-            return aiohttp.ClientTimeout(total=None, sock_connect=CONTROL_TIMEOUT_S)
-        return aiohttp.ClientTimeout(total=min(seconds, 2 * self.config.timeout_s))
+    def _bounded(self, seconds: float | None) -> float | None:
+        return None if seconds is None else min(seconds, 2 * self.config.timeout_s)
 
     def _session(self) -> aiohttp.ClientSession:
         if self._http is None or self._http.closed:
@@ -581,3 +545,10 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def _said(exc: EngineControlError) -> str:
+    """What the publish report says of a failed call: the engine's message where it gave one."""
+    if exc.message and exc.status in (200, 400):
+        return exc.message
+    return str(exc).removeprefix(f"{exc.url}: ")

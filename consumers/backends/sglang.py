@@ -26,6 +26,8 @@ from typing import Any
 
 import orjson
 
+from broker import MODEL_INFO_PATHS
+
 from ..errors import BackendUnavailable, BadRequest
 from .balancer import StickyBalancer
 from .base import BackendRetry, GenerateRequest, GenerateResult, retryable_status
@@ -305,7 +307,7 @@ class SGLangBackend:
         that answers; raises ``BackendUnavailable`` when none does."""
         errors: dict[str, str] = {}
         for url in self.urls:
-            for path in ("/model_info", "/get_model_info"):
+            for path in MODEL_INFO_PATHS:  # the engine-control spellings (broker)
                 try:
                     resp = await self.control.request("GET", f"{url}{path}")
                     if resp.status == 404:

@@ -12,6 +12,8 @@ from typing import Any
 
 import structlog
 
+from broker import weights_checksum
+
 from ..chat_template import load_tokenizer, tokenizer_fingerprint
 from . import weight_group
 from .errors import InvalidRequest, WeightLoadError
@@ -270,11 +272,11 @@ class LocalEngine:
         return {"success": success, "message": message}
 
     async def weights_checksum(self) -> dict[str, Any]:
-        """Not in SGLang: a sha256 over the served tensors (weight_group.weights_checksum),
+        """Not in SGLang: a sha256 over the served tensors (broker.weights_checksum),
         taken between steps, to compare an engine's weights with the trainer's."""
         async with self.scheduler.step_lock:
             digest, count, size = await asyncio.to_thread(
-                weight_group.weights_checksum, self.model.streamable().items()
+                weights_checksum, self.model.streamable().items()
             )
             version = self.scheduler.weight_version
         return {"checksum": digest, "tensors": count, "bytes": size, "weight_version": version}
