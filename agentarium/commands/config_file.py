@@ -456,3 +456,11 @@ class Append(argparse.Action):
         current = getattr(namespace, self.dest, None)
         items = list(current) if isinstance(current, list) else []
         setattr(namespace, self.dest, [*items, values])
+
+
+def flag_values(args: argparse.Namespace, klass: type) -> dict[str, Any]:
+    """The flat values of ``klass``'s flagged settings, read from ``args`` (a command without
+    ``--config``: flags only; ``settings.build(klass, values)`` makes the instance)."""
+    values = {key.name: getattr(args, key.name) for key in settings.keys(klass) if key.flag}
+    # a repeated flag collects a list (Append); the field holds a tuple
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
