@@ -9,6 +9,7 @@ backstop on every version.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any
@@ -16,12 +17,19 @@ from typing import Any
 import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext
+from nats.js.api import RawStreamMsg
 
 from .topology import Topology
 from .version import MSG_TTL_SINCE, js_server_version
 
 # Three refreshes of a worker's default 5 s interval: one lost refresh never hides a worker.
 ENTRY_TTL_S = 15.0
+
+# How a KV bucket marks a removed key (nats-py's nats.js.kv spells these privately).
+KV_OP = "KV-Operation"
+KV_DEL = "DEL"
+KV_PURGE = "PURGE"
+KV_MARKER_REASON = "Nats-Marker-Reason"  # 2.11+: the server's own markers (TTL, max age)
 
 
 async def entry_ttl_supported(js: JetStreamContext, topo: Topology) -> bool:
@@ -68,21 +76,36 @@ async def remove_worker(js: JetStreamContext, topo: Topology, worker_id: str) ->
 
 async def json_entries(js: JetStreamContext, bucket: str) -> list[dict[str, Any]]:
     """Every live entry of a KV bucket whose values are JSON objects (the workers registry,
-    the engines' versions); an entry that expires between listing and reading is skipped."""
-    kv = await js.key_value(bucket)
+    the engines' versions), in key order; an entry that expires or is deleted between listing
+    and reading is skipped.
+
+    Not ``kv.keys()``: its watcher (nats-py 2.x) says "no more keys" when the consumer's info
+    reports nothing pending while its subscription has counted no delivery yet, which on a
+    loaded machine happens while the entries are still on their way, and the bucket reads
+    empty. Here the stream's info lists the subjects that hold a message (``subjects_filter``),
+    and each subject's last message is asked for by name: nothing depends on timing.
+    """
+    stream = f"KV_{bucket}"
     try:
-        keys = await kv.keys()
-    except nats.js.errors.NoKeysError:
-        return []
-    out = []
-    for key in keys:
-        try:
-            entry = await kv.get(key)
-        except nats.js.errors.KeyNotFoundError:
-            continue
-        if entry.value:
-            out.append(json.loads(entry.value))
-    return out
+        info = await js.stream_info(stream, subjects_filter=f"$KV.{bucket}.>")
+    except nats.js.errors.NotFoundError as exc:  # what js.key_value(bucket) raised before
+        raise nats.js.errors.BucketNotFoundError from exc
+    subjects = sorted(info.state.subjects or {})
+    messages = await asyncio.gather(*(_last_message(js, stream, s) for s in subjects))
+    return [json.loads(msg.data) for msg in messages if msg is not None and msg.data]
+
+
+async def _last_message(js: JetStreamContext, stream: str, subject: str) -> RawStreamMsg | None:
+    """The subject's last message, or None when it is gone or is a removal (a delete or purge
+    marker, or a 2.11+ server's expiry marker)."""
+    try:
+        msg = await js.get_last_msg(stream, subject)
+    except nats.js.errors.NotFoundError:
+        return None
+    headers = msg.headers or {}
+    if headers.get(KV_OP) in (KV_DEL, KV_PURGE) or KV_MARKER_REASON in headers:
+        return None
+    return msg
 
 
 async def live_workers(js: JetStreamContext, topo: Topology) -> list[dict[str, Any]]:

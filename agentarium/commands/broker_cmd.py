@@ -25,7 +25,7 @@ from broker import (
 from schemas import settings
 
 from .common import add_command_group, add_nats_flags, run_async, settings_from_args
-from .config_file import add_settings
+from .config_file import add_settings, flag_values
 
 log = structlog.get_logger("agentarium.cli")
 
@@ -42,8 +42,7 @@ def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _limits(args: argparse.Namespace) -> Limits:
-    flagged = {key.name: getattr(args, key.name) for key in settings.keys(Limits) if key.flag}
-    return settings.build(Limits, flagged)  # type: ignore[no-any-return]
+    return settings.build(Limits, flag_values(args, Limits))  # type: ignore[no-any-return]
 
 
 async def _init(args: argparse.Namespace, settings: NatsSettings) -> int:

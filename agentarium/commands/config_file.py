@@ -24,7 +24,7 @@ import difflib
 import types
 import typing
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -456,3 +456,14 @@ class Append(argparse.Action):
         current = getattr(namespace, self.dest, None)
         items = list(current) if isinstance(current, list) else []
         setattr(namespace, self.dest, [*items, values])
+
+
+def flag_values(args: argparse.Namespace, klass: type) -> dict[str, Any]:
+    """The flat values of ``klass``'s flagged settings, read from ``args`` (a command without
+    ``--config``: flags only; ``settings.build(klass, values)`` makes the instance)."""
+    values = {key.name: getattr(args, key.name) for key in settings.keys(klass) if key.flag}
+    # a flag left out of a field with a default factory reads None: the factory decides
+    factories = {k.name for k in settings.keys(klass) if k.field.default_factory is not MISSING}
+    values = {k: v for k, v in values.items() if not (v is None and k in factories)}
+    # a repeated flag collects a list (Append); the field holds a tuple
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}

@@ -4,22 +4,18 @@ from __future__ import annotations
 
 import argparse
 
-from agentarium.dashboard import DEFAULT_PORT, DashboardConfig, run_dashboard
+from agentarium.dashboard import DashboardConfig, run_dashboard
+from schemas import settings
 
 from .common import add_metrics_flags, add_nats_flags, metrics_server, run_async, settings_from_args
+from .config_file import add_settings, flag_values
 
 
 def config_from_args(args: argparse.Namespace) -> DashboardConfig:
-    return DashboardConfig(
-        host=args.host,
-        port=args.port,
-        refresh_s=args.refresh,
-        trace_url=args.trace_url or "",
-        runs=tuple(args.run),
-        dead_letters=args.dead_letters,
-        trajectories=args.trajectories,
-        sample=max(200, args.trajectories),
-    )
+    values = flag_values(args, DashboardConfig)
+    # the latest-trajectories list comes from the sample: read at least as many
+    values["sample"] = max(DashboardConfig().sample, values["trajectories"])
+    return settings.build(DashboardConfig, values)  # type: ignore[no-any-return]
 
 
 def check(args: argparse.Namespace) -> None:
@@ -44,54 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "version, the latest trajectories (linked to their traces with --trace-url) and the "
         "latest dead letters. Open http://127.0.0.1:8266/ after starting it.",
     )
-    parser.add_argument(
-        "--port",
-        type=int,
-        default=DEFAULT_PORT,
-        help="HTTP port (default %(default)s, next to Ray's 8265; 0 picks a free one)",
-    )
-    parser.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="listen address (default %(default)s). WARNING: the page shows previews of dead "
-        "letters' tasks and errors, which may hold user data, and has no login: bind another "
-        "address (0.0.0.0) only on a network you trust, or put an authenticating proxy in front",
-    )
-    parser.add_argument(
-        "--trace-url",
-        metavar="TEMPLATE",
-        help="link each trajectory to its trace: a URL with {trace_id}, e.g. "
-        "http://localhost:16686/trace/{trace_id} (Jaeger)",
-    )
-    parser.add_argument(
-        "--run",
-        action="append",
-        default=[],
-        metavar="RUN",
-        help="count this run's trajectories exactly (repeatable); without it every run is "
-        "counted while the store holds at most 200,000 trajectories, as in `broker status`",
-    )
-    parser.add_argument(
-        "--refresh",
-        type=float,
-        default=1.0,
-        metavar="SECONDS",
-        help="how often the broker is read and the page updates (default %(default)s)",
-    )
-    parser.add_argument(
-        "--dead-letters",
-        type=int,
-        default=20,
-        metavar="N",
-        help="newest dead letters shown (default %(default)s)",
-    )
-    parser.add_argument(
-        "--trajectories",
-        type=int,
-        default=20,
-        metavar="N",
-        help="newest trajectories listed (default %(default)s)",
-    )
+    add_settings(parser, DashboardConfig)
     add_metrics_flags(parser)
     add_nats_flags(parser)
     parser.set_defaults(func=cmd_dashboard, check=check)

@@ -5,25 +5,56 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from schemas import check_name
+from schemas import check_name, setting
 
 DEFAULT_PORT = 8266  # next to Ray's dashboard (8265)
 
 
 @dataclass(frozen=True, kw_only=True)
 class DashboardConfig:
-    host: str = "127.0.0.1"  # dead letters carry payloads: local only unless asked
-    port: int = DEFAULT_PORT
-    refresh_s: float = 1.0  # how often the broker is read (and the page polls)
-    trace_url: str = ""  # e.g. http://localhost:16686/trace/{trace_id} (Jaeger)
-    runs: tuple[str, ...] = ()  # count these runs' trajectories exactly (else every run's, to 200k)
-    dead_letters: int = 20  # newest dead letters shown
-    trajectories: int = 20  # newest trajectories listed
-    sample: int = 200  # newest trajectories read per refresh, at most (rewards come from them)
-    reward_window_s: float = 10.0  # reward per agent: mean over rollouts finished in a window
-    history: int = 600  # points kept per time series (queue sizes, reward windows)
-    steps: int = 2000  # trainer steps kept per run
-    preview_chars: int = 240  # of any dead letter's error or task
+    # dead letters carry payloads: local only unless asked
+    host: str = setting(
+        "127.0.0.1",
+        help="listen address (default %(default)s). WARNING: the page shows previews of dead "
+        "letters' tasks and errors, which may hold user data, and has no login: bind another "
+        "address (0.0.0.0) only on a network you trust, or put an authenticating proxy in front",
+    )
+    port: int = setting(
+        DEFAULT_PORT,
+        metavar="PORT",
+        help="HTTP port (default %(default)s, next to Ray's 8265; 0 picks a free one)",
+    )
+    refresh_s: float = setting(
+        1.0, help="how often the broker is read and the page updates (default %(default)s)"
+    )
+    trace_url: str = setting(
+        "",
+        metavar="TEMPLATE",
+        help="link each trajectory to its trace: a URL with {trace_id}, e.g. "
+        "http://localhost:16686/trace/{trace_id} (Jaeger)",
+    )
+    runs: tuple[str, ...] = setting(
+        (),
+        flag="--run",
+        metavar="RUN",
+        help="count this run's trajectories exactly (repeatable); without it every run is "
+        "counted while the store holds at most 200,000 trajectories, as in `broker status`",
+    )
+    dead_letters: int = setting(20, help="newest dead letters shown (default %(default)s)")
+    trajectories: int = setting(20, help="newest trajectories listed (default %(default)s)")
+    sample: int = setting(
+        200,
+        flagless="newest trajectories read per refresh, at most (rewards come from them); the "
+        "command raises it to --trajectories",
+    )
+    reward_window_s: float = setting(
+        10.0, flagless="reward per agent: mean over rollouts finished in a window this long"
+    )
+    history: int = setting(
+        600, flagless="points kept per time series (queue sizes, reward windows)"
+    )
+    steps: int = setting(2000, flagless="trainer steps kept per run")
+    preview_chars: int = setting(240, flagless="of any dead letter's error or task")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

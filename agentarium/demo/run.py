@@ -29,7 +29,7 @@ import random
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from broker import (
@@ -42,6 +42,7 @@ from broker import (
     wait_served,
 )
 from producers import RunSession, expand_tasks, read_task_file
+from schemas import setting
 from trainer import TASK_ADV_NORMS
 
 from ..progress import ProgressBar, StatusLine
@@ -57,32 +58,65 @@ DEFAULT_TASKS = Path(__file__).resolve().parents[2] / "examples" / "toy_tasks.js
 class DemoConfig:
     """The demo's settings; ``agentarium demo --help`` explains each one."""
 
-    out: str = "./agentarium-demo"
-    steps: int = 300
-    minutes: float = 10.0
-    groups_per_step: int = 16
-    group_size: int = 8
-    lr: float = 1e-3
-    entropy_coef: float = 0.02
-    max_staleness: int = 4
-    ahead: int = 2
-    consumers: int = 1
-    concurrency: int = 64
-    seed: int = 0
-    digits: str = "0123456789"
-    run: str = field(default_factory=lambda: f"demo-{int(time.time())}")
-    agent: str = "examples.toy:rollout"
-    agent_name: str = "toy"
-    rollouts_only: bool = False
-    tasks: str = str(DEFAULT_TASKS)
+    out: str = setting(
+        "./agentarium-demo",
+        help="output directory: broker store, logs, metrics.csv, reward.png (default %(default)s)",
+    )
+    steps: int = setting(300, help="training steps")
+    minutes: float = setting(10.0, help="stop after this long at most")
+    groups_per_step: int = setting(16, help="GRPO groups per step")
+    group_size: int = setting(8, help="samples per task, one GRPO group")
+    lr: float = setting(1e-3, help="learning rate of the tiny model")
+    entropy_coef: float = setting(
+        0.02,
+        help="entropy bonus keeping the random tiny policy exploring until it learns",
+    )
+    max_staleness: int = setting(4, help="drop trajectories more than this many versions old")
+    ahead: int = setting(2, help="steps' worth of tasks kept queued ahead of the trainer")
+    consumers: int = setting(1, help="consumer processes")
+    concurrency: int = setting(64, help="rollouts at once per consumer")
+    seed: int = setting(0, help="seed for tasks and the trainer")
+    digits: str = setting(
+        "0123456789",
+        help="digits the answers draw from (repeat's prompt names its answer); one digit makes a "
+        "micro-task that needs no conditioning (default %(default)s)",
+    )
+    run: str = setting(
+        factory=lambda: f"demo-{int(time.time())}", help="run id (default: demo-<unix time>)"
+    )
+    agent: str = setting("examples.toy:rollout", help="agent function")
+    agent_name: str = setting("toy", help="agent name on the wire")
+    rollouts_only: bool = setting(
+        False, help="no training: publish --tasks once and wait for every trajectory"
+    )
+    tasks: str = setting(
+        str(DEFAULT_TASKS),
+        help="task file for --rollouts-only: JSON lines, or a .parquet file in verl's format "
+        "(default: the toy tasks)",
+    )
     # Task families (agent names) trained at once, also as "repeat,next"; empty: the
     # single-task demo on `agent`.
-    task_set: tuple[str, ...] = ()
+    task_set: tuple[str, ...] = setting(
+        (),
+        metavar="TASK,TASK",
+        help=f"train one policy on these tasks at once, each its own agent (of: "
+        f"{', '.join(FAMILIES)}); default: the single-task demo on --agent",
+    )
     # The multi-agent trainer's --task-adv-norm (none | token | trajectory); None: its default.
-    task_adv_norm: str | None = None
+    task_adv_norm: str | None = setting(
+        None,
+        choices=TASK_ADV_NORMS,
+        help="passed to the trainer: per-task advantage normalisation over tokens or "
+        "trajectories (default: the trainer's)",
+    )
     # Synchronous training: one step's tasks at a time, each batch released once the engine
     # serves the version trained on the previous one (the trainer's --sync-rollouts).
-    sync_rollouts: bool = False
+    sync_rollouts: bool = setting(
+        False,
+        help="synchronous training: one step's tasks at a time, the next released only once the "
+        "engine serves the weights trained on the last (the trainer's --sync-rollouts; --ahead "
+        "and --max-staleness do not apply)",
+    )
 
     def __post_init__(self) -> None:
         for name in ("steps", "groups_per_step", "group_size", "consumers", "concurrency"):

@@ -75,8 +75,10 @@ FAMILIES: dict[str, TaskFamily] = {
 
 
 def parse_task_set(value: str | Sequence[str]) -> tuple[str, ...]:
-    """``"repeat,next"`` (or a sequence of names) -> known, distinct family names, in order."""
-    names = [n.strip() for n in (value.split(",") if isinstance(value, str) else value)]
+    """``"repeat,next"`` (or a sequence of such, one per --task-set) -> known, distinct family
+    names, in order."""
+    items = [value] if isinstance(value, str) else value
+    names = [n.strip() for item in items for n in item.split(",")]
     names = [n for n in names if n]
     unknown = [n for n in names if n not in FAMILIES]
     if unknown:
