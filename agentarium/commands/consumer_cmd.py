@@ -21,7 +21,6 @@ from consumers import (
     ConsumerSettings,
     ConsumerSpec,
     Counters,
-    CrossTarget,
     LLMTarget,
     env_agent,
     load_callable,
@@ -29,6 +28,7 @@ from consumers import (
 )
 from schemas import SchemaError, check_name, check_settings, section, setting, settings
 
+from ..rollout_settings import RolloutSettings
 from ..tiny import resolve_model
 from .common import (
     add_metrics_flags,
@@ -52,8 +52,9 @@ log = structlog.get_logger("agentarium.cli")
 
 @dataclass(frozen=True, kw_only=True)
 class ConsumerConfig:
-    """The consumer command's settings: what to run (the agent, its model and LLM servers),
-    then how (``ConsumerSettings``, the consumer's own)."""
+    """The consumer command's settings: what to run (the agent and its LLM servers, then
+    ``RolloutSettings``, shared with ``eval run``), then how (``ConsumerSettings``, the
+    consumer's own)."""
 
     agent: str = setting(
         metavar="NAME=module:function|NAME",
@@ -66,55 +67,7 @@ class ConsumerConfig:
         help="SGLang-compatible server (or `agentarium engine`); repeat for a fleet: "
         "least-loaded balancing, every sample of a group on the same server",
     )
-    env: str | None = setting(
-        None,
-        metavar="ENV",
-        help="run the generic function-call agent on environment ENV (`agentarium env serve "
-        "ENV`), no code needed: each job's task opens a session, the model calls the "
-        "environment's tools until it is done or --max-turns, and the reward is the session's "
-        "score. Give --agent a bare NAME with it, e.g. --agent db --env sql",
-    )
-    max_turns: int = setting(
-        10,
-        ge=1,
-        metavar="N",
-        help="with --env: model calls per rollout before the episode is cut (truncated, scored "
-        "as the environment scores it at close)",
-    )
-    model: str = setting(
-        "tiny",
-        metavar="PATH|tiny",
-        help="model directory whose tokenizer and chat template render prompts (default: the "
-        "built-in tiny model)",
-    )
-    model_name: str | None = setting(
-        None, help="model name handed to endpoint-style agents and spans (default: from --model)"
-    )
-    reward: str | None = setting(
-        None,
-        metavar="module:fn",
-        help="reward function fn(task, result, trajectory) -> float | dict",
-    )
-    # Cross-sampling (as `eval run --cross-model`): a call goes to this second model with
-    # probability cross_ratio; recorded with policy false, never trained on.
-    cross_model: tuple[str, ...] = setting(
-        (),
-        metavar="URL",
-        help="cross-sampling: a second model's server (SGLang or `agentarium engine`; repeat "
-        "for a fleet) sharing the policy's tokenizer (checked at start); each LLM call goes "
-        "there with probability --cross-ratio, and is recorded as not the policy's: the trainer "
-        "keeps its tokens as context and trains only on the policy's",
-    )
-    cross_model_name: str = setting(
-        "cross", metavar="NAME", help="the second model's name in the recorded calls"
-    )
-    cross_ratio: float = setting(
-        0.5,
-        ge=0,
-        le=1,
-        metavar="P",
-        help="probability that a call goes to --cross-model, decided per call",
-    )
+    rollout: RolloutSettings = section(RolloutSettings)
     consumer: ConsumerSettings = section(ConsumerSettings)
 
     def __post_init__(self) -> None:
@@ -151,9 +104,10 @@ def parse_agent(value: str, env: str | None = None) -> tuple[str, str]:
 def build_agent(config: ConsumerConfig) -> tuple[str, Any]:
     """The agent's name and callable: the generic agent with ``env``, else the imported
     function (``load_callable``)."""
-    name, spec_text = parse_agent(config.agent, config.env)
-    if config.env:
-        return name, env_agent(config.env, max_turns=config.max_turns)
+    rollout = config.rollout
+    name, spec_text = parse_agent(config.agent, rollout.env)
+    if rollout.env:
+        return name, env_agent(rollout.env, max_turns=rollout.max_turns)
     return name, load_callable(spec_text, "agent")
 
 
@@ -161,7 +115,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[ConsumerConfig, dict]:
     """The settings from defaults, --config, flags and overrides, and where they came from."""
     resolved = resolve(args, KEYS)
     config: ConsumerConfig = resolved.build(ConsumerConfig)
-    parse_agent(config.agent, config.env)
+    parse_agent(config.agent, config.rollout.env)
     if not normalize_urls(config.llm):
         raise ValueError("no LLM server: pass --llm URL (repeat it for a fleet) or set llm:")
     return config, resolved.describe()
@@ -169,37 +123,32 @@ def config_from_args(args: argparse.Namespace) -> tuple[ConsumerConfig, dict]:
 
 async def consume(args: argparse.Namespace, config: ConsumerConfig, source: dict) -> int:
     nats_settings = settings_from_args(args)
+    rollout = config.rollout
     try:
         name, fn = build_agent(config)
         agent = AgentSpec.of(fn, name)
-        reward_fn = load_callable(config.reward, "reward function") if config.reward else None
-        model_dir = resolve_model(config.model)
+        reward_fn = load_callable(rollout.reward, "reward function") if rollout.reward else None
+        model_dir = resolve_model(rollout.model)
     except (AgentLoadError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    cross_urls = normalize_urls(list(config.cross_model or ()))
-    cross = (
-        CrossTarget(
-            target=LLMTarget(urls=tuple(cross_urls)),
-            ratio=config.cross_ratio,
-            name=config.cross_model_name,
-        )
-        if cross_urls
-        else None
-    )
     spec = ConsumerSpec(
         agent=name,
         fn=fn,
         target=LLMTarget(urls=tuple(normalize_urls(config.llm))),
-        cross=cross,
+        cross=rollout.cross(),
         model_dir=str(model_dir),
-        model_name=config.model_name or ("tiny" if config.model == "tiny" else model_dir.name),
+        model_name=rollout.model_name or ("tiny" if rollout.model == "tiny" else model_dir.name),
         reward_fn=reward_fn,
         settings=config.consumer,
     )
     log.info(
         "consumer config",
-        **{**settings.flatten(config), "llm": list(spec.target.urls), "cross_model": cross_urls},
+        **{
+            **settings.flatten(config),
+            "llm": list(spec.target.urls),
+            "cross_model": normalize_urls(list(rollout.cross_model)),
+        },
         **source,
         style=agent.style,
         kind=agent.kind,
@@ -241,7 +190,7 @@ def format_counters(counters: Counters) -> str:
 
 def cmd_consumer(args: argparse.Namespace) -> int:
     config, source = config_from_args(args)  # a ValueError: `error: ...`, exit 2 (agentarium.cli)
-    name = parse_agent(config.agent, config.env)[0]
+    name = parse_agent(config.agent, config.rollout.env)[0]
     return run_async(lambda: consume(args, config, source), service=f"agentarium-consumer-{name}")
 
 
