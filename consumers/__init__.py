@@ -21,7 +21,7 @@ from .errors import (
 )
 from .fleet import Fleet, FleetPolicy
 from .llm import ChatResult, TracingLLM
-from .process import ConsumerProcess, build_agent, parse_agent
+from .process import ConsumerProcess, RolloutSettings, build_agent, parse_agent
 from .proxy import TracingProxy
 from .service import (
     ConsumerService,
@@ -62,6 +62,7 @@ __all__ = [
     "LLMError",
     "LLMTarget",
     "RewardError",
+    "RolloutSettings",
     "TracingLLM",
     "TracingProxy",
     "VerifiersAgent",

@@ -16,24 +16,14 @@ from schemas import SchemaError, check_name, check_settings, section, setting
 from .agents import load_callable
 from .config import ConsumerSettings
 from .env_agent import DEFAULT_MAX_TURNS, env_agent
+from .service import CrossTarget, LLMTarget, normalize_urls
 
 
 @dataclass(frozen=True, kw_only=True)
-class ConsumerProcess:
-    """One ``agentarium consumer`` process: what it runs (the agent, its model and LLM
-    servers), then how (``ConsumerSettings``)."""
+class RolloutSettings:
+    """What a consumer runs besides the agent and its LLM servers: ``agentarium consumer``
+    and ``agentarium eval run`` both hold this section."""
 
-    agent: str = setting(
-        metavar="NAME=module:function|NAME",
-        help="agent name and its rollout function, e.g. toy=examples.toy:rollout. The function "
-        "is rollout(task, llm) (async or not) or rollout(task, endpoint, model), or a Ray "
-        "remote function. A bare NAME with --env runs the generic function-call agent instead",
-    )
-    llm: tuple[str, ...] = setting(
-        metavar="URL",
-        help="SGLang-compatible server (or `agentarium engine`); repeat for a fleet: "
-        "least-loaded balancing, every sample of a group on the same server",
-    )
     env: str | None = setting(
         None,
         metavar="ENV",
@@ -53,7 +43,7 @@ class ConsumerProcess:
         "tiny",
         metavar="PATH|tiny",
         help="model directory whose tokenizer and chat template render prompts (default: the "
-        "built-in tiny model)",
+        "built-in tiny model); with `eval run --openai-base`: the API's model name",
     )
     model_name: str | None = setting(
         None, help="model name handed to endpoint-style agents and spans (default: from --model)"
@@ -63,18 +53,22 @@ class ConsumerProcess:
         metavar="module:fn",
         help="reward function fn(task, result, trajectory) -> float | dict",
     )
-    # Cross-sampling (as `eval run --cross-model`): a call goes to this second model with
-    # probability cross_ratio; recorded with policy false, never trained on.
+    # Cross-sampling: a call goes to this second model with probability cross_ratio;
+    # recorded with policy false, never trained on.
     cross_model: tuple[str, ...] = setting(
         (),
         metavar="URL",
-        help="cross-sampling: a second model's server (SGLang or `agentarium engine`; repeat "
-        "for a fleet) sharing the policy's tokenizer (checked at start); each LLM call goes "
-        "there with probability --cross-ratio, and is recorded as not the policy's: the trainer "
-        "keeps its tokens as context and trains only on the policy's",
+        help="cross-sampling: a second model's server, of the first one's kind (SGLang or "
+        "`agentarium engine`, repeat for a fleet, sharing the policy's tokenizer: checked at "
+        "start; or one OpenAI-compatible base with `eval run --openai-base`); each LLM call "
+        "goes there with probability --cross-ratio, and is recorded as not the policy's: the "
+        "trainer keeps its tokens as context and trains only on the policy's",
     )
     cross_model_name: str = setting(
-        "cross", metavar="NAME", help="the second model's name in the recorded calls"
+        "cross",
+        metavar="NAME",
+        help="the second model's name in the recorded calls (and its API model name with "
+        "`eval run --openai-base`)",
     )
     cross_ratio: float = setting(
         0.5,
@@ -83,6 +77,53 @@ class ConsumerProcess:
         metavar="P",
         help="probability that a call goes to --cross-model, decided per call",
     )
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+
+    def cross(
+        self, *, openai: bool = False, api_key: str | None = None, seed: int | None = None
+    ) -> CrossTarget | None:
+        """The cross-sampling target (None without --cross-model): SGLang-compatible
+        servers, or with ``openai`` the one OpenAI-compatible base named ``cross_model_name``."""
+        urls = normalize_urls(list(self.cross_model))
+        if not urls:
+            return None
+        if openai:
+            if len(self.cross_model) != 1:
+                raise ValueError(
+                    "with an OpenAI-compatible model, --cross-model is one base URL, "
+                    f"got {len(self.cross_model)}"
+                )
+            target = LLMTarget(
+                openai_base=self.cross_model[0].rstrip("/"),
+                openai_model=self.cross_model_name,
+                api_key=api_key,
+            )
+        else:
+            target = LLMTarget(urls=tuple(urls))
+        return CrossTarget(
+            target=target, ratio=self.cross_ratio, name=self.cross_model_name, seed=seed
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConsumerProcess:
+    """One ``agentarium consumer`` process: what it runs (the agent, its model and LLM
+    servers), then how (``ConsumerSettings``)."""
+
+    agent: str = setting(
+        metavar="NAME=module:function|NAME",
+        help="agent name and its rollout function, e.g. toy=examples.toy:rollout. The function "
+        "is rollout(task, llm) (async or not) or rollout(task, endpoint, model), or a Ray "
+        "remote function. A bare NAME with --env runs the generic function-call agent instead",
+    )
+    llm: tuple[str, ...] = setting(
+        metavar="URL",
+        help="SGLang-compatible server (or `agentarium engine`); repeat for a fleet: "
+        "least-loaded balancing, every sample of a group on the same server",
+    )
+    rollout: RolloutSettings = section(RolloutSettings)
     consumer: ConsumerSettings = section(ConsumerSettings)
 
     def __post_init__(self) -> None:
@@ -116,7 +157,8 @@ def parse_agent(value: str, env: str | None = None) -> tuple[str, str]:
 def build_agent(config: ConsumerProcess) -> tuple[str, Any]:
     """The agent's name and callable: the generic agent with ``env``, else the imported
     function (``load_callable``)."""
-    name, spec_text = parse_agent(config.agent, config.env)
-    if config.env:
-        return name, env_agent(config.env, max_turns=config.max_turns)
+    rollout = config.rollout
+    name, spec_text = parse_agent(config.agent, rollout.env)
+    if rollout.env:
+        return name, env_agent(rollout.env, max_turns=rollout.max_turns)
     return name, load_callable(spec_text, "agent")

@@ -135,7 +135,11 @@ async def test_the_consumer_refuses_a_cross_model_with_another_tokenizer(nats_ur
     ]  # fmt: skip
     args = build_parser().parse_args(argv)
     config, source = consumer_cmd.config_from_args(args)
-    assert (config.cross_model, config.cross_model_name, config.cross_ratio) == (
+    assert (
+        config.rollout.cross_model,
+        config.rollout.cross_model_name,
+        config.rollout.cross_ratio,
+    ) == (
         (other.url,),
         "llama",
         0.3,

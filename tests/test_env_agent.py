@@ -186,14 +186,14 @@ async def test_eval_run_with_env_runs_the_generic_agent_in_process(
         fake_model(reply=scripted(template, solve_sql)) as model,
         sql_worker(settings),
     ):
-        cfg = EvalConfig(agent="db", agent_fn=None, env="sql", tasks_file=file, k=2,
-                         out_dir=tmp_path / "out", llm=(model.url,))  # fmt: skip
+        cfg = EvalConfig.of(agent="db", env="sql", tasks_file=str(file), k=2,
+                            out_dir=str(tmp_path / "out"), llm=(model.url,))  # fmt: skip
         assert await EvalRun(cfg, settings, out=open(os.devnull, "w")).run() == 0
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["reward_mean"] == 1.0 and summary["missing"] == 0
     with pytest.raises(ValueError, match="not both|one or the other"):
-        EvalRun(EvalConfig(agent="db", agent_fn="examples.toy:rollout", env="sql",
-                           tasks_file=file, llm=(model.url,)), settings)  # fmt: skip
+        EvalRun(EvalConfig.of(agent="db=examples.toy:rollout", env="sql",
+                              tasks_file=str(file), llm=(model.url,)), settings)  # fmt: skip
 
 
 # ---- the turn limit and a full context ----------------------------------------------------------
@@ -420,7 +420,7 @@ def test_consumer_env_flags_config_keys_and_errors(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("agent: db\nenv: shell\nmax_turns: 3\nllm: http://a:1\n")
     config, source = consumer_cmd.config_from_args(cli("consumer", "--config", str(path)))
-    assert (config.env, config.max_turns) == ("shell", 3)
+    assert (config.rollout.env, config.rollout.max_turns) == ("shell", 3)
     assert source["set_by"]["env"] == "file"
 
     def refused(*argv: str) -> str:

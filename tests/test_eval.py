@@ -145,16 +145,15 @@ async def test_cross_sampling_records_both_models_and_export(js, topology, nats_
         await server.start()
     tasks = write_tasks(tmp_path / "tasks.jsonl", 6)
     out = tmp_path / "cross"
-    cfg = EvalConfig(
-        agent="calc",
-        agent_fn="examples.calculator:rollout",
-        tasks_file=tasks,
+    cfg = EvalConfig.of(
+        agent="calc=examples.calculator:rollout",
+        tasks_file=str(tasks),
         k=2,
-        out_dir=out,
+        out_dir=str(out),
         run="evalcross",
         llm=(primary.url,),
         model="tiny",
-        cross_model=second.url,
+        cross_model=(second.url,),
         cross_model_name="big",
         cross_ratio=0.5,
         seed=3,

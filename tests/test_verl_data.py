@@ -137,12 +137,11 @@ async def test_eval_run_reads_a_verl_parquet(nats_url, tmp_path):
     fake = FakeSGLang(output_ids=[51, 258], text="3")  # always answers "3"
     await fake.start()
     try:
-        cfg = EvalConfig(
-            agent="toy",
-            agent_fn="examples.toy:rollout",
-            tasks_file=path,
+        cfg = EvalConfig.of(
+            agent="toy=examples.toy:rollout",
+            tasks_file=str(path),
             k=2,
-            out_dir=tmp_path / "eval",
+            out_dir=str(tmp_path / "eval"),
             run="evalverl",
             llm=(fake.url,),
             model="tiny",

@@ -19,7 +19,6 @@ from consumers import (
     ConsumerService,
     ConsumerSpec,
     Counters,
-    CrossTarget,
     LLMTarget,
     build_agent,
     load_callable,
@@ -56,7 +55,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[ConsumerProcess, dict]:
     """The settings from defaults, --config, flags and overrides, and where they came from."""
     resolved = resolve(args, KEYS)
     config: ConsumerProcess = resolved.build(ConsumerProcess)
-    parse_agent(config.agent, config.env)
+    parse_agent(config.agent, config.rollout.env)
     if not normalize_urls(config.llm):
         raise ValueError("no LLM server: pass --llm URL (repeat it for a fleet) or set llm:")
     return config, resolved.describe()
@@ -64,37 +63,32 @@ def config_from_args(args: argparse.Namespace) -> tuple[ConsumerProcess, dict]:
 
 async def consume(args: argparse.Namespace, config: ConsumerProcess, source: dict) -> int:
     nats_settings = settings_from_args(args)
+    rollout = config.rollout
     try:
         name, fn = build_agent(config)
         agent = AgentSpec.of(fn, name)
-        reward_fn = load_callable(config.reward, "reward function") if config.reward else None
-        model_dir = resolve_model(config.model)
+        reward_fn = load_callable(rollout.reward, "reward function") if rollout.reward else None
+        model_dir = resolve_model(rollout.model)
     except (AgentLoadError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    cross_urls = normalize_urls(list(config.cross_model or ()))
-    cross = (
-        CrossTarget(
-            target=LLMTarget(urls=tuple(cross_urls)),
-            ratio=config.cross_ratio,
-            name=config.cross_model_name,
-        )
-        if cross_urls
-        else None
-    )
     spec = ConsumerSpec(
         agent=name,
         fn=fn,
         target=LLMTarget(urls=tuple(normalize_urls(config.llm))),
-        cross=cross,
+        cross=rollout.cross(),
         model_dir=str(model_dir),
-        model_name=config.model_name or ("tiny" if config.model == "tiny" else model_dir.name),
+        model_name=rollout.model_name or ("tiny" if rollout.model == "tiny" else model_dir.name),
         reward_fn=reward_fn,
         settings=config.consumer,
     )
     log.info(
         "consumer config",
-        **{**settings.flatten(config), "llm": list(spec.target.urls), "cross_model": cross_urls},
+        **{
+            **settings.flatten(config),
+            "llm": list(spec.target.urls),
+            "cross_model": normalize_urls(list(rollout.cross_model)),
+        },
         **source,
         style=agent.style,
         kind=agent.kind,
@@ -136,7 +130,7 @@ def format_counters(counters: Counters) -> str:
 
 def cmd_consumer(args: argparse.Namespace) -> int:
     config, source = config_from_args(args)  # a ValueError: `error: ...`, exit 2 (agentarium.cli)
-    name = parse_agent(config.agent, config.env)[0]
+    name = parse_agent(config.agent, config.rollout.env)[0]
     return run_async(lambda: consume(args, config, source), service=f"agentarium-consumer-{name}")
 
 

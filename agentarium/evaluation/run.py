@@ -21,7 +21,6 @@ import hashlib
 import json
 import sys
 from collections import defaultdict
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,6 @@ from consumers import (
     ConsumerService,
     ConsumerSettings,
     ConsumerSpec,
-    CrossTarget,
     EnvAgent,
     LLMTarget,
     env_agent,
@@ -43,10 +41,12 @@ from consumers import (
 from producers import RunSession, TrajectoryReader, make_job, task_id_of
 from producers import read_task_file as load_task_file
 from schemas import Job, Sampling, SchemaError, Trajectory, check_name
+from schemas import settings as schema_settings
 
 from ..progress import ProgressBar
 from ..tiny import resolve_model
 from . import report
+from .config import EvalConfig
 
 log = structlog.get_logger("agentarium.eval")
 
@@ -57,40 +57,6 @@ IDENTITY = ("agent", "tasks_sha256", "k", "run")
 
 class EvalError(ValueError):
     """The eval cannot run as asked; the message says what to change."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class EvalConfig:
-    agent: str
-    agent_fn: str | None  # module:function for an in-process consumer; None: running consumers
-    # The generic function-call agent on this environment, in an in-process consumer.
-    env: str | None = None
-    max_turns: int = 10
-    tasks_file: Path
-    k: int = 1
-    out_dir: Path | None = None
-    run: str | None = None
-    llm: tuple[str, ...] = ()
-    openai_base: str | None = None
-    api_key: str | None = None
-    model: str = (
-        "tiny"  # tokenizer dir (or tiny) with --llm; the API's model name with --openai-base
-    )
-    model_name: str | None = None
-    cross_model: str | None = None
-    cross_model_name: str = "cross"
-    cross_ratio: float = 0.0
-    resume: bool = False
-    concurrency: int = 32
-    deadline_s: float = 600.0
-    max_new_tokens: int | None = None
-    temperature: float | None = None
-    ack_wait_s: float = 60.0
-    attempts: int = 3
-    timeout_s: float | None = None
-    success_threshold: float = 1.0
-    seed: int | None = None
-    reward: str | None = None
 
 
 def read_task_file(path: Path) -> tuple[list[dict], list[str], str]:
@@ -121,11 +87,17 @@ def read_task_file(path: Path) -> tuple[list[dict], list[str], str]:
 
 def default_run(cfg: EvalConfig, tasks_sha: str) -> str:
     model = cfg.openai_base or ",".join(cfg.llm) or "consumers"
-    parts = [cfg.agent, tasks_sha, cfg.k, model, cfg.model, cfg.cross_model, cfg.cross_ratio]
-    if cfg.env:  # an eval without it keeps the run id it always had
-        parts += [cfg.env, cfg.max_turns]
+    rollout = cfg.rollout
+    # Spelled as when --cross-model was one URL and its ratio 0 without it, so an eval keeps
+    # the run id it always had (and --resume finds it).
+    crosses = list(rollout.cross_model)
+    cross = crosses[0] if len(crosses) == 1 else (crosses or None)
+    ratio = rollout.cross_ratio if crosses else 0.0
+    parts = [cfg.agent_name, tasks_sha, cfg.k, model, rollout.model, cross, ratio]
+    if rollout.env:  # an eval without it keeps the run id it always had
+        parts += [rollout.env, rollout.max_turns]
     blob = json.dumps(parts)
-    return f"eval-{cfg.agent}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"[:128]
+    return f"eval-{cfg.agent_name}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"[:128]
 
 
 def job_for(run: str, task: dict, task_id: str, attempt: int, retry: int, cfg: EvalConfig) -> Job:
@@ -136,7 +108,7 @@ def job_for(run: str, task: dict, task_id: str, attempt: int, retry: int, cfg: E
         temperature=defaults.temperature if cfg.temperature is None else cfg.temperature,
     )
     return make_job(
-        agent=cfg.agent,
+        agent=cfg.agent_name,
         task=task,
         task_id=task_id,
         run=run,
@@ -158,32 +130,26 @@ class EvalRun:
         self, cfg: EvalConfig, settings: NatsSettings, out=sys.stdout, err=sys.stderr
     ) -> None:
         self.cfg = cfg
+        self.agent = cfg.agent_name
+        rollout = cfg.rollout
         self.settings = settings
         self.out = out
         self.err = err
-        self.tasks, self.task_ids, self.tasks_sha = read_task_file(cfg.tasks_file)
+        self.tasks, self.task_ids, self.tasks_sha = read_task_file(Path(cfg.tasks_file))
         self.run_id = cfg.run or default_run(cfg, self.tasks_sha)
         check_name(self.run_id, "run")
-        check_name(cfg.agent, "agent")
-        if cfg.k < 1:
-            raise EvalError("--k must be >= 1")
-        self.out_dir = cfg.out_dir or Path("evals") / self.run_id
-        self.primary_name = cfg.model_name or (
-            cfg.model if cfg.openai_base else Path(cfg.model).name
+        self.out_dir = Path(cfg.out_dir) if cfg.out_dir else Path("evals") / self.run_id
+        self.primary_name = rollout.model_name or (
+            rollout.model if cfg.openai_base else Path(rollout.model).name
         )
-        if cfg.env and cfg.agent_fn:
-            raise EvalError(
-                f"agent {cfg.agent}={cfg.agent_fn} names its own rollout function, and env "
-                f"{cfg.env} asks for the generic function-call agent: pass one or the other"
-            )
-        self.in_process = bool(cfg.agent_fn or cfg.env)
+        self.in_process = bool(cfg.agent_fn or rollout.env)
         self.env_agent: EnvAgent | None = None
-        if cfg.env:
+        if rollout.env:
             try:
-                self.env_agent = env_agent(cfg.env, max_turns=cfg.max_turns)
+                self.env_agent = env_agent(rollout.env, max_turns=rollout.max_turns)
             except ValueError as exc:
-                raise EvalError(f"--env {cfg.env!r}: {exc}") from None
-        if cfg.cross_model and not self.in_process:
+                raise EvalError(f"--env {rollout.env!r}: {exc}") from None
+        if rollout.cross_model and not self.in_process:
             raise EvalError(
                 "cross-sampling wraps the consumer's backend, so it needs an in-process "
                 "consumer: pass --agent NAME=module:function (or --env ENV)"
@@ -195,23 +161,22 @@ class EvalRun:
             )
 
     def manifest(self) -> dict[str, Any]:
-        cfg = self.cfg
+        cfg, rollout = self.cfg, self.cfg.rollout
         return {
             "version": 1,
-            "agent": cfg.agent,
+            "agent": self.agent,
             "run": self.run_id,
             "k": cfg.k,
             "tasks_file": str(cfg.tasks_file),
             "tasks_sha256": self.tasks_sha,
             "task_ids": self.task_ids,
             "model": self.primary_name,
-            "cross_model": cfg.cross_model_name if cfg.cross_model else None,
-            "cross_ratio": cfg.cross_ratio if cfg.cross_model else 0.0,
+            "cross_model": rollout.cross_model_name if rollout.cross_model else None,
+            "cross_ratio": rollout.cross_ratio if rollout.cross_model else 0.0,
             "success_threshold": cfg.success_threshold,
-            "config": {
+            "config": {  # its settings only: never the api_key
                 k: str(v) if isinstance(v, Path) else v
-                for k, v in asdict(cfg).items()
-                if k not in ("api_key",)
+                for k, v in schema_settings.flatten(cfg).items()
             },
         }
 
@@ -241,7 +206,7 @@ class EvalRun:
         try:
             await session.start()  # its feed starts before the read: nothing is missed
             js, topology = session.js, session.topology
-            stored = await TrajectoryReader(js, topology).read(self.run_id, cfg.agent)
+            stored = await TrajectoryReader(js, topology).read(self.run_id, self.agent)
             final, pending = self._plan(stored)
             results_path = self.out_dir / report.RESULTS
             report.write_results(results_path, report.ordered(final, self.task_ids))
@@ -310,35 +275,27 @@ class EvalRun:
         return final, pending
 
     async def _start_consumer(self, js: Any, topology: Topology) -> ConsumerService:
-        cfg = self.cfg
+        cfg, rollout = self.cfg, self.cfg.rollout
         assert self.in_process, "run() starts an in-process consumer only with agent_fn or env"
         fn = self.env_agent or load_callable(cfg.agent_fn or "", "agent")
-        reward_fn = load_callable(cfg.reward, "reward function") if cfg.reward else None
+        reward_fn = load_callable(rollout.reward, "reward function") if rollout.reward else None
         if cfg.openai_base:
             target = LLMTarget(
-                openai_base=cfg.openai_base.rstrip("/"), openai_model=cfg.model, api_key=cfg.api_key
+                openai_base=cfg.openai_base.rstrip("/"),
+                openai_model=rollout.model,
+                api_key=cfg.api_key,
             )
             template, model_dir = None, None
         else:
             target = LLMTarget(urls=tuple(normalize_urls(list(cfg.llm))))
-            model_dir = str(resolve_model(cfg.model))
+            model_dir = str(resolve_model(rollout.model))
             template = ChatTemplate.from_model_dir(model_dir)
-        cross = None
-        if cfg.cross_model:
-            second = (
-                LLMTarget(
-                    openai_base=cfg.cross_model.rstrip("/"),
-                    openai_model=cfg.cross_model_name,
-                    api_key=cfg.api_key,
-                )
-                if cfg.openai_base
-                else LLMTarget(urls=tuple(normalize_urls(cfg.cross_model)))
-            )
-            cross = CrossTarget(
-                target=second, ratio=cfg.cross_ratio, name=cfg.cross_model_name, seed=cfg.seed
-            )
+        try:
+            cross = rollout.cross(openai=bool(cfg.openai_base), api_key=cfg.api_key, seed=cfg.seed)
+        except ValueError as exc:
+            raise EvalError(str(exc)) from None
         spec = ConsumerSpec(
-            agent=cfg.agent,
+            agent=self.agent,
             fn=fn,
             target=target,
             model_dir=model_dir,
@@ -346,14 +303,12 @@ class EvalRun:
             reward_fn=reward_fn,
             cross=cross,
             settings=ConsumerSettings.of(
-                **{
-                    "concurrency": cfg.concurrency,
-                    "proxy_host": "127.0.0.1",
-                    "advertise_host": "127.0.0.1",
-                    "attempts": cfg.attempts,
-                    "ack_wait_s": cfg.ack_wait_s,
-                    "worker_id": f"{self.run_id}-{cfg.agent}"[:120],
-                },
+                concurrency=cfg.concurrency,
+                proxy_host="127.0.0.1",
+                advertise_host="127.0.0.1",
+                attempts=cfg.attempts,
+                ack_wait_s=cfg.ack_wait_s,
+                worker_id=f"{self.run_id}-{self.agent}"[:120],
             ),
         )
         service = ConsumerService(js, topology, spec, template=template)
@@ -366,7 +321,7 @@ class EvalRun:
         )
         summary["run"] = self.run_id
         (self.out_dir / report.SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
-        title = f"eval {self.run_id}: agent {cfg.agent} ({self.out_dir})"
+        title = f"eval {self.run_id}: agent {self.agent} ({self.out_dir})"
         print(report.format_table(summary, title=title), file=self.out, flush=True)
         return 0 if summary["missing"] == 0 else 1
 
