@@ -25,44 +25,88 @@ import nats
 import nats.errors
 import structlog
 
+from schemas import setting, settings
+
 from .errors import BrokerUnavailable
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
 log = structlog.get_logger("agentarium.broker")
 
-_ENV = {
-    "url": "AGENTARIUM_NATS_URL",
-    "user": "AGENTARIUM_NATS_USER",
-    "password": "AGENTARIUM_NATS_PASSWORD",
-    "token": "AGENTARIUM_NATS_TOKEN",
-    "creds_file": "AGENTARIUM_NATS_CREDS",
-    "nkey_seed_file": "AGENTARIUM_NATS_NKEY",
-    "tls_ca": "AGENTARIUM_NATS_TLS_CA",
-    "tls_cert": "AGENTARIUM_NATS_TLS_CERT",
-    "tls_key": "AGENTARIUM_NATS_TLS_KEY",
-    "prefix": "AGENTARIUM_PREFIX",
-}
-
 
 @dataclass(frozen=True, kw_only=True)
 class NatsSettings:
-    url: str = DEFAULT_URL
-    user: str | None = None
-    password: str | None = None
-    token: str | None = None
-    creds_file: str | None = None
-    nkey_seed_file: str | None = None
-    tls_ca: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    prefix: str = "agentarium"
-    connect_timeout_s: float = 5.0
+    """How a process reaches NATS; each flag (``--nats-*``, ``--prefix``) overrides its
+    environment variable, which overrides the default."""
+
+    url: str = setting(
+        DEFAULT_URL,
+        flag="--nats-url",
+        metavar="URL",
+        env="AGENTARIUM_NATS_URL",
+        help="server URL(s), comma-separated",
+    )
+    user: str | None = setting(
+        None, flag="--nats-user", metavar="USER", env="AGENTARIUM_NATS_USER", help="username"
+    )
+    password: str | None = setting(
+        None,
+        flag="--nats-password",
+        metavar="PASSWORD",
+        env="AGENTARIUM_NATS_PASSWORD",
+        help="password (prefer the env var)",
+    )
+    token: str | None = setting(
+        None, flag="--nats-token", metavar="TOKEN", env="AGENTARIUM_NATS_TOKEN", help="auth token"
+    )
+    creds_file: str | None = setting(
+        None,
+        flag="--nats-creds",
+        metavar="FILE",
+        env="AGENTARIUM_NATS_CREDS",
+        help="a .creds file, JWT + nkey",
+    )
+    nkey_seed_file: str | None = setting(
+        None,
+        flag="--nats-nkey",
+        metavar="FILE",
+        env="AGENTARIUM_NATS_NKEY",
+        help="an nkey seed file",
+    )
+    tls_ca: str | None = setting(
+        None,
+        flag="--nats-tls-ca",
+        metavar="FILE",
+        env="AGENTARIUM_NATS_TLS_CA",
+        help="CA bundle to verify the server",
+    )
+    tls_cert: str | None = setting(
+        None,
+        flag="--nats-tls-cert",
+        metavar="FILE",
+        env="AGENTARIUM_NATS_TLS_CERT",
+        help="client certificate",
+    )
+    tls_key: str | None = setting(
+        None,
+        flag="--nats-tls-key",
+        metavar="FILE",
+        env="AGENTARIUM_NATS_TLS_KEY",
+        help="client key",
+    )
+    prefix: str = setting(
+        "agentarium",
+        flag="--prefix",
+        metavar="NAME",
+        env="AGENTARIUM_PREFIX",
+        help="subject/stream prefix (default agentarium)",
+    )
+    connect_timeout_s: float = setting(5.0, flagless="how long one connection attempt may take")
     # A server that stops answering without closing the connection (a partition, a host gone)
     # is noticed after max_outstanding_pings unanswered pings: 20-30 s here, where nats-py's
     # defaults (120 s, 2) leave a client waiting on it for 4-6 minutes; then the client
     # reconnects to another server of the cluster.
-    ping_interval_s: float = 10.0
-    max_outstanding_pings: int = 2
+    ping_interval_s: float = setting(10.0, flagless="see the comment: a silent server's bound")
+    max_outstanding_pings: int = setting(2, flagless="see ping_interval_s")
 
     def __post_init__(self) -> None:
         for url in self.servers:
@@ -89,7 +133,11 @@ class NatsSettings:
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> NatsSettings:
         """Settings from AGENTARIUM_* variables; non-None ``overrides`` (flags) win."""
         env = os.environ if env is None else env
-        values: dict[str, Any] = {name: env[var] for name, var in _ENV.items() if env.get(var)}
+        values: dict[str, Any] = {
+            key.name: env[key.meta.env]
+            for key in settings.keys(cls)
+            if key.meta.env and env.get(key.meta.env)
+        }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 import typing
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ class Meta:
     group: str | None = None  # the --help section
     parse: Callable[[str], Any] | None = None  # the flag's text -> value, when type() is wrong
     negate: bool = False  # a bool whose default is true: --no-<flag> turns it off
+    env: str | None = None  # an environment variable that sets it when the flag is absent
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,6 +77,7 @@ def setting(
     group: str | None = None,
     parse: Callable[[str], Any] | None = None,
     negate: bool = False,
+    env: str | None = None,
 ) -> Any:
     """A settings field. ``help`` is the flag's help (the default is appended to it);
     ``flagless`` says why a key has no flag; ``ge``/``gt``/``le`` and ``choices`` are checked
@@ -93,6 +96,7 @@ def setting(
         group=group,
         parse=parse,
         negate=negate,
+        env=env,
     )
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata={META: meta})
@@ -226,3 +230,67 @@ def _check_one(name: str, value: Any, meta: Meta) -> None:
 
 def _num(value: float) -> str:
     return str(int(value)) if float(value).is_integer() and abs(value) < 1e15 else str(value)
+
+
+def coerce(value: Any, kind: Any) -> Any:
+    """``value`` as ``kind`` (bool, int, float, str, X | None, tuple[X, ...], Any); raises
+    ValueError whose message is what ``kind`` accepts."""
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        for option in inner:
+            try:
+                return coerce(value, option)
+            except (TypeError, ValueError):
+                continue
+        raise ValueError(" or ".join(_describe(a) for a in args))
+    if origin is tuple:
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)):
+            raise ValueError(_describe(kind))
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(coerce(v, args[0]) for v in items)
+        if len(items) != len(args):
+            raise ValueError(_describe(kind))
+        return tuple(coerce(v, a) for v, a in zip(items, args, strict=True))
+    if kind is Any:
+        return value
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+    elif kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+    elif kind is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)  # "3e-4": YAML 1.1 reads it as a string
+            except ValueError:
+                pass
+    elif kind is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)  # run: 2024 is the run "2024"
+    raise ValueError(_describe(kind))
+
+
+def _describe(kind: Any) -> str:
+    if kind is type(None):
+        return "null"
+    if typing.get_origin(kind) is tuple:
+        args = typing.get_args(kind)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return f"a list of {_describe(args[0])}"
+        return f"a list of {len(args)} values ({', '.join(_describe(a) for a in args)})"
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    return names.get(kind, str(kind))

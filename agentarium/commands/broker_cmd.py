@@ -91,7 +91,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         settings = NatsSettings.from_env(
             {"AGENTARIUM_PREFIX": os.environ.get("AGENTARIUM_PREFIX", "")},
             url=server.url,
-            prefix=args.prefix,
+            prefix=args.nats_prefix,
         )
         return await _init(args, settings)
 
@@ -188,6 +188,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     up.add_argument(
         "--prefix",
+        dest="nats_prefix",  # as add_nats_flags names it
         metavar="NAME",
         help="subject/stream prefix to provision (env AGENTARIUM_PREFIX, default agentarium)",
     )

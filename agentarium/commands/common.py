@@ -25,6 +25,11 @@ from broker import (
     setup_tracing,
     shutdown_tracing,
 )
+from schemas import settings
+
+from .flags import add_settings
+
+NATS_PREFIX = "nats_"  # the connection flags' dests: nats_url, nats_prefix, ...
 
 
 class Parser(argparse.ArgumentParser):
@@ -83,44 +88,12 @@ def positive_int(text: str) -> int:
 
 
 def add_nats_flags(parser: argparse.ArgumentParser) -> None:
+    """``--nats-url`` and the rest: ``NatsSettings``' fields (broker/settings.py)."""
     group = parser.add_argument_group(
         "NATS connection",
         "Each flag overrides its environment variable; by default the server at nats://127.0.0.1:4222.",
     )
-    group.add_argument(
-        "--nats-url", metavar="URL", help="server URL(s), comma-separated (env AGENTARIUM_NATS_URL)"
-    )
-    group.add_argument("--nats-user", metavar="USER", help="username (env AGENTARIUM_NATS_USER)")
-    group.add_argument(
-        "--nats-password",
-        metavar="PASSWORD",
-        help="password (env AGENTARIUM_NATS_PASSWORD; prefer the env var)",
-    )
-    group.add_argument(
-        "--nats-token", metavar="TOKEN", help="auth token (env AGENTARIUM_NATS_TOKEN)"
-    )
-    group.add_argument(
-        "--nats-creds", metavar="FILE", help="a .creds file, JWT + nkey (env AGENTARIUM_NATS_CREDS)"
-    )
-    group.add_argument(
-        "--nats-nkey", metavar="FILE", help="an nkey seed file (env AGENTARIUM_NATS_NKEY)"
-    )
-    group.add_argument(
-        "--nats-tls-ca",
-        metavar="FILE",
-        help="CA bundle to verify the server (env AGENTARIUM_NATS_TLS_CA)",
-    )
-    group.add_argument(
-        "--nats-tls-cert", metavar="FILE", help="client certificate (env AGENTARIUM_NATS_TLS_CERT)"
-    )
-    group.add_argument(
-        "--nats-tls-key", metavar="FILE", help="client key (env AGENTARIUM_NATS_TLS_KEY)"
-    )
-    group.add_argument(
-        "--prefix",
-        metavar="NAME",
-        help="subject/stream prefix (env AGENTARIUM_PREFIX, default agentarium)",
-    )
+    add_settings(group, NatsSettings, prefix=NATS_PREFIX)
 
 
 def add_metrics_flags(parser: argparse.ArgumentParser) -> None:
@@ -152,17 +125,9 @@ def metrics_server(args: argparse.Namespace) -> MetricsServer | None:
 
 
 def settings_from_args(args: argparse.Namespace) -> NatsSettings:
+    flags = settings.keys(NatsSettings, NATS_PREFIX)
     return NatsSettings.from_env(
-        url=args.nats_url,
-        user=args.nats_user,
-        password=args.nats_password,
-        token=args.nats_token,
-        creds_file=args.nats_creds,
-        nkey_seed_file=args.nats_nkey,
-        tls_ca=args.nats_tls_ca,
-        tls_cert=args.nats_tls_cert,
-        tls_key=args.nats_tls_key,
-        prefix=args.prefix,
+        **{key.path[-1]: getattr(args, key.name, None) for key in flags if key.flag}
     )
 
 

@@ -21,10 +21,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import types
 import typing
 from collections.abc import Callable, Mapping
-from dataclasses import MISSING, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,9 @@ import yaml
 from schemas import settings
 
 from .common import add_metrics_flags, add_nats_flags
+from .flags import Append, add_settings, flag_values
+
+__all__ = ["Append", "add_settings", "flag_values"]  # re-exported: commands import them here
 
 SOURCES = ("file", "flag", "override")  # what can set a key, lowest precedence first
 
@@ -304,166 +306,6 @@ def unknown_key(
 
 def _coerce_at(where: str, key: str, value: Any, keys: ConfigKeys) -> Any:
     try:
-        return coerce(value, keys.types[key])
+        return settings.coerce(value, keys.types[key])
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: {key} must be {exc}, got {value!r}") from None
-
-
-def coerce(value: Any, kind: Any) -> Any:
-    """``value`` as ``kind`` (bool, int, float, str, X | None, tuple[X, ...], Any); raises
-    ValueError whose message is what ``kind`` accepts."""
-    origin, args = typing.get_origin(kind), typing.get_args(kind)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        for option in inner:
-            try:
-                return coerce(value, option)
-            except (TypeError, ValueError):
-                continue
-        raise ValueError(" or ".join(_describe(a) for a in args))
-    if origin is tuple:
-        items = [value] if isinstance(value, str) else value
-        if not isinstance(items, (list, tuple)):
-            raise ValueError(_describe(kind))
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(coerce(v, args[0]) for v in items)
-        if len(items) != len(args):
-            raise ValueError(_describe(kind))
-        return tuple(coerce(v, a) for v, a in zip(items, args, strict=True))
-    if kind is Any:
-        return value
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-    elif kind is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-    elif kind is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)  # "3e-4": YAML 1.1 reads it as a string
-            except ValueError:
-                pass
-    elif kind is str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return str(value)  # run: 2024 is the run "2024"
-    raise ValueError(_describe(kind))
-
-
-def _describe(kind: Any) -> str:
-    if kind is type(None):
-        return "null"
-    if typing.get_origin(kind) is tuple:
-        args = typing.get_args(kind)
-        if len(args) == 2 and args[1] is Ellipsis:
-            return f"a list of {_describe(args[0])}"
-        return f"a list of {len(args)} values ({', '.join(_describe(a) for a in args)})"
-    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
-    return names.get(kind, str(kind))
-
-
-def add_settings(parser: argparse.ArgumentParser, *classes: type) -> None:
-    """A flag for every setting of ``classes`` that has one, derived from its field: the
-    name (``schemas.settings.flag_for``, or the setting's ``flag``), the type from the
-    annotation (``bool`` a switch, ``tuple[X, ...]`` a repeatable flag, ``X | None`` an X),
-    choices, metavar, the help with the default, and the ``--help`` section (``group``).
-    The dest is the key, so ``resolve`` reads flags, files and overrides alike."""
-    groups: dict[str, argparse._ArgumentGroup] = {}
-    for klass in classes:
-        for key in settings.keys(klass):
-            if key.flag is None:
-                continue
-            meta = key.meta
-            target: Any = parser
-            if meta.group:
-                if meta.group not in groups:
-                    groups[meta.group] = parser.add_argument_group(meta.group)
-                target = groups[meta.group]
-            target.add_argument(*_flag_names(key), **_flag_options(key))
-
-
-def _flag_names(key: settings.Key) -> list[str]:
-    flag = key.flag
-    assert flag is not None
-    if key.meta.negate:
-        return ["--no-" + flag[2:]]
-    return [flag]
-
-
-def _flag_options(key: settings.Key) -> dict[str, Any]:
-    meta, f = key.meta, key.field
-    kind = _base(typing.get_type_hints(key.owner)[key.path[-1]])
-    default = f.default if f.default is not dataclasses.MISSING else None
-    options: dict[str, Any] = {"dest": key.name, "default": default}
-    if key.required:
-        options["required"] = True
-    help_text = meta.help
-    if kind is bool:
-        options["action"] = "store_false" if meta.negate else "store_true"
-        options["default"] = default if isinstance(default, bool) else False
-        options["help"] = help_text
-        return options
-    if meta.metavar:
-        options["metavar"] = meta.metavar
-    elif key.name.endswith("_s") and kind is float:
-        options["metavar"] = "SECONDS"
-    elif kind is int:
-        options["metavar"] = "N"
-    if meta.choices is not None:
-        options["choices"] = list(meta.choices)
-    origin, args = typing.get_origin(kind), typing.get_args(kind)
-    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
-        options["action"] = Append
-        options["type"] = meta.parse or _base(args[0])
-        options["default"] = default if default is not None else ()
-    elif origin is tuple:
-        options["nargs"] = len(args)
-        options["type"] = meta.parse or _base(args[0])
-    else:
-        options["type"] = meta.parse or (kind if kind in (int, float, str) else str)
-    shown = options["default"]
-    if shown not in (None, (), "") and "default" not in help_text:
-        help_text += " (default %(default)s)"
-    options["help"] = help_text
-    return options
-
-
-def _base(kind: Any) -> Any:
-    """``X | None`` -> ``X``."""
-    if typing.get_origin(kind) in (typing.Union, types.UnionType):
-        inner = [a for a in typing.get_args(kind) if a is not type(None)]
-        if len(inner) == 1:
-            return inner[0]
-    return kind
-
-
-class Append(argparse.Action):
-    """``append`` whose default is not a list (a tuple, wrapped in ``Unset`` until
-    ``resolve``): the first use starts a fresh list instead of adding to the default."""
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:  # type: ignore[no-untyped-def]
-        current = getattr(namespace, self.dest, None)
-        items = list(current) if isinstance(current, list) else []
-        setattr(namespace, self.dest, [*items, values])
-
-
-def flag_values(args: argparse.Namespace, klass: type) -> dict[str, Any]:
-    """The flat values of ``klass``'s flagged settings, read from ``args`` (a command without
-    ``--config``: flags only; ``settings.build(klass, values)`` makes the instance)."""
-    values = {key.name: getattr(args, key.name) for key in settings.keys(klass) if key.flag}
-    # a flag left out of a field with a default factory reads None: the factory decides
-    factories = {k.name for k in settings.keys(klass) if k.field.default_factory is not MISSING}
-    values = {k: v for k, v in values.items() if not (v is None and k in factories)}
-    # a repeated flag collects a list (Append); the field holds a tuple
-    return {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
