@@ -50,7 +50,7 @@ from .provision import (
 )
 from .publisher import JetStreamPublisher
 from .registry import live_workers, publish_worker, remove_worker
-from .server import NatsServer, find_nats_server, free_port
+from .server import NatsServer, find_nats_server, free_port, is_loopback
 from .settings import NatsSettings
 from .status import BrokerStatus, collect_status, count_messages, format_status
 from .stream_metrics import StreamMetrics, collect_stream_metrics
@@ -122,6 +122,7 @@ __all__ = [
     "format_status",
     "format_sweep",
     "free_port",
+    "is_loopback",
     "inject_headers",
     "is_transient",
     "is_unavailable",

@@ -142,3 +142,14 @@ def engine_url(tiny_dir):
 
     with local_engine(tiny_dir) as url:
         yield url
+
+
+@pytest.fixture
+async def fake():
+    """An SGLang fake (tests/fake_sglang.py) on a free port, closed after the test."""
+    from fake_sglang import FakeSGLang
+
+    server = FakeSGLang()
+    await server.start()
+    yield server
+    await server.close()

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +23,31 @@ from broker import NatsServer, free_port
 ROOT = Path(__file__).resolve().parents[1]
 OPS_NATS = ROOT / "ops" / "nats"
 CLUSTER_NODES = ("a", "b", "c")
+# The users of ops/nats/auth.conf, one per role
+ROLES = (
+    "admin",
+    "producer",
+    "consumer",
+    "trainer",
+    "sync",
+    "orchestrator",
+    "dashboard",
+    "environment",
+)
+
+
+def agentarium_cli(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
+    """``python -m agentarium ARGS`` from the checkout, with ``env`` added to a child's."""
+    from agentarium.demo.processes import child_env
+
+    return subprocess.run(
+        [sys.executable, "-m", "agentarium", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=child_env(**env),
+    )
 
 
 def render(src: Path, dest: Path, replace: dict[str, str]) -> Path:

@@ -11,7 +11,6 @@ import io
 import json
 import secrets
 import subprocess
-import sys
 import time
 
 import agentlib
@@ -19,13 +18,11 @@ import nats
 import nats.errors
 import nats.js.errors
 import pytest
-from fake_sglang import FakeSGLang
 from nats.js.api import AckPolicy, ConsumerConfig
-from nats_configs import ROOT, single_node
+from nats_configs import ROLES, agentarium_cli, single_node
 from worker_env import worker_for
 
 from agentarium.dashboard import DashboardConfig, LiveView
-from agentarium.demo.processes import child_env
 from broker import Topology, collect_env_status, provision, record_engine, round_trip
 from broker.provision import ensure_provisioned
 from producers import TaskProducer, TrajectoryReader
@@ -33,16 +30,6 @@ from trainer.live import LiveMetrics
 from trainer.metrics import StepMetrics
 from trainer.tasks import discover_agents
 
-ROLES = (
-    "admin",
-    "producer",
-    "consumer",
-    "trainer",
-    "sync",
-    "orchestrator",
-    "dashboard",
-    "environment",
-)
 REFUSED_TIMEOUT_S = 1.0  # a refused JetStream request gets no answer: don't wait long for it
 
 
@@ -129,23 +116,9 @@ async def settle(who: Login) -> None:
     await round_trip(who.nc, timeout_s=2)
 
 
-@pytest.fixture
-async def fake():
-    server = FakeSGLang()
-    await server.start()
-    yield server
-    await server.close()
-
-
 def cli(*args: str, user: str, password: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    env = child_env(AGENTARIUM_NATS_USER=user, AGENTARIUM_NATS_PASSWORD=password)
-    return subprocess.run(
-        [sys.executable, "-m", "agentarium", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-        env=env,
+    return agentarium_cli(
+        *args, timeout=timeout, AGENTARIUM_NATS_USER=user, AGENTARIUM_NATS_PASSWORD=password
     )
 
 

@@ -17,7 +17,6 @@ import aiohttp
 import pytest
 import yaml
 from chromium import Chromium
-from fake_sglang import FakeSGLang
 from worker_env import worker_for
 
 from agentarium.cli import main
@@ -31,14 +30,6 @@ from trainer.metrics import StepMetrics
 RUN = "r1"
 TRACE_URL = "http://localhost:16686/trace/{trace_id}"
 SHOT_ENV = "AGENTARIUM_DASHBOARD_SCREENSHOT"  # also save the page there (docs/dashboard.png)
-
-
-@pytest.fixture
-async def fake():
-    server = FakeSGLang()
-    await server.start()
-    yield server
-    await server.close()
 
 
 def dashboard(js, topology, **overrides) -> DashboardServer:

@@ -26,6 +26,7 @@ from urllib.parse import urlparse
 
 import pytest
 import yaml
+from nats_configs import ROLES
 
 from agentarium.cli import build_parser
 from broker import Topology
@@ -947,16 +948,7 @@ def test_auth_config_keeps_secrets_out_and_gives_every_role_its_inbox():
     users = re.findall(
         r"\{\s*user:\s*(\w+),\s*password:\s*(\S+),\s*permissions:\s*\$(\w+)\s*\}", text
     )
-    assert {u for u, _, _ in users} == {
-        "admin",
-        "producer",
-        "consumer",
-        "trainer",
-        "sync",
-        "orchestrator",
-        "dashboard",
-        "environment",
-    }
+    assert {u for u, _, _ in users} == set(ROLES)
     for user, password, perms in users:
         assert password == f"$AGENTARIUM_{user.upper()}_PASSWORD", (
             f"{user}'s password must come from the environment"

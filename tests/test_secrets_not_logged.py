@@ -15,14 +15,12 @@ import asyncio
 import json
 import secrets
 import subprocess
-import sys
 
 import pytest
 import trainlib
 from fake_sglang import FakeSGLang
-from nats_configs import ROOT, single_node
+from nats_configs import agentarium_cli, single_node
 
-from agentarium.demo.processes import child_env
 from agentarium.tiny import ensure_tiny_model
 from broker import BrokerUnavailable, NatsServer, NatsSettings, Topology, free_port
 
@@ -31,13 +29,8 @@ RUN, AGENT = "secrets", "toy"
 
 
 def run_cli(*args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "agentarium", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-        env=child_env(AGENTARIUM_LOG_LEVEL="debug", AGENTARIUM_LOG_FORMAT="json", **env),
+    return agentarium_cli(
+        *args, timeout=timeout, AGENTARIUM_LOG_LEVEL="debug", AGENTARIUM_LOG_FORMAT="json", **env
     )
 
 

@@ -143,14 +143,6 @@ async def test_shared_path_mode(js, topology, tiny, tmp_path):
 # ---- the syncer ----------------------------------------------------------------------------------
 
 
-@pytest.fixture
-async def fake():
-    server = FakeSGLang()
-    await server.start()
-    yield server
-    await server.close()
-
-
 async def test_syncer_drives_sglang_pause_update_continue(js, topology, fake, tmp_path):
     ahead = FakeSGLang(weight_version="5")
     await ahead.start()

@@ -23,14 +23,6 @@ from schemas import DeadLetter, Job, decode, encode
 
 
 @pytest.fixture
-async def fake():
-    server = FakeSGLang()
-    await server.start()
-    yield server
-    await server.close()
-
-
-@pytest.fixture
 async def two_fakes():
     servers = [FakeSGLang(), FakeSGLang()]
     for s in servers:

@@ -32,7 +32,6 @@ engine the stream missed (it stalled, restarted, or was left out) to it from the
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import socket
 import time
 from dataclasses import dataclass, field
@@ -42,7 +41,14 @@ from urllib.parse import urlsplit
 import aiohttp
 import structlog
 
-from broker import CONTROL_TIMEOUT_S, EngineControl, EngineControlError, Topology, record_engine
+from broker import (
+    CONTROL_TIMEOUT_S,
+    EngineControl,
+    EngineControlError,
+    Topology,
+    is_loopback,
+    record_engine,
+)
 from schemas import WeightUpdate, check_name
 
 if TYPE_CHECKING:
@@ -87,10 +93,10 @@ class StreamConfig:
         if self.master_address:
             return self.master_address
         hosts = [urlsplit(url).hostname or "" for url in self.engines]
-        if all(_is_loopback(host) for host in hosts):
+        if all(is_loopback(host) for host in hosts):
             return "127.0.0.1"
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((next(h for h in hosts if not _is_loopback(h)), 9))  # sends nothing
+            probe.connect((next(h for h in hosts if not is_loopback(h)), 9))  # sends nothing
             return probe.getsockname()[0]
 
 
@@ -536,15 +542,6 @@ def stream_publisher(
         )
 
     return make
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _said(exc: EngineControlError) -> str:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import signal
 import sys
 import time
@@ -26,7 +25,7 @@ import nats.errors
 import structlog
 from aiohttp import web
 
-from broker import MetricsServer, NatsSettings, Topology, collect_stream_metrics
+from broker import MetricsServer, NatsSettings, Topology, collect_stream_metrics, is_loopback
 
 from .config import DashboardConfig
 from .view import LiveView
@@ -49,15 +48,6 @@ SECURITY_HEADERS = {
     "Cache-Control": "no-store",
 }
 LOCAL_NAMES = {"localhost", "127.0.0.1", "::1"}
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _host_name(header: str) -> str:
