@@ -9,8 +9,10 @@ lets an exception from them escape (the session is closed with a failure outcome
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import Any
 
 from schemas import Observation, Outcome, StepResult
 
@@ -44,3 +46,14 @@ class Environment(ABC):
         if not outcomes:
             return None
         return {"score": sum(o.score for o in outcomes) / len(outcomes)}
+
+
+def check_options(env_cls: type[Environment], options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` if ``env_cls(**options)`` can be called, else a ValueError naming them."""
+    try:
+        inspect.signature(env_cls).bind(**options)
+    except TypeError as exc:
+        raise ValueError(
+            f"{env_cls.__qualname__} does not take the options {sorted(options)}: {exc}"
+        ) from None
+    return dict(options)

@@ -1,8 +1,7 @@
-"""An environment worker's settings and its sessions' state."""
+"""An environment worker's settings."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import socket
@@ -11,8 +10,6 @@ from dataclasses import dataclass, field
 from importlib import metadata
 
 from schemas import check_name
-
-from .base import Environment
 
 
 def default_worker_id() -> str:
@@ -56,30 +53,3 @@ class EnvWorkerConfig:
             raise ValueError("idle_timeout_s and janitor_interval_s must be > 0")
         if self.max_observation_bytes < 4096:
             raise ValueError("max_observation_bytes must be >= 4096")
-
-
-@dataclass(eq=False)
-class Session:
-    session_id: str
-    env: Environment
-    deadline_at: float  # time.monotonic()
-    last_active: float
-    started_reply: bytes  # answered again to a retried start
-    job_id: str = ""
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    last_seq: int = 0
-    last_reply: bytes | None = None
-    steps: int = 0
-    closed: bool = False
-    expiring: bool = False  # the janitor is closing it
-
-
-@dataclass(frozen=True)
-class Tombstone:
-    """What is left of a closed session: why it ended, and the answer its close got (the reply,
-    or the error code and message), so a retried close gets the same answer."""
-
-    until: float
-    reason: str
-    reply: bytes | None = None
-    error: tuple[int, str] | None = None

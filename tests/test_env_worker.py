@@ -148,7 +148,7 @@ async def test_a_start_delivered_after_the_worker_gave_up_its_subscription_is_an
     subscription still answers (here 503, full) for a while."""
     # a linger far longer than this test takes on a loaded machine: the race is injected below
     async with serving(settings, capacity=1, start_linger_s=60.0) as worker:
-        old = worker._start_sub
+        old = worker.admission.subscription
         await EnvClient(nc).start("echo", {})
         await until(lambda: not worker.accepting)
         rejected = worker.counters.rejected
