@@ -7,8 +7,8 @@ Rules (docs/design.md "Environment sessions"):
   environments/admission.py.
 - Every later request of a session goes to ``<p>.env.<name>.s.<worker>.<session>``: one
   wildcard subscription per worker, each request handled in its own task, one at a time per
-  session (a lock). Steps carry ``seq``: the last seq again gets the stored reply (the step is
-  never run twice), any other than the next is refused (409).
+  session (a lock), by environments/calls.py. Steps carry ``seq``: the last seq again gets the
+  stored reply (the step is never run twice), any other than the next is refused (409).
 - Observations are capped (environments/caps.py). Idle sessions expire, a session's deadline is
   enforced (a step cut by it: 408), and every expiry closes the environment
   (environments/sessions.py).
@@ -16,8 +16,8 @@ Rules (docs/design.md "Environment sessions"):
 - ``drain()`` (SIGTERM): no new sessions; open ones finish or expire, at most ``drain_grace_s``;
   then the worker unsubscribes and ``wait()`` returns.
 
-This module answers requests (each one an ``environments.request.Request``); the modules above
-hold the state they change.
+This module holds the lifecycle and answers starts; every answer goes through an
+``environments.request.Request`` (the message, its endpoint, when it began).
 """
 
 from __future__ import annotations
@@ -35,23 +35,21 @@ from nats.aio.subscription import Subscription
 
 from broker import Topology, round_trip
 from schemas import (
-    EnvCall,
     EnvStart,
     EnvStarted,
     EnvWorkerStats,
     Observation,
-    Outcome,
     SchemaError,
-    StepResult,
     decode,
 )
 
 from .admission import Admission
 from .base import Environment, check_options
-from .caps import TooLarge, cap_observation, cap_step_result
+from .calls import SessionCalls
+from .caps import TooLarge, cap_observation
 from .config import EnvWorkerConfig
 from .metrics import EnvMetrics
-from .request import Replier, ReplyTooLarge, Request, describe, error_code
+from .request import Replier, Request, describe, error_code
 from .service import Endpoint, EndpointCounters, EnvService, class_path
 from .sessions import Session, SessionTable
 from .stats import WorkerCounters
@@ -102,6 +100,9 @@ class EnvWorker:
             spawn=self._spawn,
         )
         self._replier = Replier(nc, self.counters, self.metrics)
+        self.calls = SessionCalls(
+            config, env_cls.__qualname__, self.sessions, self.counters, self.metrics
+        )
         self._gate = asyncio.Semaphore(config.max_starting)
         self._session_sub: Subscription | None = None
         self._service: EnvService | None = None
@@ -352,141 +353,6 @@ class EnvWorker:
         self.sessions.abandon(start.session_id)
         await req.error(code, message)
 
-    # ---- session requests ----------------------------------------------------------------
     async def _on_session(self, msg: Msg) -> None:
-        self._spawn(self._handle_call(self._replier.request(msg, self._session_ep)))
-
-    async def _handle_call(self, req: Request) -> None:
-        msg = req.msg
-        session_id = msg.subject.rsplit(".", 1)[-1]
-        if len(msg.data) > self.config.max_request_bytes:
-            await req.error(
-                413,
-                f"request of {len(msg.data)} bytes is over this worker's limit of "
-                f"{self.config.max_request_bytes}",
-            )
-            return
-        try:
-            call = decode(EnvCall, msg.data, req.content_type)
-        except SchemaError as exc:
-            await req.error(400, f"not a valid EnvCall: {exc}")
-            return
-        session = self.sessions.get(session_id)
-        if session is None:
-            await self._gone(req, session_id, call)
-            return
-        async with session.lock:
-            if session.closed:
-                await self._gone(req, session_id, call)
-                return
-            session.last_active = time.monotonic()
-            if call.op == "close":
-                await self._close(session, req)
-            else:
-                await self._step(session, req, call)
-            session.last_active = time.monotonic()
-
-    async def _step(self, session: Session, req: Request, call: EnvCall) -> None:
-        if call.seq == session.last_seq and session.last_reply is not None:
-            await req.reply(session.last_reply)  # a retry: never run twice
-            return
-        if call.seq != session.last_seq + 1:
-            await req.error(
-                409,
-                f"session {session.session_id}: expected seq {session.last_seq + 1} (or "
-                f"{session.last_seq} again), got {call.seq}",
-            )
-            return
-        remaining = session.deadline_at - time.monotonic()
-        try:
-            async with asyncio.timeout(max(0.0, remaining)) as limit:
-                result = await session.env.step(call.message)
-            if not isinstance(result, StepResult):
-                raise TypeError(
-                    f"{self.env_cls.__qualname__}.step returned {type(result).__name__}, "
-                    "not a StepResult"
-                )
-            result = dataclasses.replace(result, seq=call.seq)
-            result = cap_step_result(result, self.config.max_observation_bytes)
-        except TimeoutError as exc:
-            if not limit.expired():
-                await self._step_raised(session, req, exc)
-                return
-            await self.sessions.end(session, "its deadline passed during a step", expired=True)
-            await req.error(408, f"session {session.session_id}: its deadline passed")
-            return
-        except Exception as exc:  # noqa: BLE001 - an environment's bug must not stop the worker
-            await self._step_raised(session, req, exc)
-            return
-        reply = req.encode(result)
-        if over := req.too_large(reply):
-            await self._step_raised(session, req, ReplyTooLarge(over))
-            return
-        session.last_seq, session.last_reply = call.seq, reply
-        session.steps += 1
-        seconds = (time.perf_counter_ns() - req.began) / 1e9
-        self.counters.steps += 1
-        self.counters.latencies_s.append(seconds)
-        self.metrics.steps.inc()
-        self.metrics.step_seconds.observe(seconds)
-        await req.reply(reply)
-
-    async def _step_raised(self, session: Session, req: Request, exc: BaseException) -> None:
-        log.warning(
-            "environment step raised; session closed",
-            session=session.session_id,
-            job_id=session.job_id,
-            exc_info=exc,
-        )
-        self.counters.errors += 1
-        self.metrics.errors.inc()
-        await self.sessions.end(session, "the environment raised during a step")
-        await req.error(
-            error_code(exc, 500),
-            f"session {session.session_id}: step raised {describe(exc)}; the session is closed",
-        )
-
-    async def _close(self, session: Session, req: Request) -> None:
-        session.closed = True
-        try:
-            outcome = await asyncio.wait_for(session.env.close(), self.config.close_timeout_s)
-            if not isinstance(outcome, Outcome):
-                raise TypeError(
-                    f"{self.env_cls.__qualname__}.close returned {type(outcome).__name__}, "
-                    "not an Outcome"
-                )
-            reply = req.encode(dataclasses.replace(outcome, steps=session.steps))
-            if over := req.too_large(reply):
-                raise ReplyTooLarge(over)
-        except Exception as exc:  # noqa: BLE001
-            log.warning("environment close failed", session=session.session_id, exc_info=exc)
-            self.counters.errors += 1
-            self.metrics.errors.inc()
-            if isinstance(exc, ReplyTooLarge):
-                detail = f"its outcome cannot be sent: {exc}"
-            else:
-                detail = f"close raised {describe(exc)}"
-            error = (error_code(exc, 500), f"session {session.session_id}: {detail}")
-            self.sessions.forget(session, f"closed; {detail}", error=error)
-            await req.error(*error)
-            return
-        self.counters.closed += 1
-        self.metrics.closed.inc()
-        self.sessions.forget(session, "closed", reply)
-        await req.reply(reply)
-
-    async def _gone(self, req: Request, session_id: str, call: EnvCall) -> None:
-        tomb = self.sessions.tombstones.get(session_id)
-        if tomb is not None and call.op == "close" and tomb.reply is not None:
-            await req.reply(tomb.reply)  # a retried close
-            return
-        if tomb is not None and call.op == "close" and tomb.error is not None:
-            await req.error(*tomb.error)  # the same failure
-            return
-        why = (
-            f"session {session_id} ended here: {tomb.reason}"
-            if tomb is not None
-            else f"no session {session_id} on worker {self.config.worker_id}: expired, closed, "
-            "or its worker restarted"
-        )
-        await req.error(404, why)
+        """Each session request in its own task: sessions step concurrently."""
+        self._spawn(self.calls.handle(self._replier.request(msg, self._session_ep)))
