@@ -73,6 +73,8 @@ class EnvWorker:
     ) -> None:
         if not (isinstance(env_cls, type) and issubclass(env_cls, Environment)):
             raise TypeError(f"{env_cls!r} is not a subclass of environments.Environment")
+        if not config.name:
+            raise ValueError("EnvWorkerConfig.name is empty: name the environment it serves")
         self.options = check_options(env_cls, options or {})
         self.nc = nc
         self.topology = topology
