@@ -40,7 +40,7 @@ from typing import Any, ClassVar
 
 import aiohttp
 
-from schemas import Observation, Outcome, StepResult
+from schemas import Observation, SessionOutcome, StepResult
 
 from .agentbench_http import (
     AgentBenchError,
@@ -192,7 +192,7 @@ class AgentBenchEnvironment(Environment):
             seq=self._steps, messages=messages, reward=reward, done=self._done, info=info
         )
 
-    async def close(self) -> Outcome:
+    async def close(self) -> SessionOutcome:
         info: dict[str, Any] = {"index": self._index, "dialect": self._dialect}
         try:
             if self._session_id is not None and not (self._done or self._gone):
@@ -209,7 +209,7 @@ class AgentBenchEnvironment(Environment):
             info["result"] = (
                 self._result if len(text) <= RESULT_INFO_CHARS else text[:RESULT_INFO_CHARS]
             )
-        return Outcome(score=score, metrics=metrics, info=info, steps=self._steps)
+        return SessionOutcome(score=score, metrics=metrics, info=info, steps=self._steps)
 
     @classmethod
     def indices(cls) -> list[str]:
@@ -220,7 +220,7 @@ class AgentBenchEnvironment(Environment):
         return list(cls._index_table)
 
     @classmethod
-    def overall(cls, outcomes: Sequence[Outcome]) -> dict[str, float] | None:
+    def overall(cls, outcomes: Sequence[SessionOutcome]) -> dict[str, float] | None:
         """The mean score, plus the numbers of the worker's own ``/calculate_overall`` over
         these outcomes (prefixed ``worker.``) when it can compute them."""
         scores = super().overall(outcomes)
@@ -492,7 +492,7 @@ def _table(answer: Any) -> dict[str, Any]:
     return {str(i): i for i in answer}
 
 
-def _task_output(outcome: Outcome) -> dict:
+def _task_output(outcome: SessionOutcome) -> dict:
     """An outcome as AgentBench's ``TaskOutput`` for ``/calculate_overall``."""
     status = str(outcome.info.get("status") or "unknown")
     if status == CANCELLED and outcome.info.get("dialect") == "classic":

@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
-from schemas import Observation, Outcome, StepResult
+from schemas import Observation, SessionOutcome, StepResult
 
 
 class Environment(ABC):
@@ -32,7 +32,7 @@ class Environment(ABC):
         """Run the assistant message ``action`` (``content`` and ``tool_calls``)."""
 
     @abstractmethod
-    async def close(self) -> Outcome:
+    async def close(self) -> SessionOutcome:
         """End the episode and score it; release every resource. Called exactly once."""
 
     @classmethod
@@ -41,7 +41,7 @@ class Environment(ABC):
         return []
 
     @classmethod
-    def overall(cls, outcomes: Sequence[Outcome]) -> dict[str, float] | None:
+    def overall(cls, outcomes: Sequence[SessionOutcome]) -> dict[str, float] | None:
         """An optional overall score over many episodes (default: the mean score)."""
         if not outcomes:
             return None

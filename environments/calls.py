@@ -16,7 +16,7 @@ import time
 
 import structlog
 
-from schemas import EnvCall, Outcome, SchemaError, StepResult, decode
+from schemas import EnvCall, SchemaError, SessionOutcome, StepResult, decode
 
 from .caps import cap_step_result
 from .config import EnvWorkerConfig
@@ -139,9 +139,9 @@ class SessionCalls:
         session.closed = True
         try:
             outcome = await asyncio.wait_for(session.env.close(), self.config.close_timeout_s)
-            if not isinstance(outcome, Outcome):
+            if not isinstance(outcome, SessionOutcome):
                 raise TypeError(
-                    f"{self.env_name}.close returned {type(outcome).__name__}, not an Outcome"
+                    f"{self.env_name}.close returned {type(outcome).__name__}, not a SessionOutcome"
                 )
             reply = req.encode(dataclasses.replace(outcome, steps=session.steps))
             if over := req.too_large(reply):
