@@ -40,7 +40,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from environments import Environment  # noqa: E402
-from schemas import Observation, Outcome, StepResult  # noqa: E402
+from schemas import Observation, SessionOutcome, StepResult  # noqa: E402
 
 STEPS = 5
 TOOLS = [
@@ -91,8 +91,10 @@ class LightEnv(Environment):
             done=done,
         )
 
-    async def close(self) -> Outcome:
-        return Outcome(score=1.0 if self.steps == STEPS else 0.0, metrics={"steps": self.steps})
+    async def close(self) -> SessionOutcome:
+        return SessionOutcome(
+            score=1.0 if self.steps == STEPS else 0.0, metrics={"steps": self.steps}
+        )
 
 
 # ---- the HTTP task worker -------------------------------------------------------------------

@@ -39,8 +39,8 @@ from schemas import (
     EnvStart,
     EnvStarted,
     Observation,
-    Outcome,
     SchemaError,
+    SessionOutcome,
     StepResult,
     decode,
     encode,
@@ -211,7 +211,7 @@ class EnvSession:
         self.worker = ""
         self.subject = ""
         self.observation: Observation | None = None
-        self.outcome: Outcome | None = None
+        self.outcome: SessionOutcome | None = None
         self.seq = 0
         self.done = False
         self.rewards: list[float] = []
@@ -366,7 +366,7 @@ class EnvSession:
         return result
 
     # ---- close ---------------------------------------------------------------------------
-    async def close(self) -> Outcome:
+    async def close(self) -> SessionOutcome:
         """End the session and get its score; a second call returns the same outcome."""
         if self.outcome is not None:
             return self.outcome
@@ -376,7 +376,7 @@ class EnvSession:
             raise EnvRequestError("close before start", env=self.name, session=self.session_id)
         with self._span("env.close", "CHAIN", seq=self.seq) as span:
             reply = await self._call(encode(EnvCall(op="close")), "close", span)
-            outcome = decode(Outcome, reply.data, (reply.headers or {}).get("Content-Type"))
+            outcome = decode(SessionOutcome, reply.data, (reply.headers or {}).get("Content-Type"))
             self.outcome = outcome
             span.set_attribute("agentarium.env.score", outcome.score)
             span.set_attribute("agentarium.env.steps", outcome.steps)

@@ -7,7 +7,7 @@ and the observation cap.
 """
 
 from .agentbench import AgentBenchEnvironment, AgentBenchError, bridge_class
-from .base import Environment
+from .base import Environment, check_options
 from .caps import TooLarge, cap_observation, cap_step_result
 from .config import EnvWorkerConfig, default_worker_id
 from .registry import BUILTIN, EnvironmentLoadError, load_environment, service_name
@@ -16,7 +16,7 @@ from .service import KIND as SERVICE_KIND
 from .shell import ShellEnvironment
 from .sql import SqlEnvironment
 from .stats import WorkerCounters
-from .worker import EnvWorker, check_options
+from .worker import EnvWorker
 
 __all__ = [
     "AgentBenchEnvironment",

@@ -35,17 +35,39 @@ from __future__ import annotations
 import json
 import logging
 import secrets
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from typing import Any, ClassVar
-from urllib.parse import urlsplit
 
 import aiohttp
 
-from schemas import Observation, Outcome, StepResult
+from schemas import Observation, SessionOutcome, StepResult
 
+from .agentbench_http import (
+    AgentBenchError,
+    BadTask,
+    SessionIdTaken,
+    SessionLost,
+    TaskFailed,
+    WorkerProtocolError,
+    WorkerUnavailable,
+    request,
+    request_sync,
+    traceback_tail,
+    worker_api,
+)
 from .base import Environment
+
+__all__ = [
+    "AgentBenchEnvironment",
+    "AgentBenchError",
+    "BadTask",
+    "SessionLost",
+    "TaskFailed",
+    "WorkerProtocolError",
+    "WorkerUnavailable",
+    "bridge_class",
+    "worker_api",
+]
 
 log = logging.getLogger("agentarium.environments")
 
@@ -54,49 +76,6 @@ RUNNING, TASK_ERROR, CANCELLED = "running", "task error", "cancelled"
 # A classic sample's result has no common score field: these are read in this order.
 SCORE_KEYS = ("score", "reward", "result", "is_correct", "correct", "success")
 RESULT_INFO_CHARS = 4096  # a bigger result goes into the outcome's info cut to this
-
-
-class AgentBenchError(Exception):
-    """Root of the bridge's errors; ``code`` is the environment error code it stands for."""
-
-    code = 500
-
-
-class WorkerUnavailable(AgentBenchError):
-    code = 503
-
-
-class SessionLost(AgentBenchError):
-    code = 404
-
-
-class BadTask(AgentBenchError):
-    code = 400
-
-
-class TaskFailed(AgentBenchError):
-    code = 500
-
-
-class WorkerProtocolError(AgentBenchError):
-    code = 500
-
-
-class _SessionIdTaken(WorkerProtocolError):
-    """``/start_sample`` refused the session id (another controller chose it): draw again."""
-
-
-def worker_api(url: str) -> str:
-    """The worker's API base as AgentBench writes it (``--self http://host:5001/api``); a bare
-    ``http://host:port`` gets AgentBench's ``/api`` prefix."""
-    url = url.strip().rstrip("/")
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ValueError(
-            f"AgentBench worker URL {url!r}: expected http(s)://host:port[/api], "
-            "e.g. http://127.0.0.1:5001/api"
-        )
-    return url if parts.path else url + "/api"
 
 
 def bridge_class(url: str, **options: Any) -> type[AgentBenchEnvironment]:
@@ -213,7 +192,7 @@ class AgentBenchEnvironment(Environment):
             seq=self._steps, messages=messages, reward=reward, done=self._done, info=info
         )
 
-    async def close(self) -> Outcome:
+    async def close(self) -> SessionOutcome:
         info: dict[str, Any] = {"index": self._index, "dialect": self._dialect}
         try:
             if self._session_id is not None and not (self._done or self._gone):
@@ -230,18 +209,18 @@ class AgentBenchEnvironment(Environment):
             info["result"] = (
                 self._result if len(text) <= RESULT_INFO_CHARS else text[:RESULT_INFO_CHARS]
             )
-        return Outcome(score=score, metrics=metrics, info=info, steps=self._steps)
+        return SessionOutcome(score=score, metrics=metrics, info=info, steps=self._steps)
 
     @classmethod
     def indices(cls) -> list[str]:
         """The worker's task ids (``/get_indices``), as strings; fetched once per class. This
         blocks (the interface is synchronous): call it before serving, not inside a step."""
         if cls._index_table is None:
-            cls._index_table = _table(_request_sync(cls._bound_url(), "/get_indices", None, 30.0))
+            cls._index_table = _table(request_sync(cls._bound_url(), "/get_indices", None, 30.0))
         return list(cls._index_table)
 
     @classmethod
-    def overall(cls, outcomes: Sequence[Outcome]) -> dict[str, float] | None:
+    def overall(cls, outcomes: Sequence[SessionOutcome]) -> dict[str, float] | None:
         """The mean score, plus the numbers of the worker's own ``/calculate_overall`` over
         these outcomes (prefixed ``worker.``) when it can compute them."""
         scores = super().overall(outcomes)
@@ -250,7 +229,7 @@ class AgentBenchEnvironment(Environment):
         results = [_task_output(o) for o in outcomes]
         try:
             body = {"name": cls.name, "results": results}
-            answer = _request_sync(cls._bound_url(), "/calculate_overall", body, cls.timeout_s)
+            answer = request_sync(cls._bound_url(), "/calculate_overall", body, cls.timeout_s)
         except AgentBenchError as exc:
             log.warning("agentbench overall: the worker could not score: %s", exc)
             return scores
@@ -262,7 +241,7 @@ class AgentBenchEnvironment(Environment):
         """The worker's load (``/worker_status``): ``{"concurrency": n, "current": n}``."""
         timeout = aiohttp.ClientTimeout(total=30.0, sock_connect=cls.connect_timeout_s)
         async with aiohttp.ClientSession(timeout=timeout) as http:
-            answer = await _request(http, cls._bound_url(), "/worker_status", None, lost=False)
+            answer = await request(http, cls._bound_url(), "/worker_status", None, lost=False)
         try:
             return {"concurrency": int(answer["concurrency"]), "current": int(answer["current"])}
         except (TypeError, KeyError, ValueError):
@@ -279,7 +258,7 @@ class AgentBenchEnvironment(Environment):
     async def _call(self, path: str, body: dict | None, **kwargs: Any) -> Any:
         assert self._http is not None, "reset() first"
         try:
-            return await _request(self._http, self.url, path, body, lost=True, **kwargs)
+            return await request(self._http, self.url, path, body, lost=True, **kwargs)
         except SessionLost:
             self._gone = True  # nothing left to cancel
             raise
@@ -318,7 +297,7 @@ class AgentBenchEnvironment(Environment):
         cls = type(self)
         if cls._index_table is None:
             assert self._http is not None
-            answer = await _request(self._http, self.url, "/get_indices", None, lost=False)
+            answer = await request(self._http, self.url, "/get_indices", None, lost=False)
             cls._index_table = _table(answer)
         return cls._index_table
 
@@ -328,14 +307,14 @@ class AgentBenchEnvironment(Environment):
         for _ in range(3):
             session_id = secrets.randbits(53)
             try:
-                reply = await _request(
+                reply = await request(
                     self._http,
                     self.url,
                     "/start_sample",
                     {**body, "session_id": session_id},
                     lost=False,
                 )
-            except _SessionIdTaken:
+            except SessionIdTaken:
                 continue
             self._session_id = session_id
             return reply
@@ -388,7 +367,7 @@ class AgentBenchEnvironment(Environment):
         self._status, self._result = output["status"], output.get("result")
         self._done = self._status != RUNNING
         if self._status == TASK_ERROR:
-            raise TaskFailed(_traceback_tail(self._result, self.url))
+            raise TaskFailed(traceback_tail(self._result, self.url))
         if not opening:  # the worker sends the whole history: keep what followed our turn
             agent = [i for i, h in enumerate(history) if h["role"] == "agent"]
             history = history[agent[-1] + 1 :] if agent else history
@@ -427,83 +406,6 @@ class AgentBenchEnvironment(Environment):
         if self._http is not None:
             await self._http.close()
             self._http = None
-
-
-# ---- HTTP: one request, every failure translated here ------------------------------------
-
-
-async def _request(
-    http: aiohttp.ClientSession,
-    url: str,
-    path: str,
-    body: dict | None,
-    *,
-    lost: bool,
-    timeout: float | None = None,
-) -> Any:
-    """GET (no body) or POST ``url + path``; ``lost``: a failure to reach the worker means the
-    session is gone (it had started), else the worker is unavailable."""
-    kwargs: dict[str, Any] = {} if body is None else {"json": body}
-    if timeout is not None:
-        kwargs["timeout"] = aiohttp.ClientTimeout(total=timeout)
-    try:
-        async with http.request("GET" if body is None else "POST", url + path, **kwargs) as resp:
-            status, text = resp.status, await resp.text(errors="replace")
-    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-        what = type(exc).__name__ if isinstance(exc, TimeoutError) else str(exc) or repr(exc)
-        if lost:
-            raise SessionLost(
-                f"the AgentBench worker at {url} stopped answering mid-session ({path}: {what})"
-            ) from exc
-        raise WorkerUnavailable(
-            f"the AgentBench worker at {url} is unreachable ({path}: {what}); is it running "
-            "and is the URL its API base (http://host:port/api)?"
-        ) from exc
-    return _answer(url, path, status, text)
-
-
-def _request_sync(url: str, path: str, body: dict | None, timeout: float) -> Any:
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(
-        url + path, data=data, headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as resp:
-            return _answer(url, path, resp.status, resp.read().decode("utf-8", "replace"))
-    except urllib.error.HTTPError as exc:
-        return _answer(url, path, exc.code, exc.read().decode("utf-8", "replace"))
-    except (urllib.error.URLError, OSError) as exc:
-        raise WorkerUnavailable(
-            f"the AgentBench worker at {url} is unreachable ({path}: {exc}); is it running?"
-        ) from exc
-
-
-def _answer(url: str, path: str, status: int, text: str) -> Any:
-    """The JSON of a 200; the error for anything else (FastAPI puts it in ``detail``)."""
-    try:
-        data = json.loads(text)
-    except ValueError:
-        data = None
-        if status == 200:
-            raise WorkerProtocolError(
-                f"{url}{path} answered a body that is not JSON: {text[:200]!r}"
-            ) from None
-    if status == 200:
-        return data
-    detail = data.get("detail", data) if isinstance(data, dict) else text[:300]
-    if status == 406:
-        raise WorkerUnavailable(
-            f"the AgentBench worker at {url} is full ({detail}); serve the bridge with a "
-            "--capacity no larger than the worker's concurrency"
-        )
-    if status == 400 and detail == "No such session":
-        raise SessionLost(f"the AgentBench worker at {url} has no such session ({path})")
-    if status == 400 and detail == "Session ID already exists":
-        raise _SessionIdTaken(str(detail))
-    if status == 501 and isinstance(detail, dict):  # classic: the task raised during a turn
-        output = detail.get("output") or {}
-        raise TaskFailed(_traceback_tail(output.get("result"), url))
-    raise WorkerProtocolError(f"{url}{path} answered HTTP {status}: {str(detail)[:300]}")
 
 
 # ---- translations ---------------------------------------------------------------------------
@@ -590,7 +492,7 @@ def _table(answer: Any) -> dict[str, Any]:
     return {str(i): i for i in answer}
 
 
-def _task_output(outcome: Outcome) -> dict:
+def _task_output(outcome: SessionOutcome) -> dict:
     """An outcome as AgentBench's ``TaskOutput`` for ``/calculate_overall``."""
     status = str(outcome.info.get("status") or "unknown")
     if status == CANCELLED and outcome.info.get("dialect") == "classic":
@@ -601,9 +503,3 @@ def _task_output(outcome: Outcome) -> dict:
         "result": outcome.info.get("result"),
         "history": [],
     }
-
-
-def _traceback_tail(result: Any, url: str) -> str:
-    lines = [line for line in str(result or "").strip().splitlines() if line.strip()]
-    tail = f": {lines[-1].strip()}" if lines else ""
-    return f"the AgentBench task raised on the worker at {url}{tail}"

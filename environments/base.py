@@ -9,10 +9,12 @@ lets an exception from them escape (the session is closed with a failure outcome
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import Any
 
-from schemas import Observation, Outcome, StepResult
+from schemas import Observation, SessionOutcome, StepResult
 
 
 class Environment(ABC):
@@ -30,7 +32,7 @@ class Environment(ABC):
         """Run the assistant message ``action`` (``content`` and ``tool_calls``)."""
 
     @abstractmethod
-    async def close(self) -> Outcome:
+    async def close(self) -> SessionOutcome:
         """End the episode and score it; release every resource. Called exactly once."""
 
     @classmethod
@@ -39,8 +41,19 @@ class Environment(ABC):
         return []
 
     @classmethod
-    def overall(cls, outcomes: Sequence[Outcome]) -> dict[str, float] | None:
+    def overall(cls, outcomes: Sequence[SessionOutcome]) -> dict[str, float] | None:
         """An optional overall score over many episodes (default: the mean score)."""
         if not outcomes:
             return None
         return {"score": sum(o.score for o in outcomes) / len(outcomes)}
+
+
+def check_options(env_cls: type[Environment], options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` if ``env_cls(**options)`` can be called, else a ValueError naming them."""
+    try:
+        inspect.signature(env_cls).bind(**options)
+    except TypeError as exc:
+        raise ValueError(
+            f"{env_cls.__qualname__} does not take the options {sorted(options)}: {exc}"
+        ) from None
+    return dict(options)

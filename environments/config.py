@@ -1,18 +1,20 @@
-"""An environment worker's settings and its sessions' state."""
+"""EnvWorkerConfig: every setting of one environment worker, declared once.
+
+``agentarium env serve``'s and ``env bridge``'s flags and file keys are these fields
+(schemas.settings), so a default lives here and nowhere else.
+"""
 
 from __future__ import annotations
 
-import asyncio
+import dataclasses
 import os
 import re
 import socket
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import metadata
 
-from schemas import check_name
-
-from .base import Environment
+from schemas import check_name, check_settings, setting
 
 
 def default_worker_id() -> str:
@@ -30,56 +32,71 @@ def agentarium_version() -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class EnvWorkerConfig:
-    """One worker's settings (``agentarium env serve``'s flags)."""
+    """One worker's settings (``agentarium env serve``'s and ``env bridge``'s flags)."""
 
-    name: str
-    capacity: int = 64
-    max_starting: int = 8
-    idle_timeout_s: float = 300.0
+    # "" until the command chooses it (``named``): a worker refuses to serve without one.
+    name: str = setting(
+        "",
+        help="the name agents open sessions with (default: the built-in's name, else the "
+        "class's `name`, else its name in lower case; `agentbench` for env bridge)",
+    )
+    capacity: int = setting(
+        64, ge=1, help="sessions this worker holds at once; when full it takes no start"
+    )
+    max_starting: int = setting(
+        8,
+        ge=1,
+        metavar="K",
+        help="starts (resets) run at once, so expensive environments start a few at a time",
+    )
+    idle_timeout_s: float = setting(
+        300.0, gt=0, help="a session with no request for this long is closed"
+    )
     # Well below the default max_payload (1 MiB; 8 MB in ops/nats): a bigger observation is cut.
-    max_observation_bytes: int = 256 * 1024
-    max_request_bytes: int = 1024 * 1024
-    drain_grace_s: float = 600.0
-    close_timeout_s: float = 30.0
-    worker_id: str = field(default_factory=default_worker_id)
-    janitor_interval_s: float = 1.0
-    closed_memory_s: float = 120.0  # a retried close still gets its outcome this long
-    # A start subscription given up (full) still answers this long: see EnvWorker._follow_room
-    start_linger_s: float = 2.0
+    max_observation_bytes: int = setting(
+        256 * 1024,
+        ge=4096,
+        metavar="B",
+        help="the most bytes of one reply; a bigger observation has its longest texts cut, "
+        "with a marker, and says truncated. Keep it well under the server's max_payload",
+    )
+    max_request_bytes: int = setting(
+        1024 * 1024,
+        ge=1,
+        metavar="B",
+        help="a step or close bigger than this is refused with 413",
+    )
+    drain_grace_s: float = setting(
+        600.0,
+        ge=0,
+        help="on SIGTERM, how long open sessions may finish before they are closed",
+    )
+    worker_id: str = setting(
+        factory=default_worker_id,
+        help="this worker's id, a subject token (default: host-pid-random)",
+    )
+    close_timeout_s: float = setting(
+        30.0, gt=0, flagless="how long an environment's close may take before it is let go"
+    )
+    janitor_interval_s: float = setting(
+        1.0, gt=0, flagless="how often idle and overdue sessions are looked for"
+    )
+    closed_memory_s: float = setting(
+        120.0, ge=0, flagless="how long a closed session's answer is kept for a retried close"
+    )
+    start_linger_s: float = setting(
+        2.0,
+        ge=0,
+        flagless="how long a start subscription given up (full) still answers what the server "
+        "had routed to it (environments/admission.py)",
+    )
 
     def __post_init__(self) -> None:
-        check_name(self.name, "env")
+        check_settings(self)
+        if self.name:
+            check_name(self.name, "env")
         check_name(self.worker_id, "worker")
-        if self.capacity < 1 or self.max_starting < 1:
-            raise ValueError("capacity and max_starting must be >= 1")
-        if self.idle_timeout_s <= 0 or self.janitor_interval_s <= 0:
-            raise ValueError("idle_timeout_s and janitor_interval_s must be > 0")
-        if self.max_observation_bytes < 4096:
-            raise ValueError("max_observation_bytes must be >= 4096")
 
-
-@dataclass(eq=False)
-class Session:
-    session_id: str
-    env: Environment
-    deadline_at: float  # time.monotonic()
-    last_active: float
-    started_reply: bytes  # answered again to a retried start
-    job_id: str = ""
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    last_seq: int = 0
-    last_reply: bytes | None = None
-    steps: int = 0
-    closed: bool = False
-    expiring: bool = False  # the janitor is closing it
-
-
-@dataclass(frozen=True)
-class Tombstone:
-    """What is left of a closed session: why it ended, and the answer its close got (the reply,
-    or the error code and message), so a retried close gets the same answer."""
-
-    until: float
-    reason: str
-    reply: bytes | None = None
-    error: tuple[int, str] | None = None
+    def named(self, name: str) -> EnvWorkerConfig:
+        """These settings for the environment served as ``name``."""
+        return dataclasses.replace(self, name=name)

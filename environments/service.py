@@ -27,7 +27,10 @@ from nats.micro.service import (
     ServiceStats,
 )
 
-from broker import ENV_SERVICE_KIND
+from broker import ENV_SERVICE_KIND, Topology
+
+from .base import Environment
+from .config import EnvWorkerConfig, agentarium_version
 
 # Service metadata every environment worker carries, so a reader of $SRV.* (broker status,
 # env status) tells them from other services on the same server, and from other prefixes.
@@ -84,6 +87,36 @@ class EnvService(Service):
         self._managed = endpoints
         self._custom_data = custom_data
 
+    @classmethod
+    def for_worker(
+        cls,
+        client: Client,
+        topology: Topology,
+        config: EnvWorkerConfig,
+        env_cls: type[Environment],
+        *,
+        endpoints: list[Endpoint],
+        custom_data: Callable[[], dict[str, Any]],
+    ) -> EnvService:
+        """The service of one worker serving ``env_cls``: named after its environment, its
+        metadata telling env workers (``KIND``) and their prefix apart from other services."""
+        return cls(
+            client,
+            name=topology.env_service(config.name),
+            worker_id=config.worker_id,
+            version=agentarium_version(),
+            description=f"agentarium environment {config.name} ({env_cls.__qualname__})",
+            metadata={
+                "kind": KIND,
+                "prefix": topology.prefix,
+                "env": config.name,
+                "worker": config.worker_id,
+                "class": class_path(env_cls),
+            },
+            endpoints=endpoints,
+            custom_data=custom_data,
+        )
+
     def stats(self) -> ServiceStats:
         stats = []
         for endpoint in self._managed:
@@ -122,3 +155,8 @@ class EnvService(Service):
                 for e in self._managed
             ],
         )
+
+
+def class_path(cls: type) -> str:
+    """``module:QualName``, as ``agentarium env serve`` takes a class."""
+    return f"{cls.__module__}:{cls.__qualname__}"

@@ -20,7 +20,7 @@ from typing import Any
 
 import structlog
 
-from schemas import Observation, Outcome, StepResult
+from schemas import Observation, SessionOutcome, StepResult
 
 from .base import Environment
 from .sandbox import CommandResult, Sandbox, SandboxLimits
@@ -293,7 +293,7 @@ class ShellEnvironment(Environment):
         done = await self.box.run(self.task.evaluation["check"], [answer])
         return float(done.exit_code == 0 and not done.stopped)
 
-    async def close(self) -> Outcome:
+    async def close(self) -> SessionOutcome:
         started = time.monotonic()
         try:
             if self.box is not None:
@@ -301,7 +301,7 @@ class ShellEnvironment(Environment):
         finally:
             self.box = None
         finished = self.score is not None and self.reason in ("answered", "finished")
-        return Outcome(
+        return SessionOutcome(
             score=self.score or 0.0,
             metrics={
                 "steps": float(self.steps),

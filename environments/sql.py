@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from schemas import Observation, Outcome, StepResult
+from schemas import Observation, SessionOutcome, StepResult
 
 from .base import Environment
 
@@ -352,11 +352,11 @@ class SqlEnvironment(Environment):
         return 1.0 if same_multiset(given, expected) else 0.0
 
     # ---- close ---------------------------------------------------------------------------
-    async def close(self) -> Outcome:
+    async def close(self) -> SessionOutcome:
         if self.db is not None:
             self.db.close()
             self.db = None
-        return Outcome(
+        return SessionOutcome(
             score=self.score,
             metrics={
                 "committed": float(self.committed),

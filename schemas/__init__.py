@@ -11,7 +11,7 @@ from .env import (
     EnvStarted,
     EnvWorkerStats,
     Observation,
-    Outcome,
+    SessionOutcome,
     StepResult,
 )
 from .errors import DecodeError, SchemaError
@@ -36,7 +36,7 @@ __all__ = [
     "EnvStarted",
     "EnvWorkerStats",
     "Observation",
-    "Outcome",
+    "SessionOutcome",
     "StepResult",
     "DecodeError",
     "Job",

@@ -144,7 +144,7 @@ class StepResult(WireMessage):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Outcome(WireMessage):
+class SessionOutcome(WireMessage):
     """The reply to a close: how the episode scored."""
 
     WIRE_DOC = "Reply to an EnvCall with op=close: the episode's score."

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .deadletter import DeadLetter
-from .env import EnvCall, EnvError, EnvStart, EnvStarted, EnvWorkerStats, Outcome, StepResult
+from .env import EnvCall, EnvError, EnvStart, EnvStarted, EnvWorkerStats, SessionOutcome, StepResult
 from .fields import SCHEMA_VERSION, WireMessage
 from .job import Job
 from .trajectory import Trajectory
@@ -30,7 +30,7 @@ EXPORTED = {
     "env_started": EnvStarted,
     "env_call": EnvCall,
     "env_step_result": StepResult,
-    "env_outcome": Outcome,
+    "env_outcome": SessionOutcome,
     "env_error": EnvError,
     "env_worker_stats": EnvWorkerStats,
 }

@@ -20,7 +20,7 @@ from collections import Counter
 
 from environments import Environment
 from environments.sql import load_tasks as load_sql_tasks
-from schemas import Observation, Outcome, StepResult
+from schemas import Observation, SessionOutcome, StepResult
 
 
 class EchoEnv(Environment):
@@ -73,12 +73,14 @@ class EchoEnv(Environment):
             info={"instance": self.instance, "step": self.steps},
         )
 
-    async def close(self) -> Outcome:
+    async def close(self) -> SessionOutcome:
         mark = self.task.get("mark")
         if mark in type(self).closed:
             type(self).closed[mark].set()
         info = {"blob": "z" * int(self.task["big_info"])} if self.task.get("big_info") else {}
-        return Outcome(score=float(self.steps), metrics={"steps": float(self.steps)}, info=info)
+        return SessionOutcome(
+            score=float(self.steps), metrics={"steps": float(self.steps)}, info=info
+        )
 
 
 # ---- a scripted policy that solves the shipped sql tasks ----------------------------------------

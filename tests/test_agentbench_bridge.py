@@ -186,14 +186,14 @@ async def test_classic_turns_map_roles_and_take_the_content():
 
 
 def test_overall_adds_the_workers_own_numbers():
-    from schemas import Outcome
+    from schemas import SessionOutcome
 
     with WorkerThread(Worker("classic")) as served:
         outcomes = [
-            Outcome(
+            SessionOutcome(
                 score=1.0, info={"index": 0, "status": "completed", "result": {"result": True}}
             ),
-            Outcome(
+            SessionOutcome(
                 score=0.0, info={"index": 1, "status": "completed", "result": {"result": False}}
             ),
         ]

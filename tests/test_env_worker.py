@@ -148,7 +148,7 @@ async def test_a_start_delivered_after_the_worker_gave_up_its_subscription_is_an
     subscription still answers (here 503, full) for a while."""
     # a linger far longer than this test takes on a loaded machine: the race is injected below
     async with serving(settings, capacity=1, start_linger_s=60.0) as worker:
-        old = worker._start_sub
+        old = worker.admission.subscription
         await EnvClient(nc).start("echo", {})
         await until(lambda: not worker.accepting)
         rejected = worker.counters.rejected
@@ -742,7 +742,8 @@ def test_env_serve_takes_flags_a_config_file_and_overrides(tmp_path):
 
     path = tmp_path / "env.yaml"
     path.write_text("env: sql\ncapacity: 8\nidle_timeout_s: 30\n")
-    config, worker, source = parse("--config", str(path), "--capacity", "16", "max_starting=2")
+    config, source = parse("--config", str(path), "--capacity", "16", "max_starting=2")
+    worker = config.worker
     assert (config.env, worker.capacity, worker.max_starting, worker.idle_timeout_s) == (
         "sql", 16, 2, 30.0,
     )  # fmt: skip
@@ -752,7 +753,7 @@ def test_env_serve_takes_flags_a_config_file_and_overrides(tmp_path):
         "idle_timeout_s": "file",
         "max_starting": "override",
     }
-    config, worker, _ = parse("sql", "capacity=3")
-    assert (config.env, worker.capacity) == ("sql", 3)
+    config, _ = parse("sql", "capacity=3")
+    assert (config.env, config.worker.capacity) == ("sql", 3)
     with pytest.raises(ValueError, match="name the environment to serve"):
         parse("capacity=3")

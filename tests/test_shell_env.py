@@ -21,7 +21,7 @@ import pytest
 from environments import ShellEnvironment
 from environments.sandbox import Sandbox, SandboxError, SandboxLimits, isolation
 from environments.shell_tasks import TaskError
-from schemas import Outcome, StepResult
+from schemas import SessionOutcome, StepResult
 
 ISO = isolation()
 needs_uid = pytest.mark.skipif(ISO.mode != "uid", reason=f"sandbox mode {ISO.mode} (not root)")
@@ -77,7 +77,7 @@ async def open_env(tmp_path):
 
 async def run_reference(
     env: ShellEnvironment, *, honest: bool = True
-) -> tuple[StepResult, Outcome]:
+) -> tuple[StepResult, SessionOutcome]:
     """Play a task's reference solution (or a wrong answer) through step()."""
     assert env.task is not None
     ref, output, result = env.task.reference, "", None

@@ -1,8 +1,8 @@
 """``agentarium env serve|bridge|status``: environment workers, and what they are doing.
 
-``env serve``'s and ``env bridge``'s settings are the fields of their config dataclasses and
-``WorkerSettings``, each one a flag, a key of a --config file and a KEY=VALUE override
-(agentarium/commands/config_file.py).
+``env serve``'s and ``env bridge``'s settings are the fields of their config dataclasses, the
+worker's own in their section ``EnvWorkerConfig`` (environments/config.py), each one a flag, a
+key of a --config file and a KEY=VALUE override (agentarium/commands/config_file.py).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -26,10 +26,10 @@ from environments import (
     EnvWorkerConfig,
     bridge_class,
     check_options,
-    default_worker_id,
     load_environment,
     service_name,
 )
+from schemas import check_settings, section, setting, settings
 
 from .common import (
     add_command_group,
@@ -37,13 +37,13 @@ from .common import (
     add_nats_flags,
     install_stop_handlers,
     metrics_server,
-    positive_int,
     run_async,
     settings_from_args,
 )
 from .config_file import (
     ConfigKeys,
     add_config_arguments,
+    add_settings,
     connection_flags,
     metrics_flags,
     resolve,
@@ -51,29 +51,23 @@ from .config_file import (
 
 log = structlog.get_logger("agentarium.cli")
 
-_DEFAULTS = EnvWorkerConfig(name="x", worker_id="x")
-
-
-@dataclass(frozen=True, kw_only=True)
-class WorkerSettings:
-    """The worker's settings, shared by ``env serve`` and ``env bridge``."""
-
-    name: str | None = None
-    capacity: int = _DEFAULTS.capacity
-    max_starting: int = _DEFAULTS.max_starting
-    idle_timeout_s: float = _DEFAULTS.idle_timeout_s
-    max_observation_bytes: int = _DEFAULTS.max_observation_bytes
-    max_request_bytes: int = _DEFAULTS.max_request_bytes
-    drain_grace_s: float = _DEFAULTS.drain_grace_s
-    worker_id: str = field(default_factory=default_worker_id)
-
 
 @dataclass(frozen=True, kw_only=True)
 class EnvServeConfig:
-    """``agentarium env serve``'s own settings: what to serve, built with which options."""
+    """``agentarium env serve``'s settings: what to serve, built with which options, then how
+    (``EnvWorkerConfig``, the worker's own)."""
 
-    env: str  # sql | shell | module:Class
-    option: tuple[str, ...] | None = None  # KEY=VALUE keywords of the class (YAML values)
+    env: str = setting(flagless="the positional ENV argument sets it: `agentarium env serve sql`")
+    option: tuple[str, ...] = setting(
+        (),
+        metavar="KEY=VALUE",
+        help="a keyword the environment class is built with, for every session (repeatable; "
+        "the value read as YAML), e.g. --option max_steps=20 --option 'limits={cpu_s: 5}'",
+    )
+    worker: EnvWorkerConfig = section(EnvWorkerConfig)
+
+    def __post_init__(self) -> None:
+        check_settings(self)
 
 
 def parse_options(items: tuple[str, ...]) -> dict[str, Any]:
@@ -92,27 +86,44 @@ def parse_options(items: tuple[str, ...]) -> dict[str, Any]:
 
 @dataclass(frozen=True, kw_only=True)
 class EnvBridgeConfig:
-    """``agentarium env bridge``'s own settings: the AgentBench task worker it fronts."""
+    """``agentarium env bridge``'s settings: the AgentBench task worker it fronts, then the
+    worker's own (``EnvWorkerConfig``)."""
 
-    agentbench: str  # the worker's URL
-    dialect: str = "auto"
-    request_timeout_s: float = 600.0
-    score_key: str | None = None
+    agentbench: str = setting(
+        metavar="URL",
+        help="the task worker's API, as AgentBench's --self writes it (http://host:port/api; a "
+        "bare http://host:port gets /api)",
+    )
+    dialect: str = setting(
+        "auto",
+        choices=("auto", "fc", "classic"),
+        help="fc (AgentRL's worker), classic (AgentBench v0.2), or auto: told by the first reply",
+    )
+    request_timeout_s: float = setting(
+        600.0,
+        gt=0,
+        help="one HTTP request to the worker; an /interact waits for the environment's turn",
+    )
+    score_key: str | None = setting(
+        None,
+        metavar="KEY",
+        help="classic: the field of a sample's result holding its score (default: the first "
+        "number of score, reward, result, is_correct, correct, success)",
+    )
+    worker: EnvWorkerConfig = section(EnvWorkerConfig)
+
+    def __post_init__(self) -> None:
+        check_settings(self)
 
 
-KEYS = ConfigKeys.of(
-    "env serve",
-    EnvServeConfig,
-    WorkerSettings,
-    flagless={"env": "the positional ENV argument sets it: `agentarium env serve sql`"},
-    keyless={**connection_flags(), **metrics_flags()},
-)
+KEYS = ConfigKeys.of("env serve", EnvServeConfig, keyless={**connection_flags(), **metrics_flags()})
 BRIDGE_KEYS = ConfigKeys.of(
-    "env bridge", EnvBridgeConfig, WorkerSettings, keyless={**connection_flags(), **metrics_flags()}
+    "env bridge", EnvBridgeConfig, keyless={**connection_flags(), **metrics_flags()}
 )
 
 
-def config_from_args(args: argparse.Namespace) -> tuple[EnvServeConfig, WorkerSettings, dict]:
+def config_from_args(args: argparse.Namespace) -> tuple[EnvServeConfig, dict]:
+    """The settings from defaults, --config, flags and overrides, and where they came from."""
     if args.env is not None and "=" in args.env:  # `env serve capacity=4`: an override
         args.overrides = [args.env, *(args.overrides or [])]
         args.env = None
@@ -122,35 +133,12 @@ def config_from_args(args: argparse.Namespace) -> tuple[EnvServeConfig, WorkerSe
             "name the environment to serve: agentarium env serve sql|shell|module.path:Class"
         )
     resolved = resolve(args, KEYS)
-    return (
-        EnvServeConfig(**resolved.pick(EnvServeConfig)),
-        WorkerSettings(**resolved.pick(WorkerSettings)),
-        resolved.describe(),
-    )
+    return resolved.build(EnvServeConfig), resolved.describe()
 
 
-def bridge_config_from_args(
-    args: argparse.Namespace,
-) -> tuple[EnvBridgeConfig, WorkerSettings, dict]:
+def bridge_config_from_args(args: argparse.Namespace) -> tuple[EnvBridgeConfig, dict]:
     resolved = resolve(args, BRIDGE_KEYS)
-    return (
-        EnvBridgeConfig(**resolved.pick(EnvBridgeConfig)),
-        WorkerSettings(**resolved.pick(WorkerSettings)),
-        resolved.describe(),
-    )
-
-
-def worker_config(settings: WorkerSettings, name: str) -> EnvWorkerConfig:
-    return EnvWorkerConfig(
-        name=name,
-        capacity=settings.capacity,
-        max_starting=settings.max_starting,
-        idle_timeout_s=settings.idle_timeout_s,
-        max_observation_bytes=settings.max_observation_bytes,
-        max_request_bytes=settings.max_request_bytes,
-        drain_grace_s=settings.drain_grace_s,
-        worker_id=settings.worker_id,
-    )
+    return resolved.build(EnvBridgeConfig), resolved.describe()
 
 
 async def run_worker(
@@ -203,20 +191,17 @@ async def run_worker(
     return 0
 
 
-async def serve(
-    args: argparse.Namespace, config: EnvServeConfig, worker: WorkerSettings, source: dict
-) -> int:
+async def serve(args: argparse.Namespace, config: EnvServeConfig, source: dict) -> int:
     try:
         cls = load_environment(config.env)
-        wc = worker_config(worker, service_name(config.env, cls, worker.name))
-        options = parse_options(config.option or ())
+        wc = config.worker.named(service_name(config.env, cls, config.worker.name))
+        options = parse_options(config.option)
     except (EnvironmentLoadError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     log.info(
         "env serve config",
-        **asdict(config),
-        **asdict(worker),
+        **settings.flatten(config),
         **source,
         service=wc.name,
         env_class=f"{cls.__module__}:{cls.__qualname__}",
@@ -226,29 +211,26 @@ async def serve(
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    config, worker, source = config_from_args(args)  # a ValueError: `error: ...`, exit 2
-    return run_async(lambda: serve(args, config, worker, source), service="agentarium-env")
+    config, source = config_from_args(args)  # a ValueError: `error: ...`, exit 2
+    return run_async(lambda: serve(args, config, source), service="agentarium-env")
 
 
-async def bridge(
-    args: argparse.Namespace, config: EnvBridgeConfig, worker: WorkerSettings, source: dict
-) -> int:
+async def bridge(args: argparse.Namespace, config: EnvBridgeConfig, source: dict) -> int:
     try:
         cls = bridge_class(
             config.agentbench,
-            name=worker.name,
+            name=config.worker.name,
             dialect=config.dialect,
             timeout_s=config.request_timeout_s,
             score_key=config.score_key,
         )
-        wc = worker_config(worker, service_name("", cls, worker.name))
+        wc = config.worker.named(service_name("", cls, config.worker.name))
     except (EnvironmentLoadError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     log.info(
         "env bridge config",
-        **asdict(config),
-        **asdict(worker),
+        **settings.flatten(config),
         **source,
         service=wc.name,
         nats=settings_from_args(args).redacted(),
@@ -274,8 +256,8 @@ async def bridge(
 
 
 def cmd_bridge(args: argparse.Namespace) -> int:
-    config, worker, source = bridge_config_from_args(args)
-    return run_async(lambda: bridge(args, config, worker, source), service="agentarium-env")
+    config, source = bridge_config_from_args(args)
+    return run_async(lambda: bridge(args, config, source), service="agentarium-env")
 
 
 async def _status(args: argparse.Namespace) -> int:
@@ -294,71 +276,6 @@ async def _status(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     return run_async(lambda: _status(args), service="agentarium-env")
-
-
-def add_worker_flags(p: argparse.ArgumentParser, default_name: str = "") -> None:
-    """The worker's flags (``WorkerSettings``), for ``env serve`` and ``env bridge``."""
-    p.add_argument(
-        "--name",
-        help="the name agents open sessions with (default: "
-        + (
-            default_name
-            or "the built-in's name, else the class's `name`, else its name in lower case"
-        )
-        + ")",
-    )
-    p.add_argument(
-        "--capacity",
-        type=positive_int,
-        default=_DEFAULTS.capacity,
-        metavar="N",
-        help="sessions this worker holds at once; when full it takes no start (default %(default)s)",
-    )
-    p.add_argument(
-        "--max-starting",
-        type=positive_int,
-        default=_DEFAULTS.max_starting,
-        metavar="K",
-        help="starts (resets) run at once, so expensive environments start a few at a time "
-        "(default %(default)s)",
-    )
-    p.add_argument(
-        "--idle-timeout",
-        dest="idle_timeout_s",
-        type=float,
-        default=_DEFAULTS.idle_timeout_s,
-        metavar="SECONDS",
-        help="a session with no request for this long is closed (default %(default)s)",
-    )
-    p.add_argument(
-        "--max-observation-bytes",
-        type=positive_int,
-        default=_DEFAULTS.max_observation_bytes,
-        metavar="B",
-        help="the most bytes of one reply; a bigger observation has its longest texts cut, "
-        "with a marker, and says truncated. Keep it well under the server's max_payload "
-        "(default %(default)s)",
-    )
-    p.add_argument(
-        "--max-request-bytes",
-        type=positive_int,
-        default=_DEFAULTS.max_request_bytes,
-        metavar="B",
-        help="a step or close bigger than this is refused with 413 (default %(default)s)",
-    )
-    p.add_argument(
-        "--drain-grace",
-        dest="drain_grace_s",
-        type=float,
-        default=_DEFAULTS.drain_grace_s,
-        metavar="SECONDS",
-        help="on SIGTERM, how long open sessions may finish before they are closed "
-        "(default %(default)s)",
-    )
-    p.add_argument(
-        "--worker-id",
-        help="this worker's id, a subject token (default: host-pid-random)",
-    )
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -387,14 +304,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help=f"a built-in environment ({', '.join(sorted(BUILTIN))}) or module.path:Class (a "
         "subclass of environments.Environment)",
     )
-    p.add_argument(
-        "--option",
-        action="append",
-        metavar="KEY=VALUE",
-        help="a keyword the environment class is built with, for every session (repeatable; "
-        "the value read as YAML), e.g. --option max_steps=20 --option 'limits={cpu_s: 5}'",
-    )
-    add_worker_flags(p)
+    add_settings(p, EnvServeConfig)
     add_metrics_flags(p)
     add_config_arguments(p, KEYS)
     add_nats_flags(p)
@@ -410,36 +320,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "and classic AgentBench v0.2 text turns. Keep --capacity at most the worker's "
         "concurrency (checked at start). Field mapping: docs/design.md, 'The AgentBench bridge'.",
     )
-    b.add_argument(
-        "--agentbench",
-        required=True,
-        metavar="URL",
-        help="the task worker's API, as AgentBench's --self writes it (http://host:port/api; a "
-        "bare http://host:port gets /api)",
-    )
-    b.add_argument(
-        "--dialect",
-        choices=("auto", "fc", "classic"),
-        default="auto",
-        help="fc (AgentRL's worker), classic (AgentBench v0.2), or auto: told by the first "
-        "reply (default %(default)s)",
-    )
-    b.add_argument(
-        "--request-timeout",
-        dest="request_timeout_s",
-        type=float,
-        default=600.0,
-        metavar="SECONDS",
-        help="one HTTP request to the worker; an /interact waits for the environment's turn "
-        "(default %(default)s)",
-    )
-    b.add_argument(
-        "--score-key",
-        metavar="KEY",
-        help="classic: the field of a sample's result holding its score (default: the first "
-        "number of score, reward, result, is_correct, correct, success)",
-    )
-    add_worker_flags(b, default_name="agentbench")
+    add_settings(b, EnvBridgeConfig)
     add_metrics_flags(b)
     add_config_arguments(b, BRIDGE_KEYS)
     add_nats_flags(b)
