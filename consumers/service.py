@@ -26,13 +26,14 @@ from .backends import CrossSamplingBackend, OpenAICompatBackend, SGLangBackend
 from .backends.cross_sampling import check_same_tokenizer
 from .chat_template import ChatTemplate
 from .config import ConsumerSettings
+from .counters import Counters
 from .envclient import EnvClient
 from .errors import CrossSamplingError
 from .fleet import Fleet, supports
 from .metrics import LOOP_LAG_SECONDS
 from .proxy import TracingProxy
 from .rollout import RolloutEnv
-from .worker import Counters, Worker
+from .worker import Worker
 
 log = structlog.get_logger("agentarium.consumers")
 

@@ -23,9 +23,9 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from broker import (
-    Backoff,
     ERR_WRONG_LAST_SEQUENCE,
     TRANSIENT_NATS_ERRORS,
+    Backoff,
     JetStreamPublisher,
     Topology,
     trajectory_stored,

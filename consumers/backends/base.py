@@ -73,7 +73,9 @@ class BackendRetry:
     backoff: Backoff = field(default_factory=lambda: Backoff(initial_s=0.5, max_s=8.0, jitter=0.5))
 
     @classmethod
-    def of(cls, *, retries: int = 3, backoff: float = 0.5, max_backoff: float = 8.0) -> BackendRetry:
+    def of(
+        cls, *, retries: int = 3, backoff: float = 0.5, max_backoff: float = 8.0
+    ) -> BackendRetry:
         """From a backend's keywords: the first wait ``backoff``, doubling up to ``max_backoff``."""
         if retries < 0 or backoff < 0 or max_backoff < 0:
             raise ValueError("retries, backoff and max_backoff must be >= 0")
