@@ -11,7 +11,7 @@ import asyncio
 import os
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import structlog
@@ -26,6 +26,9 @@ STOP_S = 5.0  # how long stopping waits for the loops
 HEARTBEAT_CHUNK = 500  # heartbeats sent between two turns of the event loop
 
 
+Pause = Callable[..., Awaitable[bool]]  # BackgroundLoops.pause
+
+
 class BackgroundLoops:
     """Runs loops of the form ``async def loop(pause)`` until ``stop()``. ``pause(seconds,
     kick)`` waits between two turns and says whether the loop must end: the loops are
@@ -36,7 +39,7 @@ class BackgroundLoops:
         self._quit = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
 
-    def start(self, *loops: Callable[[Callable[..., Awaitable[bool]]], Awaitable[None]]) -> None:
+    def start(self, *loops: Callable[[Pause], Coroutine[Any, Any, None]]) -> None:
         self._tasks += [asyncio.create_task(loop(self.pause)) for loop in loops]
 
     async def pause(self, seconds: float, kick: asyncio.Event | None = None) -> bool:
@@ -70,7 +73,7 @@ class Heartbeat:
         self.messages = messages
         self.period_s = period_s
 
-    async def __call__(self, pause: Callable[[float], Awaitable[bool]]) -> None:
+    async def __call__(self, pause: Pause) -> None:
         while not await pause(self.period_s):
             for n, msg in enumerate(self.messages(), 1):
                 try:
@@ -103,7 +106,7 @@ class RegistryEntry:
         self.interval_s = interval_s
         self.kick = kick
 
-    async def __call__(self, pause: Callable[..., Awaitable[bool]]) -> None:
+    async def __call__(self, pause: Pause) -> None:
         started = time.time()
         last_time, last_done = started, 0
         while True:

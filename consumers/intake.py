@@ -182,7 +182,7 @@ class Intake:
             self._puller.freed(self.config.concurrency - len(self._inflight))
 
     async def _wait_for_fleets(self, fleets: list[Fleet]) -> None:
-        waits = [asyncio.create_task(self.stopping.wait())]
+        waits: list[asyncio.Task] = [asyncio.create_task(self.stopping.wait())]
         waits += [asyncio.create_task(fleet.wait_serving()) for fleet in fleets]
         try:
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)

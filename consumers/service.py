@@ -20,6 +20,7 @@ import structlog
 from nats.js import JetStreamContext
 
 from broker import Topology, loop_name, watch_lag
+from schemas import SettingError
 
 from .agents import AgentRunner, AgentSpec
 from .backends import CrossSamplingBackend, OpenAICompatBackend, SGLangBackend
@@ -122,8 +123,25 @@ class CrossTarget:
     seed: int | None = None  # of the per-call coin; None: a fresh one
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.ratio <= 1.0:
-            raise ValueError(f"the cross-sampling ratio must be in [0, 1], got {self.ratio}")
+        _check_ratio(self.ratio)
+
+    @classmethod
+    def of(
+        cls, urls: Sequence[str], *, ratio: float, name: str = "cross", seed: int | None = None
+    ) -> CrossTarget | None:
+        """From a command's flags (``--cross-model URL``...): None without a server, the
+        ratio checked either way."""
+        _check_ratio(ratio)
+        servers = normalize_urls(list(urls))
+        if not servers:
+            return None
+        return cls(target=LLMTarget(urls=tuple(servers)), ratio=ratio, name=name, seed=seed)
+
+
+def _check_ratio(ratio: float) -> None:
+    # the one check of the ratio: `agentarium consumer` and eval pass theirs through here
+    if not 0.0 <= ratio <= 1.0:
+        raise SettingError(f"--cross-ratio must be in [0, 1], got {ratio}")
 
 
 @dataclass(frozen=True, kw_only=True)

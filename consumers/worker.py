@@ -172,6 +172,7 @@ class Worker:
             attempts=self.config.delivery.attempts,
             lost_deliveries=self.config.delivery.lost_deliveries,
         )
+        durable = self.topo.rollout_consumer(self.agent)
         retry = 0
         while True:
             try:
@@ -182,8 +183,8 @@ class Worker:
                     consumer,
                     keys=("filter_subject", "ack_policy"),
                 )
-                await self._adopt_consumer_settings(consumer.durable_name)
-                intake = self._intake_for(consumer.durable_name)
+                await self._adopt_consumer_settings(durable)
+                intake = self._intake_for(durable)
                 await intake.open()
                 self._intake = intake
                 return intake

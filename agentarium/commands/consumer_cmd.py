@@ -110,10 +110,8 @@ class ConsumerConfig:
     )
     cross_ratio: float = setting(
         0.5,
-        ge=0,
-        le=1,
         metavar="P",
-        help="probability that a call goes to --cross-model, decided per call",
+        help="probability (0 to 1) that a call goes to --cross-model, decided per call",
     )
     consumer: ConsumerSettings = section(ConsumerSettings)
 
@@ -157,11 +155,19 @@ def build_agent(config: ConsumerConfig) -> tuple[str, Any]:
     return name, load_callable(spec_text, "agent")
 
 
+def cross_target(config: ConsumerConfig) -> CrossTarget | None:
+    """The second model of cross-sampling, when --cross-model names one."""
+    return CrossTarget.of(
+        config.cross_model, ratio=config.cross_ratio, name=config.cross_model_name
+    )
+
+
 def config_from_args(args: argparse.Namespace) -> tuple[ConsumerConfig, dict]:
     """The settings from defaults, --config, flags and overrides, and where they came from."""
     resolved = resolve(args, KEYS)
     config: ConsumerConfig = resolved.build(ConsumerConfig)
     parse_agent(config.agent, config.env)
+    cross_target(config)
     if not normalize_urls(config.llm):
         raise ValueError("no LLM server: pass --llm URL (repeat it for a fleet) or set llm:")
     return config, resolved.describe()
@@ -177,16 +183,7 @@ async def consume(args: argparse.Namespace, config: ConsumerConfig, source: dict
     except (AgentLoadError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    cross_urls = normalize_urls(list(config.cross_model or ()))
-    cross = (
-        CrossTarget(
-            target=LLMTarget(urls=tuple(cross_urls)),
-            ratio=config.cross_ratio,
-            name=config.cross_model_name,
-        )
-        if cross_urls
-        else None
-    )
+    cross = cross_target(config)
     spec = ConsumerSpec(
         agent=name,
         fn=fn,
@@ -199,7 +196,11 @@ async def consume(args: argparse.Namespace, config: ConsumerConfig, source: dict
     )
     log.info(
         "consumer config",
-        **{**settings.flatten(config), "llm": list(spec.target.urls), "cross_model": cross_urls},
+        **{
+            **settings.flatten(config),
+            "llm": list(spec.target.urls),
+            "cross_model": list(cross.target.urls) if cross else [],
+        },
         **source,
         style=agent.style,
         kind=agent.kind,
