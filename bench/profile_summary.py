@@ -18,12 +18,18 @@ import collections
 
 # Steps of one rollout, matched anywhere on the stack; the deepest match names the sample.
 STEPS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("fetch jobs (pull requests, Msg objects)", ("Worker._pull_loop", "JobPuller.", "fetch (")),
-    ("decode job (msgpack + validation)", ("Worker._decode", "decode (schemas/codec.py")),
+    ("fetch jobs (pull requests, Msg objects)", ("Intake.run", "JobPuller.", "fetch (")),
+    ("decode job (msgpack + validation)", ("DeliveryHandler._decode", "decode (schemas/codec.py")),
     ("trace context from headers", ("extract_context",)),
     (
         "rollout bookkeeping (task, deadline, proxy)",
-        ("run_rollout", "Worker._run", "Worker._handle", "Worker._process"),
+        (
+            "run_rollout",
+            "_Rollout.",
+            "DeliveryHandler._run",
+            "DeliveryHandler.handle",
+            "DeliveryHandler._process",
+        ),
     ),
     ("agent runner (sync agents: thread hop)", ("AgentRunner.", "AgentThreads.", "_settle_call")),
     ("LLM call bookkeeping (LLMCall, attributes)", ("TracingLLM.",)),
@@ -33,7 +39,7 @@ STEPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("build trajectory", ("trajectory_for",)),
     (
         "publish trajectory + puback",
-        ("publish_trajectory", "Publisher.", "_settle", "Worker._publish"),
+        ("publish_trajectory", "Publisher.", "_settle", "DeliveryHandler._publish"),
     ),
     ("encode trajectory (msgpack)", ("encode (schemas/codec.py",)),
     ("ack", ("Msg.ack", "Msg.in_progress")),

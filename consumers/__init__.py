@@ -6,6 +6,7 @@ from .agents import AgentLoadError, AgentSpec, RewardError, load_callable
 from .backends import CrossSamplingBackend, model_of_call
 from .chat_template import ChatTemplate
 from .config import ConsumerSettings, default_worker_id
+from .counters import Counters
 from .env_agent import EnvAgent, env_agent
 from .envclient import EnvClient, EnvSession
 from .errors import (
@@ -32,7 +33,7 @@ from .service import (
     start_proxy,
 )
 from .verifiers_agent import VerifiersAgent, VerifiersRolloutError, verifiers_agent
-from .worker import Counters, Worker
+from .worker import Worker
 
 __all__ = [
     "AgentLoadError",

@@ -19,10 +19,10 @@ the same reason no decision naks a job's last delivery: the server would never d
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 from enum import Enum
 
+from broker import Backoff
 from schemas import check_settings, setting
 
 
@@ -143,9 +143,9 @@ class DeliveryPolicy:
         return self.attempts + self.lost_deliveries + 1
 
     def delay_s(self, delivery: int) -> float:
-        """Capped exponential backoff before the next delivery, with jitter."""
-        delay = min(self.max_delay_s, self.base_delay_s * 2 ** max(0, delivery - 1))
-        return delay * (1 + random.uniform(-self.jitter, self.jitter))
+        """Capped exponential backoff before the next delivery, jittered downwards."""
+        backoff = Backoff(initial_s=self.base_delay_s, max_s=self.max_delay_s, jitter=self.jitter)
+        return backoff.delay(delivery)
 
     def decide(self, event: Event, delivery: int, failures: int = 0) -> Decision:
         """The decision for ``event`` on the job's ``delivery``-th delivery (1-based), after

@@ -21,7 +21,6 @@ scored 0. Each start, step and close is a span (``env.start``, ``env.step``, ``e
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 import uuid
 from typing import Any
@@ -32,7 +31,7 @@ from nats.aio.msg import Msg
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from broker import OPENINFERENCE_SPAN_KIND, Topology, inject_headers
+from broker import OPENINFERENCE_SPAN_KIND, Backoff, Topology, inject_headers
 from schemas import (
     EnvCall,
     EnvError,
@@ -289,7 +288,10 @@ class EnvSession:
         subject = client.topology.env_start_subject(self.name)
         with self._span("env.start", "CHAIN") as span:
             deadline = time.monotonic() + self.start_wait_s
-            delay, timeouts, waits, last = client.backoff_s, 0, 0, ""
+            backoff = Backoff(
+                initial_s=min(client.backoff_s, client.max_backoff_s), max_s=client.max_backoff_s
+            )
+            timeouts, waits, last = 0, 0, ""
             while True:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -326,9 +328,9 @@ class EnvSession:
                         raise _record(span, self._refused(refused, "start")) from None
                     last = f"503: {refused.error.message}"
                 waits += 1
-                pause = min(delay, max(0.0, deadline - time.monotonic()))
-                await asyncio.sleep(pause * random.uniform(0.8, 1.2))
-                delay = min(delay * 2, client.max_backoff_s)
+                await asyncio.sleep(
+                    min(backoff.delay(waits), max(0.0, deadline - time.monotonic()))
+                )
             started = decode(EnvStarted, reply.data, (reply.headers or {}).get("Content-Type"))
             self.worker, self.subject = started.worker, started.subject
             self.observation = started.observation

@@ -23,7 +23,6 @@ this module, until the fleet comes back. A server that answers calls needs no pr
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from typing import Any
 
 import structlog
 
+from broker import Backoff
 from schemas import check_settings, setting
 
 from .backends.base import GenerateRequest, GenerateResult
@@ -88,8 +88,7 @@ class FleetPolicy:
 
     def backoff(self, failures: int) -> float:
         """Seconds before re-probing an open breaker after ``failures`` failed probes."""
-        delay = min(self.max_backoff_s, self.backoff_s * 2 ** max(0, failures - 1))
-        return delay * random.uniform(0.8, 1.2)
+        return Backoff(initial_s=self.backoff_s, max_s=self.max_backoff_s).delay(failures)
 
 
 class DeadlineClock:

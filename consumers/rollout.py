@@ -1,14 +1,8 @@
 """One rollout: run the agent on a job under a ``rollout`` span and build its Trajectory.
 
-Outcomes are classified here, once:
-  ok        the agent returned and a finite reward was found
-  timeout   the job's deadline passed (calls made so far are kept)
-  error     infrastructure failed (the LLM backend was unreachable after retries):
-            recorded, never scored as reward 0
-  agent error (AgentFailure)  the agent or reward function raised: the worker retries it
-  environment failure (EnvFailure)  an environment service was unavailable (no worker with
-            room, or the session's worker died), even if the agent swallowed the error: the
-            worker retries it; its last attempt is stored as status ``error``, never reward 0
+What the run came to is judged in consumers/rollout_result.py (``judge``, a pure function),
+and returned as a value: ``Finished`` (a trajectory with status ok, timeout or error),
+``AgentFailed`` or ``EnvironmentLost``; a drain's cancellation propagates.
 
 The deadline (``job.deadline_s``) stands still while the agent's LLM fleet is down and holds
 its calls (consumers/fleet.py): an outage within ``--fleet-outage-limit`` costs a rollout
@@ -28,7 +22,7 @@ import json
 import time
 import traceback
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -43,10 +37,22 @@ from schemas import Job, Trajectory
 from . import genai
 from .agents import AgentRunner, extract_reward, finite_reward
 from .envclient import EnvClient
-from .errors import BackendUnavailable, EnvironmentUnavailable
+from .errors import BackendUnavailable
 from .fleet import Fleet, deadline_held_by
 from .llm import TracingLLM
 from .proxy import secret_of
+from .rollout_result import (
+    AgentFailed,
+    Ending,
+    EnvironmentLost,
+    Finished,
+    Happened,
+    RolloutResult,
+    Stage,
+    Verdict,
+    judge,
+    message,
+)
 
 tracer = trace.get_tracer("agentarium.consumers")
 log = structlog.get_logger("agentarium.consumers")
@@ -57,24 +63,6 @@ CANCEL_GRACE_S = 1.0
 # An error text kept in a trajectory or dead letter: a traceback's head and tail up to this
 # many characters (an agent may raise with a message of megabytes).
 MAX_ERROR_CHARS = 16_000
-
-
-@dataclass
-class AgentFailure(Exception):
-    """The agent (or its reward function) raised; retried by the worker's policy."""
-
-    error: str
-    calls: list = field(default_factory=list)
-    trace_id: str = ""
-    span_id: str = ""
-
-
-@dataclass
-class EnvFailure(Exception):
-    """An environment service failed under the rollout: infrastructure, retried by the worker;
-    ``trajectory`` (status ``error``) is what its last attempt stores."""
-
-    trajectory: Trajectory
 
 
 @dataclass(frozen=True)
@@ -128,7 +116,7 @@ async def _guarded(run: Coroutine[Any, Any, Any]) -> Any:
         raise
     except BaseException as exc:
         raise AgentExit(
-            f"the agent raised {type(exc).__name__}({_message(exc)[:200]!r}): an agent may "
+            f"the agent raised {type(exc).__name__}({message(exc)[:200]!r}): an agent may "
             "not stop its worker"
         ) from exc
 
@@ -176,16 +164,9 @@ def _cancelled() -> bool:
     return task is not None and task.cancelling() > 0
 
 
-def _message(exc: BaseException) -> str:
-    try:
-        return str(exc)
-    except Exception:  # an exception whose str() raises
-        return f"<{type(exc).__name__}: its message cannot be printed>"
-
-
-def _traceback() -> str:
-    """The exception being handled, as a traceback cut to ``MAX_ERROR_CHARS`` (head and tail)."""
-    text = traceback.format_exc()
+def _traceback(exc: BaseException) -> str:
+    """``exc``'s traceback, cut to ``MAX_ERROR_CHARS`` (head and tail)."""
+    text = "".join(traceback.format_exception(exc))
     if len(text) <= MAX_ERROR_CHARS:
         return text
     half = MAX_ERROR_CHARS // 2
@@ -196,14 +177,12 @@ def _record(span: trace.Span, exc: BaseException, attributes: dict[str, Any]) ->
     try:
         span.record_exception(exc, attributes=attributes)
     except Exception:  # OpenTelemetry asks for str(exc), which may raise
-        span.record_exception(AgentExit(_message(exc)), attributes=attributes)
+        span.record_exception(AgentExit(message(exc)), attributes=attributes)
 
 
-async def run_rollout(
-    job: Job, env: RolloutEnv, *, attempt: int, parent: otel_context.Context | None, subject: str
-) -> Trajectory:
-    """Run the agent once. Returns a Trajectory (ok/timeout/error) or raises AgentFailure."""
-    started = time.time()
+def _span_attributes(
+    job: Job, *, attempt: int, subject: str, capture: bool
+) -> dict[str, AttributeValue]:
     attributes: dict[str, AttributeValue] = {
         "messaging.system": "nats",
         "messaging.operation": "process",
@@ -215,17 +194,38 @@ async def run_rollout(
         "agentarium.attempt": attempt,
         OPENINFERENCE_SPAN_KIND: "AGENT",
     }
-    capture = genai.capture_message_content()
     if capture:  # the task is content like a prompt: shown only when the user opted in
         attributes[genai.OPENINFERENCE_INPUT] = json.dumps(job.task, default=str)
         attributes[genai.OPENINFERENCE_INPUT_MIME] = "application/json"
+    return attributes
+
+
+async def run_rollout(
+    job: Job, env: RolloutEnv, *, attempt: int, parent: otel_context.Context | None, subject: str
+) -> RolloutResult:
+    """Run the agent once and say what it came to (``judge``, consumers/rollout_result.py).
+    A drain's cancellation is not a result: it propagates, and the agent is cancelled too."""
+    capture = genai.capture_message_content()
+    attributes = _span_attributes(job, attempt=attempt, subject=subject, capture=capture)
     with CurrentSpan(
         tracer, "rollout", context=parent, kind=SpanKind.CONSUMER, attributes=attributes
     ) as span:
-        trace_id = trace_id_hex(span)
-        # The trajectory keeps this span's id: the trainer's step links to it.
-        span_id = span_id_hex(span)
-        llm = TracingLLM(
+        return await _Rollout(job, env, span, attempt=attempt, capture=capture).run()
+
+
+class _Rollout:
+    """One run of the agent under its span: the facts ``judge`` reads (the LLM client's and
+    the environment sessions' errors, the deadline), and the trajectory its verdict names."""
+
+    def __init__(
+        self, job: Job, env: RolloutEnv, span: trace.Span, *, attempt: int, capture: bool
+    ) -> None:
+        self.job, self.env, self.span = job, env, span
+        self.attempt, self.capture = attempt, capture
+        self.started = time.time()
+        self.trace_id = trace_id_hex(span)
+        self.span_id = span_id_hex(span)  # the trajectory keeps it: the trainer's step links to it
+        self.llm = TracingLLM(
             env.backend,
             env.template,
             job_sampling=job.sampling,
@@ -235,129 +235,140 @@ async def run_rollout(
             parent_context=otel_context.get_current(),
             capture_content=capture,
         )
-
-        envs = (
+        self.envs = (
             env.envs.bind(job_id=job.job_id, deadline_s=job.deadline_s)
             if env.envs is not None and env.runner.spec.envs
             else None
         )
+        self.deadline = asyncio.timeout(job.deadline_s)
+        self.agent: asyncio.Future | None = None  # the agent's own task, once started
+        self.secret = ""  # the endpoint's: scrubbed from whatever the agent's failure says
 
-        # Backend failures the agent may have swallowed (the OpenAI SDK turns the proxy's 503
-        # into its own exception): they make the rollout an infrastructure error.
-        def infra_failure() -> BackendUnavailable | None:
-            found = [e for e in llm.errors if isinstance(e, BackendUnavailable)]
-            return found[-1] if found else None
-
-        def env_failure() -> EnvFailure | None:
-            """An environment that was unavailable, raised or swallowed: retried."""
-            if envs is None or not envs.errors:
-                return None
-            return EnvFailure(done("error", error=f"environment unavailable: {envs.errors[-1]}"))
-
-        def done(status: str, *, provisional: bool = False, **extra: Any) -> Trajectory:
-            span.set_attribute("agentarium.status", status)
-            if status != "ok":
-                span.set_status(Status(StatusCode.ERROR, extra.get("error", status)[:200]))
-            if capture and not provisional:
-                outcome = {"status": status, "reward": extra.get("reward")}
-                span.set_attribute(genai.OPENINFERENCE_OUTPUT, json.dumps(outcome))
-                span.set_attribute(genai.OPENINFERENCE_OUTPUT_MIME, "application/json")
-            if envs is not None and envs.summary():
-                # what each environment session did; its tool results reached the model only
-                # as prompt context, so the trainer's loss mask leaves them out anyway
-                extra["metadata"] = {**job.metadata, "envs": envs.summary()}
-            return trajectory_for(
-                job,
-                env.worker_id,
-                status=status,
-                calls=list(llm.calls),
-                attempts=attempt,
-                started_at=started,
-                finished_at=time.time(),
-                trace_id=trace_id,
-                span_id=span_id,
-                **extra,
-            )
-
-        deadline = asyncio.timeout(job.deadline_s)
-        secret = ""  # the endpoint's: scrubbed from whatever the agent's failure says
-
-        def failure(exc: BaseException) -> AgentFailure:
-            """The agent's failure, its text and span event without the endpoint's secret. The
-            caller raises it ``from None``: a chained cause would carry the raw text along."""
-            text, message = _traceback(), _message(exc)
-            if secret:
-                text, message = text.replace(secret, "***"), message.replace(secret, "***")
-            _record(span, exc, {"exception.message": message, "exception.stacktrace": text})
-            return AgentFailure(text, calls=list(llm.calls), trace_id=trace_id, span_id=span_id)
-
-        agent: asyncio.Future | None = None
+    async def run(self) -> RolloutResult:
         try:
-            # Only an endpoint-style agent calls the proxy: the others get no route to open.
-            registration = (
-                env.proxy.register(job.job_id, llm)
-                if env.runner.spec.style == "endpoint"
-                else contextlib.nullcontext("")
-            )
-            with registration as endpoint:
-                secret = secret_of(endpoint)
-                # The agent's own task: the deadline cancels this one, which stops waiting
-                # whether or not the agent lets itself be cancelled.
-                agent = asyncio.ensure_future(
-                    _guarded(env.runner.run(job.task, llm=llm, endpoint=endpoint, envs=envs))
-                )
-                async with deadline:
-                    with deadline_held_by(env.fleets, deadline):
-                        await _end_of(agent)
-                result = agent.result()
-        except TimeoutError as exc:
-            if deadline.expired():
-                assert agent is not None, "the deadline runs only once the agent does"
-                await _abandon(agent, job.job_id)
-                return done(
-                    "timeout", error=f"rollout exceeded its deadline of {job.deadline_s:g}s"
-                )
-            if infra_failure() is not None:
-                return done("error", error=f"LLM backend failed: {infra_failure()}")
-            if (env_lost := env_failure()) is not None:
-                raise env_lost from None
-            raise failure(exc) from None
-        except BackendUnavailable as exc:
-            return done("error", error=f"LLM backend failed: {exc}")
-        except asyncio.CancelledError as exc:
-            if _cancelled():  # a drain: the worker releases the job, the agent goes too
-                if agent is not None:
-                    agent.cancel()
-                    agent.add_done_callback(_retrieve)
+            result = await self._agent()
+        except (Exception, asyncio.CancelledError) as exc:
+            verdict = judge(self._happened(Stage.AGENT, exc))
+            if verdict.ending is Ending.RELEASED:
+                self._release()
                 raise
-            # The agent raised CancelledError itself (nobody cancelled the rollout): its bug.
-            raise failure(exc) from None
-        except Exception as exc:  # AgentExit included: no agent may stop its worker
-            if infra_failure() is not None:
-                return done("error", error=f"LLM backend failed: {infra_failure()}")
-            if isinstance(exc, EnvironmentUnavailable) or env_failure() is not None:
-                _record(span, exc, {})
-                env_lost = env_failure() or EnvFailure(
-                    done("error", error=f"environment unavailable: {exc}")
-                )
-                raise env_lost from None
-            raise failure(exc) from None
-
-        if (env_lost := env_failure()) is not None:
-            raise env_lost  # the agent swallowed it: its reward may be a failed session's 0
+            return await self._result(verdict, exc)
+        verdict = judge(self._happened(Stage.AGENT))
+        if verdict.ending is not Ending.OK:
+            return await self._result(verdict)
         try:
-            reward, metrics = extract_reward(result)
-            if env.reward_fn is not None:
-                provisional = done("ok", provisional=True, reward=0.0, metrics=metrics)
-                reward_result = env.reward_fn(job.task, result, provisional)
-                if asyncio.iscoroutine(reward_result):
-                    reward_result = await reward_result
-                reward, extra = extract_reward(reward_result)
-                metrics = {**metrics, **extra}
-            reward = finite_reward(reward)
+            reward, metrics = await self._reward(result)
         except BaseException as exc:  # RewardError, or a failing reward function (even exit())
-            if isinstance(exc, asyncio.CancelledError) and _cancelled():
+            verdict = judge(self._happened(Stage.REWARD, exc))
+            if verdict.ending is Ending.RELEASED:
                 raise
-            raise failure(exc) from None
-        span.set_attribute("agentarium.reward", reward)
-        return done("ok", reward=reward, metrics=metrics)
+            return await self._result(verdict, exc)
+        self.span.set_attribute("agentarium.reward", reward)
+        return Finished(trajectory=self.trajectory("ok", reward=reward, metrics=metrics))
+
+    async def _agent(self) -> Any:
+        """The agent's result; whatever it raises (``AgentExit`` for a BaseException) or the
+        deadline's TimeoutError is the caller's to judge."""
+        env, job = self.env, self.job
+        # Only an endpoint-style agent calls the proxy: the others get no route to open.
+        registration = (
+            env.proxy.register(job.job_id, self.llm)
+            if env.runner.spec.style == "endpoint"
+            else contextlib.nullcontext("")
+        )
+        with registration as endpoint:
+            self.secret = secret_of(endpoint)
+            # The agent's own task: the deadline cancels this one, which stops waiting
+            # whether or not the agent lets itself be cancelled.
+            self.agent = asyncio.ensure_future(
+                _guarded(env.runner.run(job.task, llm=self.llm, endpoint=endpoint, envs=self.envs))
+            )
+            async with self.deadline:
+                with deadline_held_by(env.fleets, self.deadline):
+                    await _end_of(self.agent)
+            return self.agent.result()
+
+    async def _reward(self, result: Any) -> tuple[float, dict]:
+        reward, metrics = extract_reward(result)
+        if self.env.reward_fn is not None:
+            provisional = self.trajectory("ok", provisional=True, reward=0.0, metrics=metrics)
+            reward_result = self.env.reward_fn(self.job.task, result, provisional)
+            if asyncio.iscoroutine(reward_result):
+                reward_result = await reward_result
+            reward, extra = extract_reward(reward_result)
+            metrics = {**metrics, **extra}
+        return finite_reward(reward), metrics
+
+    def _happened(self, stage: Stage, exc: BaseException | None = None) -> Happened:
+        backend = [e for e in self.llm.errors if isinstance(e, BackendUnavailable)]
+        env_errors = self.envs.errors if self.envs is not None else []
+        return Happened(
+            stage=stage,
+            exc=exc,
+            deadline_expired=self.deadline.expired(),
+            deadline_s=self.job.deadline_s,
+            cancelled=_cancelled(),
+            backend_error=backend[-1] if backend else None,
+            env_error=env_errors[-1] if env_errors else None,
+        )
+
+    async def _result(self, verdict: Verdict, exc: BaseException | None = None) -> RolloutResult:
+        """The result the verdict names; ``exc``: what the stage raised."""
+        match verdict.ending:
+            case Ending.TIMEOUT:
+                assert self.agent is not None, "the deadline runs only once the agent does"
+                await _abandon(self.agent, self.job.job_id)
+                return Finished(trajectory=self.trajectory("timeout", error=verdict.error))
+            case Ending.BACKEND_FAILED:
+                return Finished(trajectory=self.trajectory("error", error=verdict.error))
+            case Ending.ENVIRONMENT_LOST:
+                if exc is not None:
+                    _record(self.span, exc, {})
+                return EnvironmentLost(trajectory=self.trajectory("error", error=verdict.error))
+            case Ending.AGENT_FAILED:
+                assert exc is not None, "an agent fails by raising"
+                return self._agent_failed(exc)
+        raise AssertionError(f"no result for {verdict}")  # OK and RELEASED are the caller's
+
+    def _agent_failed(self, exc: BaseException) -> AgentFailed:
+        """The agent's failure, its text and span event without the endpoint's secret."""
+        text, said = _traceback(exc), message(exc)
+        if self.secret:
+            text, said = text.replace(self.secret, "***"), said.replace(self.secret, "***")
+        _record(self.span, exc, {"exception.message": said, "exception.stacktrace": text})
+        return AgentFailed(
+            error=text, calls=list(self.llm.calls), trace_id=self.trace_id, span_id=self.span_id
+        )
+
+    def _release(self) -> None:
+        """A drain: the worker releases the job, and the agent goes too."""
+        if self.agent is not None:
+            self.agent.cancel()
+            self.agent.add_done_callback(_retrieve)
+
+    def trajectory(self, status: str, *, provisional: bool = False, **extra: Any) -> Trajectory:
+        """The job's trajectory with ``status``, the calls so far, and the span marked so."""
+        span, job, envs = self.span, self.job, self.envs
+        span.set_attribute("agentarium.status", status)
+        if status != "ok":
+            span.set_status(Status(StatusCode.ERROR, extra.get("error", status)[:200]))
+        if self.capture and not provisional:
+            outcome = {"status": status, "reward": extra.get("reward")}
+            span.set_attribute(genai.OPENINFERENCE_OUTPUT, json.dumps(outcome))
+            span.set_attribute(genai.OPENINFERENCE_OUTPUT_MIME, "application/json")
+        if envs is not None and envs.summary():
+            # what each environment session did; its tool results reached the model only
+            # as prompt context, so the trainer's loss mask leaves them out anyway
+            extra["metadata"] = {**job.metadata, "envs": envs.summary()}
+        return trajectory_for(
+            job,
+            self.env.worker_id,
+            status=status,
+            calls=list(self.llm.calls),
+            attempts=self.attempt,
+            started_at=self.started,
+            finished_at=time.time(),
+            trace_id=self.trace_id,
+            span_id=self.span_id,
+            **extra,
+        )

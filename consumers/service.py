@@ -20,19 +20,21 @@ import structlog
 from nats.js import JetStreamContext
 
 from broker import Topology, loop_name, watch_lag
+from schemas import SettingError
 
 from .agents import AgentRunner, AgentSpec
 from .backends import CrossSamplingBackend, OpenAICompatBackend, SGLangBackend
 from .backends.cross_sampling import check_same_tokenizer
 from .chat_template import ChatTemplate
 from .config import ConsumerSettings
+from .counters import Counters
 from .envclient import EnvClient
 from .errors import CrossSamplingError
 from .fleet import Fleet, supports
 from .metrics import LOOP_LAG_SECONDS
 from .proxy import TracingProxy
 from .rollout import RolloutEnv
-from .worker import Counters, Worker
+from .worker import Worker
 
 log = structlog.get_logger("agentarium.consumers")
 
@@ -121,8 +123,13 @@ class CrossTarget:
     seed: int | None = None  # of the per-call coin; None: a fresh one
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.ratio <= 1.0:
-            raise ValueError(f"the cross-sampling ratio must be in [0, 1], got {self.ratio}")
+        _check_ratio(self.ratio)
+
+
+def _check_ratio(ratio: float) -> None:
+    # a CrossTarget made in code; the commands' ratio is checked as it is read (RolloutSettings)
+    if not 0.0 <= ratio <= 1.0:
+        raise SettingError(f"--cross-ratio must be in [0, 1], got {ratio}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -16,7 +16,7 @@ from worker_env import tiny_template, worker_for
 
 from broker import Limits, provision
 from broker.errors import ERR_STREAM_FULL
-from consumers.worker import log_safe
+from consumers.redact import log_safe
 from examples import calculator, openai_agent
 from producers import TaskProducer, TrajectoryReader
 from schemas import DeadLetter, Job, decode, encode

@@ -125,7 +125,9 @@ class SyncResult:
 
 
 @dataclass
-class _Counters:
+class SyncCounters:
+    """The weight versions a syncer saw in the policy KV, and how their reloads went."""
+
     seen: int = 0
     applied: int = 0
     failed: int = 0
@@ -151,7 +153,7 @@ class WeightSyncer:
         self.config = config
         self.topology = topology or Topology()
         self.store = store or WeightStore(js, self.topology)
-        self.counters = _Counters()
+        self.counters = SyncCounters()
         self.last_result: SyncResult | None = None
         self._latest: WeightUpdate | None = None
         self._wake = asyncio.Event()

@@ -145,7 +145,9 @@ class _Probe:
 
 
 @dataclass
-class _Counters:
+class StreamCounters:
+    """What a streamer's weight broadcasts came to: streamed, failed, group rebuilds, bytes."""
+
     streamed: int = 0
     failed: int = 0
     rebuilt: int = 0
@@ -160,7 +162,7 @@ class WeightStreamer:
         self.config = config
         self.run = check_name(run, "run")
         self.group_name = f"agentarium-{self.run}"
-        self.counters = _Counters()
+        self.counters = StreamCounters()
         self._pg: Any = None
         self._store: Any = None
         self._members: dict[str, _Member] = {}

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
+
+from broker import Backoff
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -63,23 +64,24 @@ class Backend(Protocol):
 
 @dataclass(frozen=True, kw_only=True)
 class BackendRetry:
-    """How one LLM request is retried against one server before failing over: capped
-    exponential backoff, ``retries`` more tries after the first, each waiting
-    ``backoff * 2**n`` seconds (at most ``max_backoff``), jittered so that clients which failed
-    together do not come back together."""
+    """How one LLM request is retried against one server before failing over: ``retries``
+    more tries after the first, try ``n + 1`` waiting ``backoff.delay(n)`` (capped exponential,
+    drawn from ``[ceiling / 2, ceiling]`` so that clients which failed together do not come
+    back together)."""
 
     retries: int = 3
-    backoff: float = 0.5
-    max_backoff: float = 8.0
+    backoff: Backoff = field(default_factory=lambda: Backoff(initial_s=0.5, max_s=8.0, jitter=0.5))
 
-    def __post_init__(self) -> None:
-        if self.retries < 0 or self.backoff < 0 or self.max_backoff < 0:
+    @classmethod
+    def of(
+        cls, *, retries: int = 3, backoff: float = 0.5, max_backoff: float = 8.0
+    ) -> BackendRetry:
+        """From a backend's keywords: the first wait ``backoff``, doubling up to ``max_backoff``."""
+        if retries < 0 or backoff < 0 or max_backoff < 0:
             raise ValueError("retries, backoff and max_backoff must be >= 0")
-
-    def delay(self, attempt: int) -> float:
-        """Seconds to wait before retry number ``attempt`` (0-based)."""
-        ceiling = min(self.max_backoff, self.backoff * 2**attempt)
-        return ceiling / 2 + random.uniform(0, ceiling / 2)
+        # a first wait above the cap is the cap, as min(max_backoff, backoff * 2**n) had it
+        wait = Backoff(initial_s=min(backoff, max_backoff), max_s=max_backoff, jitter=0.5)
+        return cls(retries=retries, backoff=wait)
 
 
 def retryable_status(status: int) -> bool:

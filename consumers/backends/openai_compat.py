@@ -60,7 +60,7 @@ class OpenAICompatBackend:
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.api_key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY", "")
-        self.policy = BackendRetry(retries=retries, backoff=backoff, max_backoff=max_backoff)
+        self.policy = BackendRetry.of(retries=retries, backoff=backoff, max_backoff=max_backoff)
         self.extra_body = dict(extra_body or {})
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._session: aiohttp.ClientSession | None = None
@@ -105,7 +105,7 @@ class OpenAICompatBackend:
                 last = last or "skipped: its breaker is open (health probe failed)"
                 break
             if attempt:
-                await asyncio.sleep(self.policy.delay(attempt - 1))
+                await asyncio.sleep(self.policy.backoff.delay(attempt))
             start = time.perf_counter()
             tries += 1
             try:

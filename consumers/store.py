@@ -1,4 +1,4 @@
-"""Storing a rollout's outcome: its trajectory exactly once, or the job as a dead letter.
+"""TrajectoryStore: a rollout's trajectory stored exactly once, or the job as a dead letter.
 
 Exactly once rests on the server, not on timing: a trajectory is published to its per-job
 subject with ``Nats-Expected-Last-Subject-Sequence: 0``, so a second one for the same job
@@ -25,6 +25,7 @@ from nats.js.kv import KeyValue
 from broker import (
     ERR_WRONG_LAST_SEQUENCE,
     TRANSIENT_NATS_ERRORS,
+    Backoff,
     JetStreamPublisher,
     Topology,
     trajectory_stored,
@@ -35,8 +36,7 @@ log = structlog.get_logger("agentarium.consumers")
 
 T = TypeVar("T")
 
-FIRST_BACKOFF_S = 0.1
-MAX_BACKOFF_S = 5.0
+BACKOFF = Backoff(initial_s=0.1, max_s=5.0)  # between two tries of a store call
 # A dead letter keeps at most this much of an undecodable payload (base64 grows it by 4/3 and
 # the server's max_payload is 1 MiB by default).
 MAX_RAW_BYTES = 64 * 1024
@@ -58,7 +58,7 @@ async def _until_done(what: str, call: Callable[[], Awaitable[T]]) -> T:
     The job stays in flight (heartbeated) meanwhile, so waiting costs nothing but time; a
     permanent error is raised at once, since retrying it would hold the job's slot forever.
     """
-    delay = FIRST_BACKOFF_S
+    retry = 0
     while True:
         try:
             return await call()
@@ -68,13 +68,13 @@ async def _until_done(what: str, call: Callable[[], Awaitable[T]]) -> T:
             error = str(exc)
         except TRANSIENT_NATS_ERRORS as exc:
             error = str(exc) or type(exc).__name__
+        retry += 1
         log.warning(f"{what} failed; retrying", error=error)
-        await asyncio.sleep(delay)
-        delay = min(MAX_BACKOFF_S, delay * 2)
+        await asyncio.sleep(BACKOFF.delay(retry))
 
 
-class OutcomeStore:
-    """Stores outcomes; publishes are pipelined (``broker.JetStreamPublisher``): many
+class TrajectoryStore:
+    """Stores trajectories (and dead letters); publishes are pipelined (``broker.JetStreamPublisher``): many
     rollouts' trajectories wait for their acks at once, each still acked only once stored."""
 
     def __init__(self, js: JetStreamContext, topo: Topology, worker_id: str) -> None:
