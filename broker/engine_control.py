@@ -55,12 +55,12 @@ class EngineControl:
 
     # ---- reads ---------------------------------------------------------------------------
 
-    async def model_info(self, timeout_s: float = CONTROL_TIMEOUT_S) -> dict[str, Any]:
+    async def model_info(self, timeout_s: float | None = CONTROL_TIMEOUT_S) -> dict[str, Any]:
         """``GET /model_info`` (``/get_model_info`` on older SGLang): the served model,
         ``weight_version`` and, on the local engine, ``engine_id``."""
         return await self._get_first(MODEL_INFO_PATHS, timeout_s)
 
-    async def server_info(self, timeout_s: float = CONTROL_TIMEOUT_S) -> dict[str, Any]:
+    async def server_info(self, timeout_s: float | None = CONTROL_TIMEOUT_S) -> dict[str, Any]:
         """``GET /server_info`` (``/get_server_info`` on older SGLang): e.g. ``tp_size``."""
         return await self._get_first(SERVER_INFO_PATHS, timeout_s)
 
@@ -139,7 +139,7 @@ class EngineControl:
             raise EngineControlError(self.url, path, str(said or text[:200]), status=status)
         return data if isinstance(data, dict) else {}
 
-    async def _get_first(self, paths: tuple[str, ...], timeout_s: float) -> dict[str, Any]:
+    async def _get_first(self, paths: tuple[str, ...], timeout_s: float | None) -> dict[str, Any]:
         """GET the first of ``paths`` the engine has (404 means: try the next spelling)."""
         for path in paths:
             try:

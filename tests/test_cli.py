@@ -57,7 +57,7 @@ def test_broker_up_takes_no_connection_flags_but_a_prefix():
     assert "--nats-url" not in up.format_help() and "--prefix" in up.format_help()
     with contextlib.redirect_stderr(io.StringIO()), pytest.raises(SystemExit):
         parser.parse_args(["broker", "up", "--nats-url", "nats://127.0.0.1:4222"])
-    assert parser.parse_args(["broker", "up", "--prefix", "x"]).prefix == "x"
+    assert parser.parse_args(["broker", "up", "--prefix", "x"]).nats_prefix == "x"
     # init and status connect to a server: they keep them
     assert "--nats-url" in dict(all_parsers(parser))[("agentarium", "broker", "init")].format_help()
 

@@ -13,7 +13,7 @@ from structlog.testing import capture_logs
 
 from agentarium.cli import build_parser
 from agentarium.commands import consumer_cmd, env_cmd, trainer_cmd
-from agentarium.commands.config_file import ConfigError, read_config_file
+from agentarium.config import ConfigError, read_config_file
 from broker import NatsSettings
 from consumers import ConsumerProcess
 from schemas import settings

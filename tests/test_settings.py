@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from agentarium.cli import build_parser, command_modules
-from agentarium.commands.config_file import (
+from agentarium.config import (
     ConfigKeys,
     add_config_arguments,
     add_settings,

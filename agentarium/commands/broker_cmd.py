@@ -24,8 +24,8 @@ from broker import (
 )
 from schemas import settings
 
+from ..config import add_settings, flag_values
 from .common import add_command_group, add_nats_flags, run_async, settings_from_args
-from .config_file import add_settings, flag_values
 
 log = structlog.get_logger("agentarium.cli")
 

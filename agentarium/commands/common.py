@@ -27,7 +27,7 @@ from broker import (
 )
 from schemas import settings
 
-from .flags import add_settings
+from ..config import add_settings
 
 NATS_PREFIX = "nats_"  # the connection flags' dests: nats_url, nats_prefix, ...
 
@@ -36,7 +36,7 @@ class Parser(argparse.ArgumentParser):
     """No abbreviated long options: ``--group 4`` must not silently mean ``--group-size``.
     Sub-parsers are made of the same class, so the rule holds for every command."""
 
-    overrides_dest: str | None = None  # set by config_file.add_config_arguments
+    overrides_dest: str | None = None  # set by agentarium.config.add_config_arguments
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("allow_abbrev", False)
@@ -148,3 +148,25 @@ def install_stop_handlers(stop: Callable[[], None]) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop)
+
+
+def connection_flags(reason: str | None = None) -> dict[str, str]:
+    """The NATS connection flags as key-less flags, for ``ConfigKeys.keyless``."""
+    reason = reason or (
+        "the connection comes from AGENTARIUM_NATS_* or these flags, so a config file never "
+        "holds a credential and the same file runs against any broker"
+    )
+    parser = argparse.ArgumentParser(add_help=False)
+    add_nats_flags(parser)
+    return {action.dest: reason for action in parser._actions}
+
+
+def metrics_flags() -> dict[str, str]:
+    """The metrics-server flags as key-less flags, for ``ConfigKeys.keyless``."""
+    reason = (
+        "where this process serves /metrics and probes belongs to its deployment (the "
+        "manifest's ports), not to the run's settings"
+    )
+    parser = argparse.ArgumentParser(add_help=False)
+    add_metrics_flags(parser)
+    return {action.dest: reason for action in parser._actions}

@@ -1,7 +1,7 @@
 """``agentarium consumer``: a rollout worker for one agent.
 
 Its settings are ``consumers.ConsumerProcess``'s fields, each one a flag, a key of a --config file and a
-KEY=VALUE override (agentarium/commands/config_file.py).
+KEY=VALUE override (agentarium/config/).
 """
 
 from __future__ import annotations
@@ -27,22 +27,17 @@ from consumers import (
 )
 from schemas import settings
 
+from ..config import ConfigKeys, add_config_arguments, add_settings, resolve
 from ..tiny import resolve_model
 from .common import (
     add_metrics_flags,
     add_nats_flags,
+    connection_flags,
     install_stop_handlers,
+    metrics_flags,
     metrics_server,
     run_async,
     settings_from_args,
-)
-from .config_file import (
-    ConfigKeys,
-    add_config_arguments,
-    add_settings,
-    connection_flags,
-    metrics_flags,
-    resolve,
 )
 
 log = structlog.get_logger("agentarium.cli")

@@ -7,8 +7,8 @@ import argparse
 from agentarium.dashboard import DashboardConfig, run_dashboard
 from schemas import settings
 
+from ..config import add_settings, flag_values
 from .common import add_metrics_flags, add_nats_flags, metrics_server, run_async, settings_from_args
-from .config_file import add_settings, flag_values
 
 
 def config_from_args(args: argparse.Namespace) -> DashboardConfig:

@@ -7,8 +7,8 @@ import sys
 
 from schemas import settings
 
+from ..config import add_settings, flag_values
 from ..demo import FAMILIES, DemoConfig, run_demo
-from .config_file import add_settings, flag_values
 
 DESCRIPTION = """\
 The whole RL loop on one CPU machine, on embedded defaults: a local nats-server (JetStream

@@ -2,7 +2,7 @@
 
 ``env serve``'s and ``env bridge``'s settings are the fields of their config dataclasses, the
 worker's own in their section ``EnvWorkerConfig`` (environments/config.py), each one a flag, a
-key of a --config file and a KEY=VALUE override (agentarium/commands/config_file.py).
+key of a --config file and a KEY=VALUE override (agentarium/config/).
 """
 
 from __future__ import annotations
@@ -31,22 +31,17 @@ from environments import (
 )
 from schemas import check_settings, section, setting, settings
 
+from ..config import ConfigKeys, add_config_arguments, add_settings, resolve
 from .common import (
     add_command_group,
     add_metrics_flags,
     add_nats_flags,
+    connection_flags,
     install_stop_handlers,
+    metrics_flags,
     metrics_server,
     run_async,
     settings_from_args,
-)
-from .config_file import (
-    ConfigKeys,
-    add_config_arguments,
-    add_settings,
-    connection_flags,
-    metrics_flags,
-    resolve,
 )
 
 log = structlog.get_logger("agentarium.cli")

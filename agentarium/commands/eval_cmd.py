@@ -13,9 +13,15 @@ from pathlib import Path
 
 from consumers import AgentLoadError
 
+from ..config import ConfigKeys, add_config_arguments, add_settings, resolve
 from ..evaluation import EvalConfig, EvalError, EvalRun, print_summary
-from .common import add_command_group, add_nats_flags, run_async, settings_from_args
-from .config_file import ConfigKeys, add_config_arguments, add_settings, connection_flags, resolve
+from .common import (
+    add_command_group,
+    add_nats_flags,
+    connection_flags,
+    run_async,
+    settings_from_args,
+)
 
 KEYS = ConfigKeys.of(
     "eval run",

@@ -2,7 +2,7 @@
 
 Its settings are the fields of ``TrainerConfig`` (the algorithm) and ``TrainerProcess`` (this
 process), each one a flag, a key of a --config file and a KEY=VALUE override
-(agentarium/commands/config_file.py); the weight transport they choose is
+(agentarium/config/); the weight transport they choose is
 ``trainer.publisher_for``'s decision.
 """
 
@@ -16,22 +16,16 @@ from broker import NatsSettings
 from schemas import settings
 from trainer import TrainerConfig, TrainerProcess
 
+from ..config import ConfigKeys, Resolved, add_config_arguments, add_settings, resolve
 from ..tiny import resolve_model
 from .common import (
     add_metrics_flags,
     add_nats_flags,
+    connection_flags,
+    metrics_flags,
     metrics_server,
     run_async,
     settings_from_args,
-)
-from .config_file import (
-    ConfigKeys,
-    Resolved,
-    add_config_arguments,
-    add_settings,
-    connection_flags,
-    metrics_flags,
-    resolve,
 )
 
 KEYS = ConfigKeys.of(

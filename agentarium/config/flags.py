@@ -3,7 +3,7 @@
 The name (``schemas.settings.flag_for``, or the setting's ``flag``), the type from the
 annotation (``bool`` a switch, ``tuple[X, ...]`` a repeatable flag, ``X | None`` an X),
 choices, metavar, the help with its default or environment variable, and the ``--help``
-section (``group``). The dest is the key, so ``config_file.resolve`` reads flags, files and
+section (``group``). The dest is the key, so ``files.resolve`` reads flags, files and
 overrides alike.
 """
 

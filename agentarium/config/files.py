@@ -31,11 +31,6 @@ import yaml
 
 from schemas import settings
 
-from .common import add_metrics_flags, add_nats_flags
-from .flags import Append, add_settings, flag_values
-
-__all__ = ["Append", "add_settings", "flag_values"]  # re-exported: commands import them here
-
 SOURCES = ("file", "flag", "override")  # what can set a key, lowest precedence first
 
 
@@ -85,7 +80,7 @@ class ConfigKeys:
         factories: dict[str, Callable[[], Any]] = {}
         reasons: dict[str, str] = {}
         for klass in classes:
-            for key in settings.keys(klass) if _declares(klass) else _plain_keys(klass):
+            for key in settings.keys(klass):
                 assert key.name not in kinds, f"{key.name} is a key of two config classes"
                 kinds[key.name] = typing.get_type_hints(key.owner)[key.path[-1]]
                 if key.field.default is not dataclasses.MISSING:
@@ -102,40 +97,6 @@ class ConfigKeys:
             flagless={**reasons, **(flagless or {})},
             keyless=dict(keyless or {}),
         )
-
-
-def _declares(klass: type) -> bool:
-    return any(settings.META in f.metadata for f in dataclasses.fields(klass))
-
-
-def _plain_keys(klass: type) -> list[settings.Key]:
-    """TRANSITION: the fields of a config class not yet declared with ``setting()``."""
-    return [
-        settings.Key(f.name, (f.name,), f, settings.Meta(help=""), klass)
-        for f in dataclasses.fields(klass)
-    ]
-
-
-def connection_flags(reason: str | None = None) -> dict[str, str]:
-    """The NATS connection flags as key-less flags, for ``ConfigKeys.keyless``."""
-    reason = reason or (
-        "the connection comes from AGENTARIUM_NATS_* or these flags, so a config file never "
-        "holds a credential and the same file runs against any broker"
-    )
-    parser = argparse.ArgumentParser(add_help=False)
-    add_nats_flags(parser)
-    return {action.dest: reason for action in parser._actions}
-
-
-def metrics_flags() -> dict[str, str]:
-    """The metrics-server flags as key-less flags, for ``ConfigKeys.keyless``."""
-    reason = (
-        "where this process serves /metrics and probes belongs to its deployment (the "
-        "manifest's ports), not to the run's settings"
-    )
-    parser = argparse.ArgumentParser(add_help=False)
-    add_metrics_flags(parser)
-    return {action.dest: reason for action in parser._actions}
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, keys: ConfigKeys) -> None:
@@ -164,7 +125,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, keys: ConfigKeys) -> N
         help="config overrides, applied last, e.g. lr=3e-4 (values read as YAML: null, true, "
         "[0.9, 0.95])",
     )
-    # common.Parser collects KEY=VALUE tokens placed between flags into this list too.
+    # commands.common.Parser collects KEY=VALUE tokens placed between flags into this list too.
     parser.overrides_dest = "overrides"  # type: ignore[attr-defined]
     parser.set_defaults(config_flags=flags)
 
@@ -176,10 +137,6 @@ class Resolved:
     values: dict[str, Any]
     sources: dict[str, str]  # key -> "file" | "flag" | "override", for keys not at a default
     file: str | None
-
-    def pick(self, klass: type) -> dict[str, Any]:
-        """TRANSITION: the values of a not yet declared ``klass``'s fields."""
-        return {f.name: self.values[f.name] for f in dataclasses.fields(klass)}
 
     def build(self, klass: type, **runtime: Any) -> Any:
         """``klass`` (a settings dataclass) from these values; ``runtime``: its fields that
