@@ -40,10 +40,10 @@ import aiohttp
 import torch
 
 from agentarium.tiny import MODEL_CONFIG, resolve_model
-from broker import NatsServer, NatsSettings, Topology, provision
+from broker import NatsServer, NatsSettings, Topology, provision, weights_checksum
 from broker.telemetry import setup_logging
+from consumers.sync import SyncConfig, WeightSyncer
 from trainer import weight_group
-from trainer.sync import SyncConfig, WeightSyncer
 from trainer.weight_stream import StreamConfig, WeightStreamer
 from trainer.weights import WeightStore
 
@@ -156,7 +156,7 @@ async def run(args: argparse.Namespace, work: Path) -> None:
                 record(
                     "stream: publish call incl. object-store copy", time.perf_counter() - started
                 )
-                expected = weight_group.weights_checksum(tensors)[0]
+                expected = weights_checksum(tensors)[0]
             else:
                 store, syncer = (obj, obj_sync) if path == "object store" else (shared, shared_sync)
                 update = await store.publish(model, run=syncer.config.run, version=version)
@@ -166,7 +166,7 @@ async def run(args: argparse.Namespace, work: Path) -> None:
                 serving = time.perf_counter() - started
                 record(f"{path}: publish", published)
                 record(f"{path}: fetch + sha256", result.fetch_s)
-                expected = weight_group.weights_checksum(weight_group.streamable(model))[0]
+                expected = weights_checksum(weight_group.streamable(model))[0]
             record(f"{path}: publish to serving", serving)
             for checksum, served in await checksums(http, urls):
                 assert (checksum, served) == (expected, str(version)), (path, served)

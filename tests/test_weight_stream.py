@@ -16,8 +16,9 @@ import pytest
 import torch
 from aiohttp import web
 
+from broker import weights_checksum
+from consumers.sync import SyncConfig, WeightSyncer
 from trainer import weight_group as wg
-from trainer.sync import SyncConfig, WeightSyncer
 from trainer.weight_stream import StreamConfig, StreamPublisher, WeightStreamer
 from trainer.weights import WeightStore
 
@@ -144,7 +145,7 @@ def train_step(model, seed: int) -> str:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=gen) * 1e-3)
-    return wg.weights_checksum(wg.streamable(model))[0]
+    return weights_checksum(wg.streamable(model))[0]
 
 
 async def served(http: aiohttp.ClientSession, url: str) -> tuple[str, str]:

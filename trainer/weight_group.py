@@ -14,9 +14,8 @@ is imported here, never by ``import trainer``.
 
 from __future__ import annotations
 
-import hashlib
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any, cast
 
@@ -102,21 +101,6 @@ def streamable(
             t = t.to(device)
         out.append((name, t.contiguous()))
     return out
-
-
-def weights_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[str, int, int]:
-    """(sha256 hex, tensors, bytes) over tensors sorted by name: each adds its name, dtype,
-    shape and raw bytes; the local engine's ``GET /weights_checksum`` computes the same."""
-    digest = hashlib.sha256()
-    count = size = 0
-    for name, tensor in sorted(named, key=lambda item: item[0]):
-        t = tensor.detach().contiguous().cpu()
-        digest.update(f"{name}\0{str(t.dtype).removeprefix('torch.')}\0{list(t.shape)}\0".encode())
-        if t.numel():
-            digest.update(t.view(-1).view(torch.uint8).numpy().data)
-        count += 1
-        size += t.numel() * t.element_size()
-    return digest.hexdigest(), count, size
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -310,7 +310,7 @@ def _coerce_at(where: str, key: str, value: Any, keys: ConfigKeys) -> Any:
 
 
 def coerce(value: Any, kind: Any) -> Any:
-    """``value`` as ``kind`` (bool, int, float, str, X | None, tuple[X, ...], Any); raises
+    """``value`` as ``kind`` (bool, int, float, str, Path, X | None, tuple[X, ...], Any); raises
     ValueError whose message is what ``kind`` accepts."""
     origin, args = typing.get_origin(kind), typing.get_args(kind)
     if origin in (typing.Union, types.UnionType):
@@ -358,6 +358,9 @@ def coerce(value: Any, kind: Any) -> Any:
             return value
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)  # run: 2024 is the run "2024"
+    elif kind is Path:
+        if isinstance(value, (str, Path)):
+            return Path(value)
     raise ValueError(_describe(kind))
 
 
@@ -369,7 +372,13 @@ def _describe(kind: Any) -> str:
         if len(args) == 2 and args[1] is Ellipsis:
             return f"a list of {_describe(args[0])}"
         return f"a list of {len(args)} values ({', '.join(_describe(a) for a in args)})"
-    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    names = {
+        bool: "true or false",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        Path: "a path",
+    }
     return names.get(kind, str(kind))
 
 

@@ -12,8 +12,11 @@ from typing import Any
 
 import structlog
 
+from broker import weights_checksum
+
 from ..chat_template import load_tokenizer, tokenizer_fingerprint
 from . import weight_group
+from .config import EngineSettings
 from .errors import InvalidRequest, WeightLoadError
 from .model import EngineModel
 from .request import parse_generate
@@ -36,8 +39,8 @@ class LocalEngine:
         self,
         model_path: Path | str,
         *,
-        threads: int = 1,
-        max_batch: int = 64,
+        threads: int = EngineSettings.threads,
+        max_batch: int = EngineSettings.max_batch,
         batch_window_s: float = 0.002,
     ) -> None:
         self.model_path = Path(model_path)
@@ -270,11 +273,11 @@ class LocalEngine:
         return {"success": success, "message": message}
 
     async def weights_checksum(self) -> dict[str, Any]:
-        """Not in SGLang: a sha256 over the served tensors (weight_group.weights_checksum),
+        """Not in SGLang: a sha256 over the served tensors (broker.weights_checksum),
         taken between steps, to compare an engine's weights with the trainer's."""
         async with self.scheduler.step_lock:
             digest, count, size = await asyncio.to_thread(
-                weight_group.weights_checksum, self.model.streamable().items()
+                weights_checksum, self.model.streamable().items()
             )
             version = self.scheduler.weight_version
         return {"checksum": digest, "tensors": count, "bytes": size, "weight_version": version}

@@ -19,8 +19,6 @@ were. The local engine runs on the CPU: its groups use gloo.
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, cast
@@ -189,21 +187,6 @@ def _buffer(spec: TensorSpec, spares: dict[str, torch.Tensor]) -> torch.Tensor:
 def prefault(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Buffers like ``tensors``, written once so their pages exist before the first update."""
     return {name: torch.zeros_like(t) for name, t in tensors.items()}
-
-
-def weights_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[str, int, int]:
-    """(sha256 hex, tensors, bytes) over tensors sorted by name: each adds its name, dtype,
-    shape and raw bytes. trainer/weight_group.py computes the same over what it sends."""
-    digest = hashlib.sha256()
-    count = size = 0
-    for name, tensor in sorted(named, key=lambda item: item[0]):
-        t = tensor.detach().contiguous().cpu()
-        digest.update(f"{name}\0{str(t.dtype).removeprefix('torch.')}\0{list(t.shape)}\0".encode())
-        if t.numel():
-            digest.update(t.view(-1).view(torch.uint8).numpy().data)
-        count += 1
-        size += t.numel() * t.element_size()
-    return digest.hexdigest(), count, size
 
 
 def _host(address: str) -> str:
