@@ -26,6 +26,8 @@ from typing import Any
 
 import orjson
 
+from broker import EngineControl, EngineControlError
+
 from ..errors import BackendUnavailable, BadRequest
 from .balancer import StickyBalancer
 from .base import BackendRetry, GenerateRequest, GenerateResult, retryable_status
@@ -302,21 +304,15 @@ class SGLangBackend:
 
     async def model_info(self) -> dict[str, Any]:
         """``GET /model_info`` (``/get_model_info`` on older servers) from the first server
-        that answers; raises ``BackendUnavailable`` when none does."""
+        that answers; raises ``BackendUnavailable`` when none does. Asked through the
+        engines' one control client (broker.EngineControl), which holds that fallback."""
         errors: dict[str, str] = {}
-        for url in self.urls:
-            for path in ("/model_info", "/get_model_info"):
+        async with EngineControl(timeout_s=self._timeout) as control:
+            for url in self.urls:
                 try:
-                    resp = await self.control.request("GET", f"{url}{path}")
-                    if resp.status == 404:
-                        continue
-                    if resp.status == 200:
-                        return resp.json()
-                    errors[url] = f"HTTP {resp.status}"
-                    break
-                except (HttpError, TimeoutError, OSError, ValueError) as exc:
-                    errors[url] = f"{type(exc).__name__}: {exc}"
-                    break
+                    return await control.model_info(url)
+                except EngineControlError as exc:
+                    errors[url] = str(exc)
         raise BackendUnavailable(f"no server answered /model_info: {errors}", errors=errors)
 
     def __repr__(self) -> str:
