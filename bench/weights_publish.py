@@ -42,8 +42,8 @@ import torch
 from agentarium.tiny import MODEL_CONFIG, resolve_model
 from broker import NatsServer, NatsSettings, Topology, provision, weights_checksum
 from broker.telemetry import setup_logging
+from consumers.sync import SyncConfig, WeightSyncer
 from trainer import weight_group
-from trainer.sync import SyncConfig, WeightSyncer
 from trainer.weight_stream import StreamConfig, WeightStreamer
 from trainer.weights import WeightStore
 

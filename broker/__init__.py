@@ -1,14 +1,14 @@
 """NATS plumbing: connection settings, topology, provisioning, the embedded server, status
 (environment services' included, from the NATS service API),
-the workers registry, engine weight versions, stream tails for live views, telemetry (logging,
+the workers registry, engine weight versions, the engines' control API client, reading
+published weights, stream tails for live views, telemetry (logging,
 tracing, trace context in message headers) and the Prometheus side shared by every service
 (the /metrics and health server, queue gauges)."""
 
 from .aio import cancel_and_wait, round_trip
 from .backoff import Backoff
 from .engine_control import (
-    CONTROL_TIMEOUT_S,
-    MODEL_INFO_PATHS,
+    PAUSE_MODES,
     EngineControl,
     EngineControlError,
     weights_checksum,
@@ -68,14 +68,39 @@ from .telemetry import (
     trace_id_hex,
 )
 from .topology import Topology
+from .weights import (
+    STALL_TIMEOUT_S,
+    WEIGHTS_FILE,
+    WeightFetcher,
+    WeightNotFound,
+    WeightsError,
+    WeightVerificationError,
+    default_weights_dir,
+    is_shared_path,
+    local_versions,
+    object_name,
+    sha256_file,
+    verify_file,
+)
 
 __all__ = [
-    "Backoff",
-    "CONTROL_TIMEOUT_S",
-    "MODEL_INFO_PATHS",
+    "PAUSE_MODES",
+    "STALL_TIMEOUT_S",
+    "WEIGHTS_FILE",
     "EngineControl",
     "EngineControlError",
+    "WeightFetcher",
+    "WeightNotFound",
+    "WeightVerificationError",
+    "WeightsError",
+    "default_weights_dir",
+    "is_shared_path",
+    "local_versions",
+    "object_name",
+    "sha256_file",
+    "verify_file",
     "weights_checksum",
+    "Backoff",
     "ENV_SERVICE_KIND",
     "EnvServiceStatus",
     "collect_env_status",

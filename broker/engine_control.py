@@ -1,88 +1,126 @@
-"""EngineControl: the one client of an engine's control API (SGLang's, and the local engine's,
-which serves the same endpoints), with one error type.
+"""EngineControl: the one client of an engine's control API, SGLang's and the local engine's.
 
-The weight syncer (``consumers``: reload from a directory) and the weight streamer
-(``trainer``: a torch.distributed group) both drive engines through it, so an endpoint's
-shape, SGLang's older spellings (``/get_model_info``) and what counts as a failure are
-written once. Every call either returns the engine's JSON answer or raises
-``EngineControlError`` naming the engine, the path, the HTTP status (None when the engine
-did not answer) and the engine's own message. SGLang answers its weight calls with
-``{"success": bool, "message": str}`` (HTTP 400 on failure) and pause/continue with a plain
-200; a weight call whose ``success`` is not true is a failure even with a 200.
+The local engine serves SGLang's routes with SGLang's shapes (docs: SGLANG_API.md), so the
+weight syncer (consumers, reloads from disk) and the weight streamer (trainer, over a
+torch.distributed group) drive both through this client. It lives in broker because both may
+import broker and neither may import the other.
 
-It lives in ``broker`` because both components use it and neither may import the other;
-``weights_checksum`` is here for the same reason (torch is imported only when it is called).
+Every call raises ``EngineControlError`` (the URL, the path, the HTTP status or None when the
+engine was not reached, and the server's own message): an HTTP error, a connection error, a
+timeout, and a weight call SGLang answers ``{"success": false, "message": ...}`` alike. A
+caller that must go on (un-pause an engine whatever happened) catches that one type.
+
+``weights_checksum`` is the sha256 both sides compute over tensors: the trainer over what it
+sends, the local engine (``GET /weights_checksum``, not in SGLang) over what it serves.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import aiohttp
 
 from .errors import BrokerError
 
-CONTROL_TIMEOUT_S = 10.0  # pause, continue, model info: answered at once by a live engine
-# SGLang's spellings, newest first: older servers have only the second (404 on the first)
-MODEL_INFO_PATHS = ("/model_info", "/get_model_info")
+PAUSE_MODES = ("in_place", "retract", "abort")  # SGLang's /pause_generation modes
+CONTROL_TIMEOUT_S = 30.0  # a control call that moves no weights: info, pause, continue
+MODEL_INFO_PATHS = ("/model_info", "/get_model_info")  # older SGLang serves only the second
 SERVER_INFO_PATHS = ("/server_info", "/get_server_info")
 
 
 class EngineControlError(BrokerError):
-    """An engine refused a control call or did not answer it."""
+    """An engine's control call failed: not reached (``status`` None), an HTTP error, or a
+    refusal (``{"success": false}``); ``message`` is the server's own words where it gave any.
+    ``str()`` is ``"<path>: <message>"``: the URL is the caller's key already."""
 
     def __init__(self, url: str, path: str, message: str, *, status: int | None = None) -> None:
-        where = f"{path} answered HTTP {status}" if status is not None else path
-        super().__init__(f"{url}: {where}: {message}" if message else f"{url}: {where}")
         self.url = url
         self.path = path
         self.status = status
         self.message = message
+        super().__init__(f"{path}: {message}")
 
 
 class EngineControl:
-    """The control API of one engine at ``url``, over a caller's aiohttp session."""
+    """Control calls to engines by URL over one aiohttp session (made on first use).
 
-    def __init__(self, http: aiohttp.ClientSession, url: str) -> None:
-        self.http = http
-        self.url = url.rstrip("/")
+    ``timeout_s`` bounds a control call; weight calls take their own (``None``: no total
+    limit, only the connect is bounded). Use as ``async with EngineControl() as control:``,
+    or call ``close()``.
+    """
+
+    def __init__(self, *, timeout_s: float = CONTROL_TIMEOUT_S) -> None:
+        self.timeout_s = timeout_s
+        self._http: aiohttp.ClientSession | None = None
 
     def __repr__(self) -> str:
-        return f"EngineControl({self.url!r})"
+        return f"<EngineControl timeout_s={self.timeout_s}>"
 
-    # ---- reads ---------------------------------------------------------------------------
+    async def __aenter__(self) -> EngineControl:
+        return self
 
-    async def model_info(self, timeout_s: float | None = CONTROL_TIMEOUT_S) -> dict[str, Any]:
-        """``GET /model_info`` (``/get_model_info`` on older SGLang): the served model,
-        ``weight_version`` and, on the local engine, ``engine_id``."""
-        return await self._get_first(MODEL_INFO_PATHS, timeout_s)
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
 
-    async def server_info(self, timeout_s: float | None = CONTROL_TIMEOUT_S) -> dict[str, Any]:
-        """``GET /server_info`` (``/get_server_info`` on older SGLang): e.g. ``tp_size``."""
-        return await self._get_first(SERVER_INFO_PATHS, timeout_s)
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
 
-    async def weight_version(self, timeout_s: float = CONTROL_TIMEOUT_S) -> str | None:
-        """The served ``weight_version`` as the engine spells it (None: it reports none)."""
-        version = (await self.model_info(timeout_s)).get("weight_version")
+    # ---- info ----------------------------------------------------------------------------------
+
+    async def model_info(self, url: str) -> dict[str, Any]:
+        """``GET /model_info``, or ``/get_model_info`` where the first is not served."""
+        for path in MODEL_INFO_PATHS:
+            try:
+                return await self.get(url, path)
+            except EngineControlError as exc:
+                if exc.status != 404:
+                    raise
+        raise EngineControlError(url, MODEL_INFO_PATHS[0], "not served (nor the older path)")
+
+    async def weight_version(self, url: str) -> str | None:
+        """The ``weight_version`` the engine serves (None: it reports none)."""
+        version = (await self.model_info(url)).get("weight_version")
         return None if version is None else str(version)
 
-    # ---- generation ----------------------------------------------------------------------
+    async def ranks(self, url: str) -> int:
+        """Ranks the engine takes in a weight-update group: SGLang's ``tp_size``, else 1
+        (the local engine serves no ``/server_info``). Never raises."""
+        for path in SERVER_INFO_PATHS:
+            try:
+                tp = (await self.get(url, path)).get("tp_size")
+            except EngineControlError:
+                continue
+            if isinstance(tp, int) and tp > 0:
+                return tp
+        return 1
 
-    async def pause(self, mode: str = "in_place", timeout_s: float = CONTROL_TIMEOUT_S) -> None:
-        await self.post("/pause_generation", {"mode": mode}, timeout_s)
+    async def weights_checksum(self, url: str) -> dict[str, Any]:
+        """The local engine's ``GET /weights_checksum``: ``checksum``, ``tensors``, ``bytes``,
+        ``weight_version`` (not in SGLang)."""
+        return await self.get(url, "/weights_checksum")
 
-    async def resume(self, timeout_s: float = CONTROL_TIMEOUT_S) -> None:
-        await self.post("/continue_generation", {}, timeout_s)
+    # ---- generation ----------------------------------------------------------------------------
 
-    # ---- weights -------------------------------------------------------------------------
+    async def pause(self, url: str, mode: str = "in_place") -> None:
+        """``POST /pause_generation``: hold requests (``mode``) until ``resume``."""
+        await self.post(url, "/pause_generation", {"mode": mode}, self.timeout_s)
+
+    async def resume(self, url: str) -> None:
+        """``POST /continue_generation``."""
+        await self.post(url, "/continue_generation", {}, self.timeout_s)
+
+    # ---- weights -------------------------------------------------------------------------------
 
     async def update_weights_from_disk(
-        self, *, model_path: str, weight_version: str, timeout_s: float | None
+        self, url: str, *, model_path: str, weight_version: str, timeout_s: float | None
     ) -> str:
-        """Reload from a model directory; the engine's message."""
+        """Reload from ``model_path`` (the engine's own disk); the server's message. Without a
+        pause first, it waits for the requests in flight."""
         body = {
             "model_path": model_path,
             "load_format": None,
@@ -90,84 +128,130 @@ class EngineControl:
             "flush_cache": True,
             "abort_all_requests": False,
         }
-        return await self.weights_call("/update_weights_from_disk", body, timeout_s)
+        return _message(await self.post(url, "/update_weights_from_disk", body, timeout_s))
 
-    async def init_weights_update_group(self, body: dict[str, Any], timeout_s: float) -> str:
-        """Join a torch.distributed group (``master_address``, ``master_port``,
-        ``rank_offset``, ``world_size``, ``group_name``, ``backend``)."""
-        return await self.weights_call("/init_weights_update_group", body, timeout_s)
+    async def init_weights_update_group(
+        self,
+        url: str,
+        *,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+        timeout_s: float | None,
+    ) -> str:
+        """Join the group rank 0 serves at ``master_address:master_port`` (answers once every
+        rank joined, so rank 0 must be joining meanwhile)."""
+        body = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        return _message(await self.post(url, "/init_weights_update_group", body, timeout_s))
 
     async def update_weights_from_distributed(
-        self, body: dict[str, Any], timeout_s: float | None
+        self,
+        url: str,
+        *,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        group_name: str,
+        weight_version: str,
+        load_format: str | None = None,
+        timeout_s: float | None = None,
     ) -> str:
-        """Receive the tensors ``body`` names over the group (``names``, ``dtypes``,
-        ``shapes``, ``group_name``, ``weight_version``, ...)."""
-        return await self.weights_call("/update_weights_from_distributed", body, timeout_s)
+        """Receive these tensors from rank 0's broadcast and swap them in (answers once the
+        broadcast ended)."""
+        body = {
+            "names": list(names),
+            "dtypes": list(dtypes),
+            "shapes": [list(s) for s in shapes],
+            "group_name": group_name,
+            "flush_cache": True,
+            "abort_all_requests": False,
+            "weight_version": weight_version,
+            "load_format": load_format,
+        }
+        return _message(await self.post(url, "/update_weights_from_distributed", body, timeout_s))
 
-    async def destroy_weights_update_group(
-        self, group_name: str, timeout_s: float = CONTROL_TIMEOUT_S
-    ) -> str:
-        return await self.weights_call(
-            "/destroy_weights_update_group", {"group_name": group_name}, timeout_s
-        )
+    async def destroy_weights_update_group(self, url: str, group_name: str) -> str:
+        body = {"group_name": group_name}
+        return _message(await self.post(url, "/destroy_weights_update_group", body, self.timeout_s))
 
-    async def weights_call(self, path: str, body: dict[str, Any], timeout_s: float | None) -> str:
-        """A call answered ``{success, message}``: the message, or EngineControlError."""
-        answer = await self.post(path, body, timeout_s)
-        if answer.get("success") is False:
-            raise EngineControlError(self.url, path, str(answer.get("message", "")), status=200)
-        return str(answer.get("message", ""))
+    # ---- the one request path ------------------------------------------------------------------
 
-    # ---- HTTP ----------------------------------------------------------------------------
+    async def get(self, url: str, path: str, timeout_s: float | None = None) -> dict[str, Any]:
+        return await self._request("GET", url, path, None, timeout_s or self.timeout_s)
 
-    async def post(self, path: str, body: dict[str, Any], timeout_s: float | None) -> dict:
-        """POST ``body``; the JSON object answered with 200 (``{}`` for an empty body).
-        ``timeout_s`` None: no total bound (a large model's broadcast), only on connecting."""
+    async def post(
+        self, url: str, path: str, body: dict[str, Any], timeout_s: float | None
+    ) -> dict[str, Any]:
+        """POST ``body``; the answer's JSON object ({} for an empty or non-JSON 200)."""
+        return await self._request("POST", url, path, body, timeout_s)
+
+    async def _request(
+        self, method: str, url: str, path: str, body: Any, timeout_s: float | None
+    ) -> dict[str, Any]:
         try:
-            async with self.http.post(
-                self.url + path, json=body, timeout=_timeout(timeout_s)
+            async with self._session().request(
+                method, url.rstrip("/") + path, json=body, timeout=self._timeout(timeout_s)
             ) as resp:
-                status, text = resp.status, await resp.text()
+                text = await resp.text()
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise EngineControlError(self.url, path, str(exc) or type(exc).__name__) from exc
+            raise EngineControlError(url, path, str(exc) or type(exc).__name__) from exc
         try:
             data = json.loads(text) if text.strip() else {}
         except ValueError:
             data = None
-        if status != 200:
-            said = data.get("message") if isinstance(data, dict) else None
-            raise EngineControlError(self.url, path, str(said or text[:200]), status=status)
-        return data if isinstance(data, dict) else {}
+        if resp.status != 200:
+            said = _said(data)
+            raise EngineControlError(
+                url, path, said or f"HTTP {resp.status}: {text[:200]}", status=resp.status
+            )
+        if not isinstance(data, dict):
+            if method == "GET":  # an info call's answer is its content
+                raise EngineControlError(url, path, "did not answer a JSON object", status=200)
+            return {}
+        if data.get("success") is False:
+            raise EngineControlError(url, path, _said(data) or "refused", status=200)
+        return data
 
-    async def _get_first(self, paths: tuple[str, ...], timeout_s: float | None) -> dict[str, Any]:
-        """GET the first of ``paths`` the engine has (404 means: try the next spelling)."""
-        for path in paths:
-            try:
-                async with self.http.get(self.url + path, timeout=_timeout(timeout_s)) as resp:
-                    if resp.status == 404:
-                        continue
-                    if resp.status != 200:
-                        text = await resp.text()
-                        raise EngineControlError(self.url, path, text[:200], status=resp.status)
-                    data = await resp.json(content_type=None)
-            except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-                raise EngineControlError(self.url, path, str(exc) or type(exc).__name__) from exc
-            if not isinstance(data, dict):
-                raise EngineControlError(self.url, path, "did not answer a JSON object")
-            return data
-        raise EngineControlError(self.url, paths[0], "not served (404)", status=404)
+    def _timeout(self, seconds: float | None) -> aiohttp.ClientTimeout:
+        if seconds is None:
+            return aiohttp.ClientTimeout(total=None, sock_connect=self.timeout_s)
+        return aiohttp.ClientTimeout(total=seconds)
+
+    def _session(self) -> aiohttp.ClientSession:
+        if self._http is None or self._http.closed:
+            self._http = aiohttp.ClientSession()
+        return self._http
 
 
-def _timeout(seconds: float | None) -> aiohttp.ClientTimeout:
-    if seconds is None:
-        return aiohttp.ClientTimeout(total=None, sock_connect=CONTROL_TIMEOUT_S)
-    return aiohttp.ClientTimeout(total=seconds)
+def _said(data: Any) -> str:
+    """The server's message: SGLang's weight calls answer ``{"success", "message"}``, its
+    request errors ``{"error": {"message"}}``."""
+    if not isinstance(data, dict):
+        return ""
+    error = data.get("error")
+    if isinstance(error, dict) and error.get("message"):
+        return str(error["message"])
+    return str(data.get("message") or "")
+
+
+def _message(data: dict[str, Any]) -> str:
+    return str(data.get("message", ""))
 
 
 def weights_checksum(named: Iterable[tuple[str, Any]]) -> tuple[str, int, int]:
     """(sha256 hex, tensors, bytes) over torch tensors sorted by name: each adds its name,
-    dtype, shape and raw bytes. The local engine's ``GET /weights_checksum`` and the trainer's
-    side of a stream compute it alike, so a test can tell the engine holds what was sent."""
+    dtype, shape and raw bytes. The trainer computes it over what it sends, the local engine
+    over what it serves (``GET /weights_checksum``). torch loads on the first call only."""
     import torch
 
     digest = hashlib.sha256()

@@ -1,5 +1,6 @@
 """Rollout consumers: the worker loop, agent adapters, the tracing LLM client and proxy, backends,
-and the consumer service that assembles them. The local CPU engine (torch) is the sub-package
+the consumer service that assembles them, and the weight syncer that keeps the engines on
+the latest policy version (``consumers.sync``). The local CPU engine (torch) is the sub-package
 ``consumers.engine``, imported only by what serves a model."""
 
 from .agents import AgentLoadError, AgentSpec, RewardError, load_callable
@@ -32,6 +33,7 @@ from .service import (
     normalize_urls,
     start_proxy,
 )
+from .sync import SyncConfig, SyncResult, WeightSyncer, run_sync
 from .verifiers_agent import VerifiersAgent, VerifiersRolloutError, verifiers_agent
 from .worker import Worker
 
@@ -64,10 +66,13 @@ __all__ = [
     "LLMTarget",
     "RewardError",
     "RolloutSettings",
+    "SyncConfig",
+    "SyncResult",
     "TracingLLM",
     "TracingProxy",
     "VerifiersAgent",
     "VerifiersRolloutError",
+    "WeightSyncer",
     "Worker",
     "default_worker_id",
     "build_agent",
@@ -76,6 +81,7 @@ __all__ = [
     "parse_agent",
     "model_of_call",
     "normalize_urls",
+    "run_sync",
     "start_proxy",
     "verifiers_agent",
 ]

@@ -23,6 +23,7 @@ import types
 import typing
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 META = "agentarium.setting"
@@ -281,6 +282,9 @@ def coerce(value: Any, kind: Any) -> Any:
             return value
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)  # run: 2024 is the run "2024"
+    elif kind is Path:
+        if isinstance(value, (str, Path)):
+            return Path(value)
     raise ValueError(_describe(kind))
 
 
@@ -292,5 +296,11 @@ def _describe(kind: Any) -> str:
         if len(args) == 2 and args[1] is Ellipsis:
             return f"a list of {_describe(args[0])}"
         return f"a list of {len(args)} values ({', '.join(_describe(a) for a in args)})"
-    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    names = {
+        bool: "true or false",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        Path: "a path",
+    }
     return names.get(kind, str(kind))

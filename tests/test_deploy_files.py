@@ -632,7 +632,8 @@ def exported_metric_names() -> set[str]:
     from prometheus_client.parser import text_string_to_metric_families
 
     import consumers.metrics  # noqa: F401 - registers the consumer's series
-    import trainer.prometheus  # noqa: F401 - the trainer's and the syncer's
+    import consumers.sync.metrics  # noqa: F401 - the syncer's
+    import trainer.prometheus  # noqa: F401 - the trainer's
     from broker import BrokerStatus, StreamMetrics, render_metrics
     from broker.status import AgentStatus
     from consumers.engine.metrics import EngineMetrics

@@ -286,7 +286,7 @@ async def test_trainer_exports_its_step_reward_and_stale_drops(js, topology, tin
 async def test_syncer_exports_each_engines_weight_version_and_reload_times(js, topology, tmp_path):
     import torch
 
-    from trainer.sync import SyncConfig, WeightSyncer
+    from consumers.sync import SyncConfig, WeightSyncer
     from trainer.weights import WeightStore
 
     behind, ahead = FakeSGLang(), FakeSGLang(weight_version="5")

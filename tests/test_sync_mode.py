@@ -18,6 +18,7 @@ import pytest
 from worker_env import worker_for
 
 from broker import served_version, wait_served
+from consumers.sync import SyncConfig, WeightSyncer
 from examples.toy import rollout
 from producers import TaskProducer, TrajectoryReader
 from schemas import Job, decode, version_number
@@ -25,7 +26,6 @@ from trainer.config import TrainerConfig
 from trainer.errors import TrainerConfigError
 from trainer.loop import Trainer
 from trainer.metrics import read_metrics
-from trainer.sync import SyncConfig, WeightSyncer
 from trainer.weights import WeightStore
 
 RUN = "syncmode"

@@ -17,16 +17,16 @@ from fake_sglang import FakeSGLang
 from safetensors.torch import save_file
 
 from agentarium.commands.sync_cmd import add_sync_arguments, config_from_args
-from broker import engine_versions
-from trainer.sync import SyncConfig, WeightSyncer
-from trainer.weights import (
+from broker import (
     WEIGHTS_FILE,
     WeightNotFound,
-    WeightStore,
     WeightVerificationError,
+    engine_versions,
     sha256_file,
     verify_file,
 )
+from consumers.sync import SyncConfig, WeightSyncer
+from trainer.weights import WeightStore
 
 PROMPT = list(b"<|im_start|>user\n7+5=")  # byte-level: token id == byte value
 

@@ -6,8 +6,7 @@ release would silently stop seeing jobs. docs/design.md lists the same names.
 
 from __future__ import annotations
 
-from broker import Limits, Topology, engine_key
-from trainer.weights import object_name
+from broker import Limits, Topology, engine_key, object_name
 
 
 def test_default_prefix_names():

@@ -1,5 +1,6 @@
 """The asynchronous GRPO trainer: collector, GRPO math, step, checkpoints, metrics and
-experiment trackers, weight publishing and streaming, and the weight syncer (see docs/design.md, "The trainer").
+experiment trackers, and weight publishing and streaming (see docs/design.md, "The trainer"; the weight syncer
+is consumers.sync).
 
 ``import trainer`` stays light (no torch): the names that need torch load on first use. The
 torch-free trajectory -> token rows rules (trainer/rows.py) are shared with the verl tensorizer
@@ -11,7 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .app import PublisherFactory, default_weights_dir, run_sync, run_trainer, store_publisher
+from .app import PublisherFactory, run_trainer, store_publisher
 from .config import DEVICES, LOSS_AGGS, STALE_POLICIES, TASK_ADV_NORMS, TrainerConfig
 from .errors import (
     CheckpointError,
@@ -32,7 +33,6 @@ from .rows import (
     refusal,
     rows_of,
 )
-from .sync import PAUSE_MODES, SyncConfig, WeightSyncer
 from .trackers import TRACKERS
 from .weight_stream import WEIGHT_TRANSPORTS, StreamConfig, stream_publisher
 from .weights import WeightsError, WeightStore
@@ -44,7 +44,6 @@ __all__ = [
     "HOW",
     "LOSS_AGGS",
     "MULTI_TURN",
-    "PAUSE_MODES",
     "STALE_POLICIES",
     "TASK_ADV_NORMS",
     "TRACKERS",
@@ -53,7 +52,6 @@ __all__ = [
     "DistributedError",
     "PublisherFactory",
     "StreamConfig",
-    "SyncConfig",
     "TokenRow",
     "TrackerError",
     "Trainer",
@@ -62,10 +60,8 @@ __all__ = [
     "TrainerError",
     "TrainerProcess",
     "WeightStore",
-    "WeightSyncer",
     "WeightsError",
     "call_refusal",
-    "default_weights_dir",
     "grpo_advantages",
     "pad_token_id",
     "plot_metrics",
@@ -73,7 +69,6 @@ __all__ = [
     "read_metrics",
     "refusal",
     "rows_of",
-    "run_sync",
     "run_trainer",
     "store_publisher",
     "stream_publisher",

@@ -1,14 +1,12 @@
-"""The trainer's and the syncer's services: connect, provision, run until stopped.
+"""The trainer's service: connect, provision, run until stopped.
 
-``agentarium trainer`` and ``agentarium sync`` parse their flags into a ``TrainerConfig`` or
-``SyncConfig`` and call these; nothing here knows about argparse.
+``agentarium trainer`` parses its flags into a ``TrainerConfig`` and calls this; nothing here
+knows about argparse. (The weight syncer's service is consumers/sync/service.py.)
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
 import signal
 import sys
 from collections.abc import Callable, Mapping
@@ -22,7 +20,6 @@ from broker import START_PATIENCE_S, MetricsServer, NatsSettings, Topology, ensu
 
 from .config import TrainerConfig
 from .errors import TrainerError
-from .sync import SyncConfig, WeightSyncer
 
 if TYPE_CHECKING:  # torch loads only when a trainer actually runs, not for --help or a consumer
     from .publishing import WeightPublisher
@@ -30,13 +27,6 @@ if TYPE_CHECKING:  # torch loads only when a trainer actually runs, not for --he
 log = structlog.get_logger("agentarium.trainer")
 
 PublisherFactory = Callable[[JetStreamContext, Topology, TrainerConfig], "WeightPublisher | None"]
-
-
-def default_weights_dir() -> Path:
-    """``$AGENTARIUM_HOME/weights`` (default ``~/.cache/agentarium/weights``)."""
-    home = os.environ.get("AGENTARIUM_HOME")
-    base = Path(home).expanduser() if home else Path.home() / ".cache" / "agentarium"
-    return base / "weights"
 
 
 def store_publisher(
@@ -132,42 +122,3 @@ async def run_trainer(
         file=sys.stderr,
     )
     return 0
-
-
-async def run_sync(
-    config: SyncConfig,
-    settings: NatsSettings,
-    *,
-    once: bool = False,
-    metrics: MetricsServer | None = None,
-) -> int:
-    """Run the weight syncer until SIGTERM/SIGINT, or apply the current version once
-    (``once``: exit status 1 if any engine failed). ``metrics``, a MetricsServer not yet
-    started, serves /metrics and the probes meanwhile (ready: connected to NATS)."""
-    log.info("sync config", nats=settings.redacted(), once=once, **config.describe())
-    nc = await settings.connect(name=f"agentarium-sync-{config.run}")
-    try:
-        js = nc.jetstream()
-        topology = Topology(settings.prefix)
-        await ensure_provisioned(js, topology, patience_s=START_PATIENCE_S)
-        syncer = WeightSyncer(js, config, topology=topology)
-        if metrics is not None:
-            metrics.readiness("nats", lambda: nc.is_connected)
-            await metrics.start()
-        if once:
-            result = await syncer.sync_once()
-            if result is None:
-                print(f"run {config.run}: no version published yet")
-                return 0
-            print(result)
-            return 0 if result.ok else 1
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, syncer.stop)
-        await syncer.run()
-        return 0
-    finally:
-        if metrics is not None:
-            await metrics.close()
-        await nc.close()

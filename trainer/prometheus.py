@@ -1,7 +1,7 @@
-"""The trainer's and the syncer's Prometheus metrics.
+"""The trainer's Prometheus metrics (the weight syncer's are consumers/sync/metrics.py).
 
 Defined once per process on the default registry, which ``agentarium trainer --metrics-port``
-and ``agentarium sync --metrics-port`` serve (broker.MetricsServer). Labels: the run, an engine
+serves (broker.MetricsServer). Labels: the run, an engine
 URL, a reason or result from a fixed list. The per-step values are the CSV's (trainer/metrics.py)
 under Prometheus names; the drop counters are read live from the group buffer at each scrape,
 so a drop shows before the next step does.
@@ -9,7 +9,7 @@ so a drop shows before the next step does.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily
 
 from .metrics import StepMetrics
 
-if TYPE_CHECKING:  # groups.py loads torch; the syncer's process never needs it
+if TYPE_CHECKING:  # groups.py loads torch; only a training process needs it
     from .groups import BufferCounters
 
 STEP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -179,48 +179,3 @@ def record_step(run: str, m: StepMetrics, trajectories: int) -> None:
     for versions, count in m.staleness_hist.items():
         for _ in range(count):
             staleness.observe(versions)
-
-
-# ---- the syncer --------------------------------------------------------------------------------
-
-SYNC_SEEN = Gauge(
-    "agentarium_sync_published_version", "Newest version the syncer has seen published", ["run"]
-)
-SYNC_ENGINE_VERSION = Gauge(
-    "agentarium_sync_engine_weight_version",
-    "Weight version each engine reported or was brought to in the last sync round",
-    ["run", "engine"],
-)
-SYNC_FETCH_SECONDS = Histogram(
-    "agentarium_sync_fetch_duration_seconds",
-    "Fetching and verifying one version's weights",
-    ["run"],
-    buckets=STEP_BUCKETS,
-)
-SYNC_RELOAD_SECONDS = Histogram(
-    "agentarium_sync_reload_duration_seconds",
-    "pause -> update_weights_from_disk -> continue on one engine",
-    ["run", "engine"],
-    buckets=STEP_BUCKETS,
-)
-SYNC_RELOADS = Counter(
-    "agentarium_sync_reloads",
-    "Engine reloads, by result (updated, failed)",
-    ["run", "engine", "result"],
-)
-
-
-def record_sync_round(
-    run: str, engines: Sequence[tuple[str, str, float, int | None]], fetch_s: float | None
-) -> None:
-    """A sync round: per engine (url, status, reload seconds, weight version now or None),
-    and the fetch time when weights were fetched."""
-    if fetch_s is not None:
-        SYNC_FETCH_SECONDS.labels(run).observe(fetch_s)
-    for url, status, seconds, version in engines:
-        if status in ("updated", "failed"):
-            SYNC_RELOADS.labels(run, url, status).inc()
-        if seconds > 0:  # 0: no reload was tried (the weights were unavailable)
-            SYNC_RELOAD_SECONDS.labels(run, url).observe(seconds)
-        if version is not None:
-            SYNC_ENGINE_VERSION.labels(run, url).set(version)

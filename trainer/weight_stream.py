@@ -34,21 +34,14 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-import aiohttp
 import structlog
 
-from broker import (
-    CONTROL_TIMEOUT_S,
-    EngineControl,
-    EngineControlError,
-    Topology,
-    is_loopback,
-    record_engine,
-)
+from broker import EngineControl, EngineControlError, Topology, is_loopback, record_engine
 from schemas import WeightUpdate, check_name
 
 if TYPE_CHECKING:
@@ -61,6 +54,7 @@ log = structlog.get_logger("agentarium.weights")
 
 BACKENDS = ("gloo", "nccl")
 WEIGHT_TRANSPORTS = ("object-store", "shared-path", "stream")  # the trainer's --weight-transport
+CONTROL_TIMEOUT_S = 10.0  # probe, pause, continue, destroy
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,7 +162,8 @@ class WeightStreamer:
         self._members: dict[str, _Member] = {}
         self._broken = False
         self._broadcast_s = 0.0
-        self._http: aiohttp.ClientSession | None = None
+        # the engines' control API; a call is bounded by a broadcast's timeout too
+        self.control = EngineControl(timeout_s=min(CONTROL_TIMEOUT_S, 2 * config.timeout_s))
 
     def __repr__(self) -> str:
         c = self.counters
@@ -182,9 +177,7 @@ class WeightStreamer:
         """Leave the group (the engines too) and close the HTTP session."""
         if self._pg is not None or self._members:
             await self._drop_group(tell=list(self._members))
-        if self._http is not None:
-            await self._http.close()
-            self._http = None
+        await self.control.close()
 
     # ---- one version -------------------------------------------------------------------------
 
@@ -258,30 +251,30 @@ class WeightStreamer:
 
         cfg = self.config
         members = list(self._members.values())
-        body = {
-            "names": [name for name, _ in tensors],
-            "dtypes": [wg.dtype_name(t.dtype) for _, t in tensors],
-            "shapes": [list(t.shape) for _, t in tensors],
-            "group_name": self.group_name,
-            "flush_cache": True,
-            "abort_all_requests": False,
-            "weight_version": str(version),
-            "load_format": "flattened_bucket" if cfg.bucket else None,
-        }
+        names = [name for name, _ in tensors]
+        dtypes = [wg.dtype_name(t.dtype) for _, t in tensors]
+        shapes = [list(t.shape) for _, t in tensors]
         notes: dict[str, list[str]] = {m.url: [] for m in members}
-        pauses = await asyncio.gather(
-            *(self._call(m.url, "/pause_generation", {"mode": cfg.pause_mode}) for m in members)
-        )
-        for m, (ok, message) in zip(members, pauses, strict=True):
-            if not ok:
-                notes[m.url].append(f"pause failed ({message}); updated without it")
-        answers: dict[str, tuple[bool, str]] = {}
+        paused = await _settled(self.control.pause(m.url, cfg.pause_mode) for m in members)
+        for m, refusal in zip(members, paused, strict=True):
+            if refusal is not None:
+                notes[m.url].append(f"pause failed ({refusal}); updated without it")
+        answers: dict[str, str | EngineControlError] = {}
         try:
             posts = {
                 m.url: asyncio.create_task(
                     # no total timeout: a large model may take longer than one broadcast's
                     # timeout_s; the answers are awaited for a grace period once it ended
-                    self._call(m.url, "/update_weights_from_distributed", body, None)
+                    self.control.update_weights_from_distributed(
+                        m.url,
+                        names=names,
+                        dtypes=dtypes,
+                        shapes=shapes,
+                        group_name=self.group_name,
+                        weight_version=str(version),
+                        load_format="flattened_bucket" if cfg.bucket else None,
+                        timeout_s=None,
+                    )
                 )
                 for m in members
             }
@@ -306,22 +299,22 @@ class WeightStreamer:
             done, _ = await asyncio.wait(posts.values(), timeout=grace)
             for url, task in posts.items():
                 if task in done:
-                    answers[url] = task.result()
+                    answers[url] = _answer(task)
                 else:
                     task.cancel()
-                    answers[url] = (False, "no answer to /update_weights_from_distributed")
+                    answers[url] = EngineControlError(
+                        url, "/update_weights_from_distributed", "no answer", status=None
+                    )
         finally:
             # shielded: a cancelled publish must still un-pause the engines
-            resumed = await asyncio.shield(
-                asyncio.gather(*(self._call(m.url, "/continue_generation", {}) for m in members))
-            )
+            resumed = await asyncio.shield(_settled(self.control.resume(m.url) for m in members))
         out: dict[str, EngineStream] = {}
-        for m, (ok, message) in zip(members, resumed, strict=True):
-            if not ok:
-                notes[m.url].append(f"continue_generation failed: {message}")
-            success, answer = answers[m.url]
-            success = success and ok
-            note = "; ".join([answer, *notes[m.url]]) if answer else "; ".join(notes[m.url])
+        for m, refusal in zip(members, resumed, strict=True):
+            if refusal is not None:
+                notes[m.url].append(f"continue_generation failed: {refusal}")
+            answer = answers[m.url]
+            success = refusal is None and not isinstance(answer, EngineControlError)
+            note = "; ".join(n for n in (str(answer), *notes[m.url]) if n)
             before = probes[m.url].version
             out[m.url] = EngineStream(m.url, "updated" if success else "failed", before, note)
             m.version = str(version) if success else None
@@ -340,7 +333,7 @@ class WeightStreamer:
         # that did not answer is told when it is back, before it joins again
         self._members = {}
         await self._drop_group(tell=[p.url for p in probes])
-        ranks = await asyncio.gather(*(self._ranks(p.url) for p in probes))
+        ranks = await asyncio.gather(*(self.control.ranks(p.url) for p in probes))
         world_size = 1 + sum(ranks)
         members, offset = {}, 1
         for p, n in zip(probes, ranks, strict=True):
@@ -359,31 +352,27 @@ class WeightStreamer:
                 timeout_s=cfg.timeout_s,
             )
         )
-        calls = [
-            self._call(
+        refusals = await _settled(
+            self.control.init_weights_update_group(
                 m.url,
-                "/init_weights_update_group",
-                {
-                    "master_address": address,
-                    "master_port": store.port,
-                    "rank_offset": m.rank_offset,
-                    "world_size": world_size,
-                    "group_name": self.group_name,
-                    "backend": cfg.backend,
-                },
-                2 * cfg.timeout_s,
+                master_address=address,
+                master_port=store.port,
+                rank_offset=m.rank_offset,
+                world_size=world_size,
+                group_name=self.group_name,
+                backend=cfg.backend,
+                timeout_s=2 * cfg.timeout_s,
             )
             for m in members.values()
+        )
+        refused = [
+            f"{u}: {error}" for u, error in zip(members, refusals, strict=True) if error is not None
         ]
-        answers = await asyncio.gather(*calls)
         try:
             pg = await joining
         except Exception as exc:
             error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            refused = [
-                f"{u}: {msg}" for u, (ok, msg) in zip(members, answers, strict=True) if not ok
-            ]
-            joined = [u for u, (ok, _) in zip(members, answers, strict=True) if ok]
+            joined = [u for u, e in zip(members, refusals, strict=True) if e is None]
             await self._tell_destroy(joined)
             return f"weight group not built ({error}); " + "; ".join(refused)
         self._pg, self._store = pg, store
@@ -399,10 +388,9 @@ class WeightStreamer:
             engines=list(members),
             seconds=round(time.perf_counter() - started, 3),
         )
-        failed = [f"{u}: {msg}" for u, (ok, msg) in zip(members, answers, strict=True) if not ok]
-        if failed:  # joined our side yet answered failure: do not trust the group
+        if refused:  # joined our side yet answered failure: do not trust the group
             self._broken = True
-            return "; ".join(failed)
+            return "; ".join(refused)
         return ""
 
     async def _drop_group(self, *, tell: list[str]) -> None:
@@ -418,23 +406,20 @@ class WeightStreamer:
             self._members.pop(url, None)
 
     async def _tell_destroy(self, urls: list[str]) -> None:
-        body = {"group_name": self.group_name}
-        await asyncio.gather(
-            *(self._call(url, "/destroy_weights_update_group", body) for url in urls)
+        # an engine that is not in the group, or gone, has nothing to leave
+        await _settled(
+            self.control.destroy_weights_update_group(url, self.group_name) for url in urls
         )
 
     # ---- HTTP ------------------------------------------------------------------------------
 
-    def _engine(self, url: str) -> EngineControl:
-        return EngineControl(self._session(), url)
-
     async def _probe(self, url: str) -> _Probe:
         try:
-            data = await self._engine(url).model_info(self._bounded(CONTROL_TIMEOUT_S))
+            info = await self.control.model_info(url)
         except EngineControlError as exc:
-            return _Probe(url, False, message=_said(exc))
-        version = data.get("weight_version")
-        engine_id = data.get("engine_id")
+            return _Probe(url, False, message=str(exc))
+        version = info.get("weight_version")
+        engine_id = info.get("engine_id")
         return _Probe(
             url,
             True,
@@ -442,32 +427,25 @@ class WeightStreamer:
             version=None if version is None else str(version),
         )
 
-    async def _ranks(self, url: str) -> int:
-        """Ranks an engine takes in the group: SGLang's tp_size, else 1."""
-        try:
-            data = await self._engine(url).server_info(self._bounded(CONTROL_TIMEOUT_S))
-        except EngineControlError:
-            return 1
-        tp = data.get("tp_size")
-        return tp if isinstance(tp, int) and tp > 0 else 1
 
-    async def _call(
-        self, url: str, path: str, body: dict, timeout_s: float | None = CONTROL_TIMEOUT_S
-    ) -> tuple[bool, str]:
-        """One control call (EngineControl) as this engine's note for the publish report:
-        (success, the engine's message or what failed)."""
-        try:
-            return True, await self._engine(url).weights_call(path, body, self._bounded(timeout_s))
-        except EngineControlError as exc:
-            return False, _said(exc)
+async def _settled(calls: Iterable[Awaitable[Any]]) -> list[EngineControlError | None]:
+    """Run the control calls together: per call, None or the EngineControlError it raised
+    (one engine's failure is a note on its result; any other error propagates)."""
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException) and not isinstance(result, EngineControlError):
+            raise result
+    return [r if isinstance(r, EngineControlError) else None for r in results]
 
-    def _bounded(self, seconds: float | None) -> float | None:
-        return None if seconds is None else min(seconds, 2 * self.config.timeout_s)
 
-    def _session(self) -> aiohttp.ClientSession:
-        if self._http is None or self._http.closed:
-            self._http = aiohttp.ClientSession()
-        return self._http
+def _answer(task: asyncio.Task) -> str | EngineControlError:
+    """A finished weight call: the engine's message, or the EngineControlError it raised."""
+    error = task.exception()
+    if error is None:
+        return str(task.result())
+    if isinstance(error, EngineControlError):
+        return error
+    raise error
 
 
 class StreamPublisher:
@@ -544,10 +522,3 @@ def stream_publisher(
         )
 
     return make
-
-
-def _said(exc: EngineControlError) -> str:
-    """What the publish report says of a failed call: the engine's message where it gave one."""
-    if exc.message and exc.status in (200, 400):
-        return exc.message
-    return str(exc).removeprefix(f"{exc.url}: ")

@@ -1,30 +1,47 @@
-"""``agentarium engine``: the local CPU engine speaking SGLang's HTTP API."""
+"""``agentarium engine``: the local CPU engine speaking SGLang's HTTP API.
+
+Its settings are ``EngineCommand``'s fields: the model to serve, then the engine's own
+``EngineSettings``, each one a flag."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+from dataclasses import dataclass
 
 from broker import setup_logging
+from consumers.engine import EngineSettings  # torch-free: the engine itself loads in cmd_engine
+from schemas import section, setting
 
 from ..tiny import resolve_model
+from .config_file import ConfigKeys, add_settings, resolve
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineCommand:
+    """What to serve, then how (``EngineSettings``)."""
+
+    model: str = setting(
+        "tiny",
+        metavar="tiny|PATH",
+        help="'tiny' (the built-in model, created once under $AGENTARIUM_HOME) or a "
+        "transformers model directory",
+    )
+    engine: EngineSettings = section(EngineSettings)
+
+
+# no --config: the keys say how flags become EngineCommand
+KEYS = ConfigKeys.of("engine", EngineCommand)
 
 
 def cmd_engine(args: argparse.Namespace) -> int:
     from consumers.engine import serve  # torch + transformers: imported only here
 
+    command: EngineCommand = resolve(args, KEYS).build(EngineCommand)
     setup_logging()
-    model_dir = resolve_model(args.model)
+    model_dir = resolve_model(command.model)
     try:
-        asyncio.run(
-            serve(
-                model_dir,
-                host=args.host,
-                port=args.port,
-                threads=args.threads,
-                max_batch=args.max_batch,
-            )
-        )
+        asyncio.run(serve(model_dir, command.engine))
     except KeyboardInterrupt:
         pass
     return 0
@@ -40,21 +57,5 @@ def register(sub: argparse._SubParsersAction) -> None:
         "Prometheus metrics on the same port at /metrics (as SGLang's --enable-metrics). "
         "Prints 'engine ready on http://HOST:PORT' when it listens.",
     )
-    p.add_argument(
-        "--model",
-        default="tiny",
-        metavar="tiny|PATH",
-        help="'tiny' (the built-in model, created once under $AGENTARIUM_HOME) or a transformers model directory",
-    )
-    p.add_argument("--host", default="127.0.0.1", help="listen address (default %(default)s)")
-    p.add_argument(
-        "--port", type=int, default=30000, help="port; 0 picks a free one (default %(default)s)"
-    )
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default %(default)s)")
-    p.add_argument(
-        "--max-batch",
-        type=int,
-        default=64,
-        help="most sequences decoded together (default %(default)s)",
-    )
+    add_settings(p, EngineCommand)
     p.set_defaults(func=cmd_engine)

@@ -1,11 +1,16 @@
-"""``agentarium sync``: the weight syncer beside an engine fleet (trainer.run_sync)."""
+"""``agentarium sync``: the weight syncer beside an engine fleet (consumers.run_sync).
+
+Its settings are ``SyncCommand``'s fields: the syncer's ``SyncConfig`` and the command's own
+``--once``, each one a flag.
+"""
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
+from dataclasses import dataclass
 
-from trainer import PAUSE_MODES, SyncConfig, default_weights_dir, run_sync
+from consumers import SyncConfig, run_sync
+from schemas import section, setting
 
 from .common import (
     add_metrics_flags,
@@ -14,89 +19,45 @@ from .common import (
     run_async,
     settings_from_args,
 )
+from .config_file import ConfigKeys, add_settings, resolve
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncCommand:
+    """What to keep in step (``SyncConfig``), then how long: for good, or one round."""
+
+    sync: SyncConfig = section(SyncConfig)
+    once: bool = setting(
+        False, help="apply the current version to every engine and exit (status 1 if any failed)"
+    )
+
+
+# no --config: the keys say how flags become SyncCommand (the NATS and metrics flags are
+# the deployment's, read by common.py)
+KEYS = ConfigKeys.of("sync", SyncCommand)
 
 
 def add_sync_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``agentarium sync`` (NATS connection flags are added by the caller)."""
-    parser.add_argument("--run", required=True, help="run id whose policy versions to follow")
-    parser.add_argument(
-        "--engine",
-        dest="engines",
-        action="append",
-        required=True,
-        metavar="URL",
-        help="engine base URL (SGLang or the local engine), e.g. http://127.0.0.1:30000; "
-        "repeat for every engine that shares this machine's disk",
-    )
-    parser.add_argument(
-        "--weights-dir",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="local directory the engines read new weights from, as DIR/RUN/vN/"
-        "model.safetensors (default $AGENTARIUM_HOME/weights, i.e. ~/.cache/agentarium/weights)",
-    )
-    parser.add_argument(
-        "--shared-path",
-        action="store_true",
-        help="the trainer publishes to a shared filesystem (its --weights-dir) mounted at the "
-        "same path here: verify and load those files in place instead of copying them into "
-        "--weights-dir",
-    )
-    parser.add_argument(
-        "--keep",
-        type=int,
-        default=2,
-        metavar="K",
-        help="local versions to keep in --weights-dir (default %(default)s)",
-    )
-    parser.add_argument(
-        "--pause-mode",
-        choices=PAUSE_MODES,
-        default="in_place",
-        help="how /pause_generation holds requests during a reload (default %(default)s)",
-    )
-    parser.add_argument(
-        "--recheck-s",
-        type=float,
-        default=30.0,
-        metavar="S",
-        help="also re-read the policy KV and re-check every engine's version this often, to "
-        "catch a restarted engine or a lost watch (default %(default)s)",
-    )
-    parser.add_argument(
-        "--update-timeout-s",
-        type=float,
-        default=600.0,
-        metavar="S",
-        help="longest wait for one engine's /update_weights_from_disk (default %(default)s)",
-    )
-    parser.add_argument(
-        "--once",
-        action="store_true",
-        help="apply the current version to every engine and exit (status 1 if any failed)",
-    )
+    add_settings(parser, SyncCommand)
+
+
+def command_from_args(args: argparse.Namespace) -> SyncCommand:
+    command: SyncCommand = resolve(args, KEYS).build(SyncCommand)
+    return command
 
 
 def config_from_args(args: argparse.Namespace) -> SyncConfig:
-    return SyncConfig(
-        run=args.run,
-        engines=tuple(args.engines),
-        weights_dir=(args.weights_dir or default_weights_dir()).expanduser().resolve(),
-        shared_path=args.shared_path,
-        keep=args.keep,
-        pause_mode=args.pause_mode,
-        recheck_s=args.recheck_s,
-        update_timeout_s=args.update_timeout_s,
-    )
+    return command_from_args(args).sync
 
 
 def cmd_sync(args: argparse.Namespace) -> int:
+    command = command_from_args(args)
     return run_async(
         lambda: run_sync(
-            config_from_args(args),
+            command.sync,
             settings_from_args(args),
-            once=args.once,
+            once=command.once,
             metrics=metrics_server(args),
         ),
         service="agentarium-sync",

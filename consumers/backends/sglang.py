@@ -26,7 +26,7 @@ from typing import Any
 
 import orjson
 
-from broker import MODEL_INFO_PATHS
+from broker import EngineControl, EngineControlError
 
 from ..errors import BackendUnavailable, BadRequest
 from .balancer import StickyBalancer
@@ -114,7 +114,7 @@ class SGLangBackend:
     ) -> None:
         urls = [urls] if isinstance(urls, str) else list(urls)
         self.urls = [u.rstrip("/") for u in urls]
-        self.policy = BackendRetry.of(retries=retries, backoff=backoff, max_backoff=max_backoff)
+        self.policy = BackendRetry(retries=retries, backoff=backoff, max_backoff=max_backoff)
         self.abort_retries = abort_retries
         self.balancer = StickyBalancer(self.urls, max_keys=max_route_keys, down_for=down_for)
         # When each server last answered a request: a server that answers needs no probe.
@@ -185,7 +185,7 @@ class SGLangBackend:
                 if self.balancer.is_held(url):
                     break  # its breaker opened meanwhile: fail over now
                 if retry:
-                    await asyncio.sleep(self.policy.backoff.delay(retry))
+                    await asyncio.sleep(self.policy.delay(retry - 1))
                 try:
                     result = await self._post(url, request, attempt)
                     break
@@ -203,7 +203,7 @@ class SGLangBackend:
                 and not result.output_ids
                 and aborts < self.abort_retries
             ):
-                await asyncio.sleep(self.policy.backoff.delay(aborts + 1))
+                await asyncio.sleep(self.policy.delay(aborts))
                 aborts += 1
                 continue
             return result
@@ -304,21 +304,15 @@ class SGLangBackend:
 
     async def model_info(self) -> dict[str, Any]:
         """``GET /model_info`` (``/get_model_info`` on older servers) from the first server
-        that answers; raises ``BackendUnavailable`` when none does."""
+        that answers; raises ``BackendUnavailable`` when none does. Asked through the
+        engines' one control client (broker.EngineControl), which holds that fallback."""
         errors: dict[str, str] = {}
-        for url in self.urls:
-            for path in MODEL_INFO_PATHS:  # the engine-control spellings (broker)
+        async with EngineControl(timeout_s=self._timeout) as control:
+            for url in self.urls:
                 try:
-                    resp = await self.control.request("GET", f"{url}{path}")
-                    if resp.status == 404:
-                        continue
-                    if resp.status == 200:
-                        return resp.json()
-                    errors[url] = f"HTTP {resp.status}"
-                    break
-                except (HttpError, TimeoutError, OSError, ValueError) as exc:
-                    errors[url] = f"{type(exc).__name__}: {exc}"
-                    break
+                    return await control.model_info(url)
+                except EngineControlError as exc:
+                    errors[url] = str(exc)
         raise BackendUnavailable(f"no server answered /model_info: {errors}", errors=errors)
 
     def __repr__(self) -> str:

@@ -10,12 +10,26 @@ top_p/top_k/min_p truncation (SGLang's default); greedy requests report temperat
 temperature 1 they are the model's own log-probabilities, as the trainer recomputes them.
 """
 
-from .engine import LocalEngine
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .config import EngineSettings
 from .errors import EngineError, InvalidRequest, WeightLoadError
-from .server import RunningServer, make_app, serve, start_server
+
+# torch + transformers load on first use, so the CLI reads EngineSettings without them
+_LAZY = {
+    "LocalEngine": ".engine",
+    "RunningServer": ".server",
+    "make_app": ".server",
+    "serve": ".server",
+    "start_server": ".server",
+}
 
 __all__ = [
     "EngineError",
+    "EngineSettings",
     "InvalidRequest",
     "LocalEngine",
     "RunningServer",
@@ -24,3 +38,12 @@ __all__ = [
     "serve",
     "start_server",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'consumers.engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value

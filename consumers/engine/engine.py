@@ -16,6 +16,7 @@ from broker import weights_checksum
 
 from ..chat_template import load_tokenizer, tokenizer_fingerprint
 from . import weight_group
+from .config import EngineSettings
 from .errors import InvalidRequest, WeightLoadError
 from .model import EngineModel
 from .request import parse_generate
@@ -38,8 +39,8 @@ class LocalEngine:
         self,
         model_path: Path | str,
         *,
-        threads: int = 1,
-        max_batch: int = 64,
+        threads: int = EngineSettings.threads,
+        max_batch: int = EngineSettings.max_batch,
         batch_window_s: float = 0.002,
     ) -> None:
         self.model_path = Path(model_path)

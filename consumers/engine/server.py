@@ -23,6 +23,7 @@ from aiohttp import web
 
 from broker import metrics_response
 
+from .config import EngineSettings
 from .engine import LocalEngine
 from .errors import InvalidRequest
 from .metrics import EngineMetrics
@@ -197,11 +198,8 @@ async def start_server(
 
 async def serve(
     model_path: Path,
-    host: str = "127.0.0.1",
-    port: int = 30000,
+    settings: EngineSettings | None = None,
     *,
-    threads: int = 1,
-    max_batch: int = 64,
     ready: asyncio.Event | None = None,
     on_ready: Callable[[str], None] | None = None,
 ) -> None:
@@ -211,9 +209,12 @@ async def serve(
     by default that prints the one line `engine ready on URL` to stdout, which launchers wait
     for. `ready`, if given, is set at the same moment.
     """
+    s = settings or EngineSettings()
     # Loading takes a while (torch, transformers, the weights): keep the event loop free.
-    engine = await asyncio.to_thread(LocalEngine, model_path, threads=threads, max_batch=max_batch)
-    server = await start_server(engine, host, port)
+    engine = await asyncio.to_thread(
+        LocalEngine, model_path, threads=s.threads, max_batch=s.max_batch
+    )
+    server = await start_server(engine, s.host, s.port)
     log.info("engine listening", url=server.url, model_path=str(model_path))
     stop = asyncio.Event()
     signals = _stop_on_signals(stop)

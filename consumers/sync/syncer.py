@@ -6,11 +6,11 @@ WeightUpdate:
 
 1. asks every engine its ``/model_info`` ``weight_version`` and leaves alone those already at
    this version or a newer one;
-2. gets the safetensors into ``<weights_dir>/<run>/v<version>/model.safetensors`` (streamed from
+2. gets the safetensors (broker.WeightFetcher) into ``<weights_dir>/<run>/v<version>/model.safetensors`` (streamed from
    the object store, or copied from the trainer's shared path) and verifies its sha256 — or, with
    ``shared_path``, verifies the trainer's file in place and loads it from there;
 3. reloads each engine that needs it, concurrently, with one sequence for SGLang and the local
-   engine alike: ``POST /pause_generation {"mode": "in_place"}`` →
+   engine alike (broker.EngineControl): ``POST /pause_generation {"mode": "in_place"}`` →
    ``POST /update_weights_from_disk {"model_path", "load_format": null, "weight_version",
    "flush_cache": true, "abort_all_requests": false}`` → ``POST /continue_generation {}``, the
    last one sent whatever happened before it, so a failed update never leaves an engine paused;
@@ -31,68 +31,36 @@ import asyncio
 import contextlib
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-import aiohttp
 import nats.errors
 import nats.js.errors
 import structlog
 from nats.js import JetStreamContext
 
-from broker import EngineControl, EngineControlError, Topology, record_engine
-from schemas import SchemaError, WeightUpdate, check_name, decode, version_number
-
-from .prometheus import SYNC_SEEN, record_sync_round
-from .weights import (
+from broker import (
+    Backoff,
+    EngineControl,
+    EngineControlError,
+    Topology,
+    WeightFetcher,
     WeightNotFound,
     WeightsError,
-    WeightStore,
     WeightVerificationError,
     is_shared_path,
     local_versions,
+    record_engine,
     verify_file,
 )
+from schemas import SchemaError, WeightUpdate, decode, version_number
+
+from .config import SyncConfig
+from .metrics import SYNC_SEEN, record_sync_round
 
 log = structlog.get_logger("agentarium.sync")
 
-PAUSE_MODES = ("in_place", "retract", "abort")
-SYNC_CONTROL_TIMEOUT_S = 30.0  # pause, continue, model_info: a loaded engine may be slow
-
-
-@dataclass(frozen=True, kw_only=True)
-class SyncConfig:
-    """What one syncer keeps in step: a run, its engines, and where weights land on disk."""
-
-    run: str
-    engines: tuple[str, ...]
-    weights_dir: Path
-    shared_path: bool = False
-    keep: int = 2
-    pause_mode: str = "in_place"
-    recheck_s: float = 30.0
-    update_timeout_s: float = 600.0
-
-    def __post_init__(self) -> None:
-        check_name(self.run, "run")
-        if not self.engines:
-            raise ValueError("give at least one --engine URL (e.g. http://127.0.0.1:30000)")
-        for url in self.engines:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"engine URL {url!r} needs http:// or https://")
-        if self.keep < 1:
-            raise ValueError("--keep must be >= 1: the loaded version is always kept")
-        if self.pause_mode not in PAUSE_MODES:
-            raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}")
-        if self.recheck_s <= 0 or self.update_timeout_s <= 0:
-            raise ValueError("--recheck-s and --update-timeout-s must be positive")
-
-    def describe(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["weights_dir"] = str(self.weights_dir)
-        out["engines"] = list(self.engines)
-        return out
+WATCH_BACKOFF = Backoff(initial_s=0.5, max_s=10.0)  # re-creating a failed policy watch
 
 
 @dataclass(frozen=True)
@@ -126,8 +94,6 @@ class SyncResult:
 
 @dataclass
 class SyncCounters:
-    """The weight versions a syncer saw in the policy KV, and how their reloads went."""
-
     seen: int = 0
     applied: int = 0
     failed: int = 0
@@ -147,18 +113,19 @@ class WeightSyncer:
         config: SyncConfig,
         *,
         topology: Topology | None = None,
-        store: WeightStore | None = None,
+        store: WeightFetcher | None = None,
+        control: EngineControl | None = None,
     ) -> None:
         self.js = js
         self.config = config
         self.topology = topology or Topology()
-        self.store = store or WeightStore(js, self.topology)
+        self.store = store or WeightFetcher(js, self.topology)
+        self.control = control or EngineControl()
         self.counters = SyncCounters()
         self.last_result: SyncResult | None = None
         self._latest: WeightUpdate | None = None
         self._wake = asyncio.Event()
         self._stopping = False
-        self._http: aiohttp.ClientSession | None = None
         self._ready: dict[int, Path] = {}  # versions fetched and verified: their directories
 
     def __repr__(self) -> str:
@@ -170,9 +137,7 @@ class WeightSyncer:
         )
 
     async def close(self) -> None:
-        if self._http is not None:
-            await self._http.close()
-            self._http = None
+        await self.control.close()
 
     async def __aenter__(self) -> WeightSyncer:
         return self
@@ -224,13 +189,13 @@ class WeightSyncer:
 
     async def _watch(self) -> None:
         """Feed ``_offer`` from a KV watch, re-created after any failure; poll when idle."""
-        backoff = 0.5
+        failures = 0
         while True:
             watcher = None
             try:
                 kv = await self.js.key_value(self.topology.policy_bucket)
                 watcher = await kv.watch(self.config.run)
-                backoff = 0.5
+                failures = 0
                 while True:
                     try:
                         entry = await watcher.updates(timeout=self.config.recheck_s)
@@ -244,13 +209,14 @@ class WeightSyncer:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                failures += 1
+                wait = WATCH_BACKOFF.delay(failures)
                 log.warning(
                     "policy watch failed; retrying",
                     error=str(exc) or type(exc).__name__,
-                    retry_in_s=backoff,
+                    retry_in_s=round(wait, 3),
                 )
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 10.0)
+                await asyncio.sleep(wait)
             finally:
                 if watcher is not None:
                     with contextlib.suppress(Exception):
@@ -287,8 +253,7 @@ class WeightSyncer:
 
     async def apply(self, update: WeightUpdate) -> SyncResult:
         """Bring every engine to ``update`` (engines at it or newer are skipped)."""
-        http = self._session()
-        before = await asyncio.gather(*(_engine_version(http, u) for u in self.config.engines))
+        before = await asyncio.gather(*(self._engine_version(u) for u in self.config.engines))
         results: dict[str, EngineResult] = {}
         need = []
         for url, version in zip(self.config.engines, before, strict=True):
@@ -319,7 +284,7 @@ class WeightSyncer:
                 need = []
             fetch_s = time.perf_counter() - started
         reloads = await asyncio.gather(
-            *(self._reload(http, url, version, model_dir, update) for url, version in need)
+            *(self._reload(url, version, model_dir, update) for url, version in need)
         )
         for result in reloads:
             results[result.url] = result
@@ -394,14 +359,13 @@ class WeightSyncer:
             await asyncio.to_thread(verify_file, update.object, update)
             directory = Path(update.object).parent
         else:
-            dest = self.config.weights_dir / update.run / f"v{update.version}"
+            dest = self.config.directory / update.run / f"v{update.version}"
             directory = (await self.store.fetch(update, dest)).parent
         self._ready = {update.version: directory}
         return directory
 
     async def _reload(
         self,
-        http: aiohttp.ClientSession,
         url: str,
         before: str | None,
         model_dir: Path | None,
@@ -410,7 +374,7 @@ class WeightSyncer:
         assert model_dir is not None
         started = time.perf_counter()
         ok, message = await reload_engine(
-            http,
+            self.control,
             url,
             model_path=str(model_dir),
             weight_version=str(update.version),
@@ -428,23 +392,27 @@ class WeightSyncer:
         return EngineResult(url, "updated" if ok else "failed", before, message, seconds)
 
     def _prune_local(self, run: str) -> None:
-        run_dir = self.config.weights_dir / run
+        run_dir = self.config.directory / run
         loaded = self._ready
         for version in local_versions(run_dir)[: -self.config.keep]:
             if version not in loaded:
                 shutil.rmtree(run_dir / f"v{version}", ignore_errors=True)
 
-    def _session(self) -> aiohttp.ClientSession:
-        if self._http is None or self._http.closed:
-            self._http = aiohttp.ClientSession()
-        return self._http
+    async def _engine_version(self, url: str) -> str | None:
+        """The engine's ``weight_version``, or None when it cannot be read (then it is
+        reloaded)."""
+        try:
+            return await self.control.weight_version(url)
+        except EngineControlError as exc:
+            log.warning("engine unreachable", engine=url, error=str(exc))
+            return None
 
 
 # ---- the engine's HTTP endpoints --------------------------------------------------------------
 
 
 async def reload_engine(
-    http: aiohttp.ClientSession,
+    control: EngineControl,
     url: str,
     *,
     model_path: str,
@@ -452,46 +420,35 @@ async def reload_engine(
     pause_mode: str = "in_place",
     update_timeout_s: float = 600.0,
 ) -> tuple[bool, str]:
-    """pause → update_weights_from_disk → continue on one engine (broker.EngineControl);
-    returns (success, message) for the sync round's report.
+    """pause → update_weights_from_disk → continue on one engine: (updated, what happened),
+    the one result a sync round records per engine.
 
     ``/continue_generation`` is always sent, even after a failed pause or update; a failed
     pause only means the update waits for requests in flight, as SGLang does without one.
     """
-    engine = EngineControl(http, url)
     notes: list[str] = []
     try:
-        await engine.pause(pause_mode, SYNC_CONTROL_TIMEOUT_S)
+        await control.pause(url, pause_mode)
     except EngineControlError as exc:
         notes.append(f"pause failed ({exc}); updated without it")
     try:
-        message = await engine.update_weights_from_disk(
-            model_path=model_path, weight_version=weight_version, timeout_s=update_timeout_s
+        message = await control.update_weights_from_disk(
+            url, model_path=model_path, weight_version=weight_version, timeout_s=update_timeout_s
         )
         ok = True
         notes.insert(0, message)
     except EngineControlError as exc:
         ok = False
-        # the engine's own refusal (SGLang: 400 {success: false, message}) reads as it said it
+        # a refusal's own words, else what kept the call from an answer
         notes.insert(0, exc.message if exc.status in (200, 400) else f"update failed: {exc}")
     finally:
         try:
             # shielded: a syncer cancelled mid-update must still un-pause the engine
-            await asyncio.shield(engine.resume(SYNC_CONTROL_TIMEOUT_S))
+            await asyncio.shield(control.resume(url))
         except EngineControlError as exc:
             ok = False
             notes.append(f"continue_generation failed: {exc}")
     return ok, "; ".join(n for n in notes if n)
-
-
-async def _engine_version(http: aiohttp.ClientSession, url: str) -> str | None:
-    """The engine's ``weight_version``, or None when it cannot be read (then it is reloaded)."""
-    try:
-        return await EngineControl(http, url).weight_version(SYNC_CONTROL_TIMEOUT_S)
-    except EngineControlError as exc:
-        if exc.status is None:
-            log.warning("engine unreachable", engine=url, error=exc.message)
-        return None
 
 
 def _as_number(weight_version: str | None) -> int | None:

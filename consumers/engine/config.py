@@ -1,0 +1,22 @@
+"""EngineSettings: how the local engine is served, declared once (flags of `agentarium engine`).
+
+torch-free, so the CLI can build its flags without loading the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from schemas import check_settings, setting
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineSettings:
+    """Where the engine listens and how much it computes at once."""
+
+    host: str = setting("127.0.0.1", help="listen address")
+    port: int = setting(30000, ge=0, metavar="PORT", help="port; 0 picks a free one")
+    threads: int = setting(1, ge=1, help="torch threads")
+    max_batch: int = setting(64, ge=1, help="most sequences decoded together")
+
+    def __post_init__(self) -> None:
+        check_settings(self)
