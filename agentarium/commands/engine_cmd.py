@@ -13,8 +13,8 @@ from broker import setup_logging
 from consumers.engine import EngineSettings  # torch-free: the engine itself loads in cmd_engine
 from schemas import section, setting
 
+from ..config import ConfigKeys, add_settings, resolve
 from ..tiny import resolve_model
-from .config_file import ConfigKeys, add_settings, resolve
 
 
 @dataclass(frozen=True, kw_only=True)

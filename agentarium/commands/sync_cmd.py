@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from consumers import SyncConfig, run_sync
 from schemas import section, setting
 
+from ..config import ConfigKeys, add_settings, resolve
 from .common import (
     add_metrics_flags,
     add_nats_flags,
@@ -19,7 +20,6 @@ from .common import (
     run_async,
     settings_from_args,
 )
-from .config_file import ConfigKeys, add_settings, resolve
 
 
 @dataclass(frozen=True, kw_only=True)
