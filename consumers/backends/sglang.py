@@ -114,7 +114,7 @@ class SGLangBackend:
     ) -> None:
         urls = [urls] if isinstance(urls, str) else list(urls)
         self.urls = [u.rstrip("/") for u in urls]
-        self.policy = BackendRetry(retries=retries, backoff=backoff, max_backoff=max_backoff)
+        self.policy = BackendRetry.of(retries=retries, backoff=backoff, max_backoff=max_backoff)
         self.abort_retries = abort_retries
         self.balancer = StickyBalancer(self.urls, max_keys=max_route_keys, down_for=down_for)
         # When each server last answered a request: a server that answers needs no probe.
@@ -185,7 +185,7 @@ class SGLangBackend:
                 if self.balancer.is_held(url):
                     break  # its breaker opened meanwhile: fail over now
                 if retry:
-                    await asyncio.sleep(self.policy.delay(retry - 1))
+                    await asyncio.sleep(self.policy.backoff.delay(retry))
                 try:
                     result = await self._post(url, request, attempt)
                     break
@@ -203,7 +203,7 @@ class SGLangBackend:
                 and not result.output_ids
                 and aborts < self.abort_retries
             ):
-                await asyncio.sleep(self.policy.delay(aborts))
+                await asyncio.sleep(self.policy.backoff.delay(aborts + 1))
                 aborts += 1
                 continue
             return result
