@@ -240,6 +240,7 @@ async def test_a_stalled_broadcast_is_discarded_and_the_object_store_catches_up(
 
 
 async def test_trainer_settings_select_the_transport(js, topology, tmp_path):
+    import trainer
     from agentarium.cli import build_parser
     from agentarium.commands import trainer_cmd
 
@@ -248,7 +249,7 @@ async def test_trainer_settings_select_the_transport(js, topology, tmp_path):
             ["trainer", "--run", "r", "--agent", "a", "--model", "tiny", *argv]
         )
         config, process, _ = trainer_cmd.resolve_args(args)
-        return process, trainer_cmd.make_publisher(config, process)(js, topology, config)
+        return process, trainer.publisher_for(config, process)(js, topology, config)
 
     engines = ("--stream-engine", "http://10.0.0.1:30000", "--stream-engine", "http://e2:30000")
     process, pub = publisher_of("--weight-transport", "stream", *engines, "--stream-timeout", "5")
