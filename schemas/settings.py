@@ -3,7 +3,7 @@
 A setting is a dataclass field made by ``setting(...)``: its default, its help text, its
 flag's spelling where the rule below does not give it, its choices and its bounds. Everything
 else is derived from the field: the command-line flag, the ``--config`` file key (the field's
-name), the help line, the check. ``agentarium/commands/settings.py`` turns fields into
+name), the help line, the check. ``agentarium/config/`` turns fields into
 argparse flags; a component calls ``check_settings(self)`` in ``__post_init__``. Not a wire
 contract, but it lives here because every component may import ``schemas`` and none may
 import another.
