@@ -30,7 +30,7 @@ from schemas import check_name
 
 from .collector import Collector, CollectorConfig
 from .config import TrainerConfig
-from .groups import BufferCounters, Group
+from .groups import BufferCounters, Group, Selection
 from .mix import compose, quotas
 
 log = structlog.get_logger("agentarium.trainer")
@@ -97,13 +97,8 @@ class TaskCollector:
     async def take(
         self,
         n: int,
+        selection: Selection,
         *,
-        version: int,
-        max_staleness: int,
-        stale_policy: str = "drop",
-        filter_flat: bool = False,
-        std_norm: bool = True,
-        eps: float = 1e-6,
         stop: asyncio.Event | None = None,
         timeout: float | None = None,
     ) -> list[Group] | None:
@@ -116,15 +111,7 @@ class TaskCollector:
         while True:
             for agent, collector in self.collectors.items():
                 collector.changed.clear()
-                held[agent] += await collector.gather(
-                    n - len(held[agent]),
-                    version=version,
-                    max_staleness=max_staleness,
-                    stale_policy=stale_policy,
-                    filter_flat=filter_flat,
-                    std_norm=std_norm,
-                    eps=eps,
-                )
+                held[agent] += await collector.gather(n - len(held[agent]), selection)
                 held[agent].sort(key=_age)
             now = time.monotonic()
             plan = compose(
