@@ -101,6 +101,16 @@ class CollectorConfig:
         )
 
 
+async def wait_for_any(events: Iterable[asyncio.Event | None], *, timeout: float) -> None:
+    """Return once one of ``events`` is set, or after ``timeout`` seconds (None: not waited on)."""
+    waiters = [asyncio.create_task(e.wait()) for e in events if e is not None]
+    try:
+        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
+
+
 class Collector:
     """Pulls trajectories in the background; ``take`` hands out groups, ``ack`` retires them."""
 
@@ -222,14 +232,7 @@ class Collector:
                 if wait <= 0:
                     self.buffer.requeue(chosen)
                     raise TimeoutError(f"{len(chosen)} of {n} groups ready: {self!r}")
-            waiters = [asyncio.create_task(self._changed.wait())]
-            if stop is not None:
-                waiters.append(asyncio.create_task(stop.wait()))
-            try:
-                await asyncio.wait(waiters, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for waiter in waiters:
-                    waiter.cancel()
+            await wait_for_any([self._changed, stop], timeout=wait)
 
     async def gather(self, n: int, selection: Selection) -> list[Group]:
         """Up to n usable groups now, without waiting: expired and dropped groups are acked on
