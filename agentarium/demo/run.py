@@ -383,8 +383,12 @@ async def _provision(url: str, agents: tuple[str, ...]) -> None:
     await nc.close()
 
 
-def trainer_argv(args: DemoConfig, model_dir: Path, out: Path, nats_url: str) -> list[str]:
-    """``agentarium trainer``'s arguments: one ``--agent`` per agent the demo serves."""
+def trainer_argv(
+    args: DemoConfig, model_dir: Path, out: Path, nats_url: str, *, checkpoints: bool = True
+) -> list[str]:
+    """``agentarium trainer``'s arguments: one ``--agent`` per agent the demo serves; without
+    ``checkpoints`` no checkpoint directory (groups are acked at once, as bench/async_vs_sync.py
+    measures)."""
     return [
         "trainer",
         "--run",
@@ -408,8 +412,7 @@ def trainer_argv(args: DemoConfig, model_dir: Path, out: Path, nats_url: str) ->
         *(["--sync-rollouts"] if args.sync_rollouts else []),
         "--metrics",
         str(out / "metrics.csv"),
-        "--checkpoint-dir",
-        str(out / "checkpoints"),
+        *(["--checkpoint-dir", str(out / "checkpoints")] if checkpoints else []),
         "--max-steps",
         str(args.steps),
         "--torch-threads",
