@@ -22,9 +22,11 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from chaoslib import AGENT, ROOT, ChaosRun, ConsumerPool, Row, patiently, until
 from fake_sglang import FakeSGLang
+from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy
 
 from agentarium.demo.processes import child_env
@@ -59,6 +61,18 @@ async def fake_fleet() -> AsyncIterator[FakeSGLang]:
         yield fake
     finally:
         await fake.close()
+
+
+@contextlib.asynccontextmanager
+async def consumers_on(
+    url: str, workdir: Path, concurrency: int, *, limits: Limits = LIMITS
+) -> AsyncIterator[tuple[JetStreamContext, ChaosRun, ConsumerPool]]:
+    """A session on the broker, the fake LLM fleet, the run, and its pool of consumers (none
+    started yet) with ``--concurrency`` and the shared ``CONSUMER_FLAGS``."""
+    async with session(url, limits) as js, fake_fleet() as fake:
+        run = ChaosRun(js, workdir)
+        extra = ("--concurrency", str(concurrency), *CONSUMER_FLAGS)
+        yield js, run, ConsumerPool(run, url, [fake.url], extra=extra)
 
 
 class _Tally(list):
@@ -105,14 +119,7 @@ async def consumer_kill_storm(
     ``every_s`` after the last kill or sooner: the jobs are published in ``kills + 1`` chunks,
     one before each kill, and a kill comes once half its chunk is stored if that is sooner,
     so that every kill lands on a busy pool, on a fast machine too."""
-    async with session(server.url) as js, fake_fleet() as fake:
-        run = ChaosRun(js, workdir)
-        pool = ConsumerPool(
-            run,
-            server.url,
-            [fake.url],
-            extra=("--concurrency", str(concurrency), *CONSUMER_FLAGS),
-        )
+    async with consumers_on(server.url, workdir, concurrency) as (js, run, pool):
         try:
             for slot in range(consumers):
                 pool.start(slot)
@@ -150,23 +157,17 @@ async def _two_consumers_batch(
     server: NatsServer,
     workdir: Path,
     *,
-    jobs: int,
-    sleep_s: float,
-    concurrency: int,
     fault,
     scenario: str,
-    command: str,
+    jobs: int = 600,
+    sleep_s: float = 0.2,
+    concurrency: int = 16,
+    command: str = "",
 ) -> Row:
     """Two consumer processes work a batch; ``fault(run, publish_rest)`` is injected once a
-    quarter of the first half is stored and publishes the second half while it lasts."""
-    async with session(server.url) as js, fake_fleet() as fake:
-        run = ChaosRun(js, workdir)
-        pool = ConsumerPool(
-            run,
-            server.url,
-            [fake.url],
-            extra=("--concurrency", str(concurrency), *CONSUMER_FLAGS),
-        )
+    quarter of the first half is stored and publishes the second half while it lasts. The
+    broker scenarios pass their keywords on (``batch``) to the batch's size and pace here."""
+    async with consumers_on(server.url, workdir, concurrency) as (js, run, pool):
         first, second = chunks(jobs, 2)
         try:
             for slot in range(2):
@@ -193,14 +194,7 @@ async def _two_consumers_batch(
 
 
 async def broker_restart(
-    server: NatsServer,
-    workdir: Path,
-    *,
-    jobs: int = 600,
-    down_s: float = 2.0,
-    sleep_s: float = 0.2,
-    concurrency: int = 16,
-    command: str = "",
+    server: NatsServer, workdir: Path, *, down_s: float = 2.0, **batch: Any
 ) -> Row:
     """A single-node broker with a file store, SIGKILLed mid-batch and started again on the
     same port and store ``down_s`` later; the second half of the batch is published while it
@@ -214,27 +208,12 @@ async def broker_restart(
             await asyncio.to_thread(server.start)
         await asyncio.wait_for(publishing, 120)
 
-    return await _two_consumers_batch(
-        server,
-        workdir,
-        jobs=jobs,
-        sleep_s=sleep_s,
-        concurrency=concurrency,
-        fault=crash,
-        scenario=f"broker SIGKILL mid-batch, restarted after {down_s:g} s (single node, file store)",
-        command=command,
-    )
+    scenario = f"broker SIGKILL mid-batch, restarted after {down_s:g} s (single node, file store)"
+    return await _two_consumers_batch(server, workdir, fault=crash, scenario=scenario, **batch)
 
 
 async def broker_pause(
-    server: NatsServer,
-    workdir: Path,
-    *,
-    jobs: int = 600,
-    pause_s: float = 2.5 * ACK_WAIT_S,
-    sleep_s: float = 0.2,
-    concurrency: int = 16,
-    command: str = "",
+    server: NatsServer, workdir: Path, *, pause_s: float = 2.5 * ACK_WAIT_S, **batch: Any
 ) -> Row:
     """The broker SIGSTOPped for longer than the ack wait (no heartbeat reaches it, so every
     job in flight is due for redelivery when it wakes), then SIGCONTinued."""
@@ -250,16 +229,8 @@ async def broker_pause(
                 os.kill(server.pid, signal.SIGCONT)
         await asyncio.wait_for(publishing, 120)
 
-    return await _two_consumers_batch(
-        server,
-        workdir,
-        jobs=jobs,
-        sleep_s=sleep_s,
-        concurrency=concurrency,
-        fault=pause,
-        scenario=f"broker SIGSTOP {pause_s:g} s (ack wait {ACK_WAIT_S:g} s), then SIGCONT",
-        command=command,
-    )
+    scenario = f"broker SIGSTOP {pause_s:g} s (ack wait {ACK_WAIT_S:g} s), then SIGCONT"
+    return await _two_consumers_batch(server, workdir, fault=pause, scenario=scenario, **batch)
 
 
 async def slow_rollouts(
@@ -272,11 +243,7 @@ async def slow_rollouts(
 ) -> Row:
     """One consumer whose every rollout outlives the ack wait (the agent holds each job for
     ``sleep_s``): heartbeats keep the jobs, so none is delivered twice."""
-    async with session(server.url) as js, fake_fleet() as fake:
-        run = ChaosRun(js, workdir)
-        pool = ConsumerPool(
-            run, server.url, [fake.url], extra=("--concurrency", str(jobs), *CONSUMER_FLAGS)
-        )
+    async with consumers_on(server.url, workdir, jobs) as (js, run, pool):
         try:
             pool.start(0)
             await registered(js, pool)
@@ -310,12 +277,8 @@ async def store_full(
     consumers must hold their finished jobs (heartbeated, not redelivered, not dead-lettered)
     for ``full_s`` past the moment the store is full; then the operator raises the limits and
     everything lands."""
-    async with session(server.url) as js, fake_fleet() as fake:
+    async with consumers_on(server.url, workdir, concurrency) as (js, run, pool):
         topo = Topology()
-        run = ChaosRun(js, workdir)
-        pool = ConsumerPool(
-            run, server.url, [fake.url], extra=("--concurrency", str(concurrency), *CONSUMER_FLAGS)
-        )
         try:
             pool.start(0)
             await registered(js, pool)
@@ -827,14 +790,7 @@ async def disk_full(
         server.start()
         # JetStream reserves a stream's max_bytes from the store: keep the bounded ones small
         limits = dataclasses.replace(LIMITS, tasks_max_bytes=1 << 20, metrics_max_bytes=1 << 20)
-        async with session(server.url, limits) as js, fake_fleet() as fake:
-            run = ChaosRun(js, workdir)
-            pool = ConsumerPool(
-                run,
-                server.url,
-                [fake.url],
-                extra=("--concurrency", str(concurrency), *CONSUMER_FLAGS),
-            )
+        async with consumers_on(server.url, workdir, concurrency, limits=limits) as (js, run, pool):
             try:
                 pool.start(0)
                 await registered(js, pool)
