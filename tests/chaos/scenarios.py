@@ -13,23 +13,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from chaoslib import AGENT, ROOT, ChaosRun, ConsumerPool, Row, patiently, until
+from chaoslib import AGENT, ChaosRun, ConsumerPool, Row, patiently, until
 from fake_sglang import FakeSGLang
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy
 
-from agentarium.demo.processes import child_env
 from broker import Limits, NatsServer, NatsSettings, Topology, provision
 from broker.registry import live_workers
 from broker.version import DISCARD_NEW_BYTES_SINCE, format_version, js_server_version
@@ -402,108 +399,6 @@ async def fleet_down(
 TRAIN_RUN, TRAIN_AGENT = "chaos-train", "toy"
 
 
-class TrainerChild:
-    """``python -m agentarium trainer`` with its JSON log events collected as they come."""
-
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
-        self.proc = proc
-        self.events: list[dict] = []
-        self._changed = asyncio.Condition()
-        self._reader = asyncio.create_task(self._read())
-
-    @classmethod
-    async def start(cls, url: str, workdir: Path, *extra: str) -> TrainerChild:
-        from agentarium.tiny import ensure_tiny_model
-
-        args = [
-            sys.executable,
-            "-m",
-            "agentarium",
-            "trainer",
-            "--nats-url",
-            url,
-            "--run",
-            TRAIN_RUN,
-            "--agent",
-            TRAIN_AGENT,
-            "--model",
-            str(ensure_tiny_model()),
-            "--group-size",
-            "4",
-            "--lr",
-            "1e-3",
-            "--max-staleness",
-            "1000",
-            "--checkpoint-dir",
-            str(workdir / "ckpt"),
-            "--metrics",
-            str(workdir / "metrics.csv"),
-            "--torch-threads",
-            "1",
-            *extra,
-        ]
-        env = child_env(PYTHONPATH=str(ROOT))
-        proc = await asyncio.create_subprocess_exec(
-            *args,
-            cwd=ROOT,
-            env=env,
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        return cls(proc)
-
-    async def _read(self) -> None:
-        assert self.proc.stderr is not None
-        while line := await self.proc.stderr.readline():
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            record["_at"] = time.time()
-            async with self._changed:
-                self.events.append(record)
-                self._changed.notify_all()
-        async with self._changed:
-            self.events.append({"event": "_exited", "_at": time.time()})
-            self._changed.notify_all()
-
-    async def wait_for(self, event: str, timeout_s: float = 180.0, **fields) -> dict:
-        def found() -> dict | None:
-            for record in self.events:
-                if record.get("event") == event and all(
-                    record.get(k) == v for k, v in fields.items()
-                ):
-                    return record
-                if record.get("event") == "_exited":
-                    raise AssertionError(
-                        f"trainer exited before {event} {fields}: {self.events[-5:]}"
-                    )
-            return None
-
-        async with asyncio.timeout(timeout_s), self._changed:
-            while (record := found()) is None:
-                await self._changed.wait()
-            return record
-
-    def steps_done(self) -> list[int]:
-        return [e["step"] for e in self.events if e.get("event") == "step done"]
-
-    def checkpointed(self) -> int:
-        return max(
-            (e["step"] for e in self.events if e.get("event") == "checkpoint saved"), default=0
-        )
-
-    async def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        await self.proc.wait()
-        await self._reader
-
-    async def exit_code(self, timeout_s: float = 180.0) -> int:
-        async with asyncio.timeout(timeout_s):
-            await self._reader
-            return await self.proc.wait()
-
-
 async def trainer_kill_storm(
     server: NatsServer,
     workdir: Path,
@@ -523,11 +418,12 @@ async def trainer_kill_storm(
     The row's columns read for training: jobs are trajectories, stored those trained, lost
     those never trained, duplicates those trained twice; "run more than once" counts training
     steps computed again (each kill may cost the steps done since its last checkpoint)."""
-    from trainlib import one_call_group, publish
+    from trainlib import TrainerChild, one_call_group, publish
 
     from trainer.checkpoint import Checkpoints
 
     steps = groups // groups_per_step
+    run_agent = {"run": TRAIN_RUN, "agent": TRAIN_AGENT}
     flags = (
         "--groups-per-step",
         str(groups_per_step),
@@ -551,7 +447,7 @@ async def trainer_kill_storm(
     per_step = groups_per_step * 4
     async with session(server.url) as js:
         topo = Topology()
-        trainers = [await TrainerChild.start(server.url, workdir, *flags)]
+        trainers = [await TrainerChild.start(server.url, workdir, *flags, **run_agent)]
         stages = []  # per kill: (the checkpoint it follows, the step it waits for)
         for k in range(kills):
             checkpoint = (k + 1) * steps // (kills + 1)
@@ -568,9 +464,11 @@ async def trainer_kill_storm(
                 await trainer.wait_for("checkpoint saved", step=checkpoint)
                 await trainer.kill()
                 killed_at = time.time()
-                last = max(trainer.checkpointed(), trainer_resumed_step(trainer))
+                last = max(trainer.checkpointed(), trainer.resumed_step())
                 costs.append(max(trainer.steps_done(), default=0) - last)
-                resumed = await TrainerChild.start(server.url, workdir, *flags, "--resume")
+                resumed = await TrainerChild.start(
+                    server.url, workdir, *flags, "--resume", **run_agent
+                )
                 trainers.append(resumed)
                 await publish(js, topo, items[ends[k] : ends[k + 1]])
                 first = await resumed.wait_for("step done")
@@ -604,11 +502,6 @@ async def trainer_kill_storm(
         faults=kills,
         command=command,
     )
-
-
-def trainer_resumed_step(trainer: TrainerChild) -> int:
-    """The step a resumed trainer started from (0 for a fresh one)."""
-    return next((e["step"] for e in trainer.events if e.get("event") == "resumed"), 0)
 
 
 CLUSTER_FAULTS = ("leader kill", "follower kill", "partition")
