@@ -49,6 +49,23 @@ class Child:
             self.proc.wait()
 
 
+def consumer_argv(agent: str, llm: str, model: str | Path, nats_url: str, *extra: str) -> list[str]:
+    """``agentarium consumer``'s arguments: ``agent`` (``NAME=module:function``) on the LLM
+    server ``llm`` serving ``model``."""
+    return [
+        "consumer",
+        "--agent",
+        agent,
+        "--llm",
+        llm,
+        "--model",
+        str(model),
+        "--nats-url",
+        nats_url,
+        *extra,
+    ]
+
+
 def terminate(proc: subprocess.Popen, timeout_s: float) -> int | None:
     """SIGTERM (a service drains), then SIGKILL if it does not exit in time; its exit code."""
     if proc.poll() is None:

@@ -47,7 +47,7 @@ from trainer import TASK_ADV_NORMS
 
 from ..progress import ProgressBar, StatusLine
 from ..tiny import ensure_tiny_model
-from .processes import Child, start_child
+from .processes import Child, consumer_argv, start_child
 from .report import report, task_column
 from .tasks import FAMILIES, digit_tasks, parse_task_set, split_groups
 
@@ -320,18 +320,14 @@ def run_demo(args: DemoConfig) -> int:
             children.append(
                 start_child(
                     f"consumer-{i}" if not args.task_set else f"consumer-{name}-{i}",
-                    [
-                        "consumer",
-                        "--agent",
+                    consumer_argv(
                         f"{name}={agent}",
-                        "--llm",
                         engine.url,
-                        "--model",
-                        str(model_dir),
+                        model_dir,
+                        server.url,
                         "--concurrency",
                         str(args.concurrency),
-                        *nats,
-                    ],
+                    ),
                     logs,
                 )
             )
