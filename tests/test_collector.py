@@ -8,8 +8,9 @@ import asyncio
 import nats.js.errors
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
+from trainlib import short_call
 
-from schemas import LLMCall, Trajectory, encode
+from schemas import Trajectory, encode
 from trainer.collector import Collector, CollectorConfig
 from trainer.errors import TrainerConfigError
 from trainer.groups import BUFFERED, DUPLICATE, REDELIVERED, GroupBuffer, Selection
@@ -30,14 +31,7 @@ class FakeClock:
 def traj(
     job, group, reward=1.0, *, size=4, status="ok", version="default", is_train=True, top_p=1.0
 ) -> Trajectory:
-    call = LLMCall(
-        prompt_ids=[1, 2, 3],
-        response_ids=[4, 5],
-        response_logprobs=[-0.5, -0.25],
-        finish_reason="stop",
-        weight_version=version,
-        top_p=top_p,
-    )
+    call = short_call(weight_version=version, top_p=top_p)
     return Trajectory(
         job_id=job,
         agent=AGENT,

@@ -26,6 +26,13 @@ ROOT = Path(__file__).resolve().parents[1]
 MICRO_TASK = ("--digits", "7", "--groups-per-step", "8", "--group-size", "8", "--entropy-coef", "0")
 
 
+def short_call(**fields: Any) -> LLMCall:
+    """One LLM call: a 3-token prompt and a 2-token reply with its log-probs; ``fields`` on top
+    (``weight_version``, ``top_p``, ...)."""
+    reply = {"prompt_ids": [1, 2, 3], "response_ids": [4, 5], "response_logprobs": [-0.5, -0.25]}
+    return LLMCall(**{**reply, "finish_reason": "stop", **fields})
+
+
 def one_call_group(
     g: int,
     *,
