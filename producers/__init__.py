@@ -4,6 +4,7 @@ reader and feed, and the run session the orchestrator, eval and the demo share."
 from .errors import ProducerError, StreamMissing
 from .feed import TrajectoryFeed
 from .jobs import (
+    JobOptions,
     TaskRow,
     check_expansion,
     expand_rows,
@@ -22,6 +23,7 @@ from .taskfile import TaskFile, TaskFileError, read_task_file, read_tasks
 __all__ = [
     "AGENT_COLUMN",
     "SOURCE_COLUMN",
+    "JobOptions",
     "ProducerError",
     "RoutingProblem",
     "RunSession",

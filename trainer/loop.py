@@ -55,7 +55,7 @@ from .batch import Sample, build_rows, collate, with_task_advantages
 from .checkpoint import Checkpoints, NoCheckpoints, restore_rng
 from .config import TrainerConfig
 from .errors import TrainerConfigError
-from .groups import Group
+from .groups import Group, Selection
 from .live import LiveMetrics
 from .metrics import MetricsSink, StepMetrics
 from .prometheus import BUFFERS
@@ -153,14 +153,7 @@ class Trainer:
             while not self._stop.is_set() and (max_steps is None or self.step < max_steps):
                 waited = time.monotonic()
                 groups = await collector.take(
-                    cfg.groups_per_step,
-                    version=self.version,
-                    max_staleness=cfg.max_staleness,
-                    stale_policy=cfg.stale_policy,
-                    filter_flat=cfg.filter_flat_groups,
-                    std_norm=cfg.std_norm,
-                    eps=cfg.adv_eps,
-                    stop=self._stop,
+                    cfg.groups_per_step, Selection.of(cfg, version=self.version), stop=self._stop
                 )
                 if groups is None:
                     break

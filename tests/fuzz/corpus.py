@@ -879,6 +879,12 @@ NOT_INTEGRAL = st.one_of(  # what no integer field takes (big ints are in range 
 BAD_NUMBERS = st.one_of(
     NOT_FLOATS, st.sampled_from([math.nan, math.inf, -math.inf]), st.none().map(lambda _: {})
 )
+# (field, value) a request's sampling refuses, whichever API spells it
+BAD_TEMPERATURE = st.tuples(st.just("temperature"), st.floats(max_value=-1e-9) | BAD_NUMBERS)
+BAD_TOP_P = st.tuples(
+    st.just("top_p"),
+    st.floats(max_value=0.0) | st.floats(min_value=1.0, exclude_min=True) | BAD_NUMBERS,
+)
 GENERATE_DEFECTS = ("body", "input_ids", "text", "sampling", "top", "unsupported", "unknown")
 
 
@@ -921,13 +927,8 @@ def generate_requests(draw_: Callable, kind: str) -> Request:
             st.one_of(
                 st.tuples(st.just("max_new_tokens"), st.integers(max_value=-1) | NOT_INTEGRAL),
                 st.tuples(st.just("max_new_tokens"), st.integers(4096, 10**30)),
-                st.tuples(st.just("temperature"), st.floats(max_value=-1e-9) | BAD_NUMBERS),
-                st.tuples(
-                    st.just("top_p"),
-                    st.floats(max_value=0.0)
-                    | st.floats(min_value=1.0, exclude_min=True)
-                    | BAD_NUMBERS,
-                ),
+                BAD_TEMPERATURE,
+                BAD_TOP_P,
                 st.tuples(st.just("top_k"), st.integers(max_value=-2) | NOT_INTEGRAL),
                 st.tuples(
                     st.just("min_p"),
@@ -1114,13 +1115,8 @@ def chat_requests(draw_: Callable, kind: str) -> Request:
     if kind == "sampling":
         field, value = draw_(
             st.one_of(
-                st.tuples(st.just("temperature"), st.floats(max_value=-1e-9) | BAD_NUMBERS),
-                st.tuples(
-                    st.just("top_p"),
-                    st.floats(max_value=0.0)
-                    | st.floats(min_value=1.0, exclude_min=True)
-                    | BAD_NUMBERS,
-                ),
+                BAD_TEMPERATURE,
+                BAD_TOP_P,
                 st.tuples(
                     st.just("max_tokens"),
                     st.integers(max_value=0) | NOT_INTEGRAL | st.integers(10**6, 10**30),
