@@ -299,12 +299,16 @@ async def test_requests_the_proxy_cannot_serve_get_400(proxy, fake, template):
     backend = SGLangBackend([fake.url], backoff=0.0)
     llm = TracingLLM(backend, template, Sampling(max_new_tokens=4), "g", "job-7", "tiny")
     body = {"model": "tiny", "messages": QUESTION}
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     try:
         with proxy.register("job-7", llm) as endpoint:
             cases = {
-                "stream": {**body, "stream": True},
                 "n": {**body, "n": 3},
                 "no messages": {"model": "tiny"},
+                "image": {**body, "messages": [{"role": "user", "content": [image]}]},
+                "unknown field": {**body, "guided_grammar": "root ::= x"},
+                "forced tool": {**body, "tools": TOOLS, "tool_choice": "required"},
+                "logprobs": {**body, "logprobs": True},
             }
             why = {}
             async with aiohttp.ClientSession() as http:
@@ -314,10 +318,13 @@ async def test_requests_the_proxy_cannot_serve_get_400(proxy, fake, template):
                         why[name] = (await resp.json())["error"]["message"]
     finally:
         await backend.aclose()
-    assert "streaming is not supported" in why["stream"]
     assert "n > 1" in why["n"]
     assert "messages" in why["no messages"]
-    assert llm.calls == []
+    assert "'image_url' part" in why["image"] and "text model" in why["image"]
+    assert "'guided_grammar' is not supported" in why["unknown field"]
+    assert "cannot be enforced" in why["forced tool"]
+    assert "logprobs" in why["logprobs"]
+    assert llm.calls == [] and fake.count == 0
 
 
 async def test_backend_failures_map_to_http_errors(proxy, template):
