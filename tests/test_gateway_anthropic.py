@@ -59,7 +59,9 @@ def base_url(endpoint: str) -> str:
 async def claude_style_agent(task: dict, endpoint: str, model: str) -> float:
     """Count the prompt, stream the first reply, run its tool, send the result, finish."""
     sdk = anthropic.AsyncAnthropic(base_url=base_url(endpoint), api_key="unused", max_retries=0)
-    count = await sdk.messages.count_tokens(model=model, system=SYSTEM, messages=QUESTION, tools=TOOLS)
+    count = await sdk.messages.count_tokens(
+        model=model, system=SYSTEM, messages=QUESTION, tools=TOOLS
+    )
     raw_events = []
     async with sdk.messages.stream(
         model=model, max_tokens=128, system=SYSTEM, messages=QUESTION, tools=TOOLS
@@ -68,13 +70,19 @@ async def claude_style_agent(task: dict, endpoint: str, model: str) -> float:
             raw_events.append(event.type)
         first = await stream.get_final_message()
     (tool_use,) = [block for block in first.content if block.type == "tool_use"]
-    result = {"type": "tool_result", "tool_use_id": tool_use.id, "content": str(sum(tool_use.input.values()))}
+    result = {
+        "type": "tool_result",
+        "tool_use_id": tool_use.id,
+        "content": str(sum(tool_use.input.values())),
+    }
     messages = [
         *QUESTION,
         {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
         {"role": "user", "content": [result]},
     ]
-    second = await sdk.messages.create(model=model, max_tokens=128, system=SYSTEM, messages=messages, tools=TOOLS)
+    second = await sdk.messages.create(
+        model=model, max_tokens=128, system=SYSTEM, messages=messages, tools=TOOLS
+    )
     models = await sdk.models.list()
     SEEN[task["task_id"]] = {
         "count": count.input_tokens,
@@ -96,7 +104,12 @@ async def test_messages_streamed_with_tools_are_stored_token_exact(js, topology,
     first, second = seen["first"], seen["second"]
 
     assert seen["events"][0] == "message_start" and seen["events"][-1] == "message_stop"
-    for kind in ("content_block_start", "content_block_delta", "content_block_stop", "message_delta"):
+    for kind in (
+        "content_block_start",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+    ):
         assert kind in seen["events"], kind
     # The SDK's assembly of the stream is the recorded reply.
     recorded = first_call.messages[-1]
@@ -143,7 +156,9 @@ async def test_the_secret_as_x_api_key_or_bearer_token(gateway):
     reply = await by_key.messages.create(model="tiny", max_tokens=16, messages=QUESTION)
     assert reply.content[0].text == CALL_TEXT  # no tools offered: the text as written
     assert (await by_token.models.retrieve("tiny")).id == "tiny"
-    wrong = anthropic.AsyncAnthropic(base_url=proxy.base_url, api_key=secret[:-1] + "x", max_retries=0)
+    wrong = anthropic.AsyncAnthropic(
+        base_url=proxy.base_url, api_key=secret[:-1] + "x", max_retries=0
+    )
     with pytest.raises(anthropic.AuthenticationError) as info:
         await wrong.messages.create(model="tiny", max_tokens=16, messages=QUESTION)
     assert info.value.body["error"]["type"] == "authentication_error"
@@ -176,7 +191,9 @@ async def test_what_the_messages_api_cannot_serve_is_refused(gateway):
         assert info.value.body["type"] == "error"
         assert info.value.body["error"]["type"] == "invalid_request_error"
     async with aiohttp.ClientSession() as http:  # the SDK itself insists on max_tokens
-        async with http.post(f"{endpoint}/messages", json={"model": "tiny", "messages": QUESTION}) as r:
+        async with http.post(
+            f"{endpoint}/messages", json={"model": "tiny", "messages": QUESTION}
+        ) as r:
             assert r.status == 400
             assert await r.json() == {
                 "type": "error",

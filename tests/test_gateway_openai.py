@@ -20,7 +20,9 @@ from consumers.llm import TracingLLM
 from producers import TaskProducer, TrajectoryReader
 from schemas import Sampling
 
-CALL_TEXT = 'I will add them.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+CALL_TEXT = (
+    'I will add them.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+)
 ANSWER = "The sum of 2 and 3 is 5."
 QUESTION = "What is 2+3?"
 TOOLS = [
@@ -97,7 +99,9 @@ async def streamed_chat_agent(task: dict, endpoint: str, model: str) -> float:
                 function = call["function"]
                 if delta.function.name:
                     function["name"] = delta.function.name
-                function["arguments"] = function.get("arguments", "") + (delta.function.arguments or "")
+                function["arguments"] = function.get("arguments", "") + (
+                    delta.function.arguments or ""
+                )
             finish = choice.finish_reason or finish
         message = {"role": "assistant", "content": content}
         if calls:
@@ -118,14 +122,20 @@ async def streamed_chat_agent(task: dict, endpoint: str, model: str) -> float:
         for call in message["tool_calls"]:
             arguments = json.loads(call["function"]["arguments"])
             messages.append(
-                {"role": "tool", "tool_call_id": call["id"], "content": str(sum(arguments.values()))}
+                {
+                    "role": "tool",
+                    "tool_call_id": call["id"],
+                    "content": str(sum(arguments.values())),
+                }
             )
     SEEN[task["task_id"]] = {"turns": turns}
     return 1.0
 
 
 async def test_streamed_chat_with_tool_calls_is_stored_token_exact(js, topology, fake, template):
-    (trajectory,) = (await run_agent(js, topology, streamed_chat_agent, fake, [{"task_id": "t"}])).values()
+    (trajectory,) = (
+        await run_agent(js, topology, streamed_chat_agent, fake, [{"task_id": "t"}])
+    ).values()
     turns = SEEN["t"]["turns"]
     assert [turn["finish"] for turn in turns] == ["tool_calls", "stop"]
     assert len(trajectory.calls) == 2
@@ -139,7 +149,9 @@ async def test_streamed_chat_with_tool_calls_is_stored_token_exact(js, topology,
         assert call.response_ids == engine_ids(template, text)
         assert template.decode(call.response_ids, skip_special_tokens=True) == text
     (request_1, request_2) = fake.requests
-    assert [request_1["input_ids"], request_2["input_ids"]] == [c.prompt_ids for c in trajectory.calls]
+    assert [request_1["input_ids"], request_2["input_ids"]] == [
+        c.prompt_ids for c in trajectory.calls
+    ]
     first = turns[0]["message"]
     assert first["content"] == "I will add them."
     (tool_call,) = first["tool_calls"]
@@ -159,7 +171,9 @@ async def sdk_stream_agent(task: dict, endpoint: str, model: str) -> float:
 
 
 async def test_the_sdks_stream_accumulator_rebuilds_the_recorded_reply(js, topology, fake):
-    (trajectory,) = (await run_agent(js, topology, sdk_stream_agent, fake, [{"task_id": "t"}])).values()
+    (trajectory,) = (
+        await run_agent(js, topology, sdk_stream_agent, fake, [{"task_id": "t"}])
+    ).values()
     choice = SEEN["t"]["final"].choices[0]
     (call,) = trajectory.calls
     recorded = call.messages[-1]
@@ -185,7 +199,11 @@ async def responses_agent(task: dict, endpoint: str, model: str) -> float:
         history = [{"role": "user", "content": QUESTION}]
         history += [item.model_dump(exclude_none=True) for item in first.output]
         second = await sdk.responses.create(
-            model=model, instructions="Be brief.", input=[*history, output], tools=RESPONSES_TOOLS, store=False
+            model=model,
+            instructions="Be brief.",
+            input=[*history, output],
+            tools=RESPONSES_TOOLS,
+            store=False,
         )
     else:
         second = await sdk.responses.create(
@@ -199,7 +217,9 @@ async def responses_agent(task: dict, endpoint: str, model: str) -> float:
     return 1.0
 
 
-async def test_responses_api_streamed_and_continued_is_stored_token_exact(js, topology, fake, template):
+async def test_responses_api_streamed_and_continued_is_stored_token_exact(
+    js, topology, fake, template
+):
     tasks = [{"task_id": "chained"}, {"task_id": "stateless"}]
     trajectories = await run_agent(js, topology, responses_agent, fake, tasks)
     chained, stateless = SEEN["chained"], SEEN["stateless"]
@@ -219,7 +239,9 @@ async def test_responses_api_streamed_and_continued_is_stored_token_exact(js, to
     ):
         assert kind in kinds, kind
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
-    arguments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    arguments = "".join(
+        e.delta for e in events if e.type == "response.function_call_arguments.delta"
+    )
 
     first_call, second_call = trajectories["chained"].calls
     recorded = first_call.messages[-1]
@@ -294,7 +316,9 @@ async def test_what_the_responses_api_cannot_serve_is_refused(proxy_llm):
                 "input": [
                     {
                         "role": "user",
-                        "content": [{"type": "input_image", "image_url": "data:image/png;base64,AA"}],
+                        "content": [
+                            {"type": "input_image", "image_url": "data:image/png;base64,AA"}
+                        ],
                     }
                 ]
             },
@@ -302,7 +326,10 @@ async def test_what_the_responses_api_cannot_serve_is_refused(proxy_llm):
         ),
         "background": ({"background": True}, "background is not supported"),
         "reasoning effort": ({"reasoning": {"effort": "high"}}, "reasoning options"),
-        "forced tool": ({"tools": RESPONSES_TOOLS, "tool_choice": "required"}, "cannot be enforced"),
+        "forced tool": (
+            {"tools": RESPONSES_TOOLS, "tool_choice": "required"},
+            "cannot be enforced",
+        ),
         "unknown field": ({"extra_body": {"guided_json": {}}}, "'guided_json' is not supported"),
     }
     for name, (fields, why) in cases.items():
@@ -313,7 +340,9 @@ async def test_what_the_responses_api_cannot_serve_is_refused(proxy_llm):
     assert llm.calls == []
 
 
-async def test_a_long_call_keeps_the_stream_alive_then_fails_in_the_stream(proxy_llm, fake, monkeypatch):
+async def test_a_long_call_keeps_the_stream_alive_then_fails_in_the_stream(
+    proxy_llm, fake, monkeypatch
+):
     """A call still running opens the stream and sends keep-alives; a backend failure then comes
     as the API's in-stream error, which the SDKs raise (chat) or report (response.failed)."""
     proxy, llm, endpoint = proxy_llm
@@ -349,5 +378,7 @@ async def test_a_long_call_keeps_the_stream_alive_then_fails_in_the_stream(proxy
     gate.set()
     events = [event async for event in stream]
     assert [e.type for e in events] == ["response.created", "response.failed"]
-    assert events[-1].response.status == "failed" and events[-1].response.error.code == "server_error"
+    assert (
+        events[-1].response.status == "failed" and events[-1].response.error.code == "server_error"
+    )
     assert len(llm.errors) == 2

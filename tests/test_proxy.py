@@ -10,6 +10,7 @@ import json
 import socket
 
 import aiohttp
+import anthropic
 import openai
 import pytest
 import structlog.testing
@@ -132,6 +133,39 @@ async def test_openai_sdk_records_what_a_direct_call_records(proxy, engine_backe
     assert response.usage.completion_tokens == len(got.response_ids)
     assert response.usage.total_tokens == len(got.prompt_ids) + len(got.response_ids)
     assert proxy.in_flight == []  # the with-block unregistered the rollout
+
+
+async def test_every_api_streamed_records_what_a_direct_call_records(
+    proxy, engine_backend, template
+):
+    """The local engine behind Chat Completions, Responses and Messages, all streamed: each
+    assembled text is the direct call's, each call's ids the engine's."""
+    direct = new_llm(engine_backend, template, job_id="job-8")
+    expected = await direct.chat(QUESTION, temperature=0.0, max_tokens=8)
+    llm = new_llm(engine_backend, template)
+    with proxy.register("job-7", llm) as endpoint:
+        sdk = client(endpoint)
+        chunks = await sdk.chat.completions.create(
+            model="tiny", messages=QUESTION, temperature=0.0, max_tokens=8, stream=True
+        )
+        chat_text = "".join([c.choices[0].delta.content or "" async for c in chunks])
+        events = await sdk.responses.create(
+            model="tiny", input=QUESTION, temperature=0.0, max_output_tokens=8, stream=True
+        )
+        kinds = [(e.type, getattr(e, "delta", "")) async for e in events]
+        responses_text = "".join(d for kind, d in kinds if kind == "response.output_text.delta")
+        claude = anthropic.AsyncAnthropic(
+            base_url=endpoint.removesuffix("/v1"), api_key="unused", max_retries=0
+        )
+        async with claude.messages.stream(
+            model="tiny", max_tokens=8, messages=QUESTION, extra_body={"temperature": 0.0}
+        ) as stream:
+            anthropic_text = "".join([text async for text in stream.text_stream])
+    assert len(llm.calls) == 3
+    for call, text in zip(llm.calls, (chat_text, responses_text, anthropic_text), strict=True):
+        assert call.prompt_ids == expected.call.prompt_ids
+        assert call.response_ids == expected.call.response_ids
+        assert text == expected.text == template.decode(call.response_ids, skip_special_tokens=True)
 
 
 async def test_sync_sdk_from_a_thread(proxy, engine_backend, template):

@@ -32,7 +32,7 @@ from ..chat_template import normalize_messages, plain_data
 from ..llm import ChatResult
 from ..toolcalls import arguments_as_objects
 from .errors import GatewayError, anthropic_error, refuse_set, refuse_unknown
-from .route import ChatCall, Route, stop_list, text_of
+from .route import ChatCall, Route, list_field, stop_list, text_of
 from .sse import StreamShape, deltas, event, serve_stream
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k")
@@ -216,7 +216,7 @@ def _tools(body: dict) -> list[dict] | None:
             "the text it writes; send {'type': 'auto'} (or 'none')"
         )
     tools = []
-    for index, tool in enumerate(body.get("tools") or []):
+    for index, tool in enumerate(list_field(body, "tools")):
         if not isinstance(tool, dict) or tool.get("type") not in (None, "custom"):
             kind = tool.get("type") if isinstance(tool, dict) else None
             raise GatewayError(

@@ -29,7 +29,7 @@ from aiohttp import web
 
 from ..llm import ChatResult
 from .errors import GatewayError, openai_error, refuse_set, refuse_unknown
-from .route import ChatCall, Route, text_of
+from .route import ChatCall, Route, list_field, text_of
 from .sse import StreamShape, deltas, event, serve_stream
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
@@ -90,6 +90,8 @@ def parse(body: dict, route: Route) -> ResponsesRequest:
     refuse_set(body, REFUSED)
     _check_options(body)
     previous = body.get("previous_response_id")
+    if previous is not None and not isinstance(previous, str):
+        raise GatewayError("previous_response_id must be a string", param="previous_response_id")
     conversation = route.responses.get(previous) if previous else []
     conversation += input_messages(body.get("input"))
     if not conversation:
@@ -120,11 +122,12 @@ def _check_options(body: dict) -> None:
             "per request (leave 'reasoning' unset)",
             param="reasoning",
         )
-    include = body.get("include") or []
-    extra = [value for value in include if value not in _INCLUDABLE]
-    if not isinstance(include, list) or extra:
+    extra = [
+        v for v in list_field(body, "include") if not isinstance(v, str) or v not in _INCLUDABLE
+    ]
+    if extra:
         raise GatewayError(
-            f"include {extra or include!r} cannot be served (token logprobs are recorded in the "
+            f"include {extra!r} cannot be served (token logprobs are recorded in the "
             "trajectory; there are no tool results to add)",
             param="include",
         )
@@ -198,7 +201,7 @@ def _tools(body: dict) -> list[dict] | None:
             param="tool_choice",
         )
     tools = []
-    for index, tool in enumerate(body.get("tools") or []):
+    for index, tool in enumerate(list_field(body, "tools")):
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind != "function" or not isinstance(tool.get("name"), str):
             raise GatewayError(

@@ -99,6 +99,16 @@ def text_of(content: Any, where: str, text_types: tuple[str, ...]) -> str:
     return "\n".join(texts)
 
 
+def list_field(body: dict, key: str) -> list:
+    """``body[key]`` as a list ([] when unset), or a GatewayError naming it."""
+    value = body.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise GatewayError(f"{key} must be a list", param=key)
+    return value
+
+
 def stop_list(value: Any, field_name: str) -> list[str] | None:
     """A stop string or list of stop strings, checked."""
     if value is None:
