@@ -313,6 +313,7 @@ class MessageShape(StreamShape):
         }
         yield event({"type": "message_start", "message": start}, "message_start")
         for index, (block, text) in enumerate(blocks):
+            opened: dict[str, Any]
             if block["type"] == "text":
                 opened, kind, key = {"type": "text", "text": ""}, "text_delta", "text"
             else:
@@ -320,14 +321,14 @@ class MessageShape(StreamShape):
             started = {"type": "content_block_start", "index": index, "content_block": opened}
             yield event(started, "content_block_start")
             for piece in deltas(text):
-                delta = {"type": kind, key: piece}
+                piece_delta = {"type": kind, key: piece}
                 yield event(
-                    {"type": "content_block_delta", "index": index, "delta": delta},
+                    {"type": "content_block_delta", "index": index, "delta": piece_delta},
                     "content_block_delta",
                 )
             yield event({"type": "content_block_stop", "index": index}, "content_block_stop")
-        delta = {"stop_reason": whole["stop_reason"], "stop_sequence": None}
-        yield event({"type": "message_delta", "delta": delta, "usage": usage}, "message_delta")
+        stop = {"stop_reason": whole["stop_reason"], "stop_sequence": None}
+        yield event({"type": "message_delta", "delta": stop, "usage": usage}, "message_delta")
         yield event({"type": "message_stop"}, "message_stop")
 
     def failure(self, error: GatewayError) -> Iterable[bytes]:
