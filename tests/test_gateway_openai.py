@@ -326,7 +326,7 @@ async def test_what_the_responses_api_cannot_serve_is_refused(proxy_llm):
             "text model",
         ),
         "background": ({"background": True}, "background is not supported"),
-        "reasoning effort": ({"reasoning": {"effort": "high"}}, "reasoning options"),
+        "reasoning effort": ({"reasoning": {"effort": "high"}}, "reasoning effort cannot"),
         "forced tool": (
             {"tools": RESPONSES_TOOLS, "tool_choice": "required"},
             "cannot be enforced",
