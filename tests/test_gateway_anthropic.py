@@ -174,6 +174,8 @@ async def test_the_secret_as_x_api_key_or_bearer_token(gateway):
         await wrong.models.list()
     with pytest.raises(anthropic.NotFoundError):
         await by_key.models.retrieve("claude-opus")
+    with pytest.raises(anthropic.NotFoundError, match="Qwen/Qwen3-8B"):  # ids may hold a "/"
+        await by_key.models.retrieve("Qwen/Qwen3-8B")
     assert len(llm.calls) == 2
 
 
