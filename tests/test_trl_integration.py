@@ -32,7 +32,7 @@ from examples.toy import any_digit  # noqa: E402
 from examples.trl_trainer import train  # noqa: E402
 from schemas import LLMCall, Trajectory  # noqa: E402
 
-RUN, AGENT, STEPS = "trl", "digit", 20
+RUN, AGENT, STEPS, FROZEN = "trl", "digit", 20, 8
 
 
 def _call(prompt, response, version="default"):
@@ -136,7 +136,7 @@ def test_trl_grpo_learns_on_agentarium_rollouts(settings, tiny_dir, engine_url, 
             return [None] * len(completions)
 
         config = RolloutConfig(agent=AGENT, run=RUN, deadline_s=60, grace_s=30)
-        frozen = train(config, model_dir=str(tiny_dir), steps=10, lr=0.0, settings=settings, seed=1)
+        frozen = train(config, model_dir=str(tiny_dir), steps=FROZEN, lr=0.0, settings=settings, seed=1)
         learned = train(config, model_dir=str(tiny_dir), steps=STEPS, settings=settings, seed=1, extra_rewards=[seen])
     finally:
         loop.loop.call_soon_threadsafe(stop.set)
@@ -144,10 +144,13 @@ def test_trl_grpo_learns_on_agentarium_rollouts(settings, tiny_dir, engine_url, 
         loop.stop()
     frozen_reward = [e["reward"] for e in frozen]
     learned_reward = [e["reward"] for e in learned]
-    assert len(frozen_reward) == 10 and len(learned_reward) == STEPS
-    assert _mean(learned_reward[-5:]) >= _mean(learned_reward[:5]) + 0.3, learned_reward
-    assert _mean(frozen_reward[-5:]) < _mean(frozen_reward[:5]) + 0.1, frozen_reward
+    assert len(frozen_reward) == FROZEN and len(learned_reward) == STEPS
+    # a random policy says a digit 10 times in 263 (about 0.04)
+    assert _mean(learned_reward[:4]) < 0.15 and _mean(frozen_reward) < 0.15, frozen_reward
+    assert _mean(learned_reward[-5:]) >= 0.6, learned_reward
+    # the control over the same steps: learning, not the pipeline, raised the reward
+    assert _mean(learned_reward[4:FROZEN]) > _mean(frozen_reward[4:]) + 0.1, learned_reward
     # Each step's rollouts all came from the version published after the step before: the
-    # frozen run published versions 1..11 (its start, then each step), so the learned run
-    # starts at 12 and step s (from 1) samples version 11 + s.
-    assert [set(v) for v in versions] == [{11 + s} for s in range(1, STEPS + 1)], versions
+    # frozen run published versions 1..FROZEN + 1 (its start, then each step), so the learned
+    # run starts at FROZEN + 2 and step s (from 1) samples version FROZEN + 1 + s.
+    assert [set(v) for v in versions] == [{FROZEN + 1 + s} for s in range(1, STEPS + 1)], versions
