@@ -30,9 +30,14 @@ from agentarium.integrations.config import RolloutConfig
 from broker import NatsSettings
 
 
-def prompts(n: int) -> list[dict[str, str]]:
-    """n distinct prompts; the reward does not depend on them."""
-    return [{"prompt": f"say a digit ({i})"} for i in range(n)]
+def prompts(n: int) -> list[dict[str, Any]]:
+    """n distinct chat prompts (TRL's conversational format); the reward does not depend on
+    them. The consumer renders them with the model's chat template, as TRL itself would (a
+    system message of our own: the template's default one would triple the prompt's tokens)."""
+    system = {"role": "system", "content": "Answer with one digit."}
+    return [
+        {"prompt": [system, {"role": "user", "content": f"say a digit ({i})"}]} for i in range(n)
+    ]
 
 
 def train(
