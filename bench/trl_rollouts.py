@@ -150,7 +150,9 @@ def services(work: Path, model_dir: str) -> tuple[NatsServer, list[Child]]:
     server = NatsServer(store_dir=work / "nats").start()
     nats = ["--nats-url", server.url]
     logs = work / "logs"
-    engine = start_child("engine", ["engine", "--model", model_dir, "--port", "0"], logs, wait_ready=True)
+    engine = start_child(
+        "engine", ["engine", "--model", model_dir, "--port", "0"], logs, wait_ready=True
+    )
     consumer = start_child(
         "consumer",
         ["consumer", "--agent", f"{AGENT}=examples.toy:any_digit", "--llm", engine.url,
@@ -186,29 +188,38 @@ def main() -> int:
     p.add_argument("--generations", type=int, default=8, help="samples per prompt (default 8)")
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--order",
+        default="builtin,agentarium",
+        help="which mode runs first (default builtin,agentarium): the machine's load drifts",
+    )
     args = p.parse_args()
     model_dir = str(ensure_tiny_model())
+    clocks: dict[str, Clock] = {}
+    rewards: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-trl-") as tmp:
         work = Path(tmp)
-        builtin = Clock()
-        rewards_builtin = grpo(args, str(work / "builtin"), "builtin", builtin, model_dir)
-        server, children = services(work, model_dir)
-        try:
-            clock = Clock()
-            rollout = TimedRollout(
-                RolloutConfig(agent=AGENT, run=RUN), settings=NatsSettings(url=server.url)
-            )
-            rollout.clock = clock
-            with rollout:
-                rewards_ours = grpo(args, str(work / "ours"), "agentarium", clock, model_dir, rollout)
-        finally:
-            for child in children:
-                child.terminate()
-            server.stop()
-    summary("builtin", builtin.steps, args.warmup)
-    summary("agentarium", clock.steps, args.warmup)
-    print(f"reward builtin    {[round(r, 2) for r in rewards_builtin]}")
-    print(f"reward agentarium {[round(r, 2) for r in rewards_ours]}")
+        for mode in args.order.split(","):
+            clock = clocks[mode] = Clock()
+            if mode == "builtin":
+                rewards[mode] = grpo(args, str(work / mode), mode, clock, model_dir)
+                continue
+            server, children = services(work, model_dir)
+            try:
+                rollout = TimedRollout(
+                    RolloutConfig(agent=AGENT, run=RUN), settings=NatsSettings(url=server.url)
+                )
+                rollout.clock = clock
+                with rollout:
+                    rewards[mode] = grpo(args, str(work / mode), mode, clock, model_dir, rollout)
+            finally:
+                for child in children:
+                    child.terminate()
+                server.stop()
+    for mode, clock in clocks.items():
+        summary(mode, clock.steps, args.warmup)
+    for mode, values in rewards.items():
+        print(f"reward {mode:10s} {[round(r, 2) for r in values]}")
     return 0
 
 

@@ -98,7 +98,9 @@ def main(argv: list[str] | None = None) -> int:
         "module docstring). The broker is $AGENTARIUM_NATS_URL (default nats://127.0.0.1:4222)."
     )
     add_settings(parser, RolloutConfig)
-    parser.add_argument("--model", default="tiny", help="'tiny' or a model directory (default tiny)")
+    parser.add_argument(
+        "--model", default="tiny", help="'tiny' or a model directory (default tiny)"
+    )
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
     parser.add_argument("--lr", type=float, default=1e-2, help="learning rate (default 1e-2)")
     parser.add_argument("--output-dir", help="TRL's output directory (default: a temporary one)")

@@ -105,9 +105,13 @@ async def _services(settings, engine_url, weights_dir, stop: asyncio.Event, read
         topology = Topology()
         await provision(js, topology)
         syncer = WeightSyncer(
-            js, SyncConfig(run=RUN, engines=(engine_url,), weights_dir=weights_dir), topology=topology
+            js,
+            SyncConfig(run=RUN, engines=(engine_url,), weights_dir=weights_dir),
+            topology=topology,
         )
-        async with worker_for(js, AGENT, any_digit, [engine_url], burst=False, concurrency=64) as worker:
+        async with worker_for(
+            js, AGENT, any_digit, [engine_url], burst=False, concurrency=64
+        ) as worker:
             tasks = [asyncio.create_task(worker.run()), asyncio.create_task(syncer.run())]
             ready.set()
             await stop.wait()
@@ -136,8 +140,17 @@ def test_trl_grpo_learns_on_agentarium_rollouts(settings, tiny_dir, engine_url, 
             return [None] * len(completions)
 
         config = RolloutConfig(agent=AGENT, run=RUN, deadline_s=60, grace_s=30)
-        frozen = train(config, model_dir=str(tiny_dir), steps=FROZEN, lr=0.0, settings=settings, seed=1)
-        learned = train(config, model_dir=str(tiny_dir), steps=STEPS, settings=settings, seed=1, extra_rewards=[seen])
+        frozen = train(
+            config, model_dir=str(tiny_dir), steps=FROZEN, lr=0.0, settings=settings, seed=1
+        )
+        learned = train(
+            config,
+            model_dir=str(tiny_dir),
+            steps=STEPS,
+            settings=settings,
+            seed=1,
+            extra_rewards=[seen],
+        )
     finally:
         loop.loop.call_soon_threadsafe(stop.set)
         services.result(60)

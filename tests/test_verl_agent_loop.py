@@ -20,6 +20,7 @@ from pathlib import Path
 from test_verl_compat import _ensure_venv
 from worker_env import worker_for
 
+from agentarium.integrations.servers import announced_servers
 from examples.toy import messages_of
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,6 +53,7 @@ async def test_verl_agent_loop_builds_verls_own_batch(js, settings, tiny_dir, en
                 str(ROOT / "tests" / "verl_agent_loop_check.py"),
                 str(tiny_dir),
                 str(out),
+                engine_url.removeprefix("http://"),  # verl's balancer lists host:port
                 env=env,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT,
@@ -76,3 +78,5 @@ async def test_verl_agent_loop_builds_verls_own_batch(js, settings, tiny_dir, en
         "rollout_log_probs",
     }
     assert all(count == 10 for count in fields.values()), fields
+    # the loop announced verl's server, where a consumer's --llm goes
+    assert await announced_servers(settings, "verl") == [engine_url]

@@ -1,4 +1,5 @@
-"""Run inside verl's virtualenv by tests/test_verl_agent_loop.py (argv: model dir, out JSON).
+"""Run inside verl's virtualenv by tests/test_verl_agent_loop.py (argv: model dir, out JSON,
+the address of verl's server: here the local engine's).
 
 verl's own ``AgentLoopWorker`` (its config composed from verl's ``ppo_trainer.yaml`` with
 hydra, as ``verl.trainer.main_ppo`` composes it) generates one batch through the
@@ -21,9 +22,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from hydra import compose, initialize_config_dir
-
 import verl
+from hydra import compose, initialize_config_dir
 from verl import DataProto
 from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
 from verl.trainer.ppo import core_algos
@@ -74,12 +74,25 @@ def batch(rows: list[tuple[str, str]], agent_name: str) -> DataProto:
     )
 
 
+class Balancer:
+    """What the agentarium loop asks of verl's load balancer (a Ray actor there): its servers,
+    here the local engine standing in for verl's SGLang server."""
+
+    def __init__(self, address: str) -> None:
+        self.get_all_servers = self  # get_all_servers.remote(), as on an actor handle
+        self.address = address
+
+    async def remote(self) -> list[str]:
+        return [self.address]
+
+
 class Replay:
     """An LLM client for verl's single-turn loop: the recorded reply of row ``priority``."""
 
-    def __init__(self, calls: dict[int, dict]) -> None:
+    def __init__(self, calls: dict[int, dict], server: str) -> None:
         self.calls = calls
         self.prompts: dict[int, list[int]] = {}
+        self._load_balancer = Balancer(server)  # verl 0.9.1's LLMServerClient attribute
 
     async def generate(self, request_id, *, prompt_ids, sampling_params, priority=0, **kwargs):
         self.prompts[int(priority)] = list(prompt_ids)
@@ -105,7 +118,7 @@ async def trajectories(job_ids: list[str]) -> dict[str, dict]:
         await nc.close()
 
 
-async def main(model_dir: str, out_path: str) -> None:
+async def main(model_dir: str, out_path: str, server: str) -> None:
     import agentarium.integrations.verl  # noqa: F401 - registers "agentarium"
 
     heavy = {"consumers", "agentarium.orchestrator", "trainer.loop", "trainer.step"}
@@ -113,7 +126,7 @@ async def main(model_dir: str, out_path: str) -> None:
 
     config = verl_config(model_dir)
     rows = [(u, p) for u, p in PROMPTS.items() for _ in range(N)]  # repeat(interleave=True)
-    replay = Replay({})
+    replay = Replay({}, server)
     worker = AgentLoopWorker(config, llm_client=replay)
     ours = await worker.generate_sequences(batch(rows, "agentarium"))
     status = list(ours.non_tensor_batch["agentarium_status"])
@@ -176,4 +189,4 @@ async def main(model_dir: str, out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1], sys.argv[2]))
+    asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3]))

@@ -79,6 +79,8 @@ class RolloutClient:
         """Publish ``jobs`` and return their trajectories in job order, None for each one not
         stored within ``timeout`` seconds."""
         assert self.session.producer is not None and self.session.feed is not None, "start() first"
+        if not jobs:
+            return []
         loop = asyncio.get_running_loop()
         futures = []
         for job in jobs:
@@ -98,7 +100,7 @@ class RolloutClient:
                 self._pending.pop(job.job_id, None)
             self._expect_pending()
         out: list[Trajectory | None] = []
-        for job, future in zip(jobs, futures, strict=True):
+        for future in futures:
             if future.done() and not future.cancelled():
                 out.append(future.result())
             else:

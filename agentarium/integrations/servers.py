@@ -25,7 +25,9 @@ async def announced_servers(settings: NatsSettings, run: str) -> list[str]:
         entries = await engine_versions(nc.jetstream(), Topology(settings.prefix))
     finally:
         await nc.close()
-    return sorted({e["engine"] for e in entries if e.get("run") == run and e.get("status") == ANNOUNCED})
+    return sorted(
+        {e["engine"] for e in entries if e.get("run") == run and e.get("status") == ANNOUNCED}
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

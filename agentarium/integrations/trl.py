@@ -174,10 +174,15 @@ class AgentariumRollout:
     def client(self) -> RolloutClient:
         """Connected on first use, on a private event loop thread."""
         if self._client is None:
-            self._loop = LoopThread(name="agentarium-trl")
+            loop = LoopThread(name="agentarium-trl")
             client = RolloutClient(self.settings, self.config.run, name="agentarium-trl")
-            self._loop.call(client.start())
-            self._client = client
+            try:
+                loop.call(client.start())
+            except BaseException:
+                loop.call(client.close(), timeout=30)
+                loop.stop()
+                raise
+            self._loop, self._client = loop, client
         return self._client
 
     def call(self, coro: Any) -> Any:
@@ -214,7 +219,13 @@ class AgentariumRollout:
         return self.output(samples, groups, eos_id=_eos_id(trainer))
 
     def jobs(
-        self, prompts: list, groups: list[tuple[int, int]], sampling: Sampling, *, training: bool, step: int
+        self,
+        prompts: list,
+        groups: list[tuple[int, int]],
+        sampling: Sampling,
+        *,
+        training: bool,
+        step: int,
     ) -> list[Job]:
         """One job per sample, each run of equal prompts a group, ids fresh for this call."""
         batch_id = f"trl-{self.session_id}-{self.calls}"
