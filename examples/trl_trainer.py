@@ -57,6 +57,7 @@ def train(
     ``extra_rewards``: more TRL reward functions beside the agent's (return None to add
     nothing: TRL sums the functions' rewards)."""
     from datasets import Dataset
+    from transformers import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from agentarium.integrations.trl import AgentariumRollout, agent_reward
@@ -87,6 +88,7 @@ def train(
             rollout_func=rollouts,
             callbacks=[rollouts.weight_sync(model_dir=model_dir)],
         )
+        trainer.remove_callback(PrinterCallback)  # main() prints its own line per step
         trainer.train()
         return [entry for entry in trainer.state.log_history if "reward" in entry]
 

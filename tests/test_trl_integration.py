@@ -157,9 +157,11 @@ def test_trl_grpo_learns_on_agentarium_rollouts(settings, tiny_dir, engine_url, 
         loop.stop()
     frozen_reward = [e["reward"] for e in frozen]
     learned_reward = [e["reward"] for e in learned]
+    print(f"reward per step: lr 1e-2 {learned_reward}; lr 0 {frozen_reward}")  # shown with -s
     assert len(frozen_reward) == FROZEN and len(learned_reward) == STEPS
     # a random policy says a digit 10 times in 263 (about 0.04)
-    assert _mean(learned_reward[:4]) < 0.15 and _mean(frozen_reward) < 0.15, frozen_reward
+    # (step 1 samples the weights TRL starts from, as every step of the control does)
+    assert learned_reward[0] < 0.15 and _mean(frozen_reward) < 0.15, frozen_reward
     assert _mean(learned_reward[-5:]) >= 0.6, learned_reward
     # the control over the same steps: learning, not the pipeline, raised the reward
     assert _mean(learned_reward[4:FROZEN]) > _mean(frozen_reward[4:]) + 0.1, learned_reward

@@ -24,7 +24,7 @@ virtualenv.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from schemas import SchemaError, Trajectory, version_number
 from trainer import rows_of
@@ -60,31 +60,28 @@ def sample_of(trajectory: Trajectory | None) -> Sample:
         return Sample("missing", error="no trajectory was stored within the wait")
     versions = [_version(c.weight_version) for c in trajectory.calls if c.policy]
     version = min((v for v in versions if v is not None), default=None)
-    common = {
-        "metrics": dict(trajectory.metrics),
-        "weight_version": version,
-        "turns": len(trajectory.calls),
-    }
+    base = Sample(
+        "ok", metrics=dict(trajectory.metrics), weight_version=version, turns=len(trajectory.calls)
+    )
     if trajectory.status != "ok":
-        return Sample(trajectory.status, error=trajectory.error, **common)
+        return replace(base, status=trajectory.status, error=trajectory.error)
     rows, how = rows_of(trajectory, "concat")
     if how in ("no_token_ids", "empty"):
-        return Sample("no_tokens", error=f"no call with token ids ({how})", **common)
+        return replace(base, status="no_tokens", error=f"no call with token ids ({how})")
     if len(rows) != 1:
-        return Sample(
-            "mismatch",
+        return replace(
+            base,
+            status="mismatch",
             error=f"{len(rows)} calls whose prompts do not extend each other token for token",
-            **common,
         )
     row = rows[0]
-    return Sample(
-        "ok",
+    return replace(
+        base,
         prompt_ids=row.prompt_ids,
         completion_ids=row.response_ids,
         mask=row.response_mask,
         logprobs=row.response_logprobs,
         reward=trajectory.reward,
-        **common,
     )
 
 
