@@ -24,7 +24,13 @@ from worker_env import worker_for  # noqa: E402
 
 from agentarium.integrations.config import RolloutConfig  # noqa: E402
 from agentarium.integrations.samples import Sample, sample_of  # noqa: E402
-from agentarium.integrations.trl import AgentariumRollout, agent_reward, groups_of  # noqa: E402
+from agentarium.integrations.trl import (  # noqa: E402
+    AgentariumRollout,
+    TaskRows,
+    agent_reward,
+    groups_of,
+    sampling_of,
+)
 from agentarium.orchestrator.loop_thread import LoopThread  # noqa: E402
 from broker import Topology, provision  # noqa: E402
 from consumers.sync import SyncConfig, WeightSyncer  # noqa: E402
@@ -62,6 +68,29 @@ def test_prompts_become_groups_of_at_most_num_generations():
     assert groups_of([a, a, a, b, b, b], 3) == [(0, 3), (3, 3)]
     assert groups_of([a, a, a, a], 2) == [(0, 2), (2, 2)]  # the same prompt twice in a batch
     assert groups_of([a, b, a], 8) == [(0, 1), (1, 1), (2, 1)]
+
+
+def test_jobs_carry_trls_sampling_and_the_dataset_row_of_their_prompt():
+    class Args:  # the GRPOConfig fields rollout_func reads
+        temperature, top_p, top_k, max_completion_length = 0.7, 1.0, 0, 3
+
+    sampling = sampling_of(Args())
+    assert (sampling.temperature, sampling.top_k, sampling.max_new_tokens) == (0.7, -1, 3)
+    chat = [{"role": "user", "content": "repeat 7"}]
+    rows = TaskRows.of([{"prompt": chat, "answer": "7"}, {"prompt": "b", "answer": "x"}])
+    assert rows.task([{"content": "repeat 7", "role": "user"}])["answer"] == "7"  # key order
+    with pytest.raises(ValueError, match="in none of the rows"):
+        rows.task("c")
+    with pytest.raises(ValueError, match="share the prompt"):
+        TaskRows.of([{"prompt": "b", "answer": "1"}, {"prompt": "b", "answer": "2"}])
+    rollout = AgentariumRollout(RolloutConfig(agent=AGENT, run=RUN), rows=rows.rows.values())
+    jobs = rollout.jobs([chat, chat, "b"], [(0, 2), (2, 1)], sampling, training=True, step=4)
+    assert [j.task["answer"] for j in jobs] == ["7", "7", "x"]
+    assert [(j.sample_index, j.group_size) for j in jobs] == [(0, 2), (1, 2), (0, 1)]
+    assert jobs[0].group_id == jobs[1].group_id != jobs[2].group_id
+    assert jobs[0].sampling == sampling and jobs[0].metadata == {"trl_step": 4}
+    again = rollout.jobs([chat, chat, "b"], [(0, 2), (2, 1)], sampling, training=True, step=4)
+    assert not {j.job_id for j in jobs} & {j.job_id for j in again}  # fresh ids every call
 
 
 def test_failed_rollouts_reach_trl_without_reward_or_loss_token():
