@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     history = train(
         config,
-        model_dir=resolve_model(args.model),
+        model_dir=str(resolve_model(args.model)),
         steps=args.steps,
         lr=args.lr,
         output_dir=args.output_dir,
