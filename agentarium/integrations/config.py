@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from schemas import check_name, check_settings, setting
+from schemas import Sampling, check_name, check_settings, setting
 
 ROLLOUTS = "rollouts through Agentarium"
 
@@ -60,3 +60,15 @@ class RolloutConfig:
     def wait_s(self) -> float:
         """How long one rollout's trajectory is waited for."""
         return self.deadline_s + self.grace_s
+
+
+def sampling(temperature: float, top_p: float, top_k: int | None, max_new_tokens: int) -> Sampling:
+    """A job's sampling from a framework's settings: a top_k of 0 or less means off (TRL says 0,
+    verl -1; Agentarium -1)."""
+    top_k = int(top_k or 0)
+    return Sampling(
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=top_k if top_k > 0 else -1,
+        max_new_tokens=int(max_new_tokens),
+    )

@@ -62,7 +62,7 @@ from schemas import Job, Sampling
 from trainer import TrainerConfig, TrainerProcess, publisher_for
 
 from .client import RolloutClient
-from .config import RolloutConfig
+from .config import RolloutConfig, sampling
 from .samples import Sample, sample_of
 
 log = structlog.get_logger("agentarium.integrations.trl")
@@ -86,13 +86,12 @@ def agent_reward(completions: list, agentarium_reward: list, **kwargs: Any) -> l
 
 
 def sampling_of(args: Any) -> Sampling:
-    """The job's sampling from a GRPOConfig (TRL's top_k 0 means off, Agentarium's -1)."""
-    top_k = int(getattr(args, "top_k", 0) or 0)
-    return Sampling(
-        temperature=float(args.temperature),
-        top_p=float(getattr(args, "top_p", 1.0) or 1.0),
-        top_k=top_k if top_k > 0 else -1,
-        max_new_tokens=int(getattr(args, "max_completion_length", None) or 256),
+    """The job's sampling from a GRPOConfig."""
+    return sampling(
+        args.temperature,
+        getattr(args, "top_p", 1.0) or 1.0,
+        getattr(args, "top_k", 0),
+        getattr(args, "max_completion_length", None) or 256,
     )
 
 

@@ -52,10 +52,9 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutp
 
 from broker import NatsSettings, record_engine
 from producers import make_job
-from schemas import Sampling
 
 from .client import RolloutClient
-from .config import RolloutConfig
+from .config import RolloutConfig, sampling
 from .samples import Sample, sample_of
 
 log = structlog.get_logger("agentarium.integrations.verl")
@@ -179,17 +178,6 @@ def task_of(fields: Mapping[str, Any]) -> dict[str, Any]:
     return task
 
 
-def sampling_of(params: Mapping[str, Any], max_new_tokens: int) -> Sampling:
-    """verl's per-sample sampling params (its top_k -1 or 0 means off)."""
-    top_k = int(params.get("top_k", -1) or -1)
-    return Sampling(
-        temperature=float(params.get("temperature", 1.0)),
-        top_p=float(params.get("top_p", 1.0)),
-        top_k=top_k if top_k > 0 else -1,
-        max_new_tokens=int(max_new_tokens),
-    )
-
-
 @register(NAME)
 class AgentariumAgentLoop(AgentLoopBase):
     """One sample, one Agentarium job (see the module docstring)."""
@@ -221,7 +209,12 @@ class AgentariumAgentLoop(AgentLoopBase):
                 group_batch_id=GROUP_BATCH,
                 sample_index=index,
                 group_size=max(self.group_size, index + 1),
-                sampling=sampling_of(sampling_params, self.response_length),
+                sampling=sampling(
+                    sampling_params.get("temperature", 1.0),
+                    sampling_params.get("top_p", 1.0),
+                    sampling_params.get("top_k", -1),
+                    self.response_length,
+                ),
                 deadline_s=self.rollout.deadline_s,
                 metadata={"verl_uid": group},
             )
