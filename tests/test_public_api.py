@@ -15,6 +15,7 @@ PUBLIC = [
     "LLMCall",
     "NatsSettings",
     "OrchestratorConfig",
+    "ProgramOutput",
     "Sampling",
     "SubmitResult",
     "TaskProducer",
@@ -25,6 +26,7 @@ PUBLIC = [
     "WeightUpdate",
     "__version__",
     "ensure_tiny_model",
+    "program_agent",
     "resolve_model",
 ]
 
