@@ -2,7 +2,7 @@
 no process of it behind (docs/design.md, "Program agents").
 
 The consumer runs it as ``python -I -S program_supervisor.py CONTROL_FD GRACE UID GID -- CMD...``
-(standard library only, no site packages: it starts in ~15 ms). Why a process between the
+(standard library only, no site packages). Why a process between the
 consumer and the program rather than a plain process group: a program may start processes that
 leave its group (``setsid``, as shells and Node's ``detached`` do), and a consumer killed with
 SIGKILL cannot kill anything. Here:
