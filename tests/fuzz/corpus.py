@@ -1155,7 +1155,74 @@ def chat_requests(draw_: Callable, kind: str) -> Request:
         return Request("absurd sampling", path, _json(body), reason)
     assert kind == "unsupported"
     field, value, reason = draw_(
-        st.sampled_from([("stream", True, "stream"), ("n", 2, "n > 1"), ("n", "x", "n > 1")])
+        st.sampled_from(
+            [
+                ("n", 2, "n > 1"),
+                ("n", "x", "n > 1"),
+                ("logprobs", True, "logprobs"),
+                ("tool_choice", "required", "tool_choice"),
+                ("guided_json", {}, "guided_json"),
+                ("response_format", {"type": "grammar"}, "response_format"),
+            ]
+        )
     )
     body[field] = value
     return Request("unsupported option", path, _json(body), (reason,))
+
+
+# ---- the gateway's other APIs: OpenAI Responses and Anthropic Messages -----------------------
+RESPONSES = {"model": "tiny", "input": "hi", "max_output_tokens": 2}
+MESSAGES = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+# the fields each API's translation reads, and the item / block types it knows
+_API = {
+    "responses": (
+        "/responses",
+        RESPONSES,
+        "input instructions tools tool_choice text reasoning include truncation "
+        "previous_response_id max_output_tokens temperature stream".split(),
+        "message function_call function_call_output reasoning input_text output_text".split(),
+    ),
+    "messages": (
+        "/messages",
+        MESSAGES,
+        "messages system tools tool_choice thinking output_config stop_sequences max_tokens "
+        "temperature top_k stream".split(),
+        "text tool_use tool_result image thinking custom auto none any".split(),
+    ),
+}
+GATEWAY_DEFECTS = tuple(f"{api} {kind}" for api in _API for kind in ("body", "field", "items"))
+
+
+@st.composite
+def gateway_requests(draw_: Callable, kind: str) -> Request:
+    """A malformed or odd Responses / Messages request: a 4xx naming what is wrong, or (odd but
+    well formed) a 200; never a 5xx."""
+    api, defect = kind.split()
+    path, valid, fields, types = _API[api]
+    if defect == "body":
+        category, data, reason = draw_(bad_bodies(valid))
+        return Request(f"{api}: {category}", path, data, reason)
+    body: dict[str, Any] = json.loads(json.dumps(valid))
+    field = draw_(st.sampled_from(fields))
+    if defect == "field":
+        body[field] = draw_(JSON)
+        return Request(f"{api}: odd {field}", path, _json(body), (), lenient=True)
+    # items: a list of objects shaped like input items, content blocks or tools
+    shaped = st.fixed_dictionaries(
+        {},
+        optional={
+            "type": st.sampled_from(types) | JSON,
+            "role": st.sampled_from(["user", "assistant", "system", "developer"]) | JSON,
+            "content": JSON | st.lists(st.fixed_dictionaries({"type": st.sampled_from(types)})),
+            "text": JSON,
+            "name": JSON,
+            "id": JSON,
+            "call_id": JSON,
+            "tool_use_id": JSON,
+            "arguments": JSON,
+            "input": JSON,
+            "output": JSON,
+        },
+    )
+    body[field] = draw_(st.lists(shaped, min_size=1, max_size=3))
+    return Request(f"{api}: odd {field} items", path, _json(body), (), lenient=True)
