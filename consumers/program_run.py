@@ -102,7 +102,7 @@ class ProgramOutput:
         )
 
     def failure(self) -> str:
-        """Why the run failed, with the end of its stderr (and of stdout without stderr)."""
+        """Why the run failed, with the end of its stderr and of its stdout."""
         name = " ".join(self.command)
         if self.error:
             what = self.error
@@ -115,14 +115,13 @@ class ProgramOutput:
         else:
             what = f"exited with status {self.exit_code}"
         parts = [f"program `{name}` {what} after {self.seconds:.1f}s"]
-        for label, text, total in (
-            ("stderr", self.stderr, self.stderr_bytes),
-            ("stdout", self.stdout, self.stdout_bytes),
+        for label, text, total, cap in (
+            ("stderr", self.stderr, self.stderr_bytes, FAILURE_TAIL_CHARS),
+            ("stdout", self.stdout, self.stdout_bytes, FAILURE_TAIL_CHARS // 4),
         ):
             if text.strip():
-                tail = text[-FAILURE_TAIL_CHARS:]
+                tail = text[-cap:]
                 parts.append(f"{label} (last {len(tail)} characters of {total} bytes):\n{tail}")
-                break
         return "\n".join(parts)
 
     def summary(self) -> dict[str, Any]:
@@ -140,8 +139,8 @@ class ProgramOutput:
         }
 
 
-# An agent error's reason holds this much of the program's stderr (the trajectory's
-# metadata holds the whole tail when there is one).
+# An agent error's reason holds this much of the program's stderr, and a quarter of it of its
+# stdout (the trajectory's metadata, when there is one, holds the whole tails).
 FAILURE_TAIL_CHARS = 4000
 
 
