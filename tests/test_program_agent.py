@@ -32,6 +32,7 @@ from consumers import (
     ConsumerSpec,
     LLMTarget,
     ProgramAgent,
+    ProgramOutput,
     ProgramSettings,
     load_agent,
 )
@@ -301,3 +302,23 @@ async def test_a_sigkilled_consumer_leaves_no_process_of_its_program(
         consumer.send_signal(signal.SIGKILL)
         await consumer.wait()
     assert await asyncio.to_thread(await_exit, running, 10) == []
+
+
+def test_the_repo_task_recipe_scores_its_reference_fix(tmp_path):
+    from examples import repo_task
+
+    for line in (ROOT / "examples" / "repo_tasks.jsonl").read_text().splitlines():
+        task = json.loads(line)
+        for fixed in (False, True):
+            work = tmp_path / f"{task['id']}-{fixed}" / "work"
+            work.mkdir(parents=True)
+            repo_task.setup(task, work)
+            for path, text in task["reference"].items() if fixed else ():
+                (work / path).write_text(text)
+            output = ProgramOutput(
+                command=("agent",), exit_code=0, stdout="", stderr="", stdout_bytes=0,
+                stderr_bytes=0, seconds=0.0,
+            )  # fmt: skip
+            result = repo_task.score(task, work, output)
+            assert result["reward"] == float(fixed), task["id"]
+            assert result["metrics"]["files_changed"] == float(fixed)
