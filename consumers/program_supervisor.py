@@ -154,9 +154,16 @@ def main(argv: list[str]) -> int:
     control = socket.socket(fileno=control_fd)
     _prctl(PR_SET_CHILD_SUBREAPER)
     _prctl(PR_SET_NO_NEW_PRIVS)
-    user = {"user": uid, "group": gid, "extra_groups": []} if uid >= 0 else {}
+    switch = uid >= 0
     try:
-        program = subprocess.Popen(command, start_new_session=True, close_fds=True, **user)
+        program = subprocess.Popen(
+            command,
+            start_new_session=True,
+            close_fds=True,
+            user=uid if switch else None,
+            group=gid if switch else None,
+            extra_groups=[] if switch else None,
+        )
     except (OSError, subprocess.SubprocessError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         _report(control, error=f"cannot start {command[0]!r}: {reason}")

@@ -93,8 +93,10 @@ class Workdir:
         if keep:
             log.warning("kept a failed program's working directory", path=str(self.root))
             return
-        handler = "onexc" if sys.version_info >= (3, 12) else "onerror"  # onerror: deprecated
-        shutil.rmtree(self.root, **{handler: _writable_and_retry})
+        if sys.version_info >= (3, 12):
+            shutil.rmtree(self.root, onexc=_writable_and_retry)
+        else:  # onerror, deprecated from 3.12 on
+            shutil.rmtree(self.root, onerror=_writable_and_retry)
 
 
 def _writable_and_retry(function: object, path: str, exc: object) -> None:
