@@ -112,7 +112,8 @@ class TracingProxy:
         for path, (handler, shape) in APIS.items():
             app.router.add_post(f"/r/{{secret}}/v1{path}", self._api(handler, shape, by_key=False))
             app.router.add_post(f"/v1{path}", self._api(handler, shape, by_key=True))
-        for path, answer in (("/models", models.listing), ("/models/{model}", models.one)):
+        # A model id may hold "/" (Hugging Face names): {model:.+} takes the rest of the path.
+        for path, answer in (("/models", models.listing), ("/models/{model:.+}", models.one)):
             app.router.add_get(f"/r/{{secret}}/v1{path}", self._get(answer, by_key=False))
             app.router.add_get(f"/v1{path}", self._get(answer, by_key=True))
         return app

@@ -156,6 +156,14 @@ async def test_the_secret_as_x_api_key_or_bearer_token(gateway):
     reply = await by_key.messages.create(model="tiny", max_tokens=16, messages=QUESTION)
     assert reply.content[0].text == CALL_TEXT  # no tools offered: the text as written
     assert (await by_token.models.retrieve("tiny")).id == "tiny"
+    # Claude Code calls the beta route, /v1/messages?beta=true, with anthropic-beta headers.
+    beta = await by_token.beta.messages.create(
+        model="tiny",
+        max_tokens=16,
+        messages=QUESTION,
+        betas=["fine-grained-tool-streaming-2025-05-14"],
+    )
+    assert beta.content[0].text == CALL_TEXT
     wrong = anthropic.AsyncAnthropic(
         base_url=proxy.base_url, api_key=secret[:-1] + "x", max_retries=0
     )
@@ -166,7 +174,9 @@ async def test_the_secret_as_x_api_key_or_bearer_token(gateway):
         await wrong.models.list()
     with pytest.raises(anthropic.NotFoundError):
         await by_key.models.retrieve("claude-opus")
-    assert len(llm.calls) == 1
+    with pytest.raises(anthropic.NotFoundError, match="Qwen/Qwen3-8B"):  # ids may hold a "/"
+        await by_key.models.retrieve("Qwen/Qwen3-8B")
+    assert len(llm.calls) == 2
 
 
 async def test_what_the_messages_api_cannot_serve_is_refused(gateway):

@@ -370,10 +370,11 @@ async def test_backend_failures_map_to_http_errors(proxy, template):
             with pytest.raises(openai.InternalServerError) as info:
                 await client(endpoint).chat.completions.create(model="tiny", messages=QUESTION)
             assert info.value.status_code == 503
-            with pytest.raises(openai.BadRequestError, match="max_new_tokens must be >= 1"):
-                await client(endpoint).chat.completions.create(
-                    model="tiny", messages=QUESTION, max_tokens=0
-                )
+            for stream in (False, True):  # refused before a stream opens: a plain 400
+                with pytest.raises(openai.BadRequestError, match="max_new_tokens must be >= 1"):
+                    await client(endpoint).chat.completions.create(
+                        model="tiny", messages=QUESTION, max_tokens=0, stream=stream
+                    )
     finally:
         await backend.aclose()
 

@@ -13,8 +13,9 @@ connection alive. Usage follows Anthropic's split: ``input_tokens`` excludes the
 the engine had cached, which are ``cache_read_input_tokens``.
 
 ``count_tokens`` renders the prompt with the policy's chat template and counts its tokens.
-Only custom (client) tools are served; ``thinking`` only when disabled, and a final assistant
-message (a prefill) is refused: the template starts a new assistant turn.
+Only custom (client) tools are served; ``thinking`` only disabled or adaptive (the policy
+decides, and writes no thinking blocks: its reasoning, if any, is in its text); a final
+assistant message (a prefill) is refused: the template starts a new assistant turn.
 """
 
 from __future__ import annotations
@@ -106,11 +107,11 @@ def parse(body: dict, *, counting: bool = False) -> MessagesRequest:
 def _check_options(body: dict) -> None:
     thinking = body.get("thinking")
     if thinking is not None and (
-        not isinstance(thinking, dict) or thinking.get("type") != "disabled"
+        not isinstance(thinking, dict) or thinking.get("type") not in ("disabled", "adaptive")
     ):
         raise GatewayError(
-            "thinking cannot be served: the policy writes its reasoning, if any, in its text "
-            "(disable extended thinking in the client)"
+            "extended thinking cannot be served: the policy writes its reasoning, if any, in its "
+            "text (disable thinking in the client, or make it adaptive)"
         )
     config = body.get("output_config") or {}
     if not isinstance(config, dict) or config.get("effort") is not None:
@@ -313,6 +314,7 @@ class MessageShape(StreamShape):
         }
         yield event({"type": "message_start", "message": start}, "message_start")
         for index, (block, text) in enumerate(blocks):
+            opened: dict[str, Any]
             if block["type"] == "text":
                 opened, kind, key = {"type": "text", "text": ""}, "text_delta", "text"
             else:
@@ -320,14 +322,14 @@ class MessageShape(StreamShape):
             started = {"type": "content_block_start", "index": index, "content_block": opened}
             yield event(started, "content_block_start")
             for piece in deltas(text):
-                delta = {"type": kind, key: piece}
+                piece_delta = {"type": kind, key: piece}
                 yield event(
-                    {"type": "content_block_delta", "index": index, "delta": delta},
+                    {"type": "content_block_delta", "index": index, "delta": piece_delta},
                     "content_block_delta",
                 )
             yield event({"type": "content_block_stop", "index": index}, "content_block_stop")
-        delta = {"stop_reason": whole["stop_reason"], "stop_sequence": None}
-        yield event({"type": "message_delta", "delta": delta, "usage": usage}, "message_delta")
+        stop = {"stop_reason": whole["stop_reason"], "stop_sequence": None}
+        yield event({"type": "message_delta", "delta": stop, "usage": usage}, "message_delta")
         yield event({"type": "message_stop"}, "message_stop")
 
     def failure(self, error: GatewayError) -> Iterable[bytes]:

@@ -65,7 +65,6 @@ REFUSED = {
     "web_search_options": "the gateway has no web search",
     "functions": "send tools instead (the legacy functions field is not served)",
     "function_call": "send tool_choice instead (the legacy function_call is not served)",
-    "reasoning_effort": "the policy's reasoning cannot be configured per request",
     "verbosity": "the policy's verbosity cannot be configured per request",
     "moderation": "the gateway runs no moderation",
 }
@@ -81,6 +80,7 @@ KNOWN = frozenset(
         "response_format",
         "stop",
         "modalities",
+        "reasoning_effort",
         *SAMPLING_FIELDS,
         *IGNORED,
         *REFUSED,
@@ -105,6 +105,12 @@ def parse(body: dict) -> ChatRequest:
     if body.get("n") not in (None, 1):
         raise GatewayError(
             "n > 1 is not supported: one rollout samples one reply per call", param="n"
+        )
+    if body.get("reasoning_effort") not in (None, "none"):
+        raise GatewayError(
+            "reasoning_effort cannot be served: the policy's reasoning is not configurable per "
+            "request (leave it unset, or 'none')",
+            param="reasoning_effort",
         )
     if body.get("modalities") not in (None, ["text"]):
         raise GatewayError("only the 'text' modality is served: the policy is a text model")

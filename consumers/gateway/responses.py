@@ -44,6 +44,7 @@ IGNORED = frozenset(
         "parallel_tool_calls",
         "stream_options",
         "store",
+        "client_metadata",  # Codex CLI's bookkeeping
     }
 )
 REFUSED = {
@@ -115,11 +116,13 @@ def parse(body: dict, route: Route) -> ResponsesRequest:
 
 
 def _check_options(body: dict) -> None:
+    # No reasoning is configured or returned: an effort of "none" asks for what is served, and
+    # a summary of reasoning items there will never be asks for nothing.
     reasoning = body.get("reasoning") or {}
-    if not isinstance(reasoning, dict) or any(v is not None for v in reasoning.values()):
+    if not isinstance(reasoning, dict) or reasoning.get("effort") not in (None, "none"):
         raise GatewayError(
-            "reasoning options cannot be served: the policy's reasoning is not configurable "
-            "per request (leave 'reasoning' unset)",
+            "reasoning effort cannot be served: the policy's reasoning is not configurable per "
+            "request (leave 'reasoning' unset, or its effort 'none')",
             param="reasoning",
         )
     extra = [

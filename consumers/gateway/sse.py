@@ -64,8 +64,12 @@ async def serve_stream(
     task = asyncio.ensure_future(call())
     try:
         done, _ = await asyncio.wait({task}, timeout=OPEN_AFTER_S)
-        if done and isinstance(task.exception(), GatewayError):
-            return shape.refusal(task.exception())  # type: ignore[arg-type]
+        if done:
+            error = task.exception()
+            if isinstance(error, GatewayError):
+                return shape.refusal(error)
+            if error is not None:  # not a refusal: the handler's failure, before any byte is sent
+                raise error
         response = web.StreamResponse(
             headers={
                 "Content-Type": "text/event-stream; charset=utf-8",

@@ -1173,13 +1173,15 @@ def chat_requests(draw_: Callable, kind: str) -> Request:
 # ---- the gateway's other APIs: OpenAI Responses and Anthropic Messages -----------------------
 RESPONSES = {"model": "tiny", "input": "hi", "max_output_tokens": 2}
 MESSAGES = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-# the fields each API's translation reads, and the item / block types it knows
+# each API's route, a valid body, the fields its translation reads, the list holding the
+# conversation, and the item / block / tool types it knows
 _API = {
     "responses": (
         "/responses",
         RESPONSES,
         "input instructions tools tool_choice text reasoning include truncation "
         "previous_response_id max_output_tokens temperature stream".split(),
+        "input",
         "message function_call function_call_output reasoning input_text output_text".split(),
     ),
     "messages": (
@@ -1187,6 +1189,7 @@ _API = {
         MESSAGES,
         "messages system tools tool_choice thinking output_config stop_sequences max_tokens "
         "temperature top_k stream".split(),
+        "messages",
         "text tool_use tool_result image thinking custom auto none any".split(),
     ),
 }
@@ -1198,16 +1201,17 @@ def gateway_requests(draw_: Callable, kind: str) -> Request:
     """A malformed or odd Responses / Messages request: a 4xx naming what is wrong, or (odd but
     well formed) a 200; never a 5xx."""
     api, defect = kind.split()
-    path, valid, fields, types = _API[api]
+    path, valid, fields, conversation, types = _API[api]
     if defect == "body":
         category, data, reason = draw_(bad_bodies(valid))
         return Request(f"{api}: {category}", path, data, reason)
     body: dict[str, Any] = json.loads(json.dumps(valid))
-    field = draw_(st.sampled_from(fields))
     if defect == "field":
+        field = draw_(st.sampled_from(fields))
         body[field] = draw_(JSON)
         return Request(f"{api}: odd {field}", path, _json(body), (), lenient=True)
-    # items: a list of objects shaped like input items, content blocks or tools
+    # items: objects shaped like input items, content blocks or tools, in the conversation
+    # (three times in four) or in the tools
     shaped = st.fixed_dictionaries(
         {},
         optional={
@@ -1224,5 +1228,11 @@ def gateway_requests(draw_: Callable, kind: str) -> Request:
             "output": JSON,
         },
     )
+    field = draw_(st.sampled_from([conversation] * 3 + ["tools"]))
+    if field == "messages":  # Anthropic's messages: a role, and blocks as content
+        shaped = st.fixed_dictionaries(
+            {"role": st.sampled_from(["user", "assistant"]) | JSON},
+            optional={"content": JSON | st.lists(shaped, min_size=1, max_size=3)},
+        )
     body[field] = draw_(st.lists(shaped, min_size=1, max_size=3))
     return Request(f"{api}: odd {field} items", path, _json(body), (), lenient=True)
