@@ -15,7 +15,7 @@ from schemas import SchemaError, check_name, check_settings, section, setting
 
 from .config import ConsumerSettings
 from .env_agent import DEFAULT_MAX_TURNS, env_agent
-from .program import ProgramSettings, load_agent
+from .program import PREFIX, ProgramSettings, load_agent
 from .service import CrossTarget, LLMTarget, normalize_urls
 
 
@@ -30,7 +30,9 @@ class RolloutSettings:
         help="run the generic function-call agent on environment ENV (`agentarium env serve "
         "ENV`), no code needed: each job's task opens a session, the model calls the "
         "environment's tools until it is done or --max-turns, and the reward is the session's "
-        "score. Give --agent a bare NAME with it, e.g. --agent db --env sql",
+        "score. Give --agent a bare NAME with it, e.g. --agent db --env sql. With "
+        "--agent NAME=exec:CMD: the program acts in the session (AGENTARIUM_ENV_URL), which "
+        "scores it",
     )
     max_turns: int = setting(
         DEFAULT_MAX_TURNS,
@@ -136,9 +138,10 @@ class ConsumerProcess:
 
 def parse_agent(value: str, env: str | None = None) -> tuple[str, str]:
     """``NAME=module:function`` -> (NAME, module:function); a bare NAME with ``env`` -> (NAME,
-    "") for the generic function-call agent on that environment."""
+    "") for the generic function-call agent on that environment; ``NAME=exec:CMD`` -> (NAME,
+    exec:CMD), with or without ``env`` (a program in a session of it)."""
     name, sep, spec = value.partition("=")
-    if sep and env:
+    if sep and env and not spec.startswith(PREFIX):  # a program may act in an environment
         raise ValueError(
             f"--agent {value!r} names its own rollout function, and --env {env} asks for the "
             f"generic function-call agent: pass --agent {name} --env {env}, or drop --env"
@@ -163,6 +166,6 @@ def build_agent(config: ConsumerProcess) -> tuple[str, Any]:
     (``exec:CMD``) or the imported function (``load_agent``)."""
     rollout = config.rollout
     name, spec_text = parse_agent(config.agent, rollout.env)
-    if rollout.env:
+    if rollout.env and not spec_text:
         return name, env_agent(rollout.env, max_turns=rollout.max_turns)
-    return name, load_agent(spec_text, rollout.program)
+    return name, load_agent(spec_text, rollout.program, rollout.env)

@@ -26,9 +26,10 @@ from typing import Any
 
 import structlog
 
-from schemas import check_settings, setting
+from schemas import check_name, check_settings, setting
 
 from .agents import AgentLoadError, RewardError, load_callable
+from .program_env import bridge, outcome_reward
 from .program_run import ProgramOutput, run_program
 from .program_workdir import Workdir
 from .proxy import secret_of
@@ -193,18 +194,37 @@ def run_as(user: str) -> tuple[int, int] | None:
 
 @dataclass(frozen=True)
 class ProgramAgent:
-    """``async (task, endpoint, model) -> reward``: one run of ``command`` per rollout."""
+    """``async (task, endpoint, model, envs) -> reward``: one run of ``command`` per rollout;
+    with ``env``, in a session of that environment service, which scores it."""
 
     command: tuple[str, ...]
     settings: ProgramSettings = field(default_factory=ProgramSettings)
+    env: str | None = None
 
     def __post_init__(self) -> None:
         run_as(self.settings.user)  # refuses a user this consumer cannot become, at load
         for spec, what in ((self.settings.scorer, "scorer"), (self.settings.setup, "setup")):
             if spec:
                 _loaded(spec, f"program {what}")
+        if self.env is not None:
+            check_name(self.env, "env")
 
-    async def __call__(self, task: dict, endpoint: str, model: str) -> Any:
+    async def __call__(self, task: dict, endpoint: str, model: str, envs: Any = None) -> Any:
+        if self.env is None:
+            return await self._run(task, endpoint, model)
+        if envs is None:
+            raise AgentLoadError(
+                f"program agent on environment {self.env!r}: run by a consumer, which hands it "
+                "the environment client"
+            )
+        async with envs.session(self.env, task) as session:
+            async with bridge().route(session) as url:
+                result = await self._run(task, endpoint, model, {"AGENTARIUM_ENV_URL": url})
+        return result if self.settings.scorer else outcome_reward(session)
+
+    async def _run(
+        self, task: dict, endpoint: str, model: str, extra: dict[str, str] | None = None
+    ) -> Any:
         rollout, settings = current(), self.settings
         user = run_as(settings.user)
         workdir = Workdir.create(settings.workdir_base, rollout.job_id, task, user)
@@ -217,10 +237,11 @@ class ProgramAgent:
             if settings.setup:
                 await _call(_loaded(settings.setup, "program setup"), task, workdir.work)
                 workdir.hand_over()
+            env = self.environment(workdir, endpoint, model, rollout.deadline_s)
             output = await run_program(
                 self.command,
                 cwd=str(workdir.work),
-                env=self.environment(workdir, endpoint, model, rollout.deadline_s),
+                env={**env, **(extra or {})},
                 stdin_path=str(workdir.task_file),
                 user=user,
                 grace_s=settings.kill_grace_s,
@@ -233,6 +254,8 @@ class ProgramAgent:
             if settings.scorer:
                 scorer = _loaded(settings.scorer, "program scorer")
                 result = await _call(scorer, task, workdir.work, output)
+            elif self.env is not None:
+                result = None  # the session's score, once it closed
             else:
                 result = self._reward_line(output)
             done = True
@@ -301,15 +324,17 @@ async def _call(fn: Any, *args: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
 
 
-def program_agent(command: str, **settings: Any) -> ProgramAgent:
+def program_agent(command: str, *, env: str | None = None, **settings: Any) -> ProgramAgent:
     """A program agent for ``command`` (``"node agent.js"``, with or without ``exec:``), for
-    ``register_agent_type``; ``settings``: ``ProgramSettings``' fields (``scorer=``, ...)."""
-    return ProgramAgent(parse_command(command), ProgramSettings(**settings))
+    ``register_agent_type``; ``env``: in a session of that environment; ``settings``:
+    ``ProgramSettings``' fields (``scorer=``, ...)."""
+    return ProgramAgent(parse_command(command), ProgramSettings(**settings), env)
 
 
-def load_agent(spec: str, program: ProgramSettings | None = None) -> Any:
-    """The agent a spec names: ``exec:CMD`` a ``ProgramAgent`` with ``program``'s settings,
-    otherwise ``load_callable`` (``module:function``, ``verifiers:...``)."""
+def load_agent(spec: str, program: ProgramSettings | None = None, env: str | None = None) -> Any:
+    """The agent a spec names: ``exec:CMD`` a ``ProgramAgent`` with ``program``'s settings (in
+    sessions of ``env`` when given), otherwise ``load_callable`` (``module:function``,
+    ``verifiers:...``)."""
     if spec.startswith(PREFIX):
-        return ProgramAgent(parse_command(spec), program or ProgramSettings())
+        return ProgramAgent(parse_command(spec), program or ProgramSettings(), env)
     return load_callable(spec, "agent")

@@ -21,12 +21,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_env_agent import sql_worker
 from test_worker import dead_letters
 
 from agentarium.cli import build_parser
 from agentarium.commands import consumer_cmd
+from agentarium.evaluation.config import EvalConfig
 from consumers import (
     AgentLoadError,
+    AgentSpec,
     ConsumerService,
     ConsumerSettings,
     ConsumerSpec,
@@ -35,7 +38,9 @@ from consumers import (
     ProgramOutput,
     ProgramSettings,
     load_agent,
+    program_agent,
 )
+from environments.sql import load_tasks
 from producers import TaskProducer, TrajectoryReader
 from schemas import Sampling
 
@@ -322,3 +327,50 @@ def test_the_repo_task_recipe_scores_its_reference_fix(tmp_path):
             result = repo_task.score(task, work, output)
             assert result["reward"] == float(fixed), task["id"]
             assert result["metrics"]["files_changed"] == float(fixed)
+
+
+@pytest.mark.skipif(NODE is None, reason="node is not installed")
+async def test_a_program_acts_in_an_environment_session_which_scores_it(
+    nats_url, settings, js, topology, engine_url
+):
+    task = load_tasks()["select-01"]
+    async with sql_worker(settings) as worker:
+        await TaskProducer(js, topology).submit("sqlprog", [task], run="prog")
+        assert await consume(
+            nats_url, "--agent", f"sqlprog=exec:node {PROGRAMS / 'sql_env.mjs'}", "--env", "sql",
+            "--llm", engine_url,
+        ) == 0  # fmt: skip
+    assert worker.counters.closed == 1 and worker.open_sessions == 0
+    [traj] = await TrajectoryReader(js, topology).read("prog", "sqlprog")
+    assert traj.status == "ok" and traj.reward == 1.0 and traj.calls == []
+    [session] = traj.metadata["envs"]
+    assert session["env"] == "sql" and session["steps"] == 2 and session["score"] == 1.0
+    assert traj.metrics["steps"] == 2 and traj.metrics["env_score"] == 1.0
+    saw = json.loads(traj.metadata["program"]["stdout"])
+    assert saw["done"] and {"execute_sql", "commit_final_answer"} <= set(saw["tools"])
+
+
+def test_config_files_eval_and_python_name_program_agents_alike(tmp_path):
+    path = tmp_path / "consumer.yaml"
+    path.write_text(
+        "agent: swe=exec:bash -c 'exit 0'\nllm: http://a:1\nenv: sql\n"
+        "program_user: self\nprogram_env: [A=1]\nprogram_kill_grace_s: 2\n"
+    )
+    config, _ = consumer_cmd.config_from_args(cli("consumer", "--config", str(path)))
+    name, agent = consumer_cmd.build_agent(config)
+    settings = ProgramSettings(user="self", env=("A=1",), kill_grace_s=2.0)
+    bash = shutil.which("bash")
+    assert (name, agent) == ("swe", ProgramAgent((bash, "-c", "exit 0"), settings, "sql"))
+    spec = AgentSpec.of(agent, name)
+    assert (spec.style, spec.kind, spec.envs) == ("endpoint", "async", True)
+    # eval and register_agent_type take the same spec, and program_agent the settings
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"prompt": "x"}\n')
+    assert (
+        EvalConfig.of(agent="swe=exec:bash", tasks_file=str(tasks), env="sql").agent_fn
+        == "exec:bash"
+    )
+    assert load_agent("exec:bash -c 'exit 0'") == ProgramAgent((bash, "-c", "exit 0"))
+    assert program_agent("bash -c 'exit 0'", env="sql", user="self") == ProgramAgent(
+        (bash, "-c", "exit 0"), ProgramSettings(user="self"), "sql"
+    )

@@ -103,7 +103,7 @@ class EvalConfig:
         name, fn = split_agent(self.agent)
         if self.llm and self.openai_base:
             raise ValueError("pass --llm (SGLang) or --openai-base (OpenAI-compatible), not both")
-        if fn and self.rollout.env:
+        if fn and self.rollout.env and not fn.startswith("exec:"):
             env = self.rollout.env
             raise ValueError(
                 f"--agent {self.agent} names its own rollout function, and --env {env} asks "
