@@ -67,8 +67,8 @@ class ProgramSettings:
         help="the reward is fn(task, workdir, output), called once the program "
         "exited 0, in its working directory (a Path) before it is removed; output is a "
         "ProgramOutput (exit_code, stdout, stderr tails, result: the last JSON object "
-        "printed). Without it the reward is the program's last stdout line "
-        '{"reward": x, "metrics": {...}}',
+        "printed). Without it: with --env the session's score, else the program's last "
+        'stdout line {"reward": x, "metrics": {...}}',
     )
     setup: str | None = setting(
         None,
