@@ -12,6 +12,7 @@ the reason, never a reward of 0; output is kept bounded; a bad spec is refused c
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import select
@@ -26,7 +27,8 @@ from test_worker import dead_letters
 
 from agentarium.cli import build_parser
 from agentarium.commands import consumer_cmd
-from agentarium.evaluation.config import EvalConfig
+from agentarium.evaluation import EvalConfig, EvalRun
+from broker import NatsSettings
 from consumers import (
     AgentLoadError,
     AgentSpec,
@@ -374,3 +376,19 @@ def test_config_files_eval_and_python_name_program_agents_alike(tmp_path):
     assert program_agent("bash -c 'exit 0'", env="sql", user="self") == ProgramAgent(
         (bash, "-c", "exit 0"), ProgramSettings(user="self"), "sql"
     )
+
+
+@pytest.mark.skipif(NODE is None, reason="node is not installed")
+async def test_eval_runs_a_program_agent(nats_url, js, topology, engine_url, tmp_path):
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({**TASK, "task_id": f"t{i}"}) + "\n" for i in range(2)))
+    cfg = EvalConfig.of(
+        agent=f"js=exec:node {PROGRAMS / 'chat.mjs'}", tasks_file=str(tasks), k=2,
+        out_dir=str(tmp_path / "out"), run="evalprog", llm=(engine_url,), max_new_tokens=8,
+    )  # fmt: skip
+    stdout = io.StringIO()
+    assert await EvalRun(cfg, NatsSettings(url=nats_url), out=stdout, err=io.StringIO()).run() == 0
+    stored = await TrajectoryReader(js, topology).read("evalprog")
+    assert len(stored) == 4 and all(t.status == "ok" and len(t.calls) == 1 for t in stored)
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["missing"] == 0
