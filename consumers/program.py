@@ -247,6 +247,7 @@ class ProgramAgent:
                 grace_s=settings.kill_grace_s,
                 output_bytes=settings.output_bytes,
                 on_end=record,
+                orphan_dir=None if settings.keep_failed else str(workdir.root),
             )
             output = output.without(secret)
             if not output.ok:

@@ -181,17 +181,19 @@ async def run_program(
     grace_s: float,
     output_bytes: int,
     on_end: Callable[[ProgramOutput], None] = lambda output: None,
+    orphan_dir: str | None = None,
 ) -> ProgramOutput:
     """Run ``command`` under its supervisor and wait for its whole tree to be gone.
-    ``on_end`` gets the output however the run ended, a cancellation included."""
+    ``on_end`` gets the output however the run ended, a cancellation included;
+    ``orphan_dir`` is removed by the supervisor if this process dies meanwhile."""
     started = time.monotonic()
     ours, theirs = socket.socketpair()
     uid, gid = user if user is not None else (-1, -1)
-    argv = [str(theirs.fileno()), repr(grace_s), str(uid), str(gid), "--", *command]
+    argv = [str(theirs.fileno()), repr(grace_s), str(uid), str(gid), orphan_dir or "-", "--"]
     try:
         with open(stdin_path, "rb") as stdin:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-I", "-S", str(SUPERVISOR), *argv,
+                sys.executable, "-I", "-S", str(SUPERVISOR), *argv, *command,
                 stdin=stdin, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
                 cwd=cwd, env=dict(env), pass_fds=(theirs.fileno(),), start_new_session=True,
             )  # fmt: skip

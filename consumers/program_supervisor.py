@@ -1,7 +1,7 @@
 """The supervisor of one program agent's run: it starts the program and, whatever happens, leaves
 no process of it behind (docs/design.md, "Program agents").
 
-The consumer runs it as ``python -I -S program_supervisor.py CONTROL_FD GRACE UID GID -- CMD...``
+The consumer runs it as ``python -I -S program_supervisor.py CONTROL_FD GRACE UID GID DIR -- CMD...``
 (standard library only, no site packages). Why a process between the
 consumer and the program rather than a plain process group: a program may start processes that
 leave its group (``setsid``, as shells and Node's ``detached`` do), and a consumer killed with
@@ -15,6 +15,8 @@ SIGKILL cannot kill anything. Here:
 - ``CONTROL_FD`` is a socket to the consumer. ``stop`` on it, its end (the consumer is gone,
   even killed with SIGKILL) or a SIGTERM: every descendant gets SIGTERM, then SIGKILL after
   ``GRACE`` seconds. When the program exits by itself, what it left running is stopped too.
+  When the consumer is gone, the supervisor also removes ``DIR`` (the run's working directory,
+  which nobody else will; ``-``: none).
 - the supervisor reports on the socket, one JSON object a line: ``{"pid": N}`` once started,
   then ``{"exit": code, "stopped": bool}`` (a negative code: killed by that signal) or
   ``{"error": "..."}`` when the program could not start. stdin, stdout and stderr are the
@@ -45,6 +47,7 @@ class Tree:
     def __init__(self, leader: int) -> None:
         self.leader = leader
         self.stop_asked = threading.Event()
+        self.orphaned = False  # the consumer's end of the socket closed
         self._lock = threading.Lock()
 
     def pids(self) -> list[int]:
@@ -120,6 +123,7 @@ def _watch(control: socket.socket, tree: Tree, grace_s: float) -> None:
         if not data:
             break
         buffered = (buffered + data)[-64:]
+    tree.orphaned = b"stop" not in buffered
     tree.stop(grace_s)
 
 
@@ -150,6 +154,7 @@ def _prctl(option: int) -> None:
 
 def main(argv: list[str]) -> int:
     control_fd, grace_s, uid, gid = int(argv[0]), float(argv[1]), int(argv[2]), int(argv[3])
+    workdir = argv[4]
     command = argv[argv.index("--") + 1 :]
     control = socket.socket(fileno=control_fd)
     _prctl(PR_SET_CHILD_SUBREAPER)
@@ -182,6 +187,10 @@ def main(argv: list[str]) -> int:
     tree.end(grace_s)  # what the program left running
     _reap()
     _report(control, exit=code, stopped=tree.stop_asked.is_set())
+    if tree.orphaned and workdir != "-":
+        import shutil
+
+        shutil.rmtree(workdir, ignore_errors=True)
     return 0
 
 

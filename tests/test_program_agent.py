@@ -277,7 +277,8 @@ async def test_a_drain_ends_the_program_and_everything_it_started(
     )  # fmt: skip
     service = await ConsumerService(js, topology, spec).start()
     await TaskProducer(js, topology).submit("drain", [{}], run="prog")
-    pids = [int(p) for p in (await asyncio.to_thread(fifo_line, ready, 30)).split()]
+    *pids, _ = (await asyncio.to_thread(fifo_line, ready, 30)).split()
+    pids = [int(p) for p in pids]
     running = processes(marker)  # the sleeps, the shell and its supervisor
     assert set(pids) < set(running)
     service.drain()
@@ -302,13 +303,14 @@ async def test_a_sigkilled_consumer_leaves_no_process_of_its_program(
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL, env=env,
     )  # fmt: skip
     try:
-        pids = [int(p) for p in (await asyncio.to_thread(fifo_line, ready, 60)).split()]
+        *pids, work = (await asyncio.to_thread(fifo_line, ready, 60)).split()
         running = processes(marker)
-        assert set(pids) < set(running)
+        assert {int(p) for p in pids} < set(running)
     finally:
         consumer.send_signal(signal.SIGKILL)
         await consumer.wait()
     assert await asyncio.to_thread(await_exit, running, 10) == []
+    assert not Path(work).parent.exists()  # the supervisor removed the working directory
 
 
 def test_the_repo_task_recipe_scores_its_reference_fix(tmp_path):
