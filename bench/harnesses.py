@@ -39,6 +39,7 @@ from fake_sglang import local_engine  # noqa: E402
 from agentarium.tiny import ensure_tiny_model  # noqa: E402
 from broker import NatsServer, NatsSettings, Topology, provision  # noqa: E402
 from producers import TaskProducer, TrajectoryReader  # noqa: E402
+from schemas import Sampling  # noqa: E402
 
 HARNESS_DIR = Path(os.environ.get("AGENTARIUM_HARNESSES", "~/.cache/agentarium/harnesses"))
 CONTEXT = 131072
@@ -156,7 +157,12 @@ async def run_one(
     settings = NatsSettings(url=nats)
     nc = await settings.connect(name="bench-harnesses")
     js, topology, run = nc.jetstream(), Topology(), f"harness-{name}-{int(time.time())}"
-    await TaskProducer(js, topology).submit(name, tasks, run=run, deadline_s=args.deadline)
+    # room for the tiny model's random reply to reach its end token (1 in 263 a step): at 256
+    # tokens a third of replies are cut, which the Agents SDK fails on (response.incomplete)
+    sampling = Sampling(max_new_tokens=4096)
+    await TaskProducer(js, topology).submit(
+        name, tasks, run=run, deadline_s=args.deadline, sampling=sampling
+    )
     path = f"{HARNESS_DIR.expanduser() / 'node/node_modules/.bin'}:{HARNESS_DIR.expanduser() / 'venv/bin'}:{os.environ['PATH']}"
     argv = [
         sys.executable, "-m", "agentarium", "consumer", "--nats-url", nats, "--llm", llm,
