@@ -25,6 +25,8 @@ _EXPORTS = {
     "DeadLetter": "schemas",
     "ChatResult": "consumers",
     "TracingLLM": "consumers",
+    "ProgramOutput": "consumers",
+    "program_agent": "consumers",
     "NatsSettings": "broker",
     "Topology": "broker",
     "ensure_tiny_model": "agentarium.tiny",
@@ -39,6 +41,7 @@ __all__ = [
     "LLMCall",
     "NatsSettings",
     "OrchestratorConfig",
+    "ProgramOutput",
     "Sampling",
     "SubmitResult",
     "TaskProducer",
@@ -49,6 +52,7 @@ __all__ = [
     "WeightUpdate",
     "__version__",
     "ensure_tiny_model",
+    "program_agent",
     "resolve_model",
 ]
 assert sorted(__all__) == sorted([*_EXPORTS, "__version__"]), "keep __all__ and _EXPORTS in step"

@@ -24,6 +24,14 @@ from .errors import (
 from .fleet import Fleet, FleetPolicy
 from .llm import ChatResult, TracingLLM
 from .process import ConsumerProcess, RolloutSettings, build_agent, parse_agent
+from .program import (
+    ProgramAgent,
+    ProgramFailed,
+    ProgramSettings,
+    load_agent,
+    program_agent,
+)
+from .program_run import ProgramOutput
 from .proxy import TracingProxy
 from .service import (
     ConsumerService,
@@ -64,6 +72,10 @@ __all__ = [
     "FleetPolicy",
     "LLMError",
     "LLMTarget",
+    "ProgramAgent",
+    "ProgramFailed",
+    "ProgramOutput",
+    "ProgramSettings",
     "RewardError",
     "RolloutSettings",
     "SyncConfig",
@@ -77,10 +89,12 @@ __all__ = [
     "default_worker_id",
     "build_agent",
     "env_agent",
+    "load_agent",
     "load_callable",
     "parse_agent",
     "model_of_call",
     "normalize_urls",
+    "program_agent",
     "run_sync",
     "start_proxy",
     "verifiers_agent",

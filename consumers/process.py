@@ -13,9 +13,9 @@ from typing import Any
 
 from schemas import SchemaError, check_name, check_settings, section, setting
 
-from .agents import load_callable
 from .config import ConsumerSettings
 from .env_agent import DEFAULT_MAX_TURNS, env_agent
+from .program import PREFIX, ProgramSettings, load_agent
 from .service import CrossTarget, LLMTarget, normalize_urls
 
 
@@ -30,7 +30,9 @@ class RolloutSettings:
         help="run the generic function-call agent on environment ENV (`agentarium env serve "
         "ENV`), no code needed: each job's task opens a session, the model calls the "
         "environment's tools until it is done or --max-turns, and the reward is the session's "
-        "score. Give --agent a bare NAME with it, e.g. --agent db --env sql",
+        "score. Give --agent a bare NAME with it, e.g. --agent db --env sql. With "
+        "--agent NAME=exec:CMD: the program acts in the session (AGENTARIUM_ENV_URL), which "
+        "scores it",
     )
     max_turns: int = setting(
         DEFAULT_MAX_TURNS,
@@ -77,6 +79,7 @@ class RolloutSettings:
         metavar="P",
         help="probability that a call goes to --cross-model, decided per call",
     )
+    program: ProgramSettings = section(ProgramSettings, prefix="program_")
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -113,10 +116,13 @@ class ConsumerProcess:
     servers), then how (``ConsumerSettings``)."""
 
     agent: str = setting(
-        metavar="NAME=module:function|NAME",
+        metavar="NAME=module:function|NAME=exec:CMD|NAME",
         help="agent name and its rollout function, e.g. toy=examples.toy:rollout. The function "
         "is rollout(task, llm) (async or not) or rollout(task, endpoint, model), or a Ray "
-        "remote function. A bare NAME with --env runs the generic function-call agent instead",
+        "remote function. NAME=exec:CMD runs the command line CMD per rollout, in any "
+        "language, its LLM calls through the gateway (OPENAI_BASE_URL, ANTHROPIC_BASE_URL; "
+        "the --program-* settings). A bare NAME with --env runs the generic function-call "
+        "agent instead",
     )
     llm: tuple[str, ...] = setting(
         metavar="URL",
@@ -132,9 +138,10 @@ class ConsumerProcess:
 
 def parse_agent(value: str, env: str | None = None) -> tuple[str, str]:
     """``NAME=module:function`` -> (NAME, module:function); a bare NAME with ``env`` -> (NAME,
-    "") for the generic function-call agent on that environment."""
+    "") for the generic function-call agent on that environment; ``NAME=exec:CMD`` -> (NAME,
+    exec:CMD), with or without ``env`` (a program in a session of it)."""
     name, sep, spec = value.partition("=")
-    if sep and env:
+    if sep and env and not spec.startswith(PREFIX):  # a program may act in an environment
         raise ValueError(
             f"--agent {value!r} names its own rollout function, and --env {env} asks for the "
             f"generic function-call agent: pass --agent {name} --env {env}, or drop --env"
@@ -142,8 +149,8 @@ def parse_agent(value: str, env: str | None = None) -> tuple[str, str]:
     if not sep and not env:
         raise ValueError(
             f"--agent {value!r}: write NAME=module:function, e.g. toy=examples.toy:rollout, "
-            f"or NAME with --env ENV for the generic agent on an environment (--agent {value} "
-            "--env sql)"
+            "NAME=exec:CMD for a program (--agent swe=exec:'node agent.js'), or NAME with "
+            f"--env ENV for the generic agent on an environment (--agent {value} --env sql)"
         )
     try:
         check_name(name, "agent")
@@ -155,10 +162,10 @@ def parse_agent(value: str, env: str | None = None) -> tuple[str, str]:
 
 
 def build_agent(config: ConsumerProcess) -> tuple[str, Any]:
-    """The agent's name and callable: the generic agent with ``env``, else the imported
-    function (``load_callable``)."""
+    """The agent's name and callable: the generic agent with ``env``, else a program agent
+    (``exec:CMD``) or the imported function (``load_agent``)."""
     rollout = config.rollout
     name, spec_text = parse_agent(config.agent, rollout.env)
-    if rollout.env:
+    if rollout.env and not spec_text:
         return name, env_agent(rollout.env, max_turns=rollout.max_turns)
-    return name, load_callable(spec_text, "agent")
+    return name, load_agent(spec_text, rollout.program, rollout.env)

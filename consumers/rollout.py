@@ -41,6 +41,7 @@ from .errors import BackendUnavailable
 from .fleet import Fleet, deadline_held_by
 from .llm import TracingLLM
 from .proxy import secret_of
+from .rollout_context import RolloutContext, entered
 from .rollout_result import (
     AgentFailed,
     Ending,
@@ -242,6 +243,9 @@ class _Rollout:
         )
         self.deadline = asyncio.timeout(job.deadline_s)
         self.agent: asyncio.Future | None = None  # the agent's own task, once started
+        # what the agent's code reads of its rollout (consumers/rollout_context.py); its notes
+        # join the trajectory's metadata
+        self.context = RolloutContext(job_id=job.job_id, attempt=attempt, deadline_s=job.deadline_s)
         self.secret = ""  # the endpoint's: scrubbed from whatever the agent's failure says
 
     async def run(self) -> RolloutResult:
@@ -280,9 +284,12 @@ class _Rollout:
             self.secret = secret_of(endpoint)
             # The agent's own task: the deadline cancels this one, which stops waiting
             # whether or not the agent lets itself be cancelled.
-            self.agent = asyncio.ensure_future(
-                _guarded(env.runner.run(job.task, llm=self.llm, endpoint=endpoint, envs=self.envs))
-            )
+            with entered(self.context):  # the agent's task copies the context as it starts
+                self.agent = asyncio.ensure_future(
+                    _guarded(
+                        env.runner.run(job.task, llm=self.llm, endpoint=endpoint, envs=self.envs)
+                    )
+                )
             async with self.deadline:
                 with deadline_held_by(env.fleets, self.deadline):
                     await _end_of(self.agent)
@@ -356,10 +363,13 @@ class _Rollout:
             outcome = {"status": status, "reward": extra.get("reward")}
             span.set_attribute(genai.OPENINFERENCE_OUTPUT, json.dumps(outcome))
             span.set_attribute(genai.OPENINFERENCE_OUTPUT_MIME, "application/json")
+        notes = dict(self.context.notes)
         if envs is not None and envs.summary():
             # what each environment session did; its tool results reached the model only
             # as prompt context, so the trainer's loss mask leaves them out anyway
-            extra["metadata"] = {**job.metadata, "envs": envs.summary()}
+            notes["envs"] = envs.summary()
+        if notes:
+            extra["metadata"] = {**job.metadata, **notes}
         return trajectory_for(
             job,
             self.env.worker_id,

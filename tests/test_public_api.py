@@ -14,7 +14,7 @@ FACE = {
     "agentarium.orchestrator": {"AgentOrchestrator", "OrchestratorConfig"},
     "agentarium.tiny": {"ensure_tiny_model", "resolve_model"},
     "broker": {"NatsSettings", "Topology"},
-    "consumers": {"ChatResult", "TracingLLM"},
+    "consumers": {"ChatResult", "ProgramOutput", "TracingLLM", "program_agent"},
     "producers": {"SubmitResult", "TaskProducer", "TrajectoryReader"},
     "schemas": {"DeadLetter", "Job", "LLMCall", "Sampling", "Trajectory", "WeightUpdate"},
 }

@@ -47,7 +47,7 @@ def split_agent(value: str) -> tuple[str, str | None]:
     except SchemaError as exc:
         raise ValueError(str(exc)) from None
     if sep and ":" not in spec:
-        raise ValueError(f"--agent {value!r}: write NAME=module:function")
+        raise ValueError(f"--agent {value!r}: write NAME=module:function or NAME=exec:CMD")
     return name, (spec or None)
 
 
@@ -56,9 +56,10 @@ class EvalConfig:
     """``EvalConfig.of(**flat)`` from flat keys, as a config file spells them."""
 
     agent: str = setting(
-        metavar="NAME[=module:function]",
-        help="the agent; with =module:function (or --env) the rollouts run in this process, "
-        "otherwise on running `agentarium consumer` services for NAME",
+        metavar="NAME[=module:function|=exec:CMD]",
+        help="the agent; with =module:function, =exec:CMD (a program, see `agentarium "
+        "consumer --help`) or --env the rollouts run in this process, otherwise on running "
+        "`agentarium consumer` services for NAME",
     )
     tasks_file: str = setting(
         flag="--file",
@@ -111,7 +112,7 @@ class EvalConfig:
         name, fn = split_agent(self.agent)
         if self.llm and self.openai_base:
             raise ValueError("pass --llm (SGLang) or --openai-base (OpenAI-compatible), not both")
-        if fn and self.rollout.env:
+        if fn and self.rollout.env and not fn.startswith("exec:"):
             env = self.rollout.env
             raise ValueError(
                 f"--agent {self.agent} names its own rollout function, and --env {env} asks "
@@ -125,8 +126,8 @@ class EvalConfig:
 
     @property
     def agent_fn(self) -> str | None:
-        """module:function for an in-process consumer; None: the generic agent (--env) or
-        running consumers."""
+        """module:function or exec:CMD for an in-process consumer; None: the generic agent
+        (--env) or running consumers."""
         return split_agent(self.agent)[1]
 
     @classmethod

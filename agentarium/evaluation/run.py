@@ -35,6 +35,7 @@ from consumers import (
     EnvAgent,
     LLMTarget,
     env_agent,
+    load_agent,
     load_callable,
     normalize_urls,
 )
@@ -146,7 +147,7 @@ class EvalRun:
         )
         self.in_process = bool(cfg.agent_fn or rollout.env)
         self.env_agent: EnvAgent | None = None
-        if rollout.env:
+        if rollout.env and not cfg.agent_fn:  # with exec:CMD, the program acts in the env
             try:
                 self.env_agent = env_agent(rollout.env, max_turns=rollout.max_turns)
             except ValueError as exc:
@@ -279,7 +280,7 @@ class EvalRun:
     async def _start_consumer(self, js: Any, topology: Topology) -> ConsumerService:
         cfg, rollout = self.cfg, self.cfg.rollout
         assert self.in_process, "run() starts an in-process consumer only with agent_fn or env"
-        fn = self.env_agent or load_callable(cfg.agent_fn or "", "agent")
+        fn = self.env_agent or load_agent(cfg.agent_fn or "", rollout.program, rollout.env)
         reward_fn = load_callable(rollout.reward, "reward function") if rollout.reward else None
         if cfg.openai_base:
             target = LLMTarget(

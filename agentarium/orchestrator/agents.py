@@ -8,7 +8,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from consumers import AgentSpec, ConsumerSettings, ConsumerSpec, LLMTarget, env_agent
+from consumers import AgentSpec, ConsumerSettings, ConsumerSpec, LLMTarget, env_agent, load_agent
 from schemas import check_name
 
 from .config import OrchestratorConfig
@@ -51,6 +51,8 @@ class AgentRegistry:
                     "generic function-call agent on that environment), not both"
                 )
             fn = env_agent(env) if max_turns is None else env_agent(env, max_turns=max_turns)
+        elif isinstance(fn, str):  # "exec:CMD" (a program agent) or "module:function"
+            fn = load_agent(fn)
         cfg = self.config
         if cfg.external_consumers:
             self.agents[agent_name] = AgentSpec.of(fn, agent_name) if fn is not None else None

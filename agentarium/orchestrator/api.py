@@ -134,7 +134,8 @@ class AgentOrchestrator:
         """Register an agent and start its consumers; returns their proxy base URLs.
 
         ``fn``: any agent shape (``rollout(task, llm)``, ``rollout(task, endpoint, model)``, a
-        Ray remote function). ``endpoint``: where this agent's LLM calls go (default: the
+        Ray remote function), or its spec as a string: ``"module:function"``, or
+        ``"exec:CMD"``, a program agent (``program_agent(CMD, scorer=...)`` for its settings). ``endpoint``: where this agent's LLM calls go (default: the
         orchestrator's ``server_addresses``; a URL ending in ``/v1`` is an OpenAI-compatible
         server, for evaluation). ``model``: the model name handed to endpoint-style agents.
         ``env`` instead of ``fn``: the generic function-call agent on that environment service
