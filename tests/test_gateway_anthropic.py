@@ -237,3 +237,27 @@ async def test_a_long_call_pings_then_fails_in_the_stream(gateway, fake, monkeyp
         with pytest.raises(anthropic.APIStatusError, match="overloaded_error"):
             await stream.get_final_message()
     assert len(llm.errors) == 1
+
+
+def test_a_mid_conversation_system_message_stays_where_it_stands():
+    """Claude Code sends ``role: system`` entries inside ``messages`` (its mid-conversation
+    system beta, even with experimental betas off): each becomes a system chat message in
+    place; any other role is refused with a message naming the entry."""
+    from consumers.gateway.anthropic import chat_messages
+    from consumers.gateway.errors import GatewayError
+
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "text", "text": "hello"}]},
+        {"role": "system", "content": [{"type": "text", "text": "the user is away"}]},
+        {"role": "user", "content": "still there?"},
+    ]
+    assert [(m["role"], m["content"]) for m in chat_messages("be brief", messages)] == [
+        ("system", "be brief"),
+        ("user", "hi"),
+        ("assistant", "hello"),
+        ("system", "the user is away"),
+        ("user", "still there?"),
+    ]
+    with pytest.raises(GatewayError, match=r"messages\[0\]\.role"):
+        chat_messages(None, [{"role": "tool", "content": "x"}])

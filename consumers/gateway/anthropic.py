@@ -136,11 +136,19 @@ def chat_messages(system: Any, messages: list) -> list[dict]:
         where = f"messages[{index}]"
         role = message.get("role") if isinstance(message, dict) else None
         content = message.get("content") if isinstance(message, dict) else None
-        if role not in ("user", "assistant"):
-            raise GatewayError(f"{where}.role must be 'user' or 'assistant', got {role!r}")
+        if role not in ("user", "assistant", "system"):
+            raise GatewayError(
+                f"{where}.role must be 'user', 'assistant' or 'system', got {role!r}"
+            )
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(blocks, list):
             raise GatewayError(f"{where}.content must be a string or a list of content blocks")
+        if role == "system":
+            # Claude Code's mid-conversation system messages (its
+            # mid-conversation-system beta, sent even with experimental betas off): a system
+            # chat message in place, rendered by the policy's template where it stands.
+            out.append({"role": "system", "content": text_of(blocks, where, _TEXT)})
+            continue
         out.extend(_assistant(blocks, where) if role == "assistant" else _user(blocks, where))
     if out[-1]["role"] == "assistant":
         raise GatewayError(
