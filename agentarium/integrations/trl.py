@@ -57,7 +57,7 @@ from transformers import TrainerCallback
 
 from agentarium.orchestrator.loop_thread import LoopThread
 from broker import NatsSettings
-from producers import make_job
+from producers import JobOptions, make_job
 from schemas import Job, Sampling
 from trainer import TrainerConfig, TrainerProcess, publisher_for
 
@@ -242,11 +242,13 @@ class AgentariumRollout:
                         run=self.config.run,
                         batch_id=batch_id,
                         sample_index=i,
-                        group_size=members,
-                        is_train=training,
-                        sampling=sampling,
-                        deadline_s=self.config.deadline_s,
-                        metadata={"trl_step": step},
+                        options=JobOptions(
+                            group_size=members,
+                            is_train=training,
+                            sampling=sampling,
+                            deadline_s=self.config.deadline_s,
+                            metadata={"trl_step": step},
+                        ),
                     )
                 )
         return jobs

@@ -51,7 +51,7 @@ import structlog
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput, register
 
 from broker import NatsSettings, record_engine
-from producers import make_job
+from producers import JobOptions, make_job
 
 from .client import RolloutClient
 from .config import RolloutConfig, sampling
@@ -208,15 +208,17 @@ class AgentariumAgentLoop(AgentLoopBase):
                 batch_id=f"verl-{SESSION}",
                 group_batch_id=GROUP_BATCH,
                 sample_index=index,
-                group_size=max(self.group_size, index + 1),
-                sampling=sampling(
-                    sampling_params.get("temperature", 1.0),
-                    sampling_params.get("top_p", 1.0),
-                    sampling_params.get("top_k", -1),
-                    self.response_length,
+                options=JobOptions(
+                    group_size=max(self.group_size, index + 1),
+                    sampling=sampling(
+                        sampling_params.get("temperature", 1.0),
+                        sampling_params.get("top_p", 1.0),
+                        sampling_params.get("top_k", -1),
+                        self.response_length,
+                    ),
+                    deadline_s=self.rollout.deadline_s,
+                    metadata={"verl_uid": group},
                 ),
-                deadline_s=self.rollout.deadline_s,
-                metadata={"verl_uid": group},
             )
             [trajectory] = await client.run([job], timeout=self.rollout.wait_s)
             sample = sample_of(trajectory)
