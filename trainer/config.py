@@ -23,6 +23,7 @@ LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 STALE_POLICIES = ("drop", "tis")
 DEVICES = ("cpu", "cuda")
 TASK_ADV_NORMS = ("none", "token", "trajectory")
+OVERLONG = ("keep", "filter", "reward")  # a response cut at max_new_tokens (trainer/groups.py)
 EVERY_AGENT = "*"  # --agent '*': every agent of the run (trainer/tasks.py, discover_agents)
 DEFAULT_REPORT_TO = ("csv",)
 
@@ -244,6 +245,38 @@ class TrainerConfig:
         help="skip groups whose rewards are all equal (zero advantage), waiting for informative "
         "ones instead (DAPO's dynamic sampling)",
     )
+    # DAPO's dynamic sampling: dropped groups replaced by groups asked from the producers
+    # (trainer/draws.py), and what happens to responses cut at max_new_tokens (trainer/groups.py)
+    dynamic_sampling: bool = setting(
+        False,
+        group=GROUPS,
+        help="keep every step at --groups-per-step: flat groups (and groups the selection "
+        "drops for any reason) are replaced by new groups asked from the run's producers over "
+        "<p>.demand.<run>.<agent> (a producers.GroupRefill answers; agentarium demo "
+        "--dynamic-sampling runs one); turns --filter-flat-groups on",
+    )
+    draw_limit: int = setting(
+        3,
+        gt=0,
+        group=GROUPS,
+        metavar="K",
+        help="with --dynamic-sampling, a step asks for at most K x --groups-per-step "
+        "replacement groups; past that it trains the groups it holds",
+    )
+    overlong: str = setting(
+        "keep",
+        choices=OVERLONG,
+        group=GROUPS,
+        help="responses cut at max_new_tokens (finish_reason length): keep them, filter them out "
+        "of statistics and training, or give them --overlong-reward (DAPO's overlong filtering "
+        "and its punishment); counted either way",
+    )
+    overlong_reward: float = setting(
+        0.0,
+        group=GROUPS,
+        metavar="REWARD",
+        help="with --overlong reward, the reward a response cut at max_new_tokens gets",
+    )
     group_timeout_s: float = setting(
         600.0,
         gt=0,
@@ -362,6 +395,8 @@ class TrainerConfig:
                     f"{self.publish_every} (or train asynchronously without --sync-rollouts)"
                 )
             object.__setattr__(self, "max_staleness", 0)
+        if self.dynamic_sampling:
+            object.__setattr__(self, "filter_flat_groups", True)
 
     def _check_agents(self) -> None:
         agents = tuple(dict.fromkeys(str(a) for a in self.agents))

@@ -54,6 +54,7 @@ from broker import Topology, wait_served
 from .batch import Sample, build_rows, collate, with_task_advantages
 from .checkpoint import Checkpoints, NoCheckpoints, restore_rng
 from .config import TrainerConfig
+from .draws import Draws, NoDraws
 from .errors import TrainerConfigError
 from .groups import Group
 from .live import LiveMetrics
@@ -125,6 +126,7 @@ class Trainer:
         self._running = False
         self._pad_id = 0
         self._vocab: int | None = None
+        self.draws: Draws | NoDraws = NoDraws()  # dynamic sampling's (trainer/draws.py)
 
     def __repr__(self) -> str:
         return (
@@ -152,6 +154,7 @@ class Trainer:
         async with self._session() as (collector, report):
             while not self._stop.is_set() and (max_steps is None or self.step < max_steps):
                 waited = time.monotonic()
+                self.draws.begin(self.step + 1)
                 groups = await collector.take(
                     cfg.groups_per_step,
                     version=self.version,
@@ -161,6 +164,7 @@ class Trainer:
                     std_norm=cfg.std_norm,
                     eps=cfg.adv_eps,
                     stop=self._stop,
+                    draws=self.draws,
                 )
                 if groups is None:
                     break
@@ -215,6 +219,9 @@ class Trainer:
         except ValueError as exc:  # --task-mix weights against the agents '*' found
             raise TrainerConfigError(str(exc)) from None
         self.collector = collector
+        if cfg.dynamic_sampling:
+            limit = cfg.draw_limit * cfg.groups_per_step
+            self.draws = Draws(self.js._nc, self.topology, cfg.run, limit=limit)
         stack.push_async_callback(self._close_collector, collector)
         sink = MetricsSink(
             cfg.metrics_path if "csv" in cfg.report_to else None,
@@ -284,6 +291,7 @@ class Trainer:
                 step_s=time.monotonic() - started,
                 wait_s=wait_s,
                 success_threshold=cfg.success_threshold,
+                drawn=self.draws.drawn,
             )
             span.set_attributes(span_attributes(cfg.run, row, len(samples)))
         log_step(row)

@@ -30,6 +30,7 @@ from schemas import check_name
 
 from .collector import Collector, CollectorConfig
 from .config import TrainerConfig
+from .draws import Draws, NoDraws
 from .groups import BufferCounters, Group
 from .mix import compose, quotas
 
@@ -106,9 +107,14 @@ class TaskCollector:
         eps: float = 1e-6,
         stop: asyncio.Event | None = None,
         timeout: float | None = None,
+        draws: Draws | NoDraws | None = None,
     ) -> list[Group] | None:
         """Wait for one step's n groups, composed by the mix (oldest first). None if ``stop``
-        was set first; on ``timeout`` a TimeoutError, every group held going back."""
+        was set first; on ``timeout`` a TimeoutError, every group held going back. With
+        ``draws`` (dynamic sampling, trainer/draws.py) every group the selection drops is
+        replaced by one asked from the producers, and once the step's bound is reached it
+        takes the groups it holds."""
+        draws = draws if draws is not None else NoDraws()
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
         task_deadline = started + self.task_wait_s
@@ -116,6 +122,7 @@ class TaskCollector:
         while True:
             for agent, collector in self.collectors.items():
                 collector.changed.clear()
+                dropped = collector.counters.dropped_at_select
                 held[agent] += await collector.gather(
                     n - len(held[agent]),
                     version=version,
@@ -126,16 +133,31 @@ class TaskCollector:
                     eps=eps,
                 )
                 held[agent].sort(key=_age)
+                await draws.replace(
+                    agent,
+                    collector.counters.dropped_at_select - dropped,
+                    holding=sum(len(groups) for groups in held.values()),
+                )
             now = time.monotonic()
+            holding = sum(len(groups) for groups in held.values())
+            short = draws.exhausted and 0 < holding < n  # the bound: train what is held
+            wanted = holding if short else n
             plan = compose(
-                n,
+                wanted,
                 {a: [_age(g) for g in groups] for a, groups in held.items()},
                 weights=self.weights,
                 taken=self.taken,
-                waited_out=now >= task_deadline,
+                waited_out=short or now >= task_deadline,
             )
             if plan is not None:
-                return self._hand_out(n, held, plan, waited=now - started)
+                if short:
+                    log.warning(
+                        "dynamic sampling: the step's draws are spent; training the groups held",
+                        groups=holding,
+                        wanted=n,
+                        asked=draws.asked,
+                    )
+                return self._hand_out(wanted, held, plan, waited=now - started)
             if stop is not None and stop.is_set():
                 self._requeue(held)
                 return None

@@ -16,6 +16,9 @@ step's tasks are released at a time, the next only once the engine serves the we
 the last (read from the engines KV the syncer writes), and the trainer runs with
 ``--sync-rollouts``.
 
+``--dynamic-sampling`` runs the trainer with DAPO's dynamic sampling: each flat group it drops
+is replaced by one it asks for, which the demo's ``GroupRefill`` (one per agent) publishes.
+
 ``--rollouts-only`` runs just the rollout half: publish a task file, wait for every trajectory.
 """
 
@@ -41,7 +44,7 @@ from broker import (
     setup_logging,
     wait_served,
 )
-from producers import RunSession, expand_tasks, read_task_file
+from producers import GroupRefill, RunSession, expand_tasks, read_task_file
 from schemas import setting
 from trainer import TASK_ADV_NORMS
 
@@ -118,6 +121,13 @@ class DemoConfig:
         "and --max-staleness do not apply)",
     )
 
+    dynamic_sampling: bool = setting(
+        False,
+        help="the trainer's --dynamic-sampling: flat groups are dropped and the trainer asks "
+        "for replacements, which the demo publishes (each step still trains "
+        "--groups-per-step groups)",
+    )
+
     def __post_init__(self) -> None:
         for name in ("steps", "groups_per_step", "group_size", "consumers", "concurrency"):
             if getattr(self, name) < 1:
@@ -184,6 +194,16 @@ async def _feed_and_watch(args: DemoConfig, url: str, out: Path, trainer: Child)
         stream=sys.stdout,
     )
     metrics = out / "metrics.csv"
+    refills = [
+        await GroupRefill(
+            producer,
+            run=args.run,
+            agent=agent,
+            tasks=_refill_source(args, rng, agent),
+            group_size=args.group_size,
+        ).start()
+        for agent in (args.agents() if args.dynamic_sampling else ())
+    ]
     started = time.monotonic()
     deadline = started + args.minutes * 60
     published_groups = 0
@@ -231,7 +251,16 @@ async def _feed_and_watch(args: DemoConfig, url: str, out: Path, trainer: Child)
                 await asyncio.sleep(0.5)  # a status refresh tick, not a wait for an event
     finally:
         display.close()
+        for refill in refills:
+            await refill.close()
         await session.close()
+
+
+def _refill_source(args: DemoConfig, rng: random.Random, agent: str):
+    """Replacement tasks for the trainer's dynamic sampling, drawn as the feed draws its own."""
+    family = agent if args.task_set else "repeat"
+    drawn = itertools.count()
+    return lambda n: digit_tasks(rng, n, f"{agent}-d{next(drawn)}", args.digits, family)
 
 
 def _rewards(row: dict, tasks: tuple[str, ...]) -> str:
@@ -406,6 +435,7 @@ def trainer_argv(args: DemoConfig, model_dir: Path, out: Path, nats_url: str) ->
         "--max-staleness",
         str(args.max_staleness),
         *(["--sync-rollouts"] if args.sync_rollouts else []),
+        *(["--dynamic-sampling"] if args.dynamic_sampling else []),
         "--metrics",
         str(out / "metrics.csv"),
         "--checkpoint-dir",
