@@ -22,6 +22,7 @@ from .trackers import TRACKERS, check_installed, parse_report_to
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 STALE_POLICIES = ("drop", "tis")
 DEVICES = ("cpu", "cuda")
+PARALLEL = ("replicated", "fsdp")  # data parallel: a full replica per rank, or FSDP2 shards
 TASK_ADV_NORMS = ("none", "token", "trajectory")
 OVERLONG = ("keep", "filter", "reward")  # a response cut at max_new_tokens (trainer/groups.py)
 EVERY_AGENT = "*"  # --agent '*': every agent of the run (trainer/tasks.py, discover_agents)
@@ -352,6 +353,21 @@ class TrainerConfig:
         help="data-parallel workers as Ray actors (gloo on CPU, nccl on CUDA, one GPU each); "
         "0 = train in this process",
     )
+    parallel: str = setting(
+        "replicated",
+        choices=PARALLEL,
+        group=COMPUTE,
+        help="replicated: every --ray-workers rank holds the whole model, reference and AdamW "
+        "state; fsdp: each holds 1/N of them (PyTorch FSDP2, sharded per decoder layer), "
+        "checkpoints are sharded, and --bf16 on CUDA is FSDP's mixed precision (fp32 master "
+        "weights)",
+    )
+    activation_checkpointing: bool = setting(
+        False,
+        group=COMPUTE,
+        help="with --parallel fsdp, recompute each decoder layer's activations in the backward "
+        "pass instead of keeping them (less memory, about a third more compute)",
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "report_to", parse_report_to(self.report_to))
@@ -397,6 +413,16 @@ class TrainerConfig:
             object.__setattr__(self, "max_staleness", 0)
         if self.dynamic_sampling:
             object.__setattr__(self, "filter_flat_groups", True)
+        if self.parallel == "fsdp" and self.ray_workers < 1:
+            raise TrainerConfigError(
+                "--parallel fsdp shards the model over --ray-workers N ranks: pass "
+                "--ray-workers 1 or more"
+            )
+        if self.activation_checkpointing and self.parallel != "fsdp":
+            raise TrainerConfigError(
+                "--activation-checkpointing is a --parallel fsdp setting: add --parallel fsdp "
+                "--ray-workers N, or drop it"
+            )
 
     def _check_agents(self) -> None:
         agents = tuple(dict.fromkeys(str(a) for a in self.agents))

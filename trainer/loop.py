@@ -336,7 +336,7 @@ class Trainer:
         cfg = self.config
         await asyncio.to_thread(
             self.checkpoints.snapshot,
-            self._updater.state,
+            self._updater.write_checkpoint,
             run=cfg.run,
             groups=len(groups),
             step=self.step,
@@ -385,9 +385,7 @@ class Trainer:
             return set()
         loaded = await asyncio.to_thread(self.checkpoints.load, latest)
         self._checkpoint_agents = self._check_checkpoint(latest, loaded.state)
-        await asyncio.to_thread(
-            self._updater.load_state, loaded.model_state, loaded.optimizer_state
-        )
+        await asyncio.to_thread(self._updater.read_checkpoint, loaded)
         restore_rng(loaded.rng, loaded.state)
         self.step, self.version = loaded.step, loaded.version
         seen = self.checkpoints.seen_job_ids()
@@ -432,6 +430,10 @@ class Trainer:
 
 
 def _make_updater(config: TrainerConfig):
+    if config.parallel == "fsdp":
+        from .fsdp import FsdpParallel
+
+        return FsdpParallel(config, config.ray_workers)
     if config.ray_workers > 0:
         from .ray_dp import RayDataParallel
 

@@ -8,12 +8,14 @@ loss normalised by the *whole* batch's counts, so shards' gradients sum to the f
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from .batch import Batch
+from .checkpoint import Loaded, write_full
 from .config import TrainerConfig
 from .grpo import LossSums, grpo_loss, token_entropy, token_logprobs, truncated_is_weights
 
@@ -36,6 +38,7 @@ class StepSettings:
     lr: float = 1e-5
     weight_decay: float = 0.0
     adam_betas: tuple[float, float] = (0.9, 0.999)
+    activation_checkpointing: bool = False  # a sharded rank's (trainer/fsdp.py)
 
     @classmethod
     def from_config(cls, config: TrainerConfig) -> StepSettings:
@@ -108,12 +111,17 @@ def forward_backward(
     settings: StepSettings,
     totals: Totals,
     device: str | torch.device,
+    micro_batches: Iterable[Batch] | None = None,
 ) -> tuple[float, LossSums]:
-    """Accumulate this batch's (or shard's) gradient; returns its share of the loss."""
+    """Accumulate this batch's (or shard's) gradient; returns its share of the loss.
+    ``micro_batches``: the passes to run, when the caller decides them (a sharded rank runs
+    as many as every other rank, trainer/fsdp.py); by default ``micro_batch_size`` rows each."""
     loss_total, sums = 0.0, LossSums()
-    if batch.rows == 0:
+    if micro_batches is None and batch.rows == 0:
         return loss_total, sums
-    for micro in batch.micro_batches(settings.micro_batch_size):
+    if micro_batches is None:
+        micro_batches = batch.micro_batches(settings.micro_batch_size)
+    for micro in micro_batches:
         mb = micro.to(device)
         # bf16 autocast: matmuls in bf16, master weights and optimizer state stay fp32, and the
         # log-probs below are taken from the logits cast back to fp32.
@@ -194,12 +202,40 @@ def apply_update(model, optimizer: torch.optim.Optimizer, grad_clip: float) -> f
     """Clip the accumulated gradient (if grad_clip > 0), step, zero; returns the grad norm."""
     params = [p for p in model.parameters() if p.grad is not None]
     if grad_clip > 0:
-        norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
+        norm = _scalar(torch.nn.utils.clip_grad_norm_(params, grad_clip))
+    elif params and hasattr(params[0].grad, "full_tensor"):  # sharded (DTensor) gradients
+        norm = _scalar(torch.nn.utils.get_total_norm([p.grad for p in params]))
     else:
         norm = math.sqrt(sum(float(p.grad.detach().pow(2).sum()) for p in params))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return norm
+
+
+def memory_of(model, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes held in this process by the model's parameters and the optimizer's state (a
+    sharded rank's: its shards only). AdamW's moments exist from the first step on."""
+    return {
+        "params": sum(_nbytes(p) for p in model.parameters()),
+        "optimizer": sum(
+            _nbytes(v)
+            for state in optimizer.state.values()
+            for v in state.values()
+            if isinstance(v, torch.Tensor)
+        ),
+    }
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    """Bytes a tensor holds in this process: a sharded (DTensor) one, its local shard's."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.numel() * local.element_size()
+
+
+def _scalar(norm: torch.Tensor) -> float:
+    """A norm as a float; a sharded trainer's is a DTensor, reduced over the ranks first."""
+    full = getattr(norm, "full_tensor", None)
+    return float(full() if callable(full) else norm)
 
 
 class LocalUpdater:
@@ -231,6 +267,13 @@ class LocalUpdater:
     def load_state(self, model_state: dict, optimizer_state: dict) -> None:
         self.model.load_state_dict(model_state)
         self.optimizer.load_state_dict(optimizer_state)
+
+    def write_checkpoint(self, directory: Path) -> None:
+        """The weights of a checkpoint being written into ``directory`` (trainer/checkpoint.py)."""
+        write_full(directory, *self.state())
+
+    def read_checkpoint(self, loaded: Loaded) -> None:
+        self.load_state(*loaded.full_states())
 
     def publishable_model(self):
         """The model to hand to a WeightPublisher (this process holds the live one)."""
