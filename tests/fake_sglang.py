@@ -37,6 +37,7 @@ REQUEST_FIELDS = frozenset(
         "top_logprobs_num",
         "return_text_in_logprobs",
         "stream",
+        "lora_path",
     }
 )
 SAMPLING_FIELDS = frozenset(

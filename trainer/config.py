@@ -8,6 +8,7 @@ choices; the checks that relate two settings are in ``__post_init__``.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -362,6 +363,27 @@ class TrainerConfig:
         "checkpoints are sharded, and --bf16 on CUDA is FSDP's mixed precision (fp32 master "
         "weights)",
     )
+    # LoRA (trainer/lora.py): adapters on a frozen base; only they train and are published
+    lora_rank: int = setting(
+        0,
+        ge=0,
+        group=COMPUTE,
+        metavar="R",
+        help="train LoRA adapters of rank R on the frozen base model (peft) instead of every "
+        "weight; each version published is the adapter alone, which engines load with "
+        "/load_lora_adapter (`agentarium merge-lora` folds it into the base); 0 = full "
+        "fine-tuning",
+    )
+    lora_alpha: float = setting(
+        32.0, gt=0, group=COMPUTE, help="LoRA's alpha: the adapter's update is scaled by alpha/R"
+    )
+    lora_target_modules: tuple[str, ...] = setting(
+        ("all-linear",),
+        group=COMPUTE,
+        metavar="NAME",
+        help="modules that get adapters (repeatable: q_proj, v_proj, ...); all-linear = every "
+        "linear layer but the output head",
+    )
     activation_checkpointing: bool = setting(
         False,
         group=COMPUTE,
@@ -418,6 +440,8 @@ class TrainerConfig:
                 "--parallel fsdp shards the model over --ray-workers N ranks: pass "
                 "--ray-workers 1 or more"
             )
+        if self.lora_rank > 0 and importlib.util.find_spec("peft") is None:
+            raise TrainerConfigError("--lora-rank needs peft: pip install 'agentarium[lora]'")
         if self.activation_checkpointing and self.parallel != "fsdp":
             raise TrainerConfigError(
                 "--activation-checkpointing is a --parallel fsdp setting: add --parallel fsdp "

@@ -42,7 +42,16 @@ from .checkpoint import SHARDS, Loaded
 from .errors import CheckpointError
 from .grpo import LossSums
 from .ray_dp import RayDataParallel, _Worker
-from .step import StepSettings, Totals, apply_update, forward_backward, load_model, make_optimizer
+from .step import (
+    StepSettings,
+    Totals,
+    apply_update,
+    forward_backward,
+    load_model,
+    load_policy,
+    make_optimizer,
+    publishable,
+)
 
 
 def decoder_layers(model) -> list[torch.nn.Module]:
@@ -105,7 +114,7 @@ class _FsdpWorker(_Worker):
         self.rank, self.world = rank, world
         self.settings = settings
         self.device = torch.device(device)
-        self.model = load_model(model_dir, "cpu")
+        self.model = load_policy(model_dir, "cpu", settings)
         if settings.activation_checkpointing:
             self.model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
@@ -188,14 +197,16 @@ class FsdpParallel(RayDataParallel):
         return (max(1, *(len(passes_of(s, size)) for s in shards)),)
 
     def publishable_model(self):
-        """The driver's CPU mirror with the ranks' current weights, one parameter at a time."""
-        if self._mirror is None:
-            self._mirror = load_model(self.config.model_dir, "cpu", trainable=False)
+        """The driver's CPU mirror with the ranks' current weights, one parameter at a time
+        (with LoRA the adapters' alone: the frozen base is the model directory's)."""
+        lora = self.settings.lora_rank > 0
         with torch.no_grad():
-            for name, param in self._mirror.named_parameters():
+            for name, param in self.mirror().named_parameters():
+                if lora and "lora_" not in name:
+                    continue
                 calls = [a.gather.remote(name) for a in self.actors]  # type: ignore[attr-defined]
                 param.copy_(self._get(calls, "gathering weights")[0])
-        return self._mirror
+        return publishable(self.mirror(), self.settings)
 
     def state(self) -> tuple[dict, dict]:
         raise CheckpointError(

@@ -33,8 +33,10 @@ from .step import (
     apply_update,
     forward_backward,
     load_model,
+    load_policy,
     make_optimizer,
     memory_of,
+    publishable,
 )
 
 
@@ -46,7 +48,7 @@ class _Worker:
         self.rank, self.world = rank, world
         self.settings = settings
         self.device = torch.device(device)
-        self.model = load_model(model_dir, self.device)
+        self.model = load_policy(model_dir, self.device, settings)
         self.ref_model = (
             load_model(model_dir, self.device, trainable=False) if settings.kl_coef > 0 else None
         )
@@ -200,10 +202,15 @@ class RayDataParallel:
         self.load_state(*loaded.full_states())
 
     def publishable_model(self):
-        if self._mirror is None:
-            self._mirror = load_model(self.config.model_dir, "cpu", trainable=False)
         model_state, _ = self.state()
-        self._mirror.load_state_dict(model_state)
+        self.mirror().load_state_dict(model_state)
+        return publishable(self.mirror(), self.settings)
+
+    def mirror(self):
+        """The driver's CPU copy of the policy, for the publishers (built on first use)."""
+        if self._mirror is None:
+            self._mirror = load_policy(self.config.model_dir, "cpu", self.settings)
+            self._mirror.requires_grad_(False)
         return self._mirror
 
     def close(self) -> None:

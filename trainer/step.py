@@ -39,6 +39,9 @@ class StepSettings:
     weight_decay: float = 0.0
     adam_betas: tuple[float, float] = (0.9, 0.999)
     activation_checkpointing: bool = False  # a sharded rank's (trainer/fsdp.py)
+    lora_rank: int = 0  # LoRA adapters on a frozen base (trainer/lora.py); 0 = full weights
+    lora_alpha: float = 32.0
+    lora_target_modules: tuple[str, ...] = ("all-linear",)
 
     @classmethod
     def from_config(cls, config: TrainerConfig) -> StepSettings:
@@ -101,6 +104,30 @@ def load_model(model_dir: str | Path, device: str | torch.device, *, trainable: 
     else:
         model.eval()
         model.requires_grad_(False)
+    return model
+
+
+def load_policy(model_dir: str | Path, device: str | torch.device, settings: StepSettings):
+    """The model trained: the base, wrapped with LoRA adapters when ``lora_rank`` > 0."""
+    model = load_model(model_dir, device)
+    if settings.lora_rank > 0:
+        from .lora import with_lora
+
+        model = with_lora(
+            model,
+            rank=settings.lora_rank,
+            alpha=settings.lora_alpha,
+            target_modules=settings.lora_target_modules,
+        )
+    return model
+
+
+def publishable(model, settings: StepSettings):
+    """What a publisher receives of the live model: the model, or with LoRA its adapter."""
+    if settings.lora_rank > 0:
+        from .lora import AdapterExport
+
+        return AdapterExport(model)
     return model
 
 
@@ -244,7 +271,7 @@ class LocalUpdater:
     def __init__(self, config: TrainerConfig) -> None:
         self.settings = StepSettings.from_config(config)
         self.device = torch.device(config.device)
-        self.model = load_model(config.model_dir, self.device)
+        self.model = load_policy(config.model_dir, self.device, self.settings)
         self.ref_model = (
             load_model(config.model_dir, self.device, trainable=False)
             if config.kl_coef > 0
@@ -277,7 +304,7 @@ class LocalUpdater:
 
     def publishable_model(self):
         """The model to hand to a WeightPublisher (this process holds the live one)."""
-        return self.model
+        return publishable(self.model, self.settings)
 
     def close(self) -> None:
         pass
