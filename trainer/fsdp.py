@@ -173,13 +173,13 @@ class _FsdpWorker(_Worker):
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
-        state = {"model": model_state, "optim": optimizer_state}
-        dcp.load(state, checkpoint_id=directory)
+        # read in place into these tensors (this rank's shards)
+        dcp.load({"model": model_state, "optim": optimizer_state}, checkpoint_id=directory)
         set_state_dict(
             self.model,
             self.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
+            model_state_dict=model_state,
+            optim_state_dict=optimizer_state,
         )
         return True
 
@@ -204,7 +204,7 @@ class FsdpParallel(RayDataParallel):
             for name, param in self.mirror().named_parameters():
                 if lora and "lora_" not in name:
                     continue
-                calls = [a.gather.remote(name) for a in self.actors]  # type: ignore[attr-defined]
+                calls = [a.gather.remote(name) for a in self.actors]  # type: ignore[attr-defined,union-attr]
                 param.copy_(self._get(calls, "gathering weights")[0])
         return publishable(self.mirror(), self.settings)
 
@@ -216,7 +216,7 @@ class FsdpParallel(RayDataParallel):
 
     def write_checkpoint(self, directory: Path) -> None:
         target = str(directory / SHARDS)
-        self._get([a.save_shards.remote(target) for a in self.actors], "saving shards")  # type: ignore[attr-defined]
+        self._get([a.save_shards.remote(target) for a in self.actors], "saving shards")  # type: ignore[attr-defined,union-attr]
 
     def read_checkpoint(self, loaded: Loaded) -> None:
         if not loaded.sharded:
@@ -225,4 +225,4 @@ class FsdpParallel(RayDataParallel):
                 "without --parallel fsdp (or start a new checkpoint directory)"
             )
         source = str(loaded.path / SHARDS)
-        self._get([a.load_shards.remote(source) for a in self.actors], "loading shards")  # type: ignore[attr-defined]
+        self._get([a.load_shards.remote(source) for a in self.actors], "loading shards")  # type: ignore[attr-defined,union-attr]

@@ -106,5 +106,5 @@ class AdapterSlot:
         with torch.no_grad():
             for name, tensor in self.base.items():
                 params[name].copy_(tensor)
-        name, self.adapter, self.base = self.name, None, {}
-        return f"Succeeded to unload LoRA adapter {name}."
+        unloaded, self.adapter, self.base = self.name, None, {}
+        return f"Succeeded to unload LoRA adapter {unloaded}."
