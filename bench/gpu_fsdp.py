@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         "rank": rank,
         "world": world,
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
-        "params": sum(p.numel() for p in model.parameters()) * (world if fsdp else 1),
+        "params": sum(p.numel() for p in model.parameters()),  # a DTensor counts its whole
         "bf16": args.bf16,
         "activation_checkpointing": args.activation_checkpointing,
         "rows": batch.rows,

@@ -72,7 +72,9 @@ async def test_two_sharded_ranks_train_as_one_process_hold_half_and_resume(js, t
         await publish(js, topology, group)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     local = LocalUpdater(config(tmp_path, parallel="replicated", ray_workers=0))
-    sharded = FsdpParallel(config(tmp_path), 2)
+    sharded = FsdpParallel(
+        config(tmp_path, activation_checkpointing=True), 2
+    )  # recomputed: same update
     try:
         # the same update, to fp32 rounding, with one rank short of rows (an idle pass)
         one, two = local.step(batch_of(5), seed=1), sharded.step(batch_of(5), seed=1)
