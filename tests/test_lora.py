@@ -69,7 +69,7 @@ async def test_the_engine_serves_each_new_adapter_and_the_base_stays(
     base = await control.weights_checksum(engine_url)
     try:
         served = []
-        for steps in (1, 2):  # one step, sync, another step, sync
+        for steps in (0, 1, 2):  # the initial adapter (v1, before any step), then one a step
             await trainer.run(max_steps=steps)
             await syncer.sync_once()
             result = await backend.generate(
@@ -78,12 +78,13 @@ async def test_the_engine_serves_each_new_adapter_and_the_base_stays(
                 )
             )
             served.append((result.weight_version, (await control.weights_checksum(engine_url))))
-        assert [v for v, _ in served] == ["1", "2"]  # what the calls record advances
+        assert [v for v, _ in served] == ["1", "2", "3"]  # what the calls record advances
         sums = [c["checksum"] for _, c in served]
-        assert base["checksum"] not in sums and sums[0] != sums[1]
+        assert sums[0] == base["checksum"]  # the initial adapter adds nothing (B = 0)
+        assert len({base["checksum"], sums[1], sums[2]}) == 3
 
         # what was published is the adapter alone
-        file = tmp_path / "w" / RUN / "v2" / "model.safetensors"
+        file = tmp_path / "w" / RUN / "v3" / "model.safetensors"
         assert lora_config_of(file)["r"] == 4
         from safetensors import safe_open
 

@@ -105,23 +105,27 @@ def passes_of(shard: Batch, size: int) -> list[Batch]:
 
 
 class _FsdpWorker(_Worker):
-    """One sharded rank (wrapped with ray.remote at start-up): the model is loaded whole on
-    the CPU, then sharded in ``setup`` once the process group exists, and its full tensors
-    are freed."""
+    """One sharded rank (wrapped with ray.remote at start-up). Rank 0 reads the model
+    directory; every other rank builds the model on the meta device (no memory), and once the
+    process group exists (``setup``) each shards its model, the others allocate their shards
+    only, and rank 0 broadcasts the weights into them (``set_model_state_dict`` with
+    ``broadcast_from_rank0``; buffers, which are not sharded, by plain broadcasts). So only
+    rank 0 ever holds a whole copy, for the time of the load."""
 
     def __init__(self, rank: int, world: int, model_dir: str, settings: StepSettings, device: str):
         torch.set_num_threads(1 if device == "cpu" else torch.get_num_threads())
         self.rank, self.world = rank, world
         self.settings = settings
         self.device = torch.device(device)
-        self.model = load_policy(model_dir, "cpu", settings)
+        where = "cpu" if rank == 0 else "meta"
+        self.model = load_policy(model_dir, where, settings)
+        self.ref_model = (
+            load_model(model_dir, where, trainable=False) if settings.kl_coef > 0 else None
+        )
         if settings.activation_checkpointing:
             self.model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
-        self.ref_model = (
-            load_model(model_dir, "cpu", trainable=False) if settings.kl_coef > 0 else None
-        )
 
     def setup(self, host: str, port: int) -> bool:
         from torch.distributed.device_mesh import init_device_mesh
@@ -131,9 +135,27 @@ class _FsdpWorker(_Worker):
         mixed = self.device.type == "cuda" and self.settings.bf16_autocast
         for model in (self.model, self.ref_model):
             if model is not None:
-                shard_model(model, mesh, mixed_precision=mixed)
+                self._shard(model, mesh, mixed)
         self.optimizer = make_optimizer(self.model, self.settings)  # over the shards
         return True
+
+    def _shard(self, model, mesh, mixed: bool) -> None:
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+        )
+
+        whole = model.state_dict() if self.rank == 0 else {}  # rank 0's tensors, kept alive
+        shard_model(model, mesh, mixed_precision=mixed)
+        if self.rank != 0:
+            model.to_empty(device=self.device)
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(model, whole, options=options)
+        with torch.no_grad():
+            for buffer in model.buffers():  # rotary tables and the like: not in every state dict
+                dist.broadcast(buffer, src=0)
+        whole.clear()
 
     def step(
         self, shard: Batch, totals: Totals, seed: int, passes: int = 1

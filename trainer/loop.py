@@ -206,6 +206,10 @@ class Trainer:
         # Never let one version number name two sets of weights: continue above whatever
         # was published for this run already (by a predecessor killed after publishing).
         self.version = max(self.version, await self.publishing.latest_version())
+        if cfg.lora_rank > 0 and self.version == 0 and self.publishing.publishes:
+            # engines serve an adapter only once one is loaded: publish the initial one (B = 0,
+            # the base's outputs) as version 1, so rollouts can ask for it before step 1
+            await self._publish()
         if cfg.sync_rollouts and not self.publishing.publishes:
             raise TrainerConfigError(
                 "--sync-rollouts waits for the engines to serve each new version: it needs "

@@ -93,12 +93,19 @@ class StepStats:
 
 
 def load_model(model_dir: str | Path, device: str | torch.device, *, trainable: bool = True):
-    from transformers import AutoModelForCausalLM
+    """The model of ``model_dir`` in fp32 on ``device``; on ``"meta"`` its shapes alone, from
+    its config (nothing read: a sharded rank fills them from rank 0, trainer/fsdp.py)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a per-load progress bar is noise in service logs
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    model.to(device)  # type: ignore[arg-type]  # transformers' stubs type .to() as a PreTrainedModel method
+    if str(device) == "meta":
+        with torch.device("meta"):
+            config = AutoConfig.from_pretrained(str(model_dir))
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        model.to(device)  # type: ignore[arg-type]  # transformers' stubs type .to() as a PreTrainedModel method
     if trainable:
         model.train()
     else:

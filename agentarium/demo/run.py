@@ -19,6 +19,9 @@ the last (read from the engines KV the syncer writes), and the trainer runs with
 ``--dynamic-sampling`` runs the trainer with DAPO's dynamic sampling: each flat group it drops
 is replaced by one it asks for, which the demo's ``GroupRefill`` (one per agent) publishes.
 
+``--lora-rank R`` trains LoRA adapters instead of every weight: the syncer loads each version
+into the engine as an adapter, and the consumers ask for it (``--lora <run>``).
+
 ``--rollouts-only`` runs just the rollout half: publish a task file, wait for every trajectory.
 """
 
@@ -126,6 +129,13 @@ class DemoConfig:
         help="the trainer's --dynamic-sampling: flat groups are dropped and the trainer asks "
         "for replacements, which the demo publishes (each step still trains "
         "--groups-per-step groups)",
+    )
+
+    lora_rank: int = setting(
+        0,
+        help="train LoRA adapters of this rank instead of every weight (the trainer's "
+        "--lora-rank): the syncer loads each adapter into the engine and the consumers ask for "
+        "it; 0 = full fine-tuning",
     )
 
     def __post_init__(self) -> None:
@@ -359,6 +369,7 @@ def run_demo(args: DemoConfig) -> int:
                         str(model_dir),
                         "--concurrency",
                         str(args.concurrency),
+                        *(["--lora", args.run] if args.lora_rank else []),
                         *nats,
                     ],
                     logs,
@@ -436,6 +447,7 @@ def trainer_argv(args: DemoConfig, model_dir: Path, out: Path, nats_url: str) ->
         str(args.max_staleness),
         *(["--sync-rollouts"] if args.sync_rollouts else []),
         *(["--dynamic-sampling"] if args.dynamic_sampling else []),
+        *(["--lora-rank", str(args.lora_rank)] if args.lora_rank else []),
         "--metrics",
         str(out / "metrics.csv"),
         "--checkpoint-dir",
