@@ -60,7 +60,9 @@ class AdapterExport:
 
     def state(self) -> dict[str, torch.Tensor]:
         peft = _peft()
-        state = peft.get_peft_model_state_dict(self.model)
+        # the adapters alone: no base weights (peft adds the output head's or the embeddings'
+        # when they are targeted, in case their vocabulary was resized; ours never is)
+        state = peft.get_peft_model_state_dict(self.model, save_embedding_layers=False)
         return {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}
 
     def config(self) -> dict[str, Any]:
