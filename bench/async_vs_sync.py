@@ -51,6 +51,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from agentarium.demo.processes import Child, start_child  # noqa: E402
+from agentarium.demo.run import DemoConfig, trainer_argv  # noqa: E402
 from agentarium.demo.tasks import digit_tasks  # noqa: E402
 from agentarium.tiny import ensure_tiny_model  # noqa: E402
 from broker import (  # noqa: E402
@@ -248,41 +249,20 @@ async def one_run(args: argparse.Namespace, mode: str, repeat: int, base: Path) 
         )
         children.append(sync)
         metrics = out / "metrics.csv"
-        trainer = start_child(
-            "trainer",
-            [
-                "trainer",
-                "--run",
-                run,
-                "--agent",
-                AGENT,
-                "--model",
-                model,
-                "--group-size",
-                str(args.group_size),
-                "--groups-per-step",
-                str(args.groups_per_step),
-                "--lr",
-                str(args.lr),
-                "--entropy-coef",
-                str(args.entropy_coef),
-                "--max-staleness",
-                str(args.max_staleness),
-                *(["--sync-rollouts"] if mode == "sync" else []),
-                "--metrics",
-                str(metrics),
-                "--max-steps",
-                str(args.steps),
-                "--torch-threads",
-                "1",
-                "--seed",
-                str(args.seed),
-                "--metrics-port",
-                str(ports["trainer"]),
-                *nats,
-            ],
-            logs,
+        demo = DemoConfig(  # the demo's trainer, with this run's settings
+            run=run,
+            agent_name=AGENT,
+            steps=args.steps,
+            group_size=args.group_size,
+            groups_per_step=args.groups_per_step,
+            lr=args.lr,
+            entropy_coef=args.entropy_coef,
+            max_staleness=args.max_staleness,
+            sync_rollouts=mode == "sync",
+            seed=args.seed,
         )
+        argv = trainer_argv(demo, Path(model), out, server.url, checkpoints=False)
+        trainer = start_child("trainer", [*argv, "--metrics-port", str(ports["trainer"])], logs)
         children.append(trainer)
         for child in (consumer, sync, trainer):
             await wait_ready(ports[child.name], child)

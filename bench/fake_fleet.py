@@ -114,10 +114,11 @@ class _Connection(asyncio.Protocol):
             self.transport.write(response)
 
 
-async def main(port: int, latency_s: float, servers: int) -> None:
+async def main(port: int, latency_s: float, servers: int, text: str = "1") -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # one socket per request in flight
-    server = _Server(latency_s, output_ids=[49], text="1")
+    # one token per character: what is measured never decodes them
+    server = _Server(latency_s, output_ids=[49] * len(text), text=text)
     loop = asyncio.get_running_loop()
     urls = []
     for i in range(servers):
@@ -140,6 +141,7 @@ if __name__ == "__main__":
         help="listen on this many ports (a fleet; printed comma-separated): tens of thousands "
         "of connections to one address make the kernel search long for a free local port",
     )
+    parser.add_argument("--text", default="1", help="the reply's text (one token a character)")
     args = parser.parse_args()
     try:
         import uvloop
@@ -147,4 +149,4 @@ if __name__ == "__main__":
         runner = uvloop.run
     except ImportError:  # pragma: no cover
         runner = asyncio.run
-    runner(main(args.port, args.latency, args.servers))
+    runner(main(args.port, args.latency, args.servers, args.text))

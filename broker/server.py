@@ -99,7 +99,10 @@ class NatsServer:
     """A nats-server child process with JetStream in ``store_dir``.
 
     Keeps its port and store across ``stop()``/``start()``, so tests and the demo can
-    restart it on the same data. ``config`` runs it from a config file instead of flags.
+    restart it on the same data. Without a ``port`` the server picks a free one itself
+    (``-p -1``) and says which in a ports file: no other process can take the port between
+    choosing and binding it, so any number of servers can start side by side (parallel
+    test workers). ``port`` is known once ``start()`` returns. ``config`` runs it from a config file instead of flags.
     ``sync_interval`` (``"always"`` or a duration such as ``"10s"``: how often JetStream
     fsyncs; 2 minutes by default) needs nats-server 2.10+: the server then runs from a config
     file written into ``store_dir``; an older binary runs without it, with a warning.
@@ -120,12 +123,14 @@ class NatsServer:
         self.binary = find_nats_server(self.binary)
         if self.sync_interval is not None and self.config is not None:
             raise ValueError("sync_interval goes in the config file when one is given")
-        if not self.port:
-            self.port = free_port(self.host)
+        if not self.port and self.config is not None:
+            self.port = free_port(self.host)  # the config file names it; we cannot read it back
         self._proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
+        if not self.port:
+            raise RuntimeError("the server picks its port when it starts: call start() first")
         return f"nats://{self.host}:{self.port}"
 
     @property
@@ -152,11 +157,27 @@ class NatsServer:
                 "-a",
                 self.host,
                 "-p",
-                str(self.port),
+                str(self.port or -1),
             ]
             if self.monitor_port is not None:
                 cmd += ["-m", str(self.monitor_port)]
+        if not self.port:
+            cmd += ["--ports_file_dir", str(self._ports_dir())]
         return [str(part) for part in cmd] + list(self.extra_args)
+
+    def _ports_dir(self) -> Path:
+        return self.store_dir / "ports"
+
+    def _reported_port(self) -> int | None:
+        """The client port the server wrote into its ports file, once it has."""
+        assert self._proc is not None
+        for path in self._ports_dir().glob(f"*_{self._proc.pid}.ports"):
+            try:
+                urls = json.loads(path.read_text())["nats"]
+            except (ValueError, KeyError, OSError):
+                return None  # being written
+            return int(urls[0].rsplit(":", 1)[1])
+        return None
 
     def _sync_interval(self) -> str | None:
         """``sync_interval`` when this binary has it (2.10+), else None."""
@@ -167,7 +188,7 @@ class NatsServer:
     def _write_config(self) -> None:
         """The flags' settings as a config file, plus what only a config can say."""
         lines = [
-            f"listen: {json.dumps(f'{self.host}:{self.port}')}",
+            f"listen: {json.dumps(f'{self.host}:{self.port or -1}')}",
             f"jetstream {{\n  store_dir: {json.dumps(str(self.store_dir))}\n"
             f"  sync_interval: {json.dumps(self.sync_interval)}\n}}",
         ]
@@ -179,6 +200,8 @@ class NatsServer:
         if self._proc and self._proc.poll() is None:
             return self
         self.store_dir.mkdir(parents=True, exist_ok=True)
+        if not self.port:
+            self._ports_dir().mkdir(exist_ok=True)
         if self._sync_interval() is not None:
             self._write_config()
         elif self.sync_interval is not None:
@@ -200,14 +223,16 @@ class NatsServer:
             if self._proc.poll() is not None:
                 tail = log_path.read_text(errors="replace")[-2000:] if log_path.exists() else ""
                 raise ServerLaunchError(
-                    f"nats-server exited with code {self._proc.returncode} on port {self.port}: {tail}"
+                    f"nats-server exited with code {self._proc.returncode} on port {self.port or '(its own pick)'}: {tail}"
                 )
-            if _port_open(self.host, self.port):
+            if not self.port:
+                self.port = self._reported_port() or 0
+            if self.port and _port_open(self.host, self.port):
                 return self
             time.sleep(0.02)  # polling a child's socket: there is no event to await
         self.kill()
         raise ServerLaunchError(
-            f"nats-server did not listen on {self.host}:{self.port} within {timeout_s}s"
+            f"nats-server did not listen on {self.host}:{self.port or '(its own pick)'} within {timeout_s}s"
         )
 
     def stop(self, timeout_s: float = 10.0) -> None:

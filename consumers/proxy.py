@@ -1,18 +1,20 @@
-"""TracingProxy: an OpenAI-compatible endpoint per rollout, so unmodified agents are traced.
+"""TracingProxy: the gateway, one endpoint per rollout, so unmodified agents are traced.
 
-An agent with the seed's contract (``rollout(task, endpoint, model)``) gets
-``http://<advertised host>:<port>/r/<secret>/v1`` and points its OpenAI SDK or LangChain
-``ChatOpenAI`` at it; each ``POST .../chat/completions`` runs the rollout's ``TracingLLM``, so
-the call is recorded and traced exactly as a direct ``llm.chat``.
+An agent with the seed's contract (``rollout(task, endpoint, model)``), or a program given the
+endpoint in ``OPENAI_BASE_URL``/``ANTHROPIC_BASE_URL``, gets
+``http://<advertised host>:<port>/r/<secret>/v1`` and points its client at it. Every API the
+gateway speaks (``consumers/gateway/``: OpenAI Chat Completions and Responses, streamed or not,
+and Anthropic Messages) runs the rollout's ``TracingLLM``, so each call is recorded and traced
+exactly as a direct ``llm.chat``.
 
 The proxy is closed: each rollout gets its own unguessable secret (``secrets.token_urlsafe``,
 256 bits), valid while the rollout runs. It is what ties a call to its rollout, in the path or,
-for clients that cannot change the path, as the API key on ``POST /v1/chat/completions``
-(``Authorization: Bearer <secret>``). Secrets are found by their SHA-256 and then compared with
-``hmac.compare_digest``; every request without a valid one gets the same 401, whether or not
-some job exists. The secret is never logged, put on a span, or stored in a trajectory (the
-rollout scrubs it from an agent's error text). The job id, derived from (run, batch, task,
-sample), is guessable and opens nothing.
+for clients that cannot change the path, as the API key (``Authorization: Bearer <secret>`` or
+Anthropic's ``x-api-key: <secret>``) on the plain ``/v1/...`` routes. Secrets are found by their
+SHA-256 and then compared with ``hmac.compare_digest``; every request without a valid one gets
+the same 401, whether or not some job exists. The secret is never logged, put on a span, or
+stored in a trajectory (the rollout scrubs it from an agent's error text). The job id, derived
+from (run, batch, task, sample), is guessable and opens nothing.
 """
 
 from __future__ import annotations
@@ -21,49 +23,35 @@ import hashlib
 import hmac
 import secrets
 import socket
-import time
-import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass, field
-from typing import Any
 
 from aiohttp import web
 
-from .errors import BackendUnavailable, BadRequest, LLMError
+from .gateway import anthropic, chat, models, responses
+from .gateway.errors import GatewayError, anthropic_error, openai_error
+from .gateway.route import Route
 from .llm import TracingLLM
 
-_OPENAI_FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "abort": "stop"}
-# OpenAI request fields passed on to llm.chat as sampling options (the rest are ignored:
-# logprobs, user, response_format, parallel_tool_calls, ...).
-_SAMPLING_FIELDS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "max_tokens",
-    "max_completion_tokens",
-    "stop",
-    "seed",
-    "frequency_penalty",
-    "presence_penalty",
-    "repetition_penalty",
-)
+Handler = Callable[[web.Request, dict, Route], Awaitable[web.StreamResponse]]
+ErrorShape = Callable[[GatewayError], web.Response]
+# Each API's route under /v1, its handler and its error shape.
+APIS: dict[str, tuple[Handler, ErrorShape]] = {
+    "/chat/completions": (chat.serve, openai_error),
+    "/responses": (responses.serve, openai_error),
+    "/messages": (anthropic.serve, anthropic_error),
+    "/messages/count_tokens": (anthropic.count_tokens, anthropic_error),
+}
 # One answer for every request without a valid secret: it must not tell a finished rollout,
 # an unknown job and a wrong key apart.
-_UNAUTHORIZED = (
+_UNAUTHORIZED = GatewayError(
     "no rollout in flight here accepts this request: use the endpoint URL the agent was given "
-    "(http://<host>:<port>/r/<secret>/v1) as the OpenAI base_url, or send its secret as the "
-    "API key; an endpoint closes when its rollout ends"
+    "(http://<host>:<port>/r/<secret>/v1) as the OpenAI base_url, or without its /v1 as the "
+    "Anthropic base URL, or send its secret as the API key; an endpoint closes when its "
+    "rollout ends",
+    kind="authentication",
 )
 SECRET_BYTES = 32  # token_urlsafe(32): 43 characters, 256 bits
-
-
-@dataclass(frozen=True)
-class _Route:
-    job_id: str
-    secret: str = field(repr=False)
-    llm: TracingLLM
 
 
 def _digest(secret: str) -> bytes:
@@ -96,12 +84,6 @@ def default_advertised_host() -> str:
     return outward if not outward.startswith(("127.", "0.")) else address
 
 
-def _error(status: int, message: str, code: str = "invalid_request_error") -> web.Response:
-    body = {"error": {"message": message, "type": code, "param": None, "code": None}}
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    return web.json_response(body, status=status, headers=headers)
-
-
 class TracingProxy:
     """One per consumer process; rollouts register their ``TracingLLM`` while they run."""
 
@@ -116,8 +98,8 @@ class TracingProxy:
             self.advertised_host = host  # bound to one address: that is the one to advertise
         else:
             self.advertised_host = default_advertised_host()
-        self._by_job: dict[str, _Route] = {}
-        self._by_digest: dict[bytes, _Route] = {}
+        self._by_job: dict[str, Route] = {}
+        self._by_digest: dict[bytes, Route] = {}
         # Compared against when no route matches, so a miss costs what a hit costs.
         self._decoy = secrets.token_urlsafe(SECRET_BYTES)
         self._runner: web.AppRunner | None = None
@@ -127,10 +109,13 @@ class TracingProxy:
     def _app(self) -> web.Application:
         # Long multi-turn conversations exceed aiohttp's 1 MB default body limit.
         app = web.Application(client_max_size=64 * 1024 * 1024)
-        app.router.add_post("/r/{secret}/v1/chat/completions", self._chat_in_path)
-        app.router.add_get("/r/{secret}/v1/models", self._models_in_path)
-        app.router.add_post("/v1/chat/completions", self._chat_by_key)
-        app.router.add_get("/v1/models", self._models_by_key)
+        for path, (handler, shape) in APIS.items():
+            app.router.add_post(f"/r/{{secret}}/v1{path}", self._api(handler, shape, by_key=False))
+            app.router.add_post(f"/v1{path}", self._api(handler, shape, by_key=True))
+        # A model id may hold "/" (Hugging Face names): {model:.+} takes the rest of the path.
+        for path, answer in (("/models", models.listing), ("/models/{model:.+}", models.one)):
+            app.router.add_get(f"/r/{{secret}}/v1{path}", self._get(answer, by_key=False))
+            app.router.add_get(f"/v1{path}", self._get(answer, by_key=True))
         return app
 
     async def start(self) -> None:
@@ -180,7 +165,7 @@ class TracingProxy:
             if self._by_job[job_id].llm is not llm:
                 raise ValueError(f"job {job_id!r} is already registered with the proxy")
             return self._registration(job_id)
-        route = _Route(job_id, secrets.token_urlsafe(SECRET_BYTES), llm)
+        route = Route(job_id, secrets.token_urlsafe(SECRET_BYTES), llm)
         self._by_job[job_id] = route
         self._by_digest[_digest(route.secret)] = route
         return self._registration(job_id)
@@ -194,7 +179,7 @@ class TracingProxy:
     def in_flight(self) -> list[str]:
         return list(self._by_job)
 
-    def _find(self, presented: str) -> TracingLLM | None:
+    def _find(self, presented: str) -> Route | None:
         """The rollout whose secret is ``presented``: looked up by its SHA-256 (which tells an
         attacker nothing about the secret), then compared in constant time."""
         route = self._by_digest.get(_digest(presented)) if presented else None
@@ -202,97 +187,51 @@ class TracingProxy:
         same = hmac.compare_digest(
             expected.encode("utf-8", "surrogatepass"), presented.encode("utf-8", "surrogatepass")
         )
-        return route.llm if route is not None and same else None
+        return route if route is not None and same else None
 
-    def _lookup_path(self, request: web.Request) -> TracingLLM | None:
-        return self._find(request.match_info["secret"])
-
-    def _lookup_key(self, request: web.Request) -> TracingLLM | None:
-        auth = request.headers.get("Authorization", "")
-        key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+    def _lookup(self, request: web.Request, by_key: bool) -> Route | None:
+        if not by_key:
+            return self._find(request.match_info["secret"])
+        # Anthropic's clients send x-api-key (or, with an auth token, a bearer token like
+        # OpenAI's); one key is compared per request.
+        key = request.headers.get("x-api-key", "").strip()
+        if not key:
+            auth = request.headers.get("Authorization", "")
+            key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
         return self._find(key)
 
-    async def _chat_in_path(self, request: web.Request) -> web.Response:
-        return await self._chat(request, self._lookup_path(request))
+    def _api(self, handler: Handler, shape: ErrorShape, *, by_key: bool) -> Callable:
+        async def serve(request: web.Request) -> web.StreamResponse:
+            self.requests += 1
+            route = self._lookup(request, by_key)
+            if route is None:
+                self.rejected += 1
+                return shape(_UNAUTHORIZED)
+            try:
+                body = await request.json()
+            except (ValueError, RecursionError):  # RecursionError: JSON nested too deeply
+                return shape(GatewayError("the request body is not JSON"))
+            if not isinstance(body, dict):
+                return shape(GatewayError("the request body must be a JSON object"))
+            try:
+                return await handler(request, body, route)
+            except GatewayError as error:
+                return shape(error)
 
-    async def _chat_by_key(self, request: web.Request) -> web.Response:
-        return await self._chat(request, self._lookup_key(request))
+        return serve
 
-    async def _models_in_path(self, request: web.Request) -> web.Response:
-        return self._models(self._lookup_path(request))
+    def _get(
+        self, answer: Callable[[web.Request, Route], web.Response], *, by_key: bool
+    ) -> Callable:
+        async def serve(request: web.Request) -> web.Response:
+            route = self._lookup(request, by_key)
+            if route is None:
+                self.rejected += 1
+                shape = anthropic_error if models.is_anthropic(request) else openai_error
+                return shape(_UNAUTHORIZED)
+            return answer(request, route)
 
-    async def _models_by_key(self, request: web.Request) -> web.Response:
-        return self._models(self._lookup_key(request))
-
-    def _models(self, llm: TracingLLM | None) -> web.Response:
-        if llm is None:
-            self.rejected += 1
-            return _error(401, _UNAUTHORIZED, "authentication_error")
-        model = {"id": llm.model_name, "object": "model", "created": 0, "owned_by": "agentarium"}
-        return web.json_response({"object": "list", "data": [model]})
-
-    async def _chat(self, request: web.Request, llm: TracingLLM | None) -> web.Response:
-        self.requests += 1
-        if llm is None:
-            self.rejected += 1
-            return _error(401, _UNAUTHORIZED, "authentication_error")
-        try:
-            body = await request.json()
-        except (ValueError, RecursionError):  # RecursionError: JSON nested too deeply
-            return _error(400, "the request body is not JSON")
-        if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
-            return _error(400, "the request needs a 'messages' list")
-        if body.get("stream"):
-            return _error(
-                400, "streaming is not supported by the Agentarium tracing proxy: set stream=false"
-            )
-        if body.get("n") not in (None, 1):
-            return _error(400, "n > 1 is not supported: one rollout samples one reply per call")
-        tools = body.get("tools") or None
-        if body.get("tool_choice") == "none":
-            tools = None
-        sampling = {key: body[key] for key in _SAMPLING_FIELDS if body.get(key) is not None}
-        try:
-            result = await llm.chat(body["messages"], tools=tools, **sampling)
-        except BadRequest as exc:
-            return _error(400, str(exc))
-        except (TypeError, ValueError) as exc:
-            return _error(400, f"invalid request: {exc}")
-        except BackendUnavailable as exc:
-            return _error(503, str(exc), "server_error")
-        except LLMError as exc:
-            return _error(502, str(exc), "server_error")
-        return web.json_response(self._completion(result, body.get("model") or llm.model_name))
-
-    @staticmethod
-    def _completion(result: Any, model: str) -> dict:
-        call = result.call
-        message: dict[str, Any] = {"role": "assistant", "content": result.content or None}
-        if result.tool_calls:
-            message["tool_calls"] = result.tool_calls
-        elif message["content"] is None:
-            message["content"] = ""
-        prompt_tokens = len(call.prompt_ids)
-        completion_tokens = len(call.response_ids)
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": message,
-                    "finish_reason": _OPENAI_FINISH.get(result.finish_reason, "stop"),
-                    "logprobs": None,
-                }
-            ],
-            "usage": {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-            },
-        }
+        return serve
 
     def __repr__(self) -> str:
         return (

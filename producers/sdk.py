@@ -22,7 +22,7 @@ from nats.js import JetStreamContext
 from opentelemetry import context as otel_context
 
 from broker import Backoff, NatsSettings, Topology
-from schemas import Job, Sampling, check_name, encode
+from schemas import Job, check_name, encode
 
 from .errors import ProducerError, StreamMissing
 from .jobs import expand_tasks
@@ -139,30 +139,18 @@ class TaskProducer:
         tasks: Sequence[Mapping[str, Any]],
         *,
         run: str = "default",
-        group_size: int = 1,
         batch_id: str | None = None,
-        is_train: bool = True,
-        sampling: Sampling | None = None,
-        deadline_s: float = 600.0,
-        metadata: Mapping[str, Any] | None = None,
         on_progress: ProgressCallback | None = None,
+        **options: Any,
     ) -> SubmitResult:
-        """Expand ``tasks`` into ``group_size`` jobs each and publish them all.
+        """Expand ``tasks`` into ``group_size`` jobs each and publish them all; ``options``:
+        ``producers.JobOptions``' fields (``group_size``, ``is_train``, ``sampling``,
+        ``deadline_s``, ``metadata``), as ``expand_tasks`` takes them.
 
         Returns once every job is stored (or was already stored: a duplicate).
         ``on_progress(done, total)`` is called after each job's ack.
         """
-        batch_id, jobs = expand_tasks(
-            agent,
-            tasks,
-            run=run,
-            group_size=group_size,
-            batch_id=batch_id,
-            is_train=is_train,
-            sampling=sampling,
-            deadline_s=deadline_s,
-            metadata=metadata,
-        )
+        batch_id, jobs = expand_tasks(agent, tasks, run=run, batch_id=batch_id, **options)
         published, duplicates = await self.publish_jobs(jobs, on_progress=on_progress)
         return SubmitResult(
             run=run,

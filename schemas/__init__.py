@@ -17,13 +17,14 @@ from .env import (
 )
 from .errors import DecodeError, SchemaError
 from .fields import SCHEMA_VERSION
-from .job import Job, Sampling
+from .job import DEFAULT_DEADLINE_S, Job, Sampling
 from .names import check_name
 from .settings import SettingError, check_settings, section, setting
 from .trajectory import FINISH_REASONS, STATUSES, LLMCall, Trajectory
 from .weights import WeightUpdate, version_number
 
 __all__ = [
+    "DEFAULT_DEADLINE_S",
     "FINISH_REASONS",
     "JSON_CONTENT_TYPE",
     "MSGPACK_CONTENT_TYPE",

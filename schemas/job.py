@@ -9,6 +9,8 @@ from dataclasses import dataclass, replace
 from .errors import SchemaError
 from .fields import BOOL, FLOAT, INT, NAME, OBJECT, STR, STR_LIST, WireMessage, nested, spec
 
+DEFAULT_DEADLINE_S = 600.0  # a job's wall-clock limit unless its producer says otherwise
+
 
 @dataclass(frozen=True, kw_only=True)
 class Sampling(WireMessage):
@@ -63,7 +65,7 @@ class Job(WireMessage):
     )
     sampling: Sampling = nested(Sampling, default=Sampling, doc="sampling parameters")
     deadline_s: float = spec(
-        FLOAT, 600.0, doc="wall-clock limit for the rollout; past it status is timeout"
+        FLOAT, DEFAULT_DEADLINE_S, doc="wall-clock limit for the rollout; past it status is timeout"
     )
     metadata: dict = spec(OBJECT, factory=dict, doc="free-form, copied to the trajectory")
     created_at: float = spec(FLOAT, 0.0, doc="unix time the producer created the job")

@@ -145,6 +145,26 @@ def engine_url(tiny_dir):
 
 
 @pytest.fixture
+async def replying(template):
+    """Start SGLang fakes whose reply is ``text`` as real tiny-tokenizer ids (``kwargs``:
+    FakeSGLang's); closed after the test."""
+    from fake_sglang import FakeSGLang
+
+    started: list[FakeSGLang] = []
+
+    async def make(text: str = "five", **kwargs) -> FakeSGLang:
+        ids = template.encode(text) + [template.eos_token_ids[0]]
+        fake = FakeSGLang(reply=lambda body: (ids, text), **kwargs)
+        await fake.start()
+        started.append(fake)
+        return fake
+
+    yield make
+    for fake in started:
+        await fake.close()
+
+
+@pytest.fixture
 async def fake():
     """An SGLang fake (tests/fake_sglang.py) on a free port, closed after the test."""
     from fake_sglang import FakeSGLang

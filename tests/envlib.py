@@ -7,7 +7,7 @@ number that raises), ``done_after`` (steps), ``mark`` (a key under which the tes
 ran). Counts live on the class, so a test in the same process can assert a step ran once.
 
 ``solve_sql`` is a scripted policy for the shipped ``sql`` tasks (tests/fake_sglang.py's
-``scripted`` serves it as a model).
+``scripted`` serves it as a model). ``serve_process`` runs `agentarium env serve` as a child.
 """
 
 from __future__ import annotations
@@ -15,8 +15,13 @@ from __future__ import annotations
 import ast
 import asyncio
 import json
+import os
+import sys
 import uuid
 from collections import Counter
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
 
 from environments import Environment
 from environments.sql import load_tasks as load_sql_tasks
@@ -107,3 +112,30 @@ def solve_sql(prompt: str) -> str:
     else:
         answer = [str(row[0]) for row in ast.literal_eval(result)]
     return tool_call_text("commit_final_answer", {"answer": answer})
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@asynccontextmanager
+async def serve_process(
+    nats_url: str, *args: str, command: Sequence[str] = ("serve", "envlib:EchoEnv")
+) -> AsyncIterator[tuple[asyncio.subprocess.Process, str]]:
+    """`agentarium env serve envlib:EchoEnv ARGS` (or ``command``) as a child, once it says it
+    serves; yields (process, worker id) and kills what is still running at the end."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
+    env["AGENTARIUM_LOG_FORMAT"] = "json"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "agentarium", "env", *command, "--nats-url", nats_url, *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, env=env, cwd=ROOT,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+        assert "serving" in line, line
+        yield proc, line.split(" worker ")[1].split()[0]
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

@@ -317,3 +317,31 @@ async def test_status_shows_live_workers_and_their_throughput(js, topology):
     assert (row.workers, row.rollouts_per_s) == (2, 20.0)
     assert [w["worker_id"] for w in status.workers] == ["w1", "w2"]
     assert "20.0" in format_status(status)
+
+
+@pytest.mark.nats_semantics
+async def test_servers_started_side_by_side_pick_their_own_ports_and_keep_them(tmp_path):
+    """Parallel test workers start many servers at once: each binds a port it picks itself
+    (nothing can take it between choosing and binding), reports it, and keeps it on restart."""
+    from broker import NatsServer
+
+    servers = [NatsServer(store_dir=tmp_path / f"s{n}") for n in range(4)]
+    with pytest.raises(RuntimeError, match="start"):
+        servers[0].url  # noqa: B018 - the port is the server's own pick, known once it starts
+    await asyncio.gather(*(asyncio.to_thread(server.start) for server in servers))
+    try:
+        assert len({server.port for server in servers}) == 4
+        for server in servers:
+            client = await NatsSettings(url=server.url).connect(name="side-by-side")
+            assert client.connected_url.port == server.port
+            await client.close()
+        first = servers[0]
+        port = first.port
+        first.stop()
+        first.start()
+        assert first.port == port
+        client = await NatsSettings(url=first.url).connect(name="restarted")
+        await client.close()
+    finally:
+        for server in servers:
+            server.stop()

@@ -131,33 +131,23 @@ async def test_tasks_leader_killed_and_restarted_mid_batch(nodes, capsys):
         if done == KILL_AFTER:
             kill_now.set()
 
+    def echo_worker(i: int):  # the two workers differ only in their connection and id
+        return worker_for(
+            worker_ncs[i].jetstream(),
+            "echo",
+            agentlib.echo,
+            [fake.url],
+            burst=False,
+            concurrency=32,
+            ack_wait=5,
+            worker_id=f"w{i}",
+            limits=limits,
+        )
+
     tasks = [{"task_id": f"t{i}", "prompt": f"say {i}", "max_new_tokens": 2} for i in range(GROUPS)]
     started = time.monotonic()
     try:
-        async with (
-            worker_for(
-                worker_ncs[0].jetstream(),
-                "echo",
-                agentlib.echo,
-                [fake.url],
-                burst=False,
-                concurrency=32,
-                ack_wait=5,
-                worker_id="w0",
-                limits=limits,
-            ) as w0,
-            worker_for(
-                worker_ncs[1].jetstream(),
-                "echo",
-                agentlib.echo,
-                [fake.url],
-                burst=False,
-                concurrency=32,
-                ack_wait=5,
-                worker_id="w1",
-                limits=limits,
-            ) as w1,
-        ):
+        async with echo_worker(0) as w0, echo_worker(1) as w1:
             runs = [asyncio.create_task(w.run()) for w in (w0, w1)]
             producer = TaskProducer(producer_nc.jetstream(), topo)
 

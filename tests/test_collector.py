@@ -8,11 +8,12 @@ import asyncio
 import nats.js.errors
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
+from trainlib import short_call
 
-from schemas import LLMCall, Trajectory, encode
+from schemas import Trajectory, encode
 from trainer.collector import Collector, CollectorConfig
 from trainer.errors import TrainerConfigError
-from trainer.groups import BUFFERED, DUPLICATE, REDELIVERED, GroupBuffer
+from trainer.groups import BUFFERED, DUPLICATE, REDELIVERED, GroupBuffer, Selection
 
 RUN, AGENT = "r1", "toy"
 
@@ -30,14 +31,7 @@ class FakeClock:
 def traj(
     job, group, reward=1.0, *, size=4, status="ok", version="default", is_train=True, top_p=1.0
 ) -> Trajectory:
-    call = LLMCall(
-        prompt_ids=[1, 2, 3],
-        response_ids=[4, 5],
-        response_logprobs=[-0.5, -0.25],
-        finish_reason="stop",
-        weight_version=version,
-        top_p=top_p,
-    )
+    call = short_call(weight_version=version, top_p=top_p)
     return Trajectory(
         job_id=job,
         agent=AGENT,
@@ -82,7 +76,7 @@ async def make_collector(js, topology, clock):
         await collector.close()
 
 
-TAKE = {"version": 0, "max_staleness": 4}
+TAKE = Selection(version=0, max_staleness=4)
 
 
 async def test_groups_released_when_complete_validation_skipped(js, topology, make_collector):
@@ -94,7 +88,7 @@ async def test_groups_released_when_complete_validation_skipped(js, topology, ma
     await publish(js, topology, other)
     collector = await make_collector()
     await collector.wait_received(9)
-    groups = await collector.take(1, timeout=10, **TAKE)
+    groups = await collector.take(1, TAKE, timeout=10)
     assert [g.group_id for g in groups] == ["ga"]
     samples = groups[0].samples
     assert sorted(s.trajectory.job_id for s in samples) == ["a0", "a1", "a2", "a3"]
@@ -105,7 +99,7 @@ async def test_groups_released_when_complete_validation_skipped(js, topology, ma
     assert (c.received, c.validation_skipped, c.groups_complete, c.groups_used) == (9, 2, 1, 1)
     assert collector.buffer.open_count == 1  # gb waits for its fourth member
     with pytest.raises(TimeoutError):
-        await collector.take(1, timeout=0.5, **TAKE)
+        await collector.take(1, TAKE, timeout=0.5)
 
     info = await js.consumer_info(topology.trajectories_stream, "trainer-r1-toy")
     cfg = info.config
@@ -127,9 +121,9 @@ async def test_timeout_releases_short_groups_and_drops_tiny_ones(
     await publish(js, topology, traj("t0", "tiny"), traj("t1", "tiny", status="error"))
     await collector.wait_received(5)
     with pytest.raises(TimeoutError):
-        await collector.take(1, timeout=0.3, **TAKE)
+        await collector.take(1, TAKE, timeout=0.3)
     clock.now += 61
-    groups = await collector.take(1, timeout=10, **TAKE)
+    groups = await collector.take(1, TAKE, timeout=10)
     assert groups[0].group_id == "short" and groups[0].timed_out and len(groups[0].samples) == 3
     c = collector.counters
     assert (c.groups_timed_out, c.dropped_incomplete, c.failed_members) == (1, 1, 1)
@@ -157,7 +151,7 @@ async def test_error_and_refused_members_are_out_of_statistics(js, topology, mak
         traj("e4", "g", 1.0, top_p=0.9, size=5),
     )
     collector = await make_collector()
-    (group,) = await collector.take(1, timeout=10, **TAKE)
+    (group,) = await collector.take(1, TAKE, timeout=10)
     by_job = {s.trajectory.job_id: s.advantage for s in group.samples}
     # statistics over the three ok members only: mean 1/3, std sqrt(1/3)
     assert by_job == pytest.approx({"e0": 1.154700, "e1": -0.577350, "e2": -0.577350}, abs=1e-5)
@@ -177,7 +171,7 @@ async def test_stale_members_dropped_or_weighted_and_counted(js, topology, make_
     collector = await make_collector()
     await collector.wait_received(8)
     # version 5, max staleness 2: "old" (staleness 5) is entirely stale, d0 (4) too
-    groups = await collector.take(1, version=5, max_staleness=2, timeout=10)
+    groups = await collector.take(1, Selection(version=5, max_staleness=2), timeout=10)
     assert [g.group_id for g in groups] == ["mixed"]
     assert sorted(s.trajectory.job_id for s in groups[0].samples) == ["d1", "d2", "d3"]
     assert sorted(groups[0].staleness) == [0, 1, 1, 4]
@@ -194,7 +188,9 @@ async def test_stale_policy_tis_keeps_stale_members_weighted(js, topology, make_
         *(traj(f"w{i}", "g", float(i % 2), version=str(v)) for i, v in enumerate([0, 3, 3, 3])),
     )
     collector = await make_collector()
-    (group,) = await collector.take(1, version=3, max_staleness=1, stale_policy="tis", timeout=10)
+    (group,) = await collector.take(
+        1, Selection(version=3, max_staleness=1, stale_policy="tis"), timeout=10
+    )
     flags = {s.trajectory.job_id: (s.tis, s.staleness) for s in group.samples}
     assert flags == {"w0": (True, 3), "w1": (False, 0), "w2": (False, 0), "w3": (False, 0)}
     assert (collector.counters.tis_weighted, collector.counters.dropped_stale) == (1, 0)
@@ -210,7 +206,9 @@ async def test_flat_groups_filtered_when_asked_oldest_first(js, topology, make_c
     )
     collector = await make_collector()
     await collector.wait_received(12)
-    groups = await collector.take(2, version=2, max_staleness=4, filter_flat=True, timeout=10)
+    groups = await collector.take(
+        2, Selection(version=2, max_staleness=4, filter_flat=True), timeout=10
+    )
     assert [g.group_id for g in groups] == ["older", "new"]  # oldest policy version first
     assert collector.counters.dropped_flat == 1
 
@@ -219,11 +217,11 @@ async def test_restart_redelivers_unacked_at_once_and_dedups_trained(js, topolog
     await publish(js, topology, *(traj(f"a{i}", "ga", float(i % 2)) for i in range(4)))
     await publish(js, topology, *(traj(f"b{i}", "gb", float(i % 2)) for i in range(4)))
     first = await make_collector()
-    used = await first.take(1, timeout=10, **TAKE)
+    used = await first.take(1, TAKE, timeout=10)
     await first.close()  # "killed" after a checkpoint listed group ga, before its acks
     trained = used[0].trained_job_ids
     second = await make_collector(seen=trained)
-    (group,) = await second.take(1, timeout=10, **TAKE)  # no ack_wait to sit out
+    (group,) = await second.take(1, TAKE, timeout=10)  # no ack_wait to sit out
     assert group.group_id == "gb"
     assert second.counters.duplicates == 4
     await second.ack([group])
@@ -249,7 +247,7 @@ async def test_the_one_agent_trainers_old_durable_is_adopted_and_a_foreign_one_r
         await msg.ack_sync()
     await psub.unsubscribe()
     collector = await make_collector()
-    (group,) = await collector.take(1, timeout=10, **TAKE)
+    (group,) = await collector.take(1, TAKE, timeout=10)
     assert group.group_id == "gb" and collector.counters.received == 4  # from its ack floor
     with pytest.raises(nats.js.errors.NotFoundError):
         await js.consumer_info(stream, "trainer-r1")
@@ -276,7 +274,7 @@ def test_buffer_redelivery_replaces_the_handle_and_dedups_after_done():
     assert buffer.add(t, "delivery-2", 1.0) == REDELIVERED
     assert buffer.live_handles() == ["delivery-2"]
     buffer.add(traj("j1", "g", 0.0, size=2), "delivery-3", 1.0)
-    (group,), _ = buffer.select(1, version=0, max_staleness=0)
+    (group,), _ = buffer.select(1, Selection(version=0, max_staleness=0))
     assert group.handles == ["delivery-2", "delivery-3"]
     buffer.done([group])
     assert buffer.add(t, "delivery-4", 2.0) == DUPLICATE and buffer.live_handles() == []

@@ -30,7 +30,7 @@ from consumers.chat_template import ChatTemplate
 from producers import TaskProducer, TrajectoryReader
 from schemas import LLMCall, Trajectory, decode, encode
 from trainer.batch import Sample, build_rows, collate
-from trainer.groups import BUFFERED, GroupBuffer
+from trainer.groups import BUFFERED, GroupBuffer, Selection
 from trainer.rows import refusal, rows_of
 
 torch.set_num_threads(1)
@@ -117,7 +117,7 @@ async def test_cross_sampled_calls_record_which_model_and_version(js, tiny_dir, 
     buffer = GroupBuffer(group_timeout_s=600)
     for t in trajectories:
         assert buffer.add(t, None, now=0.0) == BUFFERED
-    (group,), _ = buffer.select(1, version=5, max_staleness=2, stale_policy="drop")
+    (group,), _ = buffer.select(1, Selection(version=5, max_staleness=2))
     # version 5 - 3 = 2: none is stale, though the other model's calls say version 0
     assert buffer.counters.dropped_stale == 0 and set(group.staleness) == {2}
     assert group.samples
@@ -289,7 +289,7 @@ def test_staleness_and_statistics_count_only_the_policys_calls():
     member("m1", 0.0, [*cross_call("v2-instruct"), call([1], [2], [-1.0], weight_version="10")])
     member("m2", 0.0, [call([1], [2], [-1.0], weight_version="4")])  # stale: 10 - 4 > 2
     member("m3", 1.0, cross_call("default"))  # no policy call: statistics only
-    (group,), dropped = buffer.select(1, version=10, max_staleness=2)
+    (group,), dropped = buffer.select(1, Selection(version=10, max_staleness=2))
     assert not dropped and buffer.counters.invalid == 0
     assert {s.trajectory.job_id: s.staleness for s in group.samples} == {"m0": 1, "m1": 0}
     assert (buffer.counters.dropped_stale, buffer.counters.cross_only) == (1, 1)
@@ -302,7 +302,7 @@ def test_staleness_and_statistics_count_only_the_policys_calls():
     other = GroupBuffer(group_timeout_s=600)
     for i in range(2):
         other.add(traj(cross_call("default"), float(i), job=f"c{i}", group="h", size=2), None, 0.0)
-    chosen, dropped = other.select(1, version=0, max_staleness=2)
+    chosen, dropped = other.select(1, Selection(version=0, max_staleness=2))
     assert not chosen and [g.group_id for g in dropped] == ["h"]
     assert other.counters.cross_only == 2 and other.counters.groups_used == 0
 

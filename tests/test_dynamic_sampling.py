@@ -20,7 +20,7 @@ from worker_env import worker_for
 from producers import GroupRefill, TaskProducer
 from schemas import LLMCall, Trajectory
 from trainer.config import TrainerConfig
-from trainer.groups import GroupBuffer
+from trainer.groups import GroupBuffer, Selection
 from trainer.loop import Trainer
 from trainer.metrics import read_metrics
 
@@ -140,7 +140,7 @@ def test_overlong_responses_are_filtered_or_given_the_set_reward(policy, trained
             calls=[call],
         )
         buffer.add(traj, object(), now=0.0)
-    (group,), _ = buffer.select(1, version=0, max_staleness=4)
+    (group,), _ = buffer.select(1, Selection(version=0, max_staleness=4))
     assert len(group.samples) == trained
     counted = buffer.counters.overlong_filtered + buffer.counters.overlong_rewarded
     assert counted == 1

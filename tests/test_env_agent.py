@@ -20,7 +20,7 @@ from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
 import pytest
-from envlib import solve_sql, tool_call_text
+from envlib import serve_process, solve_sql, tool_call_text
 from fake_sglang import FakeSGLang, scripted
 
 from agentarium.cli import build_parser
@@ -35,6 +35,7 @@ from trainer import rows_of
 ROOT = Path(__file__).resolve().parents[1]
 SQL_TASKS = ROOT / "examples" / "sql_tasks.jsonl"
 SAMPLING = Sampling(max_new_tokens=128)
+SQL = ("serve", "sql")  # `agentarium env serve sql`
 
 
 @asynccontextmanager
@@ -285,27 +286,6 @@ async def test_the_tiny_model_plays_sql_and_environment_turns_are_masked(
 # ---- a worker killed mid-session: the rollout runs again elsewhere ------------------------------
 
 
-@asynccontextmanager
-async def env_serve(nats_url: str, *args: str):
-    """`agentarium env serve sql ...` as a child; yields (process, worker id)."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "agentarium", "env", "serve", "sql", "--nats-url", nats_url, *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, env=env, cwd=ROOT,
-    )  # fmt: skip
-    try:
-        line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
-        assert "serving" in line, line
-        yield proc, line.split(" worker ")[1].split()[0]
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-
-
 async def session_holder(nc, topology) -> str:
     """The worker holding the one open sql session, from the service API's stats (asked again
     while a busy machine's worker has not answered in time)."""
@@ -325,8 +305,8 @@ async def test_a_killed_environment_worker_fails_the_rollout_over_to_another(
     nats_url, nc, js, topology, template
 ):
     async with (
-        env_serve(nats_url, "--capacity", "4") as (one, one_id),
-        env_serve(nats_url, "--capacity", "4") as (two, two_id),
+        serve_process(nats_url, "--capacity", "4", command=SQL) as (one, one_id),
+        serve_process(nats_url, "--capacity", "4", command=SQL) as (two, two_id),
         fake_model(reply=scripted(template, solve_sql)) as model,
     ):
         model.gate = asyncio.Event()  # the model's first call waits: the session is open

@@ -9,7 +9,6 @@ from __future__ import annotations
 import ast
 import asyncio
 import json
-import os
 import signal
 import sys
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import nats.errors
 import pytest
-from envlib import EchoEnv
+from envlib import EchoEnv, serve_process
 
 from broker import (
     Topology,
@@ -537,27 +536,6 @@ async def test_each_start_step_and_close_is_a_span(settings, nc, span_exporter):
 
 
 # ---- worker processes: SIGKILL and SIGTERM --------------------------------------------------------
-
-
-@asynccontextmanager
-async def serve_process(nats_url: str, *args: str, command=("serve", "envlib:EchoEnv")):
-    """`agentarium env serve envlib:EchoEnv ...` as a child; yields (process, worker id)."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
-    env["AGENTARIUM_LOG_FORMAT"] = "json"
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "agentarium", "env", *command,
-        "--nats-url", nats_url, *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, env=env, cwd=ROOT,
-    )  # fmt: skip
-    try:
-        line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
-        assert "serving" in line, line
-        yield proc, line.split(" worker ")[1].split()[0]
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
 
 
 async def test_a_killed_worker_fails_its_sessions_fast_with_a_clear_error(nats_url, nc):

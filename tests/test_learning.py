@@ -7,43 +7,12 @@ metrics: with a learning rate the reward rises; with learning rate 0 it does not
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
-from trainer.metrics import read_metrics
+from trainlib import run_micro_demo
 
 
 def run_demo(out, *extra: str) -> list[float]:
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "agentarium",
-            "demo",
-            "--out",
-            str(out),
-            "--digits",
-            "7",
-            "--groups-per-step",
-            "8",
-            "--group-size",
-            "8",
-            "--entropy-coef",
-            "0",
-            "--minutes",
-            "4",
-            "--seed",
-            "1",
-            "--run",
-            "learn",
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return [float(row["reward_mean"]) for row in read_metrics(out / "metrics.csv")]
+    rows = run_micro_demo(out, "--minutes", "4", "--run", "learn", *extra, timeout=300)
+    return [float(row["reward_mean"]) for row in rows]
 
 
 def mean(values: list[float]) -> float:

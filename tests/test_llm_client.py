@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from fake_sglang import FakeSGLang, dead_url
+from fake_sglang import dead_url
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
@@ -38,24 +38,7 @@ QUESTION = [{"role": "user", "content": "What is 2+3?"}]
 
 
 @pytest.fixture
-async def fakes(template):
-    """Start fake servers whose replies are real tiny-tokenizer ids of the given text."""
-    started: list[FakeSGLang] = []
-
-    async def make(text: str = "Hello from the fake.") -> FakeSGLang:
-        ids = template.encode(text) + [template.eos_token_ids[0]]
-        fake = FakeSGLang(reply=lambda body: (ids, text))
-        await fake.start()
-        started.append(fake)
-        return fake
-
-    yield make
-    for fake in started:
-        await fake.close()
-
-
-@pytest.fixture
-async def backend(engine_url, fakes):
+async def backend(engine_url):
     backend = SGLangBackend([engine_url], backoff=0.0)
     yield backend
     await backend.aclose()
@@ -167,8 +150,8 @@ async def test_per_call_sampling_overrides_the_job(backend, template):
     assert len(llm.calls) == 2
 
 
-async def test_tool_calls_are_parsed(fakes, template):
-    fake = await fakes(f"I will add.\n{TOOL_TEXT}")
+async def test_tool_calls_are_parsed(replying, template):
+    fake = await replying(f"I will add.\n{TOOL_TEXT}")
     backend = SGLangBackend([fake.url], backoff=0.0)
     try:
         llm = make_llm(backend, template, job_sampling=Sampling(max_new_tokens=256))
@@ -201,8 +184,8 @@ async def test_tool_calls_are_parsed(fakes, template):
         await backend.aclose()
 
 
-async def test_malformed_tool_call_is_recorded_not_raised(fakes, template):
-    fake = await fakes('<tool_call>\n{"name": "add", "arguments": {"a": 2,,}}\n</tool_call>')
+async def test_malformed_tool_call_is_recorded_not_raised(replying, template):
+    fake = await replying('<tool_call>\n{"name": "add", "arguments": {"a": 2,,}}\n</tool_call>')
     backend = SGLangBackend([fake.url], backoff=0.0)
     try:
         llm = make_llm(backend, template, job_sampling=Sampling(max_new_tokens=256))

@@ -36,8 +36,7 @@ of 10, ``--group-size 16`` 0 of 6 but 2 climbed a neighbour, at a 50% longer tra
 
 from __future__ import annotations
 
-import subprocess
-import sys
+from trainlib import run_micro_demo
 
 from agentarium.demo import FAMILIES, first_last, task_rewards
 from trainer.metrics import read_metrics
@@ -50,38 +49,8 @@ FROZEN_WINDOW = 10
 
 
 def run_demo(out, *extra: str) -> dict[str, list[float | None]]:
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "agentarium",
-            "demo",
-            "--task-set",
-            ",".join(TASKS),
-            "--out",
-            str(out),
-            "--digits",
-            "7",
-            "--groups-per-step",
-            "8",
-            "--group-size",
-            "8",
-            "--entropy-coef",
-            "0",
-            "--minutes",
-            "5",
-            "--seed",
-            "1",
-            "--run",
-            "multitask",
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=360,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return task_rewards(read_metrics(out / "metrics.csv"), TASKS)
+    flags = ("--task-set", ",".join(TASKS), "--minutes", "5", "--run", "multitask", *extra)
+    return task_rewards(run_micro_demo(out, *flags, timeout=360), TASKS)
 
 
 def neighbour_trap(out) -> str | None:

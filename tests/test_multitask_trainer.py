@@ -10,11 +10,12 @@ from collections import Counter
 
 import pytest
 import torch
+from trainlib import publish, tiny_config
 
 from agentarium.commands import trainer_cmd
 from agentarium.tiny import ensure_tiny_model
 from broker import provision
-from schemas import LLMCall, Trajectory, encode
+from schemas import LLMCall, Trajectory
 from trainer.checkpoint import Checkpoints
 from trainer.config import TrainerConfig
 from trainer.errors import TrainerConfigError
@@ -54,27 +55,14 @@ def group(
     return out
 
 
-async def publish(js, topology, trajectories: list[Trajectory]) -> None:
-    for t in trajectories:
-        await js.publish(topology.trajectory_subject(t.run, t.agent, t.job_id), encode(t))
-
-
 # "math" scores 0/1, "code" on a larger scale: the task normalisation has work to do
 MATH = [1.0, 0.0, 0.0, 0.0]
 CODE = [10.0, 0.0, 5.0, 0.0]
 
 
 def config(tmp_path, **overrides) -> TrainerConfig:
-    values = dict(
-        run=RUN,
-        agents=("math", "code"),
-        model_dir=str(ensure_tiny_model()),
-        group_size=4,
-        groups_per_step=2,
-        lr=1e-3,
-        metrics_path=str(tmp_path / "metrics.csv"),
-    )
-    return TrainerConfig(**{**values, **overrides})
+    values = dict(run=RUN, agents=("math", "code"), metrics_path=str(tmp_path / "metrics.csv"))
+    return tiny_config(**{**values, **overrides})
 
 
 class StepHook:

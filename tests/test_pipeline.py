@@ -10,7 +10,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from agentarium.demo.processes import Child, child_env, start_child
+from agentarium.demo.processes import Child, child_env, consumer_argv, start_child
 from agentarium.tiny import ensure_tiny_model
 from producers import TaskProducer, TrajectoryReader
 
@@ -33,22 +33,15 @@ def engine(tmp_path_factory, agentarium_home):
 
 def consumer(name: str, agent: str, nats_url: str, llm: str, log_dir: Path, *extra: str) -> Child:
     env = child_env(PYTHONPATH=os.pathsep.join([str(TESTS), str(ROOT)]))
-    return start_child(
-        name,
-        [
-            "consumer",
-            "--agent",
-            agent,
-            "--llm",
-            llm,
-            "--nats-url",
-            nats_url,
-            "--model",
-            str(ensure_tiny_model()),
-            *extra,
-        ],
-        log_dir,
-        env=env,
+    argv = consumer_argv(agent, llm, ensure_tiny_model(), nats_url, *extra)
+    return start_child(name, argv, log_dir, env=env)
+
+
+def slow_consumer(name: str, nats_url: str, engine: Child, log_dir: Path, *extra: str) -> Child:
+    """agentlib.slow's consumer with the shortest ack wait: what a killed one held comes back
+    within seconds."""
+    return consumer(
+        name, "slow=agentlib:slow", nats_url, engine.url, log_dir, "--ack-wait", "3", *extra
     )
 
 
@@ -108,32 +101,11 @@ async def test_two_consumer_processes_on_the_local_engine(js, topology, nats_url
 async def test_consumer_killed_mid_batch_loses_nothing(js, topology, nats_url, engine, tmp_path):
     tasks = [{"n": i, "sleep": 0.4} for i in range(16)]
     result = await TaskProducer(js, topology).submit("slow", tasks, run="kill")
-    first = consumer(
-        "victim",
-        "slow=agentlib:slow",
-        nats_url,
-        engine.url,
-        tmp_path,
-        "--concurrency",
-        "4",
-        "--ack-wait",
-        "3",
-    )
+    first = slow_consumer("victim", nats_url, engine, tmp_path, "--concurrency", "4")
     await wait_stored(js, topology, "kill", 4)
     first.kill()  # SIGKILL: in-flight jobs are neither acked nor released
     assert await stored_count(js, topology) < 16
-    second = consumer(
-        "rescuer",
-        "slow=agentlib:slow",
-        nats_url,
-        engine.url,
-        tmp_path,
-        "--burst",
-        "--concurrency",
-        "8",
-        "--ack-wait",
-        "3",
-    )
+    second = slow_consumer("rescuer", nats_url, engine, tmp_path, "--burst", "--concurrency", "8")
     assert await wait_exit(second) == 0
     trajs = await TrajectoryReader(js, topology).read("kill")
     assert sorted(t.job_id for t in trajs) == sorted(result.job_ids)
@@ -146,17 +118,7 @@ async def test_broker_restart_mid_batch(js, topology, nats_server, nats_url, eng
     first = await producer.submit(
         "slow", [{"n": i, "sleep": 0.2} for i in range(20)], run="restart"
     )
-    worker = consumer(
-        "survivor",
-        "slow=agentlib:slow",
-        nats_url,
-        engine.url,
-        tmp_path,
-        "--concurrency",
-        "4",
-        "--ack-wait",
-        "3",
-    )
+    worker = slow_consumer("survivor", nats_url, engine, tmp_path, "--concurrency", "4")
     try:
         await wait_stored(js, topology, "restart", 4)
         nats_server.stop()

@@ -10,6 +10,7 @@ import json
 import socket
 
 import aiohttp
+import anthropic
 import openai
 import pytest
 import structlog.testing
@@ -132,6 +133,39 @@ async def test_openai_sdk_records_what_a_direct_call_records(proxy, engine_backe
     assert response.usage.completion_tokens == len(got.response_ids)
     assert response.usage.total_tokens == len(got.prompt_ids) + len(got.response_ids)
     assert proxy.in_flight == []  # the with-block unregistered the rollout
+
+
+async def test_every_api_streamed_records_what_a_direct_call_records(
+    proxy, engine_backend, template
+):
+    """The local engine behind Chat Completions, Responses and Messages, all streamed: each
+    assembled text is the direct call's, each call's ids the engine's."""
+    direct = new_llm(engine_backend, template, job_id="job-8")
+    expected = await direct.chat(QUESTION, temperature=0.0, max_tokens=8)
+    llm = new_llm(engine_backend, template)
+    with proxy.register("job-7", llm) as endpoint:
+        sdk = client(endpoint)
+        chunks = await sdk.chat.completions.create(
+            model="tiny", messages=QUESTION, temperature=0.0, max_tokens=8, stream=True
+        )
+        chat_text = "".join([c.choices[0].delta.content or "" async for c in chunks])
+        events = await sdk.responses.create(
+            model="tiny", input=QUESTION, temperature=0.0, max_output_tokens=8, stream=True
+        )
+        kinds = [(e.type, getattr(e, "delta", "")) async for e in events]
+        responses_text = "".join(d for kind, d in kinds if kind == "response.output_text.delta")
+        claude = anthropic.AsyncAnthropic(
+            base_url=endpoint.removesuffix("/v1"), api_key="unused", max_retries=0
+        )
+        async with claude.messages.stream(
+            model="tiny", max_tokens=8, messages=QUESTION, extra_body={"temperature": 0.0}
+        ) as stream:
+            anthropic_text = "".join([text async for text in stream.text_stream])
+    assert len(llm.calls) == 3
+    for call, text in zip(llm.calls, (chat_text, responses_text, anthropic_text), strict=True):
+        assert call.prompt_ids == expected.call.prompt_ids
+        assert call.response_ids == expected.call.response_ids
+        assert text == expected.text == template.decode(call.response_ids, skip_special_tokens=True)
 
 
 async def test_sync_sdk_from_a_thread(proxy, engine_backend, template):
@@ -299,12 +333,16 @@ async def test_requests_the_proxy_cannot_serve_get_400(proxy, fake, template):
     backend = SGLangBackend([fake.url], backoff=0.0)
     llm = TracingLLM(backend, template, Sampling(max_new_tokens=4), "g", "job-7", "tiny")
     body = {"model": "tiny", "messages": QUESTION}
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     try:
         with proxy.register("job-7", llm) as endpoint:
             cases = {
-                "stream": {**body, "stream": True},
                 "n": {**body, "n": 3},
                 "no messages": {"model": "tiny"},
+                "image": {**body, "messages": [{"role": "user", "content": [image]}]},
+                "unknown field": {**body, "guided_grammar": "root ::= x"},
+                "forced tool": {**body, "tools": TOOLS, "tool_choice": "required"},
+                "logprobs": {**body, "logprobs": True},
             }
             why = {}
             async with aiohttp.ClientSession() as http:
@@ -314,10 +352,13 @@ async def test_requests_the_proxy_cannot_serve_get_400(proxy, fake, template):
                         why[name] = (await resp.json())["error"]["message"]
     finally:
         await backend.aclose()
-    assert "streaming is not supported" in why["stream"]
     assert "n > 1" in why["n"]
     assert "messages" in why["no messages"]
-    assert llm.calls == []
+    assert "'image_url' part" in why["image"] and "text model" in why["image"]
+    assert "'guided_grammar' is not supported" in why["unknown field"]
+    assert "cannot be enforced" in why["forced tool"]
+    assert "logprobs" in why["logprobs"]
+    assert llm.calls == [] and fake.count == 0
 
 
 async def test_backend_failures_map_to_http_errors(proxy, template):
@@ -329,10 +370,11 @@ async def test_backend_failures_map_to_http_errors(proxy, template):
             with pytest.raises(openai.InternalServerError) as info:
                 await client(endpoint).chat.completions.create(model="tiny", messages=QUESTION)
             assert info.value.status_code == 503
-            with pytest.raises(openai.BadRequestError, match="max_new_tokens must be >= 1"):
-                await client(endpoint).chat.completions.create(
-                    model="tiny", messages=QUESTION, max_tokens=0
-                )
+            for stream in (False, True):  # refused before a stream opens: a plain 400
+                with pytest.raises(openai.BadRequestError, match="max_new_tokens must be >= 1"):
+                    await client(endpoint).chat.completions.create(
+                        model="tiny", messages=QUESTION, max_tokens=0, stream=stream
+                    )
     finally:
         await backend.aclose()
 

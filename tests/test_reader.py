@@ -12,22 +12,17 @@ from dataclasses import replace
 
 import pytest
 import structlog
+from trainlib import short_call
 
 from agentarium.commands import trajectories_cmd as producers_cli
 from producers import StreamMissing, TrajectoryReader
-from schemas import LLMCall, Trajectory, encode, encode_json
+from schemas import Trajectory, encode, encode_json
 
 
 def trajectory(
     run: str, agent: str, job_id: str, *, status: str = "ok", reward: float | None = 1.0, **kw
 ) -> Trajectory:
-    call = LLMCall(
-        prompt_ids=[1, 2, 3],
-        response_ids=[4, 5],
-        response_logprobs=[-0.5, -0.25],
-        finish_reason="stop",
-        weight_version="3",
-    )
+    call = short_call(weight_version="3")
     return Trajectory(
         job_id=job_id,
         agent=agent,

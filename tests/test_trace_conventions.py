@@ -67,23 +67,6 @@ def capture(monkeypatch):
     return switch
 
 
-@pytest.fixture
-async def replying(template):
-    """Start fake SGLang servers whose reply is ``text`` as real tiny-tokenizer ids."""
-    started: list[FakeSGLang] = []
-
-    async def make(text: str = "five", **kwargs) -> FakeSGLang:
-        ids = template.encode(text) + [template.eos_token_ids[0]]
-        fake = FakeSGLang(reply=lambda body: (ids, text), **kwargs)
-        await fake.start()
-        started.append(fake)
-        return fake
-
-    yield make
-    for fake in started:
-        await fake.close()
-
-
 def chat_spans(exporter, name: str = "chat tiny") -> list:
     return [s for s in exporter.get_finished_spans() if s.name == name]
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainlib import one_call_group, publish
+from trainlib import one_call_group, publish, tiny_config
 
 from agentarium.commands.trainer_cmd import add_trainer_arguments, config_from_args
 from agentarium.tiny import ensure_tiny_model
@@ -113,14 +113,10 @@ def config(tmp_path, **overrides) -> TrainerConfig:
     values = dict(
         run=RUN,
         agent=AGENT,
-        model_dir=str(ensure_tiny_model()),
-        group_size=4,
-        groups_per_step=2,
-        lr=1e-3,
         metrics_path=str(tmp_path / "run" / "metrics.csv"),
         report_to="csv,tensorboard,wandb,mlflow",
     )
-    return TrainerConfig(**{**values, **overrides})
+    return tiny_config(**{**values, **overrides})
 
 
 async def test_every_tracker_reads_back_the_csv_values_under_the_same_names(

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from trainlib import one_call_group, publish
+from trainlib import one_call_group, publish, tiny_config
 
 from agentarium.commands.trainer_cmd import add_trainer_arguments, config_from_args
 from agentarium.tiny import ensure_tiny_model
@@ -52,16 +52,9 @@ async def publish_groups(js, topology, groups: int, *, version="default", prefix
 
 
 def config(tmp_path, **overrides) -> TrainerConfig:
-    values = dict(
-        run=RUN,
-        agent=AGENT,
-        model_dir=str(ensure_tiny_model()),
-        group_size=4,
-        groups_per_step=2,
-        lr=1e-3,
-        metrics_path=str(tmp_path / "metrics.csv"),
+    return tiny_config(
+        **{"run": RUN, "agent": AGENT, "metrics_path": str(tmp_path / "metrics.csv"), **overrides}
     )
-    return TrainerConfig(**{**values, **overrides})
 
 
 async def test_publishes_versions_links_trajectories_and_writes_metrics(

@@ -4,18 +4,15 @@ never enter a step; SIGTERM checkpoints and exits 0."""
 
 from __future__ import annotations
 
-import asyncio
-import json
-import os
 import signal
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from trainlib import TrainerChild, publish
 
 from agentarium.tiny import ensure_tiny_model
-from schemas import LLMCall, Trajectory, WeightUpdate, decode, encode
+from schemas import LLMCall, Trajectory, WeightUpdate, decode
 from trainer.checkpoint import Checkpoints
 from trainer.metrics import read_metrics
 
@@ -81,83 +78,10 @@ def validation(n: int) -> list[Trajectory]:
     ]
 
 
-async def publish(js, topology, items) -> None:
-    for t in items:
-        await js.publish(topology.trajectory_subject(t.run, t.agent, t.job_id), encode(t))
-
-
-class TrainerProcess:
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
-        self.proc = proc
-        self.events: list[dict] = []
-
-    @classmethod
-    async def start(cls, nats_url: str, tmp: Path, *extra: str) -> TrainerProcess:
-        args = [
-            sys.executable,
-            "-m",
-            "agentarium",
-            "trainer",
-            "--nats-url",
-            nats_url,
-            "--run",
-            RUN,
-            "--agent",
-            AGENT,
-            "--model",
-            str(ensure_tiny_model()),
-            "--group-size",
-            "4",
-            "--groups-per-step",
-            "2",
-            "--lr",
-            "1e-3",
-            "--max-staleness",
-            "1000",
-            "--checkpoint-dir",
-            str(tmp / "ckpt"),
-            "--metrics",
-            str(tmp / "m.csv"),
-            "--torch-threads",
-            "1",
-            *extra,
-        ]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "AGENTARIUM_LOG_FORMAT": "json"}
-        proc = await asyncio.create_subprocess_exec(
-            *args,
-            cwd=ROOT,
-            env=env,
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        return cls(proc)
-
-    async def wait_for(self, event: str, timeout: float = 120.0, **fields) -> dict:
-        async with asyncio.timeout(timeout):
-            while True:
-                line = await self.proc.stderr.readline()
-                if not line:
-                    raise AssertionError(
-                        f"trainer exited before {event} {fields}: {self.events[-5:]}"
-                    )
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue
-                self.events.append(record)
-                if record.get("event") == event and all(
-                    record.get(k) == v for k, v in fields.items()
-                ):
-                    return record
-
-    async def exit_code(self, timeout: float = 120.0) -> int:
-        async with asyncio.timeout(timeout):
-            while line := await self.proc.stderr.readline():
-                try:
-                    self.events.append(json.loads(line))
-                except ValueError:
-                    pass
-            return await self.proc.wait()
+async def trainer(nats_url: str, tmp: Path, *flags: str) -> TrainerChild:
+    return await TrainerChild.start(
+        nats_url, tmp, "--groups-per-step", "2", *flags, run=RUN, agent=AGENT
+    )
 
 
 @pytest.fixture
@@ -173,9 +97,7 @@ async def test_sigkill_then_resume_trains_every_trajectory_exactly_once(
         trajectories(range(6, 10), errors=True),
     )
     await publish(js, topology, first_batch + validation(4))  # enough for three steps of 2 groups
-    first = await TrainerProcess.start(
-        nats_url, tmp_path, "--checkpoint-every", "2", "--max-steps", "5"
-    )
+    first = await trainer(nats_url, tmp_path, "--checkpoint-every", "2", "--max-steps", "5")
     await first.wait_for("checkpoint saved", step=2)
     await first.wait_for("step done", step=3)  # trained, not checkpointed; then waits for data
     first.proc.send_signal(signal.SIGKILL)
@@ -184,7 +106,7 @@ async def test_sigkill_then_resume_trains_every_trajectory_exactly_once(
     kv = await js.key_value(topology.policy_bucket)
     last = decode(WeightUpdate, (await kv.get(RUN)).value).version  # 2 or 3: killed around there
     await publish(js, topology, second_batch + validation(8)[4:])
-    second = await TrainerProcess.start(
+    second = await trainer(
         nats_url, tmp_path, "--checkpoint-every", "2", "--max-steps", "5", "--resume"
     )
     resumed = await second.wait_for("resumed")
@@ -205,7 +127,7 @@ async def test_sigkill_then_resume_trains_every_trajectory_exactly_once(
     assert consumed == {t.job_id for t in first_batch + second_batch if not t.ok}
     assert not any(j.startswith("val-") for j in trained | Counter(consumed))
     # step 3 ran twice (killed before its checkpoint): the CSV keeps the resumed one
-    assert [int(r["step"]) for r in read_metrics(tmp_path / "m.csv")] == [1, 2, 3, 4, 5]
+    assert [int(r["step"]) for r in read_metrics(tmp_path / "metrics.csv")] == [1, 2, 3, 4, 5]
     info = await js.consumer_info(topology.trajectories_stream, f"trainer-{RUN}-{AGENT}")
     assert info.num_ack_pending == 0 and info.num_pending == 0
 
@@ -214,7 +136,7 @@ async def test_sigterm_checkpoints_pending_steps_and_exits_zero(
     js, topology, nats_url, tmp_path, model_dir
 ):
     await publish(js, topology, trajectories(range(2)))
-    proc = await TrainerProcess.start(nats_url, tmp_path, "--checkpoint-every", "100")
+    proc = await trainer(nats_url, tmp_path, "--checkpoint-every", "100")
     await proc.wait_for("step done", step=1)
     proc.proc.send_signal(signal.SIGTERM)
     assert await proc.exit_code() == 0

@@ -31,7 +31,6 @@ import asyncio
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import nats.errors
 import nats.js.errors
@@ -46,7 +45,7 @@ from schemas import SchemaError, Trajectory, check_name, decode
 from .batch import refusal
 from .config import TrainerConfig
 from .errors import TrainerConfigError
-from .groups import ACK_NOW, INVALID, LATE, Group, GroupBuffer
+from .groups import ACK_NOW, INVALID, LATE, Group, GroupBuffer, Selection
 
 log = structlog.get_logger("agentarium.trainer")
 
@@ -104,6 +103,16 @@ class CollectorConfig:
             max_deliver=-1,
             max_ack_pending=self.max_ack_pending,
         )
+
+
+async def wait_for_any(events: Iterable[asyncio.Event | None], *, timeout: float) -> None:
+    """Return once one of ``events`` is set, or after ``timeout`` seconds (None: not waited on)."""
+    waiters = [asyncio.create_task(e.wait()) for e in events if e is not None]
+    try:
+        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
 
 
 class Collector:
@@ -206,13 +215,8 @@ class Collector:
     async def take(
         self,
         n: int,
+        selection: Selection,
         *,
-        version: int,
-        max_staleness: int,
-        stale_policy: str = "drop",
-        filter_flat: bool = False,
-        std_norm: bool = True,
-        eps: float = 1e-6,
         stop: asyncio.Event | None = None,
         timeout: float | None = None,
     ) -> list[Group] | None:
@@ -222,15 +226,7 @@ class Collector:
         chosen: list[Group] = []
         while True:
             self._changed.clear()
-            chosen += await self.gather(
-                n - len(chosen),
-                version=version,
-                max_staleness=max_staleness,
-                stale_policy=stale_policy,
-                filter_flat=filter_flat,
-                std_norm=std_norm,
-                eps=eps,
-            )
+            chosen += await self.gather(n - len(chosen), selection)
             if len(chosen) == n:
                 return chosen
             if stop is not None and stop.is_set():
@@ -242,22 +238,15 @@ class Collector:
                 if wait <= 0:
                     self.buffer.requeue(chosen)
                     raise TimeoutError(f"{len(chosen)} of {n} groups ready: {self!r}")
-            waiters = [asyncio.create_task(self._changed.wait())]
-            if stop is not None:
-                waiters.append(asyncio.create_task(stop.wait()))
-            try:
-                await asyncio.wait(waiters, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for waiter in waiters:
-                    waiter.cancel()
+            await wait_for_any([self._changed, stop], timeout=wait)
 
-    async def gather(self, n: int, **select: Any) -> list[Group]:
+    async def gather(self, n: int, selection: Selection) -> list[Group]:
         """Up to n usable groups now, without waiting: expired and dropped groups are acked on
-        the way (``select``: GroupBuffer.select's keyword arguments)."""
+        the way."""
         await self._ack_dropped(self.buffer.expire(self.clock()))
         if n <= 0:
             return []
-        got, dropped = self.buffer.select(n, **select)
+        got, dropped = self.buffer.select(n, selection)
         await self._ack_dropped(dropped)
         if got or dropped:
             self._taken.set()

@@ -36,12 +36,15 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from schemas import SchemaError, Trajectory, version_number
 
 from .batch import Sample, advantages, refusal
 from .config import OVERLONG
+
+if TYPE_CHECKING:
+    from .config import TrainerConfig
 
 # What ``add`` did with a trajectory; the first four mean "ack it now".
 VALIDATION, DUPLICATE, LATE, INVALID = "validation", "duplicate", "late", "invalid"
@@ -49,6 +52,35 @@ BUFFERED, REDELIVERED = "buffered", "redelivered"
 ACK_NOW = frozenset({VALIDATION, DUPLICATE, LATE, INVALID})
 
 _CLOSED_MEMORY = 200_000  # group ids remembered as closed (late members are recognised)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Selection:
+    """What ``select`` takes for a step: the rules above at the trainer's current ``version``.
+
+    One value passed from the loop through the collectors to the buffer, so the rules are named
+    once and not handed along keyword by keyword."""
+
+    version: int
+    max_staleness: int
+    stale_policy: str = "drop"  # or "tis": kept with truncated importance weights
+    filter_flat: bool = False
+    std_norm: bool = True
+    eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        assert self.stale_policy in ("drop", "tis"), self.stale_policy
+
+    @classmethod
+    def of(cls, config: TrainerConfig, *, version: int) -> Selection:
+        return cls(
+            version=version,
+            max_staleness=config.max_staleness,
+            stale_policy=config.stale_policy,
+            filter_flat=config.filter_flat_groups,
+            std_norm=config.std_norm,
+            eps=config.adv_eps,
+        )
 
 
 @dataclass(eq=False)
@@ -274,19 +306,8 @@ class GroupBuffer:
                 dropped.append(group)
         return dropped
 
-    def select(
-        self,
-        n: int,
-        *,
-        version: int,
-        max_staleness: int,
-        stale_policy: str = "drop",
-        filter_flat: bool = False,
-        std_norm: bool = True,
-        eps: float = 1e-6,
-    ) -> tuple[list[Group], list[Group]]:
+    def select(self, n: int, selection: Selection) -> tuple[list[Group], list[Group]]:
         """Up to n groups for the next step, oldest first, and the groups dropped on the way."""
-        assert stale_policy in ("drop", "tis"), stale_policy
         c = self.counters
         chosen: list[Group] = []
         dropped: list[Group] = []
@@ -306,20 +327,20 @@ class GroupBuffer:
                 c.dropped_small += 1
                 dropped.append(group)
                 continue
-            if filter_flat and max(rewards) - min(rewards) <= 1e-12:
+            if selection.filter_flat and max(rewards) - min(rewards) <= 1e-12:
                 c.dropped_flat += 1
                 dropped.append(group)
                 continue
-            advs = advantages(rewards, std_norm=std_norm, eps=eps)
+            advs = advantages(rewards, std_norm=selection.std_norm, eps=selection.eps)
             group.samples, group.staleness, group.stale_dropped = [], [], 0
             for member, adv in zip(ok, advs, strict=True):
                 if member.cross_only:
                     c.cross_only += 1
                     continue
-                stale = version - member.version if member.version is not None else 0
+                stale = selection.version - member.version if member.version is not None else 0
                 group.staleness.append(stale)
-                too_old = stale > max_staleness
-                if too_old and stale_policy == "drop":
+                too_old = stale > selection.max_staleness
+                if too_old and selection.stale_policy == "drop":
                     group.stale_dropped += 1
                     continue
                 group.samples.append(Sample(member.trajectory, adv, stale, too_old))

@@ -56,7 +56,7 @@ from .checkpoint import Checkpoints, NoCheckpoints, restore_rng
 from .config import TrainerConfig
 from .draws import Draws, NoDraws
 from .errors import TrainerConfigError
-from .groups import Group
+from .groups import Group, Selection
 from .live import LiveMetrics
 from .metrics import MetricsSink, StepMetrics
 from .prometheus import BUFFERS
@@ -157,12 +157,7 @@ class Trainer:
                 self.draws.begin(self.step + 1)
                 groups = await collector.take(
                     cfg.groups_per_step,
-                    version=self.version,
-                    max_staleness=cfg.max_staleness,
-                    stale_policy=cfg.stale_policy,
-                    filter_flat=cfg.filter_flat_groups,
-                    std_norm=cfg.std_norm,
-                    eps=cfg.adv_eps,
+                    Selection.of(cfg, version=self.version),
                     stop=self._stop,
                     draws=self.draws,
                 )

@@ -28,10 +28,10 @@ from nats.js import JetStreamContext
 from broker import Topology, count_messages
 from schemas import check_name
 
-from .collector import Collector, CollectorConfig
+from .collector import Collector, CollectorConfig, wait_for_any
 from .config import TrainerConfig
 from .draws import Draws, NoDraws
-from .groups import BufferCounters, Group
+from .groups import BufferCounters, Group, Selection
 from .mix import compose, quotas
 
 log = structlog.get_logger("agentarium.trainer")
@@ -98,40 +98,24 @@ class TaskCollector:
     async def take(
         self,
         n: int,
+        selection: Selection,
         *,
-        version: int,
-        max_staleness: int,
-        stale_policy: str = "drop",
-        filter_flat: bool = False,
-        std_norm: bool = True,
-        eps: float = 1e-6,
         stop: asyncio.Event | None = None,
-        timeout: float | None = None,
         draws: Draws | NoDraws | None = None,
     ) -> list[Group] | None:
         """Wait for one step's n groups, composed by the mix (oldest first). None if ``stop``
-        was set first; on ``timeout`` a TimeoutError, every group held going back. With
-        ``draws`` (dynamic sampling, trainer/draws.py) every group the selection drops is
-        replaced by one asked from the producers, and once the step's bound is reached it
-        takes the groups it holds."""
+        was set first, every group held going back. With ``draws`` (dynamic sampling,
+        trainer/draws.py) every group the selection drops is replaced by one asked from the
+        producers, and once the step's bound is passed it takes the groups it holds."""
         draws = draws if draws is not None else NoDraws()
         started = time.monotonic()
-        deadline = None if timeout is None else started + timeout
         task_deadline = started + self.task_wait_s
         held: dict[str, list[Group]] = {a: [] for a in self.agents}
         while True:
             for agent, collector in self.collectors.items():
                 collector.changed.clear()
                 dropped = collector.counters.dropped_at_select
-                held[agent] += await collector.gather(
-                    n - len(held[agent]),
-                    version=version,
-                    max_staleness=max_staleness,
-                    stale_policy=stale_policy,
-                    filter_flat=filter_flat,
-                    std_norm=std_norm,
-                    eps=eps,
-                )
+                held[agent] += await collector.gather(n - len(held[agent]), selection)
                 held[agent].sort(key=_age)
                 await draws.replace(
                     agent,
@@ -164,20 +148,11 @@ class TaskCollector:
             wait = self.collectors[self.agents[0]].config.fetch_timeout_s
             if self.weights is not None and now < task_deadline:
                 wait = min(wait, task_deadline - now)
-            if deadline is not None:
-                wait = min(wait, deadline - now)
-                if wait <= 0:
-                    self._requeue(held)
-                    got = sum(len(g) for g in held.values())
-                    raise TimeoutError(f"{got} of {n} groups ready: {self!r}")
-            waiters = [asyncio.create_task(c.changed.wait()) for c in self.collectors.values()]
-            if stop is not None:
-                waiters.append(asyncio.create_task(stop.wait()))
-            try:
-                await asyncio.wait(waiters, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for waiter in waiters:
-                    waiter.cancel()
+            await wait_for_any([*self._changed, stop], timeout=wait)
+
+    @property
+    def _changed(self) -> list[asyncio.Event]:
+        return [c.changed for c in self.collectors.values()]
 
     def _hand_out(
         self, n: int, held: dict[str, list[Group]], plan: dict[str, int], *, waited: float
@@ -226,12 +201,7 @@ class TaskCollector:
         """Wait until n trajectories, all agents together, have been delivered (tests)."""
         async with asyncio.timeout(timeout):
             while self.counters.received < n:
-                waiters = [asyncio.create_task(c.changed.wait()) for c in self.collectors.values()]
-                try:
-                    await asyncio.wait(waiters, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    for waiter in waiters:
-                        waiter.cancel()
+                await wait_for_any(self._changed, timeout=0.5)
 
 
 def _power_of_ten(n: int) -> bool:

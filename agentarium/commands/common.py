@@ -1,5 +1,5 @@
-"""What every command shares: the parser class, the NATS connection flags, running an async
-body with logging and tracing set up, and stop signals.
+"""What every command shares: the parser class, the NATS connection flags, and running an
+async body with logging and tracing set up (what the long-running ones share more: service.py).
 
 Every command is a module ``<name>_cmd.py`` in this package with ``register(subparsers)``;
 ``agentarium.cli`` finds them, so adding a command touches no other file. A command sets
@@ -11,14 +11,11 @@ every documented command line.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import signal
 import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 from broker import (
-    MetricsServer,
     NatsSettings,
     run_loop,
     setup_logging,
@@ -96,34 +93,6 @@ def add_nats_flags(parser: argparse.ArgumentParser) -> None:
     add_settings(group, NatsSettings, prefix=NATS_PREFIX)
 
 
-def add_metrics_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group(
-        "metrics and probes",
-        "Prometheus /metrics plus /healthz (liveness) and /readyz (readiness) for Kubernetes.",
-    )
-    group.add_argument(
-        "--metrics-port",
-        type=int,
-        default=None,
-        metavar="PORT",
-        help="serve /metrics, /healthz and /readyz on this port; 0 picks a free one (logged as "
-        "'metrics listening'); default: off",
-    )
-    group.add_argument(
-        "--metrics-host",
-        default="0.0.0.0",
-        metavar="HOST",
-        help="bind address of the metrics server (default %(default)s)",
-    )
-
-
-def metrics_server(args: argparse.Namespace) -> MetricsServer | None:
-    """The server ``--metrics-port`` asks for, not started yet; None when the flag is absent."""
-    if args.metrics_port is None:
-        return None
-    return MetricsServer(args.metrics_port, host=args.metrics_host)
-
-
 def settings_from_args(args: argparse.Namespace) -> NatsSettings:
     flags = settings.keys(NatsSettings, NATS_PREFIX)
     return NatsSettings.from_env(
@@ -143,13 +112,6 @@ def run_async(body: Callable[[], Coroutine[Any, Any, int]], *, service: str) -> 
         shutdown_tracing()
 
 
-def install_stop_handlers(stop: Callable[[], None]) -> None:
-    """SIGTERM and SIGINT call ``stop`` (drain) instead of killing the loop."""
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop)
-
-
 def connection_flags(reason: str | None = None) -> dict[str, str]:
     """The NATS connection flags as key-less flags, for ``ConfigKeys.keyless``."""
     reason = reason or (
@@ -158,15 +120,4 @@ def connection_flags(reason: str | None = None) -> dict[str, str]:
     )
     parser = argparse.ArgumentParser(add_help=False)
     add_nats_flags(parser)
-    return {action.dest: reason for action in parser._actions}
-
-
-def metrics_flags() -> dict[str, str]:
-    """The metrics-server flags as key-less flags, for ``ConfigKeys.keyless``."""
-    reason = (
-        "where this process serves /metrics and probes belongs to its deployment (the "
-        "manifest's ports), not to the run's settings"
-    )
-    parser = argparse.ArgumentParser(add_help=False)
-    add_metrics_flags(parser)
     return {action.dest: reason for action in parser._actions}

@@ -27,23 +27,15 @@ from consumers import (
 )
 from schemas import settings
 
-from ..config import ConfigKeys, add_config_arguments, add_settings, resolve
+from ..config import add_config_arguments, add_settings, resolve
 from ..tiny import resolve_model
-from .common import (
-    add_metrics_flags,
-    add_nats_flags,
-    connection_flags,
-    install_stop_handlers,
-    metrics_flags,
-    metrics_server,
-    run_async,
-    settings_from_args,
-)
+from .common import run_async, settings_from_args
+from .service import add_service_flags, install_stop_handlers, probes, service_keys
 
 log = structlog.get_logger("agentarium.cli")
 
 
-KEYS = ConfigKeys.of("consumer", ConsumerProcess, keyless={**connection_flags(), **metrics_flags()})
+KEYS = service_keys("consumer", ConsumerProcess)
 
 
 def config_from_args(args: argparse.Namespace) -> tuple[ConsumerProcess, dict]:
@@ -91,20 +83,14 @@ async def consume(args: argparse.Namespace, config: ConsumerProcess, source: dic
         nats=nats_settings.redacted(),
     )
     nc = await nats_settings.connect(name=f"agentarium-consumer-{name}")
-    metrics = metrics_server(args)
     try:
         service = ConsumerService(nc.jetstream(), Topology(nats_settings.prefix), spec)
-        if metrics is not None:
-            metrics.readiness("nats", lambda: nc.is_connected)
-            metrics.readiness("consumer", lambda: service.ready)
-            await metrics.start()
-        await service.start()
-        tune_gc()  # after start-up: what exists now is frozen (broker/gc_tuning.py)
-        install_stop_handlers(service.drain)
-        counters = await service.wait()
+        async with probes(args, nc, "consumer", lambda: service.ready):
+            await service.start()
+            tune_gc()  # after start-up: what exists now is frozen (broker/gc_tuning.py)
+            install_stop_handlers(service.drain)
+            counters = await service.wait()
     finally:
-        if metrics is not None:
-            await metrics.close()
         await nc.close()
     print(f"worker {spec.settings.worker_id}: {format_counters(counters)}", file=sys.stderr)
     if config.consumer.burst and counters.failed:
@@ -142,7 +128,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         "overrides); the resolved ones are logged once.",
     )
     add_settings(p, ConsumerProcess)
-    add_metrics_flags(p)
     add_config_arguments(p, KEYS)
-    add_nats_flags(p)
+    add_service_flags(p)
     p.set_defaults(func=cmd_consumer)

@@ -8,7 +8,8 @@ from agentarium.dashboard import DashboardConfig, run_dashboard
 from schemas import settings
 
 from ..config import add_settings, flag_values
-from .common import add_metrics_flags, add_nats_flags, metrics_server, run_async, settings_from_args
+from .common import run_async, settings_from_args
+from .service import add_service_flags, metrics_server
 
 
 def config_from_args(args: argparse.Namespace) -> DashboardConfig:
@@ -41,6 +42,5 @@ def register(sub: argparse._SubParsersAction) -> None:
         "latest dead letters. Open http://127.0.0.1:8266/ after starting it.",
     )
     add_settings(parser, DashboardConfig)
-    add_metrics_flags(parser)
-    add_nats_flags(parser)
+    add_service_flags(parser)
     parser.set_defaults(func=cmd_dashboard, check=check)

@@ -31,18 +31,9 @@ from environments import (
 )
 from schemas import check_settings, section, setting, settings
 
-from ..config import ConfigKeys, add_config_arguments, add_settings, resolve
-from .common import (
-    add_command_group,
-    add_metrics_flags,
-    add_nats_flags,
-    connection_flags,
-    install_stop_handlers,
-    metrics_flags,
-    metrics_server,
-    run_async,
-    settings_from_args,
-)
+from ..config import add_config_arguments, add_settings, resolve
+from .common import add_command_group, add_nats_flags, run_async, settings_from_args
+from .service import add_service_flags, install_stop_handlers, probes, service_keys
 
 log = structlog.get_logger("agentarium.cli")
 
@@ -111,10 +102,8 @@ class EnvBridgeConfig:
         check_settings(self)
 
 
-KEYS = ConfigKeys.of("env serve", EnvServeConfig, keyless={**connection_flags(), **metrics_flags()})
-BRIDGE_KEYS = ConfigKeys.of(
-    "env bridge", EnvBridgeConfig, keyless={**connection_flags(), **metrics_flags()}
-)
+KEYS = service_keys("env serve", EnvServeConfig)
+BRIDGE_KEYS = service_keys("env bridge", EnvBridgeConfig)
 
 
 def config_from_args(args: argparse.Namespace) -> tuple[EnvServeConfig, dict]:
@@ -152,30 +141,24 @@ async def run_worker(
         print(f"error: {exc}", file=sys.stderr)
         return 2
     nc = await settings.connect(name=f"agentarium-env-{config.name}")
-    metrics = metrics_server(args)
     try:
         worker = EnvWorker(nc, Topology(settings.prefix), cls, config, options)
-        if metrics is not None:
-            metrics.readiness("nats", lambda: nc.is_connected)
-            metrics.readiness("environment", lambda: worker.ready)
-            await metrics.start()
-        if before is not None:
-            await before()
-        try:
-            await worker.start()
-        except ValueError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        install_stop_handlers(worker.drain)
-        print(
-            f"environment {config.name}: worker {config.worker_id} serving "
-            f"{config.capacity} sessions on {worker.start_subject}",
-            flush=True,
-        )
-        counters = await worker.wait()
+        async with probes(args, nc, "environment", lambda: worker.ready):
+            if before is not None:
+                await before()
+            try:
+                await worker.start()
+            except ValueError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return 2
+            install_stop_handlers(worker.drain)
+            print(
+                f"environment {config.name}: worker {config.worker_id} serving "
+                f"{config.capacity} sessions on {worker.start_subject}",
+                flush=True,
+            )
+            counters = await worker.wait()
     finally:
-        if metrics is not None:
-            await metrics.close()
         await nc.close()
     print(
         f"worker {config.worker_id}: starts={counters.starts} steps={counters.steps} "
@@ -300,9 +283,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "subclass of environments.Environment)",
     )
     add_settings(p, EnvServeConfig)
-    add_metrics_flags(p)
     add_config_arguments(p, KEYS)
-    add_nats_flags(p)
+    add_service_flags(p)
     p.set_defaults(func=cmd_serve)
 
     b = esub.add_parser(
@@ -316,9 +298,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "concurrency (checked at start). Field mapping: docs/design.md, 'The AgentBench bridge'.",
     )
     add_settings(b, EnvBridgeConfig)
-    add_metrics_flags(b)
     add_config_arguments(b, BRIDGE_KEYS)
-    add_nats_flags(b)
+    add_service_flags(b)
     b.set_defaults(func=cmd_bridge)
 
     s = esub.add_parser(

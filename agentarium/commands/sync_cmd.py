@@ -13,13 +13,8 @@ from consumers import SyncConfig, run_sync
 from schemas import section, setting
 
 from ..config import ConfigKeys, add_settings, resolve
-from .common import (
-    add_metrics_flags,
-    add_nats_flags,
-    metrics_server,
-    run_async,
-    settings_from_args,
-)
+from .common import run_async, settings_from_args
+from .service import add_service_flags, metrics_server
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,6 +68,5 @@ def register(sub: argparse._SubParsersAction) -> None:
         "pause -> /update_weights_from_disk -> continue (SGLang and the local engine alike).",
     )
     add_sync_arguments(parser)
-    add_metrics_flags(parser)
-    add_nats_flags(parser)
+    add_service_flags(parser)
     parser.set_defaults(func=cmd_sync)

@@ -16,25 +16,16 @@ from broker import NatsSettings
 from schemas import settings
 from trainer import TrainerConfig, TrainerProcess
 
-from ..config import ConfigKeys, Resolved, add_config_arguments, add_settings, resolve
+from ..config import Resolved, add_config_arguments, add_settings, resolve
 from ..tiny import resolve_model
-from .common import (
-    add_metrics_flags,
-    add_nats_flags,
-    connection_flags,
-    metrics_flags,
-    metrics_server,
-    run_async,
-    settings_from_args,
-)
+from .common import run_async, settings_from_args
+from .service import add_service_flags, metrics_server, service_keys
 
-KEYS = ConfigKeys.of(
+KEYS = service_keys(
     "trainer",
     TrainerConfig,
     TrainerProcess,
     keyless={
-        **connection_flags(),
-        **metrics_flags(),
         "resume": "what this start does with the checkpoint directory, not a setting of the run: "
         "the config.yaml written there starts the run again, and with --resume continues it",
     },
@@ -108,6 +99,5 @@ def register(sub: argparse._SubParsersAction) -> None:
         "resolved ones are logged once and written to <checkpoint-dir>/config.yaml.",
     )
     add_trainer_arguments(parser)
-    add_metrics_flags(parser)
-    add_nats_flags(parser)
+    add_service_flags(parser)
     parser.set_defaults(func=cmd_trainer)

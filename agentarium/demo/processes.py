@@ -41,20 +41,41 @@ class Child:
         return self.url
 
     def terminate(self, timeout_s: float = 30.0) -> int | None:
-        """SIGTERM (the consumer drains), then SIGKILL if it does not exit in time."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return terminate(self.proc, timeout_s)
 
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+def consumer_argv(agent: str, llm: str, model: str | Path, nats_url: str, *extra: str) -> list[str]:
+    """``agentarium consumer``'s arguments: ``agent`` (``NAME=module:function``) on the LLM
+    server ``llm`` serving ``model``."""
+    return [
+        "consumer",
+        "--agent",
+        agent,
+        "--llm",
+        llm,
+        "--model",
+        str(model),
+        "--nats-url",
+        nats_url,
+        *extra,
+    ]
+
+
+def terminate(proc: subprocess.Popen, timeout_s: float) -> int | None:
+    """SIGTERM (a service drains), then SIGKILL if it does not exit in time; its exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
 
 
 def child_env(**extra: str) -> dict[str, str]:

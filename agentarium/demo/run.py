@@ -54,7 +54,7 @@ from trainer import TASK_ADV_NORMS
 
 from ..progress import ProgressBar, StatusLine
 from ..tiny import ensure_tiny_model
-from .processes import Child, start_child
+from .processes import Child, consumer_argv, start_child
 from .report import report, task_column
 from .tasks import FAMILIES, digit_tasks, parse_task_set, split_groups
 
@@ -372,19 +372,15 @@ def run_demo(args: DemoConfig) -> int:
             children.append(
                 start_child(
                     f"consumer-{i}" if not args.task_set else f"consumer-{name}-{i}",
-                    [
-                        "consumer",
-                        "--agent",
+                    consumer_argv(
                         f"{name}={agent}",
-                        "--llm",
                         engine.url,
-                        "--model",
-                        str(model_dir),
+                        model_dir,
+                        server.url,
                         "--concurrency",
                         str(args.concurrency),
                         *(["--lora", args.run] if args.lora_rank else []),
-                        *nats,
-                    ],
+                    ),
                     logs,
                 )
             )
@@ -436,8 +432,12 @@ async def _provision(url: str, agents: tuple[str, ...]) -> None:
     await nc.close()
 
 
-def trainer_argv(args: DemoConfig, model_dir: Path, out: Path, nats_url: str) -> list[str]:
-    """``agentarium trainer``'s arguments: one ``--agent`` per agent the demo serves."""
+def trainer_argv(
+    args: DemoConfig, model_dir: Path, out: Path, nats_url: str, *, checkpoints: bool = True
+) -> list[str]:
+    """``agentarium trainer``'s arguments: one ``--agent`` per agent the demo serves; without
+    ``checkpoints`` no checkpoint directory (groups are acked at once, as bench/async_vs_sync.py
+    measures)."""
     return [
         "trainer",
         "--run",
@@ -468,8 +468,7 @@ def trainer_argv(args: DemoConfig, model_dir: Path, out: Path, nats_url: str) ->
         ],
         "--metrics",
         str(out / "metrics.csv"),
-        "--checkpoint-dir",
-        str(out / "checkpoints"),
+        *(["--checkpoint-dir", str(out / "checkpoints")] if checkpoints else []),
         "--max-steps",
         str(args.steps),
         "--torch-threads",

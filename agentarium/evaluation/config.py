@@ -14,7 +14,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from consumers import ConsumerSettings, RolloutSettings
-from schemas import Sampling, SchemaError, check_name, check_settings, section, setting, settings
+from schemas import (
+    DEFAULT_DEADLINE_S,
+    Sampling,
+    SchemaError,
+    check_name,
+    check_settings,
+    section,
+    setting,
+    settings,
+)
 
 LLM = "LLM (in-process consumer)"
 
@@ -78,7 +87,7 @@ class EvalConfig:
         None, metavar="RUN", help="run id (default: derived from agent, tasks, k and models)"
     )
     concurrency: int = _consumer_setting("concurrency")
-    deadline_s: float = setting(600.0, gt=0, help="per rollout")
+    deadline_s: float = setting(DEFAULT_DEADLINE_S, gt=0, help="per rollout")
     max_new_tokens: int | None = setting(
         None, help=f"tokens per LLM call (default {Sampling().max_new_tokens})"
     )

@@ -38,7 +38,7 @@ from consumers import (
     load_callable,
     normalize_urls,
 )
-from producers import RunSession, TrajectoryReader, make_job, task_id_of
+from producers import JobOptions, RunSession, TrajectoryReader, make_job, task_id_of
 from producers import read_task_file as load_task_file
 from schemas import Job, Sampling, SchemaError, Trajectory, check_name
 from schemas import settings as schema_settings
@@ -115,11 +115,13 @@ def job_for(run: str, task: dict, task_id: str, attempt: int, retry: int, cfg: E
         batch_id=batch,
         group_batch_id=BATCH,  # a retry stays in its task's group
         sample_index=attempt,
-        group_size=cfg.k,
-        is_train=False,
-        sampling=sampling,
-        deadline_s=cfg.deadline_s,
-        metadata={"eval": True, "retry": retry},
+        options=JobOptions(
+            group_size=cfg.k,
+            is_train=False,
+            sampling=sampling,
+            deadline_s=cfg.deadline_s,
+            metadata={"eval": True, "retry": retry},
+        ),
     )
 
 

@@ -25,6 +25,7 @@ import numpy as np
 from producers import (
     AGENT_COLUMN,
     SOURCE_COLUMN,
+    JobOptions,
     RoutingProblem,
     TaskRow,
     Unrouted,
@@ -32,7 +33,7 @@ from producers import (
     expand_rows,
     task_id_of,
 )
-from schemas import Job, Sampling, SchemaError
+from schemas import Job, SchemaError
 
 AGENT_COLUMNS = (AGENT_COLUMN, SOURCE_COLUMN)
 _SHOW = 5  # rows named in an error message
@@ -219,24 +220,12 @@ def expand(
     *,
     run: str,
     batch_id: str,
-    group_size: int,
-    is_train: bool,
-    sampling: Sampling | None = None,
-    deadline_s: float = 600.0,
-    metadata: Mapping[str, Any] | None = None,
+    **options: Any,
 ) -> list[Job]:
-    """``group_size`` jobs per row (``producers.expand_rows``), each remembering its row."""
+    """``group_size`` jobs per row (``producers.expand_rows``; ``options``: ``JobOptions``'
+    fields), each remembering its row."""
     task_rows = [TaskRow(r.agent, r.task_id, r.task, {"row": r.index}) for r in rows]
     try:
-        return expand_rows(
-            task_rows,
-            run=run,
-            batch_id=batch_id,
-            group_size=group_size,
-            is_train=is_train,
-            sampling=sampling,
-            deadline_s=deadline_s,
-            metadata=metadata,
-        )
+        return expand_rows(task_rows, run=run, batch_id=batch_id, options=JobOptions(**options))
     except SchemaError as exc:
         raise BatchDataError(str(exc)) from None

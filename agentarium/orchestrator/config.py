@@ -16,7 +16,15 @@ from typing import Any
 
 from broker import Limits
 from consumers import ConsumerSettings, normalize_urls
-from schemas import Sampling, check_name, check_settings, section, setting, settings
+from schemas import (
+    DEFAULT_DEADLINE_S,
+    Sampling,
+    check_name,
+    check_settings,
+    section,
+    setting,
+    settings,
+)
 
 from .ray_consumers import RayConfig
 from .tensorize import MODES
@@ -60,7 +68,7 @@ class OrchestratorConfig:
         "concat", choices=MODES, help="how a trajectory's calls become rows (tensorize)"
     )
     sampling: Sampling | None = setting(None, help="the jobs' sampling (None: Sampling())")
-    deadline_s: float = setting(600.0, gt=0, help="each rollout's deadline")
+    deadline_s: float = setting(DEFAULT_DEADLINE_S, gt=0, help="each rollout's deadline")
     success_threshold: float = setting(
         1.0, help="a rollout succeeds when its reward >= this (success rate, pass@k)"
     )

@@ -13,21 +13,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
+from typing import Any
 
-from chaoslib import AGENT, ROOT, ChaosRun, ConsumerPool, Row, patiently, until
+from chaoslib import AGENT, ChaosRun, ConsumerPool, Row, patiently, until
 from fake_sglang import FakeSGLang
+from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy
 
-from agentarium.demo.processes import child_env
 from broker import Limits, NatsServer, NatsSettings, Topology, provision
 from broker.registry import live_workers
 from broker.version import DISCARD_NEW_BYTES_SINCE, format_version, js_server_version
@@ -59,6 +58,18 @@ async def fake_fleet() -> AsyncIterator[FakeSGLang]:
         yield fake
     finally:
         await fake.close()
+
+
+@contextlib.asynccontextmanager
+async def consumers_on(
+    url: str, workdir: Path, concurrency: int, *, limits: Limits = LIMITS
+) -> AsyncIterator[tuple[JetStreamContext, ChaosRun, ConsumerPool]]:
+    """A session on the broker, the fake LLM fleet, the run, and its pool of consumers (none
+    started yet) with ``--concurrency`` and the shared ``CONSUMER_FLAGS``."""
+    async with session(url, limits) as js, fake_fleet() as fake:
+        run = ChaosRun(js, workdir)
+        extra = ("--concurrency", str(concurrency), *CONSUMER_FLAGS)
+        yield js, run, ConsumerPool(run, url, [fake.url], extra=extra)
 
 
 class _Tally(list):
@@ -105,14 +116,7 @@ async def consumer_kill_storm(
     ``every_s`` after the last kill or sooner: the jobs are published in ``kills + 1`` chunks,
     one before each kill, and a kill comes once half its chunk is stored if that is sooner,
     so that every kill lands on a busy pool, on a fast machine too."""
-    async with session(server.url) as js, fake_fleet() as fake:
-        run = ChaosRun(js, workdir)
-        pool = ConsumerPool(
-            run,
-            server.url,
-            [fake.url],
-            extra=("--concurrency", str(concurrency), *CONSUMER_FLAGS),
-        )
+    async with consumers_on(server.url, workdir, concurrency) as (js, run, pool):
         try:
             for slot in range(consumers):
                 pool.start(slot)
@@ -150,23 +154,17 @@ async def _two_consumers_batch(
     server: NatsServer,
     workdir: Path,
     *,
-    jobs: int,
-    sleep_s: float,
-    concurrency: int,
     fault,
     scenario: str,
-    command: str,
+    jobs: int = 600,
+    sleep_s: float = 0.2,
+    concurrency: int = 16,
+    command: str = "",
 ) -> Row:
     """Two consumer processes work a batch; ``fault(run, publish_rest)`` is injected once a
-    quarter of the first half is stored and publishes the second half while it lasts."""
-    async with session(server.url) as js, fake_fleet() as fake:
-        run = ChaosRun(js, workdir)
-        pool = ConsumerPool(
-            run,
-            server.url,
-            [fake.url],
-            extra=("--concurrency", str(concurrency), *CONSUMER_FLAGS),
-        )
+    quarter of the first half is stored and publishes the second half while it lasts. The
+    broker scenarios pass their keywords on (``batch``) to the batch's size and pace here."""
+    async with consumers_on(server.url, workdir, concurrency) as (js, run, pool):
         first, second = chunks(jobs, 2)
         try:
             for slot in range(2):
@@ -193,14 +191,7 @@ async def _two_consumers_batch(
 
 
 async def broker_restart(
-    server: NatsServer,
-    workdir: Path,
-    *,
-    jobs: int = 600,
-    down_s: float = 2.0,
-    sleep_s: float = 0.2,
-    concurrency: int = 16,
-    command: str = "",
+    server: NatsServer, workdir: Path, *, down_s: float = 2.0, **batch: Any
 ) -> Row:
     """A single-node broker with a file store, SIGKILLed mid-batch and started again on the
     same port and store ``down_s`` later; the second half of the batch is published while it
@@ -214,27 +205,12 @@ async def broker_restart(
             await asyncio.to_thread(server.start)
         await asyncio.wait_for(publishing, 120)
 
-    return await _two_consumers_batch(
-        server,
-        workdir,
-        jobs=jobs,
-        sleep_s=sleep_s,
-        concurrency=concurrency,
-        fault=crash,
-        scenario=f"broker SIGKILL mid-batch, restarted after {down_s:g} s (single node, file store)",
-        command=command,
-    )
+    scenario = f"broker SIGKILL mid-batch, restarted after {down_s:g} s (single node, file store)"
+    return await _two_consumers_batch(server, workdir, fault=crash, scenario=scenario, **batch)
 
 
 async def broker_pause(
-    server: NatsServer,
-    workdir: Path,
-    *,
-    jobs: int = 600,
-    pause_s: float = 2.5 * ACK_WAIT_S,
-    sleep_s: float = 0.2,
-    concurrency: int = 16,
-    command: str = "",
+    server: NatsServer, workdir: Path, *, pause_s: float = 2.5 * ACK_WAIT_S, **batch: Any
 ) -> Row:
     """The broker SIGSTOPped for longer than the ack wait (no heartbeat reaches it, so every
     job in flight is due for redelivery when it wakes), then SIGCONTinued."""
@@ -250,16 +226,8 @@ async def broker_pause(
                 os.kill(server.pid, signal.SIGCONT)
         await asyncio.wait_for(publishing, 120)
 
-    return await _two_consumers_batch(
-        server,
-        workdir,
-        jobs=jobs,
-        sleep_s=sleep_s,
-        concurrency=concurrency,
-        fault=pause,
-        scenario=f"broker SIGSTOP {pause_s:g} s (ack wait {ACK_WAIT_S:g} s), then SIGCONT",
-        command=command,
-    )
+    scenario = f"broker SIGSTOP {pause_s:g} s (ack wait {ACK_WAIT_S:g} s), then SIGCONT"
+    return await _two_consumers_batch(server, workdir, fault=pause, scenario=scenario, **batch)
 
 
 async def slow_rollouts(
@@ -272,11 +240,7 @@ async def slow_rollouts(
 ) -> Row:
     """One consumer whose every rollout outlives the ack wait (the agent holds each job for
     ``sleep_s``): heartbeats keep the jobs, so none is delivered twice."""
-    async with session(server.url) as js, fake_fleet() as fake:
-        run = ChaosRun(js, workdir)
-        pool = ConsumerPool(
-            run, server.url, [fake.url], extra=("--concurrency", str(jobs), *CONSUMER_FLAGS)
-        )
+    async with consumers_on(server.url, workdir, jobs) as (js, run, pool):
         try:
             pool.start(0)
             await registered(js, pool)
@@ -310,12 +274,8 @@ async def store_full(
     consumers must hold their finished jobs (heartbeated, not redelivered, not dead-lettered)
     for ``full_s`` past the moment the store is full; then the operator raises the limits and
     everything lands."""
-    async with session(server.url) as js, fake_fleet() as fake:
+    async with consumers_on(server.url, workdir, concurrency) as (js, run, pool):
         topo = Topology()
-        run = ChaosRun(js, workdir)
-        pool = ConsumerPool(
-            run, server.url, [fake.url], extra=("--concurrency", str(concurrency), *CONSUMER_FLAGS)
-        )
         try:
             pool.start(0)
             await registered(js, pool)
@@ -439,108 +399,6 @@ async def fleet_down(
 TRAIN_RUN, TRAIN_AGENT = "chaos-train", "toy"
 
 
-class TrainerChild:
-    """``python -m agentarium trainer`` with its JSON log events collected as they come."""
-
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
-        self.proc = proc
-        self.events: list[dict] = []
-        self._changed = asyncio.Condition()
-        self._reader = asyncio.create_task(self._read())
-
-    @classmethod
-    async def start(cls, url: str, workdir: Path, *extra: str) -> TrainerChild:
-        from agentarium.tiny import ensure_tiny_model
-
-        args = [
-            sys.executable,
-            "-m",
-            "agentarium",
-            "trainer",
-            "--nats-url",
-            url,
-            "--run",
-            TRAIN_RUN,
-            "--agent",
-            TRAIN_AGENT,
-            "--model",
-            str(ensure_tiny_model()),
-            "--group-size",
-            "4",
-            "--lr",
-            "1e-3",
-            "--max-staleness",
-            "1000",
-            "--checkpoint-dir",
-            str(workdir / "ckpt"),
-            "--metrics",
-            str(workdir / "metrics.csv"),
-            "--torch-threads",
-            "1",
-            *extra,
-        ]
-        env = child_env(PYTHONPATH=str(ROOT))
-        proc = await asyncio.create_subprocess_exec(
-            *args,
-            cwd=ROOT,
-            env=env,
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        return cls(proc)
-
-    async def _read(self) -> None:
-        assert self.proc.stderr is not None
-        while line := await self.proc.stderr.readline():
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            record["_at"] = time.time()
-            async with self._changed:
-                self.events.append(record)
-                self._changed.notify_all()
-        async with self._changed:
-            self.events.append({"event": "_exited", "_at": time.time()})
-            self._changed.notify_all()
-
-    async def wait_for(self, event: str, timeout_s: float = 180.0, **fields) -> dict:
-        def found() -> dict | None:
-            for record in self.events:
-                if record.get("event") == event and all(
-                    record.get(k) == v for k, v in fields.items()
-                ):
-                    return record
-                if record.get("event") == "_exited":
-                    raise AssertionError(
-                        f"trainer exited before {event} {fields}: {self.events[-5:]}"
-                    )
-            return None
-
-        async with asyncio.timeout(timeout_s), self._changed:
-            while (record := found()) is None:
-                await self._changed.wait()
-            return record
-
-    def steps_done(self) -> list[int]:
-        return [e["step"] for e in self.events if e.get("event") == "step done"]
-
-    def checkpointed(self) -> int:
-        return max(
-            (e["step"] for e in self.events if e.get("event") == "checkpoint saved"), default=0
-        )
-
-    async def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        await self.proc.wait()
-        await self._reader
-
-    async def exit_code(self, timeout_s: float = 180.0) -> int:
-        async with asyncio.timeout(timeout_s):
-            await self._reader
-            return await self.proc.wait()
-
-
 async def trainer_kill_storm(
     server: NatsServer,
     workdir: Path,
@@ -560,11 +418,12 @@ async def trainer_kill_storm(
     The row's columns read for training: jobs are trajectories, stored those trained, lost
     those never trained, duplicates those trained twice; "run more than once" counts training
     steps computed again (each kill may cost the steps done since its last checkpoint)."""
-    from trainlib import one_call_group, publish
+    from trainlib import TrainerChild, one_call_group, publish
 
     from trainer.checkpoint import Checkpoints
 
     steps = groups // groups_per_step
+    run_agent = {"run": TRAIN_RUN, "agent": TRAIN_AGENT}
     flags = (
         "--groups-per-step",
         str(groups_per_step),
@@ -588,7 +447,7 @@ async def trainer_kill_storm(
     per_step = groups_per_step * 4
     async with session(server.url) as js:
         topo = Topology()
-        trainers = [await TrainerChild.start(server.url, workdir, *flags)]
+        trainers = [await TrainerChild.start(server.url, workdir, *flags, **run_agent)]
         stages = []  # per kill: (the checkpoint it follows, the step it waits for)
         for k in range(kills):
             checkpoint = (k + 1) * steps // (kills + 1)
@@ -605,9 +464,11 @@ async def trainer_kill_storm(
                 await trainer.wait_for("checkpoint saved", step=checkpoint)
                 await trainer.kill()
                 killed_at = time.time()
-                last = max(trainer.checkpointed(), trainer_resumed_step(trainer))
+                last = max(trainer.checkpointed(), trainer.resumed_step())
                 costs.append(max(trainer.steps_done(), default=0) - last)
-                resumed = await TrainerChild.start(server.url, workdir, *flags, "--resume")
+                resumed = await TrainerChild.start(
+                    server.url, workdir, *flags, "--resume", **run_agent
+                )
                 trainers.append(resumed)
                 await publish(js, topo, items[ends[k] : ends[k + 1]])
                 first = await resumed.wait_for("step done")
@@ -641,11 +502,6 @@ async def trainer_kill_storm(
         faults=kills,
         command=command,
     )
-
-
-def trainer_resumed_step(trainer: TrainerChild) -> int:
-    """The step a resumed trainer started from (0 for a fresh one)."""
-    return next((e["step"] for e in trainer.events if e.get("event") == "resumed"), 0)
 
 
 CLUSTER_FAULTS = ("leader kill", "follower kill", "partition")
@@ -827,14 +683,7 @@ async def disk_full(
         server.start()
         # JetStream reserves a stream's max_bytes from the store: keep the bounded ones small
         limits = dataclasses.replace(LIMITS, tasks_max_bytes=1 << 20, metrics_max_bytes=1 << 20)
-        async with session(server.url, limits) as js, fake_fleet() as fake:
-            run = ChaosRun(js, workdir)
-            pool = ConsumerPool(
-                run,
-                server.url,
-                [fake.url],
-                extra=("--concurrency", str(concurrency), *CONSUMER_FLAGS),
-            )
+        async with consumers_on(server.url, workdir, concurrency, limits=limits) as (js, run, pool):
             try:
                 pool.start(0)
                 await registered(js, pool)

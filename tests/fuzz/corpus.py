@@ -879,6 +879,12 @@ NOT_INTEGRAL = st.one_of(  # what no integer field takes (big ints are in range 
 BAD_NUMBERS = st.one_of(
     NOT_FLOATS, st.sampled_from([math.nan, math.inf, -math.inf]), st.none().map(lambda _: {})
 )
+# (field, value) a request's sampling refuses, whichever API spells it
+BAD_TEMPERATURE = st.tuples(st.just("temperature"), st.floats(max_value=-1e-9) | BAD_NUMBERS)
+BAD_TOP_P = st.tuples(
+    st.just("top_p"),
+    st.floats(max_value=0.0) | st.floats(min_value=1.0, exclude_min=True) | BAD_NUMBERS,
+)
 GENERATE_DEFECTS = ("body", "input_ids", "text", "sampling", "top", "unsupported", "unknown")
 
 
@@ -921,13 +927,8 @@ def generate_requests(draw_: Callable, kind: str) -> Request:
             st.one_of(
                 st.tuples(st.just("max_new_tokens"), st.integers(max_value=-1) | NOT_INTEGRAL),
                 st.tuples(st.just("max_new_tokens"), st.integers(4096, 10**30)),
-                st.tuples(st.just("temperature"), st.floats(max_value=-1e-9) | BAD_NUMBERS),
-                st.tuples(
-                    st.just("top_p"),
-                    st.floats(max_value=0.0)
-                    | st.floats(min_value=1.0, exclude_min=True)
-                    | BAD_NUMBERS,
-                ),
+                BAD_TEMPERATURE,
+                BAD_TOP_P,
                 st.tuples(st.just("top_k"), st.integers(max_value=-2) | NOT_INTEGRAL),
                 st.tuples(
                     st.just("min_p"),
@@ -1114,13 +1115,8 @@ def chat_requests(draw_: Callable, kind: str) -> Request:
     if kind == "sampling":
         field, value = draw_(
             st.one_of(
-                st.tuples(st.just("temperature"), st.floats(max_value=-1e-9) | BAD_NUMBERS),
-                st.tuples(
-                    st.just("top_p"),
-                    st.floats(max_value=0.0)
-                    | st.floats(min_value=1.0, exclude_min=True)
-                    | BAD_NUMBERS,
-                ),
+                BAD_TEMPERATURE,
+                BAD_TOP_P,
                 st.tuples(
                     st.just("max_tokens"),
                     st.integers(max_value=0) | NOT_INTEGRAL | st.integers(10**6, 10**30),
@@ -1155,7 +1151,84 @@ def chat_requests(draw_: Callable, kind: str) -> Request:
         return Request("absurd sampling", path, _json(body), reason)
     assert kind == "unsupported"
     field, value, reason = draw_(
-        st.sampled_from([("stream", True, "stream"), ("n", 2, "n > 1"), ("n", "x", "n > 1")])
+        st.sampled_from(
+            [
+                ("n", 2, "n > 1"),
+                ("n", "x", "n > 1"),
+                ("logprobs", True, "logprobs"),
+                ("tool_choice", "required", "tool_choice"),
+                ("guided_json", {}, "guided_json"),
+                ("response_format", {"type": "grammar"}, "response_format"),
+            ]
+        )
     )
     body[field] = value
     return Request("unsupported option", path, _json(body), (reason,))
+
+
+# ---- the gateway's other APIs: OpenAI Responses and Anthropic Messages -----------------------
+RESPONSES = {"model": "tiny", "input": "hi", "max_output_tokens": 2}
+MESSAGES = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+# each API's route, a valid body, the fields its translation reads, the list holding the
+# conversation, and the item / block / tool types it knows
+_API = {
+    "responses": (
+        "/responses",
+        RESPONSES,
+        "input instructions tools tool_choice text reasoning include truncation "
+        "previous_response_id max_output_tokens temperature stream".split(),
+        "input",
+        "message function_call function_call_output reasoning input_text output_text".split(),
+    ),
+    "messages": (
+        "/messages",
+        MESSAGES,
+        "messages system tools tool_choice thinking output_config stop_sequences max_tokens "
+        "temperature top_k stream".split(),
+        "messages",
+        "text tool_use tool_result image thinking custom auto none any".split(),
+    ),
+}
+GATEWAY_DEFECTS = tuple(f"{api} {kind}" for api in _API for kind in ("body", "field", "items"))
+
+
+@st.composite
+def gateway_requests(draw_: Callable, kind: str) -> Request:
+    """A malformed or odd Responses / Messages request: a 4xx naming what is wrong, or (odd but
+    well formed) a 200; never a 5xx."""
+    api, defect = kind.split()
+    path, valid, fields, conversation, types = _API[api]
+    if defect == "body":
+        category, data, reason = draw_(bad_bodies(valid))
+        return Request(f"{api}: {category}", path, data, reason)
+    body: dict[str, Any] = json.loads(json.dumps(valid))
+    if defect == "field":
+        field = draw_(st.sampled_from(fields))
+        body[field] = draw_(JSON)
+        return Request(f"{api}: odd {field}", path, _json(body), (), lenient=True)
+    # items: objects shaped like input items, content blocks or tools, in the conversation
+    # (three times in four) or in the tools
+    shaped = st.fixed_dictionaries(
+        {},
+        optional={
+            "type": st.sampled_from(types) | JSON,
+            "role": st.sampled_from(["user", "assistant", "system", "developer"]) | JSON,
+            "content": JSON | st.lists(st.fixed_dictionaries({"type": st.sampled_from(types)})),
+            "text": JSON,
+            "name": JSON,
+            "id": JSON,
+            "call_id": JSON,
+            "tool_use_id": JSON,
+            "arguments": JSON,
+            "input": JSON,
+            "output": JSON,
+        },
+    )
+    field = draw_(st.sampled_from([conversation] * 3 + ["tools"]))
+    if field == "messages":  # Anthropic's messages: a role, and blocks as content
+        shaped = st.fixed_dictionaries(
+            {"role": st.sampled_from(["user", "assistant"]) | JSON},
+            optional={"content": JSON | st.lists(shaped, min_size=1, max_size=3)},
+        )
+    body[field] = draw_(st.lists(shaped, min_size=1, max_size=3))
+    return Request(f"{api}: odd {field} items", path, _json(body), (), lenient=True)

@@ -1,6 +1,6 @@
 """The fuzzed HTTP corpus: malformed requests to the local engine (SGLang's API) and to a
-rollout's tracing proxy (OpenAI's chat completions), served by the real engine on the tiny
-model. Every one must get a 4xx whose message says what was wrong (or, for odd but
+rollout's tracing proxy (OpenAI's chat completions and Responses, Anthropic's Messages), served
+by the real engine on the tiny model. Every one must get a 4xx whose message says what was wrong (or, for odd but
 well-formed chat content a template may render, a 200), never a 5xx, and both servers must go
 on serving.
 """
@@ -99,6 +99,8 @@ async def test_fuzzed_chat_requests_to_the_tracing_proxy_get_a_4xx_that_says_why
     requests: list[Request] = []
     for kind in corpus.CHAT_DEFECTS:
         requests += draw(corpus.chat_requests(kind), PER_KIND)
+    for kind in corpus.GATEWAY_DEFECTS:
+        requests += draw(corpus.gateway_requests(kind), PER_KIND)
     backend = SGLangBackend([engine_url], retries=1, backoff=0.01, max_backoff=0.05)
     proxy = TracingProxy(host="127.0.0.1", port=0, advertised_host="127.0.0.1")
     await proxy.start()

@@ -28,7 +28,7 @@ from corpus import ASYNC_AGENT, RUN, SYNC_AGENT, Case, draw
 from fake_sglang import FakeSGLang
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from agentarium.demo.processes import child_env
+from agentarium.demo.processes import child_env, consumer_argv
 from agentarium.tiny import ensure_tiny_model
 from producers import TrajectoryReader
 from schemas import DeadLetter, decode
@@ -134,15 +134,7 @@ def start_consumer(name: str, agent: str, nats_url: str, llm: str, log_dir: Path
             sys.executable,
             "-m",
             "agentarium",
-            "consumer",
-            "--agent",
-            agent,
-            "--llm",
-            llm,
-            "--nats-url",
-            nats_url,
-            "--model",
-            str(ensure_tiny_model()),
+            *consumer_argv(agent, llm, ensure_tiny_model(), nats_url),
             "--burst",
             "--concurrency",
             "64",

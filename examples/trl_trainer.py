@@ -1,0 +1,127 @@
+"""TRL's GRPOTrainer, its rollouts run by Agentarium: the seed's "any RL framework" pattern.
+
+TRL owns the model, the optimizer and the GRPO loss; Agentarium runs every rollout (a job per
+sample through NATS to the consumers, whose agent calls the engine) and, after each optimizer
+step, publishes the new weights that the syncer beside the engine loads. The services first
+(docs/integrations.md has the same commands):
+
+    agentarium broker up --port 4222 --store /tmp/agentarium-nats &
+    agentarium engine --model tiny --port 30000 &
+    agentarium sync --run trl --engine http://127.0.0.1:30000 &
+    agentarium consumer --agent digit=examples.toy:any_digit --llm http://127.0.0.1:30000 &
+    python examples/trl_trainer.py --agent digit --run trl --steps 20
+
+The task (``examples.toy.any_digit``): whatever the prompt, reward 1 when the reply starts with
+a digit. The tiny model starts near 0.04 and learns it within 20 steps of 8 prompts x 8
+samples; ``--lr 0`` shows that it does not without training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from agentarium.config import ConfigKeys, add_settings, resolve
+from agentarium.integrations.config import RolloutConfig
+from broker import NatsSettings
+
+
+def prompts(n: int) -> list[dict[str, Any]]:
+    """n distinct chat prompts (TRL's conversational format); the reward does not depend on
+    them. The consumer renders them with the model's chat template, as TRL itself would (a
+    system message of our own: the template's default one would triple the prompt's tokens)."""
+    system = {"role": "system", "content": "Answer with one digit."}
+    return [
+        {"prompt": [system, {"role": "user", "content": f"say a digit ({i})"}]} for i in range(n)
+    ]
+
+
+def train(
+    config: RolloutConfig,
+    *,
+    model_dir: str,
+    steps: int = 20,
+    lr: float = 1e-2,
+    prompts_per_step: int = 8,
+    generations: int = 8,
+    settings: NatsSettings | None = None,
+    output_dir: str | None = None,
+    seed: int = 0,
+    extra_rewards: Sequence[Callable[..., list]] = (),
+) -> list[dict[str, Any]]:
+    """Train for ``steps`` optimizer steps; returns TRL's log history (one entry per step).
+    ``extra_rewards``: more TRL reward functions beside the agent's (return None to add
+    nothing: TRL sums the functions' rewards)."""
+    from datasets import Dataset
+    from transformers import PrinterCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from agentarium.integrations.trl import AgentariumRollout, agent_reward
+
+    args = GRPOConfig(
+        output_dir=output_dir or tempfile.mkdtemp(prefix="trl-agentarium-"),
+        use_cpu=True,
+        max_steps=steps,
+        learning_rate=lr,
+        lr_scheduler_type="constant",
+        per_device_train_batch_size=prompts_per_step * generations,
+        num_generations=generations,
+        max_completion_length=2,  # the digit, then the end of the turn
+        temperature=1.0,
+        beta=0.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=seed,
+    )
+    with AgentariumRollout(config, settings=settings) as rollouts:
+        trainer = GRPOTrainer(
+            model=model_dir,
+            reward_funcs=[agent_reward, *extra_rewards],
+            args=args,
+            train_dataset=Dataset.from_list(prompts(prompts_per_step * steps)),
+            rollout_func=rollouts,
+            callbacks=[rollouts.weight_sync(model_dir=model_dir)],
+        )
+        trainer.remove_callback(PrinterCallback)  # main() prints its own line per step
+        trainer.train()
+        return [entry for entry in trainer.state.log_history if "reward" in entry]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="Train a model with TRL's GRPOTrainer on rollouts run by Agentarium "
+        "(a broker, an engine, `agentarium sync` and a consumer must be running: see the "
+        "module docstring). The broker is $AGENTARIUM_NATS_URL (default nats://127.0.0.1:4222)."
+    )
+    add_settings(parser, RolloutConfig)
+    parser.add_argument(
+        "--model", default="tiny", help="'tiny' or a model directory (default tiny)"
+    )
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
+    parser.add_argument("--lr", type=float, default=1e-2, help="learning rate (default 1e-2)")
+    parser.add_argument("--output-dir", help="TRL's output directory (default: a temporary one)")
+    args = parser.parse_args(argv)
+    config = resolve(args, ConfigKeys.of("trl_trainer", RolloutConfig)).build(RolloutConfig)
+    from agentarium.tiny import resolve_model
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    history = train(
+        config,
+        model_dir=str(resolve_model(args.model)),
+        steps=args.steps,
+        lr=args.lr,
+        output_dir=args.output_dir,
+    )
+    for entry in history:
+        print(f"step {int(entry['step']):3d}  reward {entry['reward']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""TRL's own GRPOTrainer (trl 1.16 from PyPI) learns on rollouts Agentarium runs.
+
+Everything is real but the trainer's device: a nats-server, the local engine serving the tiny
+model, a rollout consumer running ``examples.toy.any_digit`` and the weight syncer beside the
+engine; TRL trains on the CPU through ``agentarium.integrations.trl``'s ``rollout_func`` and
+publishes its weights after every step with the callback. With a learning rate the reward
+rises within 20 steps; with learning rate 0 it does not; every step's rollouts were generated
+by the weights TRL published after the step before (the engine's ``weight_version``).
+
+The table tests pin what TRL receives for failed rollouts (no reward 0, no loss token) and how
+prompts become groups.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+pytest.importorskip("trl", reason="TRL is the `trl` extra: pip install -e '.[trl]'")
+
+from worker_env import worker_for  # noqa: E402
+
+from agentarium.integrations.config import RolloutConfig  # noqa: E402
+from agentarium.integrations.samples import Sample, sample_of  # noqa: E402
+from agentarium.integrations.trl import (  # noqa: E402
+    AgentariumRollout,
+    TaskRows,
+    agent_reward,
+    groups_of,
+    sampling_of,
+)
+from agentarium.orchestrator.loop_thread import LoopThread  # noqa: E402
+from broker import Topology, provision  # noqa: E402
+from consumers.sync import SyncConfig, WeightSyncer  # noqa: E402
+from examples.toy import any_digit  # noqa: E402
+from examples.trl_trainer import train  # noqa: E402
+from schemas import LLMCall, Trajectory  # noqa: E402
+
+RUN, AGENT, STEPS, FROZEN = "trl", "digit", 20, 8
+
+
+def _call(prompt, response, version="default"):
+    return LLMCall(
+        prompt_ids=prompt,
+        response_ids=response,
+        response_logprobs=[-1.0] * len(response),
+        finish_reason="stop",
+        weight_version=version,
+    )
+
+
+def _traj(job, status="ok", calls=(), reward=1.0):
+    return Trajectory(
+        job_id=job,
+        agent=AGENT,
+        task_id="p0",
+        group_id="g",
+        status=status,
+        reward=reward if status == "ok" else None,
+        calls=list(calls),
+    )
+
+
+def test_prompts_become_groups_of_at_most_num_generations():
+    a, b = "say a", [{"role": "user", "content": "b"}]
+    assert groups_of([a, a, a, b, b, b], 3) == [(0, 3), (3, 3)]
+    assert groups_of([a, a, a, a], 2) == [(0, 2), (2, 2)]  # the same prompt twice in a batch
+    assert groups_of([a, b, a], 8) == [(0, 1), (1, 1), (2, 1)]
+
+
+def test_jobs_carry_trls_sampling_and_the_dataset_row_of_their_prompt():
+    class Args:  # the GRPOConfig fields rollout_func reads
+        temperature, top_p, top_k, max_completion_length = 0.7, 1.0, 0, 3
+
+    sampling = sampling_of(Args())
+    assert (sampling.temperature, sampling.top_k, sampling.max_new_tokens) == (0.7, -1, 3)
+    chat = [{"role": "user", "content": "repeat 7"}]
+    rows = TaskRows.of([{"prompt": chat, "answer": "7"}, {"prompt": "b", "answer": "x"}])
+    assert rows.task([{"content": "repeat 7", "role": "user"}])["answer"] == "7"  # key order
+    with pytest.raises(ValueError, match="in none of the rows"):
+        rows.task("c")
+    with pytest.raises(ValueError, match="share the prompt"):
+        TaskRows.of([{"prompt": "b", "answer": "1"}, {"prompt": "b", "answer": "2"}])
+    rollout = AgentariumRollout(RolloutConfig(agent=AGENT, run=RUN), rows=rows.rows.values())
+    jobs = rollout.jobs([chat, chat, "b"], [(0, 2), (2, 1)], sampling, training=True, step=4)
+    assert [j.task["answer"] for j in jobs] == ["7", "7", "x"]
+    assert [(j.sample_index, j.group_size) for j in jobs] == [(0, 2), (1, 2), (0, 1)]
+    assert jobs[0].group_id == jobs[1].group_id != jobs[2].group_id
+    assert jobs[0].sampling == sampling and jobs[0].metadata == {"trl_step": 4}
+    again = rollout.jobs([chat, chat, "b"], [(0, 2), (2, 1)], sampling, training=True, step=4)
+    assert not {j.job_id for j in jobs} & {j.job_id for j in again}  # fresh ids every call
+
+
+def test_failed_rollouts_reach_trl_without_reward_or_loss_token():
+    chained = [_call([1, 2], [3, 4], "5"), _call([1, 2, 3, 4, 9, 9], [6, 7], "6")]
+    rerendered = [_call([1, 2], [3, 4]), _call([1, 2, 8, 9], [6, 7])]
+    trajectories = [
+        _traj("ok", calls=chained, reward=0.5),
+        _traj("err", status="error"),
+        _traj("late", status="timeout", calls=chained[:1]),
+        None,  # never stored
+        _traj("mis", calls=rerendered),
+    ]
+    samples = [sample_of(t) for t in trajectories]
+    assert [s.status for s in samples] == ["ok", "error", "timeout", "missing", "mismatch"]
+    # one multi-turn sequence: the environment's tokens (9, 9) are in it with mask 0
+    assert samples[0].completion_ids == [3, 4, 9, 9, 6, 7]
+    assert samples[0].mask == [1, 1, 0, 0, 1, 1]
+    assert samples[0].weight_version == 5 and samples[0].turns == 2
+    out = AgentariumRollout.output(samples, [(0, 5)], eos_id=258)
+    assert out["prompt_ids"] == [[1, 2]] * 5  # the group's prompt for the unusable ones
+    assert out["completion_ids"][1:] == [[258]] * 4
+    assert out["env_mask"][1:] == [[0]] * 4 and out["logprobs"][1:] == [[0.0]] * 4
+    assert out["agentarium_reward"] == [0.5, None, None, None, None]
+    assert out["agentarium_status"] == ["ok", "error", "timeout", "missing", "mismatch"]
+    # the reward function hands TRL None, which TRL scores NaN: out of the group's statistics
+    logged = {}
+    rewards = agent_reward(
+        [None] * 5, out["agentarium_reward"], log_metric=lambda k, v: logged.update({k: v})
+    )
+    assert rewards == [0.5, None, None, None, None] and logged == {"agentarium/failed_frac": 0.8}
+    # a group where nothing came back still has a prompt
+    lone = AgentariumRollout.output([Sample("missing")], [(0, 1)], eos_id=258)
+    assert lone["prompt_ids"] == [[258]] and lone["env_mask"] == [[0]]
+
+
+async def _services(settings, engine_url, weights_dir, stop: asyncio.Event, ready: asyncio.Event):
+    """The consumer running the agent and the syncer beside the engine, until ``stop``."""
+    nc = await settings.connect(name="trl-test-services")
+    try:
+        js = nc.jetstream()
+        topology = Topology()
+        await provision(js, topology)
+        syncer = WeightSyncer(
+            js,
+            SyncConfig(run=RUN, engines=(engine_url,), weights_dir=weights_dir),
+            topology=topology,
+        )
+        async with worker_for(
+            js, AGENT, any_digit, [engine_url], burst=False, concurrency=64
+        ) as worker:
+            tasks = [asyncio.create_task(worker.run()), asyncio.create_task(syncer.run())]
+            ready.set()
+            await stop.wait()
+            worker.stop()
+            syncer.stop()
+            await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)
+    finally:
+        await nc.close()
+
+
+def _mean(values):
+    return sum(values) / len(values)
+
+
+def test_trl_grpo_learns_on_agentarium_rollouts(settings, tiny_dir, engine_url, tmp_path):
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    loop = LoopThread(name="trl-test-services")
+    stop, ready = asyncio.Event(), asyncio.Event()
+    services = loop.submit(_services(settings, engine_url, tmp_path / "w", stop, ready))
+    try:
+        loop.call(asyncio.wait_for(ready.wait(), 60))
+        versions: list[list[int]] = []
+
+        def seen(completions, agentarium_weight_version, **kwargs):
+            versions.append(list(agentarium_weight_version))
+            return [None] * len(completions)
+
+        config = RolloutConfig(agent=AGENT, run=RUN, deadline_s=60, grace_s=30)
+        frozen = train(
+            config, model_dir=str(tiny_dir), steps=FROZEN, lr=0.0, settings=settings, seed=1
+        )
+        learned = train(
+            config,
+            model_dir=str(tiny_dir),
+            steps=STEPS,
+            settings=settings,
+            seed=1,
+            extra_rewards=[seen],
+        )
+    finally:
+        loop.loop.call_soon_threadsafe(stop.set)
+        services.result(60)
+        loop.stop()
+    frozen_reward = [e["reward"] for e in frozen]
+    learned_reward = [e["reward"] for e in learned]
+    print(f"reward per step: lr 1e-2 {learned_reward}; lr 0 {frozen_reward}")  # shown with -s
+    assert len(frozen_reward) == FROZEN and len(learned_reward) == STEPS
+    # a random policy says a digit 10 times in 263 (about 0.04)
+    # (step 1 samples the weights TRL starts from, as every step of the control does)
+    assert learned_reward[0] < 0.15 and _mean(frozen_reward) < 0.15, frozen_reward
+    assert _mean(learned_reward[-5:]) >= 0.6, learned_reward
+    # the control over the same steps: learning, not the pipeline, raised the reward
+    assert _mean(learned_reward[4:FROZEN]) > _mean(frozen_reward[4:]) + 0.1, learned_reward
+    # Each step's rollouts all came from the version published after the step before: the
+    # frozen run published versions 1..FROZEN + 1 (its start, then each step), so the learned
+    # run starts at FROZEN + 2 and step s (from 1) samples version FROZEN + 1 + s.
+    assert [set(v) for v in versions] == [{FROZEN + 1 + s} for s in range(1, STEPS + 1)], versions
