@@ -254,14 +254,14 @@ class EngineControl:
 
 
 def _said(data: Any) -> str:
-    """The server's message: SGLang's weight calls answer ``{"success", "message"}``, its
-    request errors ``{"error": {"message"}}``."""
+    """The server's message: SGLang's weight calls answer ``{"success", "message"}``, its LoRA
+    calls ``{"success", "error_message"}``, its request errors ``{"error": {"message"}}``."""
     if not isinstance(data, dict):
         return ""
     error = data.get("error")
     if isinstance(error, dict) and error.get("message"):
         return str(error["message"])
-    return str(data.get("message") or "")
+    return str(data.get("message") or data.get("error_message") or "")
 
 
 def _message(data: dict[str, Any]) -> str:

@@ -5,6 +5,8 @@ adapter is unloaded, on the engine), and ``agentarium merge-lora`` folds it into
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from trainlib import one_call_group, publish
@@ -130,3 +132,44 @@ def test_lora_cannot_stream_and_needs_a_rank(tiny_dir):
         config(tiny_dir, lora_rank=-1)
     with pytest.raises(TrainerConfigError, match="lora-alpha"):
         config(tiny_dir, lora_alpha=0)
+
+
+async def test_the_syncer_loads_an_adapter_with_sglangs_calls(
+    js, topology, fake, tiny_dir, tmp_path
+):
+    """Against the SGLang fake (which refuses fields SGLang does not define): the calls and
+    their order, and a generation that names the adapter reports its version."""
+    from trainer.step import LocalUpdater
+
+    adapter = LocalUpdater(config(tiny_dir)).publishable_model()
+    store = WeightStore(js, topology, weights_dir=tmp_path / "w")
+    await store.publish(adapter, run=RUN, version=1)
+    syncer = WeightSyncer(
+        js,
+        SyncConfig(run=RUN, engines=(fake.url,), weights_dir=tmp_path / "sync"),
+        topology=topology,
+    )
+    try:
+        result = await syncer.sync_once()
+    finally:
+        await syncer.close()
+    assert result is not None and result.ok, result
+    paths = [path for path, _ in fake.control]
+    assert paths == [
+        "/pause_generation",
+        "/unload_lora_adapter",  # refused, nothing loaded yet: fine
+        "/load_lora_adapter",
+        "/update_weight_version",
+        "/continue_generation",
+    ]
+    load, version = fake.control[2][1], fake.control[3][1]
+    assert load["lora_name"] == RUN and (tmp_path / "sync" / RUN / "v1" / "lora") == Path(
+        load["lora_path"]
+    )
+    assert version == {"new_version": "1", "abort_all_requests": False}
+    backend = SGLangBackend([fake.url], lora=RUN)
+    try:
+        result = await backend.generate(GenerateRequest(input_ids=PROMPT, sampling={}))
+    finally:
+        await backend.aclose()
+    assert result.weight_version == "1" and fake.requests[-1]["lora_path"] == RUN
