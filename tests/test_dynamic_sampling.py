@@ -146,3 +146,18 @@ def test_overlong_responses_are_filtered_or_given_the_set_reward(policy, trained
     assert counted == 1
     if reward is not None:
         assert group.members["j0"].trajectory.reward == reward
+
+
+async def test_draws_stop_at_the_bound_unless_the_step_holds_nothing(nc, topology):
+    """No producer serves the run: each request is counted as unanswered; past the bound a
+    step holding groups is done drawing, one holding none goes on asking."""
+    from trainer.draws import Draws
+
+    draws = Draws(nc, topology, RUN, limit=2, timeout_s=1.0)
+    draws.begin(1)
+    assert await draws.replace(AGENT, 3, holding=1) == 0  # asks 2 of 3: the bound
+    assert (draws.asked, draws.exhausted, draws.unanswered) == (2, True, 1)
+    await draws.replace(AGENT, 1, holding=0)  # nothing to train: asked all the same
+    assert (draws.asked, draws.unanswered) == (3, 2)
+    draws.begin(2)
+    assert (draws.asked, draws.exhausted, draws.drawn) == (0, False, {})
