@@ -184,6 +184,26 @@ class EngineControl:
         body = {"group_name": group_name}
         return _message(await self.post(url, "/destroy_weights_update_group", body, self.timeout_s))
 
+    # ---- LoRA adapters (SGLang's endpoints; the local engine serves them too) ---------------------
+
+    async def load_lora_adapter(
+        self, url: str, *, name: str, path: str, timeout_s: float | None
+    ) -> str:
+        """``POST /load_lora_adapter``: the PEFT adapter directory ``path`` (on the engine's
+        disk) served as ``name``; the server's message."""
+        body = {"lora_name": name, "lora_path": path}
+        return _message(await self.post(url, "/load_lora_adapter", body, timeout_s))
+
+    async def unload_lora_adapter(self, url: str, *, name: str) -> str:
+        body = {"lora_name": name}
+        return _message(await self.post(url, "/unload_lora_adapter", body, self.timeout_s))
+
+    async def update_weight_version(self, url: str, version: str) -> str:
+        """``POST /update_weight_version``: what generations report as ``weight_version``
+        from now on (requests in flight are not aborted)."""
+        body = {"new_version": version, "abort_all_requests": False}
+        return _message(await self.post(url, "/update_weight_version", body, self.timeout_s))
+
     # ---- the one request path ------------------------------------------------------------------
 
     async def get(self, url: str, path: str, timeout_s: float | None = None) -> dict[str, Any]:
@@ -234,14 +254,14 @@ class EngineControl:
 
 
 def _said(data: Any) -> str:
-    """The server's message: SGLang's weight calls answer ``{"success", "message"}``, its
-    request errors ``{"error": {"message"}}``."""
+    """The server's message: SGLang's weight calls answer ``{"success", "message"}``, its LoRA
+    calls ``{"success", "error_message"}``, its request errors ``{"error": {"message"}}``."""
     if not isinstance(data, dict):
         return ""
     error = data.get("error")
     if isinstance(error, dict) and error.get("message"):
         return str(error["message"])
-    return str(data.get("message") or "")
+    return str(data.get("message") or data.get("error_message") or "")
 
 
 def _message(data: dict[str, Any]) -> str:

@@ -99,6 +99,15 @@ class Topology:
     def metrics_subject(self, run: str) -> str:
         return f"{self.prefix}.metrics.{check_name(run, 'run')}"
 
+    def demand_subject(self, run: str, agent: str) -> str:
+        """Where a trainer asks the run's producers for more groups of one agent (dynamic
+        sampling: a core NATS request, ``GroupDemand`` in, ``GroupSupply`` out)."""
+        return f"{self.prefix}.demand.{check_name(run, 'run')}.{check_name(agent, 'agent')}"
+
+    def demand_queue(self, run: str, agent: str) -> str:
+        """The producers' queue group on a demand subject: one of them answers each request."""
+        return f"{self.prefix}-refill-{check_name(run, 'run')}-{check_name(agent, 'agent')}"
+
     def worker_subject(self, worker_id: str) -> str:
         """A worker's entry in the workers KV, as a subject (``$KV.<bucket>.<key>``): written
         directly when the entry carries its own TTL (``Nats-TTL``, nats-server 2.11+)."""

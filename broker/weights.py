@@ -19,8 +19,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import json
 import os
 import re
+import shutil
 import time
 import uuid
 from pathlib import Path
@@ -37,6 +39,9 @@ from .topology import Topology
 log = structlog.get_logger("agentarium.weights")
 
 WEIGHTS_FILE = "model.safetensors"
+# A LoRA adapter published in place of whole weights (the trainer's --lora-rank) carries its
+# PEFT adapter config, as JSON, under this key of the safetensors header's metadata.
+LORA_CONFIG_KEY = "agentarium.lora_config"
 STALL_TIMEOUT_S = 30.0  # a fetch with no chunk for this long fails
 _READ_SIZE = 8 * 1024 * 1024
 _VERSION_DIR = re.compile(r"v(\d+)")
@@ -243,3 +248,34 @@ def local_versions(run_dir: Path | str) -> list[int]:
         if match and child.is_dir():
             found.append(int(match.group(1)))
     return sorted(found)
+
+
+def lora_config_of(path: str | Path) -> dict | None:
+    """The PEFT adapter config a published safetensors file carries (``LORA_CONFIG_KEY``), or
+    None for whole weights. Reads the header alone (8 bytes of length, then JSON)."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        if not 0 < size <= 100 * 1024 * 1024:
+            raise WeightsError(f"{str(path)!r} is not a safetensors file (header of {size} bytes)")
+        header = json.loads(f.read(size))
+    text = (header.get("__metadata__") or {}).get(LORA_CONFIG_KEY)
+    return None if text is None else json.loads(text)
+
+
+def adapter_directory(file: str | Path, directory: str | Path) -> Path:
+    """A PEFT adapter directory (``adapter_config.json`` and ``adapter_model.safetensors``, a
+    hard link or copy of ``file``) made from a published LoRA adapter file, for
+    ``/load_lora_adapter`` and peft's loaders."""
+    config = lora_config_of(file)
+    if config is None:
+        raise WeightsError(f"{str(file)!r} holds whole weights, not a LoRA adapter")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "adapter_config.json").write_text(json.dumps(config, indent=1) + "\n")
+    target = directory / "adapter_model.safetensors"
+    target.unlink(missing_ok=True)
+    try:
+        os.link(file, target)
+    except OSError:  # another filesystem
+        shutil.copyfile(file, target)
+    return directory

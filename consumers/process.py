@@ -129,6 +129,13 @@ class ConsumerProcess:
         help="SGLang-compatible server (or `agentarium engine`); repeat for a fleet: "
         "least-loaded balancing, every sample of a group on the same server",
     )
+    lora: str | None = setting(
+        None,
+        metavar="NAME",
+        help="ask the LLM servers for this LoRA adapter (SGLang's lora_path): a trainer with "
+        "--lora-rank publishes adapters that `agentarium sync` loads under the run's name, so "
+        "pass the run id; the calls record the adapter's version",
+    )
     rollout: RolloutSettings = section(RolloutSettings)
     consumer: ConsumerSettings = section(ConsumerSettings)
 

@@ -83,6 +83,7 @@ class LLMTarget:
     openai_base: str = ""
     openai_model: str = ""
     api_key: str | None = None
+    lora: str | None = None  # the LoRA adapter SGLang-compatible servers answer with
 
     @classmethod
     def of(
@@ -108,7 +109,7 @@ class LLMTarget:
             return OpenAICompatBackend(
                 self.openai_base, self.openai_model, self.api_key, retries=retries, timeout=timeout
             )
-        return SGLangBackend(list(self.urls), retries=retries, timeout=timeout)
+        return SGLangBackend(list(self.urls), retries=retries, timeout=timeout, lora=self.lora)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,6 +15,7 @@ from .jobs import (
     task_id_of,
 )
 from .reader import TrajectoryReader
+from .refill import GroupRefill, TaskSource
 from .routing import AGENT_COLUMN, SOURCE_COLUMN, RoutingProblem, Unrouted, agent_of
 from .sdk import SubmitResult, TaskProducer
 from .session import RunSession
@@ -23,6 +24,7 @@ from .taskfile import TaskFile, TaskFileError, read_task_file, read_tasks
 __all__ = [
     "AGENT_COLUMN",
     "SOURCE_COLUMN",
+    "GroupRefill",
     "JobOptions",
     "ProducerError",
     "RoutingProblem",
@@ -33,6 +35,7 @@ __all__ = [
     "TaskFile",
     "TaskFileError",
     "TaskRow",
+    "TaskSource",
     "TrajectoryFeed",
     "TrajectoryReader",
     "Unrouted",

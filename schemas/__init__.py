@@ -3,6 +3,7 @@
 from . import settings
 from .codec import JSON_CONTENT_TYPE, MSGPACK_CONTENT_TYPE, decode, encode, encode_json, loads
 from .deadletter import DeadLetter
+from .demand import GroupDemand, GroupSupply
 from .env import (
     ENV_ERROR_CODES,
     EnvCall,
@@ -36,6 +37,8 @@ __all__ = [
     "EnvStart",
     "EnvStarted",
     "EnvWorkerStats",
+    "GroupDemand",
+    "GroupSupply",
     "Observation",
     "SessionOutcome",
     "StepResult",

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .deadletter import DeadLetter
+from .demand import GroupDemand, GroupSupply
 from .env import EnvCall, EnvError, EnvStart, EnvStarted, EnvWorkerStats, SessionOutcome, StepResult
 from .fields import SCHEMA_VERSION, WireMessage
 from .job import Job
@@ -33,6 +34,8 @@ EXPORTED = {
     "env_outcome": SessionOutcome,
     "env_error": EnvError,
     "env_worker_stats": EnvWorkerStats,
+    "group_demand": GroupDemand,
+    "group_supply": GroupSupply,
 }
 
 

@@ -67,3 +67,21 @@ async def three_turns(task: dict, llm) -> float:
         result = await llm.chat(messages, max_new_tokens=4)
         messages += [result.message, {"role": "user", "content": "and then?"}]
     return float(task.get("n", 0))
+
+
+async def scored(task: dict, llm) -> float:
+    """Scores by the task: a ``flat`` task gives every sample 1.0 (a group with no signal);
+    any other alternates 0 and 1 over its samples. ``max_new_tokens`` is passed on, so a small
+    one cuts the reply (finish_reason length)."""
+    await llm.chat(
+        [{"role": "user", "content": task.get("prompt", "x")}],
+        max_new_tokens=task.get("max_new_tokens", 8),
+    )
+    if task.get("flat"):
+        return 1.0
+    key = task["task_id"]
+    scored.seen[key] = scored.seen.get(key, 0) + 1
+    return float(scored.seen[key] % 2)
+
+
+scored.seen = {}

@@ -1,6 +1,7 @@
 """A fake SGLang server for tests: ``POST /generate`` with the exact shapes of SGLANG_API.md,
 and the weight endpoints (``/pause_generation``, ``/update_weights_from_disk``,
-``/continue_generation``), recorded in order in ``control``.
+``/continue_generation``, and the LoRA adapters' ``/load_lora_adapter``,
+``/unload_lora_adapter``, ``/update_weight_version``), recorded in order in ``control``.
 (Also ``local_engine``, which starts the real local engine when it is available.)
 
 Instant, configurable answers (``scripted(template, policy)``: a policy that reads the prompt
@@ -37,6 +38,7 @@ REQUEST_FIELDS = frozenset(
         "top_logprobs_num",
         "return_text_in_logprobs",
         "stream",
+        "lora_path",
     }
 )
 SAMPLING_FIELDS = frozenset(
@@ -68,6 +70,7 @@ UPDATE_WEIGHTS_FIELDS = frozenset(
     {"model_path", "load_format", "weight_version", "flush_cache", "abort_all_requests"}
 )
 PAUSE_MODES = ("abort", "retract", "in_place")
+LORA_FIELDS = frozenset({"lora_name", "lora_path", "pinned"})  # LoadLoRAAdapterReqInput
 
 
 def scripted(
@@ -159,6 +162,7 @@ class FakeSGLang:
         self.control: list[tuple[str, dict]] = []  # (path, body) of weight/control calls
         self.update_failures = 0  # how many of the next weight updates fail
         self.paused = False
+        self.adapters: dict[str, str] = {}  # LoRA adapters loaded: name -> path
         self.hung: list[str] = []  # paths of the requests that arrived while hung
         self._answering = asyncio.Event()
         self._answering.set()
@@ -180,6 +184,9 @@ class FakeSGLang:
         app.router.add_post("/pause_generation", self._pause)
         app.router.add_post("/continue_generation", self._continue)
         app.router.add_post("/update_weights_from_disk", self._update_weights)
+        app.router.add_post("/load_lora_adapter", self._load_lora)
+        app.router.add_post("/unload_lora_adapter", self._unload_lora)
+        app.router.add_post("/update_weight_version", self._update_weight_version)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", self.port)
@@ -269,6 +276,34 @@ class FakeSGLang:
         return web.json_response(
             {"success": False, "message": message, "num_paused_requests": 0}, status=400
         )
+
+    async def _load_lora(self, request: web.Request) -> web.Response:
+        """SGLang's LoadLoRAAdapterReqInput: lora_name, lora_path (a PEFT directory), pinned."""
+        body = await request.json()
+        self.control.append(("/load_lora_adapter", body))
+        path = Path(str(body.get("lora_path", "")))
+        if set(body) - LORA_FIELDS or not (path / "adapter_config.json").is_file():
+            message = f"bad load_lora_adapter {body}"
+        elif body.get("lora_name") in self.adapters:
+            message = f"The LoRA adapter {body['lora_name']} is already loaded"
+        else:
+            self.adapters[str(body["lora_name"])] = str(path)
+            return web.json_response({"success": True, "loaded_adapters": self.adapters})
+        return web.json_response({"success": False, "error_message": message}, status=400)
+
+    async def _unload_lora(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.control.append(("/unload_lora_adapter", body))
+        if self.adapters.pop(str(body.get("lora_name")), None) is None:
+            message = f"LoRA adapter {body.get('lora_name')} is not loaded"
+            return web.json_response({"success": False, "error_message": message}, status=400)
+        return web.json_response({"success": True, "loaded_adapters": self.adapters})
+
+    async def _update_weight_version(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.control.append(("/update_weight_version", body))
+        self.weight_version = str(body["new_version"])
+        return web.json_response({"success": True, "new_version": self.weight_version})
 
     async def _generate(self, request: web.Request) -> web.Response:
         body = await request.json()

@@ -32,6 +32,8 @@ def test_default_prefix_names():
     assert t.dead_subject("bad name") == "agentarium.dead._invalid"
     assert t.rollout_consumer("calc") == "rollout-calc"
     assert t.metrics_subject("r1") == "agentarium.metrics.r1"
+    assert t.demand_subject("r1", "a1") == "agentarium.demand.r1.a1"
+    assert t.demand_queue("r1", "a1") == "agentarium-refill-r1-a1"
     # a worker's registry entry written directly with its own TTL (nats-server 2.11+)
     assert t.worker_subject("w1") == "$KV.agentarium-workers.w1"
     # the syncer's engine record: <run>.<16 hex of the URL's sha256>

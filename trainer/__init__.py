@@ -37,7 +37,7 @@ from .trackers import TRACKERS
 from .weight_stream import WEIGHT_TRANSPORTS, StreamConfig, stream_publisher
 from .weights import WeightsError, WeightStore
 
-_LAZY = {"Trainer": ".loop"}  # torch + transformers
+_LAZY = {"Trainer": ".loop", "merge_lora": ".lora"}  # torch + transformers
 
 __all__ = [
     "DEVICES",
@@ -63,6 +63,7 @@ __all__ = [
     "WeightsError",
     "call_refusal",
     "grpo_advantages",
+    "merge_lora",
     "pad_token_id",
     "plot_metrics",
     "publisher_for",

@@ -5,6 +5,9 @@ Layout under ``--checkpoint-dir``::
     step-00000010/
         model.safetensors     the policy's state dict (no pickle)
         optimizer.pt          AdamW state (torch.save; loaded with weights_only=True)
+        shards/               instead of the two above, a sharded trainer's (--parallel fsdp)
+                              model and optimizer as torch.distributed.checkpoint wrote them:
+                              each rank its own shards, rank 0 the .metadata
         rng.pt                torch CPU (and CUDA) RNG states
         state.json            step, version, run, agent, seed, python RNG, job ids, counters
     config.yaml               the settings of the latest start (a file `agentarium trainer
@@ -44,15 +47,32 @@ log = structlog.get_logger("agentarium.trainer")
 _PREFIX = "step-"
 CONFIG = "config.yaml"
 _WEIGHT_FILES = ("model.safetensors", "optimizer.pt", "rng.pt")
+SHARDS = "shards"  # a sharded trainer's torch.distributed.checkpoint directory
 
 
 @dataclass(frozen=True)
 class Loaded:
+    """A checkpoint read back; ``model_state`` and ``optimizer_state`` are empty for a sharded
+    one (``sharded``: the ranks read ``path / SHARDS`` themselves)."""
+
     path: Path
     state: dict
     model_state: dict[str, torch.Tensor]
     optimizer_state: dict
     rng: dict
+
+    @property
+    def sharded(self) -> bool:
+        return (self.path / SHARDS).is_dir()
+
+    def full_states(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """The model and optimizer states of a replicated trainer's checkpoint."""
+        if self.sharded:
+            raise CheckpointError(
+                f"checkpoint {self.path} is sharded (written with --parallel fsdp): resume it "
+                "with --parallel fsdp (or start a new checkpoint directory)"
+            )
+        return self.model_state, self.optimizer_state
 
     @property
     def step(self) -> int:
@@ -105,16 +125,19 @@ class Checkpoints:
         return seen
 
     def latest(self) -> Path | None:
-        whole = [p for p in self.steps() if (p / "model.safetensors").is_file()]
+        whole = [p for p in self.steps() if _has_weights(p)]
         return whole[-1] if whole else None
 
     def load(self, path: Path, *, map_location: str | torch.device = "cpu") -> Loaded:
+        model_state: dict[str, torch.Tensor] = {}
+        optimizer_state: dict = {}
         try:
             state = self._state(path)
-            model_state = load_file(str(path / "model.safetensors"), device=str(map_location))
-            optimizer_state = torch.load(
-                path / "optimizer.pt", map_location=map_location, weights_only=True
-            )
+            if not (path / SHARDS).is_dir():
+                model_state = load_file(str(path / "model.safetensors"), device=str(map_location))
+                optimizer_state = torch.load(
+                    path / "optimizer.pt", map_location=map_location, weights_only=True
+                )
             rng = torch.load(path / "rng.pt", weights_only=True)
         except (OSError, ValueError, RuntimeError, KeyError, pickle.UnpicklingError) as exc:
             raise CheckpointError(
@@ -132,17 +155,17 @@ class Checkpoints:
     # ---- writing -----------------------------------------------------------------------
     def snapshot(
         self,
-        state: Callable[[], tuple[dict[str, torch.Tensor], dict]],
+        write: Callable[[Path], None],
         *,
         run: str,
         groups: int,
         **fields: Any,
     ) -> Path:
-        """``save`` the (model, optimizer) state that ``state()`` returns, with ``fields``
-        (``save``'s), timed for /metrics and logged (``groups``: how many it covers)."""
+        """``save`` what ``write(directory)`` writes there (an updater's model and optimizer:
+        ``write_full`` or a sharded trainer's shards), with ``fields`` (``save``'s), timed for
+        /metrics and logged (``groups``: how many it covers)."""
         started = time.monotonic()
-        model_state, optimizer_state = state()
-        path = self.save(model_state=model_state, optimizer_state=optimizer_state, **fields)
+        path = self.save(write=write, **fields)
         self.last = path
         CHECKPOINT_SECONDS.labels(run).observe(time.monotonic() - started)
         log.info(
@@ -159,13 +182,22 @@ class Checkpoints:
         *,
         step: int,
         version: int,
-        model_state: dict[str, torch.Tensor],
-        optimizer_state: dict,
         trained_job_ids: Iterable[str],
         consumed_job_ids: Iterable[str],
+        model_state: dict[str, torch.Tensor] | None = None,
+        optimizer_state: dict | None = None,
+        write: Callable[[Path], None] | None = None,
         extra: dict | None = None,
     ) -> Path:
-        """Write one checkpoint atomically and prune old weights; returns its directory."""
+        """Write one checkpoint atomically and prune old weights; returns its directory. The
+        weights are ``write(directory)``'s, else ``model_state`` and ``optimizer_state``."""
+        if write is None:
+            assert model_state is not None and optimizer_state is not None, "weights to write"
+            full_model, full_optimizer = model_state, optimizer_state
+
+            def write(directory: Path) -> None:
+                write_full(directory, full_model, full_optimizer)
+
         self.directory.mkdir(parents=True, exist_ok=True)
         final = self.directory / f"{_PREFIX}{step:08d}"
         if final.exists():
@@ -174,8 +206,7 @@ class Checkpoints:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         try:
-            save_file(_unshared(model_state), str(tmp / "model.safetensors"))
-            torch.save(optimizer_state, tmp / "optimizer.pt")
+            write(tmp)
             rng: dict[str, torch.Tensor | list[torch.Tensor]] = {"torch": torch.get_rng_state()}
             if torch.cuda.is_available():
                 rng["cuda"] = torch.cuda.get_rng_state_all()
@@ -190,7 +221,7 @@ class Checkpoints:
                 **(extra or {}),
             }
             (tmp / "state.json").write_text(json.dumps(state, indent=1) + "\n")
-            for path in tmp.iterdir():
+            for path in tmp.rglob("*"):
                 _fsync(path)
             _fsync(tmp)
             os.rename(tmp, final)
@@ -229,10 +260,11 @@ class Checkpoints:
                 shutil.rmtree(path, ignore_errors=True)
 
     def _prune(self) -> None:
-        whole = [p for p in self.steps() if (p / "model.safetensors").is_file()]
+        whole = [p for p in self.steps() if _has_weights(p)]
         for path in whole[: -self.keep]:
             for name in _WEIGHT_FILES:
                 (path / name).unlink(missing_ok=True)
+            shutil.rmtree(path / SHARDS, ignore_errors=True)
 
 
 class NoCheckpoints:
@@ -263,8 +295,23 @@ class NoCheckpoints:
     def write_config(self, values: Mapping[str, Any], header: str = "") -> list[str]:
         return []
 
-    def snapshot(self, state: Callable[[], Any], *, run: str, groups: int, **fields: Any) -> None:
-        return None  # the state is not even asked for
+    def snapshot(
+        self, write: Callable[[Path], Any], *, run: str, groups: int, **fields: Any
+    ) -> None:
+        return None  # nothing is even written
+
+
+def write_full(
+    directory: Path, model_state: dict[str, torch.Tensor], optimizer_state: dict
+) -> None:
+    """A replicated trainer's weights: ``model.safetensors`` and ``optimizer.pt``."""
+    save_file(_unshared(model_state), str(directory / "model.safetensors"))
+    torch.save(optimizer_state, directory / "optimizer.pt")
+
+
+def _has_weights(path: Path) -> bool:
+    """The checkpoint still holds its weights (pruning keeps state.json alone)."""
+    return (path / "model.safetensors").is_file() or (path / SHARDS / ".metadata").is_file()
 
 
 def restore_rng(rng: dict, state: dict) -> None:

@@ -64,6 +64,8 @@ class CollectorConfig:
     fetch_batch: int = 256
     fetch_timeout_s: float = 1.0
     prefetch_groups: int = 64  # stop pulling while this many complete groups wait
+    overlong: str = "keep"  # GroupBuffer's: keep | filter | reward
+    overlong_reward: float = 0.0
 
     def __post_init__(self) -> None:
         check_name(self.run, "run")
@@ -81,6 +83,8 @@ class CollectorConfig:
             ack_wait_s=config.ack_wait_s,
             max_ack_pending=config.max_ack_pending,
             prefetch_groups=4 * config.groups_per_step,
+            overlong=config.overlong,
+            overlong_reward=config.overlong_reward,
         )
 
     @property
@@ -134,6 +138,8 @@ class Collector:
             seen=seen,
             task=config.agent,
             vocab_size=vocab_size,
+            overlong=config.overlong,
+            overlong_reward=config.overlong_reward,
         )
         self._psub: JetStreamContext.PullSubscription | None = None
         self._tasks: list[asyncio.Task] = []

@@ -8,6 +8,7 @@ choices; the checks that relate two settings are in ``__post_init__``.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,9 @@ from .trackers import TRACKERS, check_installed, parse_report_to
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 STALE_POLICIES = ("drop", "tis")
 DEVICES = ("cpu", "cuda")
+PARALLEL = ("replicated", "fsdp")  # data parallel: a full replica per rank, or FSDP2 shards
 TASK_ADV_NORMS = ("none", "token", "trajectory")
+OVERLONG = ("keep", "filter", "reward")  # a response cut at max_new_tokens (trainer/groups.py)
 EVERY_AGENT = "*"  # --agent '*': every agent of the run (trainer/tasks.py, discover_agents)
 DEFAULT_REPORT_TO = ("csv",)
 
@@ -244,6 +247,38 @@ class TrainerConfig:
         help="skip groups whose rewards are all equal (zero advantage), waiting for informative "
         "ones instead (DAPO's dynamic sampling)",
     )
+    # DAPO's dynamic sampling: dropped groups replaced by groups asked from the producers
+    # (trainer/draws.py), and what happens to responses cut at max_new_tokens (trainer/groups.py)
+    dynamic_sampling: bool = setting(
+        False,
+        group=GROUPS,
+        help="keep every step at --groups-per-step: flat groups (and groups the selection "
+        "drops for any reason) are replaced by new groups asked from the run's producers over "
+        "<p>.demand.<run>.<agent> (a producers.GroupRefill answers; agentarium demo "
+        "--dynamic-sampling runs one); turns --filter-flat-groups on",
+    )
+    draw_limit: int = setting(
+        3,
+        gt=0,
+        group=GROUPS,
+        metavar="K",
+        help="with --dynamic-sampling, a step asks for at most K x --groups-per-step "
+        "replacement groups; past that it trains the groups it holds",
+    )
+    overlong: str = setting(
+        "keep",
+        choices=OVERLONG,
+        group=GROUPS,
+        help="responses cut at max_new_tokens (finish_reason length): keep them, filter them out "
+        "of statistics and training, or give them --overlong-reward (DAPO's overlong filtering "
+        "and its punishment); counted either way",
+    )
+    overlong_reward: float = setting(
+        0.0,
+        group=GROUPS,
+        metavar="REWARD",
+        help="with --overlong reward, the reward a response cut at max_new_tokens gets",
+    )
     group_timeout_s: float = setting(
         600.0,
         gt=0,
@@ -319,6 +354,42 @@ class TrainerConfig:
         help="data-parallel workers as Ray actors (gloo on CPU, nccl on CUDA, one GPU each); "
         "0 = train in this process",
     )
+    parallel: str = setting(
+        "replicated",
+        choices=PARALLEL,
+        group=COMPUTE,
+        help="replicated: every --ray-workers rank holds the whole model, reference and AdamW "
+        "state; fsdp: each holds 1/N of them (PyTorch FSDP2, sharded per decoder layer), "
+        "checkpoints are sharded, and --bf16 on CUDA is FSDP's mixed precision (fp32 master "
+        "weights)",
+    )
+    # LoRA (trainer/lora.py): adapters on a frozen base; only they train and are published
+    lora_rank: int = setting(
+        0,
+        ge=0,
+        group=COMPUTE,
+        metavar="R",
+        help="train LoRA adapters of rank R on the frozen base model (peft) instead of every "
+        "weight; each version published is the adapter alone, which engines load with "
+        "/load_lora_adapter (`agentarium merge-lora` folds it into the base); 0 = full "
+        "fine-tuning",
+    )
+    lora_alpha: float = setting(
+        32.0, gt=0, group=COMPUTE, help="LoRA's alpha: the adapter's update is scaled by alpha/R"
+    )
+    lora_target_modules: tuple[str, ...] = setting(
+        ("all-linear",),
+        group=COMPUTE,
+        metavar="NAME",
+        help="modules that get adapters (repeatable: q_proj, v_proj, ...); all-linear = every "
+        "linear layer but the output head",
+    )
+    activation_checkpointing: bool = setting(
+        False,
+        group=COMPUTE,
+        help="with --parallel fsdp, recompute each decoder layer's activations in the backward "
+        "pass instead of keeping them (less memory, about a third more compute)",
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "report_to", parse_report_to(self.report_to))
@@ -362,6 +433,20 @@ class TrainerConfig:
                     f"{self.publish_every} (or train asynchronously without --sync-rollouts)"
                 )
             object.__setattr__(self, "max_staleness", 0)
+        if self.dynamic_sampling:
+            object.__setattr__(self, "filter_flat_groups", True)
+        if self.parallel == "fsdp" and self.ray_workers < 1:
+            raise TrainerConfigError(
+                "--parallel fsdp shards the model over --ray-workers N ranks: pass "
+                "--ray-workers 1 or more"
+            )
+        if self.lora_rank > 0 and importlib.util.find_spec("peft") is None:
+            raise TrainerConfigError("--lora-rank needs peft: pip install 'agentarium[lora]'")
+        if self.activation_checkpointing and self.parallel != "fsdp":
+            raise TrainerConfigError(
+                "--activation-checkpointing is a --parallel fsdp setting: add --parallel fsdp "
+                "--ray-workers N, or drop it"
+            )
 
     def _check_agents(self) -> None:
         agents = tuple(dict.fromkeys(str(a) for a in self.agents))

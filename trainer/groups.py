@@ -17,6 +17,9 @@ and acks what it is told to. Rules (docs/design.md "The GRPO trainer"):
   minus the oldest policy version among its calls; beyond ``max_staleness`` it is dropped
   (``drop``) or kept with truncated importance weights (``tis``). The oldest complete groups
   go first, so slow rollouts are trained before they go stale rather than starved.
+- Overlong responses (a policy call that ended ``finish_reason: length``: it hit
+  ``max_new_tokens``) are kept as they are (``keep``), filtered out of statistics and training
+  like a refused member (``filter``), or given a set reward (``reward``); both counted.
 - Cross-sampled calls (``LLMCall.policy`` false) report another model's weight version: only the
   policy's own calls count for staleness (and for refusal). A member whose calls are all
   cross-sampled (``cross_only``) has no policy token to train: its reward stays in the group's
@@ -32,12 +35,13 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from schemas import SchemaError, Trajectory, version_number
 
 from .batch import Sample, advantages, refusal
+from .config import OVERLONG
 
 if TYPE_CHECKING:
     from .config import TrainerConfig
@@ -157,6 +161,13 @@ class BufferCounters:
     dropped_stale_groups: int = 0  # groups: every ok member too stale (drop policy)
     tis_weighted: int = 0  # trajectories
     groups_used: int = 0
+    overlong_filtered: int = 0  # trajectories: cut at max_new_tokens, out of training
+    overlong_rewarded: int = 0  # trajectories: cut at max_new_tokens, given the set reward
+
+    @property
+    def dropped_at_select(self) -> int:
+        """Groups the step's selection dropped (what dynamic sampling replaces)."""
+        return self.dropped_small + self.dropped_flat + self.dropped_stale_groups
 
     @property
     def dropped_groups(self) -> int:
@@ -187,9 +198,14 @@ class GroupBuffer:
         seen: Iterable[str] = (),
         task: str = "",
         vocab_size: int | None = None,
+        overlong: str = "keep",
+        overlong_reward: float = 0.0,
     ) -> None:
         assert min_members >= 2, "a group needs at least two ok members for an advantage"
+        assert overlong in OVERLONG, overlong
         self.task = task
+        self.overlong = overlong
+        self.overlong_reward = overlong_reward
         self.vocab_size = vocab_size  # token ids at or above it are refused (rows.refusal)
         self.group_timeout_s = group_timeout_s
         self.min_members = min_members
@@ -251,6 +267,8 @@ class GroupBuffer:
         if trajectory.ok:
             member.refused = refusal(trajectory, self.vocab_size)
             c.refused += member.refused is not None
+            if member.refused is None and any(call.finish_reason == "length" for call in own):
+                self._overlong(member)
         else:
             c.failed_members += 1
         group = self._open.get(trajectory.group_id)
@@ -263,6 +281,14 @@ class GroupBuffer:
             c.groups_complete += 1
             self._release(group)
         return BUFFERED
+
+    def _overlong(self, member: Member) -> None:
+        if self.overlong == "filter":
+            member.refused = "overlong"  # out of statistics and training, not a bad record
+            self.counters.overlong_filtered += 1
+        elif self.overlong == "reward":
+            member.trajectory = replace(member.trajectory, reward=self.overlong_reward)
+            self.counters.overlong_rewarded += 1
 
     def expire(self, now: float) -> list[Group]:
         """Release or drop groups open longer than the timeout; returns the dropped ones."""

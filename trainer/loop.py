@@ -54,6 +54,7 @@ from broker import Topology, wait_served
 from .batch import Sample, build_rows, collate, with_task_advantages
 from .checkpoint import Checkpoints, NoCheckpoints, restore_rng
 from .config import TrainerConfig
+from .draws import Draws, NoDraws
 from .errors import TrainerConfigError
 from .groups import Group, Selection
 from .live import LiveMetrics
@@ -125,6 +126,7 @@ class Trainer:
         self._running = False
         self._pad_id = 0
         self._vocab: int | None = None
+        self.draws: Draws | NoDraws = NoDraws()  # dynamic sampling's (trainer/draws.py)
 
     def __repr__(self) -> str:
         return (
@@ -152,8 +154,12 @@ class Trainer:
         async with self._session() as (collector, report):
             while not self._stop.is_set() and (max_steps is None or self.step < max_steps):
                 waited = time.monotonic()
+                self.draws.begin(self.step + 1)
                 groups = await collector.take(
-                    cfg.groups_per_step, Selection.of(cfg, version=self.version), stop=self._stop
+                    cfg.groups_per_step,
+                    Selection.of(cfg, version=self.version),
+                    stop=self._stop,
+                    draws=self.draws,
                 )
                 if groups is None:
                     break
@@ -195,6 +201,10 @@ class Trainer:
         # Never let one version number name two sets of weights: continue above whatever
         # was published for this run already (by a predecessor killed after publishing).
         self.version = max(self.version, await self.publishing.latest_version())
+        if cfg.lora_rank > 0 and self.version == 0 and self.publishing.publishes:
+            # engines serve an adapter only once one is loaded: publish the initial one (B = 0,
+            # the base's outputs) as version 1, so rollouts can ask for it before step 1
+            await self._publish()
         if cfg.sync_rollouts and not self.publishing.publishes:
             raise TrainerConfigError(
                 "--sync-rollouts waits for the engines to serve each new version: it needs "
@@ -208,6 +218,9 @@ class Trainer:
         except ValueError as exc:  # --task-mix weights against the agents '*' found
             raise TrainerConfigError(str(exc)) from None
         self.collector = collector
+        if cfg.dynamic_sampling:
+            limit = cfg.draw_limit * cfg.groups_per_step
+            self.draws = Draws(self.js._nc, self.topology, cfg.run, limit=limit)
         stack.push_async_callback(self._close_collector, collector)
         sink = MetricsSink(
             cfg.metrics_path if "csv" in cfg.report_to else None,
@@ -277,6 +290,7 @@ class Trainer:
                 step_s=time.monotonic() - started,
                 wait_s=wait_s,
                 success_threshold=cfg.success_threshold,
+                drawn=self.draws.drawn,
             )
             span.set_attributes(span_attributes(cfg.run, row, len(samples)))
         log_step(row)
@@ -321,7 +335,7 @@ class Trainer:
         cfg = self.config
         await asyncio.to_thread(
             self.checkpoints.snapshot,
-            self._updater.state,
+            self._updater.write_checkpoint,
             run=cfg.run,
             groups=len(groups),
             step=self.step,
@@ -370,9 +384,7 @@ class Trainer:
             return set()
         loaded = await asyncio.to_thread(self.checkpoints.load, latest)
         self._checkpoint_agents = self._check_checkpoint(latest, loaded.state)
-        await asyncio.to_thread(
-            self._updater.load_state, loaded.model_state, loaded.optimizer_state
-        )
+        await asyncio.to_thread(self._updater.read_checkpoint, loaded)
         restore_rng(loaded.rng, loaded.state)
         self.step, self.version = loaded.step, loaded.version
         seen = self.checkpoints.seen_job_ids()
@@ -417,6 +429,10 @@ class Trainer:
 
 
 def _make_updater(config: TrainerConfig):
+    if config.parallel == "fsdp":
+        from .fsdp import FsdpParallel
+
+        return FsdpParallel(config, config.ray_workers)
     if config.ray_workers > 0:
         from .ray_dp import RayDataParallel
 

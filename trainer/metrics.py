@@ -6,13 +6,16 @@ Columns (in this order; the first ones are the stable contract):
     step, version, reward_mean, reward_std, loss, kl, clip_frac, entropy, tokens, tokens_per_s,
     step_s, groups_used, dropped_stale, dropped_flat, staleness_max, staleness_mean,
     staleness_hist, then extras (model_tokens, rows, grad_norm, ratio_mean, wait_s, tis_weighted,
-    prefix_mismatches, failed_members, refused, validation_skipped, time).
+    prefix_mismatches, failed_members, refused, validation_skipped, drawn, overlong, time).
 
 ``version`` is the policy version the step's data was judged against (the update it makes is
 published as the next version). ``tokens`` counts every real token of the batch (prompts too:
 what the forward pass processes), ``tokens_per_s`` divides it by ``step_s`` (batch building
 and the update, not the wait for data). ``dropped_*``, ``tis_weighted``, ``failed_members``, ``refused`` and
-``validation_skipped`` are running totals, since drops happen between steps. The staleness
+``validation_skipped`` are running totals, since drops happen between steps. ``drawn`` is the
+step's replacement groups (dynamic sampling: what producers published for the groups it
+dropped); ``overlong`` the running total of responses cut at max_new_tokens that were filtered
+or given the set reward. The staleness
 columns cover every ok trajectory weighed for the step (trained or dropped as stale);
 ``staleness_hist`` reads ``0:96 1:24 3:8`` (versions behind: trajectories).
 
@@ -21,7 +24,8 @@ in the order trained: ``groups/<agent>``, ``trajectories/<agent>`` (this step's 
 ``reward_mean/<agent>``, ``success/<agent>`` (fraction with reward >= ``--success-threshold``),
 ``length/<agent>`` (mean response tokens, every call's), all empty when the task had no
 trajectory in the step, and the running totals ``dropped_stale/<agent>`` (trajectories) and
-``dropped_groups/<agent>`` (too few ok members, flat, every member stale). A resumed trainer
+``dropped_groups/<agent>`` (too few ok members, flat, every member stale), then this step's
+``drawn/<agent>``. A resumed trainer
 whose agents changed rewrites the file once with the union of the columns.
 
 Trackers (TensorBoard, W&B, MLflow) get the same values under verl-style ``/``-grouped names,
@@ -79,6 +83,7 @@ class TaskMetrics:
     length: float | None = None
     dropped_stale: int = 0  # running total, trajectories
     dropped_groups: int = 0  # running total, groups
+    drawn: int = 0  # this step: replacement groups producers published (dynamic sampling)
 
 
 # TaskMetrics field -> tracker name; the CSV column is "<field>/<agent>", the tracker's
@@ -91,6 +96,7 @@ TASK_TRACKER_NAMES: Mapping[str, str] = {
     "length": "response/length",
     "dropped_stale": "dropped/stale",
     "dropped_groups": "dropped/groups",
+    "drawn": "batch/drawn",
 }
 assert tuple(TASK_TRACKER_NAMES) == tuple(TaskMetrics.__dataclass_fields__)
 
@@ -129,6 +135,8 @@ class StepMetrics:
     failed_members: int = 0
     refused: int = 0
     validation_skipped: int = 0
+    drawn: int = 0
+    overlong: int = 0
     time: float = field(default_factory=time.time)
     tasks: dict[str, TaskMetrics] = field(default_factory=dict)  # per agent: not a column
 
@@ -185,6 +193,8 @@ TRACKER_NAMES: Mapping[str, str] = {
     "failed_members": "trajectories/failed",
     "refused": "trajectories/refused",
     "validation_skipped": "trajectories/validation_skipped",
+    "drawn": "batch/drawn",
+    "overlong": "trajectories/overlong",
 }
 assert set(TRACKER_NAMES) == set(FIELDS) - {"step", "staleness_hist", "time"}, (
     "every StepMetrics field needs a tracker name (or a reason to have none)"

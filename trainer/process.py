@@ -125,6 +125,11 @@ def publisher_for(config: TrainerConfig, process: TrainerProcess) -> PublisherFa
             "--weights-dir is the shared-path mode's directory: drop it, or pass "
             "--weight-transport shared-path (or stream)"
         )
+    if transport == "stream" and config.lora_rank > 0:
+        raise TrainerConfigError(
+            "--lora-rank publishes adapters, and --weight-transport stream broadcasts the "
+            "model's own tensors: use object-store or shared-path with LoRA"
+        )
     if transport != "stream":
         if process.stream_engines:
             raise TrainerConfigError("--stream-engine is for --weight-transport stream")

@@ -17,10 +17,12 @@ not initialised, a local instance is started.
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import torch
 
 from .batch import Batch
+from .checkpoint import Loaded, write_full
 from .config import TrainerConfig
 from .errors import DistributedError
 from .grpo import LossSums
@@ -31,7 +33,10 @@ from .step import (
     apply_update,
     forward_backward,
     load_model,
+    load_policy,
     make_optimizer,
+    memory_of,
+    publishable,
 )
 
 
@@ -43,7 +48,7 @@ class _Worker:
         self.rank, self.world = rank, world
         self.settings = settings
         self.device = torch.device(device)
-        self.model = load_model(model_dir, self.device)
+        self.model = load_policy(model_dir, self.device, settings)
         self.ref_model = (
             load_model(model_dir, self.device, trainable=False) if settings.kl_coef > 0 else None
         )
@@ -65,6 +70,10 @@ class _Worker:
             backend, init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.world
         )
         return True
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank holds of parameters and optimizer state (``step.memory_of``)."""
+        return memory_of(self.model, self.optimizer)
 
     def step(self, shard: Batch, totals: Totals, seed: int) -> tuple[float, LossSums, float]:
         import torch.distributed as dist
@@ -107,6 +116,8 @@ class RayDataParallel:
     """The LocalUpdater interface (step, state, load_state, publishable_model, close) over
     ``world`` Ray actors."""
 
+    worker = _Worker  # one rank; trainer/fsdp.py's sharded ranks replace it
+
     def __init__(self, config: TrainerConfig, world: int) -> None:
         try:
             import ray
@@ -119,7 +130,7 @@ class RayDataParallel:
         if not ray.is_initialized():
             ray.init(include_dashboard=False, log_to_driver=False)
         gpu = config.device == "cuda"
-        actor = ray.remote(num_cpus=1, num_gpus=1 if gpu else 0)(_Worker)
+        actor = ray.remote(num_cpus=1, num_gpus=1 if gpu else 0)(self.worker)
         try:
             self.actors = [
                 actor.remote(rank, world, str(config.model_dir), self.settings, config.device)
@@ -143,20 +154,34 @@ class RayDataParallel:
         return f"<RayDataParallel world={self.world} device={self.config.device}>"
 
     def step(self, batch: Batch, seed: int) -> StepStats:
-        import ray
-
         totals = Totals.of(batch)
         shards = batch.shards(self.world)
-        try:
-            pairs = zip(self.actors, shards, strict=True)
-            results = ray.get([a.step.remote(s, totals, seed) for a, s in pairs])  # type: ignore[attr-defined]
-        except ray.exceptions.RayError as exc:
-            raise DistributedError(f"a data-parallel worker failed during a step: {exc}") from exc
+        extra = self._step_args(shards)
+        pairs = zip(self.actors, shards, strict=True)
+        calls = [a.step.remote(s, totals, seed, *extra) for a, s in pairs]  # type: ignore[attr-defined]
+        results = self._get(calls, "during a step")
         loss, sums = 0.0, LossSums()
         for part_loss, part_sums, _ in results:
             loss += part_loss
             sums += part_sums
         return StepStats.from_sums(loss, sums, results[0][2], batch)
+
+    def _step_args(self, shards: list[Batch]) -> tuple:
+        """What each rank's step takes beyond its shard, the totals and the seed."""
+        return ()
+
+    def _get(self, calls: list, doing: str) -> list:
+        """Every rank's answer; a failed rank is a DistributedError."""
+        import ray
+
+        try:
+            return ray.get(calls)
+        except ray.exceptions.RayError as exc:
+            raise DistributedError(f"a data-parallel worker failed {doing}: {exc}") from exc
+
+    def memory(self) -> list[dict[str, int]]:
+        """Each rank's parameter and optimizer bytes (``_Worker.memory``)."""
+        return self._get([a.memory.remote() for a in self.actors], "reporting memory")  # type: ignore[attr-defined]
 
     def state(self) -> tuple[dict, dict]:
         import ray
@@ -170,11 +195,22 @@ class RayDataParallel:
         refs = [a.load_state.remote(model_state, optimizer_state) for a in self.actors]  # type: ignore[attr-defined]
         ray.get(refs)
 
+    def write_checkpoint(self, directory: Path) -> None:
+        write_full(directory, *self.state())
+
+    def read_checkpoint(self, loaded: Loaded) -> None:
+        self.load_state(*loaded.full_states())
+
     def publishable_model(self):
-        if self._mirror is None:
-            self._mirror = load_model(self.config.model_dir, "cpu", trainable=False)
         model_state, _ = self.state()
-        self._mirror.load_state_dict(model_state)
+        self.mirror().load_state_dict(model_state)
+        return publishable(self.mirror(), self.settings)
+
+    def mirror(self):
+        """The driver's CPU copy of the policy, for the publishers (built on first use)."""
+        if self._mirror is None:
+            self._mirror = load_policy(self.config.model_dir, "cpu", self.settings)
+            self._mirror.requires_grad_(False)
         return self._mirror
 
     def close(self) -> None:

@@ -8,12 +8,14 @@ loss normalised by the *whole* batch's counts, so shards' gradients sum to the f
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from .batch import Batch
+from .checkpoint import Loaded, write_full
 from .config import TrainerConfig
 from .grpo import LossSums, grpo_loss, token_entropy, token_logprobs, truncated_is_weights
 
@@ -36,6 +38,10 @@ class StepSettings:
     lr: float = 1e-5
     weight_decay: float = 0.0
     adam_betas: tuple[float, float] = (0.9, 0.999)
+    activation_checkpointing: bool = False  # a sharded rank's (trainer/fsdp.py)
+    lora_rank: int = 0  # LoRA adapters on a frozen base (trainer/lora.py); 0 = full weights
+    lora_alpha: float = 32.0
+    lora_target_modules: tuple[str, ...] = ("all-linear",)
 
     @classmethod
     def from_config(cls, config: TrainerConfig) -> StepSettings:
@@ -87,17 +93,48 @@ class StepStats:
 
 
 def load_model(model_dir: str | Path, device: str | torch.device, *, trainable: bool = True):
-    from transformers import AutoModelForCausalLM
+    """The model of ``model_dir`` in fp32 on ``device``; on ``"meta"`` its shapes alone, from
+    its config (nothing read: a sharded rank fills them from rank 0, trainer/fsdp.py)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a per-load progress bar is noise in service logs
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    model.to(device)  # type: ignore[arg-type]  # transformers' stubs type .to() as a PreTrainedModel method
+    if str(device) == "meta":
+        with torch.device("meta"):
+            config = AutoConfig.from_pretrained(str(model_dir))
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        model.to(device)  # type: ignore[arg-type]  # transformers' stubs type .to() as a PreTrainedModel method
     if trainable:
         model.train()
     else:
         model.eval()
         model.requires_grad_(False)
+    return model
+
+
+def load_policy(model_dir: str | Path, device: str | torch.device, settings: StepSettings):
+    """The model trained: the base, wrapped with LoRA adapters when ``lora_rank`` > 0."""
+    model = load_model(model_dir, device)
+    if settings.lora_rank > 0:
+        from .lora import with_lora
+
+        model = with_lora(
+            model,
+            rank=settings.lora_rank,
+            alpha=settings.lora_alpha,
+            target_modules=settings.lora_target_modules,
+        )
+    return model
+
+
+def publishable(model, settings: StepSettings):
+    """What a publisher receives of the live model: the model, or with LoRA its adapter."""
+    if settings.lora_rank > 0:
+        from .lora import AdapterExport
+
+        return AdapterExport(model)
     return model
 
 
@@ -108,12 +145,17 @@ def forward_backward(
     settings: StepSettings,
     totals: Totals,
     device: str | torch.device,
+    micro_batches: Iterable[Batch] | None = None,
 ) -> tuple[float, LossSums]:
-    """Accumulate this batch's (or shard's) gradient; returns its share of the loss."""
+    """Accumulate this batch's (or shard's) gradient; returns its share of the loss.
+    ``micro_batches``: the passes to run, when the caller decides them (a sharded rank runs
+    as many as every other rank, trainer/fsdp.py); by default ``micro_batch_size`` rows each."""
     loss_total, sums = 0.0, LossSums()
-    if batch.rows == 0:
+    if micro_batches is None and batch.rows == 0:
         return loss_total, sums
-    for micro in batch.micro_batches(settings.micro_batch_size):
+    if micro_batches is None:
+        micro_batches = batch.micro_batches(settings.micro_batch_size)
+    for micro in micro_batches:
         mb = micro.to(device)
         # bf16 autocast: matmuls in bf16, master weights and optimizer state stay fp32, and the
         # log-probs below are taken from the logits cast back to fp32.
@@ -194,12 +236,40 @@ def apply_update(model, optimizer: torch.optim.Optimizer, grad_clip: float) -> f
     """Clip the accumulated gradient (if grad_clip > 0), step, zero; returns the grad norm."""
     params = [p for p in model.parameters() if p.grad is not None]
     if grad_clip > 0:
-        norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
+        norm = _scalar(torch.nn.utils.clip_grad_norm_(params, grad_clip))
+    elif params and hasattr(params[0].grad, "full_tensor"):  # sharded (DTensor) gradients
+        norm = _scalar(torch.nn.utils.get_total_norm([p.grad for p in params]))
     else:
         norm = math.sqrt(sum(float(p.grad.detach().pow(2).sum()) for p in params))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return norm
+
+
+def memory_of(model, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes held in this process by the model's parameters and the optimizer's state (a
+    sharded rank's: its shards only). AdamW's moments exist from the first step on."""
+    return {
+        "params": sum(_nbytes(p) for p in model.parameters()),
+        "optimizer": sum(
+            _nbytes(v)
+            for state in optimizer.state.values()
+            for v in state.values()
+            if isinstance(v, torch.Tensor)
+        ),
+    }
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    """Bytes a tensor holds in this process: a sharded (DTensor) one, its local shard's."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.numel() * local.element_size()
+
+
+def _scalar(norm: torch.Tensor) -> float:
+    """A norm as a float; a sharded trainer's is a DTensor, reduced over the ranks first."""
+    full = getattr(norm, "full_tensor", None)
+    return float(full() if callable(full) else norm)
 
 
 class LocalUpdater:
@@ -208,7 +278,7 @@ class LocalUpdater:
     def __init__(self, config: TrainerConfig) -> None:
         self.settings = StepSettings.from_config(config)
         self.device = torch.device(config.device)
-        self.model = load_model(config.model_dir, self.device)
+        self.model = load_policy(config.model_dir, self.device, self.settings)
         self.ref_model = (
             load_model(config.model_dir, self.device, trainable=False)
             if config.kl_coef > 0
@@ -232,9 +302,16 @@ class LocalUpdater:
         self.model.load_state_dict(model_state)
         self.optimizer.load_state_dict(optimizer_state)
 
+    def write_checkpoint(self, directory: Path) -> None:
+        """The weights of a checkpoint being written into ``directory`` (trainer/checkpoint.py)."""
+        write_full(directory, *self.state())
+
+    def read_checkpoint(self, loaded: Loaded) -> None:
+        self.load_state(*loaded.full_states())
+
     def publishable_model(self):
         """The model to hand to a WeightPublisher (this process holds the live one)."""
-        return self.model
+        return publishable(self.model, self.settings)
 
     def close(self) -> None:
         pass

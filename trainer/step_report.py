@@ -8,7 +8,7 @@ assembled here from the step's groups, the updater's StepStats and the collector
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -74,8 +74,11 @@ def step_metrics(
     step_s: float,
     wait_s: float,
     success_threshold: float,
+    drawn: Mapping[str, int] | None = None,
 ) -> StepMetrics:
-    """The metrics row of one step."""
+    """The metrics row of one step (``drawn``: replacement groups per agent, dynamic
+    sampling's)."""
+    drawn = drawn or {}
     rewards = _rewards(groups)
     staleness = [x for g in groups for x in g.staleness]
     c = collector.counters
@@ -107,12 +110,17 @@ def step_metrics(
         failed_members=c.failed_members,
         refused=c.refused,
         validation_skipped=c.validation_skipped,
-        tasks=task_metrics(groups, collector, success_threshold),
+        drawn=sum(drawn.values()),
+        overlong=c.overlong_filtered + c.overlong_rewarded,
+        tasks=task_metrics(groups, collector, success_threshold, drawn),
     )
 
 
 def task_metrics(
-    groups: list[Group], collector: TaskCollector, success_threshold: float
+    groups: list[Group],
+    collector: TaskCollector,
+    success_threshold: float,
+    drawn: Mapping[str, int] | None = None,
 ) -> dict[str, TaskMetrics]:
     """Each agent's share of a step: its groups, rewards, success rate and lengths."""
     out: dict[str, TaskMetrics] = {}
@@ -132,6 +140,7 @@ def task_metrics(
             length=statistics.fmean(lengths) if lengths else None,
             dropped_stale=counters.dropped_stale,
             dropped_groups=counters.dropped_groups,
+            drawn=(drawn or {}).get(agent, 0),
         )
     return out
 
@@ -163,6 +172,7 @@ def log_step(row: StepMetrics) -> None:
         tokens=row.tokens,
         step_s=round(row.step_s, 3),
         dropped_stale=row.dropped_stale,
+        **({"drawn": row.drawn} if row.drawn else {}),
         **({"groups_by_task": by_task} if len(by_task) > 1 else {}),
     )
 

@@ -30,6 +30,7 @@ from schemas import check_name
 
 from .collector import Collector, CollectorConfig, wait_for_any
 from .config import TrainerConfig
+from .draws import Draws, NoDraws
 from .groups import BufferCounters, Group, Selection
 from .mix import compose, quotas
 
@@ -95,28 +96,52 @@ class TaskCollector:
         await asyncio.gather(*(c.close() for c in self.collectors.values()))
 
     async def take(
-        self, n: int, selection: Selection, *, stop: asyncio.Event | None = None
+        self,
+        n: int,
+        selection: Selection,
+        *,
+        stop: asyncio.Event | None = None,
+        draws: Draws | NoDraws | None = None,
     ) -> list[Group] | None:
         """Wait for one step's n groups, composed by the mix (oldest first). None if ``stop``
-        was set first, every group held going back."""
+        was set first, every group held going back. With ``draws`` (dynamic sampling,
+        trainer/draws.py) every group the selection drops is replaced by one asked from the
+        producers, and once the step's bound is passed it takes the groups it holds."""
+        draws = draws if draws is not None else NoDraws()
         started = time.monotonic()
         task_deadline = started + self.task_wait_s
         held: dict[str, list[Group]] = {a: [] for a in self.agents}
         while True:
             for agent, collector in self.collectors.items():
                 collector.changed.clear()
+                dropped = collector.counters.dropped_at_select
                 held[agent] += await collector.gather(n - len(held[agent]), selection)
                 held[agent].sort(key=_age)
+                await draws.replace(
+                    agent,
+                    collector.counters.dropped_at_select - dropped,
+                    holding=sum(len(groups) for groups in held.values()),
+                )
             now = time.monotonic()
+            holding = sum(len(groups) for groups in held.values())
+            short = draws.exhausted and 0 < holding < n  # the bound: train what is held
+            wanted = holding if short else n
             plan = compose(
-                n,
+                wanted,
                 {a: [_age(g) for g in groups] for a, groups in held.items()},
                 weights=self.weights,
                 taken=self.taken,
-                waited_out=now >= task_deadline,
+                waited_out=short or now >= task_deadline,
             )
             if plan is not None:
-                return self._hand_out(n, held, plan, waited=now - started)
+                if short:
+                    log.warning(
+                        "dynamic sampling: the step's draws are spent; training the groups held",
+                        groups=holding,
+                        wanted=n,
+                        asked=draws.asked,
+                    )
+                return self._hand_out(wanted, held, plan, waited=now - started)
             if stop is not None and stop.is_set():
                 self._requeue(held)
                 return None

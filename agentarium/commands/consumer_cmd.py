@@ -62,7 +62,7 @@ async def consume(args: argparse.Namespace, config: ConsumerProcess, source: dic
     spec = ConsumerSpec(
         agent=name,
         fn=fn,
-        target=LLMTarget(urls=tuple(normalize_urls(config.llm))),
+        target=LLMTarget(urls=tuple(normalize_urls(config.llm)), lora=config.lora),
         cross=rollout.cross(),
         model_dir=str(model_dir),
         model_name=rollout.model_name or ("tiny" if rollout.model == "tiny" else model_dir.name),

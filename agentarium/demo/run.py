@@ -16,6 +16,13 @@ step's tasks are released at a time, the next only once the engine serves the we
 the last (read from the engines KV the syncer writes), and the trainer runs with
 ``--sync-rollouts``.
 
+``--dynamic-sampling`` runs the trainer with DAPO's dynamic sampling: each flat group it drops
+is replaced by one it asks for, which the demo's ``GroupRefill`` (one per agent) publishes.
+
+``--lora-rank R`` trains LoRA adapters instead of every weight (on every linear layer and the
+output head): the syncer loads each version into the engine as an adapter, and the consumers
+ask for it (``--lora <run>``).
+
 ``--rollouts-only`` runs just the rollout half: publish a task file, wait for every trajectory.
 """
 
@@ -41,7 +48,7 @@ from broker import (
     setup_logging,
     wait_served,
 )
-from producers import RunSession, expand_tasks, read_task_file
+from producers import GroupRefill, RunSession, expand_tasks, read_task_file
 from schemas import setting
 from trainer import TASK_ADV_NORMS
 
@@ -52,6 +59,18 @@ from .report import report, task_column
 from .tasks import FAMILIES, digit_tasks, parse_task_set, split_groups
 
 DEFAULT_TASKS = Path(__file__).resolve().parents[2] / "examples" / "toy_tasks.jsonl"
+# --lora-rank: every linear layer and the output head; the one-token toy task did not learn in
+# 40 steps with adapters on the layers alone (all-linear), and did with the head's (benchmarks)
+LORA_TARGETS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "lm_head",
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,6 +135,20 @@ class DemoConfig:
         help="synchronous training: one step's tasks at a time, the next released only once the "
         "engine serves the weights trained on the last (the trainer's --sync-rollouts; --ahead "
         "and --max-staleness do not apply)",
+    )
+
+    dynamic_sampling: bool = setting(
+        False,
+        help="the trainer's --dynamic-sampling: flat groups are dropped and the trainer asks "
+        "for replacements, which the demo publishes (each step still trains "
+        "--groups-per-step groups)",
+    )
+
+    lora_rank: int = setting(
+        0,
+        help="train LoRA adapters of this rank instead of every weight (the trainer's "
+        "--lora-rank): the syncer loads each adapter into the engine and the consumers ask for "
+        "it; 0 = full fine-tuning",
     )
 
     def __post_init__(self) -> None:
@@ -184,6 +217,16 @@ async def _feed_and_watch(args: DemoConfig, url: str, out: Path, trainer: Child)
         stream=sys.stdout,
     )
     metrics = out / "metrics.csv"
+    refills = [
+        await GroupRefill(
+            producer,
+            run=args.run,
+            agent=agent,
+            tasks=_refill_source(args, rng, agent),
+            group_size=args.group_size,
+        ).start()
+        for agent in (args.agents() if args.dynamic_sampling else ())
+    ]
     started = time.monotonic()
     deadline = started + args.minutes * 60
     published_groups = 0
@@ -231,7 +274,16 @@ async def _feed_and_watch(args: DemoConfig, url: str, out: Path, trainer: Child)
                 await asyncio.sleep(0.5)  # a status refresh tick, not a wait for an event
     finally:
         display.close()
+        for refill in refills:
+            await refill.close()
         await session.close()
+
+
+def _refill_source(args: DemoConfig, rng: random.Random, agent: str):
+    """Replacement tasks for the trainer's dynamic sampling, drawn as the feed draws its own."""
+    family = agent if args.task_set else "repeat"
+    drawn = itertools.count()
+    return lambda n: digit_tasks(rng, n, f"{agent}-d{next(drawn)}", args.digits, family)
 
 
 def _rewards(row: dict, tasks: tuple[str, ...]) -> str:
@@ -327,6 +379,7 @@ def run_demo(args: DemoConfig) -> int:
                         server.url,
                         "--concurrency",
                         str(args.concurrency),
+                        *(["--lora", args.run] if args.lora_rank else []),
                     ),
                     logs,
                 )
@@ -406,6 +459,13 @@ def trainer_argv(
         "--max-staleness",
         str(args.max_staleness),
         *(["--sync-rollouts"] if args.sync_rollouts else []),
+        *(["--dynamic-sampling"] if args.dynamic_sampling else []),
+        *(["--lora-rank", str(args.lora_rank)] if args.lora_rank else []),
+        *[
+            w
+            for m in (LORA_TARGETS if args.lora_rank else ())
+            for w in ("--lora-target-modules", m)
+        ],
         "--metrics",
         str(out / "metrics.csv"),
         *(["--checkpoint-dir", str(out / "checkpoints")] if checkpoints else []),

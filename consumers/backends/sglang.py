@@ -111,6 +111,7 @@ class SGLangBackend:
         down_for: float = 10.0,
         max_route_keys: int = 100_000,
         max_connections: int | None = None,
+        lora: str | None = None,
     ) -> None:
         urls = [urls] if isinstance(urls, str) else list(urls)
         self.urls = [u.rstrip("/") for u in urls]
@@ -126,6 +127,7 @@ class SGLangBackend:
         self._max_connections = max_connections
         self._http: HttpPool | None = None
         self._control: HttpPool | None = None
+        self.lora = lora  # sent as lora_path: the adapter to answer with
 
     @property
     def http(self) -> HttpPool:
@@ -218,6 +220,8 @@ class SGLangBackend:
         }
         if rid:
             body["rid"] = rid
+        if self.lora:
+            body["lora_path"] = self.lora
         return body
 
     async def _post(self, url: str, request: GenerateRequest, attempt: int) -> GenerateResult:

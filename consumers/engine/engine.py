@@ -18,6 +18,7 @@ from ..chat_template import load_tokenizer, tokenizer_fingerprint
 from . import weight_group
 from .config import EngineSettings
 from .errors import InvalidRequest, WeightLoadError
+from .lora import Adapter, AdapterSlot
 from .model import EngineModel
 from .request import parse_generate
 from .scheduler import PAUSE_MODES, Scheduler
@@ -52,6 +53,7 @@ class LocalEngine:
         self._groups: dict[str, weight_group.WeightGroup] = {}
         self._group_lock = asyncio.Lock()  # one join, leave or receive at a time
         self._spares: dict = {}  # receive buffers: the tensors the last swap replaced
+        self._lora = AdapterSlot()  # the one LoRA adapter folded in (lora.py)
         log.info(
             "engine loaded",
             model_path=str(self.model_path),
@@ -93,6 +95,11 @@ class LocalEngine:
             vocab_size=self.model.vocab_size,
             context_len=self.model.context_len,
         )
+        if request.lora_path is not None and request.lora_path != self._lora.name:
+            raise InvalidRequest(
+                f"LoRA adapter {request.lora_path!r} is not loaded (loaded: "
+                f"{self._lora.name!r}): POST /load_lora_adapter first"
+            )
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         seq = Sequence(
             request,
@@ -169,7 +176,39 @@ class LocalEngine:
             version=None if version is None else str(version),
             abort_all=bool(body.get("abort_all_requests", False)),
         )
+        if success:  # new base weights: an adapter folded into the old ones is gone with them
+            self._lora = AdapterSlot()
         return {"success": success, "message": message, "num_paused_requests": paused}
+
+    # ---- LoRA adapters (lora.py) -----------------------------------------------------------
+
+    async def load_lora_adapter(self, body: dict[str, Any]) -> dict[str, Any]:
+        """SGLang's ``/load_lora_adapter {"lora_name", "lora_path"}``: fold the adapter in
+        between steps (the one loaded before comes out first)."""
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise InvalidRequest("load_lora_adapter needs lora_name and lora_path (strings)")
+        try:
+            adapter = await asyncio.to_thread(Adapter.read, name, path)
+        except WeightLoadError as exc:
+            return _failed(str(exc))
+        success, message, _ = await self.scheduler.apply_weights(
+            lambda: self._lora.load(self.model.model, adapter), what=f"LoRA {name}"
+        )
+        return {"success": success, "message": message, "loaded_adapters": self._loaded()}
+
+    async def unload_lora_adapter(self, body: dict[str, Any]) -> dict[str, Any]:
+        name = body.get("lora_name")
+        if name != self._lora.name or name is None:
+            return _failed(f"LoRA adapter {name!r} is not loaded (loaded: {self._lora.name!r})")
+        success, message, _ = await self.scheduler.apply_weights(
+            lambda: self._lora.unload(self.model.model), what=f"LoRA {name}"
+        )
+        return {"success": success, "message": message, "loaded_adapters": self._loaded()}
+
+    def _loaded(self) -> dict[str, str]:
+        adapter = self._lora.adapter
+        return {} if adapter is None else {adapter.name: adapter.path}
 
     # ---- weights streamed over torch.distributed (weight_group.py) ------------------------
 

@@ -52,7 +52,6 @@ _UNSUPPORTED_TOP = {
     "audio_data": None,
     "input_embeds": None,
     "token_ids_logprob": None,
-    "lora_path": None,
     "lora_id": None,
     "session_params": None,
     "custom_logit_processor": None,
@@ -68,6 +67,7 @@ _TOP = {
     "top_logprobs_num",
     "return_text_in_logprobs",
     "rid",
+    "lora_path",  # the adapter to answer with (consumers/engine/lora.py)
 }
 
 
@@ -104,6 +104,7 @@ class GenerateRequest:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
+    lora_path: str | None = None  # a LoRA adapter's name, as loaded by /load_lora_adapter
 
 
 def parse_generate(
@@ -141,6 +142,9 @@ def parse_generate(
     rid = data.get("rid")
     if rid is not None and not isinstance(rid, str):
         raise InvalidRequest("rid must be a string (batches of rids are not supported)")
+    lora_path = data.get("lora_path")
+    if lora_path is not None and not isinstance(lora_path, str):
+        raise InvalidRequest("lora_path must be the name of a loaded LoRA adapter (a string)")
     return GenerateRequest(
         rid=rid or uuid.uuid4().hex,
         input_ids=tuple(input_ids),
@@ -151,6 +155,7 @@ def parse_generate(
         return_text_in_logprobs=_bool(
             data.get("return_text_in_logprobs", False), "return_text_in_logprobs"
         ),
+        lora_path=lora_path,
     )
 
 

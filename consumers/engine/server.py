@@ -118,6 +118,16 @@ async def _weights_checksum(request: web.Request) -> web.Response:
     return web.json_response(await request.app[ENGINE_KEY].weights_checksum())
 
 
+async def _load_lora_adapter(request: web.Request) -> web.Response:
+    out = await request.app[ENGINE_KEY].load_lora_adapter(await _body(request))
+    return web.json_response(out, status=200 if out["success"] else 400)
+
+
+async def _unload_lora_adapter(request: web.Request) -> web.Response:
+    out = await request.app[ENGINE_KEY].unload_lora_adapter(await _body(request))
+    return web.json_response(out, status=200 if out["success"] else 400)
+
+
 async def _pause(request: web.Request) -> web.Response:
     body = await _body(request, required=False)
     return web.json_response(await request.app[ENGINE_KEY].pause_generation(body))
@@ -159,6 +169,8 @@ def make_app(engine: LocalEngine) -> web.Application:
     r.add_post("/update_weights_from_distributed", _update_weights_from_distributed)
     r.add_post("/destroy_weights_update_group", _destroy_weights_update_group)
     r.add_get("/weights_checksum", _weights_checksum)  # local engine only
+    r.add_post("/load_lora_adapter", _load_lora_adapter)
+    r.add_post("/unload_lora_adapter", _unload_lora_adapter)
     r.add_post("/pause_generation", _pause)
     r.add_post("/continue_generation", _continue)
     r.add_post("/update_weight_version", _update_weight_version)

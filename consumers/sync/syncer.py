@@ -14,6 +14,13 @@ WeightUpdate:
    ``POST /update_weights_from_disk {"model_path", "load_format": null, "weight_version",
    "flush_cache": true, "abort_all_requests": false}`` → ``POST /continue_generation {}``, the
    last one sent whatever happened before it, so a failed update never leaves an engine paused;
+   A LoRA trainer's version is an adapter (its safetensors header carries the adapter config,
+   ``broker.lora_config_of``): the syncer makes a PEFT adapter directory of it
+   (``<weights_dir>/<run>/v<version>/lora/``) and sends, inside the same pause and continue,
+   ``POST /unload_lora_adapter {"lora_name": <run>}`` (a refusal, nothing loaded yet, is fine)
+   → ``POST /load_lora_adapter {"lora_name": <run>, "lora_path"}`` → ``POST
+   /update_weight_version {"new_version"}``, so generations that name the adapter (the
+   consumer's ``--lora <run>``) report the adapter's version;
 4. keeps the newest ``keep`` local copies;
 5. records what each engine serves now in the engines KV (``broker.record_engine``), for
    live views; a record that cannot be written is logged and skipped.
@@ -31,6 +38,7 @@ import asyncio
 import contextlib
 import shutil
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,8 +56,10 @@ from broker import (
     WeightNotFound,
     WeightsError,
     WeightVerificationError,
+    adapter_directory,
     is_shared_path,
     local_versions,
+    lora_config_of,
     record_engine,
     verify_file,
 )
@@ -355,12 +365,15 @@ class WeightSyncer:
             return self._ready[update.version]
         if update.format != "safetensors":
             raise WeightVerificationError(f"format {update.format!r} is not safetensors")
+        local = self.config.directory / update.run / f"v{update.version}"
         if is_shared_path(update) and self.config.shared_path:
             await asyncio.to_thread(verify_file, update.object, update)
-            directory = Path(update.object).parent
+            file = Path(update.object)
         else:
-            dest = self.config.directory / update.run / f"v{update.version}"
-            directory = (await self.store.fetch(update, dest)).parent
+            file = await self.store.fetch(update, local)
+        directory = file.parent
+        if await asyncio.to_thread(lora_config_of, file) is not None:  # a LoRA adapter
+            directory = await asyncio.to_thread(adapter_directory, file, local / "lora")
         self._ready = {update.version: directory}
         return directory
 
@@ -373,14 +386,25 @@ class WeightSyncer:
     ) -> EngineResult:
         assert model_dir is not None
         started = time.perf_counter()
-        ok, message = await reload_engine(
-            self.control,
-            url,
-            model_path=str(model_dir),
-            weight_version=str(update.version),
-            pause_mode=self.config.pause_mode,
-            update_timeout_s=self.config.update_timeout_s,
-        )
+        version, timeout = str(update.version), self.config.update_timeout_s
+        if (model_dir / "adapter_config.json").is_file():
+            ok, message = await reload_engine(
+                self.control,
+                url,
+                apply=lambda: load_adapter(
+                    self.control, url, self.config.run, str(model_dir), version, timeout
+                ),
+                pause_mode=self.config.pause_mode,
+            )
+        else:
+            ok, message = await reload_engine(
+                self.control,
+                url,
+                model_path=str(model_dir),
+                weight_version=version,
+                pause_mode=self.config.pause_mode,
+                update_timeout_s=timeout,
+            )
         seconds = round(time.perf_counter() - started, 3)
         (log.info if ok else log.error)(
             "engine reloaded" if ok else "engine reload failed",
@@ -415,13 +439,14 @@ async def reload_engine(
     control: EngineControl,
     url: str,
     *,
-    model_path: str,
-    weight_version: str,
+    model_path: str = "",
+    weight_version: str = "",
     pause_mode: str = "in_place",
     update_timeout_s: float = 600.0,
+    apply: Callable[[], Awaitable[str]] | None = None,
 ) -> tuple[bool, str]:
-    """pause → update_weights_from_disk → continue on one engine: (updated, what happened),
-    the one result a sync round records per engine.
+    """pause → update_weights_from_disk (or ``apply()``: a LoRA adapter's calls) → continue on
+    one engine: (updated, what happened), the one result a sync round records per engine.
 
     ``/continue_generation`` is always sent, even after a failed pause or update; a failed
     pause only means the update waits for requests in flight, as SGLang does without one.
@@ -432,9 +457,15 @@ async def reload_engine(
     except EngineControlError as exc:
         notes.append(f"pause failed ({exc}); updated without it")
     try:
-        message = await control.update_weights_from_disk(
-            url, model_path=model_path, weight_version=weight_version, timeout_s=update_timeout_s
-        )
+        if apply is not None:
+            message = await apply()
+        else:
+            message = await control.update_weights_from_disk(
+                url,
+                model_path=model_path,
+                weight_version=weight_version,
+                timeout_s=update_timeout_s,
+            )
         ok = True
         notes.insert(0, message)
     except EngineControlError as exc:
@@ -449,6 +480,18 @@ async def reload_engine(
             ok = False
             notes.append(f"continue_generation failed: {exc}")
     return ok, "; ".join(n for n in notes if n)
+
+
+async def load_adapter(
+    control: EngineControl, url: str, name: str, path: str, version: str, timeout_s: float
+) -> str:
+    """unload ``name`` (refused when none is loaded: fine) → load ``path`` as ``name`` → set the
+    engine's weight_version to ``version``; the load's message."""
+    with contextlib.suppress(EngineControlError):
+        await control.unload_lora_adapter(url, name=name)
+    message = await control.load_lora_adapter(url, name=name, path=path, timeout_s=timeout_s)
+    await control.update_weight_version(url, version)
+    return message
 
 
 def _as_number(weight_version: str | None) -> int | None:

@@ -1,0 +1,205 @@
+"""Replicated data parallel vs FSDP2 (``--parallel fsdp``), per rank: parameter and optimizer
+bytes, peak resident memory and step time, at 1, 2 and 4 ranks, in one run.
+
+Each configuration starts its ranks as Ray actors (gloo on the CPU; the trainer's own
+``RayDataParallel`` and ``FsdpParallel``, with a measuring method added to their ranks), runs
+``--warmup`` steps and then ``--steps`` timed steps of one batch of ``--rows`` toy rows
+(``--prompt`` + ``--response`` tokens; the same batch, seeds and settings for every
+configuration), and reports, per rank: the bytes its parameters and AdamW state hold
+(``trainer.step.memory_of``: a sharded rank counts its shards), its peak RSS (``ru_maxrss``:
+torch, transformers and Ray's worker are in it too, ~0.5 GB before any model), and the median
+step time seen by the trainer (the driver's ``step`` call: split, every rank's forward and
+backward, the reduce, the optimizer step).
+
+The model: ``--model tiny`` (the built-in 2-layer model: its 0.4 M parameters are far below the
+libraries' own memory), a model directory (``--model DIR``, e.g. the real small model when it
+is installed), or ``--synthetic WIDTH:LAYERS``, a random Qwen2 of that shape with the tiny
+tokenizer, built in code. On this 2-core machine 4 ranks share 2 cores, so step times at 4
+ranks measure contention more than scaling: the memory columns are the point.
+
+    PYTHONPATH=. python bench/fsdp_memory.py [--model tiny|DIR] [--synthetic 512:4]
+        [--ranks 1,2,4] [--rows 8] [--steps 3] [--warmup 1] [--json OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import resource
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from agentarium.tiny import MODEL_CONFIG, resolve_model
+from schemas import LLMCall, Trajectory
+from trainer.batch import Sample, build_rows, collate
+from trainer.config import TrainerConfig
+from trainer.fsdp import FsdpParallel, _FsdpWorker
+from trainer.ray_dp import RayDataParallel, _Worker
+
+MB = 1024 * 1024
+
+
+class _Peak:
+    def peak_rss(self) -> int:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+class MeasuredRank(_Peak, _Worker):
+    pass
+
+
+class MeasuredShard(_Peak, _FsdpWorker):
+    pass
+
+
+class Replicated(RayDataParallel):
+    worker = MeasuredRank
+
+
+class Sharded(FsdpParallel):
+    worker = MeasuredShard
+
+
+def build_synthetic(out: Path, tiny: Path, width: int, layers: int) -> None:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    heads = max(width // 64, 1)
+    config = Qwen2Config(
+        **{
+            **MODEL_CONFIG,
+            "hidden_size": width,
+            "intermediate_size": 4 * width,
+            "num_hidden_layers": layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": heads,
+        }
+    )
+    config.architectures = ["Qwen2ForCausalLM"]
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(tiny / name, out / name)
+
+
+def toy_batch(rows: int, prompt: int, response: int, vocab: int, seed: int = 0):
+    rng = random.Random(seed)
+    samples = []
+    for i in range(rows):
+        call = LLMCall(
+            prompt_ids=[rng.randrange(vocab) for _ in range(prompt)],
+            response_ids=[rng.randrange(vocab) for _ in range(response)],
+            response_logprobs=[-5.5] * response,
+            finish_reason="stop",
+        )
+        traj = Trajectory(
+            job_id=f"j{i}", agent="a", task_id="t", group_id="g", status="ok", reward=0.0,
+            calls=[call],
+        )  # fmt: skip
+        samples.append(Sample(traj, advantage=(i % 4 - 1.5) / 1.1))
+    return collate(build_rows(samples)[0], pad_id=0)
+
+
+def measure(kind: str, world: int, model_dir: Path, args: argparse.Namespace, batch) -> dict:
+    config = TrainerConfig(
+        run="bench",
+        agent="a",
+        model_dir=str(model_dir),
+        lr=1e-4,
+        parallel="fsdp" if kind == "fsdp" else "replicated",
+        ray_workers=world,
+        micro_batch_size=args.micro_batch_size,
+    )
+    started = time.monotonic()
+    updater = (Sharded if kind == "fsdp" else Replicated)(config, world)
+    ready_s = time.monotonic() - started
+    try:
+        for step in range(args.warmup):
+            updater.step(batch, seed=step)
+        times = []
+        for step in range(args.steps):
+            t0 = time.monotonic()
+            updater.step(batch, seed=100 + step)
+            times.append(time.monotonic() - t0)
+        memory = updater.memory()
+        peaks = updater._get([a.peak_rss.remote() for a in updater.actors], "peak")  # type: ignore[union-attr]
+    finally:
+        updater.close()
+    return {
+        "kind": kind,
+        "ranks": world,
+        "params_mb": [round(m["params"] / MB, 2) for m in memory],
+        "optimizer_mb": [round(m["optimizer"] / MB, 2) for m in memory],
+        "peak_rss_mb": [round(p / MB) for p in peaks],
+        "step_s": round(statistics.median(times), 3),
+        "step_s_all": [round(t, 3) for t in times],
+        "start_s": round(ready_s, 1),
+    }
+
+
+def report(rows: list[dict], model: str, params: int) -> None:
+    print(f"model: {model} ({params / 1e6:.2f} M parameters)")
+    print(
+        "| ranks | mode | params MB per rank | AdamW MB per rank | peak RSS MB per rank | step s |"
+    )
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+        print(
+            f"| {r['ranks']} | {r['kind']} | {mean(r['params_mb']):.2f} | "
+            f"{mean(r['optimizer_mb']):.2f} | {max(r['peak_rss_mb'])} | {r['step_s']} |"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny", help="tiny or a model directory")
+    parser.add_argument("--synthetic", default="", metavar="WIDTH:LAYERS")
+    parser.add_argument("--ranks", default="1,2,4")
+    parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument("--prompt", type=int, default=32)
+    parser.add_argument("--response", type=int, default=16)
+    parser.add_argument("--micro-batch-size", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--json", default="", help="also write the rows here")
+    args = parser.parse_args()
+    import ray
+
+    torch.set_num_threads(1)
+    ranks = [int(r) for r in args.ranks.split(",")]
+    ray.init(num_cpus=max(ranks), include_dashboard=False, log_to_driver=False)
+    with tempfile.TemporaryDirectory(prefix="agentarium-bench-") as tmp:
+        model_dir, name = resolve_model(args.model), args.model
+        if args.synthetic:
+            width, layers = (int(x) for x in args.synthetic.split(":"))
+            model_dir, name = Path(tmp) / "model", f"synthetic Qwen2 {width}x{layers}"
+            build_synthetic(model_dir, resolve_model("tiny"), width, layers)
+        config = json.loads((model_dir / "config.json").read_text())
+        batch = toy_batch(args.rows, args.prompt, args.response, int(config["vocab_size"]))
+        from transformers import AutoModelForCausalLM
+
+        params = sum(
+            p.numel() for p in AutoModelForCausalLM.from_pretrained(model_dir).parameters()
+        )
+        rows = [
+            measure(kind, w, model_dir, args, batch)
+            for w in ranks
+            for kind in ("replicated", "fsdp")
+        ]
+    ray.shutdown()
+    report(rows, name, params)
+    print(json.dumps({"model": name, "params": params, "rows": rows}))
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps({"model": name, "params": params, "rows": rows}, indent=1)
+        )
+
+
+if __name__ == "__main__":
+    main()

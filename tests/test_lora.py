@@ -1,0 +1,175 @@
+"""LoRA (``--lora-rank``): only the adapters train and are published; the syncer hands each
+version to the real local engine through ``/load_lora_adapter``, generations that name the
+adapter report its version, the base weights stay as they were (in the trainer and, once the
+adapter is unloaded, on the engine), and ``agentarium merge-lora`` folds it into the base."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from trainlib import one_call_group, publish
+
+from agentarium.cli import main
+from broker import EngineControl, lora_config_of
+from consumers.backends.base import GenerateRequest
+from consumers.backends.sglang import SGLangBackend
+from consumers.sync import SyncConfig, WeightSyncer
+from trainer.config import TrainerConfig
+from trainer.loop import Trainer
+from trainer.process import TrainerProcess, publisher_for
+from trainer.step import load_model
+from trainer.weights import WeightStore
+
+pytest.importorskip("peft")
+torch.set_num_threads(1)
+RUN, AGENT = "lora", "a"
+PROMPT = [257, 48, 258]
+
+
+def config(tiny_dir, **extra) -> TrainerConfig:
+    values = dict(
+        run=RUN,
+        agent=AGENT,
+        model_dir=str(tiny_dir),
+        group_size=4,
+        groups_per_step=2,
+        lr=3e-2,
+        lora_rank=4,
+        lora_alpha=8,
+    )
+    return TrainerConfig(**{**values, **extra})
+
+
+async def test_the_engine_serves_each_new_adapter_and_the_base_stays(
+    js, topology, tiny_dir, engine_url, tmp_path
+):
+    for g in range(4):
+        group = one_call_group(
+            g,
+            run=RUN,
+            agent=AGENT,
+            job_id=lambda g, i: f"j{g}{i}",
+            group_id=f"g{g}",
+            reward=lambda g, i: float(i == g % 4),
+        )
+        await publish(js, topology, group)
+    trainer = Trainer(
+        config(tiny_dir),
+        js,
+        topology=topology,
+        publisher=WeightStore(js, topology, weights_dir=tmp_path / "w").for_run(RUN),
+    )
+    syncer = WeightSyncer(
+        js,
+        SyncConfig(run=RUN, engines=(engine_url,), weights_dir=tmp_path / "sync"),
+        topology=topology,
+    )
+    backend = SGLangBackend([engine_url], lora=RUN)  # what `consumer --lora lora` sends
+    control = EngineControl()
+    base = await control.weights_checksum(engine_url)
+    try:
+        served = []
+        for steps in (0, 1, 2):  # the initial adapter (v1, before any step), then one a step
+            await trainer.run(max_steps=steps)
+            await syncer.sync_once()
+            result = await backend.generate(
+                GenerateRequest(
+                    input_ids=PROMPT, sampling={"max_new_tokens": 1, "temperature": 1.0}
+                )
+            )
+            served.append((result.weight_version, (await control.weights_checksum(engine_url))))
+        assert [v for v, _ in served] == ["1", "2", "3"]  # what the calls record advances
+        sums = [c["checksum"] for _, c in served]
+        assert sums[0] == base["checksum"]  # the initial adapter adds nothing (B = 0)
+        assert len({base["checksum"], sums[1], sums[2]}) == 3
+
+        # what was published is the adapter alone
+        file = tmp_path / "w" / RUN / "v3" / "model.safetensors"
+        assert lora_config_of(file)["r"] == 4
+        from safetensors import safe_open
+
+        with safe_open(str(file), "pt") as f:
+            assert f.keys() and all(".lora_A." in k or ".lora_B." in k for k in f.keys())
+        assert file.stat().st_size < 100_000 < base["bytes"]
+
+        # the trainer's base is untouched: only adapters train
+        model = trainer._updater.model
+        assert all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
+        initial = load_model(tiny_dir, "cpu", trainable=False)
+        ids = torch.tensor([PROMPT])
+        with torch.no_grad(), model.disable_adapter():
+            torch.testing.assert_close(model(input_ids=ids).logits, initial(input_ids=ids).logits)
+
+        # and so is the engine's, once the adapter is out
+        await control.unload_lora_adapter(engine_url, name=RUN)
+        assert (await control.weights_checksum(engine_url))["checksum"] == base["checksum"]
+    finally:
+        await backend.aclose()
+        await control.close()
+        await syncer.close()
+
+    # merge for export: one command, an ordinary model that answers as base + adapter
+    out = tmp_path / "merged"
+    argv = ["merge-lora", "--model", str(tiny_dir), "--adapter", str(file), "--out", str(out)]
+    assert main(argv) == 0
+    assert (out / "tokenizer.json").is_file()
+    export = load_model(out, "cpu", trainable=False)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            export(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-5, rtol=1e-4
+        )
+
+
+def test_lora_cannot_stream_and_needs_a_rank(tiny_dir):
+    from trainer.errors import TrainerConfigError
+
+    process = TrainerProcess(weight_transport="stream", stream_engines=("http://x:1",))
+    with pytest.raises(TrainerConfigError, match="use object-store or shared-path"):
+        publisher_for(config(tiny_dir), process)
+    with pytest.raises(TrainerConfigError, match="lora-rank"):
+        config(tiny_dir, lora_rank=-1)
+    with pytest.raises(TrainerConfigError, match="lora-alpha"):
+        config(tiny_dir, lora_alpha=0)
+
+
+async def test_the_syncer_loads_an_adapter_with_sglangs_calls(
+    js, topology, fake, tiny_dir, tmp_path
+):
+    """Against the SGLang fake (which refuses fields SGLang does not define): the calls and
+    their order, and a generation that names the adapter reports its version."""
+    from trainer.step import LocalUpdater
+
+    adapter = LocalUpdater(config(tiny_dir)).publishable_model()
+    store = WeightStore(js, topology, weights_dir=tmp_path / "w")
+    await store.publish(adapter, run=RUN, version=1)
+    syncer = WeightSyncer(
+        js,
+        SyncConfig(run=RUN, engines=(fake.url,), weights_dir=tmp_path / "sync"),
+        topology=topology,
+    )
+    try:
+        result = await syncer.sync_once()
+    finally:
+        await syncer.close()
+    assert result is not None and result.ok, result
+    paths = [path for path, _ in fake.control]
+    assert paths == [
+        "/pause_generation",
+        "/unload_lora_adapter",  # refused, nothing loaded yet: fine
+        "/load_lora_adapter",
+        "/update_weight_version",
+        "/continue_generation",
+    ]
+    load, version = fake.control[2][1], fake.control[3][1]
+    assert load["lora_name"] == RUN and (tmp_path / "sync" / RUN / "v1" / "lora") == Path(
+        load["lora_path"]
+    )
+    assert version == {"new_version": "1", "abort_all_requests": False}
+    backend = SGLangBackend([fake.url], lora=RUN)
+    try:
+        result = await backend.generate(GenerateRequest(input_ids=PROMPT, sampling={}))
+    finally:
+        await backend.aclose()
+    assert result.weight_version == "1" and fake.requests[-1]["lora_path"] == RUN

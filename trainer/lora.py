@@ -1,0 +1,110 @@
+"""LoRA: train low-rank adapters on a frozen base model, publish only the adapters, merge them
+for export.
+
+With ``--lora-rank R`` the policy is the base model wrapped by ``peft`` (``LoraConfig``: rank,
+``--lora-alpha``, ``--lora-target-modules``, no dropout, so the update stays reproducible);
+its base weights are frozen, the optimizer holds only the adapters' parameters, and a checkpoint
+holds both. What is published per version is the adapter alone (``AdapterExport``): one
+safetensors file of the PEFT adapter state dict, its ``LoraConfig`` in the header metadata under
+``broker.LORA_CONFIG_KEY``, so it travels through the same weight paths as whole weights (object
+store or shared path) and the syncer can hand the engines a PEFT adapter directory
+(``/load_lora_adapter``). ``merge_lora`` folds an adapter into its base model for export
+(``agentarium merge-lora``).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from broker import LORA_CONFIG_KEY, adapter_directory
+
+from .errors import TrainerConfigError
+
+ADAPTER_FILE = "adapter_model.safetensors"  # PEFT's name
+ALL_LINEAR = "all-linear"  # peft: every linear layer but the output head
+
+
+def _peft():
+    try:
+        import peft
+    except ImportError as exc:
+        raise TrainerConfigError("--lora-rank needs peft: pip install 'agentarium[lora]'") from exc
+    return peft
+
+
+def with_lora(model, *, rank: int, alpha: float, target_modules: tuple[str, ...]):
+    """``model`` wrapped with fresh LoRA adapters (B = 0: the policy starts as the base)."""
+    peft = _peft()
+    targets: str | list[str] = (
+        ALL_LINEAR if tuple(target_modules) == (ALL_LINEAR,) else list(target_modules)
+    )
+    config = peft.LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, bias="none"
+    )
+    return peft.get_peft_model(model, config)
+
+
+class AdapterExport:
+    """What a LoRA trainer publishes: the adapter alone, saved as a model would be saved."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def __repr__(self) -> str:
+        return f"<AdapterExport of {type(self.model).__name__}>"
+
+    def state(self) -> dict[str, torch.Tensor]:
+        peft = _peft()
+        # the adapters alone: no base weights (peft adds the output head's or the embeddings'
+        # when they are targeted, in case their vocabulary was resized; ours never is)
+        state = peft.get_peft_model_state_dict(self.model, save_embedding_layers=False)
+        return {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}
+
+    def config(self) -> dict[str, Any]:
+        return self.model.peft_config["default"].to_dict()
+
+    def save_pretrained(self, directory: str | Path, **_: Any) -> Path:
+        from safetensors.torch import save_file
+
+        path = Path(directory) / ADAPTER_FILE
+        text = json.dumps(self.config(), default=_plain, sort_keys=True)
+        save_file(self.state(), str(path), metadata={"format": "pt", LORA_CONFIG_KEY: text})
+        return path
+
+
+def merge_lora(model_dir: str | Path, adapter: str | Path, out: str | Path) -> Path:
+    """The base model with the adapter folded in (W + alpha/r BA), saved to ``out`` with the
+    base's tokenizer files: an ordinary transformers model directory to serve or share.
+    ``adapter``: a published adapter file, or a PEFT adapter directory."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    peft = _peft()
+    out = Path(out)
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    with tempfile.TemporaryDirectory(prefix="agentarium-lora-") as tmp:
+        source = Path(adapter)
+        if source.is_file():
+            source = adapter_directory(source, tmp)
+        merged = peft.PeftModel.from_pretrained(base, str(source)).merge_and_unload()
+        merged.save_pretrained(str(out))
+    for extra in Path(model_dir).iterdir():  # tokenizer, chat template, generation config
+        weights = extra.suffix in (".safetensors", ".bin", ".pt") or extra.name.endswith(
+            ".index.json"
+        )
+        if extra.is_file() and not weights and not (out / extra.name).exists():
+            shutil.copyfile(extra, out / extra.name)
+    return out
+
+
+def _plain(value: Any) -> Any:
+    """JSON for a LoraConfig's sets and enums."""
+    if isinstance(value, set | frozenset | tuple):
+        return sorted(value)
+    return str(value)
