@@ -228,7 +228,7 @@ class ConsumerService:
         if template is None and spec.target.trainable:
             raise ValueError(
                 f"agent {spec.agent!r}: SGLang servers take token ids, so the model's tokenizer is "
-                "needed: pass model='tiny' or a model directory"
+                "needed: pass model='tiny', 'smol' or a model directory"
             )
         agent = AgentSpec.of(spec.fn, spec.agent)
         if self._backend is None:

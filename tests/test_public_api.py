@@ -24,6 +24,7 @@ PUBLIC = [
     "TrajectoryReader",
     "WeightUpdate",
     "__version__",
+    "ensure_smol_model",
     "ensure_tiny_model",
     "resolve_model",
 ]

@@ -43,8 +43,8 @@ from producers import read_task_file as load_task_file
 from schemas import Job, Sampling, SchemaError, Trajectory, check_name
 from schemas import settings as schema_settings
 
+from ..models import resolve_model
 from ..progress import ProgressBar
-from ..tiny import resolve_model
 from . import report
 from .config import EvalConfig
 
