@@ -83,19 +83,35 @@ def test_bad_task_settings_are_refused(kwargs, message):
 
 
 def test_per_task_columns_and_windows():
-    assert task_column(["step", "reward_mean", "reward_mean/next"], "next") == "reward_mean/next"
-    assert task_column(["next_reward_mean"], "next") == "next_reward_mean"
-    assert task_column(["reward_mean/repeat"], "next") is None
+    assert (
+        task_column(["step", "reward_mean_received", "reward_mean_received/next"], "next")
+        == "reward_mean_received/next"
+    )
+    assert task_column(["next_reward_mean_received"], "next") == "next_reward_mean_received"
+    assert task_column(["reward_mean_received/repeat"], "next") is None
     rows = [
-        {"step": "1", "reward_mean": "0.5", "reward_mean/repeat": "0.0", "reward_mean/next": "1"},
-        {"step": "2", "reward_mean": "0.5", "reward_mean/repeat": "1.0", "reward_mean/next": ""},
+        {
+            "step": "1",
+            "reward_mean_received": "0.5",
+            "reward_mean_received/repeat": "0.0",
+            "reward_mean_received/next": "1",
+        },
+        {
+            "step": "2",
+            "reward_mean_received": "0.5",
+            "reward_mean_received/repeat": "1.0",
+            "reward_mean_received/next": "",
+        },
     ]
     series = task_rewards(rows, ("repeat", "next"))
     assert series == {"repeat": [0.0, 1.0], "next": [1.0, None]}
     assert task_rewards(rows, ("next",)) == {"next": [1.0, None]}  # its own column wins
-    assert task_rewards([{"reward_mean": "0.25"}], ("repeat",)) == {"repeat": [0.25]}
-    with pytest.raises(ValueError, match="no reward_mean column for task 'next'"):
-        task_rewards([{"reward_mean": "0.5", "reward_mean/repeat": "0"}], ("repeat", "next"))
+    assert task_rewards([{"reward_mean_received": "0.25"}], ("repeat",)) == {"repeat": [0.25]}
+    with pytest.raises(ValueError, match="no reward_mean_received column for task 'next'"):
+        task_rewards(
+            [{"reward_mean_received": "0.5", "reward_mean_received/repeat": "0"}],
+            ("repeat", "next"),
+        )
     assert first_last([0.0, None, 1.0, 1.0], window=2) == (2, 0.0, 1.0)
 
 

@@ -43,7 +43,8 @@ def run_demo(out, *extra: str) -> list[float]:
         timeout=300,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return [float(row["reward_mean"]) for row in read_metrics(out / "metrics.csv")]
+    rows = read_metrics(out / "metrics.csv")
+    return [float(r["reward_mean_received"]) for r in rows if r["reward_mean_received"]]
 
 
 def mean(values: list[float]) -> float:

@@ -236,7 +236,8 @@ async def _feed_and_watch(args: DemoConfig, url: str, out: Path, trainer: Child)
 
 def _rewards(row: dict, tasks: tuple[str, ...]) -> str:
     """The status line's reward: overall, then each task's where the CSV has its column."""
-    text = f"{float(row['reward_mean']):.2f}"
+    received = row.get("reward_mean_received")
+    text = f"{float(received):.2f}" if received not in (None, "", "nan") else "-"
     parts = []
     for task in tasks if len(tasks) > 1 else ():
         column = task_column(list(row), task)
