@@ -127,7 +127,6 @@ async def test_stale_trajectories_dropped_against_published_versions(js, topolog
     assert (row["dropped_stale"], row["version"]) == ("8", "3")
 
 
-
 async def test_any_weight_version_string_trains_and_the_csv_names_both_rewards(
     js, topology, tmp_path
 ):
@@ -160,6 +159,7 @@ async def test_any_weight_version_string_trains_and_the_csv_names_both_rewards(
         "0.125",
         "0.25",
     )
+
 
 def _returns(value):
     async def latest_version():
