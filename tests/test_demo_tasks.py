@@ -132,3 +132,32 @@ def test_next_digit_pays_graded_credit():
     assert rewards == {"4": 1.0, "3": 0.5, "5": 0.5, "7": 0.0, "x": 0.0, "": 0.0}
     assert digit_credit("9", "0") == digit_credit("1", "0") == 0.5  # around the dial
     assert asyncio.run(rollout({"prompt": "repeat 3", "answer": "3"}, OneReply("3")))["reward"] == 1
+
+
+def test_the_real_model_demo_trains_addition_with_its_own_defaults():
+    from examples.arithmetic import add_tasks, eval_tasks, held_out, messages_of
+
+    config = DemoConfig(run="r", model="smol")
+    assert (config.agent_name, config.agent) == ("add", "examples.arithmetic:rollout")
+    assert (config.lr, config.entropy_coef, config.steps, config.groups_per_step) == (
+        1e-5,
+        0.0,
+        20,
+        8,
+    )
+    assert DemoConfig(run="r", model="smol", lr=3e-6, steps=5).lr == 3e-6
+    assert DemoConfig(run="r").lr == 1e-3  # tiny keeps its own
+    [(agent, tasks)] = _step_batches(config, random.Random(0), 0)
+    assert agent == "add" and len(tasks) == 8
+    assert all(t["answer"] == str(t["a"] + t["b"]) for t in tasks)
+    held = eval_tasks()
+    assert len(held) == 20 and all(held_out(t["a"], t["b"]) for t in held)
+    trained = add_tasks(random.Random(1), 500, "p")
+    assert not any(held_out(t["a"], t["b"]) for t in trained)  # never trained on
+    assert [m["role"] for m in messages_of(held[0])] == [
+        "system",
+        *["user", "assistant"] * 2,
+        "user",
+    ]
+    with pytest.raises(ValueError, match="drop it with --model smol"):
+        DemoConfig(run="r", model="smol", task_set="repeat,next")

@@ -73,7 +73,9 @@ def first_last(values: Sequence[float | None], window: int = 20) -> tuple[int, f
     return n, mean(values[:n]), mean(values[-n:])
 
 
-def report(out: Path, elapsed: float, digits: str, tasks: Sequence[str]) -> int:
+def report(
+    out: Path, elapsed: float, digits: str, tasks: Sequence[str], model: str = "tiny"
+) -> int:
     """Print the run's figures and write reward.png; 0 when at least one step was trained."""
     from trainer import plot_metrics, read_metrics
 
@@ -84,7 +86,13 @@ def report(out: Path, elapsed: float, digits: str, tasks: Sequence[str]) -> int:
         return 1
     png = plot_metrics(metrics, out / "reward.png")
     print(f"{len(rows)} steps in {elapsed:.0f}s; policy version {rows[-1]['version']}")
-    if not tasks:  # the single-task demo's historic line
+    if not tasks and model == "smol":  # few-shot addition: no constant policy to compare with
+        n, first, last = first_last([_number(r.get(REWARD)) for r in rows])
+        print(
+            f"exact answers (the policy's, every rollout): first {n} steps {first:.2f} -> "
+            f"last {n} steps {last:.2f} (gain {last - first:+.2f})"
+        )
+    elif not tasks:  # the single-task demo's historic line
         n, first, last = first_last([_number(r.get(REWARD)) for r in rows])
         print(
             f"accuracy: first {n} steps {first:.2f} -> last {n} steps {last:.2f} "
