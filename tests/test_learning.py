@@ -43,8 +43,9 @@ def run_demo(out, *extra: str) -> list[float]:
         timeout=300,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    rows = read_metrics(out / "metrics.csv")
-    return [float(r["reward_mean_received"]) for r in rows if r["reward_mean_received"]]
+    # the trained groups' reward: one value per step (a step may receive no new trajectory,
+    # which leaves reward_mean_received empty)
+    return [float(row["reward_mean_trained"]) for row in read_metrics(out / "metrics.csv")]
 
 
 def mean(values: list[float]) -> float:
