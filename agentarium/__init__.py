@@ -30,7 +30,8 @@ _EXPORTS = {
     "NatsSettings": "broker",
     "Topology": "broker",
     "ensure_tiny_model": "agentarium.tiny",
-    "resolve_model": "agentarium.tiny",
+    "ensure_smol_model": "agentarium.smol",
+    "resolve_model": "agentarium.models",
 }
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
     "TrajectoryReader",
     "WeightUpdate",
     "__version__",
+    "ensure_smol_model",
     "ensure_tiny_model",
     "program_agent",
     "resolve_model",

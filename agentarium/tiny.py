@@ -11,17 +11,19 @@ tokens (token id == byte value, so every digit, letter, space and newline is one
 the ChatML and Hermes tool-call tokens. The chat template is Qwen2.5's, with tool support.
 
 The cached path imports nothing heavy; torch and transformers load only when a build is needed.
-`resolve_model("tiny" | path)` is the one place the word "tiny" means anything.
+`resolve_model` (agentarium/models.py, re-exported here) is the one place the word "tiny" means
+anything.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from .models import agentarium_home as agentarium_home  # re-exported: older imports
+from .models import build_once, models_dir
+from .models import resolve_model as resolve_model
 
 TINY_NAME = "tiny-v1"
 SEED = 20240917
@@ -133,59 +135,10 @@ CHAT_TEMPLATE = (
 )
 
 
-def agentarium_home() -> Path:
-    """`$AGENTARIUM_HOME`, or `~/.cache/agentarium`."""
-    env = os.environ.get("AGENTARIUM_HOME")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "agentarium"
-
-
 def ensure_tiny_model(home: Path | None = None) -> Path:
-    """Return the tiny model's directory, building it first if it is not there yet.
-
-    Safe under concurrency: each builder writes a private temporary directory beside the target
-    and renames it into place; a builder that loses the race discards its copy.
-    """
-    models = Path(home).expanduser() if home is not None else agentarium_home()
-    target = models / "models" / TINY_NAME
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{TINY_NAME}.", dir=target.parent))
-    try:
-        _write_tiny_model(tmp)
-        _chmod_like_umask(tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "config.json").is_file():
-                raise
-            # Another process finished first: its copy is identical, keep it.
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
-def _chmod_like_umask(directory: Path) -> None:
-    # mkdtemp makes the directory private (0700); the cache is meant to be shared like any file.
-    umask = os.umask(0)
-    os.umask(umask)
-    for path in directory.iterdir():
-        path.chmod(0o666 & ~umask)
-    directory.chmod(0o777 & ~umask)
-
-
-def resolve_model(name_or_path: str) -> Path:
-    """Map `tiny` to the built-in model's directory, or check a local transformers model dir."""
-    if name_or_path == "tiny":
-        return ensure_tiny_model()
-    path = Path(name_or_path).expanduser()
-    if path.is_dir() and (path / "config.json").is_file():
-        return path.resolve()
-    why = "is not a directory" if not path.is_dir() else "has no config.json"
-    raise ValueError(
-        f"model {name_or_path!r} {why}: pass 'tiny' for the built-in model, or the path of a "
-        "local transformers model directory (config.json, *.safetensors, tokenizer.json)"
-    )
+    """Return the tiny model's directory, building it first if it is not there yet (safe
+    under concurrency: ``models.build_once``)."""
+    return build_once(models_dir(home) / TINY_NAME, _write_tiny_model)
 
 
 def build_tokenizer():

@@ -315,7 +315,7 @@ async def one_run(args: argparse.Namespace, mode: str, repeat: int, base: Path) 
             child.terminate(timeout_s=15)
         server.stop()
     window = max(1, min(args.final_window, args.steps // 2))
-    rewards = [float(r["reward_mean"]) for r in rows]
+    rewards = [float(r["reward_mean_received"]) for r in rows if r["reward_mean_received"]]
     trained = sum(int(r.get(f"trajectories/{AGENT}") or 0) for r in rows)
     staleness = [float(r["staleness_mean"]) for r in rows]
     return RunResult(

@@ -240,7 +240,13 @@ def _fleet_cell(worker: dict[str, Any]) -> str:
     return f" llm=DOWN {float(fleet.get('down_for_s', 0.0)):.0f}s ({servers}{past})"
 
 
-TASK_COLUMNS = ("reward_mean", "success", "length", "dropped_stale", "dropped_groups")
+TASK_COLUMNS = (
+    "reward_mean_received",
+    "success",
+    "length",
+    "dropped_stale",
+    "dropped_groups",
+)
 
 
 def _tasks_of(row: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -288,7 +294,7 @@ def format_status(status: BrokerStatus) -> str:
         lines.append("")
         lines.append(
             f"trainer {run}: step {row.get('step', '?')}, version {row.get('version', '?')}, "
-            f"reward {_cell(row.get('reward_mean'), 0).strip()}, stale dropped "
+            f"reward {_cell(row.get('reward_mean_received'), 0).strip()}, stale dropped "
             f"{row.get('dropped_stale', 0)}"
         )
         tasks = _tasks_of(row)
@@ -299,7 +305,7 @@ def format_status(status: BrokerStatus) -> str:
             )
             for agent, cells in sorted(tasks.items()):
                 lines.append(
-                    f"  {agent:<18} {_cell(cells.get('reward_mean'), 8)} "
+                    f"  {agent:<18} {_cell(cells.get('reward_mean_received'), 8)} "
                     f"{_cell(cells.get('success'), 8)} {_cell(cells.get('length'), 8)} "
                     f"{_cell(cells.get('dropped_stale'), 11)} {_cell(cells.get('dropped_groups'), 14)}"
                 )

@@ -20,6 +20,8 @@ from .errors import (
     EnvironmentUnavailable,
     EnvRequestError,
     LLMError,
+    TokenizerMismatch,
+    ToolsNotRendered,
 )
 from .fleet import Fleet, FleetPolicy
 from .llm import ChatResult, TracingLLM
@@ -80,6 +82,8 @@ __all__ = [
     "RolloutSettings",
     "SyncConfig",
     "SyncResult",
+    "TokenizerMismatch",
+    "ToolsNotRendered",
     "TracingLLM",
     "TracingProxy",
     "VerifiersAgent",

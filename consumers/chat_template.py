@@ -33,6 +33,8 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer
 
+from .errors import ToolsNotRendered
+
 # The prompt-ids cache (ChatTemplate.encode): at most this many prompts of at most this size.
 CACHE_ENTRIES = 1024
 CACHE_MAX_CHARS = 16 * 1024
@@ -53,6 +55,19 @@ SPECIAL_TOKEN_NAMES = (
     "cls_token",
     "mask_token",
 )
+# What a template is rendered with to learn whether it reads ``tools`` at all.
+_PROBE_CHAT = [{"role": "user", "content": "probe"}]
+_PROBE_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "agentarium_probe_tool",
+            "description": "probe",
+            "parameters": {"type": "object", "properties": {}},
+        },
+    }
+]
+
 # Older names for a message's reasoning; transformers fills ``reasoning_content`` (and
 # ``thinking``, read by gpt-oss templates) from whichever is present.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -380,6 +395,7 @@ class ChatTemplate:
         self._ids: collections.OrderedDict[str, array] = collections.OrderedDict()
         # A miss encodes only the pieces between added tokens not seen before.
         self._segments = SegmentEncoder(tokenizer)
+        self._renders_tools: dict[str, bool] = {}  # template key -> reads `tools`
 
     @classmethod
     def from_model_dir(cls, path: str | Path) -> ChatTemplate:
@@ -468,13 +484,47 @@ class ChatTemplate:
                         "tools must be JSON schemas (dicts like {'type': 'function', "
                         f"'function': {{...}}}}), got {tool!r}"
                     )
-        return self._compiled[self._pick(tools)].render(
+        key = self._pick(tools)
+        if tools and not self.renders_tools(key):
+            raise ToolsNotRendered(
+                f"the chat template of {self.name or 'this model'} does not render tools (its "
+                f"prompt is the same with and without them), so the model would never see the "
+                f"{len(tools)} tool(s) offered: use a model whose template reads `tools` (the "
+                "built-in tiny, Qwen2.5, Llama 3.1...), or describe the tools in a message "
+                "yourself and call without tools"
+            )
+        return self._compiled[key].render(
             messages=chat,
             tools=tools,
             documents=None,
             add_generation_prompt=add_generation_prompt,
             **{**self.special_tokens, **variables},
         )
+
+    def renders_tools(self, key: str | None = None) -> bool:
+        """Whether the template (``key``: the one picked for tools by default) reads ``tools``:
+        a probe conversation renders differently with a tool than without. A probe the
+        template refuses counts as reading them (the real call's render then speaks)."""
+        key = key or self._pick(_PROBE_TOOLS)
+        known = self._renders_tools.get(key)
+        if known is None:
+            template = self._compiled[key]
+            try:
+                renders = [
+                    template.render(
+                        messages=_PROBE_CHAT,
+                        tools=tools,
+                        documents=None,
+                        add_generation_prompt=True,
+                        **self.special_tokens,
+                    )
+                    for tools in (_PROBE_TOOLS, None)
+                ]
+                known = renders[0] != renders[1]
+            except Exception:  # any refusal: undecided, so not refused here
+                known = True
+            self._renders_tools[key] = known
+        return known
 
     def encode_normalized(self, chat: list[dict], tools: list | None = None) -> list[int]:
         """``encode_chat`` for messages already through ``normalize_messages`` and tools already

@@ -9,6 +9,12 @@ LLMError                 calling an inference backend failed
 CrossSamplingError       (a ValueError) configuration: the cross-sampling model cannot take the
                          policy's token ids (another tokenizer), or that cannot be checked;
                          raised when the consumer starts, fix the flags
+TokenizerMismatch        (a ValueError) configuration: an LLM server reads another vocabulary
+                         than the consumer's --model renders prompts in; raised when the
+                         consumer starts, fix --model
+ToolsNotRendered         (a ValueError) a call offered tools to a model whose chat template
+                         renders none (the prompt is the same without them): an agent error
+                         (the proxy answers 400), never a silent drop
 
 EnvClientError           a session with an environment service failed (consumers/envclient.py)
 ├── EnvironmentUnavailable  infrastructure: no worker with room before the deadline, or the
@@ -50,6 +56,15 @@ class BadRequest(LLMError):
 class CrossSamplingError(ValueError):
     """The second model of cross-sampling does not share the policy's tokenizer, or its
     tokenizer cannot be compared with the policy's; the message names both models."""
+
+
+class TokenizerMismatch(ValueError):
+    """An LLM server's tokenizer is not the one the consumer renders prompts with (their
+    fingerprints differ); the message names both models."""
+
+
+class ToolsNotRendered(ValueError):
+    """Tools were offered to a chat template that does not render them."""
 
 
 class EnvClientError(Exception):

@@ -43,9 +43,10 @@ class RolloutSettings:
     )
     model: str = setting(
         "tiny",
-        metavar="PATH|tiny",
-        help="model directory whose tokenizer and chat template render prompts (default: the "
-        "built-in tiny model); with `eval run --openai-base`: the API's model name",
+        metavar="tiny|smol|PATH",
+        help="model directory whose tokenizer and chat template render prompts, or a built-in "
+        "model: 'tiny' (default), 'smol'; the same model the --llm engines serve (checked at "
+        "start); with `eval run --openai-base`: the API's model name",
     )
     model_name: str | None = setting(
         None, help="model name handed to endpoint-style agents and spans (default: from --model)"

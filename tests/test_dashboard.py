@@ -44,7 +44,7 @@ async def trainer_rows(js, topology, steps: range) -> None:
         row = StepMetrics(
             step=step,
             version=step // 2,
-            reward_mean=round(0.1 + 0.8 * step / 40, 4),
+            reward_mean_received=round(0.1 + 0.8 * step / 40, 4),
             loss=round(0.5 / step, 4),
             tokens_per_s=1200.0 + step,
             dropped_stale=step // 5,
@@ -108,7 +108,7 @@ async def test_state_agrees_with_broker_status_and_caps_payloads(js, topology, f
     assert run["trajectories"] == status.trajectories[RUN] == 7  # 6 ok + bug's error
     assert (run["policy_version"], run["trainer_step"], run["agent"]) == (2, 3, "echo")
     assert state["metrics"][RUN]["step"] == [1, 2, 3]
-    assert state["metrics"][RUN]["reward_mean"] == [0.12, 0.14, 0.16]
+    assert state["metrics"][RUN]["reward_mean_received"] == [0.12, 0.14, 0.16]
 
     (engine,) = state["engines"]
     assert (engine["engine"], engine["weight_version"], engine["status"]) == (

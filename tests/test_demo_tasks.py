@@ -83,19 +83,35 @@ def test_bad_task_settings_are_refused(kwargs, message):
 
 
 def test_per_task_columns_and_windows():
-    assert task_column(["step", "reward_mean", "reward_mean/next"], "next") == "reward_mean/next"
-    assert task_column(["next_reward_mean"], "next") == "next_reward_mean"
-    assert task_column(["reward_mean/repeat"], "next") is None
+    assert (
+        task_column(["step", "reward_mean_received", "reward_mean_received/next"], "next")
+        == "reward_mean_received/next"
+    )
+    assert task_column(["next_reward_mean_received"], "next") == "next_reward_mean_received"
+    assert task_column(["reward_mean_received/repeat"], "next") is None
     rows = [
-        {"step": "1", "reward_mean": "0.5", "reward_mean/repeat": "0.0", "reward_mean/next": "1"},
-        {"step": "2", "reward_mean": "0.5", "reward_mean/repeat": "1.0", "reward_mean/next": ""},
+        {
+            "step": "1",
+            "reward_mean_received": "0.5",
+            "reward_mean_received/repeat": "0.0",
+            "reward_mean_received/next": "1",
+        },
+        {
+            "step": "2",
+            "reward_mean_received": "0.5",
+            "reward_mean_received/repeat": "1.0",
+            "reward_mean_received/next": "",
+        },
     ]
     series = task_rewards(rows, ("repeat", "next"))
     assert series == {"repeat": [0.0, 1.0], "next": [1.0, None]}
     assert task_rewards(rows, ("next",)) == {"next": [1.0, None]}  # its own column wins
-    assert task_rewards([{"reward_mean": "0.25"}], ("repeat",)) == {"repeat": [0.25]}
-    with pytest.raises(ValueError, match="no reward_mean column for task 'next'"):
-        task_rewards([{"reward_mean": "0.5", "reward_mean/repeat": "0"}], ("repeat", "next"))
+    assert task_rewards([{"reward_mean_received": "0.25"}], ("repeat",)) == {"repeat": [0.25]}
+    with pytest.raises(ValueError, match="no reward_mean_received column for task 'next'"):
+        task_rewards(
+            [{"reward_mean_received": "0.5", "reward_mean_received/repeat": "0"}],
+            ("repeat", "next"),
+        )
     assert first_last([0.0, None, 1.0, 1.0], window=2) == (2, 0.0, 1.0)
 
 
@@ -116,3 +132,32 @@ def test_next_digit_pays_graded_credit():
     assert rewards == {"4": 1.0, "3": 0.5, "5": 0.5, "7": 0.0, "x": 0.0, "": 0.0}
     assert digit_credit("9", "0") == digit_credit("1", "0") == 0.5  # around the dial
     assert asyncio.run(rollout({"prompt": "repeat 3", "answer": "3"}, OneReply("3")))["reward"] == 1
+
+
+def test_the_real_model_demo_trains_addition_with_its_own_defaults():
+    from examples.arithmetic import add_tasks, eval_tasks, held_out, messages_of
+
+    config = DemoConfig(run="r", model="smol")
+    assert (config.agent_name, config.agent) == ("add", "examples.arithmetic:rollout")
+    assert (config.lr, config.entropy_coef, config.steps, config.groups_per_step) == (
+        1e-5,
+        0.0,
+        20,
+        8,
+    )
+    assert DemoConfig(run="r", model="smol", lr=3e-6, steps=5).lr == 3e-6
+    assert DemoConfig(run="r").lr == 1e-3  # tiny keeps its own
+    [(agent, tasks)] = _step_batches(config, random.Random(0), 0)
+    assert agent == "add" and len(tasks) == 8
+    assert all(t["answer"] == str(t["a"] + t["b"]) for t in tasks)
+    held = eval_tasks()
+    assert len(held) == 20 and all(held_out(t["a"], t["b"]) for t in held)
+    trained = add_tasks(random.Random(1), 500, "p")
+    assert not any(held_out(t["a"], t["b"]) for t in trained)  # never trained on
+    assert [m["role"] for m in messages_of(held[0])] == [
+        "system",
+        *["user", "assistant"] * 2,
+        "user",
+    ]
+    with pytest.raises(ValueError, match="drop it with --model smol"):
+        DemoConfig(run="r", model="smol", task_set="repeat,next")

@@ -97,8 +97,15 @@ async def test_resume_after_kill_runs_every_pair_exactly_once(js, topology, nats
         assert 4 <= done_before < 24
 
         # without --resume an unfinished eval is refused, saying what to do
-        refused = subprocess.run(
-            eval_cmd(*args), cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+        # in a thread: the eval asks the fake (served on this loop) what it serves
+        refused = await asyncio.to_thread(
+            subprocess.run,
+            eval_cmd(*args),
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         assert refused.returncode == 2 and "--resume" in refused.stderr
 
@@ -203,3 +210,39 @@ async def test_cross_sampling_records_both_models_and_export(js, topology, nats_
     table = pq.read_table(tmp_path / "sft.parquet")
     assert table.num_rows == n == 12
     assert table.column("input_ids").to_pylist() == [r["input_ids"] for r in records]
+
+
+async def test_new_weights_behind_the_same_url_and_name_are_a_new_eval(nats_url, tmp_path):
+    # The run id holds what the server serves (here SGLang's model_info: model path and
+    # weight_version), so the same command after the weights changed runs again instead of
+    # printing "nothing to do" with the other weights' results.
+    fake = FakeSGLang(output_ids=[51, 258], text="3", weight_version="default")
+    await fake.start()
+    tasks = write_tasks(tmp_path / "tasks.jsonl", 2)
+
+    async def evaluate() -> tuple[EvalRun, str]:
+        cfg = EvalConfig.of(
+            agent="toy=examples.toy:rollout",
+            tasks_file=str(tasks),
+            llm=(fake.url,),
+            model="tiny",
+            out_dir=str(tmp_path / f"out-{fake.weight_version}"),
+        )
+        err = io.StringIO()
+        run = EvalRun(cfg, NatsSettings(url=nats_url), out=io.StringIO(), err=err)
+        assert await run.run() == 0
+        return run, err.getvalue()
+
+    try:
+        base, _ = await evaluate()
+        again, said = await evaluate()
+        assert again.run_id == base.run_id and "nothing to do" in said
+        fake.weight_version = "12"  # the syncer loaded the trained weights
+        trained, said = await evaluate()
+    finally:
+        await fake.close()
+    assert trained.run_id != base.run_id and "nothing to do" not in said
+    assert trained.served == ["/models/fake@12"] and base.served == ["/models/fake@default"]
+    manifest = json.loads((tmp_path / "out-12" / "eval.json").read_text())
+    assert manifest["served"] == ["/models/fake@12"]
+    assert fake.count == 4  # 2 tasks, once per weights

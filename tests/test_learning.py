@@ -12,7 +12,7 @@ from trainlib import run_micro_demo
 
 def run_demo(out, *extra: str) -> list[float]:
     rows = run_micro_demo(out, "--minutes", "4", "--run", "learn", *extra, timeout=300)
-    return [float(row["reward_mean"]) for row in rows]
+    return [float(row["reward_mean_trained"]) for row in rows]
 
 
 def mean(values: list[float]) -> float:

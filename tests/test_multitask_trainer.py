@@ -100,11 +100,14 @@ async def test_two_agents_train_one_policy_each_on_its_own_consumer(js, topology
     for row in rows:  # balanced: one group of each agent in every step of two
         assert (row["groups/math"], row["groups/code"]) == ("1", "1")
         assert (row["trajectories/math"], row["trajectories/code"]) == ("4", "4")
-        assert (row["reward_mean/math"], row["reward_mean/code"]) == ("0.25", "3.75")
+        assert (row["reward_mean_trained/math"], row["reward_mean_trained/code"]) == (
+            "0.25",
+            "3.75",
+        )
         assert (row["success/math"], row["success/code"]) == ("0.25", "0.5")
         assert (row["length/math"], row["length/code"]) == ("3.0", "3.0")
         assert (row["dropped_stale/math"], row["dropped_groups/code"]) == ("0", "0")
-        assert row["reward_mean"] == "2.0" and row["groups_used"] == "2"  # the whole step
+        assert row["reward_mean_trained"] == "2.0" and row["groups_used"] == "2"  # the whole step
     png = plot_metrics(tmp_path / "metrics.csv", tmp_path / "reward.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -127,7 +130,7 @@ async def test_a_task_that_never_delivers_does_not_stall_steps_and_joins_when_it
     # steps 1-2: code has nothing, its share goes to math after the bounded wait; from step 3
     # code's groups are there and the mix is balanced again
     assert took == [("2", "0"), ("2", "0"), ("1", "1"), ("1", "1"), ("1", "1")]
-    assert rows[0]["reward_mean/code"] == "" and rows[0]["success/code"] == ""
+    assert rows[0]["reward_mean_trained/code"] == "" and rows[0]["success/code"] == ""
     for row in rows[:2]:
         assert 1.0 <= float(row["wait_s"]) < 10.0  # waited for code, but only task_wait_s
     assert float(rows[3]["wait_s"]) < 1.0  # both had their share ready: no wait

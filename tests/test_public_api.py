@@ -12,7 +12,9 @@ import agentarium
 # is re-exported from elsewhere, fails here.
 FACE = {
     "agentarium.orchestrator": {"AgentOrchestrator", "OrchestratorConfig"},
-    "agentarium.tiny": {"ensure_tiny_model", "resolve_model"},
+    "agentarium.models": {"resolve_model"},
+    "agentarium.smol": {"ensure_smol_model"},
+    "agentarium.tiny": {"ensure_tiny_model"},
     "broker": {"NatsSettings", "Topology"},
     "consumers": {"ChatResult", "ProgramOutput", "TracingLLM", "program_agent"},
     "producers": {"SubmitResult", "TaskProducer", "TrajectoryReader"},

@@ -21,20 +21,22 @@ from trainer.metrics import (
 
 
 def step(n: int, **tasks: TaskMetrics) -> StepMetrics:
-    return StepMetrics(step=n, version=n - 1, reward_mean=0.5, tasks=dict(tasks))
+    return StepMetrics(step=n, version=n - 1, reward_mean_received=0.5, tasks=dict(tasks))
 
 
 def test_columns_and_tracker_names_per_task():
     m = step(
         1,
-        a=TaskMetrics(groups=2, trajectories=8, reward_mean=0.25, success=0.25, length=3.0),
+        a=TaskMetrics(
+            groups=2, trajectories=8, reward_mean_received=0.25, success=0.25, length=3.0
+        ),
         b=TaskMetrics(dropped_stale=4, dropped_groups=1),  # nothing of b in this step
     )
     row = m.as_row()
     assert list(row)[: len(COLUMNS)] == list(COLUMNS)
     assert list(row) == [*FIELDS, *task_columns(["a", "b"])]
-    assert (row["reward_mean/a"], row["success/a"], row["length/a"]) == (0.25, 0.25, 3.0)
-    assert (row["reward_mean/b"], row["groups/b"], row["dropped_stale/b"]) == ("", 0, 4)
+    assert (row["reward_mean_received/a"], row["success/a"], row["length/a"]) == (0.25, 0.25, 3.0)
+    assert (row["reward_mean_received/b"], row["groups/b"], row["dropped_stale/b"]) == ("", 0, 4)
     scalars = m.scalars()
     assert scalars["reward/mean"] == 0.5 and scalars["reward/mean/a"] == 0.25
     assert scalars["reward/success/a"] == 0.25 and scalars["response/length/a"] == 3.0
@@ -45,29 +47,34 @@ def test_columns_and_tracker_names_per_task():
 def test_a_resumed_trainer_with_another_agent_widens_the_csv_once(tmp_path):
     path = tmp_path / "m.csv"
     sink = MetricsSink(path, tasks=["a", "b"])
-    sink.record(step(1, a=TaskMetrics(groups=1, reward_mean=1.0), b=TaskMetrics()))
+    sink.record(step(1, a=TaskMetrics(groups=1, reward_mean_received=1.0), b=TaskMetrics()))
     sink.close()
     sink = MetricsSink(path, tasks=["a", "b", "c"], append=True)
-    sink.record(step(2, a=TaskMetrics(), b=TaskMetrics(), c=TaskMetrics(groups=1, reward_mean=0.0)))
+    sink.record(
+        step(2, a=TaskMetrics(), b=TaskMetrics(), c=TaskMetrics(groups=1, reward_mean_received=0.0))
+    )
     sink.close()
     with path.open(newline="") as f:
         header = next(csv.reader(f))
     assert header == [*FIELDS, *task_columns(["a", "b", "c"])]
     rows = read_metrics(path)
-    assert [(r["reward_mean/a"], r["reward_mean/c"]) for r in rows] == [("1.0", ""), ("", "0.0")]
+    assert [(r["reward_mean_received/a"], r["reward_mean_received/c"]) for r in rows] == [
+        ("1.0", ""),
+        ("", "0.0"),
+    ]
     # the same agents again: appended under the same header, nothing rewritten
     sink = MetricsSink(path, tasks=["a"], append=True)
-    sink.record(step(3, a=TaskMetrics(groups=1, reward_mean=0.5)))
+    sink.record(step(3, a=TaskMetrics(groups=1, reward_mean_received=0.5)))
     sink.close()
-    assert [r["reward_mean/a"] for r in read_metrics(path)] == ["1.0", "", "0.5"]
+    assert [r["reward_mean_received/a"] for r in read_metrics(path)] == ["1.0", "", "0.5"]
 
 
 def test_the_plot_draws_one_curve_per_task_in_one_figure(tmp_path, monkeypatch):
     path = tmp_path / "m.csv"
     sink = MetricsSink(path, tasks=["math", "code"])
     for n in range(1, 61):
-        code = TaskMetrics(reward_mean=n / 60) if n % 3 else TaskMetrics()  # gaps: skipped
-        sink.record(step(n, math=TaskMetrics(reward_mean=1 - n / 60), code=code))
+        code = TaskMetrics(reward_mean_received=n / 60) if n % 3 else TaskMetrics()  # gaps: skipped
+        sink.record(step(n, math=TaskMetrics(reward_mean_received=1 - n / 60), code=code))
     sink.close()
     import matplotlib.axes
 
@@ -97,11 +104,11 @@ async def test_broker_status_shows_the_trainers_latest_figures_per_task(js, topo
     from trainer.live import LiveMetrics
 
     live = LiveMetrics(js, topology, run="mt", agent="a+b")
-    first = step(1, a=TaskMetrics(groups=1, reward_mean=0.1), b=TaskMetrics())
+    first = step(1, a=TaskMetrics(groups=1, reward_mean_received=0.1), b=TaskMetrics())
     assert await live.publish(first)
     latest = step(
         2,
-        a=TaskMetrics(groups=2, trajectories=8, reward_mean=0.75, success=0.5, length=3.0),
+        a=TaskMetrics(groups=2, trajectories=8, reward_mean_received=0.75, success=0.5, length=3.0),
         b=TaskMetrics(dropped_stale=4, dropped_groups=1),  # nothing of b in this step
     )
     assert await live.publish(latest)

@@ -4,6 +4,7 @@ span's links, metrics CSV and plot, and settings refused at the edge."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 
 import pytest
@@ -78,7 +79,7 @@ async def test_publishes_versions_links_trajectories_and_writes_metrics(
     rows = read_metrics(tmp_path / "metrics.csv")
     assert [int(r["step"]) for r in rows] == [1, 2] and tuple(rows[0])[: len(COLUMNS)] == COLUMNS
     assert [int(r["version"]) for r in rows] == [0, 1]  # the version the step's data was judged by
-    assert rows[0]["reward_mean"] == "0.25" and rows[0]["staleness_hist"] == "0:8"
+    assert rows[0]["reward_mean_trained"] == "0.25" and rows[0]["staleness_hist"] == "0:8"
     assert float(rows[0]["tokens_per_s"]) > 0 and int(rows[0]["tokens"]) == 8 * 5
     info = await js.consumer_info(topology.trajectories_stream, f"trainer-{RUN}-{AGENT}")
     assert info.num_ack_pending == 0  # no checkpoint dir: acked after each step
@@ -90,7 +91,9 @@ async def test_publishes_versions_links_trajectories_and_writes_metrics(
         (RUN, AGENT, 1),
         (RUN, AGENT, 2),
     ]
-    assert [str(p["reward_mean"]) for p in published] == [r["reward_mean"] for r in rows]
+    assert [str(p["reward_mean_trained"]) for p in published] == [
+        r["reward_mean_trained"] for r in rows
+    ]
 
     png = plot_metrics(tmp_path / "metrics.csv", tmp_path / "reward.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
@@ -115,6 +118,40 @@ async def test_stale_trajectories_dropped_against_published_versions(js, topolog
     assert summary.trained == 8 and summary.counters["dropped_stale"] == 8
     row = read_metrics(tmp_path / "metrics.csv")[0]
     assert (row["dropped_stale"], row["version"]) == ("8", "3")
+
+
+async def test_any_weight_version_string_trains_and_the_csv_names_both_rewards(
+    js, topology, tmp_path
+):
+    # a server reporting its own version string: read as the initial weights (0), never skipped
+    # (before, every such trajectory was acked unread and the trainer waited forever)
+    flat = [
+        one_call_group(
+            g,
+            run=RUN,
+            agent=AGENT,
+            job_id=lambda g, i: f"flat{g}-{i}",
+            group_id=f"flat{g}",
+            reward=lambda g, i: 0.0,
+            version="sglang-v1.2",
+        )
+        for g in range(2)
+    ]
+    for group in flat:  # first: when two groups with spread arrive, all 16 were received
+        await publish(js, topology, group)
+    await publish_groups(js, topology, 2, version="sglang-v1.2", prefix="spread")
+    trainer = Trainer(config(tmp_path, filter_flat_groups=True), js, topology=topology)
+    async with asyncio.timeout(60):
+        summary = await trainer.run(max_steps=1)
+    assert summary.trained == 8 and summary.counters["invalid"] == 0
+    assert summary.counters["dropped_flat"] == 2
+    (row,) = read_metrics(tmp_path / "metrics.csv")
+    # the policy scored 2 of 16; the trained subset (flat groups filtered) 2 of 8
+    assert (row["reward_mean_received"], row["reward_mean_trained"]) == ("0.125", "0.25")
+    assert (row[f"reward_mean_received/{AGENT}"], row[f"reward_mean_trained/{AGENT}"]) == (
+        "0.125",
+        "0.25",
+    )
 
 
 def _returns(value):

@@ -45,7 +45,7 @@ from schemas import SchemaError, Trajectory, check_name, decode
 from .batch import refusal
 from .config import TrainerConfig
 from .errors import TrainerConfigError
-from .groups import ACK_NOW, INVALID, LATE, Group, GroupBuffer, Selection
+from .groups import ACK_NOW, LATE, Group, GroupBuffer, Selection
 
 log = structlog.get_logger("agentarium.trainer")
 
@@ -337,12 +337,6 @@ class Collector:
         outcome = self.buffer.add(trajectory, msg, self.clock())
         if outcome == LATE:
             self._decided.append(trajectory.job_id)
-        if outcome == INVALID:
-            log.warning(
-                "trajectory with an unreadable weight_version acked and skipped",
-                job_id=trajectory.job_id,
-                versions=sorted({c.weight_version for c in trajectory.calls if c.policy})[:5],
-            )
         if outcome in ACK_NOW:
             await _ack_quietly(msg)
         elif self.buffer.counters.refused > refused and _power_of_ten(refused + 1):

@@ -75,8 +75,8 @@ class TrainerConfig:
     )
     model_dir: str = setting(
         flag="--model",
-        metavar="tiny|PATH",
-        help="policy to train: 'tiny' or a local transformers model directory (the same one "
+        metavar="tiny|smol|PATH",
+        help="policy to train: 'tiny', 'smol' or a local transformers model directory (the same one "
         "the engines serve)",
     )
     # batch shape
@@ -402,7 +402,7 @@ class TrainerConfig:
         if not (Path(self.model_dir) / "config.json").is_file():
             raise TrainerConfigError(
                 f"--model {self.model_dir!r} is not a transformers model directory "
-                "(no config.json): pass 'tiny' or the path of a local model directory"
+                "(no config.json): pass 'tiny', 'smol' or the path of a local model directory"
             )
         if not self.clip_low < 1:
             raise TrainerConfigError(f"--clip-low must be in [0, 1), got {self.clip_low}")

@@ -14,7 +14,8 @@ and acks what it is told to. Rules (docs/design.md "The GRPO trainer"):
   group's membership but out of its statistics.
 - At ``select`` time: groups with fewer than ``min_members`` ok members are dropped; flat groups
   (all rewards equal) are dropped if asked; each ok member's staleness is the current version
-  minus the oldest policy version among its calls; beyond ``max_staleness`` it is dropped
+  minus the oldest policy version among its calls (a ``weight_version`` that is not a decimal
+  a trainer published, a server's own string, reads as 0); beyond ``max_staleness`` it is dropped
   (``drop``) or kept with truncated importance weights (``tis``). The oldest complete groups
   go first, so slow rollouts are trained before they go stale rather than starved.
 - Overlong responses (a policy call that ended ``finish_reason: length``: it hit
@@ -38,7 +39,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from schemas import SchemaError, Trajectory, version_number
+from schemas import Trajectory, version_number
 
 from .batch import Sample, advantages, refusal
 from .config import OVERLONG
@@ -46,10 +47,10 @@ from .config import OVERLONG
 if TYPE_CHECKING:
     from .config import TrainerConfig
 
-# What ``add`` did with a trajectory; the first four mean "ack it now".
-VALIDATION, DUPLICATE, LATE, INVALID = "validation", "duplicate", "late", "invalid"
+# What ``add`` did with a trajectory; the first three mean "ack it now".
+VALIDATION, DUPLICATE, LATE = "validation", "duplicate", "late"
 BUFFERED, REDELIVERED = "buffered", "redelivered"
-ACK_NOW = frozenset({VALIDATION, DUPLICATE, LATE, INVALID})
+ACK_NOW = frozenset({VALIDATION, DUPLICATE, LATE})
 
 _CLOSED_MEMORY = 200_000  # group ids remembered as closed (late members are recognised)
 
@@ -168,6 +169,8 @@ class BufferCounters:
     def dropped_at_select(self) -> int:
         """Groups the step's selection dropped (what dynamic sampling replaces)."""
         return self.dropped_small + self.dropped_flat + self.dropped_stale_groups
+    ok_received: int = 0  # ok trajectories taken in (late ones too; not duplicates)
+    reward_received: float = 0.0  # the sum of their rewards
 
     @property
     def dropped_groups(self) -> int:
@@ -253,15 +256,16 @@ class GroupBuffer:
         if job_id in self._seen:
             c.duplicates += 1
             return DUPLICATE
+        if trajectory.ok:  # the policy's reward, whatever becomes of the trajectory
+            c.ok_received += 1
+            c.reward_received += float(trajectory.reward or 0.0)
         if trajectory.group_id in self._closed:
             c.late += 1
             return LATE
         own = [call for call in trajectory.calls if call.policy]
-        try:
-            versions = [version_number(call.weight_version) for call in own]
-        except SchemaError:
-            c.invalid += 1
-            return INVALID
+        # A version string no trainer published (a server's own) counts as the initial
+        # weights, 0: trained while fresh enough, dropped as stale after that, never skipped.
+        versions = [version_number(call.weight_version, other=0) for call in own]
         member = Member(trajectory, handle, min(versions) if versions else None)
         member.cross_only = bool(trajectory.calls) and not own
         if trajectory.ok:

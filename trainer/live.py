@@ -33,7 +33,9 @@ PUBLISH_TIMEOUT_S = 1.0  # a broker in trouble costs a step at most this
 def live_row(m: StepMetrics, *, run: str, agent: str) -> dict[str, object]:
     row: dict[str, object] = {"run": run, "agent": agent}
     for key, value in m.as_row().items():
-        row[key] = None if isinstance(value, float) and not math.isfinite(value) else value
+        # no value (an empty CSV cell, a NaN) is null on the wire
+        unknown = value == "" or (isinstance(value, float) and not math.isfinite(value))
+        row[key] = None if unknown else value
     return row
 
 

@@ -63,7 +63,14 @@ from .prometheus import BUFFERS
 from .publishing import WeightPublisher, publishing_for
 from .rows import pad_token_id
 from .step import StepStats
-from .step_report import StepReporter, log_step, span_attributes, step_metrics, step_span
+from .step_report import (
+    ReceivedRewards,
+    StepReporter,
+    log_step,
+    span_attributes,
+    step_metrics,
+    step_span,
+)
 from .tasks import TaskCollector, discover_agents
 from .trackers import open_trackers
 
@@ -120,6 +127,7 @@ class Trainer:
             else NoCheckpoints()
         )
         self.collector: TaskCollector | None = None
+        self._received = ReceivedRewards()  # the policy's reward between two steps
         # run() finds the agents of '*'
         self.agents: tuple[str, ...] = () if config.discover else config.agents
         self._checkpoint_agents: tuple[str, ...] = ()
@@ -285,6 +293,7 @@ class Trainer:
                 stats,
                 built,
                 self.collector,
+                received=self._received,
                 step=self.step,
                 version=self.version,
                 step_s=time.monotonic() - started,

@@ -3,13 +3,18 @@ and as experiment-tracker scalars (trainer/trackers.py), and a PNG plot of rewar
 
 Columns (in this order; the first ones are the stable contract):
 
-    step, version, reward_mean, reward_std, loss, kl, clip_frac, entropy, tokens, tokens_per_s,
+    step, version, reward_mean_received, reward_mean_trained, reward_std, loss, kl, clip_frac,
+    entropy, tokens, tokens_per_s,
     step_s, groups_used, dropped_stale, dropped_flat, staleness_max, staleness_mean,
     staleness_hist, then extras (model_tokens, rows, grad_norm, ratio_mean, wait_s, tis_weighted,
     prefix_mismatches, failed_members, refused, validation_skipped, drawn, overlong, time).
 
 ``version`` is the policy version the step's data was judged against (the update it makes is
-published as the next version). ``tokens`` counts every real token of the batch (prompts too:
+published as the next version). Two rewards, named apart: ``reward_mean_received`` is the
+policy's, the mean over every ok trajectory the trainer received since the previous step (those
+later dropped as flat, stale or late included; empty when none arrived), and
+``reward_mean_trained`` (with ``reward_std``) the mean over the trajectories the step trained on,
+which ``--filter-flat-groups`` and stale drops make another population. ``tokens`` counts every real token of the batch (prompts too:
 what the forward pass processes), ``tokens_per_s`` divides it by ``step_s`` (batch building
 and the update, not the wait for data). ``dropped_*``, ``tis_weighted``, ``failed_members``, ``refused`` and
 ``validation_skipped`` are running totals, since drops happen between steps. ``drawn`` is the
@@ -21,7 +26,8 @@ columns cover every ok trajectory weighed for the step (trained or dropped as st
 
 Per task (an agent; a trainer may train several), after those columns, for every trained agent
 in the order trained: ``groups/<agent>``, ``trajectories/<agent>`` (this step's share),
-``reward_mean/<agent>``, ``success/<agent>`` (fraction with reward >= ``--success-threshold``),
+``reward_mean_received/<agent>`` and ``reward_mean_trained/<agent>`` (as above, that task's),
+``success/<agent>`` (of the trained ones, the fraction with reward >= ``--success-threshold``),
 ``length/<agent>`` (mean response tokens, every call's), all empty when the task had no
 trajectory in the step, and the running totals ``dropped_stale/<agent>`` (trajectories) and
 ``dropped_groups/<agent>`` (too few ok members, flat, every member stale), then this step's
@@ -30,7 +36,7 @@ whose agents changed rewrites the file once with the union of the columns.
 
 Trackers (TensorBoard, W&B, MLflow) get the same values under verl-style ``/``-grouped names,
 identical in every tracker: ``TRACKER_NAMES`` maps each CSV column to its name
-(``reward_mean`` -> ``reward/mean``). ``staleness_hist`` and ``time`` have no scalar form there
+(``reward_mean_received`` -> ``reward/mean``, ``reward_mean_trained`` -> ``reward/mean_trained``). ``staleness_hist`` and ``time`` have no scalar form there
 (``staleness/max`` and ``staleness/mean`` summarise the first; trackers stamp their own time).
 Per-task values go under ``TASK_TRACKER_NAMES`` + ``/<agent>`` (``reward/mean/toy``), so each
 tracker shows the tasks side by side in one panel; an empty value is not logged.
@@ -54,7 +60,8 @@ from .trackers import NullTracker, Tracker
 COLUMNS = (
     "step",
     "version",
-    "reward_mean",
+    "reward_mean_received",
+    "reward_mean_trained",
     "reward_std",
     "loss",
     "kl",
@@ -78,7 +85,8 @@ class TaskMetrics:
 
     groups: int = 0
     trajectories: int = 0
-    reward_mean: float | None = None
+    reward_mean_received: float | None = None
+    reward_mean_trained: float | None = None
     success: float | None = None
     length: float | None = None
     dropped_stale: int = 0  # running total, trajectories
@@ -91,7 +99,8 @@ class TaskMetrics:
 TASK_TRACKER_NAMES: Mapping[str, str] = {
     "groups": "batch/groups",
     "trajectories": "batch/trajectories",
-    "reward_mean": "reward/mean",
+    "reward_mean_received": "reward/mean",
+    "reward_mean_trained": "reward/mean_trained",
     "success": "reward/success",
     "length": "response/length",
     "dropped_stale": "dropped/stale",
@@ -110,7 +119,8 @@ def task_columns(agents: tuple[str, ...] | list[str]) -> list[str]:
 class StepMetrics:
     step: int
     version: int
-    reward_mean: float = 0.0
+    reward_mean_received: float | None = None  # None: no ok trajectory arrived since the last step
+    reward_mean_trained: float = 0.0
     reward_std: float = 0.0
     loss: float = 0.0
     kl: float = 0.0
@@ -148,12 +158,18 @@ class StepMetrics:
             for name in TASK_TRACKER_NAMES:
                 value = getattr(task, name)
                 row[f"{name}/{agent}"] = "" if value is None else value
+        if row["reward_mean_received"] is None:
+            row["reward_mean_received"] = ""
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in row.items()}
 
     def scalars(self) -> dict[str, float]:
         """The step's values under their tracker names (``TRACKER_NAMES``, then per task
         ``TASK_TRACKER_NAMES`` + ``/<agent>``; a task's empty value is left out)."""
-        out = {name: float(getattr(self, column)) for column, name in TRACKER_NAMES.items()}
+        out = {
+            name: float(getattr(self, column))
+            for column, name in TRACKER_NAMES.items()
+            if getattr(self, column) is not None
+        }
         for agent, task in self.tasks.items():
             for column, name in TASK_TRACKER_NAMES.items():
                 value = getattr(task, column)
@@ -168,7 +184,8 @@ assert FIELDS[: len(COLUMNS)] == COLUMNS, "the CSV's leading columns are a contr
 # CSV column -> tracker name. Groups as verl's: one panel per prefix in TensorBoard and W&B.
 # Running totals (since the trainer started) are under dropped/ and trajectories/.
 TRACKER_NAMES: Mapping[str, str] = {
-    "reward_mean": "reward/mean",
+    "reward_mean_received": "reward/mean",
+    "reward_mean_trained": "reward/mean_trained",
     "reward_std": "reward/std",
     "loss": "actor/loss",
     "kl": "actor/kl",
@@ -235,8 +252,9 @@ class MetricsSink:
         self._gauges = {
             name: meter.create_gauge(f"agentarium.trainer.{name}", unit=unit, description=desc)
             for name, unit, desc in (
-                ("reward_mean", "1", "mean reward of the step's trajectories"),
-                ("reward_std", "1", "reward std of the step's trajectories"),
+                ("reward_mean_received", "1", "mean reward of the ok trajectories received"),
+                ("reward_mean_trained", "1", "mean reward of the step's trained trajectories"),
+                ("reward_std", "1", "reward std of the step's trained trajectories"),
                 ("loss", "1", "GRPO loss"),
                 ("kl", "1", "mean k3 KL to the reference per model token"),
                 ("clip_frac", "1", "fraction of model tokens whose ratio was clipped"),
@@ -273,7 +291,8 @@ class MetricsSink:
             self._file.flush()
         attrs = self.attributes
         for name, gauge in self._gauges.items():
-            gauge.set(float(getattr(m, name)), attrs)
+            if getattr(m, name) is not None:
+                gauge.set(float(getattr(m, name)), attrs)
         self._step_s.record(m.step_s, attrs)
         for stale, count in m.staleness_hist.items():
             for _ in range(count):
@@ -322,7 +341,7 @@ def read_metrics(path: str | Path) -> list[dict[str, str]]:
 
 
 def plot_metrics(
-    csv_path: str | Path, png_path: str | Path, *, column: str = "reward_mean"
+    csv_path: str | Path, png_path: str | Path, *, column: str = "reward_mean_received"
 ) -> Path:
     """Write a PNG of ``column`` against step, with a moving mean once there are 40+ steps.
     When the CSV holds that column for two or more tasks (``<column>/<agent>``), one curve per

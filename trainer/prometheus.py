@@ -64,9 +64,13 @@ CHECKPOINT_SECONDS = Histogram(
 )
 # StepMetrics field -> (gauge name, help)
 STEP_GAUGES = {
-    "reward_mean": (
+    "reward_mean_received": (
         "agentarium_trainer_reward_mean",
-        "Mean reward of the last step's trajectories",
+        "Mean reward of the ok trajectories received before the last step (the policy's)",
+    ),
+    "reward_mean_trained": (
+        "agentarium_trainer_reward_mean_trained",
+        "Mean reward of the trajectories the last step trained on",
     ),
     "reward_std": ("agentarium_trainer_reward_std", "Reward std of the last step's trajectories"),
     "loss": ("agentarium_trainer_loss", "GRPO loss of the last step"),
@@ -174,7 +178,9 @@ def record_step(run: str, m: StepMetrics, trajectories: int) -> None:
     STEP_SECONDS.labels(run).observe(m.step_s)
     WAIT_SECONDS.labels(run).observe(m.wait_s)
     for field, gauge in GAUGES.items():
-        gauge.labels(run).set(float(getattr(m, field)))
+        value = getattr(m, field)
+        if value is not None:  # none received: the gauge keeps its last value
+            gauge.labels(run).set(float(value))
     staleness = STALENESS.labels(run)
     for versions, count in m.staleness_hist.items():
         for _ in range(count):

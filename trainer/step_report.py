@@ -19,7 +19,7 @@ from opentelemetry.trace import INVALID_SPAN_ID, Link, Span, SpanContext, TraceF
 from broker import OPENINFERENCE_SPAN_KIND, extract_context
 
 from .batch import BuildStats
-from .groups import Group
+from .groups import BufferCounters, Group
 from .live import LiveMetrics
 from .metrics import MetricsSink, StepMetrics, TaskMetrics
 from .prometheus import record_step
@@ -63,12 +63,29 @@ def step_span(groups: list[Group]) -> Iterator[Span]:
         yield span
 
 
+class ReceivedRewards:
+    """The policy's reward between two steps: the mean over the ok trajectories a buffer took
+    in since the last ``take`` (``BufferCounters.ok_received``, ``reward_received``), whatever
+    became of them; None when none arrived. One per trainer, keyed by task ("" for all)."""
+
+    def __init__(self) -> None:
+        self._marks: dict[str, tuple[int, float]] = {}
+
+    def take(self, key: str, counters: BufferCounters) -> float | None:
+        count, total = self._marks.get(key, (0, 0.0))
+        self._marks[key] = (counters.ok_received, counters.reward_received)
+        if counters.ok_received <= count:
+            return None
+        return (counters.reward_received - total) / (counters.ok_received - count)
+
+
 def step_metrics(
     groups: list[Group],
     stats: StepStats,
     built: BuildStats,
     collector: TaskCollector,
     *,
+    received: ReceivedRewards,
     step: int,
     version: int,
     step_s: float,
@@ -85,7 +102,8 @@ def step_metrics(
     return StepMetrics(
         step=step,
         version=version,
-        reward_mean=statistics.fmean(rewards) if rewards else 0.0,
+        reward_mean_received=received.take("", c),
+        reward_mean_trained=statistics.fmean(rewards) if rewards else 0.0,
         reward_std=statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
         loss=stats.loss,
         kl=stats.kl,
@@ -112,7 +130,7 @@ def step_metrics(
         validation_skipped=c.validation_skipped,
         drawn=sum(drawn.values()),
         overlong=c.overlong_filtered + c.overlong_rewarded,
-        tasks=task_metrics(groups, collector, success_threshold, drawn),
+        tasks=task_metrics(groups, collector, success_threshold, drawn, received),
     )
 
 
@@ -121,6 +139,7 @@ def task_metrics(
     collector: TaskCollector,
     success_threshold: float,
     drawn: Mapping[str, int] | None = None,
+    received: ReceivedRewards | None = None,
 ) -> dict[str, TaskMetrics]:
     """Each agent's share of a step: its groups, rewards, success rate and lengths."""
     out: dict[str, TaskMetrics] = {}
@@ -135,7 +154,8 @@ def task_metrics(
         out[agent] = TaskMetrics(
             groups=len(mine),
             trajectories=len(rewards),
-            reward_mean=statistics.fmean(rewards) if rewards else None,
+            reward_mean_received=received.take(agent, counters) if received else None,
+            reward_mean_trained=statistics.fmean(rewards) if rewards else None,
             success=statistics.fmean(r >= success_threshold for r in rewards) if rewards else None,
             length=statistics.fmean(lengths) if lengths else None,
             dropped_stale=counters.dropped_stale,
@@ -155,7 +175,12 @@ def span_attributes(run: str, row: StepMetrics, trajectories: int) -> dict[str, 
         "agentarium.trajectories": trajectories,
         "agentarium.tokens": row.tokens,
         "agentarium.loss": row.loss,
-        "agentarium.reward_mean": row.reward_mean,
+        "agentarium.reward_mean_trained": row.reward_mean_trained,
+        **(
+            {"agentarium.reward_mean_received": row.reward_mean_received}
+            if row.reward_mean_received is not None
+            else {}
+        ),
     }
 
 
@@ -166,7 +191,8 @@ def log_step(row: StepMetrics) -> None:
         "step done",
         step=row.step,
         version=row.version,
-        reward_mean=round(row.reward_mean, 4),
+        reward_mean_received=_round(row.reward_mean_received),
+        reward_mean_trained=round(row.reward_mean_trained, 4),
         loss=round(row.loss, 6),
         groups=row.groups_used,
         tokens=row.tokens,
@@ -175,6 +201,10 @@ def log_step(row: StepMetrics) -> None:
         **({"drawn": row.drawn} if row.drawn else {}),
         **({"groups_by_task": by_task} if len(by_task) > 1 else {}),
     )
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
 
 
 def _rewards(groups: list[Group]) -> list[float]:

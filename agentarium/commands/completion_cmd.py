@@ -7,7 +7,7 @@ import argparse
 
 SHELLS = ("bash", "zsh", "tcsh")
 # flags whose metavar names a path complete to files or directories, not to nothing
-_FILES = {"FILE", "PATH", "PNG", "METRICS.csv", "tiny|PATH", "PATH|tiny"}
+_FILES = {"FILE", "PATH", "PNG", "METRICS.csv", "tiny|smol|PATH"}
 _DIRECTORIES = {"DIR", "DIRECTORY"}
 
 

@@ -28,7 +28,7 @@ from consumers import (
 from schemas import settings
 
 from ..config import add_config_arguments, add_settings, resolve
-from ..tiny import resolve_model
+from ..models import model_name, resolve_model
 from .common import run_async, settings_from_args
 from .service import add_service_flags, install_stop_handlers, probes, service_keys
 
@@ -65,7 +65,7 @@ async def consume(args: argparse.Namespace, config: ConsumerProcess, source: dic
         target=LLMTarget(urls=tuple(normalize_urls(config.llm)), lora=config.lora),
         cross=rollout.cross(),
         model_dir=str(model_dir),
-        model_name=rollout.model_name or ("tiny" if rollout.model == "tiny" else model_dir.name),
+        model_name=rollout.model_name or model_name(rollout.model, model_dir),
         reward_fn=reward_fn,
         settings=config.consumer,
     )

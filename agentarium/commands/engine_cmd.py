@@ -14,7 +14,7 @@ from consumers.engine import EngineSettings  # torch-free: the engine itself loa
 from schemas import section, setting
 
 from ..config import ConfigKeys, add_settings, resolve
-from ..tiny import resolve_model
+from ..models import resolve_model
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -23,8 +23,9 @@ class EngineCommand:
 
     model: str = setting(
         "tiny",
-        metavar="tiny|PATH",
-        help="'tiny' (the built-in model, created once under $AGENTARIUM_HOME) or a "
+        metavar="tiny|smol|PATH",
+        help="'tiny' (the built-in random model), 'smol' (SmolLM2-135M-Instruct, the built-in "
+        "real model: the smol extra), each created once under $AGENTARIUM_HOME, or a "
         "transformers model directory",
     )
     engine: EngineSettings = section(EngineSettings)

@@ -19,7 +19,7 @@ def add_plot_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--column",
-        default="reward_mean",
+        default="reward_mean_received",
         help="which column to plot against step (default %(default)s)",
     )
 

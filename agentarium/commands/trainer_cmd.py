@@ -17,7 +17,7 @@ from schemas import settings
 from trainer import TrainerConfig, TrainerProcess
 
 from ..config import Resolved, add_config_arguments, add_settings, resolve
-from ..tiny import resolve_model
+from ..models import resolve_model
 from .common import run_async, settings_from_args
 from .service import add_service_flags, metrics_server, service_keys
 
@@ -54,7 +54,9 @@ def resolve_args(args: argparse.Namespace) -> tuple[TrainerConfig, TrainerProces
     if values["agent"] and values["agents"] and agent_rank != agents_rank:
         loser, empty = ("agent", "") if agents_rank > agent_rank else ("agents", ())
         values[loser] = empty
-    model_dir = str(resolve_model(str(values["model_dir"])))  # 'tiny': the built-in model's path
+    model_dir = str(
+        resolve_model(str(values["model_dir"]))
+    )  # 'tiny', 'smol': a built-in model's path
     config = settings.build(TrainerConfig, {**values, "model_dir": model_dir})
     return config, resolved.build(TrainerProcess), resolved
 

@@ -40,7 +40,8 @@ log = structlog.get_logger("agentarium.dashboard")
 STEP_FIELDS = (
     "step",
     "version",
-    "reward_mean",
+    "reward_mean_received",
+    "reward_mean_trained",
     "reward_std",
     "loss",
     "tokens_per_s",

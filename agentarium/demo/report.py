@@ -1,10 +1,11 @@
 """What the demo prints at the end, and where a task's reward is in the trainer's metrics CSV.
 
-A trainer on several agents writes one reward column per agent beside the overall
-``reward_mean``. ``task_column`` finds it by the agent's name joined to ``reward_mean`` in
-either order with one of ``/ _ : .`` (``reward_mean/next``, ``next_reward_mean``, ...), so
+The reward shown is the policy's, ``reward_mean_received`` (every ok trajectory received, not
+only the trained ones). A trainer on several agents writes one such column per agent beside the
+overall one. ``task_column`` finds it by the agent's name joined to the metric in either order
+with one of ``/ _ : .`` (``reward_mean_received/next``, ``next_reward_mean_received``, ...), so
 this module does not pin one spelling of the multi-agent trainer's columns; a trainer on one
-agent has only ``reward_mean``, which is then that agent's.
+agent has only the overall column, which is then that agent's.
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ from .tasks import FAMILIES
 _SEPARATORS = ("/", "_", ":", ".")
 
 
-def task_column(columns: Sequence[str], task: str, metric: str = "reward_mean") -> str | None:
+REWARD = "reward_mean_received"
+
+
+def task_column(columns: Sequence[str], task: str, metric: str = REWARD) -> str | None:
     """The column holding ``metric`` of agent ``task``, or None when the CSV has none."""
     wanted = {f"{metric}{s}{task}" for s in _SEPARATORS}
     wanted |= {f"{task}{s}{metric}" for s in _SEPARATORS} | {f"{metric}[{task}]"}
@@ -27,7 +31,7 @@ def task_column(columns: Sequence[str], task: str, metric: str = "reward_mean") 
 
 
 def task_rewards(
-    rows: Sequence[Mapping[str, str]], tasks: Sequence[str], metric: str = "reward_mean"
+    rows: Sequence[Mapping[str, str]], tasks: Sequence[str], metric: str = REWARD
 ) -> dict[str, list[float | None]]:
     """Each task's reward per step, one value per row: None where the step trained no group of
     the task. One task: the overall column. Several: each task's own column; a ValueError names
@@ -69,7 +73,9 @@ def first_last(values: Sequence[float | None], window: int = 20) -> tuple[int, f
     return n, mean(values[:n]), mean(values[-n:])
 
 
-def report(out: Path, elapsed: float, digits: str, tasks: Sequence[str]) -> int:
+def report(
+    out: Path, elapsed: float, digits: str, tasks: Sequence[str], model: str = "tiny"
+) -> int:
     """Print the run's figures and write reward.png; 0 when at least one step was trained."""
     from trainer import plot_metrics, read_metrics
 
@@ -80,8 +86,14 @@ def report(out: Path, elapsed: float, digits: str, tasks: Sequence[str]) -> int:
         return 1
     png = plot_metrics(metrics, out / "reward.png")
     print(f"{len(rows)} steps in {elapsed:.0f}s; policy version {rows[-1]['version']}")
-    if not tasks:  # the single-task demo's historic line
-        n, first, last = first_last([float(r["reward_mean"]) for r in rows])
+    if not tasks and model == "smol":  # few-shot addition: no constant policy to compare with
+        n, first, last = first_last([_number(r.get(REWARD)) for r in rows])
+        print(
+            f"exact answers (the policy's, every rollout): first {n} steps {first:.2f} -> "
+            f"last {n} steps {last:.2f} (gain {last - first:+.2f})"
+        )
+    elif not tasks:  # the single-task demo's historic line
+        n, first, last = first_last([_number(r.get(REWARD)) for r in rows])
         print(
             f"accuracy: first {n} steps {first:.2f} -> last {n} steps {last:.2f} "
             f"(best constant policy: {1 / len(set(digits)):.2f}; gain {last - first:+.2f})"

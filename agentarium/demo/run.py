@@ -7,6 +7,10 @@ reply is that digit, so the right answer depends on the prompt and the best cons
 policy scores 0.1 (always answering one digit is right for 1 prompt in 10). The model starts random (~1/263 per token) and learns from GRPO alone.
 Tasks are fed continuously, a little ahead of the trainer, so rollouts never stop.
 
+``--model smol`` trains the real model, SmolLM2-135M-Instruct, on few-shot single-digit
+addition with an exact-answer reward instead (examples/arithmetic.py, agentarium/demo/real.py:
+its defaults), and evaluates it on 20 held-out pairs before feeding and after the last step.
+
 ``--task-set repeat,next`` trains one policy on several task families at once: each family is
 its own agent name with its own consumer(s), fed in equal proportion, and one trainer started
 with one ``--agent`` per family (agentarium/demo/tasks.py); the report gives each task's reward.
@@ -52,9 +56,10 @@ from producers import GroupRefill, RunSession, expand_tasks, read_task_file
 from schemas import setting
 from trainer import TASK_ADV_NORMS
 
+from ..models import resolve_model
 from ..progress import ProgressBar, StatusLine
-from ..tiny import ensure_tiny_model
 from .processes import Child, consumer_argv, start_child
+from .real import HeldOutEval, Preset, preset_of
 from .report import report, task_column
 from .tasks import FAMILIES, digit_tasks, parse_task_set, split_groups
 
@@ -81,14 +86,27 @@ class DemoConfig:
         "./agentarium-demo",
         help="output directory: broker store, logs, metrics.csv, reward.png (default %(default)s)",
     )
-    steps: int = setting(300, help="training steps")
-    minutes: float = setting(10.0, help="stop after this long at most")
-    groups_per_step: int = setting(16, help="GRPO groups per step")
+    model: str = setting(
+        "tiny",
+        metavar="tiny|smol|PATH",
+        help="the policy: 'tiny' (random, learns to repeat a digit), 'smol' (SmolLM2-135M-"
+        "Instruct, learns few-shot single-digit addition, exact answers, evaluated on held-out "
+        "pairs before and after) or a model directory (tiny's task)",
+    )
+    # None: the model's own default (agentarium/demo/real.py, PRESETS), set in __post_init__,
+    # so after construction each holds a value of its type
+    steps: int = setting(None, help="training steps (default: tiny 300, smol 20)")
+    minutes: float = setting(None, help="stop after this long at most (default: tiny 10, smol 20)")
+    groups_per_step: int = setting(None, help="GRPO groups per step (default: tiny 16, smol 8)")
     group_size: int = setting(8, help="samples per task, one GRPO group")
-    lr: float = setting(1e-3, help="learning rate of the tiny model")
+    lr: float = setting(None, help="learning rate (default: tiny 1e-3, smol 1e-5)")
     entropy_coef: float = setting(
-        0.02,
-        help="entropy bonus keeping the random tiny policy exploring until it learns",
+        None,
+        help="entropy bonus keeping a random policy exploring until it learns (default: tiny "
+        "0.02, smol 0)",
+    )
+    eval_k: int = setting(
+        4, help="with --model smol: attempts per held-out task of the base and trained evals"
     )
     max_staleness: int = setting(4, help="drop trajectories more than this many versions old")
     ahead: int = setting(2, help="steps' worth of tasks kept queued ahead of the trainer")
@@ -103,8 +121,12 @@ class DemoConfig:
     run: str = setting(
         factory=lambda: f"demo-{int(time.time())}", help="run id (default: demo-<unix time>)"
     )
-    agent: str = setting("examples.toy:rollout", help="agent function")
-    agent_name: str = setting("toy", help="agent name on the wire")
+    agent: str = setting(
+        None,
+        help="agent function (default: tiny examples.toy:rollout, smol "
+        "examples.arithmetic:rollout)",
+    )
+    agent_name: str = setting(None, help="agent name on the wire (default: tiny toy, smol add)")
     rollouts_only: bool = setting(
         False, help="no training: publish --tasks once and wait for every trajectory"
     )
@@ -152,6 +174,13 @@ class DemoConfig:
     )
 
     def __post_init__(self) -> None:
+        preset = preset_of(self.model)
+        for name in ("steps", "minutes", "groups_per_step", "lr", "entropy_coef"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, getattr(preset, name))
+        for name in ("agent", "agent_name"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, getattr(preset, name))
         for name in ("steps", "groups_per_step", "group_size", "consumers", "concurrency"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 1")
@@ -173,6 +202,12 @@ class DemoConfig:
             raise ValueError("--rollouts-only publishes --tasks to one agent: drop --task-set")
         if self.rollouts_only and self.sync_rollouts:
             raise ValueError("--rollouts-only trains nothing: drop --sync-rollouts")
+        if self.task_set and self.model == "smol":
+            raise ValueError("--task-set trains tiny's digit tasks: drop it with --model smol")
+
+    @property
+    def preset(self) -> Preset:
+        return preset_of(self.model)
 
     def agents(self) -> dict[str, str]:
         """Agent name -> module:function of every agent the demo serves."""
@@ -184,9 +219,8 @@ class DemoConfig:
 def _step_batches(args: DemoConfig, rng: random.Random, published: int) -> list[tuple[str, list]]:
     """One step's worth of tasks as (agent, tasks) batches."""
     if not args.task_set:  # the single-task demo: one rng draw per task, as it always was
-        return [
-            (args.agent_name, digit_tasks(rng, args.groups_per_step, f"b{published}", args.digits))
-        ]
+        tasks = args.preset.tasks(rng, args.groups_per_step, f"b{published}", args.digits)
+        return [(args.agent_name, tasks)]
     return [
         (name, digit_tasks(rng, n, f"{name}-b{published}", args.digits, name))
         for name, n in split_groups(args.groups_per_step, args.task_set).items()
@@ -288,7 +322,8 @@ def _refill_source(args: DemoConfig, rng: random.Random, agent: str):
 
 def _rewards(row: dict, tasks: tuple[str, ...]) -> str:
     """The status line's reward: overall, then each task's where the CSV has its column."""
-    text = f"{float(row['reward_mean']):.2f}"
+    received = row.get("reward_mean_received")
+    text = f"{float(received):.2f}" if received not in (None, "", "nan") else "-"
     parts = []
     for task in tasks if len(tasks) > 1 else ():
         column = task_column(list(row), task)
@@ -341,8 +376,8 @@ def run_demo(args: DemoConfig) -> int:
     out = Path(args.out).expanduser().resolve()
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    model_dir = ensure_tiny_model()
-    print(f"tiny model: {model_dir}")
+    model_dir = resolve_model(args.model)  # smol: converted once, about a minute
+    print(f"model {args.model}: {model_dir}")
     server = NatsServer(store_dir=out / "nats", log_file=logs / "nats-server.log").start()
     print(f"nats-server (JetStream) at {server.url}, store {out / 'nats'}")
     print(
@@ -352,7 +387,8 @@ def run_demo(args: DemoConfig) -> int:
     children: list[Child] = []
     started = time.monotonic()
     try:
-        asyncio.run(_provision(server.url, tuple(args.agents())))
+        evals = HeldOutEval(args, server.url, model_dir, out) if args.preset.held_out_eval else None
+        asyncio.run(_provision(server.url, (*args.agents(), *([evals.agent] if evals else []))))
         # The engine and the trainer load torch and the model at the same time (the trainer
         # needs no URL); everything that needs the engine's URL waits for it.
         engine = start_child(
@@ -413,17 +449,29 @@ def run_demo(args: DemoConfig) -> int:
             )
         )
         assert trainer is not None
+        if evals is not None:  # on the base weights: nothing is fed, so nothing is trained yet
+            evals.run("base", engine.url)
         print(
             f"trainer and weight syncer running; run {args.run}: {args.groups_per_step} groups x "
             f"{args.group_size} per step, up to {args.steps} steps or {args.minutes:g} minutes"
         )
         asyncio.run(_feed_and_watch(args, server.url, out, trainer))
+        if evals is not None:
+            # the last version on the engine, nothing else running on it
+            trainer.terminate(timeout_s=120)  # done at --steps already, or stopped by --minutes
+            for child in children:
+                if child.name.startswith("consumer"):
+                    child.terminate()
+            evals.run("trained", engine.url, after_run=args.run)
     finally:
         # the trainer first (it checkpoints), then the rest, last started first
         for child in sorted(reversed(children), key=lambda c: c.name != "trainer"):
             child.terminate()
         server.stop()
-    return report(out, time.monotonic() - started, args.digits, args.task_set)
+    code = report(out, time.monotonic() - started, args.digits, args.task_set, args.model)
+    if evals is not None:
+        evals.report()
+    return code
 
 
 async def _provision(url: str, agents: tuple[str, ...]) -> None:

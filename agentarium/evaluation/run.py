@@ -5,7 +5,10 @@ Each (task, attempt) is a job with a deterministic id: ``job_id_for(run, "eval",
 trajectory forever). The broker's TRAJECTORIES stream is the record of what ran: a rerun
 reads it first, so ``--resume`` after a crash or Ctrl-C publishes only the pairs without an ok
 trajectory (jobs still queued are deduplicated, jobs in flight in a killed process are
-redelivered), and a finished eval does nothing and says so. ``results.jsonl`` in the output
+redelivered), and a finished eval does nothing and says so. The derived run id holds what the
+``--llm`` servers serve (agentarium/evaluation/served.py: the local engine's weights checksum,
+an SGLang server's model path and weight version), so the same command after the engine's
+weights changed (the base model after the trained one) is another eval, never a rerun. ``results.jsonl`` in the output
 directory is rebuilt from the stream on every run and appended to as trajectories arrive.
 
 The rollouts run in this process when the agent is given as ``NAME=module:function``, or as
@@ -21,6 +24,7 @@ import hashlib
 import json
 import sys
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,10 +48,11 @@ from producers import read_task_file as load_task_file
 from schemas import Job, Sampling, SchemaError, Trajectory, check_name
 from schemas import settings as schema_settings
 
+from ..models import resolve_model
 from ..progress import ProgressBar
-from ..tiny import resolve_model
 from . import report
 from .config import EvalConfig
+from .served import ServedUnknown, served_weights
 
 log = structlog.get_logger("agentarium.eval")
 
@@ -86,7 +91,10 @@ def read_task_file(path: Path) -> tuple[list[dict], list[str], str]:
     return tasks, ids, digest
 
 
-def default_run(cfg: EvalConfig, tasks_sha: str) -> str:
+def default_run(cfg: EvalConfig, tasks_sha: str, served: Sequence[str] = ()) -> str:
+    """The run id: a hash of what makes two evals the same one. ``served`` (what each --llm
+    server serves, ``served_weights``) is part of it, so new weights behind the same URL and
+    model name are a new eval."""
     model = cfg.openai_base or ",".join(cfg.llm) or "consumers"
     rollout = cfg.rollout
     # Spelled as when --cross-model was one URL and its ratio 0 without it, so an eval keeps
@@ -97,6 +105,8 @@ def default_run(cfg: EvalConfig, tasks_sha: str) -> str:
     parts = [cfg.agent_name, tasks_sha, cfg.k, model, rollout.model, cross, ratio]
     if rollout.env:  # an eval without it keeps the run id it always had
         parts += [rollout.env, rollout.max_turns]
+    if served:  # likewise: evals on running consumers or an OpenAI API read nothing
+        parts += [list(served)]
     blob = json.dumps(parts)
     return f"eval-{cfg.agent_name}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"[:128]
 
@@ -139,9 +149,10 @@ class EvalRun:
         self.out = out
         self.err = err
         self.tasks, self.task_ids, self.tasks_sha = read_task_file(Path(cfg.tasks_file))
-        self.run_id = cfg.run or default_run(cfg, self.tasks_sha)
-        check_name(self.run_id, "run")
-        self.out_dir = Path(cfg.out_dir) if cfg.out_dir else Path("evals") / self.run_id
+        # What the --llm servers serve is read when the eval runs (``_read_served``): until
+        # then a derived run id (and the default out dir) is not known.
+        self.served: list[str] = []
+        self._identify()
         self.primary_name = rollout.model_name or (
             rollout.model if cfg.openai_base else Path(rollout.model).name
         )
@@ -163,6 +174,23 @@ class EvalRun:
                 "`agentarium engine`) or --openai-base URL --model NAME"
             )
 
+    def _identify(self) -> None:
+        cfg = self.cfg
+        self.run_id = cfg.run or default_run(cfg, self.tasks_sha, self.served)
+        check_name(self.run_id, "run")
+        self.out_dir = Path(cfg.out_dir) if cfg.out_dir else Path("evals") / self.run_id
+
+    async def _read_served(self) -> None:
+        """What each --llm server serves (weights checksum, or model path and version), into
+        the manifest and the derived run id."""
+        if not self.cfg.llm:
+            return
+        try:
+            self.served = await served_weights(normalize_urls(list(self.cfg.llm)))
+        except ServedUnknown as exc:
+            raise EvalError(str(exc)) from None
+        self._identify()
+
     def manifest(self) -> dict[str, Any]:
         cfg, rollout = self.cfg, self.cfg.rollout
         return {
@@ -174,6 +202,7 @@ class EvalRun:
             "tasks_sha256": self.tasks_sha,
             "task_ids": self.task_ids,
             "model": self.primary_name,
+            "served": self.served,
             "cross_model": rollout.cross_model_name if rollout.cross_model else None,
             "cross_ratio": rollout.cross_ratio if rollout.cross_model else 0.0,
             "success_threshold": cfg.success_threshold,
@@ -189,6 +218,8 @@ class EvalRun:
             return
         old = json.loads(path.read_text())
         changed = [key for key in IDENTITY if old.get(key) != self.manifest()[key]]
+        if "served" in old and old["served"] != self.served:  # older manifests hold none
+            changed.append("served weights")
         if changed:
             raise EvalError(
                 f"{self.out_dir} holds another eval (different {', '.join(changed)}): "
@@ -200,6 +231,7 @@ class EvalRun:
 
     async def run(self) -> int:
         cfg = self.cfg
+        await self._read_served()
         self._check_out_dir()
         existed = (self.out_dir / MANIFEST).exists()
         self.out_dir.mkdir(parents=True, exist_ok=True)

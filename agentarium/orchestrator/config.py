@@ -57,7 +57,9 @@ class OrchestratorConfig:
     group_size: int = setting(1, ge=1, help="jobs per row of a training batch")
     val_group_size: int = setting(1, ge=1, help="jobs per row of a validation batch")
     run: str = setting(factory=_default_run, help="the run id (default: orch-<time>-<random>)")
-    model: str = setting("tiny", help="'tiny' or a model directory: tokenizer, chat template")
+    model: str = setting(
+        "tiny", help="'tiny', 'smol' or a model directory: tokenizer, chat template"
+    )
     model_name: str | None = setting(
         None, help="model name handed to endpoint-style agents (default: from model)"
     )

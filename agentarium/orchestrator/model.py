@@ -4,12 +4,11 @@ prompts with, and the name endpoint-style agents are handed."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from consumers import ChatTemplate
 from trainer import pad_token_id
 
-from ..tiny import resolve_model
+from ..models import model_name, resolve_model
 
 
 @dataclass(frozen=True)
@@ -20,10 +19,10 @@ class PolicyModel:
 
     @classmethod
     def load(cls, model: str | None, name: str | None = None) -> PolicyModel:
-        """``model``: 'tiny' or a model directory; ``name`` defaults to 'tiny' or the
-        directory's name."""
+        """``model``: 'tiny', 'smol' or a model directory; ``name`` defaults to the built-in
+        model's word or the directory's name."""
         path = str(resolve_model(model)) if model else None
-        default = "tiny" if model == "tiny" else (Path(path).name if path else "model")
+        default = model_name(model, path) if model and path else "model"
         template = ChatTemplate.from_model_dir(path) if path else None
         return cls(dir=path, name=name or default, template=template)
 

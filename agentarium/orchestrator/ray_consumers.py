@@ -94,7 +94,7 @@ class RolloutActor:
         self.nc: Any = None
 
     async def start(self, settings: NatsSettings, spec: ConsumerSpec, model_ref: str | None) -> str:
-        from ..tiny import resolve_model
+        from ..models import resolve_model
 
         model_dir = spec.model_dir
         if model_ref and not (model_dir and Path(model_dir).is_dir()):

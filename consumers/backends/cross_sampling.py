@@ -15,17 +15,15 @@ from __future__ import annotations
 
 import random
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
-from ..chat_template import load_tokenizer, tokenizer_fingerprint
 from ..errors import CrossSamplingError, LLMError
 from .base import GenerateRequest, GenerateResult
+from .vocab import FINGERPRINT, server_fingerprint
 
 # Trajectories recorded before LLMCall.model named the answering model carried it here, in the
 # backend URL: ``<server URL>#model=<name>``. Read back by ``model_of_call``, no longer written.
 MODEL_TAG = "#model="
-FINGERPRINT = "tokenizer_fingerprint"  # the local engine's /model_info field (not SGLang's)
 
 
 def model_of_call(call: Any, default: str = "") -> str:
@@ -108,8 +106,8 @@ async def check_same_tokenizer(
     cross_info = await _model_info(cross, f"the cross model {cross_name!r}")
     policy_path = str(policy_info.get("tokenizer_path") or "")
     cross_path = str(cross_info.get("tokenizer_path") or "")
-    policy_fp, policy_from = _fingerprint(policy_info, policy_tokenizer)
-    cross_fp, cross_from = _fingerprint(cross_info, "")
+    policy_fp, policy_from = server_fingerprint(policy_info, policy_tokenizer)
+    cross_fp, cross_from = server_fingerprint(cross_info)
     if policy_fp and cross_fp:
         if policy_fp == cross_fp:
             return
@@ -146,17 +144,3 @@ async def _model_info(backend: Any, who: str) -> dict:
             f"cannot check the tokenizer of {who}: {exc}; start its servers first (the check "
             "runs once, when the consumer starts)"
         ) from exc
-
-
-def _fingerprint(info: dict, local_dir: str) -> tuple[str, str]:
-    """A side's tokenizer fingerprint and where it came from ("" when unknown)."""
-    reported = info.get(FINGERPRINT)
-    if isinstance(reported, str) and reported:
-        return reported, "reported by its server"
-    for path, source in (
-        (info.get("tokenizer_path"), "of its tokenizer_path"),
-        (local_dir, "of --model"),
-    ):
-        if path and (Path(str(path)) / "tokenizer.json").is_file():
-            return tokenizer_fingerprint(load_tokenizer(str(path))), source
-    return "", ""

@@ -181,7 +181,7 @@
       { label: "trajectories", field: "trajectories" },
       { label: "step", field: "trainer_step" },
       { label: "policy", field: "policy_version" },
-      { label: "reward", field: "trainer_reward_mean", show: (r) => num(r.trainer_reward_mean, 3) },
+      { label: "reward", field: "trainer_reward_mean_received", show: (r) => num(r.trainer_reward_mean_received, 3) },
       { label: "loss", field: "trainer_loss", show: (r) => num(r.trainer_loss, 4) },
       { label: "tokens/s", field: "trainer_tokens_per_s", show: (r) => num(r.trainer_tokens_per_s, 0) },
       { label: "stale drops", field: "trainer_dropped_stale" },
@@ -189,7 +189,7 @@
       { label: "last step", field: "trainer_time", show: (r) => ago(r.trainer_time, now) },
     ], s.runs, (r) => r.run, "no run yet");
     const runSeries = (f) => Object.entries(s.metrics).map(([name, m]) => ({ name, xs: m.step, ys: m[f] }));
-    lineChart("chart-reward-step", runSeries("reward_mean"), { title: "trainer reward mean", zero: true, digits: 2 });
+    lineChart("chart-reward-step", runSeries("reward_mean_received"), { title: "policy reward mean (received)", zero: true, digits: 2 });
     lineChart("chart-loss", runSeries("loss"), { title: "loss", digits: 3 });
     lineChart("chart-stale", runSeries("dropped_stale"), { title: "stale trajectories dropped (total)", zero: true, digits: 0 });
 
