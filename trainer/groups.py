@@ -162,6 +162,8 @@ class BufferCounters:
     dropped_stale_groups: int = 0  # groups: every ok member too stale (drop policy)
     tis_weighted: int = 0  # trajectories
     groups_used: int = 0
+    ok_received: int = 0  # ok trajectories taken in (late ones too; not duplicates)
+    reward_received: float = 0.0  # the sum of their rewards
     overlong_filtered: int = 0  # trajectories: cut at max_new_tokens, out of training
     overlong_rewarded: int = 0  # trajectories: cut at max_new_tokens, given the set reward
 
@@ -169,8 +171,6 @@ class BufferCounters:
     def dropped_at_select(self) -> int:
         """Groups the step's selection dropped (what dynamic sampling replaces)."""
         return self.dropped_small + self.dropped_flat + self.dropped_stale_groups
-    ok_received: int = 0  # ok trajectories taken in (late ones too; not duplicates)
-    reward_received: float = 0.0  # the sum of their rewards
 
     @property
     def dropped_groups(self) -> int:
