@@ -10,8 +10,9 @@ alternating (which goes first alternates too), --repeats times; medians and rang
 ``concat``, not ``mismatch``), with prompts rendered whole from the messages (before:
 ``extend_prompts=False``) and built from the previous call's ids (now). Sampled at temperature 1.
 
-``cache``: generated tokens/s of --conversations concurrent rollouts with the engine's prefix
-cache off (``--prefix-cache-tokens 0``) and on (its default size), a fresh engine per side
+``cache``: generated tokens per second of wall time and per CPU second (the whole process's:
+on a machine shared with other work the CPU figure is the steadier one) of --conversations
+concurrent rollouts with the engine's prefix cache off (``--prefix-cache-tokens 0``) and on (its default size), a fresh engine per side
 (load not timed).
 EOS is ignored so both sides generate the same number of tokens.
 
@@ -154,6 +155,7 @@ async def bench_cache(model: Path, args) -> None:
     template = ChatTemplate.from_model_dir(model)
     on = EngineSettings.prefix_cache_tokens  # the default
     rates: dict[int, list[float]] = {0: [], on: []}
+    per_cpu: dict[int, list[float]] = {0: [], on: []}
     cached: dict[int, list[float]] = {0: [], on: []}
     sides = list(rates)
     for repeat in range(args.repeats):
@@ -166,20 +168,23 @@ async def bench_cache(model: Path, args) -> None:
             )
             server = await start_server(engine, "127.0.0.1", 0)
             try:
+                cpu = time.process_time()
                 done, seconds = await rollouts(
                     server.url, template, args, extend=True, ignore_eos=True
                 )
+                cpu = time.process_time() - cpu
             finally:
                 await server.close()
             calls = [c for t in done for c in t.calls]
             generated = sum(len(c.response_ids) for c in calls)
             share = sum(c.cached_tokens for c in calls) / sum(len(c.prompt_ids) for c in calls)
             rates[tokens].append(generated / seconds)
+            per_cpu[tokens].append(generated / cpu)
             cached[tokens].append(share)
             print(
                 f"repeat {repeat} prefix_cache_tokens={tokens}: {generated} tokens in "
-                f"{seconds:.2f} s = {generated / seconds:.1f} tok/s, cached {share:.1%} of "
-                "prompt tokens",
+                f"{seconds:.2f} s ({cpu:.2f} CPU s) = {generated / seconds:.1f} tok/s, "
+                f"{generated / cpu:.1f} tok/CPU-s, cached {share:.1%} of prompt tokens",
                 flush=True,
             )
     n = args.conversations
@@ -188,6 +193,7 @@ async def bench_cache(model: Path, args) -> None:
         label = "off" if tokens == 0 else f"on ({tokens} tokens)"
         print(
             f"  prefix cache {label}: {spread(rates[tokens])} tok/s, "
+            f"{spread(per_cpu[tokens])} tok/CPU-s, "
             f"cached share of prompt tokens {spread(cached[tokens])}"
         )
 

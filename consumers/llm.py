@@ -191,9 +191,7 @@ class TracingLLM:
         self.model_name = model_name
         self.parent_context = parent_context
         self.record_messages = record_messages
-        self.chain = (
-            PromptChain(template, extend=extend_prompts) if template is not None else None
-        )
+        self.chain = PromptChain(template, extend=extend_prompts) if template is not None else None
         self.capture_content = (
             genai.capture_message_content() if capture_content is None else capture_content
         )

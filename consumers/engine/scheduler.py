@@ -349,7 +349,8 @@ class Scheduler:
         done = [seq for seq in self._running if seq.finished and not seq.cancelled]
         if self.prefix_cache.max_tokens and self._kv is not None:
             for row, seq in enumerate(self._running):
-                if not seq.cancelled and (seq.finish_reason or {}).get("type") not in (None, "abort"):
+                ended = (seq.finish_reason or {}).get("type")
+                if ended is not None and ended != "abort" and not seq.cancelled:
                     self._keep_prefix(seq, row)
         self._running = [self._running[i] for i in keep]
         self._kv = self._kv.select(keep) if keep and self._kv is not None else None
