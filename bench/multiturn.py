@@ -87,12 +87,12 @@ def observation(index: int, turn: int, chars: int) -> str:
     return text[:chars] + "\nWhat next?"
 
 
-async def conversation(llm: TracingLLM, index: int, args, **sampling) -> Trajectory:
+async def conversation(llm: TracingLLM, index: int, seed: int, args, **sampling) -> Trajectory:
     messages = [
         {"role": "user", "content": f"Task {index}: find the three largest orders and explain."}
     ]
     for turn in range(args.turns):
-        reply = await llm.chat(messages, sampling_seed=1000 * index + turn, **sampling)
+        reply = await llm.chat(messages, sampling_seed=seed + 1000 * index + turn, **sampling)
         messages += [
             reply.message,
             {"role": "user", "content": observation(index, turn, args.obs_chars)},
@@ -108,7 +108,10 @@ async def conversation(llm: TracingLLM, index: int, args, **sampling) -> Traject
     )
 
 
-async def rollouts(url: str, template: ChatTemplate, args, *, extend: bool, **sampling):
+async def rollouts(
+    url: str, template: ChatTemplate, args, repeat: int, *, extend: bool, **sampling
+):
+    """--conversations rollouts at once; both sides of a repeat sample with the same seeds."""
     backend = SGLangBackend([url], backoff=0.0)
     try:
         job = Sampling(max_new_tokens=args.tokens, temperature=1.0)
@@ -118,7 +121,7 @@ async def rollouts(url: str, template: ChatTemplate, args, *, extend: bool, **sa
         ]
         started = time.perf_counter()
         done = await asyncio.gather(
-            *(conversation(llm, i, args, **sampling) for i, llm in enumerate(llms))
+            *(conversation(llm, i, 10**6 * repeat, args, **sampling) for i, llm in enumerate(llms))
         )
         return list(done), time.perf_counter() - started
     finally:
@@ -138,7 +141,7 @@ async def bench_rows(model: Path, args) -> None:
     try:
         for repeat in range(args.repeats):
             for extend in (False, True) if repeat % 2 == 0 else (True, False):
-                done, _ = await rollouts(server.url, template, args, extend=extend)
+                done, _ = await rollouts(server.url, template, args, repeat, extend=extend)
                 hows = Counter(rows_of(t)[1] for t in done)
                 shares[extend].append(hows["concat"] / len(done))
                 builds[extend].update(c.prompt_build for t in done for c in t.calls)
@@ -170,7 +173,7 @@ async def bench_cache(model: Path, args) -> None:
             try:
                 cpu = time.process_time()
                 done, seconds = await rollouts(
-                    server.url, template, args, extend=True, ignore_eos=True
+                    server.url, template, args, repeat, extend=True, ignore_eos=True
                 )
                 cpu = time.process_time() - cpu
             finally:

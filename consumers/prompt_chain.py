@@ -80,7 +80,7 @@ class _Turn:
     reply: tuple
     text: str
     ids: list[int]  # prompt + sampled
-    last: int | None  # the last sampled id
+    last: int  # the last sampled id
 
 
 class PromptChain:
@@ -117,11 +117,12 @@ class PromptChain:
         reply: dict,
         response_ids: Sequence[int],
     ) -> None:
-        """Remember a finished call, so that a later call continuing it extends its ids."""
-        if self.extend and prompt.ids:
+        """Remember a finished call, so that a later call continuing it extends its ids (not
+        one without token ids: its reply exists only as text)."""
+        if self.extend and prompt.ids and len(response_ids):
             ids = [*prompt.ids, *response_ids]
-            last = response_ids[-1] if len(response_ids) else None
-            self._turns.append(_Turn(chat, tools, _reply_key(reply), prompt.text, ids, last))
+            turn = _Turn(chat, tools, _reply_key(reply), prompt.text, ids, response_ids[-1])
+            self._turns.append(turn)
 
     def _continued(self, chat: list[dict]) -> _Turn | None:
         """The latest earlier call whose messages and reply begin ``chat``."""
@@ -153,7 +154,7 @@ class PromptChain:
         close = self.template.turn_close(tools)
         if close is None or not base.endswith(close):
             return "no_turn_end", None
-        if turn.last is not None and turn.last in self.template.eos_token_ids:
+        if turn.last in self.template.eos_token_ids:
             # it ended its turn itself; the template may write more after that token ("\n")
             ended = self.template.decode([turn.last])
             if ended and close.startswith(ended):
