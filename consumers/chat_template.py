@@ -45,6 +45,9 @@ SEGMENT_ENTRIES = 4096
 SEGMENT_MAX_CHARS = 16 * 1024
 SEGMENT_BUDGET_CHARS = 2 * 1024 * 1024
 
+# An assistant reply no template alters (no spaces to trim), to find what follows a reply.
+_PROBE = "agentarium-reply-probe"
+
 # The named special tokens transformers puts in ``special_tokens_map`` (and so in the template).
 SPECIAL_TOKEN_NAMES = (
     "bos_token",
@@ -396,6 +399,7 @@ class ChatTemplate:
         # A miss encodes only the pieces between added tokens not seen before.
         self._segments = SegmentEncoder(tokenizer)
         self._renders_tools: dict[str, bool] = {}  # template key -> reads `tools`
+        self._closes: dict[str, str | None] = {}  # template name -> turn_close
 
     @classmethod
     def from_model_dir(cls, path: str | Path) -> ChatTemplate:
@@ -526,10 +530,31 @@ class ChatTemplate:
             self._renders_tools[key] = known
         return known
 
+    def render_normalized(
+        self, chat: list[dict], tools: list | None = None, *, add_generation_prompt: bool = True
+    ) -> str:
+        """``render`` for messages already through ``normalize_messages`` and tools already
+        plain data (what the tracing client holds): the same text, without copying them again."""
+        return self._render(chat, tools, add_generation_prompt, {})
+
     def encode_normalized(self, chat: list[dict], tools: list | None = None) -> list[int]:
-        """``encode_chat`` for messages already through ``normalize_messages`` and tools already
-        plain data (what the tracing client holds): the same ids, without copying them again."""
-        return self.encode(self._render(chat, tools, True, {}))
+        """``encode_chat`` for normalized messages and plain tools (``render_normalized``)."""
+        return self.encode(self.render_normalized(chat, tools))
+
+    def turn_close(self, tools: list | None = None) -> str | None:
+        """What the template writes after an assistant message's content (ChatML's
+        ``<|im_end|>\n``), read off a probe conversation once per template; None when the
+        probe does not render or its reply cannot be found in the text."""
+        name = self._pick(tools)
+        if name not in self._closes:
+            probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _PROBE}]
+            try:
+                text = self._render(probe, tools, False, {})
+            except Exception:  # the template refuses the probe (e.g. wants a system turn)
+                text = ""
+            at = text.rfind(_PROBE)
+            self._closes[name] = None if at < 0 else text[at + len(_PROBE) :]
+        return self._closes[name]
 
     def encode_chat(
         self,
@@ -555,6 +580,11 @@ class ChatTemplate:
                 with contextlib.suppress(KeyError):
                     self._ids.popitem(last=False)
         return ids
+
+    def encode_piece(self, text: str) -> list[int]:
+        """Token ids of a piece of a prompt (a turn's end and the next messages), outside the
+        prompt cache, which keeps whole prompts."""
+        return self._segments.encode(text)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -3,7 +3,9 @@
 ``await llm.chat(messages, tools=None, **sampling)`` renders the model's chat template into
 token ids, has the backend generate from those ids, and records the exact prompt and response
 tokens with their logprobs as an ``LLMCall``: what the policy saw and produced, with no
-re-tokenization of text. Tool calls are parsed from the generated text into OpenAI
+re-tokenization of text. A call continuing an earlier one's conversation extends that call's
+prompt and sampled ids with the new messages' tokens (``PromptChain``), so earlier replies are
+never re-encoded either. Tool calls are parsed from the generated text into OpenAI
 ``tool_calls``. Every call is a ``chat <model>`` CLIENT span under the rollout's span.
 """
 
@@ -32,8 +34,9 @@ from .backends.base import Backend, GenerateRequest
 from .backends.cross_sampling import model_of_call
 from .chat_template import ChatTemplate, normalize_messages, plain_data
 from .errors import BadRequest, LLMError
-from .metrics import observe_llm_call, observe_llm_failure
-from .toolcalls import ToolCallError, arguments_as_objects, parse_tool_calls
+from .metrics import observe_llm_call, observe_llm_failure, observe_prompt
+from .prompt_chain import Prompt, PromptChain
+from .toolcalls import ToolCallError, parse_tool_calls
 
 tracer = trace.get_tracer("agentarium.consumers")
 # Request-id nonces: a private generator (seeded from os.urandom), so an agent seeding the
@@ -162,6 +165,8 @@ class TracingLLM:
     redelivered job runs again while the first attempt is still on the server).
     ``capture_content`` puts prompts and replies on the chat spans; None reads the GenAI
     conventions' switch, ``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT``.
+    ``extend_prompts`` False renders every prompt whole instead of extending the call it
+    continues (``PromptChain``; comparisons and benchmarks).
     """
 
     def __init__(
@@ -176,6 +181,7 @@ class TracingLLM:
         *,
         record_messages: bool = True,
         capture_content: bool | None = None,
+        extend_prompts: bool = True,
     ) -> None:
         self.backend = backend
         self.template = template
@@ -185,6 +191,7 @@ class TracingLLM:
         self.model_name = model_name
         self.parent_context = parent_context
         self.record_messages = record_messages
+        self.chain = PromptChain(template, extend=extend_prompts) if template is not None else None
         self.capture_content = (
             genai.capture_message_content() if capture_content is None else capture_content
         )
@@ -281,12 +288,14 @@ class TracingLLM:
         self, index: int, chat: list[dict], tools: list | None, params: dict
     ) -> tuple[ChatResult, dict[str, AttributeValue]]:
         """The call, and the attributes its span gets from the response."""
-        input_ids: list[int] = []
-        if self.template is not None:
+        prompt = Prompt([], "", "")
+        if self.chain is not None:
             try:
-                input_ids = self.template.encode_normalized(arguments_as_objects(chat), tools)
+                prompt = self.chain.prompt(chat, tools)
             except jinja2.TemplateError as exc:
                 raise BadRequest(f"the chat template refused these messages: {exc}") from exc
+            observe_prompt(prompt.build)
+        input_ids = prompt.ids
         request = GenerateRequest(
             input_ids=input_ids,
             sampling=params,
@@ -327,8 +336,11 @@ class TracingLLM:
             policy=result.policy,
             cached_tokens=result.cached_tokens,
             messages=[*chat, message] if self.record_messages else None,
+            prompt_build=prompt.build,
         )
         self.calls.append(call)
+        if self.chain is not None:
+            self.chain.record(chat, tools, prompt, message, result.output_ids)
 
         prompt_tokens = len(input_ids) or result.prompt_tokens
         output_tokens = len(result.output_ids) or result.completion_tokens

@@ -104,6 +104,13 @@ SERVER_UP = Gauge(
     "1 while an LLM server's circuit breaker is closed (it answers its health probe), else 0",
     ["backend"],
 )
+PROMPTS = Counter(
+    "agentarium_llm_prompts",
+    "Prompts the tracing client built, by how (LLMCall.prompt_build): extend (an earlier "
+    "call's prompt and sampled ids plus the new messages' tokens), render (the conversation "
+    "rendered whole), or why an extension was refused and the prompt rendered",
+    ["build"],
+)
 CACHED_TOKENS = Counter(
     "agentarium_llm_cached_prompt_tokens",
     "Prompt tokens the server took from its prefix cache",
@@ -174,6 +181,16 @@ def observe_llm_call(call: LLMCall, prompt_tokens: int, completion_tokens: int) 
     completion.inc(completion_tokens)
     if call.cached_tokens:
         _cached_tokens_child(call.backend).inc(call.cached_tokens)
+
+
+@functools.lru_cache(maxsize=64)  # the few builds of prompt_chain.BUILDS
+def _prompt_child(build: str):
+    return PROMPTS.labels(build)
+
+
+def observe_prompt(build: str) -> None:
+    """Count one prompt the tracing client built, by how."""
+    _prompt_child(build).inc()
 
 
 def observe_llm_failure(error: Exception) -> None:

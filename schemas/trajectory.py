@@ -81,6 +81,14 @@ class LLMCall(WireMessage):
     messages: list[dict] | None = spec(
         MESSAGES, None, doc="the chat messages rendered into prompt_ids, plus the reply"
     )
+    prompt_build: str = spec(
+        STR,
+        "",
+        doc="how prompt_ids were built: render (the chat template over the messages), extend "
+        "(an earlier call's prompt_ids and response_ids, then the new messages' tokens: no reply "
+        "re-encoded), or why extending was refused and the messages rendered (tools_changed, "
+        "reply_rerendered, history_rewritten, no_turn_end); empty without token ids",
+    )
 
     def __post_init__(self) -> None:
         if len(self.response_logprobs) != len(self.response_ids):

@@ -17,6 +17,15 @@ class EngineSettings:
     port: int = setting(30000, ge=0, metavar="PORT", help="port; 0 picks a free one")
     threads: int = setting(1, ge=1, help="torch threads")
     max_batch: int = setting(64, ge=1, help="most sequences decoded together")
+    prefix_cache_tokens: int = setting(
+        32768,
+        ge=0,
+        metavar="TOKENS",
+        help="tokens of finished sequences' KV kept for later prompts that start with them (a "
+        "multi-turn rollout's previous turn, a group's shared prompt), least recently used out; "
+        "reused tokens are reported as cached_tokens; a token holds 2 x layers x KV heads x "
+        "head dim floats (45 KiB for SmolLM2-135M); 0 turns the prefix cache off",
+    )
 
     def __post_init__(self) -> None:
         check_settings(self)

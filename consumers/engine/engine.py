@@ -43,10 +43,16 @@ class LocalEngine:
         threads: int = EngineSettings.threads,
         max_batch: int = EngineSettings.max_batch,
         batch_window_s: float = 0.002,
+        prefix_cache_tokens: int = EngineSettings.prefix_cache_tokens,
     ) -> None:
         self.model_path = Path(model_path)
         self.model = EngineModel(self.model_path, threads=threads)
-        self.scheduler = Scheduler(self.model, max_batch=max_batch, batch_window_s=batch_window_s)
+        self.scheduler = Scheduler(
+            self.model,
+            max_batch=max_batch,
+            batch_window_s=batch_window_s,
+            prefix_cache_tokens=prefix_cache_tokens,
+        )
         # Not in SGLang: tells a trainer that streams weights that this is another process
         # than the one that joined its group (restarted on the same URL), so it rebuilds it.
         self.engine_id = uuid.uuid4().hex
@@ -60,6 +66,7 @@ class LocalEngine:
             threads=threads,
             max_batch=max_batch,
             batch_window_s=batch_window_s,
+            prefix_cache_tokens=prefix_cache_tokens,
             vocab_size=self.model.vocab_size,
             context_len=self.model.context_len,
         )
@@ -348,10 +355,13 @@ class LocalEngine:
         }
 
     def flush_cache(self) -> bool:
-        """There is no prefix cache to flush; like SGLang, refuse while requests run (a pause
-        in retract mode leaves none running: their caches are recomputed on continue)."""
+        """Empty the prefix cache; like SGLang, refuse while requests run (a pause in retract
+        mode leaves none running: their caches are recomputed on continue)."""
         s = self.scheduler
-        return s.num_running == 0 and (s.num_waiting == 0 or s.paused)
+        if s.num_running == 0 and (s.num_waiting == 0 or s.paused):
+            s.prefix_cache.flush()
+            return True
+        return False
 
 
 def _failed(message: str) -> dict[str, Any]:

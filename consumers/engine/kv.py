@@ -1,7 +1,8 @@
 """A batch's KV cache, left-padded so that sequences of different lengths share one tensor.
 
 Row i of every layer's keys/values holds sequence i's cached tokens right-aligned; `mask`
-marks which columns are real. Rows leave (`select`) and join (`concat`) between decode steps,
+marks which columns are real (a row that reused a cached prefix may have padding between its
+prefix and the rest of its prompt). Rows leave (`select`) and join (`concat`) between decode steps,
 which is all continuous batching needs from the cache. transformers only sees a `DynamicCache`
 filled from these tensors for the length of one forward pass.
 """
@@ -37,6 +38,12 @@ class PaddedKV:
             values=[v.index_select(0, index)[:, :, lead:] for v in self.values],
             mask=mask[:, lead:],
         )
+
+    def row(self, i: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Row i's real tokens' keys and values per layer, (H_kv, n, D), as copies."""
+        columns = self.mask[i].nonzero().squeeze(1)
+        keys = [k[i].index_select(1, columns) for k in self.keys]
+        return keys, [v[i].index_select(1, columns) for v in self.values]
 
     def append_column(self) -> None:
         """Account for one new real token per row (the decode step wrote its K/V)."""

@@ -5,9 +5,10 @@ names); the local engine does the same under ``agentarium_engine_`` names. Each 
 a registry of its own, so an engine started inside another process (tests, the demo) never
 mixes its series with that process's.
 
-Requests, prompt tokens and request latency are counted as ``/generate`` answers; generated
-tokens, forward steps, running and waiting sequences, the pause flag and the weight version
-are read from the scheduler at each scrape.
+Requests, prompt tokens (those from the prefix cache apart) and request latency are counted as
+``/generate`` answers; generated tokens, forward steps, running and waiting sequences, the
+pause flag, the prefix cache's size and the weight version are read from the scheduler at each
+scrape.
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ class EngineMetrics:
             "Prompt tokens of answered requests",
             registry=self.registry,
         )
+        self.cached_tokens = Counter(
+            "agentarium_engine_cached_prompt_tokens",
+            "Prompt tokens of answered requests whose KV came from the prefix cache",
+            registry=self.registry,
+        )
         self.latency = Histogram(
             "agentarium_engine_request_duration_seconds",
             "Time from a generate request's arrival to its answer (queueing included)",
@@ -59,6 +65,7 @@ class EngineMetrics:
             reason = finish.get("type", "unknown") if isinstance(finish, dict) else str(finish)
             self.requests.labels(reason).inc()
             self.prompt_tokens.inc(int(meta.get("prompt_tokens", 0) or 0))
+            self.cached_tokens.inc(int(meta.get("cached_tokens", 0) or 0))
         self.latency.observe(seconds)
 
 
@@ -89,6 +96,10 @@ class _SchedulerCollector:
         paused = GaugeMetricFamily(
             "agentarium_engine_paused", "1 while generation is paused (a weight reload)"
         )
+        cache = GaugeMetricFamily(
+            "agentarium_engine_prefix_cache_tokens",
+            "Tokens whose KV the prefix cache holds (at most --prefix-cache-tokens)",
+        )
         version = GaugeMetricFamily(
             "agentarium_engine_weight_version",
             "Weight version the engine serves ('default' is 0; absent when not a number)",
@@ -100,8 +111,9 @@ class _SchedulerCollector:
             running.add_metric([], s.num_running)
             waiting.add_metric([], s.num_waiting)
             paused.add_metric([], 1.0 if s.paused else 0.0)
+            cache.add_metric([], s.prefix_cache.tokens)
             try:
                 version.add_metric([], version_number(s.weight_version))
             except SchemaError:
                 pass  # a version set by hand that is not a number: no sample rather than a lie
-        yield from (generated, steps, running, waiting, paused, version)
+        yield from (generated, steps, running, waiting, paused, cache, version)

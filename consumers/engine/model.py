@@ -19,6 +19,7 @@ from tokenizers import Tokenizer
 
 from .errors import WeightLoadError
 from .kv import PaddedKV
+from .prefix_cache import CachedPrefix
 
 log = structlog.get_logger("agentarium.engine")
 
@@ -53,21 +54,36 @@ class EngineModel:
 
     @torch.inference_mode()
     def prefill(
-        self, prompts: list[list[int]], *, all_logits: bool
+        self,
+        prompts: list[list[int]],
+        *,
+        all_logits: bool,
+        prefixes: list[CachedPrefix | None] | None = None,
     ) -> tuple[torch.Tensor, PaddedKV]:
         """Run prompts (left-padded into one batch) through the model.
 
-        Returns logits (B, T, V) over every position when `all_logits`, else (B, 1, V) for the
-        last position only, and the prompts' KV cache.
+        ``prefixes[i]``, when given, holds the KV of prompt i's first ``length`` tokens (the
+        prefix cache): only the rest of the prompt is computed, after it. Returns logits
+        (B, T, V) over every computed position when `all_logits` (no prefixes then), else
+        (B, 1, V) for the last position only, and the prompts' KV cache: each row its cached
+        columns right-aligned, then its computed ones (padding between is masked).
         """
-        width = max(len(p) for p in prompts)
+        cached = [0 if p is None else p.length for p in (prefixes or [None] * len(prompts))]
+        assert not (all_logits and any(cached)), "logits of every position need no prefix"
+        fresh = [prompt[n:] for prompt, n in zip(prompts, cached, strict=True)]
+        width = max(len(p) for p in fresh)
         ids = torch.full((len(prompts), width), self._pad_id, dtype=torch.long)  # (B, T)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)  # (B, T)
-        for row, prompt in enumerate(prompts):
+        for row, prompt in enumerate(fresh):
             ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
             mask[row, width - len(prompt) :] = 1
-        positions = (mask.cumsum(1) - 1).clamp(min=0)  # (B, T)
-        cache = self._cache_cls()
+        positions = (mask.cumsum(1) - 1).clamp(min=0) + torch.tensor(cached)[:, None]  # (B, T)
+        if any(cached):
+            past = _past_kv(prefixes or [], cached)
+            mask = torch.cat([past.mask, mask], dim=1)  # (B, P + T)
+            cache = self._cache_cls(list(zip(past.keys, past.values, strict=True)))
+        else:
+            cache = self._cache_cls()
         out = self.model(
             input_ids=ids,
             attention_mask=mask,
@@ -216,6 +232,29 @@ def _quiet_progress_bars():
     finally:
         if were_on:
             hf_logging.enable_progress_bar()
+
+
+def _past_kv(prefixes: list[CachedPrefix | None], lengths: list[int]) -> PaddedKV:
+    """The cached prefixes as one left-padded batch, each row's ``length`` tokens
+    right-aligned."""
+    width = max(lengths)
+    sample = next(p for p in prefixes if p is not None)
+    keys, values = [], []
+    for layer, (k0, v0) in enumerate(zip(sample.keys, sample.values, strict=True)):
+        h, _, d = k0.shape
+        k = k0.new_zeros((len(lengths), h, width, d))  # (B, H_kv, P, D)
+        v = v0.new_zeros((len(lengths), h, width, d))
+        for row, (prefix, n) in enumerate(zip(prefixes, lengths, strict=True)):
+            if prefix is not None and n:
+                k[row, :, width - n :] = prefix.keys[layer][:, :n]
+                v[row, :, width - n :] = prefix.values[layer][:, :n]
+        keys.append(k)
+        values.append(v)
+    mask = torch.zeros((len(lengths), width), dtype=torch.long)  # (B, P)
+    for row, n in enumerate(lengths):
+        if n:
+            mask[row, width - n :] = 1
+    return PaddedKV(keys=keys, values=values, mask=mask)
 
 
 def _cache_tensors(cache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

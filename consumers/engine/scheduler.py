@@ -7,6 +7,10 @@ left-padded KV cache; finished rows leave it. A request arriving at an idle engi
 depend on its companions: padding is masked, positions are per row, every row samples with
 its own generator.
 
+Prefix cache (prefix_cache.py): a joining request whose prompt starts with a finished
+sequence's tokens (its previous turn) takes that KV and computes only the rest; each sequence
+that finishes (not aborted) leaves its KV there. A weight change flushes it.
+
 Control operations (pause, abort, weight reload, version change) take the step lock, so they
 happen between steps, never during one:
 - pause `abort`: every request in flight or waiting finishes with finish_reason abort.
@@ -30,6 +34,7 @@ import torch
 from .errors import WeightLoadError
 from .kv import PaddedKV
 from .model import EngineModel
+from .prefix_cache import PrefixCache
 from .sampling import sample
 from .sequence import Sequence
 
@@ -46,6 +51,7 @@ class Scheduler:
         max_batch: int = 64,
         batch_window_s: float = 0.002,
         max_prefill_tokens: int = 16384,
+        prefix_cache_tokens: int = 0,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
@@ -53,6 +59,7 @@ class Scheduler:
         self.max_batch = max_batch
         self.batch_window_s = batch_window_s
         self.max_prefill_tokens = max_prefill_tokens
+        self.prefix_cache = PrefixCache(prefix_cache_tokens)
         self.weight_version = "default"
         self.paused = False
         self.steps = 0
@@ -211,6 +218,7 @@ class Scheduler:
                     except WeightLoadError as exc:
                         log.warning("weight update failed", source=what, error=str(exc))
                         return False, str(exc), 0
+                    self.prefix_cache.flush()  # KV of the old weights
                     if version is not None:
                         self.weight_version = str(version)
                         message += f" Weight version updated to {version}."
@@ -300,7 +308,14 @@ class Scheduler:
 
     def _prefill(self, group: list[Sequence], version: str) -> None:
         scoring = group[0].wants_input_logprobs  # then the group is this one sequence
-        logits, kv = self.model.prefill([seq.all_ids for seq in group], all_logits=scoring)
+        prompts = [seq.all_ids for seq in group]
+        # prompt logprobs need logits at every prompt position: computed, not looked up
+        prefixes = [None if scoring else self.prefix_cache.lookup(ids) for ids in prompts]
+        for seq, prefix in zip(group, prefixes, strict=True):
+            seq.kv_epoch = self.prefix_cache.epoch
+            if not seq.output_ids:  # a retracted row re-runs its prompt: counted once
+                seq.cached_tokens = 0 if prefix is None else prefix.length
+        logits, kv = self.model.prefill(prompts, all_logits=scoring, prefixes=prefixes)
         if scoring:
             seq = group[0]
             seq.set_input_logprobs(
@@ -332,9 +347,22 @@ class Scheduler:
         if len(keep) == len(self._running):
             return []
         done = [seq for seq in self._running if seq.finished and not seq.cancelled]
+        if self.prefix_cache.max_tokens and self._kv is not None:
+            for row, seq in enumerate(self._running):
+                ended = (seq.finish_reason or {}).get("type")
+                if ended is not None and ended != "abort" and not seq.cancelled:
+                    self._keep_prefix(seq, row)
         self._running = [self._running[i] for i in keep]
         self._kv = self._kv.select(keep) if keep and self._kv is not None else None
         return done
+
+    def _keep_prefix(self, seq: Sequence, row: int) -> None:
+        assert self._kv is not None
+        keys, values = self._kv.row(row)
+        computed = keys[0].shape[1]  # every token but the last sampled one
+        ids = seq.all_ids
+        if computed <= len(ids):
+            self.prefix_cache.store(ids[:computed], keys, values, seq.kv_epoch)
 
     def _abort_all(self, message: str) -> int:
         seqs = [*self._running, *self._waiting]

@@ -44,6 +44,8 @@ class Sequence:
         self.input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
         self.versions: list[list] = []  # [[version, first output index], ...]
         self.finish_reason: dict | None = None
+        self.cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
+        self.kv_epoch = -1  # the prefix cache's epoch when this row's KV was computed
         self.cancelled = False
         self.started = time.monotonic()
         bytes_needed = max((len(s.encode()) for s in self.params.stop), default=0)
@@ -147,7 +149,7 @@ class Sequence:
             "finish_reason": self.finish_reason,
             "prompt_tokens": len(r.input_ids),
             "completion_tokens": len(self.output_ids),
-            "cached_tokens": 0,
+            "cached_tokens": self.cached_tokens,
             "weight_version": version,
         }
         if len(self.versions) > 1:

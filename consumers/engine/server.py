@@ -224,7 +224,11 @@ async def serve(
     s = settings or EngineSettings()
     # Loading takes a while (torch, transformers, the weights): keep the event loop free.
     engine = await asyncio.to_thread(
-        LocalEngine, model_path, threads=s.threads, max_batch=s.max_batch
+        LocalEngine,
+        model_path,
+        threads=s.threads,
+        max_batch=s.max_batch,
+        prefix_cache_tokens=s.prefix_cache_tokens,
     )
     server = await start_server(engine, s.host, s.port)
     log.info("engine listening", url=server.url, model_path=str(model_path))

@@ -1,0 +1,117 @@
+"""The local engine's prefix cache: a multi-turn conversation's next turn reuses the KV of the
+previous one (``cached_tokens`` in meta_info, as SGLang reports it), with the outputs the
+engine gives without it; memory stays within ``--prefix-cache-tokens``; weights that change
+empty it."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from consumers.chat_template import ChatTemplate
+from consumers.engine import EngineSettings, LocalEngine
+from consumers.engine.prefix_cache import PrefixCache
+
+TURNS = 3
+
+
+def kv(n: int, value: float = 0.0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Keys and values of n tokens for a 2-layer model."""
+    return [torch.full((2, n, 4), value)] * 2, [torch.full((2, n, 4), value)] * 2
+
+
+def test_the_longest_prefix_is_found_and_memory_stays_bounded():
+    cache = PrefixCache(20)
+    assert cache.lookup([1, 2, 3]) is None
+    assert cache.store([1, 2, 3, 4], *kv(4, 1.0), epoch=0)
+    assert cache.store([1, 2, 9, 9, 9, 9], *kv(6, 2.0), epoch=0)
+    hit = cache.lookup([1, 2, 3, 4, 5])
+    assert hit is not None and hit.length == 4 and float(hit.keys[0][0, 0, 0]) == 1.0
+    assert cache.lookup([1, 2, 3, 4]).length == 3  # never the whole prompt: its last token runs
+    assert cache.lookup([7, 2, 3]) is None
+    # A sequence extending an entry replaces it: one entry per conversation.
+    assert cache.store([1, 2, 3, 4, 5, 6], *kv(6, 3.0), epoch=0)
+    assert len(cache) == 2 and cache.tokens == 12
+    assert not cache.store([1, 2, 3], *kv(3), epoch=0)  # already held, inside a longer one
+    # Least recently used out: [1, 2, 9, ...] was used last before [1..6] was stored.
+    cache.lookup([1, 2, 3, 4, 5, 6, 7])
+    assert cache.store([5] * 10, *kv(10), epoch=0)
+    assert cache.tokens == 16 and len(cache) == 2
+    assert cache.lookup([1, 2, 9, 9, 9, 9, 1]).length == 2  # only [1, 2], of the other entry
+    assert cache.lookup([1, 2, 3, 4, 5, 6, 7]).length == 6
+    assert not cache.store(list(range(21)), *kv(21), epoch=0)  # bigger than the budget
+    # A flush starts a new epoch: KV computed before it is not stored after it.
+    cache.flush()
+    assert len(cache) == 0 and cache.tokens == 0
+    assert not cache.store([1, 2, 3], *kv(3), epoch=0)
+    assert cache.store([1, 2, 3], *kv(3), epoch=cache.epoch)
+    assert not PrefixCache(0).store([1, 2], *kv(2), epoch=0)  # 0 turns it off
+
+
+@pytest.fixture(scope="module")
+def template(tiny_dir) -> ChatTemplate:
+    return ChatTemplate.from_model_dir(tiny_dir)
+
+
+async def conversations(engine: LocalEngine, template: ChatTemplate, n: int) -> list[list[dict]]:
+    """n conversations of TURNS greedy turns each, run together; every turn's prompt is the
+    previous prompt, its output and a new user message (how the tracing client builds it)."""
+
+    async def one(index: int) -> list[dict]:
+        ids = template.encode_chat([{"role": "user", "content": f"Tell me a story, {index}."}])
+        turns = []
+        for turn in range(TURNS):
+            body = {
+                "input_ids": ids,
+                "sampling_params": {"max_new_tokens": 12 + index, "temperature": 0.0},
+                "return_logprob": True,
+            }
+            out = await engine.generate(body)
+            turns.append(out)
+            more = f"<|im_end|>\n<|im_start|>user\nAnd then ({turn})?<|im_end|>\n"
+            ids = ids + out["output_ids"] + template.encode_piece(more + "<|im_start|>assistant\n")
+        return turns
+
+    return list(await asyncio.gather(*(one(i) for i in range(n))))
+
+
+async def test_a_later_turn_reuses_the_earlier_one_with_the_same_outputs(tiny_dir, template):
+    assert EngineSettings().prefix_cache_tokens > 0  # on by default
+    runs = {}
+    for tokens in (0, 32768):
+        async with LocalEngine(tiny_dir, prefix_cache_tokens=tokens) as engine:
+            runs[tokens] = await conversations(engine, template, 4)
+    for without, with_cache in zip(runs[0], runs[32768], strict=True):
+        for turn, (a, b) in enumerate(zip(without, with_cache, strict=True)):
+            assert a["output_ids"] == b["output_ids"]
+            lp_a = [x[0] for x in a["meta_info"]["output_token_logprobs"]]
+            lp_b = [x[0] for x in b["meta_info"]["output_token_logprobs"]]
+            assert lp_b == pytest.approx(lp_a, abs=1e-4)
+            assert a["meta_info"]["cached_tokens"] == 0
+            if turn == 0:
+                assert b["meta_info"]["cached_tokens"] == 0
+            else:  # all of the previous turn but the token it sampled last
+                previous = with_cache[turn - 1]["meta_info"]
+                want = previous["prompt_tokens"] + previous["completion_tokens"] - 1
+                assert b["meta_info"]["cached_tokens"] == want
+
+
+async def test_changed_weights_and_flush_cache_empty_it(tiny_dir, template, tmp_path):
+    nudged = tmp_path / "v1"
+    shutil.copytree(tiny_dir, nudged)
+    state = load_file(str(tiny_dir / "model.safetensors"))
+    save_file({k: v + 0.05 for k, v in state.items()}, str(nudged / "model.safetensors"))
+    async with LocalEngine(tiny_dir, prefix_cache_tokens=4096) as engine:
+        cache = engine.scheduler.prefix_cache
+        await conversations(engine, template, 2)
+        assert len(cache) == 2 and 0 < cache.tokens <= 4096
+        update = await engine.update_weights_from_disk({"model_path": str(nudged)})
+        assert update["success"] and len(cache) == 0
+        fresh = await conversations(engine, template, 1)
+        assert fresh[0][0]["meta_info"]["cached_tokens"] == 0  # nothing of the old weights
+        assert fresh[0][1]["meta_info"]["cached_tokens"] > 0
+        assert engine.flush_cache() and len(cache) == 0
