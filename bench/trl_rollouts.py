@@ -40,7 +40,7 @@ from agentarium.integrations.config import RolloutConfig  # noqa: E402
 from agentarium.integrations.trl import AgentariumRollout  # noqa: E402
 from agentarium.tiny import ensure_tiny_model  # noqa: E402
 from broker import NatsServer, NatsSettings  # noqa: E402
-from examples.trl_trainer import prompts  # noqa: E402
+from examples.trl_trainer import grpo_config, prompts  # noqa: E402
 
 AGENT, RUN = "digit", "bench-trl"
 
@@ -83,7 +83,7 @@ def digit_reward(completions, **kwargs) -> list[float]:
 def grpo(args, output_dir: str, mode: str, clock: Clock, model_dir: str, rollout=None):
     from datasets import Dataset
     from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from agentarium.integrations.trl import agent_reward
 
@@ -91,21 +91,12 @@ def grpo(args, output_dir: str, mode: str, clock: Clock, model_dir: str, rollout
         def on_step_end(self, *a, **kw):
             clock.step()
 
-    config = GRPOConfig(
-        output_dir=output_dir,
-        use_cpu=True,
-        max_steps=args.steps,
-        learning_rate=args.lr,
-        lr_scheduler_type="constant",
-        per_device_train_batch_size=args.prompts * args.generations,
-        num_generations=args.generations,
-        max_completion_length=2,
-        temperature=1.0,
-        beta=0.0,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
+    config = grpo_config(
+        output_dir,
+        steps=args.steps,
+        lr=args.lr,
+        prompts_per_step=args.prompts,
+        generations=args.generations,
         seed=args.seed,
     )
     callbacks = []

@@ -30,6 +30,32 @@ from agentarium.integrations.config import RolloutConfig
 from broker import NatsSettings
 
 
+def grpo_config(
+    output_dir: str, *, steps: int, lr: float, prompts_per_step: int, generations: int, seed: int
+):
+    """TRL's GRPOConfig for the digit task on the CPU: one digit and the end of the turn per
+    completion, no KL term, no checkpoints, no reporting."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=output_dir,
+        use_cpu=True,
+        max_steps=steps,
+        learning_rate=lr,
+        lr_scheduler_type="constant",
+        per_device_train_batch_size=prompts_per_step * generations,
+        num_generations=generations,
+        max_completion_length=2,  # the digit, then the end of the turn
+        temperature=1.0,
+        beta=0.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=seed,
+    )
+
+
 def prompts(n: int) -> list[dict[str, Any]]:
     """n distinct chat prompts (TRL's conversational format); the reward does not depend on
     them. The consumer renders them with the model's chat template, as TRL itself would (a
@@ -58,25 +84,16 @@ def train(
     nothing: TRL sums the functions' rewards)."""
     from datasets import Dataset
     from transformers import PrinterCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from agentarium.integrations.trl import AgentariumRollout, agent_reward
 
-    args = GRPOConfig(
-        output_dir=output_dir or tempfile.mkdtemp(prefix="trl-agentarium-"),
-        use_cpu=True,
-        max_steps=steps,
-        learning_rate=lr,
-        lr_scheduler_type="constant",
-        per_device_train_batch_size=prompts_per_step * generations,
-        num_generations=generations,
-        max_completion_length=2,  # the digit, then the end of the turn
-        temperature=1.0,
-        beta=0.0,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
+    args = grpo_config(
+        output_dir or tempfile.mkdtemp(prefix="trl-agentarium-"),
+        steps=steps,
+        lr=lr,
+        prompts_per_step=prompts_per_step,
+        generations=generations,
         seed=seed,
     )
     with AgentariumRollout(config, settings=settings) as rollouts:

@@ -5,6 +5,19 @@ from __future__ import annotations
 import asyncio
 
 
+def add_tool(description: str = "Add two numbers", params: tuple[str, ...] = ("a", "b")) -> dict:
+    """The OpenAI-style function tool the tool-calling tests offer: ``add`` over numbers."""
+    properties = {name: {"type": "number"} for name in params}
+    return {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": description,
+            "parameters": {"type": "object", "properties": properties},
+        },
+    }
+
+
 async def echo(task: dict, llm) -> dict:
     result = await llm.chat(
         [{"role": "user", "content": task.get("prompt", "hi")}],

@@ -173,3 +173,21 @@ async def fake():
     await server.start()
     yield server
     await server.close()
+
+
+@pytest.fixture
+async def gateway(fake, template):
+    """A rollout's gateway on the SGLang fake: ``(proxy, llm, endpoint)`` for job ``job-1``."""
+    from consumers.backends import SGLangBackend
+    from consumers.llm import TracingLLM
+    from consumers.proxy import TracingProxy
+    from schemas import Sampling
+
+    backend = SGLangBackend([fake.url], retries=0, backoff=0.0)
+    proxy = TracingProxy(host="127.0.0.1")
+    await proxy.start()
+    llm = TracingLLM(backend, template, Sampling(max_new_tokens=64), "g", "job-1", "tiny")
+    with proxy.register("job-1", llm) as endpoint:
+        yield proxy, llm, endpoint
+    await proxy.close()
+    await backend.aclose()

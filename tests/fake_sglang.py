@@ -88,6 +88,23 @@ def scripted(
     return reply
 
 
+def tool_then_answer(call_text: str, answer: str) -> Callable[[str], str]:
+    """A ``scripted`` policy: ``call_text`` (a tool call) first, ``answer`` once a tool result
+    is in the prompt."""
+    return lambda prompt: answer if "<tool_response>" in prompt else call_text
+
+
+@contextlib.asynccontextmanager
+async def serving(reply: Callable[[dict], tuple[list[int], str]]):
+    """A started ``FakeSGLang`` answering with ``reply``, closed on exit."""
+    server = FakeSGLang(reply=reply)
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.close()
+
+
 def dead_url() -> str:
     """A URL where nothing listens: connections are refused."""
     return f"http://127.0.0.1:{free_port()}"

@@ -647,7 +647,13 @@ def exported_metric_names() -> set[str]:
     queue = CollectorRegistry()
     queue.register(streams)
     scheduler = SimpleNamespace(
-        tokens_generated=0, steps=0, num_running=0, num_waiting=0, paused=False, weight_version="0"
+        tokens_generated=0,
+        steps=0,
+        num_running=0,
+        num_waiting=0,
+        paused=False,
+        weight_version="0",
+        prefix_cache=SimpleNamespace(tokens=0),
     )
     engine = EngineMetrics(SimpleNamespace(scheduler=scheduler))  # type: ignore[arg-type]
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}

@@ -12,15 +12,12 @@ import json
 import aiohttp
 import anthropic
 import pytest
-from fake_sglang import FakeSGLang, scripted
+from fake_sglang import scripted, serving, tool_then_answer
 from worker_env import worker_for
 
-from consumers.backends import SGLangBackend
 from consumers.gateway import sse
-from consumers.llm import TracingLLM
-from consumers.proxy import TracingProxy, secret_of
+from consumers.proxy import secret_of
 from producers import TaskProducer, TrajectoryReader
-from schemas import Sampling
 
 CALL_TEXT = 'Adding now.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
 ANSWER = "The sum of 2 and 3 is 5."
@@ -39,16 +36,11 @@ TOOLS = [
 SEEN: dict[str, dict] = {}
 
 
-def policy(prompt: str) -> str:
-    return ANSWER if "<tool_response>" in prompt else CALL_TEXT
-
-
 @pytest.fixture
 async def fake(template):
-    server = FakeSGLang(reply=scripted(template, policy))
-    await server.start()
-    yield server
-    await server.close()
+    """The policy calls the tool, then answers once its result is in the prompt."""
+    async with serving(scripted(template, tool_then_answer(CALL_TEXT, ANSWER))) as server:
+        yield server
 
 
 def base_url(endpoint: str) -> str:
@@ -134,18 +126,6 @@ async def test_messages_streamed_with_tools_are_stored_token_exact(js, topology,
     assert second.content[0].text == ANSWER == second_call.messages[-1]["content"]
     assert second_call.response_ids == template.encode(ANSWER) + template.eos_token_ids[:1]
     assert seen["models"] == ["tiny"]
-
-
-@pytest.fixture
-async def gateway(fake, template):
-    backend = SGLangBackend([fake.url], retries=0, backoff=0.0)
-    proxy = TracingProxy(host="127.0.0.1")
-    await proxy.start()
-    llm = TracingLLM(backend, template, Sampling(max_new_tokens=64), "g", "job-1", "tiny")
-    with proxy.register("job-1", llm) as endpoint:
-        yield proxy, llm, endpoint
-    await proxy.close()
-    await backend.aclose()
 
 
 async def test_the_secret_as_x_api_key_or_bearer_token(gateway):

@@ -12,48 +12,28 @@ import json
 import aiohttp
 import openai
 import pytest
-from fake_sglang import FakeSGLang, scripted
+from agentlib import add_tool
+from fake_sglang import scripted, serving, tool_then_answer
 from worker_env import worker_for
 
-from consumers.backends import SGLangBackend
 from consumers.gateway import sse
-from consumers.llm import TracingLLM
 from producers import TaskProducer, TrajectoryReader
-from schemas import Sampling
 
 CALL_TEXT = (
     'I will add them.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
 )
 ANSWER = "The sum of 2 and 3 is 5."
 QUESTION = "What is 2+3?"
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "add",
-            "description": "Add two numbers",
-            "parameters": {
-                "type": "object",
-                "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
-            },
-        },
-    }
-]
+TOOLS = [add_tool()]
 RESPONSES_TOOLS = [{"type": "function", **TOOLS[0]["function"]}]
 SEEN: dict[str, dict] = {}  # what each agent's client assembled, by task id
 
 
-def policy(prompt: str) -> str:
-    """Call the tool first; answer once its result is in the prompt."""
-    return ANSWER if "<tool_response>" in prompt else CALL_TEXT
-
-
 @pytest.fixture
 async def fake(template):
-    server = FakeSGLang(reply=scripted(template, policy))
-    await server.start()
-    yield server
-    await server.close()
+    """The policy calls the tool, then answers once its result is in the prompt."""
+    async with serving(scripted(template, tool_then_answer(CALL_TEXT, ANSWER))) as server:
+        yield server
 
 
 def client(endpoint: str) -> openai.AsyncOpenAI:
@@ -289,22 +269,8 @@ async def test_previous_response_id_is_the_rollouts_own(js, topology, fake):
     assert "kept only within the rollout" in SEEN["refused"]["message"]
 
 
-@pytest.fixture
-async def proxy_llm(fake, template):
-    from consumers.proxy import TracingProxy
-
-    backend = SGLangBackend([fake.url], retries=0, backoff=0.0)
-    proxy = TracingProxy(host="127.0.0.1")
-    await proxy.start()
-    llm = TracingLLM(backend, template, Sampling(max_new_tokens=64), "g", "job-1", "tiny")
-    with proxy.register("job-1", llm) as endpoint:
-        yield proxy, llm, endpoint
-    await proxy.close()
-    await backend.aclose()
-
-
-async def test_what_the_responses_api_cannot_serve_is_refused(proxy_llm):
-    proxy, llm, endpoint = proxy_llm
+async def test_what_the_responses_api_cannot_serve_is_refused(gateway):
+    proxy, llm, endpoint = gateway
     sdk = client(endpoint)
     cases = {
         "web_search tool": ({"tools": [{"type": "web_search"}]}, "only function tools"),
@@ -342,11 +308,11 @@ async def test_what_the_responses_api_cannot_serve_is_refused(proxy_llm):
 
 
 async def test_a_long_call_keeps_the_stream_alive_then_fails_in_the_stream(
-    proxy_llm, fake, monkeypatch
+    gateway, fake, monkeypatch
 ):
     """A call still running opens the stream and sends keep-alives; a backend failure then comes
     as the API's in-stream error, which the SDKs raise (chat) or report (response.failed)."""
-    proxy, llm, endpoint = proxy_llm
+    proxy, llm, endpoint = gateway
     monkeypatch.setattr(sse, "OPEN_AFTER_S", 0.0)
     monkeypatch.setattr(sse, "KEEPALIVE_S", 0.01)
     fake.gate = gate = asyncio.Event()

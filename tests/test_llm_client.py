@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from agentlib import add_tool
 from fake_sglang import dead_url
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -20,19 +21,7 @@ from consumers.llm import ChatResult, TracingLLM
 from consumers.toolcalls import arguments_as_objects
 from schemas import LLMCall, Sampling, Trajectory, decode, encode
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "add",
-            "description": "Add two numbers",
-            "parameters": {
-                "type": "object",
-                "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
-            },
-        },
-    }
-]
+TOOLS = [add_tool()]
 TOOL_TEXT = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
 QUESTION = [{"role": "user", "content": "What is 2+3?"}]
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 import torch
+from agentlib import add_tool
 from fake_sglang import local_engine
 
 from broker import Topology
@@ -57,16 +58,7 @@ PROMPTS = [
         {"role": "user", "content": "héllo ✓ and\n\n  twice that?"},
     ],
 ]
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "add",
-            "description": "Add two numbers.",
-            "parameters": {"type": "object", "properties": {"a": {"type": "number"}}},
-        },
-    }
-]
+TOOLS = [add_tool("Add two numbers.", ("a",))]
 
 
 @pytest.fixture(scope="session")

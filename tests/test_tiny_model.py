@@ -10,6 +10,7 @@ from pathlib import Path
 
 import jinja2
 import pytest
+from agentlib import add_tool
 
 from agentarium.tiny import (
     IM_END_ID,
@@ -36,16 +37,7 @@ MESSAGES = [
     },
     {"role": "tool", "tool_call_id": "call-1", "content": "42"},
 ]
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "add",
-            "description": "Add two numbers.",
-            "parameters": {"type": "object", "properties": {"a": {"type": "number"}}},
-        },
-    }
-]
+TOOLS = [add_tool("Add two numbers.", ("a",))]
 
 
 @pytest.fixture(scope="module")
