@@ -12,6 +12,7 @@ the reason, never a reward of 0; output is kept bounded; a bad spec is refused c
 from __future__ import annotations
 
 import asyncio
+import atexit
 import io
 import json
 import os
@@ -19,6 +20,7 @@ import select
 import shutil
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -47,7 +49,22 @@ from producers import TaskProducer, TrajectoryReader
 from schemas import Sampling
 
 ROOT = Path(__file__).resolve().parents[1]
-PROGRAMS = Path(__file__).resolve().parent / "programs"
+
+
+def _readable_copy(src: Path) -> Path:
+    """The test programs where every user can read them: as root the consumer runs a program
+    as ``nobody``, which cannot enter a checkout under a private directory (a fresh clone in
+    ``mktemp -d``, mode 0700)."""
+    dest = Path(tempfile.mkdtemp(prefix="agentarium-programs-"))
+    atexit.register(shutil.rmtree, dest, True)
+    dest.chmod(0o755)
+    for program in src.iterdir():
+        shutil.copy2(program, dest / program.name)
+        (dest / program.name).chmod(0o755)
+    return dest
+
+
+PROGRAMS = _readable_copy(Path(__file__).resolve().parent / "programs")
 TASK = {"prompt": "repeat 7", "answer": "7"}
 NODE = shutil.which("node")
 

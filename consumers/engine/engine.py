@@ -104,7 +104,7 @@ class LocalEngine:
         )
         if request.lora_path is not None and request.lora_path != self._lora.name:
             raise InvalidRequest(
-                f"LoRA adapter {request.lora_path!r} is not loaded (loaded: "
+                f"lora_path: LoRA adapter {request.lora_path!r} is not loaded (loaded: "
                 f"{self._lora.name!r}): POST /load_lora_adapter first"
             )
         future: asyncio.Future = asyncio.get_running_loop().create_future()
