@@ -73,10 +73,11 @@ class PaddedKV:
 
     def zero_padding(self) -> None:
         """Zero K/V in padding columns: attention weighs them by exactly 0, but 0 * NaN is NaN,
-        and a padding query attends to nothing, which can leave NaN there."""
+        and a padding query attends to nothing, which can leave NaN there. In place: the
+        tensors are a prefill's own, and a copy of every layer would double its peak memory."""
         keep = self.mask[:, None, :, None].to(self.keys[0].dtype)  # (B, 1, L, 1)
-        self.keys = [torch.nan_to_num(k) * keep for k in self.keys]
-        self.values = [torch.nan_to_num(v) * keep for v in self.values]
+        for tensor in (*self.keys, *self.values):
+            tensor.nan_to_num_().mul_(keep)
 
 
 def _left_pad(x: torch.Tensor, pad: int) -> torch.Tensor:

@@ -82,6 +82,7 @@ class EngineModel:
             past = _past_kv(prefixes or [], cached)
             mask = torch.cat([past.mask, mask], dim=1)  # (B, P + T)
             cache = self._cache_cls(list(zip(past.keys, past.values, strict=True)))
+            del past  # the cache holds them until the forward pass extends them
         else:
             cache = self._cache_cls()
         out = self.model(
