@@ -71,6 +71,41 @@ def agentarium_home(tmp_path_factory):
         os.environ["AGENTARIUM_HOME"] = old
 
 
+@pytest.fixture(scope="session")
+def smol_dir(agentarium_home, tmp_path_factory):
+    """The built-in real model (``--model smol``), converted once for the whole run.
+
+    The conversion costs about a minute of CPU, so parallel workers share one copy: it is built
+    under the run's shared temporary root (xdist's workers' common parent) while a file lock
+    makes the other workers wait for it, and it is linked into this session's
+    ``$AGENTARIUM_HOME/models/`` so ``--model smol`` in any process of the test resolves to it.
+    Without the ``smol`` extra the tier is skipped (failed under ``CI=true``).
+    """
+    import fcntl
+    from pathlib import Path
+
+    from agentarium.smol import SmolModelError, ensure_smol_model
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    shared = Path(root) / "smol-home"
+    shared.mkdir(parents=True, exist_ok=True)
+    try:
+        with open(shared / ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            built = ensure_smol_model(shared)
+    except SmolModelError as exc:
+        if os.environ.get("CI", "").lower() == "true":
+            raise
+        pytest.skip(f"the real-model tier needs the smol extra: {exc}")
+    link = Path(agentarium_home) / "models" / built.name
+    if not link.exists():
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(built, target_is_directory=True)
+    return link
+
+
 @pytest.fixture
 def span_exporter() -> InMemorySpanExporter:
     """The session's in-memory span exporter, emptied for this test."""

@@ -4,8 +4,8 @@ tracing client, the consumer's checks, the trainer's log-probs and the weight fl
 Everything else in the suite runs on the tiny model (byte-level tokens, a template with tools);
 this tier runs what only a real model shows: a 49,152-token BPE vocabulary, ChatML with
 ``<|im_end|>`` as the end of turn, a chat template that reads no tools, and log-probs the
-trainer must reproduce. The model is converted once per session (``smol_dir``, about a minute
-of CPU on 2 cores) and served by one engine for the module; select the tier with
+trainer must reproduce. The model is converted once per run (conftest's ``smol_dir``, about a
+minute of CPU on 2 cores) and served by one engine for the module; select the tier with
 ``-m real_model``. Without the ``smol`` extra it is skipped (failed under ``CI=true``).
 """
 
@@ -59,18 +59,6 @@ PROMPTS = [
     ],
 ]
 TOOLS = [add_tool("Add two numbers.", ("a",))]
-
-
-@pytest.fixture(scope="session")
-def smol_dir(agentarium_home) -> Path:
-    from agentarium.smol import SmolModelError, ensure_smol_model
-
-    try:
-        return ensure_smol_model()
-    except SmolModelError as exc:
-        if os.environ.get("CI", "").lower() == "true":
-            raise
-        pytest.skip(f"the real-model tier needs the smol extra: {exc}")
 
 
 @pytest.fixture(scope="module")
