@@ -71,26 +71,32 @@ async def test_two_sharded_ranks_train_as_one_process_hold_half_and_resume(js, t
         )
         await publish(js, topology, group)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    local = LocalUpdater(config(tmp_path, parallel="replicated", ray_workers=0))
+    # log-probs in chunks of 3 positions (trainer/logprobs.py: FSDP's root keeps the head
+    # gathered from forward to backward); `whole` takes them over the whole vocabulary
+    local = LocalUpdater(config(tmp_path, parallel="replicated", ray_workers=0, logprob_chunk=3))
+    whole = LocalUpdater(config(tmp_path, parallel="replicated", ray_workers=0, logprob_chunk=0))
     sharded = FsdpParallel(
-        config(tmp_path, activation_checkpointing=True), 2
+        config(tmp_path, activation_checkpointing=True, logprob_chunk=3), 2
     )  # recomputed: same update
     try:
         # the same update, to fp32 rounding, with one rank short of rows (an idle pass)
         one, two = local.step(batch_of(5), seed=1), sharded.step(batch_of(5), seed=1)
-        assert two.loss == pytest.approx(one.loss, rel=1e-5, abs=1e-7)
-        assert two.grad_norm == pytest.approx(one.grad_norm, rel=1e-4)
-        assert two.model_tokens == one.model_tokens
+        for other in (two, whole.step(batch_of(5), seed=1)):
+            assert other.loss == pytest.approx(one.loss, rel=1e-5, abs=1e-7)
+            assert other.grad_norm == pytest.approx(one.grad_norm, rel=1e-4)
+            assert other.model_tokens == one.model_tokens
         full = memory_of(local.model, local.optimizer)
         for rank in sharded.memory():
             for part in ("params", "optimizer"):
                 assert 0.45 < rank[part] / full[part] < 0.56, (part, rank, full)
 
         # three steps in one process; two sharded, a stray update, resume, the third
-        straight = config(tmp_path, "straight", parallel="replicated", ray_workers=0)
+        straight = config(
+            tmp_path, "straight", parallel="replicated", ray_workers=0, logprob_chunk=3
+        )
         await Trainer(straight, js, topology=topology, updater=Kept(local)).run(max_steps=3)
         await js.delete_consumer(topology.trajectories_stream, topology.trainer_consumer("r", "a"))
-        cfg = config(tmp_path)
+        cfg = config(tmp_path, logprob_chunk=3)
         await Trainer(cfg, js, topology=topology, updater=Kept(sharded)).run(max_steps=2)
         path = Checkpoints(tmp_path / "ckpt").latest()
         assert (path / SHARDS / ".metadata").is_file() and not (path / "model.safetensors").exists()

@@ -12,7 +12,6 @@ minute of CPU on 2 cores) and served by one engine for the module; select the ti
 from __future__ import annotations
 
 import asyncio
-import os
 from pathlib import Path
 
 import aiohttp
@@ -129,8 +128,8 @@ def test_a_reply_ends_on_im_end(smol_url, smol_template):
 
 def test_the_trainer_reproduces_the_engines_logprobs(smol_dir, calls):
     from trainer.batch import Sample, build_rows, collate
-    from trainer.grpo import token_logprobs
-    from trainer.step import load_model
+    from trainer.logprobs import token_stats
+    from trainer.step import StepSettings, load_model
 
     samples = [
         Sample(
@@ -145,13 +144,15 @@ def test_the_trainer_reproduces_the_engines_logprobs(smol_dir, calls):
     rows, _ = build_rows(samples)
     batch = collate(rows, pad_id=IM_END)
     model = load_model(smol_dir, "cpu", trainable=False)
-    with torch.no_grad():  # as trainer.step.forward_backward takes them, in fp32
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    logprobs = token_logprobs(logits[:, :-1], batch.input_ids[:, 1:], batch.temperature[:, 1:])
+    with torch.no_grad():  # as trainer.step.forward_backward takes them (chunked, fp32) ...
+        chunked = token_stats(model, batch, chunk=StepSettings().logprob_chunk).logprobs
+        whole = token_stats(model, batch, chunk=0).logprobs  # ... and the whole-vocabulary way
     mask = batch.loss_mask[:, 1:].bool()
-    diff = (logprobs - batch.old_logprobs[:, 1:])[mask].abs()
     assert int(mask.sum()) == sum(len(r.call.response_ids) for r in calls)
-    assert diff.max().item() < LOGPROB_BOUND, diff.max().item()
+    for logprobs in (chunked, whole):
+        diff = (logprobs - batch.old_logprobs[:, 1:])[mask].abs()
+        assert diff.max().item() < LOGPROB_BOUND, diff.max().item()
+    torch.testing.assert_close(chunked[mask], whole[mask], atol=1e-5, rtol=1e-5)
 
 
 async def test_a_consumer_with_another_tokenizer_is_refused_naming_both(js, smol_url, tiny_dir):

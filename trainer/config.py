@@ -384,6 +384,16 @@ class TrainerConfig:
         help="modules that get adapters (repeatable: q_proj, v_proj, ...); all-linear = every "
         "linear layer but the output head",
     )
+    logprob_chunk: int = setting(
+        512,
+        ge=0,
+        group=COMPUTE,
+        metavar="POSITIONS",
+        help="log-probs are taken only at the loss's (model-token) positions, through the output "
+        "head and log_softmax in fp32 this many positions at a time, each chunk recomputed in the "
+        "backward pass (memory: a chunk's logits, not the batch's); 0 = the whole vocabulary at "
+        "every position at once, the model's own logits (trainer/logprobs.py)",
+    )
     activation_checkpointing: bool = setting(
         False,
         group=COMPUTE,

@@ -17,7 +17,8 @@ import torch
 from .batch import Batch
 from .checkpoint import Loaded, write_full
 from .config import TrainerConfig
-from .grpo import LossSums, grpo_loss, token_entropy, token_logprobs, truncated_is_weights
+from .grpo import LossSums, grpo_loss, truncated_is_weights
+from .logprobs import token_stats
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,6 +31,7 @@ class StepSettings:
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
     bf16_autocast: bool = False
+    logprob_chunk: int = 512  # positions per head + log_softmax chunk; 0 = every position at once
     loss_agg: str = "token-mean"
     loss_norm_tokens: int = 1024
     tis_clip: float = 2.0
@@ -157,20 +159,18 @@ def forward_backward(
         micro_batches = batch.micro_batches(settings.micro_batch_size)
     for micro in micro_batches:
         mb = micro.to(device)
-        # bf16 autocast: matmuls in bf16, master weights and optimizer state stay fp32, and the
-        # log-probs below are taken from the logits cast back to fp32.
-        with torch.autocast(
-            device_type=torch.device(device).type,
-            dtype=torch.bfloat16,
-            enabled=settings.bf16_autocast,
-        ):
-            logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
-        logits = logits[:, :-1]  # (b, T-1, V): position t predicts token t + 1
-        targets = mb.input_ids[:, 1:]  # (b, T-1)
-        temperature = mb.temperature[:, 1:]  # (b, T-1)
-        mask = mb.loss_mask[:, 1:]  # (b, T-1)
+        # Log-probs at the loss's positions only, `logprob_chunk` positions at a time, the head
+        # in fp32 even under bf16 autocast (trainer/logprobs.py; 0: the whole-vocabulary path).
+        stats = token_stats(
+            model,
+            mb,
+            chunk=settings.logprob_chunk,
+            entropy_grad=settings.entropy_coef > 0,
+            bf16_autocast=settings.bf16_autocast,
+        )
+        logprobs = stats.logprobs  # (b, T-1)
+        mask = mb.loss_mask[:, 1:]  # (b, T-1): position t predicts token t + 1
         behaviour = mb.old_logprobs[:, 1:]  # (b, T-1)
-        logprobs = token_logprobs(logits, targets, temperature)  # (b, T-1)
         tis_rows = mb.tis.unsqueeze(-1)  # (b, 1)
         # Too-stale rows (stale_policy tis): ratio against the current policy, weighted by
         # min(pi_current / pi_rollout, tis_clip); see trainer/grpo.py.
@@ -181,21 +181,15 @@ def forward_backward(
             is_weights = torch.where(tis_rows, w, torch.ones_like(w))  # (b, T-1)
         ref = None
         if ref_model is not None and settings.kl_coef > 0:
-            with (
-                torch.no_grad(),
-                torch.autocast(
-                    device_type=torch.device(device).type,
-                    dtype=torch.bfloat16,
-                    enabled=settings.bf16_autocast,
-                ),
-            ):
-                ref_logits = ref_model(
-                    input_ids=mb.input_ids, attention_mask=mb.attention_mask
-                ).logits[:, :-1]
-                ref = token_logprobs(ref_logits, targets, temperature)  # (b, T-1)
-        entropy = None
-        if settings.entropy_coef > 0:
-            entropy = token_entropy(logits, temperature)  # (b, T-1), with gradient
+            with torch.no_grad():
+                ref = token_stats(
+                    ref_model,
+                    mb,
+                    chunk=settings.logprob_chunk,
+                    entropy=False,
+                    bf16_autocast=settings.bf16_autocast,
+                ).logprobs  # (b, T-1)
+        entropy = stats.entropy if settings.entropy_coef > 0 else None  # (b, T-1), with gradient
         loss, part = grpo_loss(
             logprobs,
             old,
@@ -214,9 +208,8 @@ def forward_backward(
             total_seqs=totals.seqs,
             norm_tokens=settings.loss_norm_tokens,
         )
-        if entropy is None:
-            entropy = token_entropy(logits.detach(), temperature)
-        part.entropy = float(entropy.detach()[mask].sum())
+        assert stats.entropy is not None
+        part.entropy = float(stats.entropy.detach()[mask].sum())
         loss.backward()
         loss_total += float(loss.detach())
         sums += part

@@ -1,0 +1,178 @@
+"""Chunked log-probs (``--logprob-chunk``, trainer/logprobs.py) against the whole-vocabulary path
+(``--logprob-chunk 0``, the model's own logits): the same loss, statistics and gradient on the
+tiny model, with per-call temperatures, stale (tis) rows, the entropy bonus and the KL
+reference, bare and with LoRA adapters; only the loss's positions go through log_softmax, a
+chunk at a time; under bf16 autocast the head runs in fp32. (FSDP2 shards against the whole
+path: tests/test_fsdp.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from agentarium.tiny import ensure_tiny_model
+from trainer.batch import Batch, Row, collate
+from trainer.grpo import token_logprobs
+from trainer.logprobs import splittable, token_stats
+from trainer.step import StepSettings, Totals, forward_backward, load_model
+
+torch.set_num_threads(1)
+V = 263  # the tiny model's vocabulary
+
+
+def batch() -> Batch:
+    """Five rows of different lengths: prompts, responses of one to four calls' worth of model
+    tokens at temperatures 0.6-1.3, an observation in the middle of one, a stale (tis) row."""
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    for i in range(5):
+        prompt = torch.randint(0, 256, (6 + 3 * i,), generator=g).tolist()
+        response = torch.randint(0, 256, (2 + 2 * i,), generator=g).tolist()
+        mask = [0] * len(prompt) + [1] * len(response)
+        if i == 3:  # tokens 3-4 of the response are an observation
+            mask[len(prompt) + 2 : len(prompt) + 4] = [0, 0]
+        temperature = [1.0] * len(prompt) + [(0.6, 1.0, 1.3, 0.8, 1.0)[i]] * len(response)
+        old = [0.0] * len(prompt) + [-5.0 + 0.3 * j for j in range(len(response))]
+        rows.append(
+            Row(
+                input_ids=prompt + response,
+                loss_mask=mask,
+                old_logprobs=[o if m else 0.0 for o, m in zip(old, mask, strict=True)],
+                temperature=temperature,
+                advantage=(-1) ** i * 0.4 * (i + 1),
+                tis=i == 4,
+                job_id=f"j{i}",
+            )
+        )
+    return collate(rows, pad_id=256)
+
+
+def update(model, ref, data: Batch, settings: StepSettings):
+    """Loss, summed statistics and every parameter's gradient of one forward/backward."""
+    model.zero_grad(set_to_none=True)
+    loss, sums = forward_backward(model, ref, data, settings, Totals.of(data), "cpu")
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss, sums, grads
+
+
+def assert_same_update(whole, chunked) -> None:
+    assert chunked[0] == pytest.approx(whole[0], rel=1e-5, abs=1e-7)
+    for name in ("tokens", "clipped", "kl", "entropy", "ratio"):
+        assert getattr(chunked[1], name) == pytest.approx(
+            getattr(whole[1], name), rel=1e-5, abs=1e-6
+        ), name
+    assert chunked[2].keys() == whole[2].keys() and whole[2]
+    for name, grad in whole[2].items():
+        torch.testing.assert_close(chunked[2][name], grad, atol=1e-6, rtol=1e-4, msg=name)
+    assert max(float(g.abs().max()) for g in whole[2].values()) > 1e-4  # a real gradient
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return ensure_tiny_model()
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 512])
+def test_chunks_give_the_whole_paths_loss_stats_and_gradient(tiny, chunk):
+    model = load_model(tiny, "cpu")
+    ref = load_model(tiny, "cpu", trainable=False)
+    with torch.no_grad():  # a reference apart from the policy, so the KL term is not 0
+        for p in ref.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    assert splittable(model)
+    base = dict(kl_coef=0.1, entropy_coef=0.01, clip_low=0.1, clip_high=0.3)
+    whole = update(model, ref, batch(), StepSettings(logprob_chunk=0, **base))
+    chunked = update(model, ref, batch(), StepSettings(logprob_chunk=chunk, **base))
+    assert whole[1].kl > 1e-4 and whole[1].entropy > 0
+    assert_same_update(whole, chunked)
+    # micro-batches of the chunked path add up to the same
+    micro = update(
+        model, ref, batch(), StepSettings(logprob_chunk=chunk, micro_batch_size=2, **base)
+    )
+    assert_same_update(whole, micro)
+
+
+def test_with_lora_adapters_the_chunked_path_trains_the_same(tiny):
+    pytest.importorskip("peft")
+    from trainer.lora import with_lora
+
+    model = with_lora(load_model(tiny, "cpu"), rank=4, alpha=8, target_modules=("all-linear",))
+    with torch.no_grad():  # B = 0 at the start: give the adapters a value to differentiate
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(2))
+    assert splittable(model)
+    whole = update(model, None, batch(), StepSettings(logprob_chunk=0, entropy_coef=0.01))
+    chunked = update(model, None, batch(), StepSettings(logprob_chunk=5, entropy_coef=0.01))
+    assert all("lora_" in name for name in whole[2])
+    assert_same_update(whole, chunked)
+
+
+class Shapes(TorchFunctionMode):
+    """The input shapes of every log_softmax call, and the dtype of every (.., V) projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log_softmax: list[tuple[int, ...]] = []
+        self.head_dtypes: list[torch.dtype] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.log_softmax, torch.nn.functional.log_softmax, torch.Tensor.log_softmax):
+            self.log_softmax.append(tuple(args[0].shape))
+        if func is torch.nn.functional.linear and out.shape[-1] == V:
+            self.head_dtypes.append(out.dtype)
+        return out
+
+
+def test_only_the_loss_positions_go_through_log_softmax_a_chunk_at_a_time(tiny):
+    model = load_model(tiny, "cpu")
+    data = batch()
+    n = int(data.loss_mask[:, 1:].sum())
+    with Shapes() as whole:
+        token_stats(model, data, chunk=0)
+    assert whole.log_softmax[0] == (data.rows, data.input_ids.shape[1] - 1, V)
+    with Shapes() as chunked:
+        stats = token_stats(model, data, chunk=8)
+    assert [s[0] for s in chunked.log_softmax] == [8] * (n // 8) + [n % 8] * (n % 8 > 0)
+    assert all(s[1:] == (V,) for s in chunked.log_softmax)
+    # ... and their log-probs are the model's own logits' at the sampling temperatures
+    mask = data.loss_mask[:, 1:]
+    with torch.no_grad():
+        logits = model(input_ids=data.input_ids, attention_mask=data.attention_mask).logits
+        want = token_logprobs(logits[:, :-1], data.input_ids[:, 1:], data.temperature[:, 1:])
+    torch.testing.assert_close(stats.logprobs[mask], want[mask].detach(), atol=1e-5, rtol=1e-5)
+    assert float(stats.logprobs.detach()[~mask].abs().max()) == 0.0
+
+
+def test_a_pass_with_no_loss_token_still_gives_the_head_a_zero_gradient(tiny):
+    # a sharded rank's idle pass: its ranks must reduce the same gradients (trainer/fsdp.py)
+    from trainer.fsdp import idle_pass
+
+    model = load_model(tiny, "cpu")
+    data = idle_pass()
+    loss, sums = forward_backward(model, None, data, StepSettings(), Totals.of(data), "cpu")
+    assert (loss, sums.tokens) == (0.0, 0.0)
+    head = model.get_output_embeddings().weight
+    assert head.grad is not None and float(head.grad.abs().max()) == 0.0
+
+
+def test_under_bf16_autocast_the_chunked_head_runs_in_fp32(tiny):
+    model = load_model(tiny, "cpu")
+    data = batch()
+    mask = data.loss_mask[:, 1:]
+    with torch.no_grad():
+        fp32 = token_stats(model, data, chunk=0).logprobs[mask]
+        with Shapes() as whole:
+            whole_bf16 = token_stats(model, data, chunk=0, bf16_autocast=True).logprobs[mask]
+        with Shapes() as chunked:
+            chunked_bf16 = token_stats(model, data, chunk=16, bf16_autocast=True).logprobs[mask]
+    assert whole.head_dtypes == [torch.bfloat16]
+    # the model's own head (one position a row, unused) in bf16, then every chunk in fp32
+    assert chunked.head_dtypes[0] == torch.bfloat16
+    assert chunked.head_dtypes[1:] == [torch.float32] * -(-int(mask.sum()) // 16)
+    # bf16 decoder either way; the fp32 head removes the logits' own bf16 rounding
+    err_whole = float((whole_bf16 - fp32).abs().max())
+    err_chunked = float((chunked_bf16 - fp32).abs().max())
+    assert err_chunked < err_whole, (err_chunked, err_whole)

@@ -1,0 +1,160 @@
+"""The policy's log-probs (and entropy) at the positions the loss reads, in fp32, in chunks.
+
+The obvious ``model(...).logits`` projects every position of every row, prompts and padding
+included, onto the whole vocabulary: for SmolLM2 (V = 49,152) a batch of 16 rows of 300 tokens
+is 940 MB of fp32 logits, and log_softmax, its saved output and its gradient each add as much
+again. The loss reads only the model's own tokens (``loss_mask``), so here the model's head
+computes one position per row (``logits_to_keep=1``), the decoder's hidden states — what the
+head reads — are taken by a forward hook, the N masked positions (shifted: position t - 1
+predicts token t) are selected, and the head plus log_softmax run on them ``chunk`` positions
+at a time, in fp32 (bf16 autocast or not), each chunk under ``torch.utils.checkpoint``: a chunk's
+(chunk, V) tensors are freed as soon as its log-probs are read and recomputed in the backward
+pass, so no (N, V) tensor is ever held.
+
+Calling the whole model (not its decoder alone) keeps every wrapper's hooks in place: peft's
+LoRA layers live inside the decoder, and FSDP2 gathers the root's parameters (embeddings, head)
+in the root's forward and keeps them gathered until the backward (fully_shard's root is never
+resharded after forward), so the head's weight is whole when the chunks use it.
+
+``chunk`` = 0 is the whole-vocabulary path at every position (kept for comparison,
+bench/trainer_memory.py). It is also taken when a model cannot be split this way: its
+``forward`` has no ``logits_to_keep`` (transformers before 4.48), or its logits are more than
+``lm_head(hidden)`` (Gemma's final soft-capping, Cohere's and Granite's logit scaling).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from .batch import Batch
+from .grpo import token_entropy, token_logprobs
+
+# config attributes of models whose logits are not lm_head(hidden) alone
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+@dataclass(frozen=True)
+class TokenStats:
+    """(b, T-1) each, aligned on target positions; 0 where the loss mask is off (chunked)."""
+
+    logprobs: torch.Tensor  # fp32, with gradient when the forward had one
+    entropy: torch.Tensor | None  # fp32; with gradient only when asked (the entropy bonus)
+
+
+def causal_lm(model):
+    """The transformers model inside a wrapper (peft's PeftModel; FSDP2 keeps the class)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def splittable(model) -> bool:
+    """Whether ``model``'s logits are its head on its decoder's hidden states, and its forward
+    can be asked to project one position only."""
+    causal = causal_lm(model)
+    config = getattr(causal, "config", None)
+    if any(getattr(config, name, None) for name in _LOGIT_TRANSFORMS):
+        return False
+    if not callable(getattr(causal, "get_decoder", None)):
+        return False
+    if causal.get_output_embeddings() is None:
+        return False
+    return "logits_to_keep" in inspect.signature(causal.forward).parameters
+
+
+def token_stats(
+    model,
+    mb: Batch,
+    *,
+    chunk: int,
+    entropy: bool = True,
+    entropy_grad: bool = False,
+    bf16_autocast: bool = False,
+) -> TokenStats:
+    """Log-probs of ``mb``'s next tokens at each call's temperature, and their entropy (when
+    ``entropy``; differentiable when ``entropy_grad``): chunked at the loss mask's positions
+    (``chunk`` > 0), or at every position over the whole vocabulary (``chunk`` = 0)."""
+    device_type = mb.input_ids.device.type
+    autocast = torch.autocast(device_type=device_type, dtype=torch.bfloat16, enabled=bf16_autocast)
+    if chunk <= 0 or not splittable(model):
+        with autocast:
+            logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+        logits = logits[:, :-1]  # (b, T-1, V): position t predicts token t + 1
+        targets, temperature = mb.input_ids[:, 1:], mb.temperature[:, 1:]  # (b, T-1)
+        logprobs = token_logprobs(logits, targets, temperature)  # (b, T-1)
+        ent = None
+        if entropy:
+            ent = token_entropy(logits if entropy_grad else logits.detach(), temperature)
+        return TokenStats(logprobs, ent)
+
+    causal = causal_lm(model)
+    captured: list[torch.Tensor] = []
+    hook = causal.get_decoder().register_forward_hook(
+        lambda _module, _args, output: captured.append(output[0])
+    )
+    try:
+        with autocast:
+            model(
+                input_ids=mb.input_ids,
+                attention_mask=mb.attention_mask,
+                logits_to_keep=1,  # the model's own head: one position a row, unused
+                use_cache=False,
+            )
+    finally:
+        hook.remove()
+    assert len(captured) == 1, f"the decoder ran {len(captured)} times in one forward"
+    mask = mb.loss_mask[:, 1:]  # (b, T-1)
+    rows, cols = mask.nonzero(as_tuple=True)  # N positions, row-major
+    hidden = captured[0][:, :-1][rows, cols]  # (N, H)
+    targets = mb.input_ids[:, 1:][rows, cols]  # (N,)
+    temperature = mb.temperature[:, 1:][rows, cols]  # (N,)
+    head = causal.get_output_embeddings()
+    grad = torch.is_grad_enabled()
+    lp_parts, ent_parts = [], []
+    # At least one chunk, even empty: the head's weight then gets its (zero) gradient on a
+    # rank with no loss token, so sharded ranks reduce the same set of gradients.
+    for start in range(0, max(len(targets), 1), chunk):
+        part = slice(start, start + chunk)
+        args = (head, hidden[part], targets[part], temperature[part], entropy, entropy_grad)
+        if grad:
+            lp, ent = checkpoint(_chunk_stats, *args, use_reentrant=False, preserve_rng_state=False)
+        else:
+            lp, ent = _chunk_stats(*args)
+        lp_parts.append(lp)
+        ent_parts.append(ent)
+    zeros = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    logprobs = zeros.index_put((rows, cols), torch.cat(lp_parts))  # (b, T-1)
+    ent = zeros.index_put((rows, cols), torch.cat(ent_parts)) if entropy else None
+    return TokenStats(logprobs, ent)
+
+
+def _chunk_stats(
+    head: torch.nn.Module,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: torch.Tensor,
+    entropy: bool,
+    entropy_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, H) hidden states -> (n,) log-probs of ``targets`` and (n,) entropies (zeros when
+    not asked), through the head in fp32."""
+    with torch.autocast(device_type=hidden.device.type, enabled=False):
+        logits = _head_fp32(head, hidden) / temperature.unsqueeze(-1)  # (n, V)
+        logp = torch.log_softmax(logits, dim=-1)  # (n, V)
+        lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (n,)
+        if not entropy:
+            return lp, torch.zeros_like(lp)
+        src = logp if entropy_grad else logp.detach()
+        return lp, -(src.exp() * src).sum(-1)  # (n,)
+
+
+def _head_fp32(head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The output head on ``hidden`` in fp32 (a plain Linear's weight is upcast if it is not,
+    as FSDP's bf16 compute copy is); a wrapped head (LoRA on lm_head) runs as it is."""
+    if type(head) is torch.nn.Linear:
+        bias = None if head.bias is None else head.bias.float()
+        return torch.nn.functional.linear(hidden.float(), head.weight.float(), bias)
+    return head(hidden).float()
