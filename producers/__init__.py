@@ -17,12 +17,13 @@ from .jobs import (
 from .reader import TrajectoryReader
 from .refill import GroupRefill, TaskSource
 from .routing import AGENT_COLUMN, SOURCE_COLUMN, RoutingProblem, Unrouted, agent_of
-from .sdk import SubmitResult, TaskProducer
+from .sdk import MAX_IN_FLIGHT, SubmitResult, TaskProducer
 from .session import RunSession
 from .taskfile import TaskFile, TaskFileError, read_task_file, read_tasks
 
 __all__ = [
     "AGENT_COLUMN",
+    "MAX_IN_FLIGHT",
     "SOURCE_COLUMN",
     "GroupRefill",
     "JobOptions",

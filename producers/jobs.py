@@ -15,7 +15,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
-from schemas import DEFAULT_DEADLINE_S, Job, Sampling, SchemaError, check_name
+from schemas import (
+    DEFAULT_DEADLINE_S,
+    Job,
+    Sampling,
+    SchemaError,
+    check_name,
+    check_settings,
+    section,
+    setting,
+)
 
 BATCH_ID_CHARS = 16
 JOB_ID_CHARS = 32
@@ -124,16 +133,27 @@ class JobOptions:
     """What the jobs of one batch share beside their tasks, declared once with their defaults:
     ``make_job`` and ``expand_rows`` take the value, ``expand_tasks`` and
     ``TaskProducer.submit`` its fields as keywords. Checked when made (SchemaError names the
-    field)."""
+    field). Its fields are settings (``schemas.setting``), ``Sampling`` a section: ``agentarium
+    produce``'s job flags and ``--config`` keys are derived from them."""
 
-    group_size: int = 1
-    is_train: bool = True
-    sampling: Sampling | None = None  # None: Sampling()
-    deadline_s: float = DEFAULT_DEADLINE_S
+    group_size: int = setting(
+        1, ge=1, metavar="G", help="samples per task: G jobs sharing a group_id, for GRPO"
+    )
+    is_train: bool = setting(
+        True,
+        flag="--eval",
+        negate=True,
+        help="evaluation jobs (is_train=false): never trained on",
+    )
+    sampling: Sampling = section(Sampling)  # None (passed through by callers): Sampling()
+    deadline_s: float = setting(DEFAULT_DEADLINE_S, gt=0, help="seconds a rollout may take")
     metadata: Mapping[str, Any] | None = None  # copied to every job, under a row's own
 
     def __post_init__(self) -> None:
-        check_expansion(self.group_size, self.deadline_s)
+        if self.sampling is None:
+            object.__setattr__(self, "sampling", Sampling())
+        check_expansion(self.group_size, self.deadline_s)  # a library caller's SchemaError
+        check_settings(self)
         if self.metadata is not None and not isinstance(self.metadata, Mapping):
             raise SchemaError("metadata must be a JSON object", field="metadata")
 
@@ -166,7 +186,7 @@ def make_job(
         run=run,
         batch_id=batch_id,
         is_train=options.is_train,
-        sampling=options.sampling or Sampling(),
+        sampling=options.sampling,
         deadline_s=float(options.deadline_s),
         metadata=dict(options.metadata or {}),
         created_at=time.time() if created_at is None else created_at,

@@ -36,6 +36,8 @@ EPISODE_GAP_S = 30.0
 
 ProgressCallback = Callable[[int, int], None]
 
+MAX_IN_FLIGHT = 512  # publishes awaiting their ack at once, unless a caller says otherwise
+
 
 @dataclass(frozen=True)
 class SubmitResult:
@@ -84,7 +86,7 @@ class TaskProducer:
         js: JetStreamContext,
         topology: Topology | None = None,
         *,
-        max_in_flight: int = 512,
+        max_in_flight: int = MAX_IN_FLIGHT,
         ack_timeout_s: float = 5.0,
         retry: Backoff = PUBLISH_BACKOFF,
     ) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from . import settings
 from .errors import SchemaError
 from .names import check_name
 
@@ -226,9 +227,22 @@ LOGPROBS = Kind(
 )
 
 
-def spec(kind: Kind, default: Any = dataclasses.MISSING, *, doc: str, factory: Any = None) -> Any:
-    """Declare a wire field: its kind, default (absent = required) and documentation."""
-    meta = {"kind": kind, "doc": doc}
+def spec(
+    kind: Kind,
+    default: Any = dataclasses.MISSING,
+    *,
+    doc: str,
+    factory: Any = None,
+    setting: dict[str, Any] | None = None,
+) -> Any:
+    """Declare a wire field: its kind, default (absent = required) and documentation.
+    ``setting``: the field is a setting too (``schemas.settings``; ``doc`` is its help unless
+    it says otherwise), so a message can be a settings section (``Sampling`` in
+    ``producers.JobOptions``): the options of ``setting()``, e.g. ``{"metavar": "T"}``."""
+    meta: dict[str, Any] = {"kind": kind, "doc": doc}
+    if setting is not None:
+        declared = settings.setting(default, **{"help": doc, **setting})
+        meta[settings.META] = declared.metadata[settings.META]
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)

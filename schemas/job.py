@@ -14,13 +14,37 @@ DEFAULT_DEADLINE_S = 600.0  # a job's wall-clock limit unless its producer says 
 
 @dataclass(frozen=True, kw_only=True)
 class Sampling(WireMessage):
-    """Sampling parameters for every LLM call of the rollout (an agent may override per call)."""
+    """Sampling parameters for every LLM call of the rollout (an agent may override per call).
+    Its fields are settings too: ``agentarium produce``'s ``--temperature`` and the rest
+    (``producers.JobOptions`` holds it as a section); the checks below are the wire's."""
 
-    temperature: float = spec(FLOAT, 1.0, doc="softmax temperature")
-    top_p: float = spec(FLOAT, 1.0, doc="nucleus sampling; training refuses calls with top_p < 1")
-    top_k: int = spec(INT, -1, doc="top-k sampling, -1 = off; training refuses calls with top_k")
-    max_new_tokens: int = spec(INT, 256, doc="maximum generated tokens per call")
-    stop: tuple[str, ...] = spec(STR_LIST, (), doc="stop strings")
+    temperature: float = spec(
+        FLOAT,
+        1.0,
+        doc="softmax temperature",
+        setting={"help": "sampling temperature", "metavar": "T"},
+    )
+    top_p: float = spec(
+        FLOAT,
+        1.0,
+        doc="nucleus sampling; training refuses calls with top_p < 1",
+        setting={"metavar": "P"},
+    )
+    top_k: int = spec(
+        INT,
+        -1,
+        doc="top-k sampling, -1 = off; training refuses calls with top_k",
+        setting={"metavar": "K"},
+    )
+    max_new_tokens: int = spec(
+        INT, 256, doc="maximum generated tokens per call", setting={"help": "tokens per LLM call"}
+    )
+    stop: tuple[str, ...] = spec(
+        STR_LIST,
+        (),
+        doc="stop strings",
+        setting={"help": "a stop string (repeatable)", "metavar": "TEXT"},
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.temperature < math.inf:  # NaN fails too

@@ -49,7 +49,7 @@ class Meta:
     flagless: str | None = None  # a key without a flag: why
     group: str | None = None  # the --help section
     parse: Callable[[str], Any] | None = None  # the flag's text -> value, when type() is wrong
-    negate: bool = False  # a bool whose default is true: --no-<flag> turns it off
+    negate: bool = False  # a bool whose default is true: --no-<flag> (or flag=) turns it off
     env: str | None = None  # an environment variable that sets it when the flag is absent
 
 

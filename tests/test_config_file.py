@@ -1,4 +1,4 @@
-"""Config files for `agentarium trainer` and `agentarium consumer`: defaults < --config file <
+"""Config files for `agentarium trainer`, `agentarium consumer` and `agentarium produce`: defaults < --config file <
 flags < KEY=VALUE overrides, unknown keys refused with a suggestion, every flag a key and
 every key a flag (or a stated reason), and the resolved settings logged once and written next
 to the checkpoints."""
@@ -12,7 +12,7 @@ import yaml
 from structlog.testing import capture_logs
 
 from agentarium.cli import build_parser
-from agentarium.commands import consumer_cmd, env_cmd, trainer_cmd
+from agentarium.commands import consumer_cmd, env_cmd, produce_cmd, trainer_cmd
 from agentarium.config import ConfigError, read_config_file
 from broker import NatsSettings
 from consumers import ConsumerProcess
@@ -134,11 +134,12 @@ def test_a_bad_override_is_refused_with_a_suggestion(override, expected):
     assert expected in str(err.value), str(err.value)
 
 
-@pytest.mark.parametrize("command", ["trainer", "consumer", "env serve", "env bridge"])
+@pytest.mark.parametrize("command", ["trainer", "consumer", "produce", "env serve", "env bridge"])
 def test_every_flag_has_a_key_and_every_key_a_flag(command):
     keys = {
         "trainer": trainer_cmd.KEYS,
         "consumer": consumer_cmd.KEYS,
+        "produce": produce_cmd.KEYS,
         "env serve": env_cmd.KEYS,
         "env bridge": env_cmd.BRIDGE_KEYS,
     }[command]
@@ -195,6 +196,30 @@ def test_the_consumer_takes_a_config_file_and_overrides(tmp_path):
     assert config.llm == ("http://c:3",)
     with pytest.raises(ConfigError, match="did you mean concurrency"):
         consumer_cmd.config_from_args(parse("consumer", "--config", path, "concurency=4"))
+
+
+def test_produce_takes_a_config_file_of_job_options(tmp_path):
+    """The jobs' options (JobOptions, its Sampling section) are keys like any other: flat."""
+    path = write(
+        tmp_path / "p.yaml", "agent: toy\nrun: r1\ngroup_size: 8\ntemperature: 0.7\nstop: [END]\n"
+    )
+    args = parse("produce", "--file", "t.jsonl", "--config", path, "--eval", "max_new_tokens=32")
+    command = produce_cmd.command_from_args(args)
+    jobs = command.jobs
+    assert (command.agent, command.run, jobs.group_size, jobs.is_train) == ("toy", "r1", 8, False)
+    assert (jobs.sampling.temperature, jobs.sampling.max_new_tokens) == (0.7, 32)
+    assert jobs.sampling.stop == ("END",) and jobs.deadline_s == 600.0
+    # the flag's spelling is not the key's: the file says which key it means
+    write(tmp_path / "p.yaml", "agent: toy\neval: true\n")
+    with pytest.raises(ConfigError, match="the flag --eval sets key is_train"):
+        produce_cmd.command_from_args(parse("produce", "--file", "t.jsonl", "--config", path))
+    # bounds are the fields': the wire's for Sampling, the settings' for the rest
+    with pytest.raises(ValueError, match="sampling.max_new_tokens must be >= 1"):
+        produce_cmd.check_produce(parse("produce", "--agent", "toy", "--file", "t.jsonl",
+                                        "--max-new-tokens", "0"))  # fmt: skip
+    with pytest.raises(ValueError, match="--max-in-flight must be >= 1, got 0"):
+        produce_cmd.check_produce(parse("produce", "--agent", "toy", "--file", "t.jsonl",
+                                        "--max-in-flight", "0"))  # fmt: skip
 
 
 async def test_resolved_trainer_config_is_logged_once_and_written_next_to_checkpoints(

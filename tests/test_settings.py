@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 
 from agentarium.cli import build_parser, command_modules
+from agentarium.commands.produce_cmd import ProduceCommand
 from agentarium.config import (
     ConfigKeys,
     add_config_arguments,
@@ -16,6 +17,7 @@ from agentarium.config import (
     resolve,
 )
 from consumers import ConsumerProcess, ConsumerSettings
+from producers import JobOptions
 from schemas import SettingError, check_settings, section, setting, settings
 
 
@@ -42,7 +44,7 @@ def _keyed_commands():
 
 def test_every_flag_is_a_key_and_every_key_a_flag_or_flagless_with_a_reason():
     found = list(_keyed_commands())
-    assert {"consumer", "trainer"} <= {" ".join(w) for w, _, _ in found}
+    assert {"consumer", "trainer", "produce"} <= {" ".join(w) for w, _, _ in found}
     for words, parser, keys in found:
         dests = {a.dest for a in parser._actions if a.option_strings and a.dest != "help"}
         dests -= {"config", "resume"} | set(keys.keyless)
@@ -67,28 +69,48 @@ class Command(ConsumerProcess):
     consumer: Grown = section(Grown)
 
 
-def test_a_field_added_to_a_settings_dataclass_is_a_flag_and_a_key_at_once(tmp_path):
-    """The command's code is not touched: a new setting on the consumer's own dataclass
-    shows up in --help, in a config file and as an override."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GrownJobs(JobOptions):
+    """What the jobs of a batch share, with one more field."""
 
-    keys = ConfigKeys.of("consumer", Command)
+    priority: int = setting(4, ge=1, help="the jobs' priority, 1 first")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Produce(ProduceCommand):
+    jobs: GrownJobs = section(GrownJobs)
+
+
+GROWN = {  # command: (its settings grown by one field, the lines a file needs, the new value)
+    "consumer": (Command, "agent: a=m:f\nllm: [http://x:1]\n", lambda c: c.consumer.prefetch_depth),
+    "produce": (Produce, "agent: toy\n", lambda c: c.jobs.priority),
+}
+
+
+@pytest.mark.parametrize("command", GROWN)
+def test_a_field_added_to_a_settings_dataclass_is_a_flag_and_a_key_at_once(command, tmp_path):
+    """The command's code is not touched: a new setting on the component's own dataclass
+    (the consumer's settings, the produced jobs' options) shows up in --help, in a config
+    file and as an override."""
+    klass, required, value_of = GROWN[command]
+    known = {key.name for key in settings.keys(klass.__mro__[1])}  # the command's own class
+    (added,) = [key for key in settings.keys(klass) if key.name not in known]
+    flag = added.flag
+    keys = ConfigKeys.of(command, klass)
     parser = argparse.ArgumentParser()
-    add_settings(parser, Command)
+    add_settings(parser, klass)
     add_config_arguments(parser, keys)
-    assert "--prefetch-depth" in parser.format_help()
-    assert "jobs buffered ahead of the free slots (default 4)" in " ".join(
-        parser.format_help().split()
-    )
+    assert f"{added.meta.help} (default 4)" in " ".join(parser.format_help().split())
     path = tmp_path / "c.yaml"
-    path.write_text("agent: a=m:f\nllm: [http://x:1]\nprefetch_depth: 6\n")
-    built = resolve(parser.parse_args(["--config", str(path)]), keys).build(Command)
-    assert built.consumer.prefetch_depth == 6
-    flag = resolve(parser.parse_args(["--config", str(path), "--prefetch-depth", "9"]), keys)
-    assert flag.build(Command).consumer.prefetch_depth == 9
-    over = resolve(parser.parse_args(["--config", str(path), "prefetch_depth=2"]), keys)
-    assert over.build(Command).consumer.prefetch_depth == 2
-    with pytest.raises(SettingError, match="--prefetch-depth must be >= 1, got 0"):
-        resolve(parser.parse_args(["--config", str(path), "prefetch_depth=0"]), keys).build(Command)
+    path.write_text(f"{required}{added.name}: 6\n")
+    built = resolve(parser.parse_args(["--config", str(path)]), keys).build(klass)
+    assert value_of(built) == 6
+    by_flag = resolve(parser.parse_args(["--config", str(path), flag, "9"]), keys)
+    assert value_of(by_flag.build(klass)) == 9
+    over = resolve(parser.parse_args(["--config", str(path), f"{added.name}=2"]), keys)
+    assert value_of(over.build(klass)) == 2
+    with pytest.raises(SettingError, match=f"{flag} must be >= 1, got 0"):
+        resolve(parser.parse_args(["--config", str(path), f"{added.name}=0"]), keys).build(klass)
 
 
 def test_sections_flatten_with_their_prefix_and_renames():

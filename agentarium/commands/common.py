@@ -48,11 +48,11 @@ class Parser(argparse.ArgumentParser):
         parsed, extras = super().parse_known_args(args, namespace)
         if self.overrides_dest and extras:
             loose = [e for e in extras if "=" in e and not e.startswith("-")]
-            if loose:
-                setattr(
-                    parsed, self.overrides_dest, [*getattr(parsed, self.overrides_dest), *loose]
-                )
-                extras = [e for e in extras if e not in loose]
+            given = getattr(parsed, self.overrides_dest)
+            # the value of an unknown flag (`--group 4`) is no override: refused with its flag
+            stray = [g for g in given if "=" not in g]
+            setattr(parsed, self.overrides_dest, [g for g in given if "=" in g] + loose)
+            extras = [e for e in extras if e not in loose] + stray
         return parsed, extras
 
 
@@ -75,13 +75,6 @@ def add_command_group(
     list_commands.lists_commands = True  # type: ignore[attr-defined]
     parser.set_defaults(func=list_commands)
     return sub
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def add_nats_flags(parser: argparse.ArgumentParser) -> None:

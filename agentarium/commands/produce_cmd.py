@@ -1,4 +1,9 @@
-"""``agentarium produce``: publish a task file as rollout jobs."""
+"""``agentarium produce``: publish a task file as rollout jobs.
+
+Its settings are ``ProduceCommand``'s fields: who the jobs are for, their run and batch, and
+``producers.JobOptions`` (what the jobs share, ``Sampling`` among it), each one a flag, a key of
+a --config file and a KEY=VALUE override (agentarium/config/). The task file is a flag only.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +11,15 @@ import argparse
 import sys
 import time
 from collections import Counter
+from dataclasses import dataclass
 from typing import IO
 
 import structlog
 
 from broker import START_PATIENCE_S, NatsSettings, Topology, ensure_streams
 from producers import (
+    MAX_IN_FLIGHT,
+    JobOptions,
     ProducerError,
     RoutingProblem,
     TaskFile,
@@ -21,9 +29,10 @@ from producers import (
     expand_tasks,
     read_task_file,
 )
-from schemas import Sampling, SchemaError, check_name
+from schemas import SchemaError, check_name, check_settings, section, setting, settings
 
-from .common import add_nats_flags, positive_int, run_async, settings_from_args
+from ..config import ConfigKeys, add_config_arguments, add_settings, resolve
+from .common import add_nats_flags, connection_flags, run_async, settings_from_args
 
 log = structlog.get_logger("agentarium.producers")
 
@@ -31,20 +40,56 @@ PROGRESS_MIN_JOBS = 2000  # below this a batch is over before a progress line he
 PROGRESS_EVERY_S = 1.0
 
 
-def add_produce_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--agent",
+@dataclass(frozen=True, kw_only=True)
+class ProduceCommand:
+    """Who the jobs are for, the run and batch they belong to and how many publishes wait at
+    once; then what they share (``JobOptions``)."""
+
+    agent: str | None = setting(
+        None,
         metavar="NAME",
         help="agent the jobs are for ([A-Za-z0-9_-]); with --agent-from, the agent of the rows "
         "whose column names none",
     )
-    parser.add_argument(
-        "--agent-from",
+    agent_from: str | None = setting(
+        None,
         metavar="COLUMN",
         help="each task's agent is its COLUMN value (data_source for verl datasets), the rule "
         "AgentOrchestrator applies: an agent_name field wins, then COLUMN when it is an agent "
         "name, then --agent",
     )
+    run: str = setting("default", metavar="RUN", help="run id the trajectories are stored under")
+    batch_id: str | None = setting(
+        None,
+        metavar="ID",
+        help="batch id (default: a digest of the agent, run, group size, --eval and the tasks, "
+        "so the same file twice gives the same job ids and adds nothing); pass a new one to run "
+        "a file again",
+    )
+    max_in_flight: int = setting(MAX_IN_FLIGHT, ge=1, help="publishes awaiting their ack at once")
+    jobs: JobOptions = section(JobOptions)
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+        if not self.agent and not self.agent_from:
+            raise ValueError(
+                "name the agent: pass --agent NAME, or --agent-from COLUMN to route by a column"
+            )
+
+
+KEYS = ConfigKeys.of(
+    "produce",
+    ProduceCommand,
+    keyless={
+        "file": "the tasks to publish, not a setting of how they are published: one settings "
+        "file serves every task file",
+        **connection_flags(),
+    },
+)
+
+
+def add_produce_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``agentarium produce`` (NATS connection flags are added by the caller)."""
     parser.add_argument(
         "--file",
         required=True,
@@ -53,59 +98,19 @@ def add_produce_arguments(parser: argparse.ArgumentParser) -> None:
         "or a .parquet file, one task per row (verl's prompt, data_source, reward_model, "
         "extra_info columns included). A task's id is its task_id or id field, else its position",
     )
-    parser.add_argument(
-        "--group-size",
-        type=positive_int,
-        default=1,
-        metavar="G",
-        help="samples per task: G jobs sharing a group_id, for GRPO (default 1)",
-    )
-    parser.add_argument(
-        "--run",
-        default="default",
-        metavar="RUN",
-        help="run id the trajectories are stored under (default: default)",
-    )
-    parser.add_argument(
-        "--batch-id",
-        metavar="ID",
-        help="batch id (default: a digest of the agent, run, group size, --eval and the tasks, so the "
-        "same file twice gives the same job ids and adds nothing); pass a new one to run a file again",
-    )
-    parser.add_argument(
-        "--eval", action="store_true", help="evaluation jobs (is_train=false): never trained on"
-    )
-    parser.add_argument(
-        "--temperature", type=float, metavar="T", help="sampling temperature (default 1.0)"
-    )
-    parser.add_argument(
-        "--max-new-tokens",
-        type=positive_int,
-        metavar="N",
-        help="tokens per LLM call (default 256)",
-    )
-    parser.add_argument(
-        "--deadline",
-        type=float,
-        default=600.0,
-        metavar="S",
-        help="seconds a rollout may take (default 600)",
-    )
-    parser.add_argument(
-        "--max-in-flight",
-        type=positive_int,
-        default=512,
-        metavar="N",
-        help="publishes awaiting their ack at once (default 512)",
-    )
+    add_settings(parser, ProduceCommand)
+    add_config_arguments(parser, KEYS)
+
+
+def command_from_args(args: argparse.Namespace) -> ProduceCommand:
+    """The settings from defaults, --config, flags and overrides; a ValueError says what to fix."""
+    command: ProduceCommand = resolve(args, KEYS).build(ProduceCommand)
+    return command
 
 
 def check_produce(args: argparse.Namespace) -> None:
-    """What the parser cannot check: some agent must be named."""
-    if not args.agent and not args.agent_from:
-        raise ValueError(
-            "name the agent: pass --agent NAME, or --agent-from COLUMN to route by a column"
-        )
+    """What the parser cannot check: the settings build (some agent is named)."""
+    command_from_args(args)
 
 
 def route(tasks: list[dict], agent_from: str, default: str | None, where: TaskFile) -> list[str]:
@@ -162,7 +167,8 @@ class _Progress:
             print(f"produce: {done}/{total} jobs stored ({rate:.0f}/s)", file=self.out, flush=True)
 
 
-async def run_produce(args: argparse.Namespace, settings: NatsSettings) -> int:
+async def run_produce(args: argparse.Namespace, nats: NatsSettings) -> int:
+    command = command_from_args(args)
     source = "<stdin>" if args.file == "-" else args.file
     try:
         task_file = read_task_file(args.file)
@@ -170,28 +176,13 @@ async def run_produce(args: argparse.Namespace, settings: NatsSettings) -> int:
         if not tasks:
             raise SchemaError(f"{source} holds no tasks")
         agents: str | list[str] = (
-            route(tasks, args.agent_from, args.agent, task_file) if args.agent_from else args.agent
-        )
-        sampling = Sampling(
-            **{
-                k: v
-                for k, v in {
-                    "temperature": args.temperature,
-                    "max_new_tokens": args.max_new_tokens,
-                }.items()
-                if v is not None
-            }
+            route(tasks, command.agent_from, command.agent, task_file)
+            if command.agent_from
+            else str(command.agent)
         )
         # Everything is validated before connecting: a typo costs no broker round trip.
         batch_id, jobs = expand_tasks(
-            agents,
-            tasks,
-            run=args.run,
-            group_size=args.group_size,
-            batch_id=args.batch_id,
-            is_train=not args.eval,
-            sampling=sampling,
-            deadline_s=args.deadline,
+            agents, tasks, run=command.run, batch_id=command.batch_id, **vars(command.jobs)
         )
     except SchemaError as exc:
         rows = getattr(exc, "rows", None)
@@ -208,21 +199,15 @@ async def run_produce(args: argparse.Namespace, settings: NatsSettings) -> int:
     per_agent = Counter(job.agent for job in jobs)
     log.info(
         "produce",
-        agent=args.agent,
-        agent_from=args.agent_from,
+        **{**settings.flatten(command), "batch_id": batch_id},
         jobs_per_agent=dict(per_agent),
-        run=args.run,
-        batch_id=batch_id,
         tasks=len(tasks),
         jobs=len(jobs),
-        group_size=args.group_size,
-        is_train=not args.eval,
-        max_in_flight=args.max_in_flight,
-        nats=settings.redacted(),
+        nats=nats.redacted(),
     )
-    topology = Topology(prefix=settings.prefix)
+    topology = Topology(prefix=nats.prefix)
     producer = await TaskProducer.connect(
-        settings, topology=topology, max_in_flight=args.max_in_flight
+        nats, topology=topology, max_in_flight=command.max_in_flight
     )
     async with producer:
         # Create what a fresh broker lacks; never reset limits an operator set with broker init.
@@ -237,11 +222,12 @@ async def run_produce(args: argparse.Namespace, settings: NatsSettings) -> int:
         except ProducerError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
-    if args.agent_from:
+    if command.agent_from:
         shares = " ".join(f"{agent}={n}" for agent, n in sorted(per_agent.items()))
         print(f"produce: jobs per agent: {shares}", file=sys.stderr)
     print(
-        f"run={args.run} batch={batch_id} jobs={len(jobs)} published={published} duplicates={duplicates}"
+        f"run={command.run} batch={batch_id} jobs={len(jobs)} published={published} "
+        f"duplicates={duplicates}"
     )
     return 0
 
@@ -258,7 +244,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="publish tasks from a JSONL or parquet file as rollout jobs",
         description="Publish tasks (one JSON object per line, or one parquet row each) as rollout jobs, expanded into G jobs per task "
         "that share a group_id. Job ids are derived from (run, batch, task, sample), so publishing the same "
-        "file twice adds nothing. Prints the run id and batch id.",
+        "file twice adds nothing. Prints the run id and batch id. Settings may come from --config "
+        "FILE.yaml and KEY=VALUE overrides (defaults < file < flags < overrides).",
     )
     add_produce_arguments(produce)
     add_nats_flags(produce)

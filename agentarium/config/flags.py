@@ -41,7 +41,7 @@ def add_settings(parser: Any, *classes: type, prefix: str = "") -> None:
 def _flag_names(key: settings.Key) -> list[str]:
     flag = key.flag
     assert flag is not None
-    if key.meta.negate:
+    if key.meta.negate and not key.meta.flag:  # a spelled flag is the switch itself (--eval)
         return ["--no-" + flag[2:]]
     return [flag]
 
