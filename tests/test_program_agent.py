@@ -5,7 +5,8 @@ the trajectories are read back from a real nats-server.
 What a user relies on: the program's LLM call is in the trajectory token-exact; its reward
 comes from its last JSON line or from a scorer; a hung program and every process it started
 (children, grandchildren, one that left its session) are gone at the deadline, on a drain
-and when the consumer is SIGKILLed; a failing program is an agent error with its stderr in
+and when the consumer is SIGKILLed, whose jobs another consumer then redoes, each stored
+once; a failing program is an agent error with its stderr in
 the reason, never a reward of 0; output is kept bounded; a bad spec is refused clearly.
 """
 
@@ -122,16 +123,46 @@ def await_exit(pids: list[int], timeout: float) -> list[int]:
 def fifo_line(path: Path, timeout: float) -> str:
     """The first line written into the FIFO ``path`` (what programs/hang.sh says once all its
     processes run)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    return fifo_lines(path, 1, timeout)[0]
+
+
+def fifo_lines(path: Path, n: int, timeout: float) -> list[str]:
+    """The first ``n`` lines written into the FIFO ``path``, by one writer or several. Opened
+    for reading and writing: a writer that closes never makes it read as ended."""
+    fd = os.open(path, os.O_RDWR | os.O_NONBLOCK)
     try:
         data = b""
-        while b"\n" not in data:
+        while (lines := data.count(b"\n")) < n:
             ready, _, _ = select.select([fd], [], [], timeout)
-            assert ready, f"nothing came through {path} in {timeout}s"
+            assert ready, f"{lines} of {n} lines came through {path} in {timeout}s"
             data += os.read(fd, 4096)
-        return data.decode().splitlines()[0]
+        return data.decode().splitlines()[:n]
     finally:
         os.close(fd)
+
+
+def alive(pgids: set[int], pids: set[int]) -> list[int]:
+    """Live processes (zombies are dead) in one of the process groups ``pgids`` or among
+    ``pids``."""
+    found = []
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                state, _, pgrp = f.read().rsplit(b")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue
+        if state != b"Z" and (int(pgrp) in pgids or int(name) in pids):
+            found.append(int(name))
+    return found
+
+
+async def gone(pgids: set[int], pids: set[int], timeout: float) -> list[int]:
+    """Poll the process table (a process group has no event to await) until nothing of
+    ``pgids`` and ``pids`` is alive; what still is after ``timeout``."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while (left := alive(pgids, pids)) and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.02)
+    return left
 
 
 @pytest.mark.skipif(NODE is None, reason="node is not installed")
@@ -303,31 +334,66 @@ async def test_a_drain_ends_the_program_and_everything_it_started(
     assert await asyncio.to_thread(await_exit, running, 10) == []
 
 
-async def test_a_sigkilled_consumer_leaves_no_process_of_its_program(
+async def test_a_sigkilled_consumer_loses_no_job_and_leaves_no_process_of_its_program(
     nats_url, js, topology, engine_url, tmp_path
 ):
-    marker, ready = "3173", tmp_path / "ready"
+    """Three program rollouts hang in one consumer, which is SIGKILLed: every process of each
+    program (its group, its supervisor, one that left its session) is gone, and a second
+    consumer reruns the three jobs once their deliveries time out: one ``ok`` trajectory per
+    job, none lost, none twice."""
+    ready, runs = tmp_path / "ready", tmp_path / "runs"
     os.mkfifo(ready)
-    await TaskProducer(js, topology).submit("orphan", [{}], run="prog")
+    runs.touch()
+    jobs = (await TaskProducer(js, topology).submit(
+        "redo", [{"task_id": f"t{i}"} for i in range(3)], run="prog",
+        sampling=Sampling(max_new_tokens=2),
+    )).job_ids  # fmt: skip
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
-    consumer = await asyncio.create_subprocess_exec(
+    argv = [
         sys.executable, "-m", "agentarium", "consumer", "--nats-url", nats_url, "--llm", engine_url,
-        "--agent", f"orphan=exec:{PROGRAMS / 'hang.sh'} {marker}", "--program-user", "self",
-        "--program-env", f"READY={ready}", "--program-kill-grace", "0.2",
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL, env=env,
-    )  # fmt: skip
+        "--agent", f"redo=exec:{PROGRAMS / 'hang_once.sh'}", "--program-user", "self",
+        "--program-env", f"READY={ready}", "--program-env", f"RUNS={runs}",
+        "--program-kill-grace", "0.2", "--ack-wait", "3", "--retry-delay", "0.05",
+    ]  # fmt: skip
+
+    async def start(name: str, *extra: str) -> asyncio.subprocess.Process:
+        with open(tmp_path / f"{name}.log", "wb") as log:
+            return await asyncio.create_subprocess_exec(
+                *argv, *extra, stdout=log, stderr=log, env=env
+            )
+
+    first = await start("first")
     try:
-        *pids, work = (await asyncio.to_thread(fifo_line, ready, 60)).split()
-        running = processes(marker)
-        assert {int(p) for p in pids} < set(running)
+        started = [line.split() for line in await asyncio.to_thread(fifo_lines, ready, 3, 60)]
     finally:
-        consumer.send_signal(signal.SIGKILL)
-        await consumer.wait()
-    assert await asyncio.to_thread(await_exit, running, 10) == []
-    assert not Path(work).parent.exists()  # the supervisor removed the working directory
+        first.send_signal(signal.SIGKILL)
+        await first.wait()
+    assert sorted(job for job, *_ in started) == sorted(jobs)
+    pgids = {int(pgid) for _, pid, pgid, *_ in started if pid == pgid}  # each leads its group
+    assert len(pgids) == 3
+    others = {int(p) for _, _, _, supervisor, escaped, _ in started for p in (supervisor, escaped)}
+    assert set(alive(pgids, others)) > others  # all running as the consumer died
+    assert await gone(pgids, others, 10) == []
+    assert not any(Path(work).parent.exists() for *_, work in started)
+
+    second = await start("second", "--burst")
+    try:
+        assert await asyncio.wait_for(second.wait(), 60) == 0
+    finally:
+        if second.returncode is None:
+            second.kill()
+            await second.wait()
+    trajectories = await TrajectoryReader(js, topology).read("prog", "redo")
+    assert sorted(t.job_id for t in trajectories) == sorted(jobs)  # none lost, none twice
+    for traj in trajectories:
+        assert traj.status == "ok" and traj.reward == 1.0 and len(traj.calls) == 1
+        assert traj.attempts == 2  # the delivery after the one lost with its consumer
+    ran = [line.split() for line in runs.read_text().splitlines()]
+    assert sorted(job for job, *_ in ran) == sorted(jobs * 2)  # each killed once, redone once
+    assert {int(pgid) for *_, pgid in ran} >= pgids and len({pgid for *_, pgid in ran}) == 6
 
 
 def test_the_repo_task_recipe_scores_its_reference_fix(tmp_path):
