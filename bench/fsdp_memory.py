@@ -11,20 +11,28 @@ torch, transformers and Ray's worker are in it too, ~0.5 GB before any model), a
 step time seen by the trainer (the driver's ``step`` call: split, every rank's forward and
 backward, the reduce, the optimizer step).
 
-The model: ``--model tiny`` (the built-in 2-layer model: its 0.4 M parameters are far below the
-libraries' own memory), a model directory (``--model DIR``, e.g. the real small model when it
-is installed), or ``--synthetic WIDTH:LAYERS``, a random Qwen2 of that shape with the tiny
-tokenizer, built in code. On this 2-core machine 4 ranks share 2 cores, so step times at 4
-ranks measure contention more than scaling: the memory columns are the point.
+``--repeat R`` runs every configuration R times, fresh ranks each time, alternating: within a
+repeat the rank counts go in order and replicated and FSDP2 swap places at each one and each
+repeat (so neither always runs first on a warmer or quieter machine). The table gives the
+median over repeats and the range (min-max) of each repeat's figure: the largest rank's peak
+RSS and the median step. The 1-minute load average is read before each configuration.
 
-    PYTHONPATH=. python bench/fsdp_memory.py [--model tiny|DIR] [--synthetic 512:4]
-        [--ranks 1,2,4] [--rows 8] [--steps 3] [--warmup 1] [--json OUT.json]
+The model: ``--model tiny`` (the built-in 2-layer model: its 0.4 M parameters are far below the
+libraries' own memory), ``--model smol`` (the real small model, SmolLM2-135M-Instruct, built
+into $AGENTARIUM_HOME/models/ on first use; 4 replicated ranks of it hold ~12 GB: run it alone),
+a model directory (``--model DIR``), or ``--synthetic WIDTH:LAYERS``, a random Qwen2 of that
+shape with the tiny tokenizer, built in code. On a 2-core machine 4 ranks share 2 cores, so step
+times at 4 ranks measure contention more than scaling: the memory columns are the point.
+
+    PYTHONPATH=. python bench/fsdp_memory.py [--model tiny|smol|DIR] [--synthetic 512:4]
+        [--ranks 1,2,4] [--rows 8] [--steps 3] [--warmup 1] [--repeat 3] [--json OUT.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import resource
 import shutil
@@ -35,7 +43,8 @@ from pathlib import Path
 
 import torch
 
-from agentarium.tiny import MODEL_CONFIG, resolve_model
+from agentarium.models import resolve_model
+from agentarium.tiny import MODEL_CONFIG
 from schemas import LLMCall, Trajectory
 from trainer.batch import Sample, build_rows, collate
 from trainer.config import TrainerConfig
@@ -106,6 +115,7 @@ def toy_batch(rows: int, prompt: int, response: int, vocab: int, seed: int = 0):
 
 
 def measure(kind: str, world: int, model_dir: Path, args: argparse.Namespace, batch) -> dict:
+    load = os.getloadavg()[0]
     config = TrainerConfig(
         run="bench",
         agent="a",
@@ -139,26 +149,44 @@ def measure(kind: str, world: int, model_dir: Path, args: argparse.Namespace, ba
         "step_s": round(statistics.median(times), 3),
         "step_s_all": [round(t, 3) for t in times],
         "start_s": round(ready_s, 1),
+        "load": round(load, 2),
     }
 
 
+def cell(values: list[float], digits: int) -> str:
+    """Median (min-max)."""
+    med, lo, hi = statistics.median(values), min(values), max(values)
+    return f"{med:.{digits}f} ({lo:.{digits}f}-{hi:.{digits}f})"
+
+
 def report(rows: list[dict], model: str, params: int) -> None:
-    print(f"model: {model} ({params / 1e6:.2f} M parameters)")
+    repeats = max(r["repeat"] for r in rows) + 1
+    loads = [r["load"] for r in rows]
     print(
-        "| ranks | mode | params MB per rank | AdamW MB per rank | peak RSS MB per rank | step s |"
+        f"model: {model} ({params / 1e6:.2f} M parameters); {repeats} repeat(s), median "
+        f"(min-max); load average {min(loads):.1f}-{max(loads):.1f}"
     )
-    print("|---|---|---|---|---|---|")
-    for r in rows:
+    print(
+        "| ranks | mode | params MB per rank | AdamW MB per rank | peak RSS MB, largest rank | "
+        "step s | start s |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    keys = dict.fromkeys((r["ranks"], r["kind"]) for r in rows)
+    for ranks, kind in sorted(keys, key=lambda k: (k[0], k[1] != "replicated")):
+        same = [r for r in rows if (r["ranks"], r["kind"]) == (ranks, kind)]
+        first = same[0]
         mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
         print(
-            f"| {r['ranks']} | {r['kind']} | {mean(r['params_mb']):.2f} | "
-            f"{mean(r['optimizer_mb']):.2f} | {max(r['peak_rss_mb'])} | {r['step_s']} |"
+            f"| {ranks} | {kind} | {mean(first['params_mb']):.2f} | "
+            f"{mean(first['optimizer_mb']):.2f} | "
+            f"{cell([max(r['peak_rss_mb']) for r in same], 0)} | "
+            f"{cell([r['step_s'] for r in same], 3)} | {cell([r['start_s'] for r in same], 1)} |"
         )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="tiny", help="tiny or a model directory")
+    parser.add_argument("--model", default="tiny", help="tiny, smol or a model directory")
     parser.add_argument("--synthetic", default="", metavar="WIDTH:LAYERS")
     parser.add_argument("--ranks", default="1,2,4")
     parser.add_argument("--rows", type=int, default=8)
@@ -167,6 +195,7 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=0)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--repeat", type=int, default=1, help="runs of every configuration")
     parser.add_argument("--json", default="", help="also write the rows here")
     args = parser.parse_args()
     import ray
@@ -182,16 +211,20 @@ def main() -> None:
             build_synthetic(model_dir, resolve_model("tiny"), width, layers)
         config = json.loads((model_dir / "config.json").read_text())
         batch = toy_batch(args.rows, args.prompt, args.response, int(config["vocab_size"]))
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
-        params = sum(
-            p.numel() for p in AutoModelForCausalLM.from_pretrained(model_dir).parameters()
-        )
-        rows = [
-            measure(kind, w, model_dir, args, batch)
-            for w in ranks
-            for kind in ("replicated", "fsdp")
-        ]
+        with torch.device("meta"):  # the count alone: no weights in this process
+            shape = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+        params = sum(p.numel() for p in shape.parameters())
+        rows, turn = [], 0
+        for repeat in range(args.repeat):
+            for w in ranks:
+                kinds = ("replicated", "fsdp") if turn % 2 == 0 else ("fsdp", "replicated")
+                turn += 1
+                for kind in kinds:
+                    row = measure(kind, w, model_dir, args, batch)
+                    rows.append({**row, "repeat": repeat})
+                    print(json.dumps(rows[-1]), flush=True)
     ray.shutdown()
     report(rows, name, params)
     print(json.dumps({"model": name, "params": params, "rows": rows}))
