@@ -379,14 +379,25 @@ async def test_a_sigkilled_consumer_loses_no_job_and_leaves_no_process_of_its_pr
     assert await gone(pgids, others, 10) == []
     assert not any(Path(work).parent.exists() for *_, work in started)
 
-    second = await start("second", "--burst")
+    # Not --burst: a burst consumer started before the lost deliveries' ack wait ends could
+    # find nothing pending and exit; this one runs until the three trajectories are stored.
+    second = await start("second")
+    reader = TrajectoryReader(js, topology)
     try:
-        assert await asyncio.wait_for(second.wait(), 60) == 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 90
+        while len(trajectories := await reader.read("prog", "redo")) < len(jobs):
+            assert loop.time() < deadline, f"{len(trajectories)} of {len(jobs)} redone"
+            assert second.returncode is None, "the second consumer exited"
+            await asyncio.sleep(0.2)
     finally:
-        if second.returncode is None:
+        second.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(second.wait(), 30)
+        except TimeoutError:
             second.kill()
             await second.wait()
-    trajectories = await TrajectoryReader(js, topology).read("prog", "redo")
+    trajectories = await reader.read("prog", "redo")
     assert sorted(t.job_id for t in trajectories) == sorted(jobs)  # none lost, none twice
     for traj in trajectories:
         assert traj.status == "ok" and traj.reward == 1.0 and len(traj.calls) == 1
