@@ -153,7 +153,7 @@ class JobOptions:
         if self.sampling is None:
             object.__setattr__(self, "sampling", Sampling())
         check_expansion(self.group_size, self.deadline_s)  # a library caller's SchemaError
-        check_settings(self)
+        check_settings(self)  # every other declared bound (group_size's and deadline's are above)
         if self.metadata is not None and not isinstance(self.metadata, Mapping):
             raise SchemaError("metadata must be a JSON object", field="metadata")
 

@@ -16,8 +16,8 @@ LoRA layers live inside the decoder, and FSDP2 gathers the root's parameters (em
 in the root's forward and keeps them gathered until the backward (fully_shard's root is never
 resharded after forward), so the head's weight is whole when the chunks use it.
 
-``chunk`` = 0 is the whole-vocabulary path at every position (kept for comparison,
-bench/trainer_memory.py). It is also taken when a model cannot be split this way: its
+``chunk`` = 0 is the whole-vocabulary path at every position (kept to compare against). It is
+also taken when a model cannot be split this way: its
 ``forward`` has no ``logits_to_keep`` (transformers before 4.48), or its logits are more than
 ``lm_head(hidden)`` (Gemma's final soft-capping, Cohere's and Granite's logit scaling).
 """

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -21,29 +22,37 @@ from .grpo import LossSums, grpo_loss, truncated_is_weights
 from .logprobs import token_stats
 
 
+def _default(name: str) -> Any:
+    """TrainerConfig's default of ``name``: a step's settings have no default of their own."""
+    default = TrainerConfig.__dataclass_fields__[name].default
+    assert default is not MISSING, name
+    return default
+
+
 @dataclass(frozen=True, kw_only=True)
 class StepSettings:
-    """The part of TrainerConfig a step needs (plain values: it travels to Ray actors)."""
+    """The part of TrainerConfig a step needs (plain values: it travels to Ray actors), with
+    TrainerConfig's defaults."""
 
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip: float | None = 3.0  # verl's clip_ratio_c; 0 or None: off
-    kl_coef: float = 0.0
-    entropy_coef: float = 0.0
-    bf16_autocast: bool = False
-    logprob_chunk: int = 512  # positions per head + log_softmax chunk; 0 = every position at once
-    loss_agg: str = "token-mean"
-    loss_norm_tokens: int = 1024
-    tis_clip: float = 2.0
-    micro_batch_size: int = 0
-    grad_clip: float = 1.0
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    adam_betas: tuple[float, float] = (0.9, 0.999)
-    activation_checkpointing: bool = False  # a sharded rank's (trainer/fsdp.py)
-    lora_rank: int = 0  # LoRA adapters on a frozen base (trainer/lora.py); 0 = full weights
-    lora_alpha: float = 32.0
-    lora_target_modules: tuple[str, ...] = ("all-linear",)
+    clip_low: float = _default("clip_low")
+    clip_high: float = _default("clip_high")
+    dual_clip: float | None = _default("dual_clip")
+    kl_coef: float = _default("kl_coef")
+    entropy_coef: float = _default("entropy_coef")
+    bf16_autocast: bool = _default("bf16_autocast")
+    logprob_chunk: int = _default("logprob_chunk")
+    loss_agg: str = _default("loss_agg")
+    loss_norm_tokens: int = _default("loss_norm_tokens")
+    tis_clip: float = _default("tis_clip")
+    micro_batch_size: int = _default("micro_batch_size")
+    grad_clip: float = _default("grad_clip")
+    lr: float = _default("lr")
+    weight_decay: float = _default("weight_decay")
+    adam_betas: tuple[float, float] = _default("adam_betas")
+    activation_checkpointing: bool = _default("activation_checkpointing")
+    lora_rank: int = _default("lora_rank")
+    lora_alpha: float = _default("lora_alpha")
+    lora_target_modules: tuple[str, ...] = _default("lora_target_modules")
 
     @classmethod
     def from_config(cls, config: TrainerConfig) -> StepSettings:
