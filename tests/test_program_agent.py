@@ -368,14 +368,15 @@ async def test_a_sigkilled_consumer_loses_no_job_and_leaves_no_process_of_its_pr
     first = await start("first")
     try:
         started = [line.split() for line in await asyncio.to_thread(fifo_lines, ready, 3, 60)]
+        assert sorted(job for job, *_ in started) == sorted(jobs)
+        pgids = {int(pgid) for _, pid, pgid, *_ in started if pid == pgid}  # each leads its group
+        assert len(pgids) == 3
+        others = {int(p) for _, _, _, sup, escaped, _ in started for p in (sup, escaped)}
+        # Read before the kill: once the consumer is dead its supervisors start killing.
+        assert set(alive(pgids, others)) > others  # all running as the consumer dies
     finally:
         first.send_signal(signal.SIGKILL)
         await first.wait()
-    assert sorted(job for job, *_ in started) == sorted(jobs)
-    pgids = {int(pgid) for _, pid, pgid, *_ in started if pid == pgid}  # each leads its group
-    assert len(pgids) == 3
-    others = {int(p) for _, _, _, supervisor, escaped, _ in started for p in (supervisor, escaped)}
-    assert set(alive(pgids, others)) > others  # all running as the consumer died
     assert await gone(pgids, others, 10) == []
     assert not any(Path(work).parent.exists() for *_, work in started)
 
