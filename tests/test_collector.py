@@ -4,12 +4,16 @@ their per-job subjects, as rollout workers store them."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import os
+import signal
 
 import nats.js.errors
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
 from trainlib import short_call
 
+from broker import BrokerUnavailable
 from schemas import Trajectory, encode
 from trainer.collector import Collector, CollectorConfig
 from trainer.errors import TrainerConfigError
@@ -265,6 +269,48 @@ async def test_the_one_agent_trainers_old_durable_is_adopted_and_a_foreign_one_r
         await make_collector()
     info = await js.consumer_info(stream, "trainer-r1-toy")
     assert info.config.filter_subject == "agentarium.trajectories.r1-toy.x.*"
+
+
+@pytest.mark.nats_semantics
+async def test_a_trainer_started_while_the_broker_does_not_answer_waits_and_keeps_its_floor(
+    nc, js, topology, nats_server, clock
+):
+    """A trainer restarted while the broker is frozen (too loaded to answer in a request's
+    timeout, or restarting) starts once it answers, from the ack floor its predecessor left;
+    one that never answers is reported in words once the start-up patience is spent."""
+    await publish(js, topology, *(traj(f"a{i}", "ga", float(i % 2)) for i in range(4)))
+    await publish(js, topology, *(traj(f"b{i}", "gb", float(i % 2)) for i in range(4)))
+    config = CollectorConfig(run=RUN, agent=AGENT, group_timeout_s=60.0, fetch_timeout_s=0.2)
+    first = Collector(js, topology, config, clock=clock)
+    await first.start()
+    done = await first.take(1, TAKE, timeout=10)
+    await first.ack(done)  # waits for the server: the floor is past this group
+    await first.close()
+
+    impatient = nc.jetstream(timeout=0.3)  # each try of a frozen server's request fails fast
+    second = Collector(impatient, topology, config, clock=clock)
+    os.kill(nats_server.pid, signal.SIGSTOP)
+    try:
+        starting = asyncio.create_task(second.start())
+        await asyncio.sleep(1.0)  # the outage under test: several tries meet it, then it ends
+        assert not starting.done()
+    finally:
+        os.kill(nats_server.pid, signal.SIGCONT)
+    await asyncio.wait_for(starting, 30)
+    try:
+        (group,) = await second.take(1, TAKE, timeout=10)
+        assert {group.group_id, done[0].group_id} == {"ga", "gb"}  # the other one, not again
+        assert second.counters.received == 4
+    finally:
+        await second.close()
+
+    never = Collector(impatient, topology, dataclasses.replace(config, start_patience_s=0.5))
+    os.kill(nats_server.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(BrokerUnavailable, match=r"trainer's consumer: NATS did not answer"):
+            await never.start()
+    finally:
+        os.kill(nats_server.pid, signal.SIGCONT)
 
 
 def test_buffer_redelivery_replaces_the_handle_and_dedups_after_done():

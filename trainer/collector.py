@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import nats.errors
 import nats.js.errors
@@ -39,7 +40,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from broker import Backoff, Topology, cancel_and_wait
+from broker import START_PATIENCE_S, Backoff, Topology, cancel_and_wait, patiently
 from schemas import SchemaError, Trajectory, check_name, decode
 
 from .batch import refusal
@@ -48,6 +49,7 @@ from .errors import TrainerConfigError
 from .groups import ACK_NOW, LATE, Group, GroupBuffer, Selection
 
 log = structlog.get_logger("agentarium.trainer")
+T = TypeVar("T")
 
 # a failing fetch (broker restarting, connection lost) is retried after 0.2 s, 0.4 s, ... 5 s
 FETCH_BACKOFF = Backoff(initial_s=0.2, max_s=5.0)
@@ -66,6 +68,7 @@ class CollectorConfig:
     prefetch_groups: int = 64  # stop pulling while this many complete groups wait
     overlong: str = "keep"  # GroupBuffer's: keep | filter | reward
     overlong_reward: float = 0.0
+    start_patience_s: float = START_PATIENCE_S  # start-up requests wait out a busy broker
 
     def __post_init__(self) -> None:
         check_name(self.run, "run")
@@ -155,12 +158,21 @@ class Collector:
         return self.buffer.counters
 
     async def start(self) -> None:
+        """Create (or reset) this trainer's durable from where its predecessor's acks ended.
+
+        Each request waits out a broker that is away for now (restarting, electing, or too
+        loaded to answer within the request timeout), as every service's start-up does
+        (broker/patience.py), and each is safe to repeat: a delete that finds nothing was done
+        by a try whose answer was lost, and adding a consumer that exists with the same config
+        returns it."""
         stream = self.topology.trajectories_stream
         durable = self.config.durable
         wanted = self.topology.trajectories_filter(self.config.run, self.config.agent)
         start_seq, adopted = None, None
         try:
-            info = await self.js.consumer_info(stream, durable)
+            info = await self._patiently(
+                lambda: self.js.consumer_info(stream, durable), "reading the trainer's consumer"
+            )
             if info.config.filter_subject != wanted:
                 raise TrainerConfigError(
                     f"consumer {durable} on {stream} filters {info.config.filter_subject}, not "
@@ -168,13 +180,15 @@ class Collector:
                     "'-'); rename the run or the agent"
                 )
             start_seq = info.ack_floor.stream_seq + 1 if info.ack_floor else None
-            await self.js.delete_consumer(stream, durable)
+            await self._delete_consumer(stream, durable)
         except nats.js.errors.NotFoundError:
             start_seq, adopted = await self._legacy_floor(stream, wanted)
         consumer = self.config.consumer_config(self.topology, start_seq)
-        await self.js.add_consumer(stream, consumer)
+        await self._patiently(
+            lambda: self.js.add_consumer(stream, consumer), "creating the trainer's consumer"
+        )
         if adopted is not None:
-            await self.js.delete_consumer(stream, adopted)
+            await self._delete_consumer(stream, adopted)
         self._psub = await self.js.pull_subscribe_bind(durable, stream)
         log.info(
             "collector started",
@@ -190,11 +204,25 @@ class Collector:
             asyncio.create_task(self._heartbeat_loop()),
         ]
 
+    async def _patiently(self, call: Callable[[], Awaitable[T]], what: str) -> T:
+        return await patiently(call, patience_s=self.config.start_patience_s, what=what)
+
+    async def _delete_consumer(self, stream: str, durable: str) -> None:
+        async def once() -> None:
+            try:
+                await self.js.delete_consumer(stream, durable)
+            except nats.js.errors.NotFoundError:  # gone: a try whose answer was lost did it
+                pass
+
+        await self._patiently(once, f"deleting consumer {durable}")
+
     async def _legacy_floor(self, stream: str, wanted: str) -> tuple[int | None, str | None]:
         """The start sequence and name of the one-agent trainer's durable, if it was ours."""
         legacy = self.topology.legacy_trainer_consumer(self.config.run)
         try:
-            info = await self.js.consumer_info(stream, legacy)
+            info = await self._patiently(
+                lambda: self.js.consumer_info(stream, legacy), "reading the old trainer consumer"
+            )
         except nats.js.errors.NotFoundError:
             return None, None
         if info.config.filter_subject != wanted:
