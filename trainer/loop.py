@@ -49,7 +49,7 @@ from typing import Any
 import structlog
 from nats.js import JetStreamContext
 
-from broker import Topology, wait_served
+from broker import START_PATIENCE_S, Topology, patiently, wait_served
 
 from .batch import Sample, build_rows, collate, with_task_advantages
 from .checkpoint import Checkpoints, NoCheckpoints, restore_rng
@@ -208,7 +208,12 @@ class Trainer:
         seen = await self._restore()
         # Never let one version number name two sets of weights: continue above whatever
         # was published for this run already (by a predecessor killed after publishing).
-        self.version = max(self.version, await self.publishing.latest_version())
+        published = await patiently(
+            self.publishing.latest_version,
+            patience_s=START_PATIENCE_S,
+            what="reading the run's last published version",
+        )
+        self.version = max(self.version, published)
         if cfg.lora_rank > 0 and self.version == 0 and self.publishing.publishes:
             # engines serve an adapter only once one is loaded: publish the initial one (B = 0,
             # the base's outputs) as version 1, so rollouts can ask for it before step 1
@@ -427,7 +432,12 @@ class Trainer:
             return cfg.agents
         weighted = list(cfg.mix.weights) if cfg.mix.kind == "weights" else []
         also = [*cfg.named_agents, *weighted, *self._checkpoint_agents]
-        agents = tuple(await discover_agents(self.js, self.topology, cfg.run, also=also))
+        found = await patiently(
+            lambda: discover_agents(self.js, self.topology, cfg.run, also=also),
+            patience_s=START_PATIENCE_S,
+            what=f"finding the agents of run {cfg.run}",
+        )
+        agents = tuple(found)
         if not agents:
             raise TrainerConfigError(
                 f"--agent '*' found no agent for run {cfg.run!r} (no trajectories stored, no "
