@@ -44,6 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from broker import (
+    EngineControl,
+    EngineControlError,
     NatsServer,
     NatsSettings,
     Topology,
@@ -54,7 +56,7 @@ from broker import (
 )
 from producers import GroupRefill, RunSession, expand_tasks, read_task_file
 from schemas import setting
-from trainer import TASK_ADV_NORMS
+from trainer import DEVICES, TASK_ADV_NORMS
 
 from ..models import resolve_model
 from ..progress import ProgressBar, StatusLine
@@ -172,6 +174,17 @@ class DemoConfig:
         "--lora-rank): the syncer loads each adapter into the engine and the consumers ask for "
         "it; 0 = full fine-tuning",
     )
+    engine: str | None = setting(
+        None,
+        metavar="URL",
+        help="a running SGLang server (or `agentarium engine`) serving --model's directory, "
+        "used instead of starting the local CPU engine (e.g. SGLang on a GPU: "
+        "bench/gpu_real_model.py); the syncer loads each version into it from --out's "
+        "weights/ directory, which it must be able to read",
+    )
+    trainer_device: str = setting(
+        "cpu", choices=DEVICES, help="where the trainer trains (the trainer's --device)"
+    )
 
     def __post_init__(self) -> None:
         preset = preset_of(self.model)
@@ -202,6 +215,8 @@ class DemoConfig:
             raise ValueError("--rollouts-only publishes --tasks to one agent: drop --task-set")
         if self.rollouts_only and self.sync_rollouts:
             raise ValueError("--rollouts-only trains nothing: drop --sync-rollouts")
+        if self.engine is not None and not self.engine.startswith(("http://", "https://")):
+            raise ValueError(f"--engine takes an http(s) URL, got {self.engine!r}")
         if self.task_set and self.model == "smol":
             raise ValueError("--task-set trains tiny's digit tasks: drop it with --model smol")
 
@@ -378,6 +393,7 @@ def run_demo(args: DemoConfig) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     model_dir = resolve_model(args.model)  # smol: converted once, about a minute
     print(f"model {args.model}: {model_dir}")
+    external = _reachable(args.engine) if args.engine is not None else None  # before starting
     server = NatsServer(store_dir=out / "nats", log_file=logs / "nats-server.log").start()
     print(f"nats-server (JetStream) at {server.url}, store {out / 'nats'}")
     print(
@@ -391,10 +407,15 @@ def run_demo(args: DemoConfig) -> int:
         asyncio.run(_provision(server.url, (*args.agents(), *([evals.agent] if evals else []))))
         # The engine and the trainer load torch and the model at the same time (the trainer
         # needs no URL); everything that needs the engine's URL waits for it.
-        engine = start_child(
-            "engine", ["engine", "--model", str(model_dir), "--port", "0"], logs, watch_ready=True
-        )
-        children.append(engine)
+        engine = None
+        if external is None:
+            engine = start_child(
+                "engine",
+                ["engine", "--model", str(model_dir), "--port", "0"],
+                logs,
+                watch_ready=True,
+            )
+            children.append(engine)
         trainer = (
             None
             if args.rollouts_only
@@ -402,7 +423,11 @@ def run_demo(args: DemoConfig) -> int:
         )
         if trainer is not None:
             children.append(trainer)
-        engine.wait_ready()
+        if engine is not None:
+            engine_url, where = engine.wait_ready(), "local engine"
+        else:
+            assert external is not None  # --engine was given
+            engine_url, where = external, "engine"
         agents = args.agents()
         for (name, agent), i in itertools.product(agents.items(), range(args.consumers)):
             children.append(
@@ -410,7 +435,7 @@ def run_demo(args: DemoConfig) -> int:
                     f"consumer-{i}" if not args.task_set else f"consumer-{name}-{i}",
                     consumer_argv(
                         f"{name}={agent}",
-                        engine.url,
+                        engine_url,
                         model_dir,
                         server.url,
                         "--concurrency",
@@ -422,10 +447,10 @@ def run_demo(args: DemoConfig) -> int:
             )
         running = ", ".join(f"{name}={agent}" for name, agent in agents.items())
         print(
-            f"local engine at {engine.url}; {args.consumers} consumer(s) per agent running "
+            f"{where} at {engine_url}; {args.consumers} consumer(s) per agent running "
             f"{running}; logs in {logs}"
             if args.task_set
-            else f"local engine at {engine.url}; {args.consumers} consumer(s) running {args.agent}; logs in {logs}"
+            else f"{where} at {engine_url}; {args.consumers} consumer(s) running {args.agent}; logs in {logs}"
         )
         if args.rollouts_only:
             summary = asyncio.run(_rollouts_only(args, server.url, out))
@@ -440,7 +465,7 @@ def run_demo(args: DemoConfig) -> int:
                     "--run",
                     args.run,
                     "--engine",
-                    engine.url,
+                    engine_url,
                     "--weights-dir",
                     str(out / "weights"),
                     *nats,
@@ -450,7 +475,7 @@ def run_demo(args: DemoConfig) -> int:
         )
         assert trainer is not None
         if evals is not None:  # on the base weights: nothing is fed, so nothing is trained yet
-            evals.run("base", engine.url)
+            evals.run("base", engine_url)
         print(
             f"trainer and weight syncer running; run {args.run}: {args.groups_per_step} groups x "
             f"{args.group_size} per step, up to {args.steps} steps or {args.minutes:g} minutes"
@@ -462,7 +487,7 @@ def run_demo(args: DemoConfig) -> int:
             for child in children:
                 if child.name.startswith("consumer"):
                     child.terminate()
-            evals.run("trained", engine.url, after_run=args.run)
+            evals.run("trained", engine_url, after_run=args.run)
     finally:
         # the trainer first (it checkpoints), then the rest, last started first
         for child in sorted(reversed(children), key=lambda c: c.name != "trainer"):
@@ -472,6 +497,28 @@ def run_demo(args: DemoConfig) -> int:
     if evals is not None:
         evals.report()
     return code
+
+
+def _reachable(url: str) -> str:
+    """``url`` once its engine answers ``/model_info`` (within a minute: it may still be
+    loading), else an error naming it."""
+
+    async def ask() -> dict:
+        async with EngineControl() as control:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    return await control.model_info(url)
+                except EngineControlError as exc:
+                    if exc.status is not None or time.monotonic() > deadline:
+                        raise ValueError(
+                            f"--engine {url}: no SGLang-compatible server answers there ({exc})"
+                        ) from None
+                await asyncio.sleep(1.0)
+
+    info = asyncio.run(ask())
+    print(f"engine at {url} serves {info.get('model_path', '?')}")
+    return url.rstrip("/")
 
 
 async def _provision(url: str, agents: tuple[str, ...]) -> None:
@@ -521,6 +568,8 @@ def trainer_argv(
         str(args.steps),
         "--torch-threads",
         "1",
+        "--device",
+        args.trainer_device,
         "--seed",
         str(args.seed),
         "--nats-url",
