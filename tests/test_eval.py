@@ -220,13 +220,14 @@ async def test_new_weights_behind_the_same_url_and_name_are_a_new_eval(nats_url,
     await fake.start()
     tasks = write_tasks(tmp_path / "tasks.jsonl", 2)
 
-    async def evaluate() -> tuple[EvalRun, str]:
+    async def evaluate(**sampling) -> tuple[EvalRun, str]:
         cfg = EvalConfig.of(
             agent="toy=examples.toy:rollout",
             tasks_file=str(tasks),
             llm=(fake.url,),
             model="tiny",
-            out_dir=str(tmp_path / f"out-{fake.weight_version}"),
+            out_dir=str(tmp_path / f"out-{fake.weight_version}-{len(sampling)}"),
+            **sampling,
         )
         err = io.StringIO()
         run = EvalRun(cfg, NatsSettings(url=nats_url), out=io.StringIO(), err=err)
@@ -239,10 +240,15 @@ async def test_new_weights_behind_the_same_url_and_name_are_a_new_eval(nats_url,
         assert again.run_id == base.run_id and "nothing to do" in said
         fake.weight_version = "12"  # the syncer loaded the trained weights
         trained, said = await evaluate()
+        # the same weights at another temperature are another eval too, sampled at it
+        cooler, said_cooler = await evaluate(temperature=0.5)
     finally:
         await fake.close()
     assert trained.run_id != base.run_id and "nothing to do" not in said
     assert trained.served == ["/models/fake@12"] and base.served == ["/models/fake@default"]
-    manifest = json.loads((tmp_path / "out-12" / "eval.json").read_text())
+    manifest = json.loads((tmp_path / "out-12-0" / "eval.json").read_text())
     assert manifest["served"] == ["/models/fake@12"]
-    assert fake.count == 4  # 2 tasks, once per weights
+    assert cooler.run_id not in (trained.run_id, base.run_id)
+    assert "nothing to do" not in said_cooler
+    temperatures = [r["sampling_params"]["temperature"] for r in fake.requests]
+    assert temperatures == [1.0] * 4 + [0.5] * 2  # 2 tasks, once per weights, then cooler

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from consumers import ConsumerSettings, RolloutSettings
+from producers import JobOptions
 from schemas import (
-    DEFAULT_DEADLINE_S,
     Sampling,
     SchemaError,
     check_name,
@@ -37,6 +37,13 @@ def _consumer_setting(name: str) -> Any:
         default_factory=key.field.default_factory,
         metadata=key.field.metadata,
     )
+
+
+def _job_setting(name: str) -> Any:
+    """A job's own declaration of the setting ``name`` (``producers.JobOptions``, what
+    ``agentarium produce`` takes), as a field of this class: one default each."""
+    key = next(k for k in settings.keys(JobOptions) if k.name == name)
+    return dataclasses.field(default=key.field.default, metadata=key.field.metadata)
 
 
 def split_agent(value: str) -> tuple[str, str | None]:
@@ -88,13 +95,8 @@ class EvalConfig:
         None, metavar="RUN", help="run id (default: derived from agent, tasks, k and models)"
     )
     concurrency: int = _consumer_setting("concurrency")
-    deadline_s: float = setting(DEFAULT_DEADLINE_S, gt=0, help="per rollout")
-    max_new_tokens: int | None = setting(
-        None, help=f"tokens per LLM call (default {Sampling().max_new_tokens})"
-    )
-    temperature: float | None = setting(
-        None, metavar="T", help=f"sampling temperature (default {Sampling().temperature})"
-    )
+    deadline_s: float = _job_setting("deadline_s")
+    sampling: Sampling = section(Sampling)  # --temperature, --max-new-tokens, ...: a job's own
     ack_wait_s: float = _consumer_setting("ack_wait_s")
     attempts: int = _consumer_setting("attempts")
     timeout_s: float | None = setting(None, help="give up waiting after this many seconds")

@@ -107,17 +107,14 @@ def default_run(cfg: EvalConfig, tasks_sha: str, served: Sequence[str] = ()) -> 
         parts += [rollout.env, rollout.max_turns]
     if served:  # likewise: evals on running consumers or an OpenAI API read nothing
         parts += [list(served)]
+    if cfg.sampling != Sampling():  # another temperature (or budget) is another eval
+        parts += [cfg.sampling.to_wire(binary=False)]
     blob = json.dumps(parts)
     return f"eval-{cfg.agent_name}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"[:128]
 
 
 def job_for(run: str, task: dict, task_id: str, attempt: int, retry: int, cfg: EvalConfig) -> Job:
     batch = BATCH if retry == 0 else f"{BATCH}-retry{retry}"
-    defaults = Sampling()
-    sampling = Sampling(
-        max_new_tokens=cfg.max_new_tokens or defaults.max_new_tokens,
-        temperature=defaults.temperature if cfg.temperature is None else cfg.temperature,
-    )
     return make_job(
         agent=cfg.agent_name,
         task=task,
@@ -129,7 +126,7 @@ def job_for(run: str, task: dict, task_id: str, attempt: int, retry: int, cfg: E
         options=JobOptions(
             group_size=cfg.k,
             is_train=False,
-            sampling=sampling,
+            sampling=cfg.sampling,
             deadline_s=cfg.deadline_s,
             metadata={"eval": True, "retry": retry},
         ),
