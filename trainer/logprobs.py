@@ -9,7 +9,7 @@ head reads — are taken by a forward hook, the N masked positions (shifted: pos
 predicts token t) are selected, and the head plus log_softmax run on them ``chunk`` positions
 at a time, in fp32 (bf16 autocast or not), each chunk under ``torch.utils.checkpoint``: a chunk's
 (chunk, V) tensors are freed as soon as its log-probs are read and recomputed in the backward
-pass, so no (N, V) tensor is ever held.
+pass, so no (N, V) tensor is ever held (bench/trainer_memory.py measures what that saves).
 
 Calling the whole model (not its decoder alone) keeps every wrapper's hooks in place: peft's
 LoRA layers live inside the decoder, and FSDP2 gathers the root's parameters (embeddings, head)
