@@ -273,6 +273,7 @@ async def main(args: argparse.Namespace) -> None:
             row.consumer.terminate()
         fake.terminate()
         server.stop()
+        shutil.rmtree(programs, ignore_errors=True)
     print(
         f"\n{args.jobs} jobs per batch, consumer --concurrency {args.concurrency}, "
         f"{args.alone} jobs alone per round; median (min..max) of {args.rounds} rounds "
