@@ -157,6 +157,19 @@ def keys(klass: type, prefix: str = "", path: tuple[str, ...] = ()) -> Iterator[
             yield Key(prefix + f.name, (*path, f.name), f, meta, klass)
 
 
+def shared(klass: type, name: str) -> Any:
+    """``klass``'s own declaration of the setting ``name`` (default, bounds, help, flag), as a
+    field of another settings class: where two classes hold the same setting (eval's
+    consumer is a consumer; the orchestrator's jobs are jobs) it has one default, not two."""
+    found = [k for k in keys(klass) if k.name == name]
+    if not found:
+        raise TypeError(f"{klass.__name__} has no setting {name!r}")
+    f = found[0].field
+    return dataclasses.field(
+        default=f.default, default_factory=f.default_factory, metadata=f.metadata
+    )
+
+
 def _field_class(klass: type, f: dataclasses.Field) -> type:
     hint = typing.get_type_hints(klass)[f.name]
     if not dataclasses.is_dataclass(hint):

@@ -4,7 +4,8 @@ Its flags and ``--config`` keys are derived from these fields (schemas.settings)
 shares with the consumer is not declared again: the in-process consumer's model, agent
 environment, reward and cross-sampling are the ``RolloutSettings`` section that
 ``agentarium consumer`` holds too, and its concurrency, attempts and redelivery timeout are
-``consumers.ConsumerSettings``' own fields (``_consumer_setting``).
+``consumers.ConsumerSettings``' own fields (``settings.shared``), its deadline and sampling
+the jobs' own (``producers.JobOptions``, ``schemas.Sampling``).
 """
 
 from __future__ import annotations
@@ -26,24 +27,6 @@ from schemas import (
 )
 
 LLM = "LLM (in-process consumer)"
-
-
-def _consumer_setting(name: str) -> Any:
-    """The consumer's own declaration of the setting ``name`` (default, bounds, help), as a
-    field of this class: eval's in-process consumer is a consumer, with one default each."""
-    key = next(k for k in settings.keys(ConsumerSettings) if k.name == name)
-    return dataclasses.field(
-        default=key.field.default,
-        default_factory=key.field.default_factory,
-        metadata=key.field.metadata,
-    )
-
-
-def _job_setting(name: str) -> Any:
-    """A job's own declaration of the setting ``name`` (``producers.JobOptions``, what
-    ``agentarium produce`` takes), as a field of this class: one default each."""
-    key = next(k for k in settings.keys(JobOptions) if k.name == name)
-    return dataclasses.field(default=key.field.default, metadata=key.field.metadata)
 
 
 def split_agent(value: str) -> tuple[str, str | None]:
@@ -94,11 +77,11 @@ class EvalConfig:
     run: str | None = setting(
         None, metavar="RUN", help="run id (default: derived from agent, tasks, k and models)"
     )
-    concurrency: int = _consumer_setting("concurrency")
-    deadline_s: float = _job_setting("deadline_s")
+    concurrency: int = settings.shared(ConsumerSettings, "concurrency")
+    deadline_s: float = settings.shared(JobOptions, "deadline_s")
     sampling: Sampling = section(Sampling)  # --temperature, --max-new-tokens, ...: a job's own
-    ack_wait_s: float = _consumer_setting("ack_wait_s")
-    attempts: int = _consumer_setting("attempts")
+    ack_wait_s: float = settings.shared(ConsumerSettings, "ack_wait_s")
+    attempts: int = settings.shared(ConsumerSettings, "attempts")
     timeout_s: float | None = setting(None, help="give up waiting after this many seconds")
     success_threshold: float = setting(
         1.0, metavar="R", help="a rollout succeeds when its reward >= R, for pass@k"

@@ -3,7 +3,8 @@
 Its consumers' settings are a ``consumers.ConsumerSettings`` section, so their defaults
 (concurrency, attempts, the proxy's host and port, ...) are the consumer's own, declared
 once; ``AgentOrchestrator(concurrency=8, attempts=1)`` spells them as flat keys, as a
-consumer's config file does.
+consumer's config file does. Its jobs' group size and deadline are ``producers.JobOptions``'
+own fields (``settings.shared``).
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from typing import Any
 
 from broker import Limits
 from consumers import ConsumerSettings, normalize_urls
+from producers import JobOptions
 from schemas import (
-    DEFAULT_DEADLINE_S,
     Sampling,
     check_name,
     check_settings,
@@ -54,7 +55,7 @@ class OrchestratorConfig:
     external_consumers: bool = setting(
         False, help="start no consumers: `agentarium consumer` services pull the jobs"
     )
-    group_size: int = setting(1, ge=1, help="jobs per row of a training batch")
+    group_size: int = settings.shared(JobOptions, "group_size")  # jobs per training row
     val_group_size: int = setting(1, ge=1, help="jobs per row of a validation batch")
     run: str = setting(factory=_default_run, help="the run id (default: orch-<time>-<random>)")
     model: str = setting(
@@ -70,7 +71,7 @@ class OrchestratorConfig:
         "concat", choices=MODES, help="how a trajectory's calls become rows (tensorize)"
     )
     sampling: Sampling | None = setting(None, help="the jobs' sampling (None: Sampling())")
-    deadline_s: float = setting(DEFAULT_DEADLINE_S, gt=0, help="each rollout's deadline")
+    deadline_s: float = settings.shared(JobOptions, "deadline_s")
     success_threshold: float = setting(
         1.0, help="a rollout succeeds when its reward >= this (success rate, pass@k)"
     )
