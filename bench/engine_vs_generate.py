@@ -21,22 +21,11 @@ import time
 
 import aiohttp
 import torch
+from engine_batching import prompts  # the same chat prompts (bench/ is the script's path)
 from transformers import AutoModelForCausalLM
 
 from agentarium.models import resolve_model
 from consumers.engine import LocalEngine, start_server
-
-
-def prompts(n: int, tokenizer) -> list[list[int]]:
-    out = []
-    for i in range(n):
-        text = (
-            "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-            f"<|im_start|>user\nWhat is {17 * i + 3} + {29 * i % 97}?<|im_end|>\n"
-            "<|im_start|>assistant\n"
-        )
-        out.append(tokenizer.encode(text).ids)
-    return out
 
 
 async def engine_tokens_per_s(url: str, batch: list[list[int]], tokens: int) -> float:
