@@ -10,10 +10,14 @@ continue for an adapter), timed from the publish call until the engine serves th
 its ``/model_info`` weight_version is checked after each. Version numbers grow across both
 kinds (one engine serves both runs). Figures: bytes per update, and seconds, median (min-max).
 
-The model: ``--model tiny`` (the built-in model, 1.4 MB of weights) or ``--synthetic
-WIDTH:LAYERS`` (a random Qwen2 of that shape with the tiny tokenizer, built in code).
+The model: ``--model tiny`` (the built-in model, 1.4 MB of weights), ``--model smol``
+(SmolLM2-135M-Instruct, 538 MB of fp32 weights, its output head tied to its input embedding)
+or ``--synthetic WIDTH:LAYERS`` (a random Qwen2 of that shape with the tiny tokenizer, built in
+code). The adapters: every linear layer (all-linear) unless ``--lora-target-modules`` names
+them; ``--demo-targets`` takes the demo's (every linear layer and the output head).
 
-    PYTHONPATH=. python bench/lora_publish.py [--synthetic 1024:8] [--lora-rank 16] [--repeat 5]
+    PYTHONPATH=. python bench/lora_publish.py [--model smol | --synthetic 1024:8] \
+        [--lora-rank 16] [--demo-targets] [--repeat 5]
 """
 
 from __future__ import annotations
@@ -61,7 +65,11 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, dict[str, list[
         "full": LocalUpdater(TrainerConfig(run="bench-full", **common)),
         "lora": LocalUpdater(
             TrainerConfig(
-                run="bench-lora", lora_rank=args.lora_rank, lora_alpha=args.lora_rank * 2, **common
+                run="bench-lora",
+                lora_rank=args.lora_rank,
+                lora_alpha=args.lora_rank * 2,
+                lora_target_modules=tuple(args.lora_target_modules or ("all-linear",)),
+                **common,
             )
         ),
     }
@@ -120,9 +128,8 @@ async def main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="agentarium-bench-lora-") as tmp:
         out = await run(args, Path(tmp))
     model = f"synthetic Qwen2 {args.synthetic}" if args.synthetic else args.model
-    print(
-        f"model: {model}; LoRA rank {args.lora_rank} on all linear layers; {args.repeat} versions each"
-    )
+    targets = ", ".join(args.lora_target_modules or ("all linear layers",))
+    print(f"model: {model}; LoRA rank {args.lora_rank} on {targets}; {args.repeat} versions each")
     print("| | bytes per update | publish -> serving, s |")
     print("|---|---|---|")
     for kind, figures in out.items():
@@ -135,5 +142,21 @@ if __name__ == "__main__":
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--synthetic", default="", metavar="WIDTH:LAYERS")
     parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument(
+        "--lora-target-modules",
+        action="append",
+        metavar="NAME",
+        help="repeatable (the trainer's); default all-linear; --demo-targets for the demo's",
+    )
+    parser.add_argument(
+        "--demo-targets",
+        action="store_true",
+        help="the targets of `agentarium demo --lora-rank`: every linear layer and lm_head",
+    )
     parser.add_argument("--repeat", type=int, default=5)
-    asyncio.run(main(parser.parse_args()))
+    parsed = parser.parse_args()
+    if parsed.demo_targets:
+        from agentarium.demo.run import LORA_TARGETS
+
+        parsed.lora_target_modules = list(LORA_TARGETS)
+    asyncio.run(main(parsed))

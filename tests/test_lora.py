@@ -173,3 +173,65 @@ async def test_the_syncer_loads_an_adapter_with_sglangs_calls(
     finally:
         await backend.aclose()
     assert result.weight_version == "1" and fake.requests[-1]["lora_path"] == RUN
+
+
+def test_an_adapter_on_a_tied_head_changes_the_head_alone(tmp_path):
+    """SmolLM2 ties its output head to its input embedding (``tie_word_embeddings``); the
+    demo's LoRA targets include ``lm_head``. PEFT adapts the head alone in the trainer; the
+    engine must serve that (not refuse it, not fold it into the embedding too), and restore the
+    tie when the adapter comes out; ``merge-lora`` must export it the same way."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from agentarium.demo.run import LORA_TARGETS
+    from broker import adapter_directory
+    from consumers.engine.lora import Adapter, AdapterSlot
+    from trainer.lora import AdapterExport, merge_lora, with_lora
+
+    torch.manual_seed(0)
+    shape = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4)
+    tied = LlamaConfig(
+        vocab_size=96, num_hidden_layers=2, num_key_value_heads=2, tie_word_embeddings=True, **shape
+    )
+    LlamaForCausalLM(tied).save_pretrained(tmp_path / "base")
+    policy = with_lora(
+        load_model(tmp_path / "base", "cpu"), rank=4, alpha=8, target_modules=LORA_TARGETS
+    )
+    with torch.no_grad():  # a trained adapter: B != 0 everywhere, the head's included
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    file = AdapterExport(policy).save_pretrained(tmp_path)
+    adapter = Adapter.read("v1", adapter_directory(file, tmp_path / "adapter"))
+    assert "lm_head.weight" in adapter.deltas
+
+    served = load_model(tmp_path / "base", "cpu", trainable=False)
+    embedding, head = served.model.embed_tokens, served.lm_head
+    assert head.weight is embedding.weight
+    base_embedding = embedding.weight.detach().clone()
+    ids = torch.tensor([[3, 17, 40, 5, 91]])
+    with torch.no_grad():
+        base_logits = served(input_ids=ids).logits
+        want = policy(input_ids=ids).logits
+    slot = AdapterSlot()
+    for _ in range(2):  # loading over the loaded adapter takes it out first
+        slot.load(served, adapter)
+        with torch.no_grad():
+            torch.testing.assert_close(served(input_ids=ids).logits, want, atol=1e-5, rtol=1e-4)
+        assert torch.equal(embedding.weight, base_embedding)  # the input embedding is the base's
+    slot.unload(served)
+    assert served.lm_head.weight is embedding.weight  # tied again
+    with torch.no_grad():
+        assert torch.equal(served(input_ids=ids).logits, base_logits)
+
+    # new base weights over a loaded adapter: the head follows the new embedding again
+    slot.load(served, adapter)
+    with torch.no_grad():
+        embedding.weight.mul_(2)
+    slot.forget(served)
+    assert served.lm_head.weight is embedding.weight and slot.name is None
+
+    merged = merge_lora(tmp_path / "base", file, tmp_path / "merged")
+    export = load_model(merged, "cpu", trainable=False)
+    assert torch.equal(export.model.embed_tokens.weight, base_embedding)
+    with torch.no_grad():
+        torch.testing.assert_close(export(input_ids=ids).logits, want, atol=1e-5, rtol=1e-4)

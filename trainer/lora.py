@@ -92,7 +92,9 @@ def merge_lora(model_dir: str | Path, adapter: str | Path, out: str | Path) -> P
         source = Path(adapter)
         if source.is_file():
             source = adapter_directory(source, tmp)
-        merged = peft.PeftModel.from_pretrained(base, str(source)).merge_and_unload()
+        adapted = peft.PeftModel.from_pretrained(base, str(source))
+        _untie_adapted_head(adapted)
+        merged = adapted.merge_and_unload()
         merged.save_pretrained(str(out))
     for extra in Path(model_dir).iterdir():  # tokenizer, chat template, generation config
         weights = extra.suffix in (".safetensors", ".bin", ".pt") or extra.name.endswith(
@@ -101,6 +103,20 @@ def merge_lora(model_dir: str | Path, adapter: str | Path, out: str | Path) -> P
         if extra.is_file() and not weights and not (out / extra.name).exists():
             shutil.copyfile(extra, out / extra.name)
     return out
+
+
+def _untie_adapted_head(adapted) -> None:
+    """An adapter on a tied output head (``tie_word_embeddings``, SmolLM2's) adapts the head
+    alone; merged into the shared weight it would change the input embedding too. The head gets
+    a copy of its own first, and the exported config says it is untied."""
+    model = adapted.get_base_model()
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    layer = getattr(head, "base_layer", None)  # peft's wrapper of an adapted head
+    if layer is None or embedding is None or layer.weight is not embedding.weight:
+        return
+    layer.weight = torch.nn.Parameter(embedding.weight.detach().clone(), requires_grad=False)
+    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        config.tie_word_embeddings = False
 
 
 def _plain(value: Any) -> Any:

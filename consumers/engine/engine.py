@@ -182,9 +182,10 @@ class LocalEngine:
             Path(path),
             version=None if version is None else str(version),
             abort_all=bool(body.get("abort_all_requests", False)),
+            # new base weights: an adapter folded into the old ones is gone with them, and a
+            # head it untied follows the new embedding again (in the same pause)
+            then=lambda: self._lora.forget(self.model.model),
         )
-        if success:  # new base weights: an adapter folded into the old ones is gone with them
-            self._lora = AdapterSlot()
         return {"success": success, "message": message, "num_paused_requests": paused}
 
     # ---- LoRA adapters (lora.py) -----------------------------------------------------------

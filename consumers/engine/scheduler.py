@@ -176,11 +176,24 @@ class Scheduler:
         await self._notify()
 
     async def update_weights(
-        self, path, *, version: str | None = None, abort_all: bool = False
+        self,
+        path,
+        *,
+        version: str | None = None,
+        abort_all: bool = False,
+        then: Callable[[], None] | None = None,
     ) -> tuple[bool, str, int]:
-        """Reload weights in place from disk; returns (success, message, num_paused_requests)."""
+        """Reload weights in place from disk; returns (success, message, num_paused_requests).
+        ``then`` runs after a load that succeeded, before any request runs on the new weights."""
+
+        def load() -> str:
+            message = self.model.load_weights(path)
+            if then is not None:
+                then()
+            return message
+
         return await self.apply_weights(
-            lambda: self.model.load_weights(path),
+            load,
             version=version,
             abort_all=abort_all,
             abort_message="aborted by update_weights_from_disk(abort_all_requests=true)",
