@@ -11,6 +11,9 @@ step, publishes the new weights that the syncer beside the engine loads. The ser
     agentarium consumer --agent digit=examples.toy:any_digit --llm http://127.0.0.1:30000 &
     python examples/trl_trainer.py --agent digit --run trl --steps 20
 
+With ``--lora-rank 8`` TRL trains a peft LoRA adapter instead of the whole model, and the
+adapter alone goes to the engine (which serves its base + the adapter).
+
 The task (``examples.toy.any_digit``): whatever the prompt, reward 1 when the reply starts with
 a digit. The tiny model starts near 0.04 and learns it within 20 steps of 8 prompts x 8
 samples; ``--lr 0`` shows that it does not without training.
@@ -66,27 +69,36 @@ def prompts(n: int) -> list[dict[str, Any]]:
     ]
 
 
-def train(
-    config: RolloutConfig,
+def lora_config(rank: int):
+    """peft's LoraConfig of rank ``rank`` on every linear layer (alpha 2 x rank, no dropout)."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=rank, lora_alpha=2 * rank, target_modules="all-linear", lora_dropout=0.0, bias="none"
+    )
+
+
+def grpo_trainer(
+    rollouts: Any,
     *,
     model_dir: str,
     steps: int = 20,
     lr: float = 1e-2,
     prompts_per_step: int = 8,
     generations: int = 8,
-    settings: NatsSettings | None = None,
     output_dir: str | None = None,
     seed: int = 0,
     extra_rewards: Sequence[Callable[..., list]] = (),
-) -> list[dict[str, Any]]:
-    """Train for ``steps`` optimizer steps; returns TRL's log history (one entry per step).
-    ``extra_rewards``: more TRL reward functions beside the agent's (return None to add
-    nothing: TRL sums the functions' rewards)."""
+    lora_rank: int = 0,
+):
+    """TRL's GRPOTrainer whose rollouts ``rollouts`` (an ``AgentariumRollout``) runs and
+    whose weights it publishes after each step; with ``lora_rank`` > 0, TRL trains a peft
+    LoRA adapter of that rank (``lora_config``) and the adapter alone is published."""
     from datasets import Dataset
     from transformers import PrinterCallback
     from trl import GRPOTrainer
 
-    from agentarium.integrations.trl import AgentariumRollout, agent_reward
+    from agentarium.integrations.trl import agent_reward
 
     args = grpo_config(
         output_dir or tempfile.mkdtemp(prefix="trl-agentarium-"),
@@ -96,16 +108,33 @@ def train(
         generations=generations,
         seed=seed,
     )
+    trainer = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=[agent_reward, *extra_rewards],
+        args=args,
+        train_dataset=Dataset.from_list(prompts(prompts_per_step * steps)),
+        rollout_func=rollouts,
+        callbacks=[rollouts.weight_sync(model_dir=model_dir)],
+        peft_config=lora_config(lora_rank) if lora_rank > 0 else None,
+    )
+    trainer.remove_callback(PrinterCallback)  # main() prints its own line per step
+    return trainer
+
+
+def train(
+    config: RolloutConfig,
+    *,
+    model_dir: str,
+    settings: NatsSettings | None = None,
+    **kwargs: Any,
+) -> list[dict[str, Any]]:
+    """Train for ``steps`` optimizer steps (``kwargs``: ``grpo_trainer``'s); returns TRL's log
+    history (one entry per step). ``extra_rewards``: more TRL reward functions beside the
+    agent's (return None to add nothing: TRL sums the functions' rewards)."""
+    from agentarium.integrations.trl import AgentariumRollout
+
     with AgentariumRollout(config, settings=settings) as rollouts:
-        trainer = GRPOTrainer(
-            model=model_dir,
-            reward_funcs=[agent_reward, *extra_rewards],
-            args=args,
-            train_dataset=Dataset.from_list(prompts(prompts_per_step * steps)),
-            rollout_func=rollouts,
-            callbacks=[rollouts.weight_sync(model_dir=model_dir)],
-        )
-        trainer.remove_callback(PrinterCallback)  # main() prints its own line per step
+        trainer = grpo_trainer(rollouts, model_dir=model_dir, **kwargs)
         trainer.train()
         return [entry for entry in trainer.state.log_history if "reward" in entry]
 
@@ -123,6 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
     parser.add_argument("--lr", type=float, default=1e-2, help="learning rate (default 1e-2)")
     parser.add_argument("--output-dir", help="TRL's output directory (default: a temporary one)")
+    parser.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="train a peft LoRA adapter of this rank on every linear layer, and publish the "
+        "adapter alone (default 0: the whole model)",
+    )
     args = parser.parse_args(argv)
     config = resolve(args, ConfigKeys.of("trl_trainer", RolloutConfig)).build(RolloutConfig)
     from agentarium.tiny import resolve_model
@@ -134,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         steps=args.steps,
         lr=args.lr,
         output_dir=args.output_dir,
+        lora_rank=args.lora_rank,
     )
     for entry in history:
         print(f"step {int(entry['step']):3d}  reward {entry['reward']:.3f}")

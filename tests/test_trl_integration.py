@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("trl", reason="TRL is the `trl` extra: pip install -e '.[trl]'")
 
-from worker_env import worker_for  # noqa: E402
+from trllib import trl_services  # noqa: E402
 
 from agentarium.integrations.config import RolloutConfig  # noqa: E402
 from agentarium.integrations.samples import Sample, sample_of  # noqa: E402
@@ -32,8 +32,6 @@ from agentarium.integrations.trl import (  # noqa: E402
     sampling_of,
 )
 from agentarium.orchestrator.loop_thread import LoopThread  # noqa: E402
-from broker import Topology, provision  # noqa: E402
-from consumers.sync import SyncConfig, WeightSyncer  # noqa: E402
 from examples.toy import any_digit  # noqa: E402
 from examples.trl_trainer import train  # noqa: E402
 from schemas import LLMCall, Trajectory  # noqa: E402
@@ -126,31 +124,6 @@ def test_failed_rollouts_reach_trl_without_reward_or_loss_token():
     assert lone["prompt_ids"] == [[258]] and lone["env_mask"] == [[0]]
 
 
-async def _services(settings, engine_url, weights_dir, stop: asyncio.Event, ready: asyncio.Event):
-    """The consumer running the agent and the syncer beside the engine, until ``stop``."""
-    nc = await settings.connect(name="trl-test-services")
-    try:
-        js = nc.jetstream()
-        topology = Topology()
-        await provision(js, topology)
-        syncer = WeightSyncer(
-            js,
-            SyncConfig(run=RUN, engines=(engine_url,), weights_dir=weights_dir),
-            topology=topology,
-        )
-        async with worker_for(
-            js, AGENT, any_digit, [engine_url], burst=False, concurrency=64
-        ) as worker:
-            tasks = [asyncio.create_task(worker.run()), asyncio.create_task(syncer.run())]
-            ready.set()
-            await stop.wait()
-            worker.stop()
-            syncer.stop()
-            await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)
-    finally:
-        await nc.close()
-
-
 def _mean(values):
     return sum(values) / len(values)
 
@@ -159,7 +132,18 @@ def test_trl_grpo_learns_on_agentarium_rollouts(settings, tiny_dir, engine_url, 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     loop = LoopThread(name="trl-test-services")
     stop, ready = asyncio.Event(), asyncio.Event()
-    services = loop.submit(_services(settings, engine_url, tmp_path / "w", stop, ready))
+    services = loop.submit(
+        trl_services(
+            settings,
+            run=RUN,
+            agent=AGENT,
+            agent_fn=any_digit,
+            engine_url=engine_url,
+            weights_dir=tmp_path / "w",
+            stop=stop,
+            ready=ready,
+        )
+    )
     try:
         loop.call(asyncio.wait_for(ready.wait(), 60))
         versions: list[list[int]] = []

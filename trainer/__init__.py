@@ -37,7 +37,11 @@ from .trackers import TRACKERS
 from .weight_stream import WEIGHT_TRANSPORTS, StreamConfig, stream_publisher
 from .weights import WeightsError, WeightStore
 
-_LAZY = {"Trainer": ".loop", "merge_lora": ".lora"}  # torch + transformers
+_LAZY = {  # torch + transformers
+    "Trainer": ".loop",
+    "merge_lora": ".lora",
+    "peft_adapter": ".lora",
+}
 
 __all__ = [
     "DEVICES",
@@ -65,6 +69,7 @@ __all__ = [
     "grpo_advantages",
     "merge_lora",
     "pad_token_id",
+    "peft_adapter",
     "plot_metrics",
     "publisher_for",
     "read_metrics",

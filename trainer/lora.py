@@ -10,12 +10,18 @@ safetensors file of the PEFT adapter state dict, its ``LoraConfig`` in the heade
 store or shared path) and the syncer can hand the engines a PEFT adapter directory
 (``/load_lora_adapter``). ``merge_lora`` folds an adapter into its base model for export
 (``agentarium merge-lora``).
+
+A model trained elsewhere (TRL's ``GRPOTrainer`` with a ``peft_config``) publishes the same way:
+``peft_adapter(model)`` is the ``AdapterExport`` of a peft LoRA model (None for a model without
+peft), after checking that every tensor it holds is a LoRA A or B matrix, the only ones the
+engines fold in.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -50,23 +56,27 @@ def with_lora(model, *, rank: int, alpha: float, target_modules: tuple[str, ...]
 
 
 class AdapterExport:
-    """What a LoRA trainer publishes: the adapter alone, saved as a model would be saved."""
+    """What a LoRA trainer publishes: the adapter alone, saved as a model would be saved.
+    ``adapter``: which of the peft model's adapters (peft's default name unless told)."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, adapter: str = "default") -> None:
         self.model = model
+        self.adapter = adapter
 
     def __repr__(self) -> str:
-        return f"<AdapterExport of {type(self.model).__name__}>"
+        return f"<AdapterExport {self.adapter!r} of {type(self.model).__name__}>"
 
     def state(self) -> dict[str, torch.Tensor]:
         peft = _peft()
         # the adapters alone: no base weights (peft adds the output head's or the embeddings'
         # when they are targeted, in case their vocabulary was resized; ours never is)
-        state = peft.get_peft_model_state_dict(self.model, save_embedding_layers=False)
+        state = peft.get_peft_model_state_dict(
+            self.model, adapter_name=self.adapter, save_embedding_layers=False
+        )
         return {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}
 
     def config(self) -> dict[str, Any]:
-        return self.model.peft_config["default"].to_dict()
+        return self.model.peft_config[self.adapter].to_dict()
 
     def save_pretrained(self, directory: str | Path, **_: Any) -> Path:
         from safetensors.torch import save_file
@@ -75,6 +85,51 @@ class AdapterExport:
         text = json.dumps(self.config(), default=_plain, sort_keys=True)
         save_file(self.state(), str(path), metadata={"format": "pt", LORA_CONFIG_KEY: text})
         return path
+
+
+def peft_adapter(model) -> AdapterExport | None:
+    """What to publish of a peft LoRA model: its active adapter; None for a model without
+    peft. TrainerConfigError for a peft model the engines could not serve as base + LoRA
+    (another peft method; DoRA, a lora_B bias, ranks or alphas per module; tensors beside
+    the A and B matrices: ``modules_to_save``, trained biases, trainable tokens), naming what
+    to change."""
+    if "peft" not in sys.modules:  # a peft model is an instance of a peft class
+        return None
+    peft = sys.modules["peft"]
+    if not isinstance(model, peft.PeftModel):
+        return None
+    adapter = model.active_adapter
+    config = model.peft_config[adapter]
+    kind = str(getattr(config.peft_type, "value", config.peft_type))
+    if kind != "LORA":
+        raise TrainerConfigError(
+            f"the model's adapter {adapter!r} is {kind}: the engines serve LoRA adapters only "
+            "(peft.LoraConfig)"
+        )
+    unserved = {  # LoraConfig fields the engines' W + (alpha / r) B A does not follow
+        "use_dora": "DoRA",
+        "lora_bias": "a bias on lora_B",
+        "rank_pattern": "ranks per module",
+        "alpha_pattern": "alphas per module",
+    }
+    for field, what in unserved.items():
+        if getattr(config, field, None):
+            raise TrainerConfigError(
+                f"the model's adapter {adapter!r} has {what} ({field}), which the engines do "
+                f"not fold in: leave {field} unset in its LoraConfig"
+            )
+    export = AdapterExport(model, adapter)
+    names = peft.get_peft_model_state_dict(
+        model, adapter_name=adapter, save_embedding_layers=False
+    ).keys()
+    other = sorted(n for n in names if ".lora_A." not in n and ".lora_B." not in n)
+    if other:
+        raise TrainerConfigError(
+            f"the model's adapter {adapter!r} holds {len(other)} tensors beside its LoRA A and "
+            f"B matrices (first: {other[0]}), which the engines would not serve: drop "
+            "modules_to_save, bias and trainable_token_indices from its LoraConfig"
+        )
+    return export
 
 
 def merge_lora(model_dir: str | Path, adapter: str | Path, out: str | Path) -> Path:

@@ -127,8 +127,9 @@ def publisher_for(config: TrainerConfig, process: TrainerProcess) -> PublisherFa
         )
     if transport == "stream" and config.lora_rank > 0:
         raise TrainerConfigError(
-            "--lora-rank publishes adapters, and --weight-transport stream broadcasts the "
-            "model's own tensors: use object-store or shared-path with LoRA"
+            "LoRA publishes adapters (--lora-rank, or TRL's peft model), and "
+            "--weight-transport stream broadcasts the model's own tensors: use object-store "
+            "or shared-path with LoRA"
         )
     if transport != "stream":
         if process.stream_engines:

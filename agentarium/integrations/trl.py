@@ -42,10 +42,20 @@ rollout function waits until every engine of the run serves the last version pub
 engines KV, ``broker.wait_served``), so every step's samples come from the weights TRL just
 trained: TRL stays on-policy. One process (TRL without several accelerate processes): the
 versions are counted by the process that publishes.
+
+**LoRA.** When TRL's model is a peft LoRA model (``GRPOTrainer(..., peft_config=LoraConfig(...))``
+or a ``PeftModel`` handed in), each version is its adapter alone (``trainer.peft_adapter``: the
+A and B matrices and the ``LoraConfig``, what ``agentarium trainer --lora-rank`` publishes), not
+the merged weights; the version at train begin is TRL's starting adapter. The syncer loads it
+with ``/load_lora_adapter`` under the run's name, so the engines serve their base + the adapter
+(SGLang serves it to requests that name it: consumers with ``--lora <run>``; the local engine
+to every request). A peft model the engines could not serve that way is refused at train begin,
+and so is the stream transport (which broadcasts whole tensors).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import secrets
 from collections.abc import Iterable, Mapping
@@ -59,7 +69,7 @@ from agentarium.orchestrator.loop_thread import LoopThread
 from broker import NatsSettings
 from producers import JobOptions, make_job
 from schemas import Job, Sampling
-from trainer import TrainerConfig, TrainerProcess, publisher_for
+from trainer import TrainerConfig, TrainerProcess, peft_adapter, publisher_for
 
 from .client import RolloutClient
 from .config import RolloutConfig, sampling
@@ -345,16 +355,21 @@ class AgentariumWeightSync(TrainerCallback):
         )
         self.base = 0
         self.published: list[int] = []
+        self.adapter: Any = None  # a peft model's AdapterExport: what is published of it
         self._publisher: Any = None
 
     def __repr__(self) -> str:
-        return f"<AgentariumWeightSync base={self.base} published={self.published[-1:]}>"
+        what = "" if self.adapter is None else f" {self.adapter!r}"
+        return f"<AgentariumWeightSync base={self.base} published={self.published[-1:]}{what}>"
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any):
+        self.adapter = peft_adapter(model)
+        if self.adapter is not None:  # publisher_for refuses the stream transport for LoRA
+            rank = int(self.adapter.config()["r"])
+            self.config = dataclasses.replace(self.config, lora_rank=rank)
+        make_publisher = publisher_for(self.config, self.process)  # refuses before connecting
         client = self.rollout.client
-        self._publisher = publisher_for(self.config, self.process)(
-            client.js, client.topology, self.config
-        )
+        self._publisher = make_publisher(client.js, client.topology, self.config)
         if self._publisher is None:  # publish off: the engines keep what they serve
             return
         latest = getattr(self._publisher, "latest_version", None)
@@ -374,7 +389,8 @@ class AgentariumWeightSync(TrainerCallback):
     def _publish(self, model: Any, version: int, step: int) -> None:
         if model is None:
             raise ValueError("AgentariumWeightSync needs the model: TRL passes it to callbacks")
-        self.rollout.call(self._publisher.publish(model, version, step))
+        weights = model if self.adapter is None else self.adapter
+        self.rollout.call(self._publisher.publish(weights, version, step))
         self.published.append(version)
         self.rollout.target_version = version
 

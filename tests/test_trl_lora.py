@@ -1,0 +1,153 @@
+"""TRL's GRPOTrainer with a peft LoRA config: the adapter alone is published after each step,
+the syncer loads it into the real local engine, which serves its base + the adapter (the
+trajectories record each step's new version), and the base weights stay as they were, in
+TRL's model and on the engine.
+
+A module of its own: its engine (one per module) serves the tiny model's base weights when the
+test starts, which a full-weights run in the same module would have replaced."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+pytest.importorskip("trl", reason="TRL is the `trl` extra: pip install -e '.[trl]'")
+pytest.importorskip("peft", reason="LoRA is the `lora` extra: pip install -e '.[lora]'")
+
+import torch  # noqa: E402
+from peft import LoraConfig, get_peft_model  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+from trllib import trl_services  # noqa: E402
+
+from agentarium.integrations.config import RolloutConfig  # noqa: E402
+from agentarium.integrations.trl import AgentariumRollout, AgentariumWeightSync  # noqa: E402
+from agentarium.orchestrator.loop_thread import LoopThread  # noqa: E402
+from broker import EngineControl, lora_config_of  # noqa: E402
+from examples.toy import any_digit  # noqa: E402
+from examples.trl_trainer import grpo_trainer  # noqa: E402
+from trainer import TrainerConfigError, TrainerProcess, peft_adapter  # noqa: E402
+
+RUN, AGENT, STEPS, RANK = "trl-lora", "digit", 3, 4
+
+
+def _base(tiny_dir):
+    return AutoModelForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.float32).eval()
+
+
+def test_trl_trains_a_lora_adapter_and_the_engine_serves_base_plus_adapter(
+    settings, tiny_dir, engine_url, tmp_path
+):
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    torch.manual_seed(0)
+    loop = LoopThread(name="trl-lora-services")
+    control = EngineControl()
+    stop, ready = asyncio.Event(), asyncio.Event()
+    services = loop.submit(
+        trl_services(
+            settings,
+            run=RUN,
+            agent=AGENT,
+            agent_fn=any_digit,
+            engine_url=engine_url,
+            weights_dir=tmp_path / "sync",
+            stop=stop,
+            ready=ready,
+        )
+    )
+    versions: list[set[int]] = []
+
+    def seen(completions, agentarium_weight_version, **kwargs):
+        versions.append(set(agentarium_weight_version))
+        return [None] * len(completions)
+
+    try:
+        loop.call(asyncio.wait_for(ready.wait(), 60))
+        base_sum = loop.call(control.weights_checksum(engine_url))
+        config = RolloutConfig(agent=AGENT, run=RUN, deadline_s=60, grace_s=30)
+        with AgentariumRollout(config, settings=settings) as rollouts:
+            trainer = grpo_trainer(
+                rollouts,
+                model_dir=str(tiny_dir),
+                steps=STEPS,
+                lr=3e-2,
+                prompts_per_step=4,
+                generations=4,
+                output_dir=str(tmp_path / "trl"),
+                seed=1,
+                extra_rewards=[seen],
+                lora_rank=RANK,
+            )
+            [sync] = [
+                c for c in trainer.callback_handler.callbacks if isinstance(c, AgentariumWeightSync)
+            ]
+            trainer.train()
+            rollouts.wait_served(STEPS + 1)  # the last step's, which no rollout waited for
+        served = loop.call(control.weights_checksum(engine_url))
+        # the engine's own base, once the adapter is taken out
+        loop.call(control.unload_lora_adapter(engine_url, name=RUN))
+        unloaded = loop.call(control.weights_checksum(engine_url))
+    finally:
+        loop.call(control.close())
+        loop.loop.call_soon_threadsafe(stop.set)
+        services.result(60)
+        loop.stop()
+
+    # one version at train begin (TRL's starting adapter), then one a step; step s sampled
+    # version s, the one published after the step before
+    assert sync.published == list(range(1, STEPS + 2)), sync.published
+    assert versions == [{s} for s in range(1, STEPS + 1)], versions
+    assert served["weight_version"] == str(STEPS + 1)
+    # the engine served its base + the trained adapter, and its base is intact
+    assert served["checksum"] != base_sum["checksum"]
+    assert unloaded["checksum"] == base_sum["checksum"]
+
+    # what was published is the adapter alone, as the syncer fetched it
+    file = tmp_path / "sync" / RUN / f"v{STEPS + 1}" / "model.safetensors"
+    assert lora_config_of(file)["r"] == RANK
+    with safe_open(str(file), "pt") as f:
+        keys = list(f.keys())
+        assert keys and all(".lora_A." in k or ".lora_B." in k for k in keys)
+        assert any(bool(f.get_tensor(k).any()) for k in keys if ".lora_B." in k)  # trained
+    assert file.stat().st_size < 100_000 < base_sum["bytes"]
+
+    # TRL trained the adapter only: its base weights are the model it loaded, tensor for tensor
+    model = trainer.model
+    assert all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
+    loaded = _base(tiny_dir).state_dict()
+    base = {
+        n.replace("base_layer.", ""): p
+        for n, p in model.get_base_model().named_parameters()
+        if "lora_" not in n
+    }
+    assert base.keys() == {n for n, _ in _base(tiny_dir).named_parameters()}
+    for name, tensor in base.items():
+        assert torch.equal(tensor.detach().float(), loaded[name]), name
+
+
+def test_only_peft_lora_models_the_engines_can_serve_publish_an_adapter(tiny_dir):
+    assert peft_adapter(_base(tiny_dir)) is None  # no peft: the whole model is published
+
+    def lora(**extra):
+        config = dict(r=RANK, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+        return get_peft_model(_base(tiny_dir), LoraConfig(**{**config, **extra}))
+
+    export = peft_adapter(lora())
+    assert export is not None and export.config()["r"] == RANK
+    assert export.state() and all("lora_" in k for k in export.state())
+    with pytest.raises(TrainerConfigError, match="DoRA"):
+        peft_adapter(lora(use_dora=True))
+    with pytest.raises(TrainerConfigError, match="ranks per module"):
+        peft_adapter(lora(rank_pattern={"q_proj": 8}))
+    with pytest.raises(TrainerConfigError, match="beside its LoRA A and B.*modules_to_save"):
+        peft_adapter(lora(modules_to_save=["lm_head"]))
+    # and the stream transport, which broadcasts whole tensors, is refused for an adapter
+    rollout = AgentariumRollout(RolloutConfig(agent=AGENT, run=RUN))
+    sync = rollout.weight_sync(
+        model_dir=str(tiny_dir),
+        process=TrainerProcess(weight_transport="stream", stream_engines=("http://x:1",)),
+    )
+    with pytest.raises(TrainerConfigError, match="TRL's peft model.*object-store or shared"):
+        sync.on_train_begin(None, None, None, model=lora())
