@@ -230,17 +230,51 @@ class TrajectoryReader:
         self, run: str, agent: str, *, until_caught_up: bool
     ) -> AsyncGenerator[Trajectory, None]:
         subject_filter = self.topology.trajectories_filter(run, agent)
+        expected = None
         if until_caught_up:
             await self._replicas_current()
+            expected = await self._stored_on_leader(subject_filter)
         cursor = _Cursor(self.js, self.topology.trajectories_stream, subject_filter, self.batch)
+        seen, deadline = 0, time.monotonic() + REPLICA_WAIT_S
         try:
             await cursor.open()
-            async for msg in cursor.messages(until_caught_up=until_caught_up):
-                trajectory = self.decode(msg.data, msg.headers, msg.subject)
-                if trajectory is not None:
-                    yield trajectory
+            while True:
+                async for msg in cursor.messages(until_caught_up=until_caught_up):
+                    seen += 1
+                    trajectory = self.decode(msg.data, msg.headers, msg.subject)
+                    if trajectory is not None:
+                        yield trajectory
+                if expected is None or seen >= expected:
+                    return
+                if time.monotonic() > deadline:
+                    log.warning(
+                        "trajectory reader: read fewer messages than the stream leader holds",
+                        read=seen,
+                        stored=expected,
+                        waited_s=REPLICA_WAIT_S,
+                    )
+                    return
+                # The cursor's replica had not applied everything the leader holds (a
+                # replica reported current has received the entries, not always applied
+                # them): read on from where it stopped, on a new cursor.
+                await cursor.close()
+                await asyncio.sleep(0.2)
+                await cursor.open()
         finally:
             await cursor.close()
+
+    async def _stored_on_leader(self, subject_filter: str) -> int | None:
+        """In a cluster, how many messages under the filter the stream's leader holds (its
+        info is the leader's); None on a single server or when it does not answer."""
+        try:
+            info = await self.js.stream_info(
+                self.topology.trajectories_stream, subjects_filter=subject_filter
+            )
+        except nats.errors.Error:
+            return None
+        if not (info.cluster and info.cluster.replicas):
+            return None
+        return sum((info.state.subjects or {}).values())
 
     async def _replicas_current(self) -> None:
         """In a cluster, the reader's ephemeral consumer may be placed on a replica that is

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -289,15 +288,14 @@ async def test_removing_a_worker_from_a_broker_that_does_not_answer_is_not_an_er
 ):
     # A worker's last act on stopping; a broker that is slow (an election, a restart) then
     # made a drained consumer exit 2 (found by tests/chaos: a cluster's node restarted).
+    from frozen import frozen
+
     from broker.registry import live_workers, publish_worker, remove_worker
 
     await publish_worker(js, topology, "w1", {"agent": "toy"})
     impatient = nc.jetstream(timeout=0.3)
-    os.kill(nats_server.pid, signal.SIGSTOP)
-    try:
+    with frozen(nats_server.pid):  # every thread stopped before the removal is sent
         await asyncio.wait_for(remove_worker(impatient, topology, "w1"), 10)
-    finally:
-        os.kill(nats_server.pid, signal.SIGCONT)
     assert [w["worker_id"] for w in await live_workers(js, topology)] == ["w1"]  # TTL's job now
 
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
-import signal
 
 import nats.js.errors
 import pytest
+from frozen import frozen
 from nats.js.api import AckPolicy, ConsumerConfig
 from trainlib import short_call
 
@@ -289,13 +288,10 @@ async def test_a_trainer_started_while_the_broker_does_not_answer_waits_and_keep
 
     impatient = nc.jetstream(timeout=0.3)  # each try of a frozen server's request fails fast
     second = Collector(impatient, topology, config, clock=clock)
-    os.kill(nats_server.pid, signal.SIGSTOP)
-    try:
+    with frozen(nats_server.pid):
         starting = asyncio.create_task(second.start())
         await asyncio.sleep(1.0)  # the outage under test: several tries meet it, then it ends
         assert not starting.done()
-    finally:
-        os.kill(nats_server.pid, signal.SIGCONT)
     await asyncio.wait_for(starting, 30)
     try:
         (group,) = await second.take(1, TAKE, timeout=10)
@@ -305,12 +301,9 @@ async def test_a_trainer_started_while_the_broker_does_not_answer_waits_and_keep
         await second.close()
 
     never = Collector(impatient, topology, dataclasses.replace(config, start_patience_s=0.5))
-    os.kill(nats_server.pid, signal.SIGSTOP)
-    try:
+    with frozen(nats_server.pid):
         with pytest.raises(BrokerUnavailable, match=r"trainer's consumer: NATS did not answer"):
             await never.start()
-    finally:
-        os.kill(nats_server.pid, signal.SIGCONT)
 
 
 def test_buffer_redelivery_replaces_the_handle_and_dedups_after_done():
