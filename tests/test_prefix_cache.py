@@ -115,3 +115,71 @@ async def test_changed_weights_and_flush_cache_empty_it(tiny_dir, template, tmp_
         assert fresh[0][0]["meta_info"]["cached_tokens"] == 0  # nothing of the old weights
         assert fresh[0][1]["meta_info"]["cached_tokens"] > 0
         assert engine.flush_cache() and len(cache) == 0
+
+
+def _prefix_of(engine_model, ids: list[int]):
+    from consumers.engine.prefix_cache import CachedPrefix
+
+    _, cached = engine_model.prefill([ids], all_logits=False)
+    keys = [k[0] for k in cached.keys]
+    return CachedPrefix(keys=keys, values=[v[0] for v in cached.values], length=len(ids))
+
+
+def test_a_prefill_split_under_its_mask_bound_gives_the_same_logits_and_kv(tiny_dir):
+    from consumers.engine.model import EngineModel
+
+    model = EngineModel(tiny_dir)
+    long, short = [i % 250 for i in range(900)], [(7 * i) % 250 for i in range(300)]
+    prefixes = [_prefix_of(model, long[:500]), None]
+    whole = model.prefill([long, short], all_logits=False, prefixes=prefixes)
+    scored_whole = model.prefill([long[:700], short], all_logits=True)
+    model.prefill_mask_bytes = 64 * 1024  # passes of at most a few dozen columns here
+    assert len(model._chunks(2, 500, 400, masked=True)) >= 8
+    split = model.prefill([long, short], all_logits=False, prefixes=prefixes)
+    scored_split = model.prefill([long[:700], short], all_logits=True)
+    for (logits_a, kv_a), (logits_b, kv_b) in ((whole, split), (scored_whole, scored_split)):
+        assert logits_a.shape == logits_b.shape
+        assert torch.allclose(logits_a, logits_b, atol=1e-4)
+        assert torch.equal(kv_a.mask, kv_b.mask)
+        for a, b in zip(kv_a.keys + kv_a.values, kv_b.keys + kv_b.values, strict=True):
+            assert torch.allclose(a, b, atol=1e-4)
+
+
+PEAK_SCRIPT = """
+import resource, sys
+from pathlib import Path
+from consumers.engine.model import EngineModel
+from consumers.engine.prefix_cache import CachedPrefix
+model = EngineModel(Path(sys.argv[1]))
+ids = [i % 250 for i in range(24000)]
+_, kv = model.prefill([ids[:12000]], all_logits=False)
+prefix = CachedPrefix(keys=[k[0] for k in kv.keys], values=[v[0] for v in kv.values], length=12000)
+del kv
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+model.prefill([ids], all_logits=False, prefixes=[prefix])
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+"""
+
+
+def test_a_long_prompt_after_a_long_cached_prefix_stays_within_memory(tiny_dir, tmp_path):
+    # 12,000 new tokens after 12,000 cached ones: in one pass transformers builds a float mask
+    # of 12,000 x 24,000 (1.1 GB) and scores beside it; a harness's 57k after 20k took 23 GB
+    # and the engine was killed. Split, the pass grows the process by a few hundred MB.
+    import json
+    import subprocess
+    import sys
+
+    long_dir = tmp_path / "tiny-long"
+    shutil.copytree(tiny_dir, long_dir)
+    config = json.loads((long_dir / "config.json").read_text())
+    config["max_position_embeddings"] = 32768
+    (long_dir / "config.json").write_text(json.dumps(config))
+    out = subprocess.run(
+        [sys.executable, "-c", PEAK_SCRIPT, str(long_dir)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=True,
+    )
+    grown_mb = int(out.stdout.strip().splitlines()[-1])
+    assert grown_mb < 600, f"the prefill grew the engine by {grown_mb} MB"

@@ -24,6 +24,9 @@ from .prefix_cache import CachedPrefix
 log = structlog.get_logger("agentarium.engine")
 
 
+PREFILL_MASK_BYTES = 256 * 2**20
+
+
 class EngineModel:
     """A local transformers model directory, loaded for batched CPU inference."""
 
@@ -49,6 +52,8 @@ class EngineModel:
         # transformers 5.x renamed past_key_values to cache (the old name warns until 5.40).
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._pad_id = int(self.config.pad_token_id or 0) % self.vocab_size
+        # the most one prefill pass's attention mask may take (see _chunks)
+        self.prefill_mask_bytes = PREFILL_MASK_BYTES
 
     # ---- forward passes -------------------------------------------------------------------
 
@@ -85,18 +90,37 @@ class EngineModel:
             del past  # the cache holds them until the forward pass extends them
         else:
             cache = self._cache_cls()
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            use_cache=True,
-            logits_to_keep=0 if all_logits else 1,
-            **{self._cache_kwarg: cache},
-        )
+        past_width = mask.shape[1] - width
+        logits = []
+        for start, end in self._chunks(len(prompts), past_width, width, masked=bool(any(cached))):
+            out = self.model(
+                input_ids=ids[:, start:end],
+                attention_mask=mask[:, : past_width + end],
+                position_ids=positions[:, start:end],
+                use_cache=True,
+                logits_to_keep=0 if all_logits else 1,
+                **{self._cache_kwarg: cache},
+            )
+            if all_logits or end == width:
+                logits.append(out.logits)
         keys, values = _cache_tensors(cache)
         kv = PaddedKV(keys=keys, values=values, mask=mask)
         kv.zero_padding()
-        return out.logits.float(), kv
+        return torch.cat(logits, dim=1).float(), kv
+
+    def _chunks(self, rows: int, past: int, width: int, *, masked: bool) -> list[tuple[int, int]]:
+        """The column ranges one prefill computes in turn. A pass of T new columns after P
+        cached ones, under a mask that is not all ones (padded rows, a cached prefix), builds
+        a (B, 1, T, P + T) float mask: 1.1 GB for 12k tokens after 12k, and a harness's
+        78k-token call grew the engine to 23 GB before the kernel killed it. Split so each
+        pass stays under ``prefill_mask_bytes``; a pass without padding or prefix
+        (transformers drops the mask) is one pass, as is any pass under the bound."""
+        if not masked and rows == 1:
+            return [(0, width)]
+        step = width
+        while step > 1 and rows * step * (past + width) * 4 > self.prefill_mask_bytes:
+            step = (step + 1) // 2
+        return [(start, min(start + step, width)) for start in range(0, width, step)]
 
     @torch.inference_mode()
     def decode(self, kv: PaddedKV, tokens: list[int], positions: list[int]) -> torch.Tensor:
