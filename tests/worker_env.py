@@ -39,17 +39,21 @@ async def worker_for(
     reward_fn=None,
     worker_id=None,
     limits=None,
+    template=None,
+    model_name="tiny",
 ):
+    """A worker running ``agent_fn`` as ``agent_name`` against ``llm_urls``, rendering chats
+    with ``template`` (default the tiny model's) for the model served as ``model_name``."""
     backend = SGLangBackend(list(llm_urls), retries=1, backoff=0.01, max_backoff=0.05)
     proxy = TracingProxy(host="127.0.0.1", port=0, advertised_host="127.0.0.1")
     await proxy.start()
-    runner = AgentRunner(AgentSpec.of(agent_fn, agent_name), model_name="tiny", threads=8)
+    runner = AgentRunner(AgentSpec.of(agent_fn, agent_name), model_name=model_name, threads=8)
     env = RolloutEnv(
         runner=runner,
         backend=backend,
-        template=tiny_template(),
+        template=template or tiny_template(),
         proxy=proxy,
-        model_name="tiny",
+        model_name=model_name,
         worker_id=worker_id or f"test-{agent_name}",
         reward_fn=reward_fn,
     )
