@@ -5,8 +5,8 @@ addition, exact-answer reward: examples/arithmetic.py) shrunk to fit the suite: 
 (a small optimizer state, an adapter published per step), 4 groups of 8 rollouts a step, 10
 steps at lr 3e-4, and the demo's held-out evals (20 pairs, k = 4) before and after. The control
 runs 2 steps at lr 0 with the same flags. One step costs about 9 s of update on two CPU cores;
-the learning run about 135 s and the control about 50 s. Three runs read base 0.11-0.18 ->
-trained 0.44-0.51 (gains 0.26-0.39) and the control 0.06-0.14, unchanged by its steps
+the learning run about 135 s and the control about 50 s. Four runs read base 0.11-0.19 ->
+trained 0.44-0.60 (gains 0.26-0.41) and the control 0.06-0.14, unchanged by its steps
 (docs/training.md). Part of the real-model tier (``-m real_model``).
 """
 
