@@ -32,6 +32,12 @@ def _nats_server_line() -> str:
     return f"nats-server: {binary} (v{format_version(binary_version(binary))}, {how})"
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    from suite_order import spread_long_tests
+
+    items[:] = spread_long_tests(items, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")))
+
+
 def pytest_report_header(config) -> str:
     """Which nats-server every fixture launches: $AGENTARIUM_NATS_SERVER, or the default
     resolution of ``broker.find_nats_server`` (never a virtualenv's bin first on PATH)."""

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -23,6 +25,7 @@ def test_ruff_lint_and_format_are_clean():
 PACKAGES = ("schemas", "broker", "producers", "consumers", "environments", "trainer", "agentarium")
 
 
+@pytest.mark.long(100)
 def test_mypy_on_every_package():
     result = run("mypy", "--ignore-missing-imports", *PACKAGES)
     assert result.returncode == 0, result.stdout[-3000:]

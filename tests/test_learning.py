@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import urllib.request
 
+import pytest
 from fake_sglang import local_engine
 from trainlib import run_micro_demo
 
@@ -25,6 +26,7 @@ def mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
+@pytest.mark.long(65)
 def test_reward_rises_with_learning_and_not_without(tmp_path, tiny_dir):
     learned = run_demo(tmp_path / "lr", "--lr", "3e-3", "--steps", "40")
     assert len(learned) == 40

@@ -36,6 +36,7 @@ of 10, ``--group-size 16`` 0 of 6 but 2 climbed a neighbour, at a 50% longer tra
 
 from __future__ import annotations
 
+import pytest
 from trainlib import run_micro_demo
 
 from agentarium.demo import FAMILIES, first_last, task_rewards
@@ -78,6 +79,7 @@ def rise(values: list[float | None], window: int = WINDOW) -> float:
     return last - first
 
 
+@pytest.mark.long(85)
 def test_each_task_rises_with_learning_and_not_without(tmp_path):
     out = tmp_path / "lr"
     learned = run_demo(out, "--lr", "3e-3", "--steps", str(STEPS))

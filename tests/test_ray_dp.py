@@ -48,6 +48,7 @@ def ray_local():
     ray.shutdown()
 
 
+@pytest.mark.long(75)
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
 def test_two_ray_workers_match_one_worker(ray_local, loss_agg):
     from trainer.ray_dp import RayDataParallel

@@ -43,6 +43,7 @@ def run_smol_demo(out: Path, *flags: str) -> tuple[float, float, int]:
     return held_out("base"), held_out("trained"), len(read_metrics(out / "metrics.csv"))
 
 
+@pytest.mark.long(205)
 def test_smol_learns_addition_and_not_without_a_learning_rate(smol_dir, tmp_path):
     base, trained, steps = run_smol_demo(tmp_path / "lr", "--lr", "3e-4", "--steps", "10")
     assert steps == 10

@@ -13,14 +13,11 @@ prompts become groups.
 
 from __future__ import annotations
 
-import asyncio
-import os
-
 import pytest
 
 pytest.importorskip("trl", reason="TRL is the `trl` extra: pip install -e '.[trl]'")
 
-from trllib import trl_services  # noqa: E402
+from trllib import VersionsSeen, services_running  # noqa: E402
 
 from agentarium.integrations.config import RolloutConfig  # noqa: E402
 from agentarium.integrations.samples import Sample, sample_of  # noqa: E402
@@ -31,7 +28,6 @@ from agentarium.integrations.trl import (  # noqa: E402
     groups_of,
     sampling_of,
 )
-from agentarium.orchestrator.loop_thread import LoopThread  # noqa: E402
 from examples.toy import any_digit  # noqa: E402
 from examples.trl_trainer import train  # noqa: E402
 from schemas import LLMCall, Trajectory  # noqa: E402
@@ -129,29 +125,16 @@ def _mean(values):
 
 
 def test_trl_grpo_learns_on_agentarium_rollouts(settings, tiny_dir, engine_url, tmp_path):
-    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-    loop = LoopThread(name="trl-test-services")
-    stop, ready = asyncio.Event(), asyncio.Event()
-    services = loop.submit(
-        trl_services(
-            settings,
-            run=RUN,
-            agent=AGENT,
-            agent_fn=any_digit,
-            engine_url=engine_url,
-            weights_dir=tmp_path / "w",
-            stop=stop,
-            ready=ready,
-        )
-    )
-    try:
-        loop.call(asyncio.wait_for(ready.wait(), 60))
-        versions: list[list[int]] = []
-
-        def seen(completions, agentarium_weight_version, **kwargs):
-            versions.append(list(agentarium_weight_version))
-            return [None] * len(completions)
-
+    seen = VersionsSeen()
+    with services_running(
+        settings,
+        name="trl-test-services",
+        run=RUN,
+        agent=AGENT,
+        agent_fn=any_digit,
+        engine_url=engine_url,
+        weights_dir=tmp_path / "w",
+    ):
         config = RolloutConfig(agent=AGENT, run=RUN, deadline_s=60, grace_s=30)
         frozen = train(
             config, model_dir=str(tiny_dir), steps=FROZEN, lr=0.0, settings=settings, seed=1
@@ -164,10 +147,6 @@ def test_trl_grpo_learns_on_agentarium_rollouts(settings, tiny_dir, engine_url, 
             seed=1,
             extra_rewards=[seen],
         )
-    finally:
-        loop.loop.call_soon_threadsafe(stop.set)
-        services.result(60)
-        loop.stop()
     frozen_reward = [e["reward"] for e in frozen]
     learned_reward = [e["reward"] for e in learned]
     print(f"reward per step: lr 1e-2 {learned_reward}; lr 0 {frozen_reward}")  # shown with -s
@@ -181,4 +160,4 @@ def test_trl_grpo_learns_on_agentarium_rollouts(settings, tiny_dir, engine_url, 
     # Each step's rollouts all came from the version published after the step before: the
     # frozen run published versions 1..FROZEN + 1 (its start, then each step), so the learned
     # run starts at FROZEN + 2 and step s (from 1) samples version FROZEN + 1 + s.
-    assert [set(v) for v in versions] == [{FROZEN + 1 + s} for s in range(1, STEPS + 1)], versions
+    assert seen.steps == [{FROZEN + 1 + s} for s in range(1, STEPS + 1)], seen.steps

@@ -8,9 +8,6 @@ test starts, which a full-weights run in the same module would have replaced."""
 
 from __future__ import annotations
 
-import asyncio
-import os
-
 import pytest
 
 pytest.importorskip("trl", reason="TRL is the `trl` extra: pip install -e '.[trl]'")
@@ -20,11 +17,10 @@ import torch  # noqa: E402
 from peft import LoraConfig, get_peft_model  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
-from trllib import trl_services  # noqa: E402
+from trllib import VersionsSeen, services_running  # noqa: E402
 
 from agentarium.integrations.config import RolloutConfig  # noqa: E402
 from agentarium.integrations.trl import AgentariumRollout, AgentariumWeightSync  # noqa: E402
-from agentarium.orchestrator.loop_thread import LoopThread  # noqa: E402
 from broker import EngineControl, lora_config_of  # noqa: E402
 from examples.toy import any_digit  # noqa: E402
 from examples.trl_trainer import grpo_trainer  # noqa: E402
@@ -40,65 +36,52 @@ def _base(tiny_dir):
 def test_trl_trains_a_lora_adapter_and_the_engine_serves_base_plus_adapter(
     settings, tiny_dir, engine_url, tmp_path
 ):
-    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     torch.manual_seed(0)
-    loop = LoopThread(name="trl-lora-services")
     control = EngineControl()
-    stop, ready = asyncio.Event(), asyncio.Event()
-    services = loop.submit(
-        trl_services(
-            settings,
-            run=RUN,
-            agent=AGENT,
-            agent_fn=any_digit,
-            engine_url=engine_url,
-            weights_dir=tmp_path / "sync",
-            stop=stop,
-            ready=ready,
-        )
-    )
-    versions: list[set[int]] = []
-
-    def seen(completions, agentarium_weight_version, **kwargs):
-        versions.append(set(agentarium_weight_version))
-        return [None] * len(completions)
-
-    try:
-        loop.call(asyncio.wait_for(ready.wait(), 60))
-        base_sum = loop.call(control.weights_checksum(engine_url))
-        config = RolloutConfig(agent=AGENT, run=RUN, deadline_s=60, grace_s=30)
-        with AgentariumRollout(config, settings=settings) as rollouts:
-            trainer = grpo_trainer(
-                rollouts,
-                model_dir=str(tiny_dir),
-                steps=STEPS,
-                lr=3e-2,
-                prompts_per_step=4,
-                generations=4,
-                output_dir=str(tmp_path / "trl"),
-                seed=1,
-                extra_rewards=[seen],
-                lora_rank=RANK,
-            )
-            [sync] = [
-                c for c in trainer.callback_handler.callbacks if isinstance(c, AgentariumWeightSync)
-            ]
-            trainer.train()
-            rollouts.wait_served(STEPS + 1)  # the last step's, which no rollout waited for
-        served = loop.call(control.weights_checksum(engine_url))
-        # the engine's own base, once the adapter is taken out
-        loop.call(control.unload_lora_adapter(engine_url, name=RUN))
-        unloaded = loop.call(control.weights_checksum(engine_url))
-    finally:
-        loop.call(control.close())
-        loop.loop.call_soon_threadsafe(stop.set)
-        services.result(60)
-        loop.stop()
+    seen = VersionsSeen()
+    with services_running(
+        settings,
+        name="trl-lora-services",
+        run=RUN,
+        agent=AGENT,
+        agent_fn=any_digit,
+        engine_url=engine_url,
+        weights_dir=tmp_path / "sync",
+    ) as loop:
+        try:
+            base_sum = loop.call(control.weights_checksum(engine_url))
+            config = RolloutConfig(agent=AGENT, run=RUN, deadline_s=60, grace_s=30)
+            with AgentariumRollout(config, settings=settings) as rollouts:
+                trainer = grpo_trainer(
+                    rollouts,
+                    model_dir=str(tiny_dir),
+                    steps=STEPS,
+                    lr=3e-2,
+                    prompts_per_step=4,
+                    generations=4,
+                    output_dir=str(tmp_path / "trl"),
+                    seed=1,
+                    extra_rewards=[seen],
+                    lora_rank=RANK,
+                )
+                [sync] = [
+                    c
+                    for c in trainer.callback_handler.callbacks
+                    if isinstance(c, AgentariumWeightSync)
+                ]
+                trainer.train()
+                rollouts.wait_served(STEPS + 1)  # the last step's, which no rollout waited for
+            served = loop.call(control.weights_checksum(engine_url))
+            # the engine's own base, once the adapter is taken out
+            loop.call(control.unload_lora_adapter(engine_url, name=RUN))
+            unloaded = loop.call(control.weights_checksum(engine_url))
+        finally:
+            loop.call(control.close())
 
     # one version at train begin (TRL's starting adapter), then one a step; step s sampled
     # version s, the one published after the step before
     assert sync.published == list(range(1, STEPS + 2)), sync.published
-    assert versions == [{s} for s in range(1, STEPS + 1)], versions
+    assert seen.steps == [{s} for s in range(1, STEPS + 1)], seen.steps
     assert served["weight_version"] == str(STEPS + 1)
     # the engine served its base + the trained adapter, and its base is intact
     assert served["checksum"] != base_sum["checksum"]

@@ -18,8 +18,6 @@ rollouts, TRL's forward and backward, the adapter's publish and load) takes abou
 
 from __future__ import annotations
 
-import asyncio
-import os
 import time
 
 import pytest
@@ -28,10 +26,9 @@ pytest.importorskip("trl", reason="TRL is the `trl` extra: pip install -e '.[trl
 pytest.importorskip("peft", reason="LoRA is the `lora` extra: pip install -e '.[lora]'")
 
 from fake_sglang import local_engine  # noqa: E402
-from trllib import trl_services  # noqa: E402
+from trllib import VersionsSeen, services_running  # noqa: E402
 
 from agentarium.integrations.config import RolloutConfig  # noqa: E402
-from agentarium.orchestrator.loop_thread import LoopThread  # noqa: E402
 from examples.toy import any_digit  # noqa: E402
 from examples.trl_trainer import train  # noqa: E402
 
@@ -54,31 +51,11 @@ def _mean(values):
     return sum(values) / len(values)
 
 
+@pytest.mark.long(210)
 def test_trl_grpo_trains_smol_with_lora_on_agentarium_rollouts(
     settings, smol_dir, smol_url, tmp_path
 ):
-    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-    loop = LoopThread(name="trl-smol-services")
-    stop, ready = asyncio.Event(), asyncio.Event()
-    services = loop.submit(
-        trl_services(
-            settings,
-            run=RUN,
-            agent=AGENT,
-            agent_fn=any_digit,
-            engine_url=smol_url,
-            weights_dir=tmp_path / "w",
-            stop=stop,
-            ready=ready,
-            model_dir=smol_dir,
-        )
-    )
-    versions: list[set[int]] = []
-
-    def seen(completions, agentarium_weight_version, **kwargs):
-        versions.append(set(agentarium_weight_version))
-        return [None] * len(completions)
-
+    seen = VersionsSeen()
     common = dict(
         model_dir=str(smol_dir),
         settings=settings,
@@ -87,8 +64,14 @@ def test_trl_grpo_trains_smol_with_lora_on_agentarium_rollouts(
         generations=GENERATIONS,
         lora_rank=RANK,
     )
-    try:
-        loop.call(asyncio.wait_for(ready.wait(), 60))
+    services = dict(run=RUN, agent=AGENT, agent_fn=any_digit, engine_url=smol_url)
+    with services_running(
+        settings,
+        name="trl-smol-services",
+        weights_dir=tmp_path / "w",
+        model_dir=smol_dir,
+        **services,
+    ):
         config = RolloutConfig(agent=AGENT, run=RUN, deadline_s=60, grace_s=30)
         t0 = time.monotonic()
         frozen = train(config, steps=FROZEN, lr=0.0, output_dir=str(tmp_path / "f"), **common)
@@ -102,10 +85,6 @@ def test_trl_grpo_trains_smol_with_lora_on_agentarium_rollouts(
             **common,
         )
         t2 = time.monotonic()
-    finally:
-        loop.loop.call_soon_threadsafe(stop.set)
-        services.result(60)
-        loop.stop()
     frozen_reward = [round(e["reward"], 3) for e in frozen]
     learned_reward = [round(e["reward"], 3) for e in learned]
     print(
@@ -119,4 +98,4 @@ def test_trl_grpo_trains_smol_with_lora_on_agentarium_rollouts(
     assert _mean(learned_reward[-5:]) >= 0.7, learned_reward
     # the control over the same steps: learning, not the pipeline, raised the reward
     assert _mean(learned_reward[1:FROZEN]) > _mean(frozen_reward[1:]) + 0.3, learned_reward
-    assert [set(v) for v in versions] == [{FROZEN + 1 + s} for s in range(1, STEPS + 1)], versions
+    assert seen.steps == [{FROZEN + 1 + s} for s in range(1, STEPS + 1)], seen.steps

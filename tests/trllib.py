@@ -4,10 +4,14 @@ a rollout consumer running the agent and the weight syncer, both against a real 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from worker_env import worker_for
 
+from agentarium.orchestrator.loop_thread import LoopThread
 from broker import NatsSettings, Topology, provision
 from consumers import ChatTemplate
 from consumers.sync import SyncConfig, WeightSyncer
@@ -59,3 +63,34 @@ async def trl_services(
             await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)
     finally:
         await nc.close()
+
+
+@contextlib.contextmanager
+def services_running(settings: NatsSettings, *, name: str, **kwargs) -> Iterator[LoopThread]:
+    """``trl_services(settings, **kwargs)`` on a loop thread of its own while the block runs
+    (yielded, for calls to the engine), stopped and joined after it."""
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    loop = LoopThread(name=name)
+    stop, ready = asyncio.Event(), asyncio.Event()
+    services = loop.submit(trl_services(settings, stop=stop, ready=ready, **kwargs))
+    try:
+        loop.call(asyncio.wait_for(ready.wait(), 60))
+        yield loop
+    finally:
+        loop.loop.call_soon_threadsafe(stop.set)
+        services.result(60)
+        loop.stop()
+
+
+class VersionsSeen:
+    """A TRL reward function that scores nothing and records, per step, the set of weight
+    versions its rollouts were sampled with (``agentarium_weight_version``)."""
+
+    __name__ = "versions_seen"  # TRL names reward functions by it
+
+    def __init__(self) -> None:
+        self.steps: list[set[int]] = []
+
+    def __call__(self, completions, agentarium_weight_version, **kwargs):
+        self.steps.append(set(agentarium_weight_version))
+        return [None] * len(completions)
