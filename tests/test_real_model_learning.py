@@ -25,14 +25,17 @@ pytestmark = pytest.mark.real_model
 
 SHRUNK = (
     "--model", "smol", "--lora-rank", "8", "--groups-per-step", "4", "--group-size", "8",
-    "--eval-k", "4", "--seed", "1", "--minutes", "4",
+    "--eval-k", "4", "--seed", "1", "--minutes", "20",
 )  # fmt: skip
+# The steps end each run, never the clock: in the suite's first pass this test shares two cores
+# with the other long tests and once took over 240 s for the learning run alone (135 s alone).
+# --minutes and the timeouts only stop a run that hangs.
 
 
 def run_smol_demo(out: Path, *flags: str) -> tuple[float, float, int]:
     """The held-out exact-answer rate on the base and on the trained weights, and the steps."""
     argv = [sys.executable, "-m", "agentarium", "demo", "--out", str(out), *SHRUNK, *flags]
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=240)
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
     def held_out(label: str) -> float:
@@ -44,6 +47,7 @@ def run_smol_demo(out: Path, *flags: str) -> tuple[float, float, int]:
 
 
 @pytest.mark.long(205)
+@pytest.mark.timeout(1500)
 def test_smol_learns_addition_and_not_without_a_learning_rate(smol_dir, tmp_path):
     base, trained, steps = run_smol_demo(tmp_path / "lr", "--lr", "3e-4", "--steps", "10")
     assert steps == 10

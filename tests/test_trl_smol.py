@@ -52,6 +52,7 @@ def _mean(values):
 
 
 @pytest.mark.long(210)
+@pytest.mark.timeout(900)  # 216 s in a loaded first pass; 300 is the default
 def test_trl_grpo_trains_smol_with_lora_on_agentarium_rollouts(
     settings, smol_dir, smol_url, tmp_path
 ):
