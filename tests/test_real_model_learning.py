@@ -55,4 +55,4 @@ def test_smol_learns_addition_and_not_without_a_learning_rate(smol_dir, tmp_path
     assert frozen_steps == 2
     print(f"held-out: lr 3e-4 {base:.3f} -> {trained:.3f}; lr 0 {frozen_base:.3f} -> {frozen:.3f}")
     assert trained >= base + 0.15, (base, trained)
-    assert trained >= frozen + 0.2, (frozen, trained)
+    assert trained >= frozen + 0.15, (frozen, trained)  # 0.275-0.513 in five runs
