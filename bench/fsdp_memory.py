@@ -20,7 +20,8 @@ RSS and the median step. The 1-minute load average is read before each configura
 The model: ``--model tiny`` (the built-in 2-layer model: its 0.4 M parameters are far below the
 libraries' own memory), ``--model smol`` (the real small model, SmolLM2-135M-Instruct, built
 into $AGENTARIUM_HOME/models/ on first use; 4 replicated ranks of it peaked at ~15.4 GB of RSS
-together: run it alone), a model directory (``--model DIR``), or ``--synthetic WIDTH:LAYERS``, a random Qwen2 of that
+together: run it alone), a model directory (``--model DIR``), or ``--synthetic WIDTH:LAYERS``,
+a random Qwen2 of that
 shape with the tiny tokenizer, built in code. On a 2-core machine 4 ranks share 2 cores, so step
 times at 4 ranks measure contention more than scaling: the memory columns are the point.
 

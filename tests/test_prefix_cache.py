@@ -163,8 +163,9 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
 
 def test_a_long_prompt_after_a_long_cached_prefix_stays_within_memory(tiny_dir, tmp_path):
     # 12,000 new tokens after 12,000 cached ones: in one pass transformers builds a float mask
-    # of 12,000 x 24,000 (1.1 GB) and scores beside it; a harness's 57k after 20k took 23 GB
-    # and the engine was killed. Split, the pass grows the process by a few hundred MB.
+    # of 12,000 x 24,000 (1.1 GB; the process grew by 1,397 MB), and Claude Code's
+    # 77,813-token call grew the engine to 23 GB before the kernel killed it. Split, the pass
+    # grows the process by a few hundred MB.
     import json
     import subprocess
     import sys
