@@ -22,11 +22,21 @@ from trllib import VersionsSeen, services_running  # noqa: E402
 from agentarium.integrations.config import RolloutConfig  # noqa: E402
 from agentarium.integrations.trl import AgentariumRollout, AgentariumWeightSync  # noqa: E402
 from broker import EngineControl, lora_config_of  # noqa: E402
-from examples.toy import any_digit  # noqa: E402
+from examples.toy import messages_of  # noqa: E402
 from examples.trl_trainer import grpo_trainer  # noqa: E402
 from trainer import TrainerConfigError, TrainerProcess, peft_adapter  # noqa: E402
 
 RUN, AGENT, STEPS, RANK = "trl-lora", "digit", 3, 4
+
+
+async def first_char(task: dict, llm) -> dict:
+    """A reward that differs within a group (the reply's first character, scaled to [0, 1]),
+    so every step has an advantage to train on. With ``any_digit`` (0/1; the tiny model
+    starts near 0.04) a group of 4 is flat with p ~ 0.85 and all 12 groups with p ~ 0.14, as
+    in CI's run at 8add217: no gradient, the adapter's B stayed zero and the engine served
+    its base unchanged."""
+    result = await llm.chat(messages_of(task), max_new_tokens=1)
+    return {"reward": min(ord(result.text[:1] or "\0"), 255) / 255, "metrics": {}}
 
 
 def _base(tiny_dir):
@@ -44,7 +54,7 @@ def test_trl_trains_a_lora_adapter_and_the_engine_serves_base_plus_adapter(
         name="trl-lora-services",
         run=RUN,
         agent=AGENT,
-        agent_fn=any_digit,
+        agent_fn=first_char,
         engine_url=engine_url,
         weights_dir=tmp_path / "sync",
     ) as loop:
