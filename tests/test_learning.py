@@ -18,7 +18,9 @@ from trainlib import run_micro_demo
 
 
 def run_demo(out, *extra: str) -> list[float]:
-    rows = run_micro_demo(out, "--minutes", "4", "--run", "learn", *extra, timeout=300)
+    # the steps end each run, never the clock (as in test_real_model_learning): --minutes and
+    # the timeouts only stop a run that hangs
+    rows = run_micro_demo(out, "--minutes", "10", "--run", "learn", *extra, timeout=660)
     return [float(row["reward_mean_trained"]) for row in rows]
 
 
@@ -27,6 +29,7 @@ def mean(values: list[float]) -> float:
 
 
 @pytest.mark.long(65)
+@pytest.mark.timeout(1500)
 def test_reward_rises_with_learning_and_not_without(tmp_path, tiny_dir):
     learned = run_demo(tmp_path / "lr", "--lr", "3e-3", "--steps", "40")
     assert len(learned) == 40

@@ -54,5 +54,9 @@ def test_smol_learns_addition_and_not_without_a_learning_rate(smol_dir, tmp_path
     frozen_base, frozen, frozen_steps = run_smol_demo(tmp_path / "lr0", "--lr", "0", "--steps", "2")
     assert frozen_steps == 2
     print(f"held-out: lr 3e-4 {base:.3f} -> {trained:.3f}; lr 0 {frozen_base:.3f} -> {frozen:.3f}")
-    assert trained >= base + 0.15, (base, trained)
-    assert trained >= frozen + 0.15, (frozen, trained)  # 0.275-0.513 in five runs
+    # The three evals of the base weights (lr 0 leaves them as they are) pooled: 240 samples
+    # instead of 80 narrow the baseline's noise (sd ~0.035 -> ~0.02); trained minus the base
+    # read 0.26-0.41 in five runs, trained minus the control 0.275-0.513.
+    pooled = (base + frozen_base + frozen) / 3
+    assert trained >= pooled + 0.15, (base, frozen_base, frozen, trained)
+    assert trained >= frozen + 0.05, (frozen, trained)  # the control did not learn it

@@ -72,7 +72,7 @@ def test_same_bytes_in_every_build(tmp_path, tiny):
 
     started = time.perf_counter()
     other = ensure_tiny_model(tmp_path / "other-home")
-    assert time.perf_counter() - started < 2.0
+    assert time.perf_counter() - started < 10.0  # built in code, nothing fetched or trained
     for name in ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"):
         assert _sha256(other / name) == _sha256(tiny / name), name
 

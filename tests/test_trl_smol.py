@@ -97,6 +97,8 @@ def test_trl_grpo_trains_smol_with_lora_on_agentarium_rollouts(
     # TRL starts from, as every step of the control does)
     assert learned_reward[0] < 0.5 and _mean(frozen_reward) < 0.3, frozen_reward
     assert _mean(learned_reward[-5:]) >= 0.7, learned_reward
-    # the control over the same steps: learning, not the pipeline, raised the reward
-    assert _mean(learned_reward[1:FROZEN]) > _mean(frozen_reward[1:]) + 0.3, learned_reward
+    # against the control: learning, not the pipeline, raised the reward. Not over the same
+    # early steps: a step whose two groups are both flat (p ~ 0.085 at 1 in 7) trains nothing,
+    # and two of them among the first three (p ~ 0.02) put step 5 below the learned curve
+    assert _mean(learned_reward[-5:]) > _mean(frozen_reward) + 0.4, learned_reward
     assert seen.steps == [{FROZEN + 1 + s} for s in range(1, STEPS + 1)], seen.steps
