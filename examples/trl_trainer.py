@@ -37,12 +37,16 @@ def grpo_config(
     output_dir: str, *, steps: int, lr: float, prompts_per_step: int, generations: int, seed: int
 ):
     """TRL's GRPOConfig for the digit task on the CPU: one digit and the end of the turn per
-    completion, no KL term, no checkpoints, no reporting."""
+    completion, no KL term, no checkpoints, no reporting. fp32 and no activation checkpointing:
+    TRL's defaults (bf16, checkpointing) run bf16 matrix products on a CPU without AVX-512 BF16
+    or AMX in torch's fallback kernel, which made the smol test's steps take minutes."""
     from trl import GRPOConfig
 
     return GRPOConfig(
         output_dir=output_dir,
         use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
         max_steps=steps,
         learning_rate=lr,
         lr_scheduler_type="constant",
