@@ -22,6 +22,12 @@ from broker.version import binary_version, format_version
 
 _EXPORTER = InMemorySpanExporter()
 
+# Every Ray the tests start (theirs, the trainer's, a demo's) runs its workers at nice 0: at
+# Ray's default of 15, a rank beside the suite's other busy workers got a few per cent of a
+# core, and tests/test_ray_dp.py's 9-14 s tests took 237-290 s in the first pass (two of its
+# module teardowns then timed out in ray.shutdown).
+os.environ.setdefault("RAY_worker_niceness", "0")
+
 
 def _nats_server_line() -> str:
     how = f"${ENV_BINARY}" if os.environ.get(ENV_BINARY) else "default resolution"

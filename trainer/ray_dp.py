@@ -11,11 +11,15 @@ order of floating-point sums).
 Backends: gloo on CPU, nccl on CUDA (one GPU per actor). Rank 0's weights are the ones
 published and checkpointed: the driver copies its state dict into a CPU mirror model for the
 publisher. ``ray.init()`` is the caller's (connect to a cluster with RAY_ADDRESS); when Ray is
-not initialised, a local instance is started.
+not initialised, a local instance is started, its workers at nice 0 (``LOCAL_RAY``): Ray's
+default of 15 gives the ranks a few per cent of a core beside any other busy process (an
+engine, a consumer), and the ranks are the trainer. A cluster's own raylets decide their
+workers' niceness (``RAY_worker_niceness=0 ray start ...``).
 """
 
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 
@@ -38,6 +42,9 @@ from .step import (
     memory_of,
     publishable,
 )
+
+# ray.init's _system_config when it starts a local Ray: its workers at nice 0, not Ray's 15
+LOCAL_RAY = {"worker_niceness": 0}
 
 
 class _Worker:
@@ -128,7 +135,8 @@ class RayDataParallel:
         self.world = world
         self.settings = StepSettings.from_config(config)
         if not ray.is_initialized():
-            ray.init(include_dashboard=False, log_to_driver=False)
+            own = None if os.environ.get("RAY_ADDRESS") else LOCAL_RAY  # joins a cluster: its own
+            ray.init(include_dashboard=False, log_to_driver=False, _system_config=own)
         gpu = config.device == "cuda"
         actor = ray.remote(num_cpus=1, num_gpus=1 if gpu else 0)(self.worker)
         try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,10 @@ def ensure_ray(config: RayConfig) -> None:
         kwargs["namespace"] = config.namespace
     if not config.address:
         kwargs["include_dashboard"] = False
+        if not os.environ.get("RAY_ADDRESS"):
+            # a Ray of our own: its workers at nice 0, not Ray's 15, since the consumer actors
+            # are the work (docs/design.md, the trainer's Ray)
+            kwargs["_system_config"] = {"worker_niceness": 0}
     ray.init(**kwargs)
 
 
