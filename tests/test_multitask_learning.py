@@ -10,7 +10,7 @@ Each task's reward, read from its own column of the trainer's metrics CSV, must 
 that trained groups of the task); with learning rate 0 (20 steps, windows of 10) neither may
 rise by 10% of its range.
 
-A rare outcome of the dynamics, not a pipeline bug, is handled by one fresh run: the neighbour
+A rare outcome of the dynamics, not a pipeline bug, is handled by fresh runs: the neighbour
 trap. ``next`` pays 0.5 for 6 or 8, ``repeat`` only for 7, and the random tiny policy starts
 near uniform and blind to the prompt (each digit's first-token probability differs by under 5%
 between ``repeat 7`` and ``next 6``), so what ``next`` teaches, ``repeat`` answers too. With
@@ -21,8 +21,8 @@ climbs. It usually recovers: a 7 sampled in a ``repeat`` group, or among 0.5s in
 group, gets a large normalised advantage. If no 7 is sampled before 7's probability vanishes,
 every ``repeat`` group is flat at 0 and every ``next`` group at 0.5: no gradient is left, for
 good. ``neighbour_trap`` recognises that end state (``repeat`` 0, ``next`` 0.5 with no exact
-answer over the last 20 steps); only then the learning run is repeated once, with seed 2, so a
-pipeline fault (a task whose reward stays 0 while the other learns 7) still fails at once.
+answer over the last 20 steps); only then the learning run is repeated, with seed 2 and, if
+that one is trapped too, seed 3, so a pipeline fault (a task whose reward stays 0 while the other learns 7) still fails at once.
 
 Measured on a shared 2-core machine, learning runs of this test's flags: 24 runs, 0 trapped, 5
 climbed a neighbour first (at least half of ``next``'s replies over 5 steps) and recovered; CI
