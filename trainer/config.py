@@ -179,6 +179,17 @@ class TrainerConfig:
         help="run forward passes under bf16 autocast (fast on GPUs); weights, gradients and the "
         "optimizer stay fp32, log-probs are computed in fp32",
     )
+    # The master weights' dtype. float64 is for numerical checks: two correct implementations
+    # of one update (sharded and one-process, tests/test_fsdp.py) then agree to ~1e-16
+    # relative, where in fp32 AdamW's division by the root of the second moment turns a
+    # gradient's rounding noise into steps of up to lr on parameters with no true gradient.
+    dtype: str = setting(
+        "float32",
+        choices=("float32", "float64"),
+        group=LOSS,
+        help="dtype of the weights, gradients and optimizer state (float64: numerical checks, "
+        "about twice the memory and time; log-probs are computed in at least fp32)",
+    )
     loss_agg: str = setting(
         "token-mean",
         choices=LOSS_AGGS,

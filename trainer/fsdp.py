@@ -120,7 +120,9 @@ class _FsdpWorker(_Worker):
         where = "cpu" if rank == 0 else "meta"
         self.model = load_policy(model_dir, where, settings)
         self.ref_model = (
-            load_model(model_dir, where, trainable=False) if settings.kl_coef > 0 else None
+            load_model(model_dir, where, trainable=False, dtype=settings.dtype)
+            if settings.kl_coef > 0
+            else None
         )
         if settings.activation_checkpointing:
             self.model.gradient_checkpointing_enable(

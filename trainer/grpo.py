@@ -118,14 +118,20 @@ def task_normalized(
     return out
 
 
+def at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in fp32, or as it is when wider (a float64 model, ``--dtype float64``)."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
 def token_logprobs(
     logits: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor | float = 1.0
 ) -> torch.Tensor:
-    """log softmax(logits / T) at the target ids: (B, T, V), (B, T) -> (B, T), in float32.
+    """log softmax(logits / T) at the target ids: (B, T, V), (B, T) -> (B, T), in float32
+    (float64 for a float64 model).
 
     ``temperature`` is a float, or a (B, T) / (B, 1) tensor (each call's sampling temperature).
     """
-    logits = logits.float()
+    logits = at_least_fp32(logits)
     if isinstance(temperature, torch.Tensor):
         logits = logits / temperature.to(logits.dtype).unsqueeze(-1)  # (B, T, V)
     elif temperature != 1.0:
@@ -137,7 +143,7 @@ def token_logprobs(
 def token_entropy(logits: torch.Tensor, temperature: torch.Tensor | float = 1.0) -> torch.Tensor:
     """Entropy of the (tempered) next-token distribution: (B, T, V) -> (B, T). Differentiable
     (the entropy bonus); pass detached logits when it is only a metric."""
-    logits = logits.float()
+    logits = at_least_fp32(logits)
     if isinstance(temperature, torch.Tensor):
         logits = logits / temperature.to(logits.dtype).unsqueeze(-1)
     elif temperature != 1.0:

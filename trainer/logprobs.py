@@ -31,7 +31,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from .batch import Batch
-from .grpo import token_entropy, token_logprobs
+from .grpo import at_least_fp32, token_entropy, token_logprobs
 
 # config attributes of models whose logits are not lm_head(hidden) alone
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
@@ -125,8 +125,9 @@ def token_stats(
             lp, ent = _chunk_stats(*args)
         lp_parts.append(lp)
         ent_parts.append(ent)
-    zeros = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-    logprobs = zeros.index_put((rows, cols), torch.cat(lp_parts))  # (b, T-1)
+    picked = torch.cat(lp_parts)  # (N,) fp32, or fp64 for a float64 model
+    zeros = torch.zeros(mask.shape, dtype=picked.dtype, device=mask.device)
+    logprobs = zeros.index_put((rows, cols), picked)  # (b, T-1)
     ent = zeros.index_put((rows, cols), torch.cat(ent_parts)) if entropy else None
     return TokenStats(logprobs, ent)
 
@@ -153,8 +154,9 @@ def _chunk_stats(
 
 def _head_fp32(head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """The output head on ``hidden`` in fp32 (a plain Linear's weight is upcast if it is not,
-    as FSDP's bf16 compute copy is); a wrapped head (LoRA on lm_head) runs as it is."""
+    as FSDP's bf16 compute copy is; a float64 model stays in fp64); a wrapped head (LoRA on
+    lm_head) runs as it is."""
     if type(head) is torch.nn.Linear:
-        bias = None if head.bias is None else head.bias.float()
-        return torch.nn.functional.linear(hidden.float(), head.weight.float(), bias)
-    return head(hidden).float()
+        bias = None if head.bias is None else at_least_fp32(head.bias)
+        return torch.nn.functional.linear(at_least_fp32(hidden), at_least_fp32(head.weight), bias)
+    return at_least_fp32(head(hidden))

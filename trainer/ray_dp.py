@@ -57,7 +57,9 @@ class _Worker:
         self.device = torch.device(device)
         self.model = load_policy(model_dir, self.device, settings)
         self.ref_model = (
-            load_model(model_dir, self.device, trainable=False) if settings.kl_coef > 0 else None
+            load_model(model_dir, self.device, trainable=False, dtype=settings.dtype)
+            if settings.kl_coef > 0
+            else None
         )
         self.optimizer = make_optimizer(self.model, settings)
 

@@ -40,6 +40,7 @@ class StepSettings:
     kl_coef: float = _default("kl_coef")
     entropy_coef: float = _default("entropy_coef")
     bf16_autocast: bool = _default("bf16_autocast")
+    dtype: str = _default("dtype")
     logprob_chunk: int = _default("logprob_chunk")
     loss_agg: str = _default("loss_agg")
     loss_norm_tokens: int = _default("loss_norm_tokens")
@@ -103,9 +104,16 @@ class StepStats:
         return asdict(self)
 
 
-def load_model(model_dir: str | Path, device: str | torch.device, *, trainable: bool = True):
-    """The model of ``model_dir`` in fp32 on ``device``; on ``"meta"`` its shapes alone, from
-    its config (nothing read: a sharded rank fills them from rank 0, trainer/fsdp.py)."""
+def load_model(
+    model_dir: str | Path,
+    device: str | torch.device,
+    *,
+    trainable: bool = True,
+    dtype: str = "float32",
+):
+    """The model of ``model_dir`` in ``dtype`` (fp32, or fp64 for numerical checks) on
+    ``device``; on ``"meta"`` its shapes alone, from its config (nothing read: a sharded rank
+    fills them from rank 0, trainer/fsdp.py)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -113,9 +121,9 @@ def load_model(model_dir: str | Path, device: str | torch.device, *, trainable: 
     if str(device) == "meta":
         with torch.device("meta"):
             config = AutoConfig.from_pretrained(str(model_dir))
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     else:
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
         model.to(device)  # type: ignore[arg-type]  # transformers' stubs type .to() as a PreTrainedModel method
     if trainable:
         model.train()
@@ -127,7 +135,7 @@ def load_model(model_dir: str | Path, device: str | torch.device, *, trainable: 
 
 def load_policy(model_dir: str | Path, device: str | torch.device, settings: StepSettings):
     """The model trained: the base, wrapped with LoRA adapters when ``lora_rank`` > 0."""
-    model = load_model(model_dir, device)
+    model = load_model(model_dir, device, dtype=settings.dtype)
     if settings.lora_rank > 0:
         from .lora import with_lora
 
@@ -282,7 +290,7 @@ class LocalUpdater:
         self.device = torch.device(config.device)
         self.model = load_policy(config.model_dir, self.device, self.settings)
         self.ref_model = (
-            load_model(config.model_dir, self.device, trainable=False)
+            load_model(config.model_dir, self.device, trainable=False, dtype=config.dtype)
             if config.kl_coef > 0
             else None
         )
