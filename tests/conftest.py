@@ -88,7 +88,8 @@ def smol_dir(agentarium_home, tmp_path_factory):
     """The built-in real model (``--model smol``), converted once for the whole run.
 
     The conversion costs about a minute of CPU, so parallel workers share one copy: it is built
-    under the run's shared temporary root (xdist's workers' common parent) while a file lock
+    under the run's shared temporary root (xdist's workers' common parent), or in
+    ``$AGENTARIUM_TEST_SMOL_HOME`` when set (ops/test.sh's tiers share one), while a file lock
     makes the other workers wait for it, and it is linked into this session's
     ``$AGENTARIUM_HOME/models/`` so ``--model smol`` in any process of the test resolves to it.
     Without the ``smol`` extra the tier is skipped (failed under ``CI=true``).
@@ -101,7 +102,8 @@ def smol_dir(agentarium_home, tmp_path_factory):
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         root = root.parent
-    shared = Path(root) / "smol-home"
+    # ops/test.sh names one folder for all its tiers (the avx2 tier reuses the first pass's)
+    shared = Path(os.environ.get("AGENTARIUM_TEST_SMOL_HOME") or Path(root) / "smol-home")
     shared.mkdir(parents=True, exist_ok=True)
     try:
         with open(shared / ".lock", "w") as lock:

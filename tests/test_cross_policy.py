@@ -34,6 +34,8 @@ from trainer.batch import Sample, build_rows, collate
 from trainer.groups import BUFFERED, GroupBuffer, Selection
 from trainer.rows import refusal, rows_of
 
+pytestmark = pytest.mark.kernels  # run again under ATEN_CPU_CAPABILITY=avx2 (ops/test.sh)
+
 torch.set_num_threads(1)
 
 POLICY_IDS, OTHER_IDS = [49, 258], [50, 258]

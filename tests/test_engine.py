@@ -17,6 +17,8 @@ from agentarium.tiny import ensure_tiny_model
 from consumers.chat_template import ChatTemplate
 from consumers.engine import LocalEngine, start_server
 
+pytestmark = pytest.mark.kernels  # run again under ATEN_CPU_CAPABILITY=avx2 (ops/test.sh)
+
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 49, 50, 43, 51, 52, 61]  # "Hello, 12+34="
 META_KEYS = {
     "id",

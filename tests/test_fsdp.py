@@ -20,6 +20,8 @@ from trainer.config import TrainerConfig
 from trainer.errors import TrainerConfigError
 from trainer.step import LocalUpdater, memory_of
 
+pytestmark = pytest.mark.kernels  # run again under ATEN_CPU_CAPABILITY=avx2 (ops/test.sh)
+
 ray = pytest.importorskip("ray")
 torch.set_num_threads(1)
 

@@ -21,6 +21,8 @@ from trainer.grpo import (
     truncated_is_weights,
 )
 
+pytestmark = pytest.mark.kernels  # run again under ATEN_CPU_CAPABILITY=avx2 (ops/test.sh)
+
 torch.set_num_threads(1)
 
 

@@ -17,6 +17,8 @@ from trainer.grpo import token_logprobs
 from trainer.logprobs import splittable, token_stats
 from trainer.step import StepSettings, Totals, forward_backward, load_model
 
+pytestmark = pytest.mark.kernels  # run again under ATEN_CPU_CAPABILITY=avx2 (ops/test.sh)
+
 torch.set_num_threads(1)
 V = 263  # the tiny model's vocabulary
 

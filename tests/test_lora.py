@@ -22,6 +22,8 @@ from trainer.process import TrainerProcess, publisher_for
 from trainer.step import load_model
 from trainer.weights import WeightStore
 
+pytestmark = pytest.mark.kernels  # run again under ATEN_CPU_CAPABILITY=avx2 (ops/test.sh)
+
 pytest.importorskip("peft")
 torch.set_num_threads(1)
 RUN, AGENT = "lora", "a"

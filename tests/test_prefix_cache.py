@@ -16,6 +16,8 @@ from consumers.chat_template import ChatTemplate
 from consumers.engine import EngineSettings, LocalEngine
 from consumers.engine.prefix_cache import PrefixCache
 
+pytestmark = pytest.mark.kernels  # run again under ATEN_CPU_CAPABILITY=avx2 (ops/test.sh)
+
 TURNS = 3
 
 

@@ -13,6 +13,8 @@ from trainer.batch import Sample, build_rows, collate
 from trainer.config import TrainerConfig
 from trainer.step import LocalUpdater
 
+pytestmark = pytest.mark.kernels  # run again under ATEN_CPU_CAPABILITY=avx2 (ops/test.sh)
+
 ray = pytest.importorskip("ray")
 torch.set_num_threads(1)
 

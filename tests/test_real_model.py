@@ -36,7 +36,7 @@ from consumers.sync import SyncConfig, WeightSyncer
 from examples import toy
 from schemas import Sampling, Trajectory
 
-pytestmark = pytest.mark.real_model
+pytestmark = [pytest.mark.real_model, pytest.mark.kernels]
 torch.set_num_threads(1)
 
 # The largest |engine - trainer| log-prob of a sampled token measured here over 8 replies of 4
