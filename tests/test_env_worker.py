@@ -540,8 +540,8 @@ async def test_each_start_step_and_close_is_a_span(settings, nc, span_exporter):
 
 async def test_a_killed_worker_fails_its_sessions_fast_with_a_clear_error(nats_url, nc):
     async with serve_process(nats_url, "--capacity", "4") as (proc, worker_id):
-        envs = EnvClient(nc, step_timeout_s=30)
-        env = await envs.start("echo", {}, deadline_s=300)
+        envs = EnvClient(nc, step_timeout_s=600)
+        env = await envs.start("echo", {}, deadline_s=600)
         assert env.worker == worker_id
         await env.step({"content": "before"})
         proc.send_signal(signal.SIGKILL)
@@ -549,7 +549,9 @@ async def test_a_killed_worker_fails_its_sessions_fast_with_a_clear_error(nats_u
         started = time.monotonic()
         with pytest.raises(EnvironmentUnavailable, match=f"worker {worker_id} is gone"):
             await env.step({"content": "after"})
-        assert time.monotonic() - started < 5  # seconds, not the session's deadline
+        # seconds, not the step timeout or the session's deadline: both are 600 s here, so the
+        # defect costs >= 600 s and a 200 s bound is no guess against a busy 2-core machine
+        assert time.monotonic() - started < 200
         assert envs.errors and env.ended
         with pytest.raises(EnvironmentUnavailable):
             await env.close()

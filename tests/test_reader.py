@@ -83,11 +83,20 @@ async def test_read_spans_many_batches(js, topology):
     assert [t.job_id for t in got] == [f"j{i}" for i in range(700)]
 
 
-async def test_empty_run_returns_at_once(js, topology):
+async def test_empty_run_returns_at_once(js, topology, monkeypatch):
+    """The defect guarded against is a read that waits out a lingering pull request (EXPIRES_S).
+    The pull's lifetime is raised to 120 s here, so that defect costs >= 120 s, while a correct
+    read (a consumer created, one answer, the consumer deleted) takes milliseconds: the bound of
+    60 s separates the two with a 60 s margin either way, and no load on a 2-core machine turns
+    milliseconds into a minute (a fixed 1 s bound was a wall-clock guess against a busy box)."""
+    import producers.reader as reader_module
+
+    monkeypatch.setattr(reader_module, "EXPIRES_S", 120.0)
+    monkeypatch.setattr(reader_module, "SILENCE_S", 123.0)
     await store(js, topology, trajectory("other", "a", "j0"))
     started = time.monotonic()
     assert await TrajectoryReader(js, topology).read("nothing-here") == []
-    assert time.monotonic() - started < 1.0  # no fetch timeout was waited out
+    assert time.monotonic() - started < 60.0  # no fetch timeout was waited out
 
 
 async def test_undecodable_messages_are_skipped_and_counted(js, topology):

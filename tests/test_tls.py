@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import time
 from pathlib import Path
 
 import agentlib
@@ -149,19 +148,32 @@ async def test_jobs_and_trajectories_travel_over_tls_with_client_certificates(tl
 
 
 async def test_a_client_that_does_not_trust_the_ca_or_has_no_certificate_is_refused(
-    tls_server, pki
+    tls_server, pki, monkeypatch
 ):
     url = f"tls://127.0.0.1:{tls_server.port}"
     # Client certificate, but the system's CAs only: the server's certificate is not trusted.
     untrusting = NatsSettings(
         url=url, tls_cert=pki["client_cert"], tls_key=pki["client_key"], connect_timeout_s=2
     )
-    started = time.monotonic()
+    # "Not retried" counted, not timed: every attempt opens a TCP connection through nats-py's
+    # TcpTransport.connect (a retry would be a second call, 0.5 s later), so the count is exact
+    # whatever the machine's load (a 2 s wall bound against a busy box was a guess).
+    from nats.aio.transport import TcpTransport
+
+    attempts = []
+    plain_connect = TcpTransport.connect
+
+    async def counted(self, *args, **kwargs):
+        attempts.append(args[0])
+        return await plain_connect(self, *args, **kwargs)
+
+    monkeypatch.setattr(TcpTransport, "connect", counted)
     with pytest.raises(BrokerUnavailable, match="presented a TLS certificate") as refused:
         await untrusting.connect(name="tls-no-ca", reconnect_forever=False)
+    monkeypatch.setattr(TcpTransport, "connect", plain_connect)
     assert "certificate verify failed" in str(refused.value).lower()
     assert "AGENTARIUM_NATS_TLS_CA" in str(refused.value)
-    assert time.monotonic() - started < 2, "a certificate that fails to verify is not retried"
+    assert len(attempts) == 1, f"a certificate that fails to verify is not retried: {attempts}"
     # Trusts the CA but shows no certificate: the server (--tlsverify) refuses it.
     anonymous = NatsSettings(url=url, tls_ca=pki["ca"], connect_timeout_s=2)
     with pytest.raises(BrokerUnavailable, match="cannot connect to NATS"):
