@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import sys
 from collections.abc import Callable, Coroutine
+from contextlib import suppress
 from typing import Any
 
 from .eventloop import run_loop
@@ -45,7 +47,8 @@ def run_in_foreground(
     """Start ``server``, call ``on_started``, run ``provision`` in an event loop (``run``
     makes and closes the loop: the command's, with its logging and tracing), then wait for the
     server to exit. Ctrl-C or SIGTERM, at any point, stops the server and returns 0; a
-    non-zero code from ``provision`` stops it and is returned. The server is stopped in every
+    non-zero code from ``provision`` stops it and is returned; a server that exits by itself
+    is an error (1, its status and log tail on stderr). The server is stopped in every
     case, and a second SIGTERM does not cut that stop short. Main thread only (signals)."""
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
@@ -54,7 +57,7 @@ def run_in_foreground(
         code = _provision_deferring_sigterm(provision, run)
         if code:
             return code
-        server.wait()
+        return _died(server, server.wait())
     except (KeyboardInterrupt, _Terminated):
         pass
     finally:
@@ -62,6 +65,23 @@ def run_in_foreground(
         server.stop()
         signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _died(server: NatsServer, returncode: int) -> int:
+    """The server exited while nobody stopped it (a crash, a kill, the OOM killer): an error
+    with its exit status and the last lines of its log, so a supervisor restarts it."""
+    how = f"signal {-returncode}" if returncode < 0 else f"code {returncode}"
+    if returncode < 0:
+        with suppress(ValueError):
+            how = f"{signal.Signals(-returncode).name}"
+    tail = server.log_tail()
+    print(
+        f"error: nats-server (pid {server.pid}) exited on its own ({how})"
+        + (f"; the last lines of {server.log_path}:\n{tail}" if tail else ""),
+        file=sys.stderr,
+        flush=True,
+    )
+    return 1
 
 
 def _provision_deferring_sigterm(provision: Body, run: Callable[[Body], int]) -> int:

@@ -161,8 +161,9 @@ class NatsServer:
             ]
             if self.monitor_port is not None:
                 cmd += ["-m", str(self.monitor_port)]
-        if not self.port:
-            cmd += ["--ports_file_dir", str(self._ports_dir())]
+        # Always: the ports file, named with the server's pid, is how start() knows that this
+        # process listens (and on which port it picked), not another one on the same port.
+        cmd += ["--ports_file_dir", str(self._ports_dir())]
         return [str(part) for part in cmd] + list(self.extra_args)
 
     def _ports_dir(self) -> Path:
@@ -200,8 +201,14 @@ class NatsServer:
         if self._proc and self._proc.poll() is None:
             return self
         self.store_dir.mkdir(parents=True, exist_ok=True)
-        if not self.port:
-            self._ports_dir().mkdir(exist_ok=True)
+        self._ports_dir().mkdir(exist_ok=True)
+        if self.port and _port_open(self.host, self.port):
+            # Never adopt another process's server: its streams would be provisioned, its data
+            # read, and this one's error ("address already in use") left in a log file.
+            raise ServerLaunchError(
+                f"port {self.port} on {self.host} is already in use by another process; "
+                "choose another port (--port) or stop that process"
+            )
         if self._sync_interval() is not None:
             self._write_config()
         elif self.sync_interval is not None:
@@ -211,7 +218,7 @@ class NatsServer:
                 version=format_version(self.version),
                 sync_interval=self.sync_interval,
             )
-        log_path = self.log_file or self.store_dir / "nats-server.log"
+        log_path = self.log_path
         out = None if foreground else open(log_path, "ab")  # noqa: SIM115 - owned by the child
         self._proc = subprocess.Popen(
             self.command(), stdout=out, stderr=subprocess.STDOUT if out else None
@@ -225,15 +232,28 @@ class NatsServer:
                 raise ServerLaunchError(
                     f"nats-server exited with code {self._proc.returncode} on port {self.port or '(its own pick)'}: {tail}"
                 )
-            if not self.port:
-                self.port = self._reported_port() or 0
-            if self.port and _port_open(self.host, self.port):
+            reported = self._reported_port()  # written by this process, with its pid
+            if reported is not None and _port_open(self.host, reported):
+                self.port = reported
                 return self
             time.sleep(0.02)  # polling a child's socket: there is no event to await
         self.kill()
         raise ServerLaunchError(
             f"nats-server did not listen on {self.host}:{self.port or '(its own pick)'} within {timeout_s}s"
         )
+
+    @property
+    def log_path(self) -> Path:
+        """Where the server's output goes (unless started in the foreground)."""
+        return Path(self.log_file) if self.log_file else self.store_dir / "nats-server.log"
+
+    def log_tail(self, lines: int = 10) -> str:
+        """The last ``lines`` lines of the server's log ("" when there is none)."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.rstrip("\n").splitlines()[-lines:])
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Graceful shutdown (SIGTERM); JetStream flushes its store."""

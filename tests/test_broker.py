@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -242,6 +243,65 @@ def test_broker_up_exits_cleanly_on_sigterm(tmp_path, when):
             proc.kill()
             proc.wait()
         proc.stdout.close()
+
+
+@pytest.mark.nats_semantics
+async def test_broker_up_refuses_a_port_another_server_holds(nats_server, nc, tmp_path):
+    """Another process's nats-server on the port: broker up fails in one line naming the port,
+    and provisions nothing there (it used to adopt the socket and fill the other server)."""
+    result = agentarium(
+        "broker", "up", "--port", str(nats_server.port), "--store", str(tmp_path / "mine"),
+        timeout=60,
+    )  # fmt: skip
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"port {nats_server.port}" in lines[0], result.stderr
+    assert "already in use" in lines[0] and "Traceback" not in result.stderr
+    assert "created:" not in result.stdout
+    names = [info.config.name async for info in _streams(nc.jetstream())]
+    assert names == [], names  # the other server holds no Agentarium stream
+
+
+async def _streams(js):
+    for info in await js.streams_info():
+        yield info
+
+
+@pytest.mark.nats_semantics
+def test_broker_up_fails_when_its_server_dies(tmp_path):
+    """The server killed under broker up (SIGKILL, as the OOM killer would): the command exits
+    1 with the signal and the server's last log lines, so a supervisor restarts it."""
+    with open(tmp_path / "stderr", "w+") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "agentarium", "broker", "up", "--port", "0",
+             "--store", str(tmp_path / "nats")],
+            stdout=subprocess.PIPE, stderr=err, text=True,
+        )  # fmt: skip
+        try:
+            for line in proc.stdout:
+                if line.startswith("created:"):
+                    break
+            pids = list((tmp_path / "nats" / "ports").glob("*.ports"))
+            assert len(pids) == 1, pids
+            server_pid = int(pids[0].stem.rsplit("_", 1)[1])
+            os.kill(server_pid, signal.SIGKILL)
+            assert proc.wait(timeout=30) == 1
+            err.seek(0)
+            text = err.read()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            proc.stdout.close()
+    assert f"nats-server (pid {server_pid}) exited on its own (SIGKILL)" in text, text
+    assert "nats-server.log" in text and "Traceback" not in text
+
+
+@pytest.mark.parametrize("port", ["-1", "70000", "x"])
+def test_broker_up_refuses_a_port_out_of_range_at_once(port, tmp_path):
+    result = agentarium("broker", "up", "--port", port, "--store", str(tmp_path), timeout=30)
+    assert result.returncode == 2 and "--port" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_commands_fail_fast_without_a_broker():

@@ -30,6 +30,17 @@ from .common import add_command_group, add_nats_flags, run_async, settings_from_
 log = structlog.get_logger("agentarium.cli")
 
 
+def _port(text: str) -> int:
+    """A TCP port, 0-65535 (argparse names the flag in its error)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port (0-65535)")
+    return port
+
+
 def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
     add_settings(parser, Limits)
     parser.add_argument(
@@ -161,7 +172,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "$AGENTARIUM_NATS_SERVER, PATH outside virtualenvs, /usr/sbin), then create every "
         "stream, consumer and bucket.",
     )
-    up.add_argument("--port", type=int, default=4222, help="client port (default %(default)s)")
+    up.add_argument(
+        "--port",
+        type=_port,
+        default=4222,
+        help="client port, 0 for one the server picks (printed); a port another process holds "
+        "is refused (default %(default)s)",
+    )
     up.add_argument(
         "--host", default="127.0.0.1", help="listen address (default %(default)s; 0.0.0.0 for all)"
     )
@@ -171,7 +188,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="JetStream store directory (default %(default)s)",
     )
     up.add_argument(
-        "--monitor-port", type=int, default=None, help="HTTP monitoring port (off by default)"
+        "--monitor-port", type=_port, default=None, help="HTTP monitoring port (off by default)"
     )
     up.add_argument(
         "--nats-server",
