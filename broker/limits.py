@@ -26,10 +26,11 @@ class Limits:
         help="replicas of every stream and bucket (3 on a 3-node cluster; default %(default)s)",
     )
     tasks_max_msgs: int = setting(
-        1_000_000, group=GROUP, help="queue capacity in jobs; producers wait when full"
+        1_000_000, ge=1, group=GROUP, help="queue capacity in jobs; producers wait when full"
     )
     tasks_max_bytes: int = setting(
         4 * GiB,
+        ge=1,
         group=GROUP,
         help="queue capacity in bytes (default %(default)s; not set on nats-server < 2.10.5, "
         "which drops the oldest jobs of a byte-full queue)",
@@ -37,10 +38,11 @@ class Limits:
     # Re-publishing a batch inside this window is deduplicated by the server; a redelivery
     # later than that is caught by the per-job trajectory subject (see docs/design.md).
     duplicate_window_s: float = setting(
-        3600.0, group=GROUP, help="server-side dedup window for re-published jobs"
+        3600.0, gt=0, group=GROUP, help="server-side dedup window for re-published jobs"
     )
     trajectories_max_age_s: float = setting(
         30 * DAY_S,
+        gt=0,
         group=GROUP,
         help="how long trajectories are kept (default %(default)s = 30 days)",
     )
@@ -65,8 +67,10 @@ class Limits:
     # old belongs to an engine nobody syncs any more.
     engines_ttl_s: float = setting(3600.0, flagless="how long an engine's version entry lives")
     # Rollout consumer defaults (each worker's flags may change ack_wait/attempts).
+    # The same rule as the consumer's --ack-wait (consumers/config.py): heartbeats every third.
     ack_wait_s: float = setting(
         60.0,
+        ge=3,
         group=GROUP,
         help="redelivery timeout of rollout consumers; workers heartbeat every third of it",
     )
@@ -90,11 +94,12 @@ class Limits:
     )
     max_ack_pending: int = setting(
         20_000,
+        ge=1,
         group=GROUP,
         help="in-flight jobs per agent across all workers; keep above total concurrency",
     )
     max_waiting: int = setting(
-        2048, group=GROUP, help="concurrent pull requests per agent (one per worker batch)"
+        2048, ge=1, group=GROUP, help="concurrent pull requests per agent (one per worker batch)"
     )
 
     def __post_init__(self) -> None:

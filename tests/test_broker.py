@@ -304,6 +304,33 @@ def test_broker_up_refuses_a_port_out_of_range_at_once(port, tmp_path):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("command", "flag", "value"),
+    [
+        ("init", "--ack-wait", "-1"),
+        ("init", "--ack-wait", "0"),  # the consumer's rule: >= 3 (it used to become 30 s)
+        ("init", "--max-ack-pending", "-5"),
+        ("init", "--tasks-max-msgs", "-1"),  # it used to remove the queue's limit
+        ("init", "--tasks-max-bytes", "0"),
+        ("init", "--max-waiting", "0"),
+        ("init", "--duplicate-window", "0"),
+        ("up", "--ack-wait", "2"),
+    ],
+)
+def test_broker_limits_are_refused_before_anything_starts(command, flag, value, tmp_path):
+    """One rule per setting, whichever door: a value the server would store (or silently
+    replace) is refused in one line naming the flag, before a connection or a server."""
+    where = {
+        "init": ["--nats-url", "nats://127.0.0.1:1"],
+        "up": ["--port", "0", "--store", str(tmp_path)],
+    }[command]
+    result = agentarium("broker", command, flag, value, *where, timeout=30)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()], result.stderr
+    assert flag in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "ports").exists()  # broker up started no server
+
+
 def test_commands_fail_fast_without_a_broker():
     from broker import free_port
 

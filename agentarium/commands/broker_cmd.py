@@ -57,10 +57,11 @@ def _limits(args: argparse.Namespace) -> Limits:
 
 
 async def _init(args: argparse.Namespace, settings: NatsSettings) -> int:
+    limits = _limits(args)  # a bad value is refused before anything connects
     nc = await settings.connect(name="agentarium-broker-init", reconnect_forever=False)
     try:
         report = await provision(
-            nc.jetstream(), Topology(settings.prefix), _limits(args), agents=tuple(args.agent)
+            nc.jetstream(), Topology(settings.prefix), limits, agents=tuple(args.agent)
         )
     finally:
         await nc.close()
@@ -80,6 +81,7 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 def cmd_up(args: argparse.Namespace) -> int:
     setup_logging()  # before the server starts: it may warn (--sync-interval on an old binary)
+    _limits(args)  # a bad value is refused before the server starts
     store = Path(args.store).expanduser()
     server = NatsServer(
         store_dir=store,
