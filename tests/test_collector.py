@@ -326,3 +326,48 @@ async def ack_pending_becomes(js, topology, n: int, timeout: float = 5.0) -> boo
         if info.num_ack_pending == n or asyncio.get_running_loop().time() > deadline:
             return info.num_ack_pending == n
         await asyncio.sleep(0.02)
+
+
+def test_groups_of_one_are_dropped_with_a_warning_not_only_a_counter():
+    """A producer that published group_size 1 (produce's default is for evaluation): every such
+    group is dropped, and the trainer says so as it happens (the first and every 100th), with
+    what to change."""
+    from structlog.testing import capture_logs
+
+    buffer = GroupBuffer(group_timeout_s=60)
+    with capture_logs() as logs:
+        for i in range(101):
+            buffer.add(traj(f"j{i}", f"g{i}", size=1), f"d{i}", 0.0)
+        chosen, dropped = buffer.select(101, Selection(version=0, max_staleness=0))
+    assert chosen == [] and len(dropped) == 101
+    assert buffer.counters.dropped_small == 101
+    warnings = [e for e in logs if e["event"] == "groups too small to train on are dropped"]
+    assert [w["dropped_small"] for w in warnings] == [1, 101]
+    assert warnings[0]["group_size"] == 1 and "--group-size" in warnings[0]["hint"]
+
+
+@pytest.mark.parametrize("command", ["trainer", "demo"])
+def test_a_group_size_that_cannot_train_is_refused_where_it_is_set(command, tmp_path):
+    import subprocess
+    import sys
+
+    extra = {
+        "trainer": [
+            "--run",
+            "r",
+            "--agent",
+            "a",
+            "--model",
+            "tiny",
+            "--nats-url",
+            "nats://127.0.0.1:1",
+        ],
+        "demo": ["--out", str(tmp_path / "demo")],
+    }[command]
+    result = subprocess.run(
+        [sys.executable, "-m", "agentarium", command, "--group-size", "1", *extra],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "--group-size must be >= 2" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "demo").exists()  # refused before anything started

@@ -82,11 +82,11 @@ class TrainerConfig:
     # batch shape
     group_size: int = setting(
         8,
-        gt=0,
+        ge=2,
         group=BATCH,
         metavar="G",
-        help="rollouts per task (a group completes at its trajectories' own group_size; this "
-        "sizes buffers)",
+        help="rollouts per task, 2 or more: a group of one has no baseline (a group completes "
+        "at its trajectories' own group_size; this sizes buffers)",
     )
     groups_per_step: int = setting(
         16, gt=0, group=BATCH, metavar="B", help="groups per optimizer step"

@@ -39,6 +39,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+import structlog
+
 from schemas import Trajectory, version_number
 
 from .batch import Sample, advantages, refusal
@@ -51,6 +53,8 @@ if TYPE_CHECKING:
 VALIDATION, DUPLICATE, LATE = "validation", "duplicate", "late"
 BUFFERED, REDELIVERED = "buffered", "redelivered"
 ACK_NOW = frozenset({VALIDATION, DUPLICATE, LATE})
+
+log = structlog.get_logger("agentarium.trainer")
 
 _CLOSED_MEMORY = 200_000  # group ids remembered as closed (late members are recognised)
 
@@ -330,6 +334,17 @@ class GroupBuffer:
             if len(ok) < self.min_members:
                 c.dropped_small += 1
                 dropped.append(group)
+                if group.group_size < self.min_members and c.dropped_small % 100 == 1:
+                    # a producer asked for groups nothing can be learnt from: say so, not
+                    # only in the exit counters (the first, then every 100th)
+                    log.warning(
+                        "groups too small to train on are dropped",
+                        group_id=group.group_id,
+                        group_size=group.group_size,
+                        needs=self.min_members,
+                        dropped_small=c.dropped_small,
+                        hint="publish each task group_size >= 2 times (produce --group-size)",
+                    )
                 continue
             if selection.filter_flat and max(rewards) - min(rewards) <= 1e-12:
                 c.dropped_flat += 1

@@ -55,7 +55,7 @@ from broker import (
     wait_served,
 )
 from producers import GroupRefill, RunSession, expand_tasks, read_task_file
-from schemas import setting
+from schemas import check_settings, setting
 from trainer import DEVICES, TASK_ADV_NORMS
 
 from ..models import resolve_model
@@ -100,7 +100,9 @@ class DemoConfig:
     steps: int = setting(None, help="training steps (default: tiny 300, smol 20)")
     minutes: float = setting(None, help="stop after this long at most (default: tiny 10, smol 20)")
     groups_per_step: int = setting(None, help="GRPO groups per step (default: tiny 16, smol 8)")
-    group_size: int = setting(8, help="samples per task, one GRPO group")
+    group_size: int = setting(
+        8, ge=2, help="samples per task, one GRPO group (2 or more: one sample has no baseline)"
+    )
     lr: float = setting(None, help="learning rate (default: tiny 1e-3, smol 1e-5)")
     entropy_coef: float = setting(
         None,
@@ -194,11 +196,12 @@ class DemoConfig:
         for name in ("agent", "agent_name"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, getattr(preset, name))
-        for name in ("steps", "groups_per_step", "group_size", "consumers", "concurrency"):
+        for name in ("steps", "groups_per_step", "consumers", "concurrency"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name.replace('_', '-')} must be >= 1")
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        check_settings(self)  # the ranges declared with each setting (--group-size >= 2)
         if self.ahead < 0 or self.max_staleness < 0:
-            raise ValueError("ahead and max-staleness must be >= 0")
+            raise ValueError("--ahead and --max-staleness must be >= 0")
         if not self.digits or not self.digits.isdigit():
             raise ValueError(f"--digits must be a non-empty string of digits, got {self.digits!r}")
         object.__setattr__(self, "task_set", parse_task_set(self.task_set))
