@@ -405,6 +405,8 @@ def run_demo(args: DemoConfig) -> int:
     nats = ["--nats-url", server.url]
     children: list[Child] = []
     started = time.monotonic()
+    interrupted = False
+    evals: HeldOutEval | None = None
     try:
         evals = HeldOutEval(args, server.url, model_dir, out) if args.preset.held_out_eval else None
         asyncio.run(_provision(server.url, (*args.agents(), *([evals.agent] if evals else []))))
@@ -491,15 +493,21 @@ def run_demo(args: DemoConfig) -> int:
                 if child.name.startswith("consumer"):
                     child.terminate()
             evals.run("trained", engine_url, after_run=args.run)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (_interrupt): stop, then report what ran
+        interrupted = True
+        print("\ninterrupted: stopping the demo's processes", flush=True)
     finally:
+        # A second Ctrl-C or SIGTERM must not cut the stop short (children left running).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         # the trainer first (it checkpoints), then the rest, last started first
         for child in sorted(reversed(children), key=lambda c: c.name != "trainer"):
             child.terminate()
         server.stop()
     code = report(out, time.monotonic() - started, args.digits, args.task_set, args.model)
-    if evals is not None:
+    if evals is not None and not interrupted:
         evals.report()
-    return code
+    return 130 if interrupted else code
 
 
 def _reachable(url: str) -> str:

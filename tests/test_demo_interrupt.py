@@ -1,0 +1,48 @@
+"""Ctrl-C in the terminal running ``agentarium demo``: the demo and all its processes get
+SIGINT (one process group); the demo stops within seconds, prints no traceback, exits 130 and
+still writes metrics.csv and reward.png for the steps done (the README promises both)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+from trainlib import MICRO_TASK
+
+
+@pytest.mark.long(45)
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_an_interrupted_demo_stops_cleanly_and_reports_what_it_trained(how, tmp_path):
+    out = tmp_path / "demo"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agentarium", "demo", "--out", str(out), *MICRO_TASK,
+         "--steps", "300", "--minutes", "8"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+    )  # fmt: skip
+    try:
+        seen = []
+        for line in proc.stdout:  # wait for a trained step, not for a time
+            seen.append(line)
+            if re.search(r"step [1-9]\d*/300", line):  # printed every 5 s: any step after 0
+                break
+        assert proc.poll() is None, "".join(seen)
+        if how == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)  # the terminal signals the whole group
+        else:
+            proc.send_signal(signal.SIGTERM)  # a supervisor signals the demo alone
+        rest, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, "".join(seen) + rest + err
+    assert "Traceback" not in err and "Traceback" not in rest, err
+    assert "interrupted: stopping the demo's processes" in rest
+    assert (out / "metrics.csv").stat().st_size > 0 and (out / "reward.png").stat().st_size > 0
+    with pytest.raises(ProcessLookupError):  # nothing of the demo left running
+        os.killpg(proc.pid, 0)
