@@ -21,7 +21,10 @@ EPILOG = """\
 Every command that talks to NATS reads AGENTARIUM_NATS_URL (default nats://127.0.0.1:4222) and the
 other AGENTARIUM_NATS_* variables; flags override them. Logs are JSON lines on stderr
 (AGENTARIUM_LOG_LEVEL, AGENTARIUM_LOG_FORMAT=json|console); spans go to OTLP when
-OTEL_EXPORTER_OTLP_ENDPOINT is set."""
+OTEL_EXPORTER_OTLP_ENDPOINT is set. A failure is one line on stderr; AGENTARIUM_DEBUG=1 shows its
+traceback."""
+
+DEBUG = "AGENTARIUM_DEBUG"
 
 
 def command_modules() -> list[Any]:
@@ -72,6 +75,18 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `agentarium trajectories show | head`: the reader left, not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except OSError as exc:  # a port in use, a host that does not resolve, a missing file
+        if os.environ.get(DEBUG):
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # a bug, or a case nothing above names: one line all the same
+        if os.environ.get(DEBUG):
+            raise
+        print(
+            f"error: {type(exc).__name__}: {exc} ({DEBUG}=1 shows the traceback)", file=sys.stderr
+        )
+        return 1
 
 
 if __name__ == "__main__":

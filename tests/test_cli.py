@@ -87,3 +87,55 @@ def test_parquet_export_without_out_is_refused_before_connecting():
     )
     assert code == 2 and "--format parquet writes a file: pass --out PATH" in err, err
     assert "cannot connect" not in err
+
+
+def _refused(*argv: str) -> str:
+    """``agentarium ARGV`` in a child process: it must fail with exit 2 and one stderr line
+    (JSON log lines aside), no traceback; that line."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "agentarium", *argv], capture_output=True, text=True, timeout=120
+    )
+    lines = [line for line in result.stderr.splitlines() if not line.startswith("{")]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    return lines[0]
+
+
+def test_the_engine_refuses_a_taken_port_and_a_bad_host_in_one_line():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        line = _refused("engine", "--model", "tiny", "--port", str(port))
+    assert f"--port {port}" in line and "address already in use" in line
+    assert "--port must be <= 65535" in _refused("engine", "--model", "tiny", "--port", "70000")
+    assert "--host 256.1.1.1" in _refused("engine", "--model", "tiny", "--host", "256.1.1.1")
+
+
+def test_an_unexpected_error_is_one_line_and_debug_shows_the_traceback(monkeypatch, capsys):
+    from agentarium import cli
+
+    def broken(args):
+        raise RuntimeError("something nobody foresaw")
+
+    monkeypatch.setattr(cli, "build_parser", lambda: _parser_running(broken))
+    assert cli.main(["x"]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == (
+        "error: RuntimeError: something nobody foresaw (AGENTARIUM_DEBUG=1 shows the traceback)"
+    )
+    monkeypatch.setenv("AGENTARIUM_DEBUG", "1")
+    with pytest.raises(RuntimeError, match="nobody foresaw"):
+        cli.main(["x"])
+
+
+def _parser_running(func) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("name")
+    parser.set_defaults(func=func)
+    return parser

@@ -45,6 +45,9 @@ def cmd_engine(args: argparse.Namespace) -> int:
         asyncio.run(serve(model_dir, command.engine))
     except KeyboardInterrupt:
         pass
+    except OSError as exc:  # the port taken, the host not an address here: say which flags
+        settings = command.engine
+        raise ValueError(f"--host {settings.host} --port {settings.port}: {exc}") from None
     return 0
 
 

@@ -14,7 +14,7 @@ class EngineSettings:
     """Where the engine listens and how much it computes at once."""
 
     host: str = setting("127.0.0.1", help="listen address")
-    port: int = setting(30000, ge=0, metavar="PORT", help="port; 0 picks a free one")
+    port: int = setting(30000, ge=0, le=65535, metavar="PORT", help="port; 0 picks a free one")
     threads: int = setting(1, ge=1, help="torch threads")
     max_batch: int = setting(64, ge=1, help="most sequences decoded together")
     prefix_cache_tokens: int = setting(
