@@ -261,7 +261,9 @@ def test_import_pulls_in_neither_transformers_nor_torch():
 
 def _random_texts(tokens: list[str], count: int, seed: int = 0) -> list[str]:
     """Texts mixing added tokens with what tokenizers treat specially around them: spaces and
-    newlines on either side, a decomposed é (NFC), CJK, digits, contractions."""
+    newlines on either side, a decomposed é (NFC), CJK, digits, contractions. Seeded
+    (``random.Random``, the same texts on every machine): a test over them is deterministic,
+    and it fails only on a text the encoder gets wrong."""
     import random
 
     rng = random.Random(seed)

@@ -1,5 +1,7 @@
 """The demo's task sets (agentarium/demo/tasks.py, report.py, run.py): tasks, agents, the trainer's
-arguments, per-task rewards from the metrics CSV, and the refusals, without starting a process."""
+arguments, per-task rewards from the metrics CSV, and the refusals, without starting a process.
+Every draw is from a seeded ``random.Random`` (the same on every machine) and every assertion on
+drawn tasks holds for any draw (a held-out pair is never trained on): no chance failures."""
 
 from __future__ import annotations
 

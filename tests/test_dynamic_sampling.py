@@ -5,6 +5,10 @@ responses cut at max_new_tokens are filtered or given a set reward, counted.
 The whole path is real: nats-server, a ``producers.GroupRefill`` answering the trainer's
 ``GroupDemand`` requests, a rollout worker running ``agentlib.scored`` against an SGLang fake
 (the one faked boundary), and the trainer on the tiny model.
+
+No draw decides a count here: which groups are flat is set by the task (``agentlib.scored``:
+a flat task scores 1.0 for every sample, any other alternates 0 and 1), so the draws, drops
+and groups trained are the same on every run; the sampled text is never scored.
 """
 
 from __future__ import annotations

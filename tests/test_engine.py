@@ -85,6 +85,10 @@ def reference_logprobs(tiny: Path, ids: list[int]) -> torch.Tensor:
 
 
 async def test_generate_response_shape(server):
+    """Seeded (``sampling_seed`` 7): the same 12 tokens every run on one CPU. On other kernels
+    the probabilities move by rounding (~1e-7) and a draw changes only if the seeded uniform
+    falls that close to a boundary of the cumulative distribution (torch.multinomial inverts
+    it): ~12 x 2e-7 a run, and then EOS (1/263) must be drawn early for the length to differ."""
     _, http = server
     out = await generate(
         http,
@@ -130,14 +134,28 @@ async def test_logprobs_match_transformers_at_temperature_1(server, tiny):
     ref = reference_logprobs(tiny, ids)
     got = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
     want = torch.stack([ref[len(PROMPT) - 1 + i, t] for i, t in enumerate(out["output_ids"])])
-    assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+    # Both fp32 (the engine serves fp32 only): the same products summed in other orders (a KV
+    # cache and one row against the whole sequence). Per computation, each of the 15 matmuls
+    # on the path (width K <= 256) is off by ~sqrt(K) * u * sum|w x| (u = 2**-24; the
+    # probabilistic bound of Higham and Mary; sum|W h| <= 2.1 at the head on these ids), first
+    # order 15 * 16 * 6e-8 * 2.1 = 3e-5, doubled by log-softmax (z_t - logsumexp z) and by
+    # there being two computations: 1.2e-4. The tolerance, 1e-3, is 8x that (measured: 4.8e-7,
+    # one ulp at |lp| ~ 6, on both kernel sets); what it guards, the cache or a position (one
+    # token of context lost moves these log-probs by 0.068, median), moves them 60x more.
+    assert torch.allclose(got, want, rtol=0, atol=1e-3), (got - want).abs().max()
     prompt_lps = out["meta_info"]["input_token_logprobs"]
     assert prompt_lps[0] == [None, PROMPT[0], None] and len(prompt_lps) == len(PROMPT)
     want_prompt = [float(ref[i - 1, PROMPT[i]]) for i in range(1, len(PROMPT))]
-    assert [lp for lp, _, _ in prompt_lps[1:]] == pytest.approx(want_prompt, abs=1e-4)
+    assert [lp for lp, _, _ in prompt_lps[1:]] == pytest.approx(want_prompt, abs=1e-3)  # as above
 
 
 async def test_outputs_do_not_depend_on_the_batch(server):
+    """Deterministic: greedy and seeded draws (``sampling_seed`` 11, one generator a request).
+    Batched and alone, the logits differ by rounding only (~1e-6; log-probs against
+    transformers differ by 4.8e-7 above); the greedy paths' closest top-two gap is 5.2e-4
+    (median 0.056, over their 160 steps), so no kernel set can flip one by 500x. A seeded
+    draw flips only when its uniform falls within that rounding of a boundary of the
+    cumulative distribution: ~160 x 2e-6 = 3e-4 on a new kernel set, once, not a rate."""
     engine, http = server
     prompts = [PROMPT[: 3 + i] + [40 + i] * i for i in range(8)]
     seeded = {"max_new_tokens": 20, "temperature": 0.8, "top_p": 0.9, "sampling_seed": 11}

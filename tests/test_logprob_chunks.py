@@ -58,15 +58,30 @@ def update(model, ref, data: Batch, settings: StepSettings):
     return loss, sums, grads
 
 
+# The paths compared run in float64 (``load_model(..., dtype="float64")``; at_least_fp32 keeps
+# fp64 log-probs fp64) and differ only in the order and blocking of their sums. A sum of n terms
+# is off by at most n * u * sum|terms| (u = 2**-53 = 1.1e-16); the longest chain here, a
+# log-softmax over V = 263 after matmuls of width <= 256 and sums over <= 28 tokens, has
+# n < 600: a relative error under 600 * 1.1e-16 = 7e-14 of each quantity's scale (loss 0.12,
+# entropy sum 155, gradient entries <= 0.12). Measured: <= 2.8e-14 on the entropy sum (1.8e-16
+# of it), <= 6e-17 on gradients, on both kernel sets. The tolerance, 1e-10 relative (and 1e-10
+# absolute for gradients near 0), leaves three orders over that bound; what chunking could break
+# (a shifted position, a lost temperature, a chunk scaled twice) moves a log-prob by >= 1e-3.
+# In fp32 the same sums differed by up to 1.5e-5 (the entropy sum), which the old guessed
+# rel=1e-5 passed by a factor of 100 only.
+TOL = 1e-10
+
+
 def assert_same_update(whole, chunked) -> None:
-    assert chunked[0] == pytest.approx(whole[0], rel=1e-5, abs=1e-7)
+    assert chunked[0] == pytest.approx(whole[0], rel=TOL, abs=TOL)
     for name in ("tokens", "clipped", "kl", "entropy", "ratio"):
         assert getattr(chunked[1], name) == pytest.approx(
-            getattr(whole[1], name), rel=1e-5, abs=1e-6
+            getattr(whole[1], name), rel=TOL, abs=TOL
         ), name
     assert chunked[2].keys() == whole[2].keys() and whole[2]
     for name, grad in whole[2].items():
-        torch.testing.assert_close(chunked[2][name], grad, atol=1e-6, rtol=1e-4, msg=name)
+        assert grad.dtype == torch.float64, name
+        torch.testing.assert_close(chunked[2][name], grad, atol=TOL, rtol=TOL, msg=name)
     assert max(float(g.abs().max()) for g in whole[2].values()) > 1e-4  # a real gradient
 
 
@@ -77,11 +92,12 @@ def tiny():
 
 @pytest.mark.parametrize("chunk", [1, 7, 512])
 def test_chunks_give_the_whole_paths_loss_stats_and_gradient(tiny, chunk):
-    model = load_model(tiny, "cpu")
-    ref = load_model(tiny, "cpu", trainable=False)
+    model = load_model(tiny, "cpu", dtype="float64")  # fp64: see assert_same_update's tolerance
+    ref = load_model(tiny, "cpu", trainable=False, dtype="float64")
     with torch.no_grad():  # a reference apart from the policy, so the KL term is not 0
         for p in ref.parameters():
-            p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+            noise = torch.randn(p.shape, generator=torch.Generator().manual_seed(1))
+            p.add_(0.02 * noise.to(p.dtype))
     assert splittable(model)
     base = dict(kl_coef=0.1, entropy_coef=0.01, clip_low=0.1, clip_high=0.3)
     whole = update(model, ref, batch(), StepSettings(logprob_chunk=0, **base))
@@ -99,11 +115,13 @@ def test_with_lora_adapters_the_chunked_path_trains_the_same(tiny):
     pytest.importorskip("peft")
     from trainer.lora import with_lora
 
-    model = with_lora(load_model(tiny, "cpu"), rank=4, alpha=8, target_modules=("all-linear",))
+    model = with_lora(
+        load_model(tiny, "cpu", dtype="float64"), rank=4, alpha=8, target_modules=("all-linear",)
+    )
     with torch.no_grad():  # B = 0 at the start: give the adapters a value to differentiate
         for name, p in model.named_parameters():
             if "lora_B" in name:
-                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(2))
+                p.copy_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(2)))
     assert splittable(model)
     whole = update(model, None, batch(), StepSettings(logprob_chunk=0, entropy_coef=0.01))
     chunked = update(model, None, batch(), StepSettings(logprob_chunk=5, entropy_coef=0.01))
@@ -129,7 +147,7 @@ class Shapes(TorchFunctionMode):
 
 
 def test_only_the_loss_positions_go_through_log_softmax_a_chunk_at_a_time(tiny):
-    model = load_model(tiny, "cpu")
+    model = load_model(tiny, "cpu", dtype="float64")  # the comparison below: fp64, as above
     data = batch()
     n = int(data.loss_mask[:, 1:].sum())
     with Shapes() as whole:
@@ -144,7 +162,10 @@ def test_only_the_loss_positions_go_through_log_softmax_a_chunk_at_a_time(tiny):
     with torch.no_grad():
         logits = model(input_ids=data.input_ids, attention_mask=data.attention_mask).logits
         want = token_logprobs(logits[:, :-1], data.input_ids[:, 1:], data.temperature[:, 1:])
-    torch.testing.assert_close(stats.logprobs[mask], want[mask].detach(), atol=1e-5, rtol=1e-5)
+    # the same logits, sliced before the head or after it: sums of <= 600 terms in fp64, as in
+    # assert_same_update (log-probs >= -10 here, so 7e-14 relative is < 1e-12 absolute)
+    assert stats.logprobs.dtype == torch.float64
+    torch.testing.assert_close(stats.logprobs[mask], want[mask].detach(), atol=TOL, rtol=TOL)
     assert float(stats.logprobs.detach()[~mask].abs().max()) == 0.0
 
 

@@ -121,7 +121,10 @@ async def test_openai_sdk_records_what_a_direct_call_records(proxy, engine_backe
     (got,) = via_proxy.calls
     for name in SAME_FIELDS:
         assert getattr(got, name) == getattr(expected.call, name), name
-    assert got.response_logprobs == pytest.approx(expected.call.response_logprobs, abs=1e-4)
+    # the same greedy request to the same engine, the second maybe from its prefix cache: sums
+    # in other orders, ~1.2e-4 first order (tests/test_prefix_cache.py, tests/test_engine.py);
+    # 1e-3 leaves 8x, and a call recorded from another request differs by ~0.07 or more
+    assert got.response_logprobs == pytest.approx(expected.call.response_logprobs, abs=1e-3)
 
     assert response.object == "chat.completion" and response.model == "tiny"
     assert response.id.startswith("chatcmpl-")

@@ -1,7 +1,9 @@
 """reasoning-gym task families (examples/reasoning_gym_*.py): generated tasks, one agent name per
 family, each rollout scored by its family's own ``score_answer``; and the same through the real
 pipeline (nats-server, the local engine with the tiny model, one `agentarium consumer` per
-family, `agentarium produce --agent-from data_source`)."""
+family, `agentarium produce --agent-from data_source`). No chance failures: the tasks are
+generated with fixed seeds, and the pipeline test asserts what every rollout must be (status,
+agent, reply length), never a reward the tiny model's sampling would decide."""
 
 from __future__ import annotations
 

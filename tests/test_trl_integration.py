@@ -125,6 +125,22 @@ def _mean(values):
 
 
 def test_trl_grpo_learns_on_agentarium_rollouts(settings, tiny_dir, engine_url, tmp_path):
+    """False-failure rate, measured and bounded: 6 runs here (AVX-512 machine, two cores shared
+    with a run of tests/test_multitask_learning.py and other sessions' tests, load average
+    6-13; 49-142 s each). The engine samples unseeded; TRL's seed fixes only its own side.
+    - The base rate: 136 digits in 3,456 samples (the controls and each step 1): p = 0.039,
+      <= 0.049 at 3 standard errors. Step 1 < 0.2 fails at >= 13 of 64: 1.4e-5 at p = 0.05
+      (the old < 0.15, >= 10 of 64, was 1.2e-3 there); the control's mean < 0.15 over 512:
+      1.3e-17.
+    - The last 5 steps >= 0.6: every run read 1.0 from step 10 to 20; the reward first
+      reached 0.5 at step 5-7 (mean 5.5, sd 0.84), and failing needs that past step 15, 11
+      standard deviations late.
+    - Steps 5-8 over the control's by 0.1: 0.395-0.809 (mean 0.71, sd 0.16; the slowest run
+      first reached 0.5 at step 7), z = 3.9 under a normal model: 4.5e-5. By the mechanism:
+      at p = 0.04 a group of 8 is flat with 0.96^8 = 0.72 and a step of 8 groups trains
+      nothing with 0.72^8 = 0.07; failing needs learning to start about 4 steps later than the
+      slowest run, at least 4 of the first 6 steps flat: 15 x 0.07^4 = 3.6e-4.
+    Together under 4e-4 a run."""
     seen = VersionsSeen()
     with services_running(
         settings,
@@ -153,7 +169,7 @@ def test_trl_grpo_learns_on_agentarium_rollouts(settings, tiny_dir, engine_url, 
     assert len(frozen_reward) == FROZEN and len(learned_reward) == STEPS
     # a random policy says a digit 10 times in 263 (about 0.04)
     # (step 1 samples the weights TRL starts from, as every step of the control does)
-    assert learned_reward[0] < 0.15 and _mean(frozen_reward) < 0.15, frozen_reward
+    assert learned_reward[0] < 0.2 and _mean(frozen_reward) < 0.15, frozen_reward  # docstring
     assert _mean(learned_reward[-5:]) >= 0.6, learned_reward
     # the control over the same steps: learning, not the pipeline, raised the reward
     assert _mean(learned_reward[4:FROZEN]) > _mean(frozen_reward[4:]) + 0.1, learned_reward

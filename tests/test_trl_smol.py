@@ -57,6 +57,21 @@ def _mean(values):
 def test_trl_grpo_trains_smol_with_lora_on_agentarium_rollouts(
     settings, smol_dir, smol_url, tmp_path
 ):
+    """False-failure rate, bounded from the runs in docs/integrations.md (not rerun: minutes
+    each). smol's base rate p: 65 digits in 544 samples pooled (the 19 control steps, the five
+    step-1 reads, 160 samples with ``generate``): 0.12, and p <= 0.16 at 3 standard errors.
+    - step 1 < 0.6 fails at >= 10 of 16: binomial tail at p = 0.16, 3.4e-5 (the old < 0.5,
+      >= 8 of 16, was 1.6e-3 there and 6.6e-4 at p = 0.14);
+    - the control's mean < 0.35 fails at >= 23 of 64: 8.4e-5 at p = 0.16 (the old < 0.3,
+      >= 20 of 64, was 1.8e-3);
+    - the last 5 steps >= 0.7 and 0.4 over the control: one update took every run from base
+      to 0.625-0.875 and a second to 1.0. A step trains nothing only when both its groups of
+      8 are flat, with q = ((1 - p)^8 + p^8)^2. With an update by step 5 the last five read
+      >= (0.625 + 4 x 1.0) / 5 = 0.925, with the first at step 6 still (0.12 + 0.625 + 3) / 5
+      = 0.75: failing needs the first 5 steps flat, q^5, and in the runs' figures the 6th too.
+      At p = 0.12, q = 0.13: q^5 = 3.7e-5; at p = 0.09 (two standard errors low), q = 0.22:
+      5e-4 (q^6 1.1e-4).
+    Together 4e-5 a run at the pooled p = 0.12, 6e-4 at each check's worst p."""
     seen = VersionsSeen()
     common = dict(
         model_dir=str(smol_dir),
@@ -96,7 +111,8 @@ def test_trl_grpo_trains_smol_with_lora_on_agentarium_rollouts(
     assert len(frozen_reward) == FROZEN and len(learned_reward) == STEPS
     # smol starts chatty: about 1 reply in 7 starts with a digit (step 1 samples the weights
     # TRL starts from, as every step of the control does)
-    assert learned_reward[0] < 0.5 and _mean(frozen_reward) < 0.3, frozen_reward
+    # (bounds sized to a false-failure rate: docstring)
+    assert learned_reward[0] < 0.6 and _mean(frozen_reward) < 0.35, frozen_reward
     assert _mean(learned_reward[-5:]) >= 0.7, learned_reward
     # against the control: learning, not the pipeline, raised the reward. Not over the same
     # early steps: a step whose two groups are both flat (p ~ 0.085 at 1 in 7) trains nothing,

@@ -337,6 +337,12 @@ async def test_weight_round_trip_through_the_local_engine(js, topology, tiny, en
     got = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
     positions = range(len(PROMPT) - 1, len(ids) - 1)
     want = log_softmax_of(trained, ids)[list(positions), out["output_ids"]]
-    assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+    # Both fp32, the engine's cached decode against transformers' whole sequence: other
+    # summation orders only. First order each of the 15 matmuls adds ~sqrt(K) u sum|w x|
+    # (u = 2**-24, K <= 256: 16 u; Higham and Mary's probabilistic bound); the 4x MLP and head
+    # raise sum|w x| to 79.7 over the 15 (measured with hooks on these ids), so two
+    # computations and log-softmax's factor 2: 2 * 2 * 16 * 6e-8 * 79.7 = 3.1e-4. 1e-3 leaves
+    # 3x (measured 1.4e-6, both kernel sets); the reload moves them by > 0.1 (below).
+    assert torch.allclose(got, want, rtol=0, atol=1e-3), (got - want).abs().max()
     before = log_softmax_of(original, ids)[list(positions), out["output_ids"]]
     assert (got - before).abs().max() > 0.1  # the reload really changed the policy
