@@ -69,6 +69,14 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    except nats.js.errors.ServiceUnavailableError:
+        print(
+            "error: NATS answered without JetStream: this server runs without it (start "
+            "nats-server with -js, or run `agentarium broker up`), or its JetStream is not "
+            "ready; check AGENTARIUM_NATS_URL / --nats-url",
+            file=sys.stderr,
+        )
+        return 2
     except nats.errors.Error as exc:
         print(f"error: NATS: {exc}", file=sys.stderr)
         return 2

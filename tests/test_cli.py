@@ -139,3 +139,74 @@ def _parser_running(func) -> argparse.ArgumentParser:
     parser.add_argument("name")
     parser.set_defaults(func=func)
     return parser
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (("--max-steps", "-1"), "--max-steps must be >= 1"),  # it used to exit 0 after 0 steps
+        (("--torch-threads", "0"), "--torch-threads must be >= 1"),
+        (("--group-size", "1"), "--group-size must be >= 2"),
+    ],
+)
+def test_the_trainer_refuses_settings_that_would_do_nothing(argv, says):
+    line = _refused(
+        "trainer", "--run", "r", "--agent", "a", "--model", "tiny",
+        "--nats-url", "nats://127.0.0.1:1", *argv,
+    )  # fmt: skip
+    assert says in line, line
+
+
+@pytest.mark.skipif(
+    __import__("torch").cuda.is_available(), reason="a CUDA device is here: --device cuda is fine"
+)
+def test_the_trainer_on_cuda_without_a_cuda_torch_says_so_in_one_line():
+    line = _refused(
+        "trainer", "--run", "r", "--agent", "a", "--model", "tiny", "--device", "cuda",
+        "--nats-url", "nats://127.0.0.1:1",
+    )  # fmt: skip
+    assert "--device cuda" in line and "--device cpu" in line, line
+
+
+def test_plot_of_a_csv_without_steps_names_what_is_missing(tmp_path):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("reward_mean_received,x\n0.5,1\n")
+    line = _refused("plot", str(bad), "-o", str(tmp_path / "r.png"))
+    assert "no 'step' column" in line, line
+
+
+def test_export_writes_into_a_folder_it_creates(tmp_path):
+    from agentarium.evaluation.export import write_jsonl
+
+    out = tmp_path / "not" / "yet" / "x.jsonl"
+    assert write_jsonl(iter([{"a": 1}, {"a": 2}]), out) == 2
+    assert out.read_text().splitlines() == ['{"a": 1}', '{"a": 2}']
+
+
+def test_a_server_without_jetstream_is_named_as_such(tmp_path):
+    """A nats-server started without -js: one line that says JetStream is missing, not
+    'ServiceUnavailableError: code=None'."""
+    import json
+    import subprocess
+    import time
+
+    from broker import find_nats_server
+
+    ports = tmp_path / "ports"
+    ports.mkdir()
+    server = subprocess.Popen(
+        [find_nats_server(), "-a", "127.0.0.1", "-p", "-1", "--ports_file_dir", str(ports)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while not list(ports.glob("*.ports")):  # the server writes it once it listens
+            assert time.monotonic() < deadline and server.poll() is None
+            time.sleep(0.05)
+        url = json.loads(next(ports.glob("*.ports")).read_text())["nats"][0]
+        for argv in (("broker", "status"), ("broker", "init")):
+            line = _refused(*argv, "--nats-url", url)
+            assert "without JetStream" in line and "-js" in line, line
+    finally:
+        server.terminate()
+        server.wait()

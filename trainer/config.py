@@ -425,6 +425,14 @@ class TrainerConfig:
                 f"--model {self.model_dir!r} is not a transformers model directory "
                 "(no config.json): pass 'tiny', 'smol' or the path of a local model directory"
             )
+        if self.device.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                raise TrainerConfigError(
+                    f"--device {self.device}: this torch ({torch.__version__}) sees no CUDA "
+                    "device (a CPU build, or no GPU here): train with --device cpu"
+                )
         if not self.clip_low < 1:
             raise TrainerConfigError(f"--clip-low must be in [0, 1), got {self.clip_low}")
         if self.dual_clip and not self.dual_clip > 1:

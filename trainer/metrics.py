@@ -336,7 +336,13 @@ def _widen_header(path: Path, fieldnames: list[str]) -> list[str]:
 def read_metrics(path: str | Path) -> list[dict[str, str]]:
     """The CSV's rows, one per step (the last row wins when a resumed trainer repeated one)."""
     with Path(path).open(newline="") as f:
-        rows = {int(r["step"]): r for r in csv.DictReader(f)}
+        reader = csv.DictReader(f)
+        if reader.fieldnames and "step" not in reader.fieldnames:
+            raise ValueError(
+                f"{path} has no 'step' column: not a trainer's --metrics CSV "
+                f"(columns: {', '.join(reader.fieldnames)})"
+            )
+        rows = {int(r["step"]): r for r in reader}
     return [rows[s] for s in sorted(rows)]
 
 

@@ -27,6 +27,7 @@ class TrainerProcess:
 
     max_steps: int | None = setting(
         None,
+        ge=1,
         group=BATCH,
         metavar="N",
         help="stop after step N (counted across resumes); default: run until SIGTERM",
@@ -95,6 +96,7 @@ class TrainerProcess:
     )
     torch_threads: int | None = setting(
         None,
+        ge=1,
         group=COMPUTE,
         metavar="N",
         help="torch CPU threads in this process (default: torch's choice)",

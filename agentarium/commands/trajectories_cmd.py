@@ -143,6 +143,13 @@ def check_export(args: argparse.Namespace) -> None:
     """What the parser cannot check, before connecting: no broker is needed to say so."""
     if args.format == "parquet" and not args.out:
         raise ValueError("--format parquet writes a file: pass --out PATH (e.g. --out run.parquet)")
+    if args.format == "parquet":
+        import importlib.util
+
+        from ..evaluation.export import PARQUET_NEEDS
+
+        if importlib.util.find_spec("pyarrow") is None:
+            raise ValueError(PARQUET_NEEDS)
 
 
 def cmd_export(args: argparse.Namespace) -> int:

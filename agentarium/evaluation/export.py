@@ -72,7 +72,14 @@ def records(
             }
 
 
+PARQUET_NEEDS = (
+    "--format parquet needs pyarrow: pip install 'agentarium[parquet]' (or use --format jsonl)"
+)
+
+
 def write_jsonl(rows: Iterator[dict[str, Any]], path: Path | None) -> int:
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)  # as `plot` does
     out = open(path, "w") if path else sys.stdout  # noqa: SIM115 - closed below unless stdout
     n = 0
     try:
@@ -89,10 +96,8 @@ def write_parquet(rows: Iterator[dict[str, Any]], path: Path) -> int:
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
-    except ImportError as exc:
-        raise RuntimeError(
-            "--format parquet needs pyarrow: pip install pyarrow (or use --format jsonl)"
-        ) from exc
+    except ImportError:
+        raise ValueError(PARQUET_NEEDS) from None
     materialized = list(rows)
     columns: dict[str, list[Any]] = {
         name: []
@@ -142,6 +147,7 @@ def write_parquet(rows: Iterator[dict[str, Any]], path: Path) -> int:
             ("logprobs", pa.list_(pa.float32())),
         ]
     )
+    path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.table(columns, schema=schema), path)
     return len(materialized)
 
