@@ -112,6 +112,12 @@ class NatsSettings:
         for url in self.servers:
             if "://" not in url:
                 raise ValueError(f"NATS URL {url!r} needs a scheme, e.g. nats://127.0.0.1:4222")
+            scheme = url.split("://", 1)[0].lower()
+            if scheme not in NATS_SCHEMES:
+                raise ValueError(
+                    f"NATS URL {redact_url(url)!r}: {scheme}:// is not a NATS scheme; use "
+                    f"{', '.join(s + '://' for s in NATS_SCHEMES)} (e.g. nats://127.0.0.1:4222)"
+                )
         if bool(self.user) != bool(self.password):
             raise ValueError("NATS user and password go together: set both or neither")
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -171,7 +177,7 @@ class NatsSettings:
         shows at once instead of a hang.
         """
         errors: list[str] = []
-
+        connected_once = False
         refused = asyncio.Event()
 
         async def on_error(exc: Exception) -> None:
@@ -180,7 +186,8 @@ class NatsSettings:
             if (_is_auth_error(detail) or _is_untrusted(exc)) and not nc.is_connected:
                 refused.set()  # nats-py would retry a refused login ~10 times: stop at the first
                 return
-            log.warning("nats error", error=detail)
+            if connected_once:  # before that, the one error line below says what went wrong
+                log.warning("nats error", error=detail)
 
         async def on_disconnect() -> None:
             if not nc.is_closed:  # also called on our own close(): not worth a warning then
@@ -194,7 +201,8 @@ class NatsSettings:
             "name": name,
             "connect_timeout": self.connect_timeout_s,
             "allow_reconnect": True,
-            "max_reconnect_attempts": -1 if reconnect_forever else 10,
+            # one-shot commands: a refused or wrong URL fails in about 2 s, not 6-11
+            "max_reconnect_attempts": -1 if reconnect_forever else 3,
             "reconnect_time_wait": 0.5,
             "ping_interval": self.ping_interval_s,
             "max_outstanding_pings": self.max_outstanding_pings,
@@ -230,6 +238,7 @@ class NatsSettings:
                 connecting.cancel()
                 raise nats.errors.Error(errors[-1] if errors else "timed out")
             connecting.result()
+            connected_once = True
         except (TimeoutError, OSError, nats.errors.Error) as exc:
             await _close_quietly(nc)
             # A refused login can surface as a reset connection first: any auth error decides.
@@ -255,6 +264,9 @@ class NatsSettings:
         finally:
             refusal.cancel()
         return nc
+
+
+NATS_SCHEMES = ("nats", "tls", "ws", "wss")  # what nats-py connects with
 
 
 def redact_url(url: str) -> str:

@@ -210,3 +210,22 @@ def test_a_server_without_jetstream_is_named_as_such(tmp_path):
     finally:
         server.terminate()
         server.wait()
+
+
+def test_a_wrong_nats_url_fails_in_one_line_without_log_noise():
+    import subprocess
+    import sys
+
+    from broker import free_port
+
+    for url, says in (
+        (f"nats://127.0.0.1:{free_port()}", "cannot connect to NATS"),
+        ("http://127.0.0.1:4222", "http:// is not a NATS scheme"),
+    ):
+        result = subprocess.run(
+            [sys.executable, "-m", "agentarium", "broker", "status", "--nats-url", url],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.strip().splitlines() == [result.stderr.strip()], result.stderr
+        assert says in result.stderr
