@@ -16,6 +16,7 @@ from broker import BrokerError
 
 from . import __version__, commands
 from .commands.common import Parser, add_command_group
+from .commands.examples import epilog_of
 
 EPILOG = """\
 Every command that talks to NATS reads AGENTARIUM_NATS_URL (default nats://127.0.0.1:4222) and the
@@ -46,7 +47,35 @@ def build_parser() -> argparse.ArgumentParser:
     sub = add_command_group(parser, "command", "COMMAND")
     for module in command_modules():
         module.register(sub)
+    for path, leaf in leaf_parsers(parser):
+        leaf.epilog = epilog_of(path, leaf.epilog)
+        if leaf.formatter_class is argparse.HelpFormatter:
+            leaf.formatter_class = ExamplesFormatter
     return parser
+
+
+def leaf_parsers(
+    parser: argparse.ArgumentParser, path: tuple[str, ...] = ()
+) -> list[tuple[tuple[str, ...], argparse.ArgumentParser]]:
+    """Every command that runs (``broker up``, ``trainer``, ...), with its path of names."""
+    groups = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not groups:
+        return [(path, parser)]
+    return [
+        leaf
+        for group in groups
+        for name, child in group.choices.items()
+        for leaf in leaf_parsers(child, (*path, name))
+    ]
+
+
+class ExamplesFormatter(argparse.HelpFormatter):
+    """argparse's formatter, except that the examples at the end keep their lines."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if not text.startswith("examples:"):
+            return super()._fill_text(text, width, indent)
+        return "".join(indent + line + "\n" for line in text.splitlines())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -229,3 +229,26 @@ def test_a_wrong_nats_url_fails_in_one_line_without_log_noise():
         assert result.returncode == 2, result.stderr
         assert result.stderr.strip().splitlines() == [result.stderr.strip()], result.stderr
         assert says in result.stderr
+
+
+def test_every_command_ends_its_help_with_examples_that_parse():
+    """Each command's --help ends with runnable examples, and each parses with today's flags
+    (so an example can't outlive a renamed flag)."""
+    import shlex
+
+    from agentarium.cli import leaf_parsers
+    from agentarium.commands.examples import EXAMPLES
+
+    parser = build_parser()
+    leaves = dict(leaf_parsers(parser))
+    assert set(leaves) == set(EXAMPLES), set(leaves) ^ set(EXAMPLES)
+    for path, leaf in leaves.items():
+        help_text = leaf.format_help()
+        assert "\nexamples:\n" in help_text and help_text.rstrip().endswith(EXAMPLES[path][-1])
+        for example in EXAMPLES[path]:
+            argv = shlex.split(example, comments=True)
+            if argv[0] == "eval":  # eval "$(agentarium completion bash)"
+                argv = shlex.split(argv[1].strip("$()"))
+            assert argv[0] == "agentarium", example
+            args = parser.parse_args(argv[1:])  # exits (SystemExit) on a flag that is gone
+            assert args.func is leaf.get_default("func"), example

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..tiny import resolve_model
+from ..models import resolve_model
 
 
 def cmd_merge_lora(args: argparse.Namespace) -> int:
@@ -28,7 +28,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "PEFT adapter directory) into its base model and save the result, tokenizer included, "
         "as an ordinary transformers model directory.",
     )
-    parser.add_argument("--model", required=True, metavar="tiny|PATH", help="the base model")
+    parser.add_argument(
+        "--model",
+        required=True,
+        metavar="tiny|smol|PATH",
+        help="the base model: 'tiny', 'smol' (the built-in models) or a model directory",
+    )
     parser.add_argument(
         "--adapter",
         required=True,
