@@ -144,7 +144,7 @@ def _parser_running(func) -> argparse.ArgumentParser:
 @pytest.mark.parametrize(
     ("argv", "says"),
     [
-        (("--max-steps", "-1"), "--max-steps must be >= 1"),  # it used to exit 0 after 0 steps
+        (("--max-steps", "-1"), "--max-steps must be >= 0"),  # it used to exit 0 after 0 steps
         (("--torch-threads", "0"), "--torch-threads must be >= 1"),
         (("--group-size", "1"), "--group-size must be >= 2"),
     ],

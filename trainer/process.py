@@ -27,10 +27,11 @@ class TrainerProcess:
 
     max_steps: int | None = setting(
         None,
-        ge=1,
+        ge=0,
         group=BATCH,
         metavar="N",
-        help="stop after step N (counted across resumes); default: run until SIGTERM",
+        help="stop after step N (counted across resumes; 0: set up, write the resolved config "
+        "and stop before training); default: run until SIGTERM",
     )
     # None: shared-path with weights_dir, else object-store (publisher_for)
     weight_transport: str | None = setting(
