@@ -261,3 +261,14 @@ def test_show_prints_the_whole_error_reason_on_the_row():
     # an error that is not a traceback is shown in full
     error = "LLM backend failed: " + "all 3 servers refused the connection; " * 4
     assert producers_cli.table_row(replace(t, error=error)).endswith(error.strip())
+
+
+async def test_show_of_a_run_with_no_trajectories_says_so(js, topology, settings, capsys):
+    """A mistyped --run fails in one line (exit 1); a run whose trajectories the filters
+    exclude is an empty result (exit 0)."""
+    await store(js, topology, trajectory("s", "a", "j-ok"))
+    assert await producers_cli.run_show(show_args("--run", "nosuchrun"), settings) == 1
+    err = capsys.readouterr().err
+    assert "no trajectories of run 'nosuchrun' on this broker: check --run" in err
+    assert await producers_cli.run_show(show_args("--run", "s", "--status", "error"), settings) == 0
+    assert "0 trajectories" in capsys.readouterr().err

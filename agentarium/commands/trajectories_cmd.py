@@ -110,6 +110,9 @@ async def run_show(args: argparse.Namespace, settings: NatsSettings) -> int:
         except ProducerError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
+        if not shown and not args.follow and (missing := await _no_such_run(nc, topology, args)):
+            print(f"error: {missing}", file=sys.stderr)
+            return 1
         if not args.json:
             print(f"{shown} trajectories", file=sys.stderr)
         if reader.skipped:
@@ -118,6 +121,25 @@ async def run_show(args: argparse.Namespace, settings: NatsSettings) -> int:
     finally:
         with contextlib.suppress(Exception):
             await nc.close()
+
+
+async def _no_such_run(nc, topology: Topology, args: argparse.Namespace) -> str | None:
+    """Why nothing was found, when it is that the run (or its agent) has no trajectory at all
+    here: a mistyped --run must not look like an empty result."""
+    from broker.status import count_messages
+
+    stored = await count_messages(
+        nc.jetstream(),
+        topology.trajectories_stream,
+        topology.trajectories_filter(args.run, args.agent),
+    )
+    if stored:
+        return None  # the run exists: the filters (--status, --min-reward) matched nothing
+    agent = "" if args.agent == "*" else f", agent {args.agent!r}"
+    return (
+        f"no trajectories of run {args.run!r}{agent} on this broker: check --run (and --agent, "
+        "--prefix, --nats-url)"
+    )
 
 
 async def _show(reader: TrajectoryReader, args: argparse.Namespace) -> int:
@@ -170,6 +192,9 @@ def cmd_export(args: argparse.Namespace) -> int:
                 multi_turn=args.multi_turn,
                 min_reward=args.min_reward,
             )
+            if not n and (missing := await _no_such_run(nc, Topology(settings.prefix), args)):
+                print(f"error: {missing}", file=sys.stderr)
+                return 1
         finally:
             await nc.close()
         print(
