@@ -91,7 +91,7 @@ def test_flags_alone_still_work_and_missing_keys_say_how_to_set_them(tmp_path):
     assert (config.run, config.stale_policy, config.max_staleness) == ("r", "tis", 4)
     with pytest.raises(ConfigError) as err:
         trainer_cmd.resolve_args(parse("trainer", "--agent", "a"))
-    assert "needs run (--run VALUE, run: VALUE in --config, or run=VALUE)" in str(err.value)
+    assert "needs --run (or run: VALUE in --config, or run=VALUE)" in str(err.value)
     assert "model_dir (--model VALUE" in str(err.value)
 
 
@@ -285,3 +285,17 @@ async def test_resolved_consumer_config_is_logged_once(nats_url, tmp_path):
         "concurrency": "override",
     }
     assert {k.name for k in settings.keys(ConsumerProcess)} <= set(event)
+
+
+def test_a_duration_key_may_be_spelled_as_its_flag(tmp_path):
+    """--help says a flag's key is its name with _ for -: ``ack_wait`` (the flag --ack-wait)
+    sets ack_wait_s, in a file and as an override; both spellings at once are refused."""
+    keys = consumer_cmd.KEYS
+    from agentarium.config.files import parse_override
+
+    assert parse_override("ack_wait=90", keys) == ("ack_wait_s", 90.0)
+    path = write(tmp_path / "c.yaml", "ack_wait: 90\n")
+    assert read_config_file(path, keys) == {"ack_wait_s": 90.0}
+    both = write(tmp_path / "both.yaml", "ack_wait: 90\nack_wait_s: 60\n")
+    with pytest.raises(ConfigError, match="ack_wait_s is set twice"):
+        read_config_file(both, keys)

@@ -176,7 +176,7 @@ def resolve(args: argparse.Namespace, keys: ConfigKeys) -> Resolved:
     missing = [key for key in keys.types if key not in values]
     if missing:
         asks = [
-            f"{key} ({flags[key][0]} VALUE, {key}: VALUE in --config, or {key}=VALUE)"
+            f"{flags[key][0]} (or {key}: VALUE in --config, or {key}=VALUE)"
             if key in flags
             else f"{key} ({key}: VALUE in --config, or {key}=VALUE)"
             for key in missing
@@ -208,12 +208,22 @@ def read_config_file(
         )
     out = {}
     for key, value in data.items():
-        key = str(key)
+        key = seconds_key(str(key), keys)
+        if key in out:
+            raise ConfigError(f"{path}: {key} is set twice (as {key} and {key[:-2]})")
         if key not in keys.types:
             nested = " (keys are flat: max_staleness: 2, not sections)" * isinstance(value, dict)
             raise unknown_key(key, keys, f"{path}", aliases, extra=nested)
         out[key] = _coerce_at(f"{path}: {key}", key, value, keys)
     return out
+
+
+def seconds_key(key: str, keys: ConfigKeys) -> str:
+    """A duration's key as its flag spells it (``ack_wait`` for ``ack_wait_s``, since the flag
+    is ``--ack-wait``), or ``key`` as it is."""
+    if key not in keys.types and f"{key}_s" in keys.types:
+        return f"{key}_s"
+    return key
 
 
 def parse_override(
@@ -226,6 +236,7 @@ def parse_override(
         raise ConfigError(
             f"override {text!r}: write KEY=VALUE, e.g. max_staleness=2 (keys as in --config)"
         )
+    key = seconds_key(key, keys)
     if key not in keys.types:
         raise unknown_key(key, keys, f"override {text!r}", aliases)
     try:
