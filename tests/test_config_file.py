@@ -92,7 +92,7 @@ def test_flags_alone_still_work_and_missing_keys_say_how_to_set_them(tmp_path):
     with pytest.raises(ConfigError) as err:
         trainer_cmd.resolve_args(parse("trainer", "--agent", "a"))
     assert "needs --run (or run: VALUE in --config, or run=VALUE)" in str(err.value)
-    assert "model_dir (--model VALUE" in str(err.value)
+    assert "--model (or model_dir: VALUE" in str(err.value)
 
 
 @pytest.mark.parametrize(
