@@ -29,6 +29,20 @@ from ..config import add_settings
 NATS_PREFIX = "nats_"  # the connection flags' dests: nats_url, nats_prefix, ...
 
 
+def positive_float(text: str) -> float:
+    """An argparse type: a number > 0 (argparse names the flag in its error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+positive_float.number_type = float  # type: ignore[attr-defined]  # for the bad-input table
+
+
 class Parser(argparse.ArgumentParser):
     """No abbreviated long options: ``--group 4`` must not silently mean ``--group-size``.
     Sub-parsers are made of the same class, so the rule holds for every command."""

@@ -32,7 +32,13 @@ from environments import (
 from schemas import check_settings, section, setting, settings
 
 from ..config import add_config_arguments, add_settings, resolve
-from .common import add_command_group, add_nats_flags, run_async, settings_from_args
+from .common import (
+    add_command_group,
+    add_nats_flags,
+    positive_float,
+    run_async,
+    settings_from_args,
+)
 from .service import add_service_flags, install_stop_handlers, probes, service_keys
 
 log = structlog.get_logger("agentarium.cli")
@@ -313,7 +319,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
     s.add_argument(
         "--timeout",
-        type=float,
+        type=positive_float,
         default=1.0,
         metavar="SECONDS",
         help="how long to wait for workers to answer (default %(default)s)",
