@@ -9,8 +9,8 @@ import re
 
 import pytest
 
+from agentarium.broker import free_port
 from agentarium.cli import build_parser, main
-from broker import free_port
 
 
 def all_parsers(parser: argparse.ArgumentParser, path: tuple[str, ...] = ("agentarium",)):

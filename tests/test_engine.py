@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from agentarium.formats.chat_template import ChatTemplate
+from agentarium.inference.engine import LocalEngine, start_server
 from agentarium.tiny import ensure_tiny_model
-from consumers.chat_template import ChatTemplate
-from consumers.engine import LocalEngine, start_server
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 49, 50, 43, 51, 52, 61]  # "Hello, 12+34="
 META_KEYS = {

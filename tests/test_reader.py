@@ -15,8 +15,8 @@ import structlog
 from trainlib import short_call
 
 from agentarium.commands import trajectories_cmd as producers_cli
-from producers import StreamMissing, TrajectoryReader
-from schemas import Trajectory, encode, encode_json
+from agentarium.producers import StreamMissing, TrajectoryReader
+from agentarium.schemas import Trajectory, encode, encode_json
 
 
 def trajectory(

@@ -17,16 +17,16 @@ import json
 import pytest
 from worker_env import worker_for
 
-from broker import served_version, wait_served
-from consumers.sync import SyncConfig, WeightSyncer
-from examples.toy import rollout
-from producers import TaskProducer, TrajectoryReader
-from schemas import Job, decode, version_number
-from trainer.config import TrainerConfig
-from trainer.errors import TrainerConfigError
-from trainer.loop import Trainer
-from trainer.metrics import read_metrics
-from trainer.weights import WeightStore
+from agentarium.examples.toy import rollout
+from agentarium.inference import served_version, wait_served
+from agentarium.inference.sync import SyncConfig, WeightSyncer
+from agentarium.producers import TaskProducer, TrajectoryReader
+from agentarium.schemas import Job, decode, version_number
+from agentarium.trainer.config import TrainerConfig
+from agentarium.trainer.errors import TrainerConfigError
+from agentarium.trainer.loop import Trainer
+from agentarium.trainer.metrics import read_metrics
+from agentarium.trainer.weights import WeightStore
 
 RUN = "syncmode"
 AGENT = "toy"

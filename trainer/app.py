@@ -16,7 +16,13 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from nats.js import JetStreamContext
 
-from broker import START_PATIENCE_S, MetricsServer, NatsSettings, Topology, ensure_provisioned
+from agentarium.broker import (
+    START_PATIENCE_S,
+    MetricsServer,
+    NatsSettings,
+    Topology,
+    ensure_provisioned,
+)
 
 from .config import TrainerConfig
 from .errors import TrainerError

@@ -39,7 +39,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from schemas import Trajectory, version_number
+from agentarium.schemas import Trajectory, version_number
 
 from .batch import Sample, advantages, refusal
 from .config import OVERLONG

@@ -49,7 +49,8 @@ from typing import Any
 import structlog
 from nats.js import JetStreamContext
 
-from broker import START_PATIENCE_S, Topology, patiently, wait_served
+from agentarium.broker import START_PATIENCE_S, Topology, patiently
+from agentarium.inference import wait_served
 
 from .batch import Sample, build_rows, collate, with_task_advantages
 from .checkpoint import Checkpoints, NoCheckpoints, restore_rng

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from broker import LORA_CONFIG_KEY, adapter_directory
+from agentarium.inference import LORA_CONFIG_KEY, adapter_directory
 
 from .errors import TrainerConfigError
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from schemas import LLMCall, Trajectory
+from agentarium.schemas import LLMCall, Trajectory
 
 MULTI_TURN = ("concat", "per-call")
 # How rows_of built a trajectory's rows.

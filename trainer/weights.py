@@ -45,17 +45,17 @@ import structlog
 from nats.js import JetStreamContext
 from nats.js.api import ObjectMeta, ObjectMetaOptions
 
-from broker import (
+from agentarium.broker import Topology
+from agentarium.inference import (
     STALL_TIMEOUT_S,
     WEIGHTS_FILE,
-    Topology,
     WeightFetcher,
     WeightsError,
     local_versions,
     object_name,
     sha256_file,
 )
-from schemas import WeightUpdate, check_name, encode_json
+from agentarium.schemas import WeightUpdate, check_name, encode_json
 
 log = structlog.get_logger("agentarium.weights")
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from consumers import SyncConfig, run_sync
-from schemas import section, setting
+from agentarium.inference.sync import SyncConfig, run_sync
+from agentarium.schemas import section, setting
 
 from ..config import ConfigKeys, add_settings, resolve
 from .common import run_async, settings_from_args

@@ -9,9 +9,9 @@ import json
 import sys
 from pathlib import Path
 
-from broker import NatsSettings, Topology
-from producers import ProducerError, TrajectoryReader
-from schemas import STATUSES, Trajectory
+from agentarium.broker import NatsSettings, Topology
+from agentarium.producers import ProducerError, TrajectoryReader
+from agentarium.schemas import STATUSES, Trajectory
 
 from ..evaluation import FORMATS, export_run
 from .common import add_command_group, add_nats_flags, run_async, settings_from_args

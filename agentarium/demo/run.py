@@ -43,20 +43,18 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from broker import (
-    EngineControl,
-    EngineControlError,
+from agentarium.broker import (
     NatsServer,
     NatsSettings,
     Topology,
     count_messages,
     provision,
     setup_logging,
-    wait_served,
 )
-from producers import GroupRefill, RunSession, expand_tasks, read_task_file
-from schemas import setting
-from trainer import DEVICES, TASK_ADV_NORMS
+from agentarium.inference import EngineControl, EngineControlError, wait_served
+from agentarium.producers import GroupRefill, RunSession, expand_tasks, read_task_file
+from agentarium.schemas import setting
+from agentarium.trainer import DEVICES, TASK_ADV_NORMS
 
 from ..models import resolve_model
 from ..progress import ProgressBar, StatusLine
@@ -65,7 +63,8 @@ from .real import HeldOutEval, Preset, preset_of
 from .report import report, task_column
 from .tasks import FAMILIES, digit_tasks, parse_task_set, split_groups
 
-DEFAULT_TASKS = Path(__file__).resolve().parents[2] / "examples" / "toy_tasks.jsonl"
+# agentarium/examples: a link to the repository's examples/ in a checkout, package data in a wheel
+DEFAULT_TASKS = Path(__file__).resolve().parents[1] / "examples" / "toy_tasks.jsonl"
 # --lora-rank: every linear layer and the output head; the one-token toy task did not learn in
 # 40 steps with adapters on the layers alone (all-linear), and did with the head's (benchmarks)
 LORA_TARGETS = (
@@ -125,8 +124,8 @@ class DemoConfig:
     )
     agent: str = setting(
         None,
-        help="agent function (default: tiny examples.toy:rollout, smol "
-        "examples.arithmetic:rollout)",
+        help="agent function (default: tiny agentarium.examples.toy:rollout, smol "
+        "agentarium.examples.arithmetic:rollout)",
     )
     agent_name: str = setting(None, help="agent name on the wire (default: tiny toy, smol add)")
     rollouts_only: bool = setting(
@@ -243,7 +242,7 @@ def _step_batches(args: DemoConfig, rng: random.Random, published: int) -> list[
 
 
 def _last_row(path: Path) -> dict | None:
-    from trainer import read_metrics
+    from agentarium.trainer import read_metrics
 
     try:
         rows = read_metrics(path)

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from schemas import SchemaError, Trajectory, version_number
-from trainer import rows_of
+from agentarium.schemas import SchemaError, Trajectory, version_number
+from agentarium.trainer import rows_of
 
 UNUSABLE = ("error", "timeout", "missing", "no_tokens", "mismatch")
 

@@ -65,11 +65,11 @@ from typing import Any
 import structlog
 from transformers import TrainerCallback
 
+from agentarium.broker import NatsSettings
 from agentarium.orchestrator.loop_thread import LoopThread
-from broker import NatsSettings
-from producers import JobOptions, make_job
-from schemas import Job, Sampling
-from trainer import TrainerConfig, TrainerProcess, peft_adapter, publisher_for
+from agentarium.producers import JobOptions, make_job
+from agentarium.schemas import Job, Sampling
+from agentarium.trainer import TrainerConfig, TrainerProcess, peft_adapter, publisher_for
 
 from .client import RolloutClient
 from .config import RolloutConfig, sampling

@@ -26,7 +26,7 @@ from typing import Any
 
 import orjson
 
-from broker import EngineControl, EngineControlError
+from agentarium.inference import EngineControl, EngineControlError
 
 from ..errors import BackendUnavailable, BadRequest
 from .balancer import StickyBalancer
