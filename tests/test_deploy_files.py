@@ -406,11 +406,17 @@ def test_dockerfile_is_multistage_slim_non_root_with_agentarium_as_entrypoint():
 def test_dockerfile_copies_every_package_and_dockerignore_lets_them_through():
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     patterns = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    # agentarium/ links to the components it holds (agentarium/broker -> ../broker): the wheel
+    # copies them, so the image's build context needs their folders too
+    linked = {p.name for p in (ROOT / "agentarium").iterdir() if p.is_symlink()}
     packages = sorted(
         p.name
         for p in ROOT.iterdir()
         if (p / "__init__.py").exists()
-        and any(re.fullmatch(pat.replace("*", ".*"), p.name) for pat in patterns)
+        and (
+            any(re.fullmatch(pat.replace("*", ".*"), p.name) for pat in patterns)
+            or p.name in linked
+        )
     )
     assert {"agentarium", "broker", "consumers", "producers", "schemas", "trainer"} <= set(packages)
     copies = {

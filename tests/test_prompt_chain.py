@@ -1,4 +1,4 @@
-"""Multi-turn prompts built from token ids (consumers/prompt_chain.py): a rollout whose replies
+"""Multi-turn prompts built from token ids (consumers/tracing/prompt_chain.py): a rollout whose replies
 do not re-encode to the ids sampled is still one exact row; a template that rewrites history
 is detected, said (LLMCall.prompt_build, a Prometheus counter) and rendered whole as before.
 

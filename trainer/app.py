@@ -1,7 +1,7 @@
 """The trainer's service: connect, provision, run until stopped.
 
 ``agentarium trainer`` parses its flags into a ``TrainerConfig`` and calls this; nothing here
-knows about argparse. (The weight syncer's service is consumers/sync/service.py.)
+knows about argparse. (The weight syncer's service is inference/sync/service.py.)
 """
 
 from __future__ import annotations

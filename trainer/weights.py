@@ -22,7 +22,7 @@ config and reads the ``*.safetensors`` under ``model_path``), so the syncer hand
 directory that holds ``model.safetensors`` alone. A model whose save would be sharded is saved
 as one file (``max_shard_size`` raised); a directory with several shards is refused.
 
-Fetching (the syncer's side) and the policy KV's reads are broker/weights.py's
+Fetching (the syncer's side) and the policy KV's reads are inference/weights.py's
 ``WeightFetcher``, which ``WeightStore`` extends.
 """
 

@@ -12,7 +12,7 @@ the last two are ``truncated``. The reward is the score of the session's outcome
 
 Tool results reach the model only as the prompt of its next call, so they are tokens of a
 later ``prompt_ids``, never of a ``response_ids``: the trainer's loss mask leaves them out
-(trainer/rows.py). Environment failures are the client's (consumers/envclient.py): a lost
+(trainer/rows.py). Environment failures are the client's (consumers/agents/envclient.py): a lost
 worker is retried and never scored, an environment that raised is an agent error.
 """
 

@@ -7,7 +7,7 @@ Shapes (docs/design.md "Rollouts: agents and LLM calls"):
   @ray.remote def rollout(task, endpoint, model)   called with .remote() on Ray
 
 An async agent that also declares a parameter named ``envs`` (any of the shapes above) gets
-the environment client (consumers/envclient.py) bound to its rollout: ``envs.session(...)``.
+the environment client (consumers/agents/envclient.py) bound to its rollout: ``envs.session(...)``.
 
 Results: a number, ``{"reward": x, "metrics": {...}}``, or any object; a reward function
 ``fn(task, result, trajectory)`` may compute the reward from it.
@@ -43,7 +43,7 @@ class RewardError(ValueError):
 
 def load_callable(spec: str, what: str = "agent") -> Callable[..., Any]:
     """Import ``module:attr`` (attr may be dotted). An agent spec ``verifiers:...`` is a
-    verifiers environment wrapped as an agent (consumers/verifiers_agent.py)."""
+    verifiers environment wrapped as an agent (consumers/agents/verifiers_agent.py)."""
     if what == "agent" and spec.startswith("verifiers:"):
         from .verifiers_agent import load_verifiers_agent
 

@@ -4,7 +4,7 @@
 
 Per rollout (docs/design.md, "Program agents"): a fresh working directory, the task as JSON on
 stdin and in a file, the rollout's gateway in the variables the SDKs read, an environment
-otherwise minimal, the program run under its supervisor (consumers/program_run.py) as its own
+otherwise minimal, the program run under its supervisor (consumers/agents/program_run.py) as its own
 user where the consumer is root, its output kept bounded in the trajectory's
 ``metadata["program"]``, and the reward from the scorer, else from the last JSON line the
 program printed. ``ProgramAgent`` is an async agent of the endpoint shape, so the rollout's

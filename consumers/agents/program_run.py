@@ -1,4 +1,4 @@
-"""One run of a program under its supervisor (consumers/program_supervisor.py): its output kept
+"""One run of a program under its supervisor (consumers/agents/program_supervisor.py): its output kept
 bounded, its whole process tree ended when it exits, when the rollout is cancelled (its
 deadline, a drain), or when the consumer dies.
 

@@ -3,7 +3,7 @@
 An agent with the seed's contract (``rollout(task, endpoint, model)``), or a program given the
 endpoint in ``OPENAI_BASE_URL``/``ANTHROPIC_BASE_URL``, gets
 ``http://<advertised host>:<port>/r/<secret>/v1`` and points its client at it. Every API the
-gateway speaks (``consumers/gateway/``: OpenAI Chat Completions and Responses, streamed or not,
+gateway speaks (``consumers/tracing/gateway/``: OpenAI Chat Completions and Responses, streamed or not,
 and Anthropic Messages) runs the rollout's ``TracingLLM``, so each call is recorded and traced
 exactly as a direct ``llm.chat``.
 

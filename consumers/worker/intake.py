@@ -1,6 +1,6 @@
 """Intake: the worker's pull loop and the deliveries it has in flight.
 
-It keeps a job on its way for every free slot (consumers/puller.py), starts a task per
+It keeps a job on its way for every free slot (consumers/worker/puller.py), starts a task per
 delivery as it arrives (``DeliveryHandler.handle``), takes nothing new while an LLM fleet of
 the agent is down within its outage limit (in-flight rollouts wait for the fleet, heartbeated,
 on their current delivery), ends a burst once the agent's queue is empty, and drains: finish

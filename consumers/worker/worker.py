@@ -13,10 +13,10 @@ Delivery rules (docs/design.md "Delivery and failure rules"):
 - while the agent's LLM fleet is down within its outage limit (consumers/fleet.py), fetch
   nothing: in-flight rollouts wait for the fleet, heartbeated, on their current delivery.
 
-The worker owns the parts and their order: ``Intake`` (consumers/intake.py) pulls and keeps
-the deliveries in flight; ``DeliveryHandler`` (consumers/handler.py) takes each through
+The worker owns the parts and their order: ``Intake`` (consumers/worker/intake.py) pulls and keeps
+the deliveries in flight; ``DeliveryHandler`` (consumers/worker/handler.py) takes each through
 decode → decide → run → settle, the decision being ``DeliveryPolicy``'s (consumers/delivery.py)
-alone; the heartbeat and the registry entry run beside them (consumers/background.py).
+alone; the heartbeat and the registry entry run beside them (consumers/worker/background.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 is not computed again (SGLang's prefix cache, reported as ``meta_info.cached_tokens``).
 
 A multi-turn rollout's next prompt is its previous prompt, the reply it sampled and the new
-messages (consumers/prompt_chain.py), so the previous turn's KV covers all of it but the new
+messages (consumers/tracing/prompt_chain.py), so the previous turn's KV covers all of it but the new
 messages; a GRPO group's samples share their prompt. An entry is one sequence: its token ids
 and each layer's keys and values for them (every token but the last sampled one, whose KV was
 never computed). A lookup takes the entry sharing the longest prefix with the prompt, at most

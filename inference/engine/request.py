@@ -67,7 +67,7 @@ _TOP = {
     "top_logprobs_num",
     "return_text_in_logprobs",
     "rid",
-    "lora_path",  # the adapter to answer with (consumers/engine/lora.py)
+    "lora_path",  # the adapter to answer with (inference/engine/lora.py)
 }
 
 

@@ -1,4 +1,4 @@
-"""The gateway's APIs: what the tracing proxy (``consumers/proxy.py``) speaks to agents.
+"""The gateway's APIs: what the tracing proxy (``consumers/tracing/proxy.py``) speaks to agents.
 
 One module per API, each turning a request into one ``llm.chat`` on the rollout's
 ``TracingLLM`` and its result into that API's reply: ``chat`` (OpenAI Chat Completions),
