@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
             path.write_text(text)
     if stale:
         print(
-            f"stale JSON Schema files: {stale}; run python -m agentarium.schemas.jsonschema", file=sys.stderr
+            f"stale JSON Schema files: {stale}; run python -m agentarium.schemas.jsonschema",
+            file=sys.stderr,
         )
         return 1
     return 0

@@ -34,7 +34,9 @@ PACKAGES = ("agentarium",)
 def test_mypy_on_every_package():
     # examples/ (agentarium.examples) stays out, as before the namespace: user-facing sample code
     # written against third-party SDKs whose stubs vary by version
-    result = run("mypy", "--ignore-missing-imports", "--exclude", "^agentarium/examples/", *PACKAGES)
+    result = run(
+        "mypy", "--ignore-missing-imports", "--exclude", "^agentarium/examples/", *PACKAGES
+    )
     assert result.returncode == 0, result.stdout[-3000:]
 
 

@@ -40,7 +40,10 @@ def test_the_single_task_demo_is_unchanged():
 def test_a_task_set_feeds_each_agent_its_share_and_trains_them_together():
     config = DemoConfig(run="r", task_set="repeat,next", groups_per_step=5, task_adv_norm="token")
     assert config.task_set == ("repeat", "next")
-    assert config.agents() == {"repeat": "agentarium.examples.toy:rollout", "next": "agentarium.examples.toy:next_digit"}
+    assert config.agents() == {
+        "repeat": "agentarium.examples.toy:rollout",
+        "next": "agentarium.examples.toy:next_digit",
+    }
     batches = dict(_step_batches(config, random.Random(0), 10))
     assert {k: len(v) for k, v in batches.items()} == {"repeat": 3, "next": 2}
     assert all(t["task_id"].startswith(f"{k}-b10-") for k, v in batches.items() for t in v)

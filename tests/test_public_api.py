@@ -18,7 +18,14 @@ FACE = {
     "agentarium.broker": {"NatsSettings", "Topology"},
     "agentarium.consumers": {"ChatResult", "ProgramOutput", "TracingLLM", "program_agent"},
     "agentarium.producers": {"SubmitResult", "TaskProducer", "TrajectoryReader"},
-    "agentarium.schemas": {"DeadLetter", "Job", "LLMCall", "Sampling", "Trajectory", "WeightUpdate"},
+    "agentarium.schemas": {
+        "DeadLetter",
+        "Job",
+        "LLMCall",
+        "Sampling",
+        "Trajectory",
+        "WeightUpdate",
+    },
 }
 
 
