@@ -16,7 +16,7 @@ both modes (the demo's, but lr 2e-3, twice the demo's, so the reward leaves the 
   with ``ahead`` = the max staleness by default. Rollouts too stale when their group completes
   are dropped; the async run generates more rollouts than it trains, and the bench says how many.
 - **sync**: the trainer with ``--sync-rollouts``; the producer releases batch k + 1 only once the
-  engine serves version k (``broker.wait_served``), and the trainer waits for the same before it
+  engine serves version k (``inference.wait_served``), and the trainer waits for the same before it
   takes the next batch: generate a whole batch with the current weights, train, publish, wait
   until the engines serve the new version, repeat.
 

@@ -1,4 +1,4 @@
-"""broker.EngineControl against SGLang's shapes (the fake) and an older server: one error type
+"""inference.EngineControl against SGLang's shapes (the fake) and an older server: one error type
 for every failure, the one /model_info fallback."""
 
 from __future__ import annotations

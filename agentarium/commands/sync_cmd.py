@@ -1,4 +1,4 @@
-"""``agentarium sync``: the weight syncer beside an engine fleet (consumers.run_sync).
+"""``agentarium sync``: the weight syncer beside an engine fleet (inference.sync.run_sync).
 
 Its settings are ``SyncCommand``'s fields: the syncer's ``SyncConfig`` and the command's own
 ``--once``, each one a flag.

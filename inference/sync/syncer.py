@@ -6,23 +6,23 @@ WeightUpdate:
 
 1. asks every engine its ``/model_info`` ``weight_version`` and leaves alone those already at
    this version or a newer one;
-2. gets the safetensors (broker.WeightFetcher) into ``<weights_dir>/<run>/v<version>/model.safetensors`` (streamed from
+2. gets the safetensors (inference.WeightFetcher) into ``<weights_dir>/<run>/v<version>/model.safetensors`` (streamed from
    the object store, or copied from the trainer's shared path) and verifies its sha256 — or, with
    ``shared_path``, verifies the trainer's file in place and loads it from there;
 3. reloads each engine that needs it, concurrently, with one sequence for SGLang and the local
-   engine alike (broker.EngineControl): ``POST /pause_generation {"mode": "in_place"}`` →
+   engine alike (inference.EngineControl): ``POST /pause_generation {"mode": "in_place"}`` →
    ``POST /update_weights_from_disk {"model_path", "load_format": null, "weight_version",
    "flush_cache": true, "abort_all_requests": false}`` → ``POST /continue_generation {}``, the
    last one sent whatever happened before it, so a failed update never leaves an engine paused;
    A LoRA trainer's version is an adapter (its safetensors header carries the adapter config,
-   ``broker.lora_config_of``): the syncer makes a PEFT adapter directory of it
+   ``inference.lora_config_of``): the syncer makes a PEFT adapter directory of it
    (``<weights_dir>/<run>/v<version>/lora/``) and sends, inside the same pause and continue,
    ``POST /unload_lora_adapter {"lora_name": <run>}`` (a refusal, nothing loaded yet, is fine)
    → ``POST /load_lora_adapter {"lora_name": <run>, "lora_path"}`` → ``POST
    /update_weight_version {"new_version"}``, so generations that name the adapter (the
    consumer's ``--lora <run>``) report the adapter's version;
 4. keeps the newest ``keep`` local copies;
-5. records what each engine serves now in the engines KV (``broker.record_engine``), for
+5. records what each engine serves now in the engines KV (``inference.record_engine``), for
    live views; a record that cannot be written is logged and skipped.
 
 Updates that arrive while a reload runs are coalesced: only the newest is applied next. Every
