@@ -214,3 +214,9 @@ def test_the_checker_rejects_a_violating_tree(tmp_path):
     ]
     for prefix in expected:
         assert any(f.startswith(prefix) for f in found), (prefix, found)
+
+
+def test_consumers_top_level_holds_at_most_a_dozen_modules():
+    # the rest is grouped by what it does: worker/, agents/, tracing/, backends/
+    modules = sorted(p.name for p in (ROOT / "consumers").glob("*.py"))
+    assert len(modules) <= 12, modules

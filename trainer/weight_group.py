@@ -9,7 +9,7 @@ stops receiving fails the update after one timeout instead of one per queued ten
 "flattened_bucket", every tensor's bytes in one uint8 buffer.
 
 Blocking calls all: the streamer (weight_stream.py) runs them in worker threads. torch.distributed
-is imported here, never by ``import trainer``.
+is imported here, never by ``import agentarium.trainer``.
 """
 
 from __future__ import annotations
