@@ -1,7 +1,7 @@
 """Reading published weights: the policy KV's current WeightUpdate, and a version's safetensors
 fetched to a local directory and verified (the weight syncer's side; trainer/weights.py
-publishes). In broker because the syncer (consumers) and the trainer (its resume, its
-publisher's own reads) both need it and may not import each other.
+publishes). In inference's face because the syncer (``inference.sync``) and the trainer (its
+resume, its publisher's own reads) both need it, and the trainer may not import the syncer.
 
 ``WeightFetcher.fetch`` streams the chunks into ``<dest>/.model.*.part``, hashing as it
 writes, checks size and sha256 against the WeightUpdate, and only then renames the file to
