@@ -1,7 +1,7 @@
 """EngineControl: the one client of an engine's control API, SGLang's and the local engine's.
 
 The local engine serves SGLang's routes with SGLang's shapes (docs: SGLANG_API.md), so the
-weight syncer (consumers, reloads from disk) and the weight streamer (trainer, over a
+weight syncer (``inference.sync``, reloads from disk) and the weight streamer (trainer, over a
 torch.distributed group) drive both through this client. It lives in inference, beside the
 engine and the syncer, and imports no service, so both sides may import it.
 
