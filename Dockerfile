@@ -37,13 +37,15 @@ COPY agentarium ./agentarium
 COPY broker ./broker
 COPY consumers ./consumers
 COPY environments ./environments
+COPY formats ./formats
+COPY inference ./inference
 COPY producers ./producers
 COPY schemas ./schemas
 COPY trainer ./trainer
 COPY examples ./examples
 # hadolint ignore=DL3013
 RUN pip install ".[${EXTRAS}]" \
- && python -c "import agentarium.cli, broker, consumers, environments, producers, schemas, trainer"
+ && python -c "import agentarium.cli, agentarium.broker, agentarium.consumers, agentarium.inference"
 
 FROM ${PYTHON_IMAGE} AS runtime
 # tini as PID 1: forwards SIGTERM (consumers drain on it) and reaps children.

@@ -15,7 +15,7 @@ import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
-from schemas import Trajectory
+from agentarium.schemas import Trajectory
 
 PERCENTILES = (50, 90, 99)
 

@@ -12,7 +12,7 @@ from typing import Any
 import nats.errors
 import nats.js.errors
 
-from broker import BrokerError
+from agentarium.broker import BrokerError
 
 from . import __version__, commands
 from .commands.common import Parser, add_command_group

@@ -14,7 +14,7 @@ from typing import IO, Any
 
 from tqdm import tqdm
 
-from schemas import Trajectory
+from agentarium.schemas import Trajectory
 
 
 class _Tqdm(tqdm):

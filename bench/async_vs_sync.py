@@ -4,7 +4,7 @@ Both modes train the tiny model on the demo's task (repeat the digit) through th
 each run on its own fresh stack of processes: nats-server, the local engine, one consumer
 (``--concurrency 1024``, so the rollouts' delays and not the consumer are the bottleneck), the
 weight syncer and the trainer (``--torch-threads 1``, no checkpoint directory: groups are acked
-right after their step). Every rollout is ``examples.toy:delayed_rollout``: one LLM call, then a
+right after their step). Every rollout is ``agentarium.examples.toy:delayed_rollout``: one LLM call, then a
 lognormal wait (median 0.5 s, sigma 1.0: p99 about 10x the median) after the reply, the long
 tail of agentic rollouts. Same steps, groups x group size, seeds, task stream and settings in
 both modes (the demo's, but lr 2e-3, twice the demo's, so the reward leaves the floor within
@@ -16,7 +16,7 @@ both modes (the demo's, but lr 2e-3, twice the demo's, so the reward leaves the 
   with ``ahead`` = the max staleness by default. Rollouts too stale when their group completes
   are dropped; the async run generates more rollouts than it trains, and the bench says how many.
 - **sync**: the trainer with ``--sync-rollouts``; the producer releases batch k + 1 only once the
-  engine serves version k (``broker.wait_served``), and the trainer waits for the same before it
+  engine serves version k (``inference.wait_served``), and the trainer waits for the same before it
   takes the next batch: generate a whole batch with the current weights, train, publish, wait
   until the engines serve the new version, repeat.
 
@@ -50,11 +50,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from agentarium.demo.processes import Child, start_child  # noqa: E402
-from agentarium.demo.run import DemoConfig, trainer_argv  # noqa: E402
-from agentarium.demo.tasks import digit_tasks  # noqa: E402
-from agentarium.tiny import ensure_tiny_model  # noqa: E402
-from broker import (  # noqa: E402
+from agentarium.broker import (  # noqa: E402
     NatsServer,
     NatsSettings,
     Topology,
@@ -65,8 +61,12 @@ from broker import (  # noqa: E402
     setup_logging,
     wait_served,
 )
-from producers import RunSession  # noqa: E402
-from trainer import read_metrics  # noqa: E402
+from agentarium.demo.processes import Child, start_child  # noqa: E402
+from agentarium.demo.run import DemoConfig, trainer_argv  # noqa: E402
+from agentarium.demo.tasks import digit_tasks  # noqa: E402
+from agentarium.producers import RunSession  # noqa: E402
+from agentarium.tiny import ensure_tiny_model  # noqa: E402
+from agentarium.trainer import read_metrics  # noqa: E402
 
 AGENT = "toy"
 MODES = ("async", "sync")
@@ -215,7 +215,7 @@ async def one_run(args: argparse.Namespace, mode: str, repeat: int, base: Path) 
             [
                 "consumer",
                 "--agent",
-                f"{AGENT}=examples.toy:delayed_rollout",
+                f"{AGENT}=agentarium.examples.toy:delayed_rollout",
                 "--llm",
                 engine.url,
                 "--model",

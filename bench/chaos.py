@@ -32,7 +32,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "chaos")]
 import scenarios  # noqa: E402
 from chaoslib import Row  # noqa: E402
 
-from broker import NatsServer  # noqa: E402
+from agentarium.broker import NatsServer  # noqa: E402
 
 Scenario = Callable[[Path, str], Awaitable[list[Row]]]
 

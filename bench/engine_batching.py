@@ -18,8 +18,8 @@ from pathlib import Path
 
 import aiohttp
 
+from agentarium.inference.engine import LocalEngine, start_server
 from agentarium.tiny import resolve_model
-from consumers.engine import LocalEngine, start_server
 
 
 def prompts(n: int, tokenizer) -> list[list[int]]:

@@ -24,8 +24,8 @@ import torch
 from engine_batching import prompts  # the same chat prompts (bench/ is the script's path)
 from transformers import AutoModelForCausalLM
 
+from agentarium.inference.engine import LocalEngine, start_server
 from agentarium.models import resolve_model
-from consumers.engine import LocalEngine, start_server
 
 
 async def engine_tokens_per_s(url: str, batch: list[list[int]], tokens: int) -> float:

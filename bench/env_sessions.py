@@ -47,8 +47,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from broker import NatsServer, NatsSettings, Topology, collect_env_status  # noqa: E402
-from environments.stats import percentile  # noqa: E402
+from agentarium.broker import NatsServer, NatsSettings, Topology, collect_env_status  # noqa: E402
+from agentarium.environments.stats import percentile  # noqa: E402
 
 STEPS = 5
 ENV_NAME = "light"
@@ -105,7 +105,7 @@ class NatsSide:
         self.timeout_s = args.request_timeout
 
     async def open(self) -> None:
-        from consumers import EnvClient
+        from agentarium.consumers import EnvClient
 
         self.nc = await NatsSettings(url=self.url).connect(name="bench-env-client")
         timeout = self.timeout_s

@@ -45,12 +45,12 @@ from pathlib import Path
 import torch
 
 from agentarium.models import resolve_model
+from agentarium.schemas import LLMCall, Trajectory
 from agentarium.tiny import MODEL_CONFIG
-from schemas import LLMCall, Trajectory
-from trainer.batch import Sample, build_rows, collate
-from trainer.config import TrainerConfig
-from trainer.fsdp import FsdpParallel, _FsdpWorker
-from trainer.ray_dp import RayDataParallel, _Worker
+from agentarium.trainer.batch import Sample, build_rows, collate
+from agentarium.trainer.config import TrainerConfig
+from agentarium.trainer.fsdp import FsdpParallel, _FsdpWorker
+from agentarium.trainer.ray_dp import RayDataParallel, _Worker
 
 MB = 1024 * 1024
 

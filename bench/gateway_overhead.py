@@ -28,12 +28,12 @@ sys.path.insert(0, str(ROOT))
 import aiohttp  # noqa: E402
 import openai  # noqa: E402
 
+from agentarium.consumers.backends import SGLangBackend  # noqa: E402
+from agentarium.consumers.tracing.llm import TracingLLM  # noqa: E402
+from agentarium.consumers.tracing.proxy import TracingProxy  # noqa: E402
+from agentarium.formats.chat_template import ChatTemplate  # noqa: E402
+from agentarium.schemas import Sampling  # noqa: E402
 from agentarium.tiny import ensure_tiny_model  # noqa: E402
-from consumers.backends import SGLangBackend  # noqa: E402
-from consumers.chat_template import ChatTemplate  # noqa: E402
-from consumers.llm import TracingLLM  # noqa: E402
-from consumers.proxy import TracingProxy  # noqa: E402
-from schemas import Sampling  # noqa: E402
 
 QUESTION = [{"role": "user", "content": "What is 2+3?"}]
 Call = Callable[[], Awaitable[object]]

@@ -60,9 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from trainer.batch import build_rows, collate
-    from trainer.fsdp import idle_pass, passes_of, shard_model
-    from trainer.step import (
+    from agentarium.trainer.batch import build_rows, collate
+    from agentarium.trainer.fsdp import idle_pass, passes_of, shard_model
+    from agentarium.trainer.step import (
         StepSettings,
         Totals,
         apply_update,

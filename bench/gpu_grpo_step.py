@@ -184,8 +184,8 @@ def synthetic_samples(args, vocab: int, eos: int):
 
     import torch
 
-    from schemas import LLMCall, Trajectory
-    from trainer.batch import Sample, advantages
+    from agentarium.schemas import LLMCall, Trajectory
+    from agentarium.trainer.batch import Sample, advantages
 
     rng = random.Random(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
@@ -242,8 +242,8 @@ def run_config(args, mbs, model, batch, model_dir, device, started, flops_per_st
     """Warm-up plus timed steps of LocalUpdater.step with micro-batch size ``mbs``."""
     import torch
 
-    from trainer.config import TrainerConfig
-    from trainer.step import LocalUpdater, StepSettings, make_optimizer
+    from agentarium.trainer.config import TrainerConfig
+    from agentarium.trainer.step import LocalUpdater, StepSettings, make_optimizer
 
     config = TrainerConfig(
         run="bench",
@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         notes.append("msgpack not installed: stubbed (never used by the step)")
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    from trainer.batch import build_rows, collate
+    from agentarium.trainer.batch import build_rows, collate
 
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
     shape = TINY_SHAPE if args.tiny else FULL_SHAPE

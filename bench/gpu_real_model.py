@@ -46,8 +46,8 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from agentarium.examples.arithmetic import messages_of, task  # noqa: E402
 from agentarium.smol import ensure_smol_model  # noqa: E402
-from examples.arithmetic import messages_of, task  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -179,7 +179,7 @@ class Consumer:
 
 async def wait_registered(js, topo, worker_count: int, consumers: list[Consumer]) -> None:
     """Until ``worker_count`` workers are in the registry (each registers once it pulls)."""
-    from broker.registry import live_workers
+    from agentarium.broker.registry import live_workers
 
     deadline = time.monotonic() + 120
     while len(await live_workers(js, topo)) < worker_count:

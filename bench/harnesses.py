@@ -36,10 +36,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from fake_sglang import local_engine  # noqa: E402
 
+from agentarium.broker import NatsServer, NatsSettings, Topology, provision  # noqa: E402
+from agentarium.producers import TaskProducer, TrajectoryReader  # noqa: E402
+from agentarium.schemas import Sampling  # noqa: E402
 from agentarium.tiny import ensure_tiny_model  # noqa: E402
-from broker import NatsServer, NatsSettings, Topology, provision  # noqa: E402
-from producers import TaskProducer, TrajectoryReader  # noqa: E402
-from schemas import Sampling  # noqa: E402
 
 HARNESS_DIR = Path(os.environ.get("AGENTARIUM_HARNESSES", "~/.cache/agentarium/harnesses"))
 CONTEXT = 131072
@@ -168,7 +168,7 @@ async def run_one(
         sys.executable, "-m", "agentarium", "consumer", "--nats-url", nats, "--llm", llm,
         "--agent", f"{name}={harness.spec}", "--model", str(model), "--burst", "--attempts", "1",
         "--program-env", f"PATH={path}", "--program-user", args.user,
-        "--program-setup", "examples.repo_task:setup", "--program-scorer", "examples.repo_task:score",
+        "--program-setup", "agentarium.examples.repo_task:setup", "--program-scorer", "agentarium.examples.repo_task:score",
         "--program-output-bytes", str(4 * 1024 * 1024),
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/inflight.py [--jobs 50000] [--latency 10] [--scaling-jobs 20000]
 
-1. Throughput R: one consumer, agent ``examples.toy:one_call`` (async, one LLM call) against an
+1. Throughput R: one consumer, agent ``agentarium.examples.toy:one_call`` (async, one LLM call) against an
    instant fake SGLang (bench/fake_fleet.py): ``--rate-jobs`` jobs, rollouts/s.
 2. In flight: one consumer with ``--concurrency`` = ``--jobs``, the same agent against a fake
    that answers each request after ``--latency`` seconds; all jobs published at once. Printed:
@@ -40,12 +40,12 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from harness import Consumer, _child_setup, median_range, stored, wait_registered  # noqa: E402
 
+from agentarium.broker import Limits, NatsServer, NatsSettings, Topology, free_port, provision  # noqa: E402
+from agentarium.broker.registry import live_workers  # noqa: E402
 from agentarium.demo.processes import child_env  # noqa: E402
-from broker import Limits, NatsServer, NatsSettings, Topology, free_port, provision  # noqa: E402
-from broker.registry import live_workers  # noqa: E402
-from producers import TaskProducer, TrajectoryReader  # noqa: E402
+from agentarium.producers import TaskProducer, TrajectoryReader  # noqa: E402
 
-AGENT_SPEC = "examples.toy:one_call"
+AGENT_SPEC = "agentarium.examples.toy:one_call"
 
 
 def start_fake(latency_s: float, servers: int = 1) -> tuple[subprocess.Popen, str]:

@@ -39,8 +39,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from environments import Environment  # noqa: E402
-from schemas import Observation, SessionOutcome, StepResult  # noqa: E402
+from agentarium.environments import Environment  # noqa: E402
+from agentarium.schemas import Observation, SessionOutcome, StepResult  # noqa: E402
 
 STEPS = 5
 TOOLS = [

@@ -31,13 +31,14 @@ from pathlib import Path
 
 import torch
 
+from agentarium.broker import NatsServer, NatsSettings, Topology, provision
+from agentarium.broker.telemetry import setup_logging
+from agentarium.inference import EngineControl
+from agentarium.inference.sync import SyncConfig, WeightSyncer
 from agentarium.tiny import resolve_model
-from broker import EngineControl, NatsServer, NatsSettings, Topology, provision
-from broker.telemetry import setup_logging
-from consumers.sync import SyncConfig, WeightSyncer
-from trainer.config import TrainerConfig
-from trainer.step import LocalUpdater
-from trainer.weights import WeightStore
+from agentarium.trainer.config import TrainerConfig
+from agentarium.trainer.step import LocalUpdater
+from agentarium.trainer.weights import WeightStore
 
 MB = 1024 * 1024
 

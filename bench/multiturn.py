@@ -35,13 +35,13 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from agentarium.consumers.backends import SGLangBackend
+from agentarium.consumers.tracing.llm import TracingLLM
+from agentarium.formats.chat_template import ChatTemplate
+from agentarium.inference.engine import EngineSettings, LocalEngine, start_server
+from agentarium.schemas import Sampling, Trajectory
 from agentarium.tiny import agentarium_home, resolve_model
-from consumers.backends import SGLangBackend
-from consumers.chat_template import ChatTemplate
-from consumers.engine import EngineSettings, LocalEngine, start_server
-from consumers.llm import TracingLLM
-from schemas import Sampling, Trajectory
-from trainer import rows_of
+from agentarium.trainer import rows_of
 
 SMOL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FACTS = (

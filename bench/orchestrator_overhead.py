@@ -33,11 +33,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from agentarium import AgentOrchestrator  # noqa: E402
+from agentarium.broker import NatsServer  # noqa: E402
 from agentarium.demo.processes import child_env  # noqa: E402
 from agentarium.orchestrator import tensorize  # noqa: E402
+from agentarium.schemas import LLMCall, Trajectory  # noqa: E402
 from agentarium.tiny import ensure_tiny_model  # noqa: E402
-from broker import NatsServer  # noqa: E402
-from schemas import LLMCall, Trajectory  # noqa: E402
 
 TASKS, GROUP = 128, 8
 P, R = 64, 8
@@ -89,7 +89,7 @@ def ray_rollout(url: str):
 
     @ray.remote
     def rollout(task: dict, group_id: str, index: int) -> dict:
-        from consumers.chat_template import ChatTemplate
+        from agentarium.formats.chat_template import ChatTemplate
 
         template = getattr(rollout, "_template", None) or ChatTemplate.from_model_dir(model_dir)
         rollout._template = template

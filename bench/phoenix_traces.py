@@ -40,9 +40,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from agentarium.broker import NatsServer, free_port  # noqa: E402
 from agentarium.demo.processes import child_env, start_child  # noqa: E402
 from agentarium.tiny import ensure_tiny_model  # noqa: E402
-from broker import NatsServer, free_port  # noqa: E402
 
 AGENT, RUN = "toy", "phoenix"
 
@@ -162,7 +162,7 @@ def run_pipeline(phoenix_url: str, workdir: Path, tasks: int, group_size: int) -
                 [
                     "consumer",
                     "--agent",
-                    f"{AGENT}=examples.toy:rollout",
+                    f"{AGENT}=agentarium.examples.toy:rollout",
                     "--llm",
                     engine.url,
                     "--model",

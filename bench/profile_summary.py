@@ -76,11 +76,11 @@ def _agent_thread_wait() -> str:
     source, so that the thread's real work on other lines still counts)."""
     import inspect
 
-    from consumers.agents import AgentThreads
+    from agentarium.consumers.agents.loading import AgentThreads
 
     lines, first = inspect.getsourcelines(AgentThreads._work)
     offset = next(i for i, line in enumerate(lines) if "self._queue.get()" in line)
-    return f"AgentThreads._work (consumers/agents.py:{first + offset})"
+    return f"AgentThreads._work (consumers/agents/loading.py:{first + offset})"
 
 
 IDLE = ("_worker (concurrent/futures/thread.py:81)", _agent_thread_wait())

@@ -6,7 +6,7 @@ per mode, one ``agentarium consumer`` process (the command users run, bench/harn
 with the same ``--concurrency``. Every mode's agent makes one call of one token with the
 task's prompt:
 
-  function        ``examples.toy:one_call``: ``llm.chat`` inside the consumer, no HTTP
+  function        ``agentarium.examples.toy:one_call``: ``llm.chat`` inside the consumer, no HTTP
   function-http   ``bench/agents.py:one_http_call``: a chat completion through the rollout's
                   gateway over HTTP (aiohttp, a fresh connection), from inside the consumer
   program-python  ``exec:python3 bench/programs/one_call.py``: the same call from a program,
@@ -49,11 +49,11 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 from harness import TICKS, Consumer, median_range, wait_registered  # noqa: E402
 
+from agentarium.broker import NatsServer, NatsSettings, Topology, provision  # noqa: E402
+from agentarium.consumers.agents.program import run_as  # noqa: E402
+from agentarium.consumers.agents.program_run import run_program  # noqa: E402
 from agentarium.demo.processes import child_env  # noqa: E402
-from broker import NatsServer, NatsSettings, Topology, provision  # noqa: E402
-from consumers.program import run_as  # noqa: E402
-from consumers.program_run import run_program  # noqa: E402
-from producers import TaskProducer, TrajectoryReader  # noqa: E402
+from agentarium.producers import TaskProducer, TrajectoryReader  # noqa: E402
 
 PROGRAMS = ROOT / "bench" / "programs"
 
@@ -76,7 +76,7 @@ def readable_programs() -> Path:
 
 def modes(programs: Path) -> dict[str, str]:
     return {
-        "function": "examples.toy:one_call",
+        "function": "agentarium.examples.toy:one_call",
         "function-http": "agents:one_http_call",
         "program-python": f"exec:{program_python()} {programs / 'one_call.py'}",
         "program-sh": f"exec:{programs / 'one_call.sh'}",

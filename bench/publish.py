@@ -28,9 +28,9 @@ from pathlib import Path
 
 import structlog
 
-from broker import NatsServer, NatsSettings, Topology, provision
-from producers import TaskProducer, expand_tasks
-from schemas import Job, encode
+from agentarium.broker import NatsServer, NatsSettings, Topology, provision
+from agentarium.producers import TaskProducer, expand_tasks
+from agentarium.schemas import Job, encode
 
 
 def make_jobs(n: int, run: str) -> list[Job]:

@@ -2,10 +2,10 @@
 process -> backend -> trajectory stored.
 
 Cases (one consumer process each, started once, warmed up, then measured batch after batch):
-  noop       agent ``examples.toy:noop`` (no LLM call; a sync function, so run in the
+  noop       agent ``agentarium.examples.toy:noop`` (no LLM call; a sync function, so run in the
              consumer's thread pool): the ceiling for sync agents
   noop_async agent ``bench/agents.py:noop`` (no LLM call, async): the pipeline's own ceiling
-  one_call   agent ``examples.toy:one_call`` (one LLM call, 1 token) against an instant fake
+  one_call   agent ``agentarium.examples.toy:one_call`` (one LLM call, 1 token) against an instant fake
              backend with SGLang's response shape (bench/fake_fleet.py, another process)
   engine     (--engine) the same agent against the local CPU engine with the tiny model
 
@@ -53,16 +53,16 @@ from harness import (  # noqa: E402
     wait_registered,
 )
 
+from agentarium.broker import NatsServer, NatsSettings, Topology, provision  # noqa: E402
 from agentarium.demo.processes import child_env, start_child  # noqa: E402
+from agentarium.producers import TaskProducer, TrajectoryReader  # noqa: E402
 from agentarium.tiny import ensure_tiny_model  # noqa: E402
-from broker import NatsServer, NatsSettings, Topology, provision  # noqa: E402
-from producers import TaskProducer, TrajectoryReader  # noqa: E402
 
 CASES = {
-    "noop": "examples.toy:noop",
+    "noop": "agentarium.examples.toy:noop",
     "noop_async": "agents:noop",
-    "one_call": "examples.toy:one_call",
-    "engine": "examples.toy:one_call",
+    "one_call": "agentarium.examples.toy:one_call",
+    "engine": "agentarium.examples.toy:one_call",
 }
 
 

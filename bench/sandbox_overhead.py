@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from environments.sandbox import Sandbox, _preexec, isolation  # noqa: E402
+from agentarium.environments.sandbox import Sandbox, _preexec, isolation  # noqa: E402
 
 COMMANDS = ("true", "echo hello")
 

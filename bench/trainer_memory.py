@@ -47,8 +47,8 @@ def peak_rss_mb() -> float:
 
 
 def bench_batch(rows: int, prompt: int, response: tuple[int, int], vocab: int, seed: int = 0):
-    from schemas import LLMCall, Trajectory
-    from trainer.batch import Sample, build_rows, collate
+    from agentarium.schemas import LLMCall, Trajectory
+    from agentarium.trainer.batch import Sample, build_rows, collate
 
     rng = random.Random(seed)
     samples = []
@@ -73,8 +73,8 @@ def child(args: argparse.Namespace) -> None:
     import torch
 
     from agentarium.models import resolve_model
-    from trainer.config import TrainerConfig
-    from trainer.step import LocalUpdater
+    from agentarium.trainer.config import TrainerConfig
+    from agentarium.trainer.step import LocalUpdater
 
     torch.set_num_threads(args.threads)
     model_dir = resolve_model(args.model)

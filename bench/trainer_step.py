@@ -20,12 +20,12 @@ import time
 
 import torch
 
+from agentarium.formats.chat_template import ChatTemplate
+from agentarium.schemas import LLMCall, Trajectory
 from agentarium.tiny import resolve_model
-from consumers.chat_template import ChatTemplate
-from schemas import LLMCall, Trajectory
-from trainer.batch import Sample, advantages, build_rows, collate
-from trainer.config import TrainerConfig
-from trainer.step import LocalUpdater
+from agentarium.trainer.batch import Sample, advantages, build_rows, collate
+from agentarium.trainer.config import TrainerConfig
+from agentarium.trainer.step import LocalUpdater
 
 
 def toy_samples(template: ChatTemplate, groups: int, size: int, response_tokens: int, seed=0):

@@ -35,12 +35,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
+from agentarium.broker import NatsServer, NatsSettings  # noqa: E402
 from agentarium.demo.processes import Child, start_child  # noqa: E402
+from agentarium.examples.trl_trainer import grpo_config, prompts  # noqa: E402
 from agentarium.integrations.config import RolloutConfig  # noqa: E402
 from agentarium.integrations.trl import AgentariumRollout  # noqa: E402
 from agentarium.tiny import ensure_tiny_model  # noqa: E402
-from broker import NatsServer, NatsSettings  # noqa: E402
-from examples.trl_trainer import grpo_config, prompts  # noqa: E402
 
 AGENT, RUN = "digit", "bench-trl"
 
@@ -146,7 +146,7 @@ def services(work: Path, model_dir: str) -> tuple[NatsServer, list[Child]]:
     )
     consumer = start_child(
         "consumer",
-        ["consumer", "--agent", f"{AGENT}=examples.toy:any_digit", "--llm", engine.url,
+        ["consumer", "--agent", f"{AGENT}=agentarium.examples.toy:any_digit", "--llm", engine.url,
          "--model", model_dir, "--concurrency", "256", *nats],
         logs,
     )  # fmt: skip

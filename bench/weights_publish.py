@@ -39,13 +39,14 @@ from pathlib import Path
 import aiohttp
 import torch
 
+from agentarium.broker import NatsServer, NatsSettings, Topology, provision
+from agentarium.broker.telemetry import setup_logging
+from agentarium.inference import weights_checksum
+from agentarium.inference.sync import SyncConfig, WeightSyncer
 from agentarium.tiny import MODEL_CONFIG, resolve_model
-from broker import NatsServer, NatsSettings, Topology, provision, weights_checksum
-from broker.telemetry import setup_logging
-from consumers.sync import SyncConfig, WeightSyncer
-from trainer import weight_group
-from trainer.weight_stream import StreamConfig, WeightStreamer
-from trainer.weights import WeightStore
+from agentarium.trainer import weight_group
+from agentarium.trainer.weight_stream import StreamConfig, WeightStreamer
+from agentarium.trainer.weights import WeightStore
 
 MB = 1024 * 1024
 ROOT = Path(__file__).resolve().parents[1]

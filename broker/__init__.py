@@ -1,19 +1,11 @@
 """NATS plumbing: connection settings, topology, provisioning, the embedded server, status
 (environment services' included, from the NATS service API),
-the workers registry, engine weight versions, the engines' control API client, reading
-published weights, stream tails for live views, telemetry (logging,
+the workers registry, stream tails for live views, telemetry (logging,
 tracing, trace context in message headers) and the Prometheus side shared by every service
 (the /metrics and health server, queue gauges)."""
 
 from .aio import cancel_and_wait, round_trip
 from .backoff import Backoff
-from .engine_control import (
-    PAUSE_MODES,
-    EngineControl,
-    EngineControlError,
-    weights_checksum,
-)
-from .engines import engine_key, engine_versions, record_engine, served_version, wait_served
 from .env_status import (
     ENV_SERVICE_KIND,
     EnvServiceStatus,
@@ -49,7 +41,7 @@ from .provision import (
     provision,
 )
 from .publisher import JetStreamPublisher
-from .registry import live_workers, publish_worker, remove_worker
+from .registry import json_entries, live_workers, publish_worker, remove_worker
 from .server import NatsServer, find_nats_server, free_port, is_loopback
 from .settings import NatsSettings
 from .status import BrokerStatus, collect_status, count_messages, format_status
@@ -68,44 +60,8 @@ from .telemetry import (
     trace_id_hex,
 )
 from .topology import Topology
-from .weights import (
-    LORA_CONFIG_KEY,
-    STALL_TIMEOUT_S,
-    WEIGHTS_FILE,
-    WeightFetcher,
-    WeightNotFound,
-    WeightsError,
-    WeightVerificationError,
-    adapter_directory,
-    default_weights_dir,
-    is_shared_path,
-    local_versions,
-    lora_config_of,
-    object_name,
-    sha256_file,
-    verify_file,
-)
 
 __all__ = [
-    "PAUSE_MODES",
-    "STALL_TIMEOUT_S",
-    "WEIGHTS_FILE",
-    "LORA_CONFIG_KEY",
-    "EngineControl",
-    "EngineControlError",
-    "WeightFetcher",
-    "WeightNotFound",
-    "WeightVerificationError",
-    "WeightsError",
-    "default_weights_dir",
-    "is_shared_path",
-    "local_versions",
-    "lora_config_of",
-    "adapter_directory",
-    "object_name",
-    "sha256_file",
-    "verify_file",
-    "weights_checksum",
     "Backoff",
     "ENV_SERVICE_KIND",
     "EnvServiceStatus",
@@ -143,8 +99,6 @@ __all__ = [
     "trajectory_stored",
     "collect_stream_metrics",
     "count_messages",
-    "engine_key",
-    "engine_versions",
     "ensure_consumer",
     "ensure_provisioned",
     "ensure_streams",
@@ -157,6 +111,7 @@ __all__ = [
     "inject_headers",
     "is_transient",
     "is_unavailable",
+    "json_entries",
     "live_workers",
     "loop_name",
     "metrics_response",
@@ -165,19 +120,16 @@ __all__ = [
     "provision",
     "publish_worker",
     "read_tail",
-    "record_engine",
     "remove_worker",
     "render_metrics",
     "round_trip",
     "run_in_foreground",
-    "served_version",
     "run_loop",
     "setup_logging",
     "setup_tracing",
     "shutdown_tracing",
     "span_id_hex",
     "trace_id_hex",
-    "wait_served",
     "tune_gc",
     "watch_lag",
 ]

@@ -19,7 +19,7 @@ from typing import Any
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from schemas import EnvWorkerStats, SchemaError
+from agentarium.schemas import EnvWorkerStats, SchemaError
 
 from .topology import Topology
 

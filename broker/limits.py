@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from schemas import check_settings, setting
+from agentarium.schemas import check_settings, setting
 
 GiB = 1024**3
 DAY_S = 86400.0

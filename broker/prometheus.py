@@ -8,7 +8,7 @@
   bound to its consumer), else 503 with the failing checks in a JSON body.
 
 Metric definitions live with the component that counts them (``consumers/metrics.py``,
-``trainer/prometheus.py``, ``consumers/engine/metrics.py``); this module only serves them. Values
+``trainer/prometheus.py``, ``inference/engine/metrics.py``); this module only serves them. Values
 that are read rather than counted (queue depths, from the broker) are refreshed by hooks that
 run before each scrape (``on_scrape``), so they are as fresh as the scrape and cost nothing
 between scrapes. Label values are bounded sets (agent, status, run, engine URL), never a job id.

@@ -25,7 +25,7 @@ import nats
 import nats.errors
 import structlog
 
-from schemas import setting, settings
+from agentarium.schemas import setting, settings
 
 from .errors import BrokerUnavailable
 

@@ -26,7 +26,7 @@ from typing import Any
 import nats.js.errors
 from nats.js import JetStreamContext
 
-from schemas import Job, SchemaError, decode
+from agentarium.schemas import Job, SchemaError, decode
 
 from .topology import Topology
 

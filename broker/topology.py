@@ -18,7 +18,7 @@ from nats.js.api import (
     StreamConfig,
 )
 
-from schemas import check_name
+from agentarium.schemas import check_name
 
 from .limits import Limits
 

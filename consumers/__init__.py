@@ -1,15 +1,30 @@
-"""Rollout consumers: the worker loop, agent adapters, the tracing LLM client and proxy, backends,
-the consumer service that assembles them, and the weight syncer that keeps the engines on
-the latest policy version (``consumers.sync``). The local CPU engine (torch) is the sub-package
-``consumers.engine``, imported only by what serves a model."""
+"""Rollout consumers: the worker loop (``worker/``), agents (``agents/``: loading, program agents,
+the environment agent, verifiers), tracing (``tracing/``: the LLM client, proxy and gateway),
+LLM backends (``backends/``), and the consumer service that assembles them (``service.py``,
+``process.py``). The engines and the weight syncer are ``inference``; chat templates and
+tool-call parsing are ``formats``."""
 
-from .agents import AgentLoadError, AgentSpec, RewardError, load_callable
+from .agents import (
+    AgentLoadError,
+    AgentSpec,
+    EnvAgent,
+    EnvClient,
+    EnvSession,
+    ProgramAgent,
+    ProgramFailed,
+    ProgramOutput,
+    ProgramSettings,
+    RewardError,
+    VerifiersAgent,
+    VerifiersRolloutError,
+    env_agent,
+    load_agent,
+    load_callable,
+    program_agent,
+    verifiers_agent,
+)
 from .backends import CrossSamplingBackend, model_of_call
-from .chat_template import ChatTemplate
 from .config import ConsumerSettings, default_worker_id
-from .counters import Counters
-from .env_agent import EnvAgent, env_agent
-from .envclient import EnvClient, EnvSession
 from .errors import (
     BackendUnavailable,
     BadRequest,
@@ -21,20 +36,9 @@ from .errors import (
     EnvRequestError,
     LLMError,
     TokenizerMismatch,
-    ToolsNotRendered,
 )
 from .fleet import Fleet, FleetPolicy
-from .llm import ChatResult, TracingLLM
 from .process import ConsumerProcess, RolloutSettings, build_agent, parse_agent
-from .program import (
-    ProgramAgent,
-    ProgramFailed,
-    ProgramSettings,
-    load_agent,
-    program_agent,
-)
-from .program_run import ProgramOutput
-from .proxy import TracingProxy
 from .service import (
     ConsumerService,
     ConsumerSpec,
@@ -43,9 +47,8 @@ from .service import (
     normalize_urls,
     start_proxy,
 )
-from .sync import SyncConfig, SyncResult, WeightSyncer, run_sync
-from .verifiers_agent import VerifiersAgent, VerifiersRolloutError, verifiers_agent
-from .worker import Worker
+from .tracing import ChatResult, TracingLLM, TracingProxy
+from .worker import Counters, Worker
 
 __all__ = [
     "AgentLoadError",
@@ -53,7 +56,6 @@ __all__ = [
     "BackendUnavailable",
     "BadRequest",
     "ChatResult",
-    "ChatTemplate",
     "ConsumerService",
     "ConsumerProcess",
     "ConsumerSettings",
@@ -80,15 +82,11 @@ __all__ = [
     "ProgramSettings",
     "RewardError",
     "RolloutSettings",
-    "SyncConfig",
-    "SyncResult",
     "TokenizerMismatch",
-    "ToolsNotRendered",
     "TracingLLM",
     "TracingProxy",
     "VerifiersAgent",
     "VerifiersRolloutError",
-    "WeightSyncer",
     "Worker",
     "default_worker_id",
     "build_agent",
@@ -99,7 +97,6 @@ __all__ = [
     "model_of_call",
     "normalize_urls",
     "program_agent",
-    "run_sync",
     "start_proxy",
     "verifiers_agent",
 ]

@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from schemas import check_settings, section, setting, settings
+from agentarium.schemas import check_settings, section, setting, settings
 
 from .delivery import DeliveryPolicy
 from .fleet import FleetPolicy

@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from broker import Backoff
-from schemas import check_settings, setting
+from agentarium.broker import Backoff
+from agentarium.schemas import check_settings, setting
 
 
 class Event(Enum):

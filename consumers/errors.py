@@ -12,11 +12,8 @@ CrossSamplingError       (a ValueError) configuration: the cross-sampling model 
 TokenizerMismatch        (a ValueError) configuration: an LLM server reads another vocabulary
                          than the consumer's --model renders prompts in; raised when the
                          consumer starts, fix --model
-ToolsNotRendered         (a ValueError) a call offered tools to a model whose chat template
-                         renders none (the prompt is the same without them): an agent error
-                         (the proxy answers 400), never a silent drop
 
-EnvClientError           a session with an environment service failed (consumers/envclient.py)
+EnvClientError           a session with an environment service failed (consumers/agents/envclient.py)
 ├── EnvironmentUnavailable  infrastructure: no worker with room before the deadline, or the
 │                           session's worker is gone (no responders, 404, repeated timeouts);
 │                           the rollout is retried, on its last attempt stored as ``error``
@@ -61,10 +58,6 @@ class CrossSamplingError(ValueError):
 class TokenizerMismatch(ValueError):
     """An LLM server's tokenizer is not the one the consumer renders prompts with (their
     fingerprints differ); the message names both models."""
-
-
-class ToolsNotRendered(ValueError):
-    """Tools were offered to a chat template that does not render them."""
 
 
 class EnvClientError(Exception):

@@ -30,8 +30,8 @@ from typing import Any
 
 import structlog
 
-from broker import Backoff
-from schemas import check_settings, setting
+from agentarium.broker import Backoff
+from agentarium.schemas import check_settings, setting
 
 from .backends.base import GenerateRequest, GenerateResult
 from .errors import BackendUnavailable

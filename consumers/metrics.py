@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from schemas import LLMCall
+from agentarium.schemas import LLMCall
 
 # Rollouts run from milliseconds (a toy agent) to an hour (a long agentic task).
 ROLLOUT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)

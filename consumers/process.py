@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from schemas import SchemaError, check_name, check_settings, section, setting
+from agentarium.schemas import SchemaError, check_name, check_settings, section, setting
 
+from .agents.env_agent import DEFAULT_MAX_TURNS, env_agent
+from .agents.program import PREFIX, ProgramSettings, load_agent
 from .config import ConsumerSettings
-from .env_agent import DEFAULT_MAX_TURNS, env_agent
-from .program import PREFIX, ProgramSettings, load_agent
 from .service import CrossTarget, LLMTarget, normalize_urls
 
 
@@ -118,7 +118,7 @@ class ConsumerProcess:
 
     agent: str = setting(
         metavar="NAME=module:function|NAME=exec:CMD|NAME",
-        help="agent name and its rollout function, e.g. toy=examples.toy:rollout. The function "
+        help="agent name and its rollout function, e.g. toy=agentarium.examples.toy:rollout. The function "
         "is rollout(task, llm) (async or not) or rollout(task, endpoint, model), or a Ray "
         "remote function. NAME=exec:CMD runs the command line CMD per rollout, in any "
         "language, its LLM calls through the gateway (OPENAI_BASE_URL, ANTHROPIC_BASE_URL; "
@@ -156,7 +156,7 @@ def parse_agent(value: str, env: str | None = None) -> tuple[str, str]:
         )
     if not sep and not env:
         raise ValueError(
-            f"--agent {value!r}: write NAME=module:function, e.g. toy=examples.toy:rollout, "
+            f"--agent {value!r}: write NAME=module:function, e.g. toy=agentarium.examples.toy:rollout, "
             "NAME=exec:CMD for a program (--agent swe=exec:'node agent.js'), or NAME with "
             f"--env ENV for the generic agent on an environment (--agent {value} --env sql)"
         )

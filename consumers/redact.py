@@ -15,7 +15,7 @@ _SECRET_PARAM = re.compile(
     r"(?i)\b((?:api[_-]?key|access[_-]?token|token|secret|password|passwd|auth)=)[^&\s'\"]+"
 )
 _BEARER = re.compile(r"(?i)\b(bearer\s+)[^\s'\"]+")
-# A tracing proxy endpoint's per-rollout secret (consumers/proxy.py: .../r/<secret>/v1).
+# A tracing proxy endpoint's per-rollout secret (consumers/tracing/proxy.py: .../r/<secret>/v1).
 _PROXY_SECRET = re.compile(r"(/r/)[A-Za-z0-9_-]{16,}")
 LOG_ERROR_CHARS = 300
 

@@ -31,16 +31,13 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
-from broker import OPENINFERENCE_SPAN_KIND, CurrentSpan, span_id_hex, trace_id_hex
-from schemas import Job, Trajectory
+from agentarium.broker import OPENINFERENCE_SPAN_KIND, CurrentSpan, span_id_hex, trace_id_hex
+from agentarium.schemas import Job, Trajectory
 
-from . import genai
-from .agents import AgentRunner, extract_reward, finite_reward
-from .envclient import EnvClient
+from .agents.envclient import EnvClient
+from .agents.loading import AgentRunner, extract_reward, finite_reward
 from .errors import BackendUnavailable
 from .fleet import Fleet, deadline_held_by
-from .llm import TracingLLM
-from .proxy import secret_of
 from .rollout_context import RolloutContext, entered
 from .rollout_result import (
     AgentFailed,
@@ -54,6 +51,9 @@ from .rollout_result import (
     judge,
     message,
 )
+from .tracing import genai
+from .tracing.llm import TracingLLM
+from .tracing.proxy import secret_of
 
 tracer = trace.get_tracer("agentarium.consumers")
 log = structlog.get_logger("agentarium.consumers")

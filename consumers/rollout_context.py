@@ -3,7 +3,7 @@ notes that join the trajectory's ``metadata``.
 
 The rollout sets it (``entered``) around the start of the agent's task, which copies the
 context, so the agent (and any thread a sync agent runs in) reads it with ``current()``. A
-program agent (consumers/program.py) names its working directory after the job and keeps its
+program agent (consumers/agents/program.py) names its working directory after the job and keeps its
 program's output in ``notes["program"]``, which the trajectory holds even when the rollout
 times out. Outside a rollout (an agent called directly) ``current()`` is a context of its own
 whose notes go nowhere.

@@ -24,7 +24,7 @@ import asyncio
 from dataclasses import dataclass, field
 from enum import Enum
 
-from schemas import Trajectory
+from agentarium.schemas import Trajectory
 
 from .errors import BackendUnavailable, EnvironmentUnavailable
 

@@ -19,23 +19,23 @@ from typing import Any
 import structlog
 from nats.js import JetStreamContext
 
-from broker import Topology, loop_name, watch_lag
-from schemas import SettingError
+from agentarium.broker import Topology, loop_name, watch_lag
+from agentarium.formats import ChatTemplate
+from agentarium.schemas import SettingError
 
-from .agents import AgentRunner, AgentSpec
+from .agents.envclient import EnvClient
+from .agents.loading import AgentRunner, AgentSpec
 from .backends import CrossSamplingBackend, OpenAICompatBackend, SGLangBackend
 from .backends.cross_sampling import check_same_tokenizer
 from .backends.vocab import check_engine_tokenizer
-from .chat_template import ChatTemplate
 from .config import ConsumerSettings
-from .counters import Counters
-from .envclient import EnvClient
 from .errors import CrossSamplingError
 from .fleet import Fleet, supports
 from .metrics import LOOP_LAG_SECONDS
-from .proxy import TracingProxy
 from .rollout import RolloutEnv
-from .worker import Worker
+from .tracing.proxy import TracingProxy
+from .worker.counters import Counters
+from .worker.worker import Worker
 
 log = structlog.get_logger("agentarium.consumers")
 

@@ -19,7 +19,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from broker import round_trip
+from agentarium.broker import round_trip
 
 from .metrics import EnvMetrics
 

@@ -40,7 +40,7 @@ from typing import Any, ClassVar
 
 import aiohttp
 
-from schemas import Observation, SessionOutcome, StepResult
+from agentarium.schemas import Observation, SessionOutcome, StepResult
 
 from .agentbench_http import (
     AgentBenchError,

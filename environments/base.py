@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
-from schemas import Observation, SessionOutcome, StepResult
+from agentarium.schemas import Observation, SessionOutcome, StepResult
 
 
 class Environment(ABC):

@@ -16,7 +16,7 @@ import time
 
 import structlog
 
-from schemas import EnvCall, SchemaError, SessionOutcome, StepResult, decode
+from agentarium.schemas import EnvCall, SchemaError, SessionOutcome, StepResult, decode
 
 from .caps import cap_step_result
 from .config import EnvWorkerConfig

@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import TypeVar
 
-from schemas import Observation, StepResult, encode
+from agentarium.schemas import Observation, StepResult, encode
 
 M = TypeVar("M", Observation, StepResult)
 

@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass
 from importlib import metadata
 
-from schemas import check_name, check_settings, setting
+from agentarium.schemas import check_name, check_settings, setting
 
 
 def default_worker_id() -> str:

@@ -9,13 +9,13 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from schemas import SchemaError, check_name
+from agentarium.schemas import SchemaError, check_name
 
 from .base import Environment
 
 BUILTIN = {
-    "sql": "environments.sql:SqlEnvironment",
-    "shell": "environments.shell:ShellEnvironment",
+    "sql": "agentarium.environments.sql:SqlEnvironment",
+    "shell": "agentarium.environments.shell:ShellEnvironment",
 }
 
 

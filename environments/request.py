@@ -15,7 +15,7 @@ from typing import Any
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from schemas import ENV_ERROR_CODES, EnvError, encode, encode_json
+from agentarium.schemas import ENV_ERROR_CODES, EnvError, encode, encode_json
 
 from .metrics import EnvMetrics
 from .service import Endpoint

@@ -27,7 +27,7 @@ from nats.micro.service import (
     ServiceStats,
 )
 
-from broker import ENV_SERVICE_KIND, Topology
+from agentarium.broker import ENV_SERVICE_KIND, Topology
 
 from .base import Environment
 from .config import EnvWorkerConfig, agentarium_version

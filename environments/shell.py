@@ -20,7 +20,7 @@ from typing import Any
 
 import structlog
 
-from schemas import Observation, SessionOutcome, StepResult
+from agentarium.schemas import Observation, SessionOutcome, StepResult
 
 from .base import Environment
 from .sandbox import CommandResult, Sandbox, SandboxLimits
@@ -28,6 +28,7 @@ from .shell_tasks import ShellTask, TaskError, load_tasks, matches
 
 log = structlog.get_logger("agentarium.environments")
 
+# the repository root in a checkout, the agentarium package in a wheel: both hold examples/
 TASKS_FILE = Path(__file__).resolve().parents[1] / "examples" / "shell_tasks.jsonl"
 
 TOOLS: list[dict[str, Any]] = [

@@ -34,10 +34,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from schemas import Observation, SessionOutcome, StepResult
+from agentarium.schemas import Observation, SessionOutcome, StepResult
 
 from .base import Environment
 
+# the repository root in a checkout, the agentarium package in a wheel: both hold examples/
 TASKS_FILE = Path(__file__).resolve().parents[1] / "examples" / "sql_tasks.jsonl"
 MAX_ROWS = 50  # rows shown per query; the rest are counted, not shown
 MAX_TEXT = 8000  # characters of one tool result

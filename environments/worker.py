@@ -33,8 +33,8 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from broker import Topology, round_trip
-from schemas import (
+from agentarium.broker import Topology, round_trip
+from agentarium.schemas import (
     EnvStart,
     EnvStarted,
     EnvWorkerStats,

@@ -2,10 +2,10 @@
 
 Serve each family under its own agent name, all with this function:
 
-    agentarium consumer --agent basic_arithmetic=examples.reasoning_gym_agent:rollout --llm URL
-    agentarium consumer --agent leg_counting=examples.reasoning_gym_agent:rollout --llm URL
+    agentarium consumer --agent basic_arithmetic=agentarium.examples.reasoning_gym_agent:rollout --llm URL
+    agentarium consumer --agent leg_counting=agentarium.examples.reasoning_gym_agent:rollout --llm URL
 
-Tasks come from ``python -m examples.reasoning_gym_tasks``. The model is asked, with
+Tasks come from ``python -m agentarium.examples.reasoning_gym_tasks``. The model is asked, with
 reasoning-gym's default system prompt, to think and then put its final answer in
 ``<answer>...</answer>``; the last such block is the answer (reasoning-gym's
 ``extract_answer``) and the reward is ``score_answer(answer, entry)`` of the task's family,

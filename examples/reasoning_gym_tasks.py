@@ -1,6 +1,6 @@
 """Task files from reasoning-gym's procedural generators, one agent name per family.
 
-    python -m examples.reasoning_gym_tasks --family basic_arithmetic --family leg_counting \\
+    python -m agentarium.examples.reasoning_gym_tasks --family basic_arithmetic --family leg_counting \\
         --n 64 --seed 0 > tasks.jsonl
     agentarium produce --file tasks.jsonl --agent-from data_source --group-size 8 --run rg1
 
@@ -32,7 +32,7 @@ def family_tasks(family: str, n: int, seed: int) -> Iterator[dict]:
     """``n`` tasks of one reasoning-gym family, as JSON-ready dicts, checked against its scorer."""
     import reasoning_gym
 
-    from examples.reasoning_gym_agent import score
+    from agentarium.examples.reasoning_gym_agent import score
 
     try:
         dataset = reasoning_gym.create_dataset(family, size=n, seed=seed)
@@ -65,7 +65,7 @@ def family_tasks(family: str, n: int, seed: int) -> Iterator[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m examples.reasoning_gym_tasks",
+        prog="python -m agentarium.examples.reasoning_gym_tasks",
         description="Write reasoning-gym tasks as JSON lines, one agent name per family.",
     )
     parser.add_argument(

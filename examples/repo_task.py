@@ -3,7 +3,7 @@ tests fail, and a reward of 1 when the agent left them passing.
 
     agentarium produce --agent swe --file examples/repo_tasks.jsonl --group-size 4 --run swe
     agentarium consumer --agent swe=exec:examples/harnesses/codex.sh --llm URL \\
-        --program-setup examples.repo_task:setup --program-scorer examples.repo_task:score
+        --program-setup agentarium.examples.repo_task:setup --program-scorer agentarium.examples.repo_task:score
 
 A task (one line of ``examples/repo_tasks.jsonl``)::
 

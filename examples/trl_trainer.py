@@ -8,7 +8,7 @@ step, publishes the new weights that the syncer beside the engine loads. The ser
     agentarium broker up --port 4222 --store /tmp/agentarium-nats &
     agentarium engine --model tiny --port 30000 &
     agentarium sync --run trl --engine http://127.0.0.1:30000 &
-    agentarium consumer --agent digit=examples.toy:any_digit --llm http://127.0.0.1:30000 &
+    agentarium consumer --agent digit=agentarium.examples.toy:any_digit --llm http://127.0.0.1:30000 &
     python examples/trl_trainer.py --agent digit --run trl --steps 20
 
 With ``--lora-rank 8`` TRL trains a peft LoRA adapter instead of the whole model, and the
@@ -28,9 +28,9 @@ import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from agentarium.broker import NatsSettings
 from agentarium.config import ConfigKeys, add_settings, resolve
 from agentarium.integrations.config import RolloutConfig
-from broker import NatsSettings
 
 
 def grpo_config(

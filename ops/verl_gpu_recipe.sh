@@ -76,7 +76,7 @@ until urls=$(.venv/bin/python -m agentarium.integrations.servers "$run" 2>/dev/n
 done
 llm=()
 for url in $urls; do llm+=(--llm "$url"); done
-.venv/bin/agentarium consumer --agent toy=examples.toy:rollout --model "$model" \
+.venv/bin/agentarium consumer --agent toy=agentarium.examples.toy:rollout --model "$model" \
   --concurrency 256 "${llm[@]}" >"$work/consumer.log" 2>&1 &
 pids+=($!)
 echo "verl servers: $urls; logs in $work"

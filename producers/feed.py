@@ -20,8 +20,8 @@ import structlog
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from broker import Topology, cancel_and_wait
-from schemas import Job, Trajectory
+from agentarium.broker import Topology, cancel_and_wait
+from agentarium.schemas import Job, Trajectory
 
 from .reader import TrajectoryReader
 

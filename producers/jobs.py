@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
-from schemas import (
+from agentarium.schemas import (
     DEFAULT_DEADLINE_S,
     Job,
     Sampling,

@@ -30,8 +30,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from broker import OPENINFERENCE_SPAN_KIND, inject_headers
-from schemas import Job
+from agentarium.broker import OPENINFERENCE_SPAN_KIND, inject_headers
+from agentarium.schemas import Job
 
 from .errors import ProducerError, StreamMissing
 from .retry import PublishOutcome, classify

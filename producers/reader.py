@@ -24,8 +24,8 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from broker import ERR_STREAM_NOT_FOUND, TRANSIENT_NATS_ERRORS, Topology
-from schemas import STATUSES, SchemaError, Trajectory, decode
+from agentarium.broker import ERR_STREAM_NOT_FOUND, TRANSIENT_NATS_ERRORS, Topology
+from agentarium.schemas import STATUSES, SchemaError, Trajectory, decode
 
 from .errors import StreamMissing
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import structlog
 
-from broker import Topology
-from schemas import GroupDemand, GroupSupply, Sampling, SchemaError, decode, encode_json
+from agentarium.broker import Topology
+from agentarium.schemas import GroupDemand, GroupSupply, Sampling, SchemaError, decode, encode_json
 
 from .sdk import TaskProducer
 

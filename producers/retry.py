@@ -11,7 +11,7 @@ import enum
 
 import nats.js.errors
 
-from broker import ERR_JS_TEMPORARILY_UNAVAILABLE, ERR_STREAM_FULL, Backoff, is_transient
+from agentarium.broker import ERR_JS_TEMPORARILY_UNAVAILABLE, ERR_STREAM_FULL, Backoff, is_transient
 
 
 class PublishOutcome(enum.Enum):

@@ -21,8 +21,8 @@ import structlog
 from nats.js import JetStreamContext
 from opentelemetry import context as otel_context
 
-from broker import Backoff, NatsSettings, Topology
-from schemas import Job, check_name, encode
+from agentarium.broker import Backoff, NatsSettings, Topology
+from agentarium.schemas import Job, check_name, encode
 
 from .errors import ProducerError, StreamMissing
 from .jobs import expand_tasks

@@ -12,8 +12,8 @@ import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from broker import START_PATIENCE_S, Limits, NatsSettings, Topology, ensure_provisioned
-from schemas import Job, Trajectory
+from agentarium.broker import START_PATIENCE_S, Limits, NatsSettings, Topology, ensure_provisioned
+from agentarium.schemas import Job, Trajectory
 
 from .feed import TrajectoryFeed
 from .sdk import TaskProducer

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from schemas import SchemaError
+from agentarium.schemas import SchemaError
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
 

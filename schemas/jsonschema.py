@@ -1,7 +1,7 @@
 """JSON Schema export of the wire messages, for producers and readers in other languages.
 
-python -m schemas.jsonschema          write schemas/json/*.schema.json
-python -m schemas.jsonschema --check  exit 1 if the checked-in files are stale
+python -m agentarium.schemas.jsonschema          write schemas/json/*.schema.json
+python -m agentarium.schemas.jsonschema --check  exit 1 if the checked-in files are stale
 """
 
 from __future__ import annotations
@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
             path.write_text(text)
     if stale:
         print(
-            f"stale JSON Schema files: {stale}; run python -m schemas.jsonschema", file=sys.stderr
+            f"stale JSON Schema files: {stale}; run python -m agentarium.schemas.jsonschema",
+            file=sys.stderr,
         )
         return 1
     return 0

@@ -15,10 +15,10 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from broker import NatsServer, NatsSettings, Topology, find_nats_server, provision
-from broker.errors import ServerLaunchError
-from broker.server import ENV_BINARY
-from broker.version import binary_version, format_version
+from agentarium.broker import NatsServer, NatsSettings, Topology, find_nats_server, provision
+from agentarium.broker.errors import ServerLaunchError
+from agentarium.broker.server import ENV_BINARY
+from agentarium.broker.version import binary_version, format_version
 
 _EXPORTER = InMemorySpanExporter()
 
@@ -179,7 +179,7 @@ def tiny_dir(agentarium_home):
 
 @pytest.fixture(scope="module")
 def template(tiny_dir):
-    from consumers.chat_template import ChatTemplate
+    from agentarium.formats.chat_template import ChatTemplate
 
     return ChatTemplate.from_model_dir(tiny_dir)
 
@@ -227,10 +227,10 @@ async def fake():
 @pytest.fixture
 async def gateway(fake, template):
     """A rollout's gateway on the SGLang fake: ``(proxy, llm, endpoint)`` for job ``job-1``."""
-    from consumers.backends import SGLangBackend
-    from consumers.llm import TracingLLM
-    from consumers.proxy import TracingProxy
-    from schemas import Sampling
+    from agentarium.consumers.backends import SGLangBackend
+    from agentarium.consumers.tracing.llm import TracingLLM
+    from agentarium.consumers.tracing.proxy import TracingProxy
+    from agentarium.schemas import Sampling
 
     backend = SGLangBackend([fake.url], retries=0, backoff=0.0)
     proxy = TracingProxy(host="127.0.0.1")

@@ -23,9 +23,9 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from environments import Environment
-from environments.sql import load_tasks as load_sql_tasks
-from schemas import Observation, SessionOutcome, StepResult
+from agentarium.environments import Environment
+from agentarium.environments.sql import load_tasks as load_sql_tasks
+from agentarium.schemas import Observation, SessionOutcome, StepResult
 
 
 class EchoEnv(Environment):

@@ -24,7 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
-from broker import free_port
+from agentarium.broker import free_port
 
 # GenerateReqInput fields a client of ours may send, and SamplingParams' keys.
 REQUEST_FIELDS = frozenset(

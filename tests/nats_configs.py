@@ -18,7 +18,7 @@ from pathlib import Path
 
 import aiohttp
 
-from broker import NatsServer, free_port
+from agentarium.broker import NatsServer, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 OPS_NATS = ROOT / "ops" / "nats"

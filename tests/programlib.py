@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from consumers import ProgramOutput
+from agentarium.consumers import ProgramOutput
 
 
 def score(task: dict, workdir: Path, output: ProgramOutput) -> dict:

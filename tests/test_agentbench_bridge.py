@@ -12,8 +12,8 @@ import socket
 import pytest
 from agentbench_worker import TOOLS, Worker, WorkerThread
 
-from environments import AgentBenchEnvironment, AgentBenchError, bridge_class
-from environments.agentbench import (
+from agentarium.environments import AgentBenchEnvironment, AgentBenchError, bridge_class
+from agentarium.environments.agentbench import (
     BadTask,
     SessionLost,
     TaskFailed,
@@ -186,7 +186,7 @@ async def test_classic_turns_map_roles_and_take_the_content():
 
 
 def test_overall_adds_the_workers_own_numbers():
-    from schemas import SessionOutcome
+    from agentarium.schemas import SessionOutcome
 
     with WorkerThread(Worker("classic")) as served:
         outcomes = [

@@ -10,7 +10,7 @@ import contextlib
 
 import nats
 
-from broker import cancel_and_wait, round_trip
+from agentarium.broker import cancel_and_wait, round_trip
 
 
 async def test_a_task_that_swallows_one_cancel_is_still_ended():

@@ -22,13 +22,14 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from nats_configs import ROLES, agentarium_cli, single_node
 from worker_env import worker_for
 
+from agentarium.broker import Topology, collect_env_status, provision, round_trip
+from agentarium.broker.provision import ensure_provisioned
 from agentarium.dashboard import DashboardConfig, LiveView
-from broker import Topology, collect_env_status, provision, record_engine, round_trip
-from broker.provision import ensure_provisioned
-from producers import TaskProducer, TrajectoryReader
-from trainer.live import LiveMetrics
-from trainer.metrics import StepMetrics
-from trainer.tasks import discover_agents
+from agentarium.inference import record_engine
+from agentarium.producers import TaskProducer, TrajectoryReader
+from agentarium.trainer.live import LiveMetrics
+from agentarium.trainer.metrics import StepMetrics
+from agentarium.trainer.tasks import discover_agents
 
 REFUSED_TIMEOUT_S = 1.0  # a refused JetStream request gets no answer: don't wait long for it
 
@@ -326,8 +327,8 @@ async def test_the_dashboard_cannot_publish_jobs_or_change_anything(admin, login
 async def test_an_environment_worker_serves_its_sessions_and_nothing_else(admin, login):
     """The environment role serves sessions (starts, steps, close) to a consumer and its
     figures to the service API (admin, dashboard); it can publish nothing of its own."""
-    from consumers import EnvClient
-    from environments import EnvWorker, EnvWorkerConfig, SqlEnvironment
+    from agentarium.consumers import EnvClient
+    from agentarium.environments import EnvWorker, EnvWorkerConfig, SqlEnvironment
 
     topo = Topology()
     env_user, consumer, dashboard = [

@@ -8,14 +8,14 @@ import pytest
 from aiohttp import web
 from fake_sglang import FakeSGLang, dead_url
 
-from consumers.backends import (
+from agentarium.consumers.backends import (
     GenerateRequest,
     OpenAICompatBackend,
     SGLangBackend,
     StickyBalancer,
     parse_generate_response,
 )
-from consumers.errors import BackendUnavailable, BadRequest, LLMError
+from agentarium.consumers.errors import BackendUnavailable, BadRequest, LLMError
 
 
 @pytest.fixture

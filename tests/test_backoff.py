@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from broker import Backoff
+from agentarium.broker import Backoff
 
 
 @pytest.mark.parametrize(

@@ -15,13 +15,13 @@ import nats.errors
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
 
-from broker import Limits, NatsSettings, ProvisioningError, Topology, provision
-from broker.errors import BrokerUnavailable
-from broker.provision import ensure_provisioned, ensure_streams
-from broker.status import collect_status, format_status
-from broker.sweep import format_sweep, sweep_stranded
-from producers import TaskProducer
-from schemas import Job, Trajectory, decode, encode
+from agentarium.broker import Limits, NatsSettings, ProvisioningError, Topology, provision
+from agentarium.broker.errors import BrokerUnavailable
+from agentarium.broker.provision import ensure_provisioned, ensure_streams
+from agentarium.broker.status import collect_status, format_status
+from agentarium.broker.sweep import format_sweep, sweep_stranded
+from agentarium.producers import TaskProducer
+from agentarium.schemas import Job, Trajectory, decode, encode
 
 
 @pytest.mark.nats_semantics
@@ -207,8 +207,8 @@ def test_broker_up_exits_cleanly_on_sigterm(tmp_path, when):
     whenever it comes.
     ``--sync-interval always`` is written into the server's config on 2.10+, and left out
     with a warning before."""
-    from broker import find_nats_server, free_port
-    from broker.version import SYNC_INTERVAL_SINCE, binary_version
+    from agentarium.broker import find_nats_server, free_port
+    from agentarium.broker.version import SYNC_INTERVAL_SINCE, binary_version
 
     port = free_port()
     with open(tmp_path / "stderr", "w") as err:
@@ -332,7 +332,7 @@ def test_broker_limits_are_refused_before_anything_starts(command, flag, value, 
 
 
 def test_commands_fail_fast_without_a_broker():
-    from broker import free_port
+    from agentarium.broker import free_port
 
     result = agentarium(
         "broker", "status", "--nats-url", f"nats://127.0.0.1:{free_port()}", timeout=30
@@ -342,7 +342,7 @@ def test_commands_fail_fast_without_a_broker():
 
 
 async def test_connect_error_is_translated():
-    from broker import free_port
+    from agentarium.broker import free_port
 
     with pytest.raises(BrokerUnavailable, match="cannot connect"):
         await NatsSettings(url=f"nats://127.0.0.1:{free_port()}", connect_timeout_s=1).connect()
@@ -377,7 +377,7 @@ async def test_removing_a_worker_from_a_broker_that_does_not_answer_is_not_an_er
     # made a drained consumer exit 2 (found by tests/chaos: a cluster's node restarted).
     from frozen import frozen
 
-    from broker.registry import live_workers, publish_worker, remove_worker
+    from agentarium.broker.registry import live_workers, publish_worker, remove_worker
 
     await publish_worker(js, topology, "w1", {"agent": "toy"})
     impatient = nc.jetstream(timeout=0.3)
@@ -388,7 +388,7 @@ async def test_removing_a_worker_from_a_broker_that_does_not_answer_is_not_an_er
 
 @pytest.mark.nats_semantics
 async def test_status_shows_live_workers_and_their_throughput(js, topology):
-    from broker.registry import publish_worker
+    from agentarium.broker.registry import publish_worker
 
     await provision(js, topology, agents=("toy",))
     await publish_worker(
@@ -408,7 +408,7 @@ async def test_status_shows_live_workers_and_their_throughput(js, topology):
 async def test_servers_started_side_by_side_pick_their_own_ports_and_keep_them(tmp_path):
     """Parallel test workers start many servers at once: each binds a port it picks itself
     (nothing can take it between choosing and binding), reports it, and keeps it on restart."""
-    from broker import NatsServer
+    from agentarium.broker import NatsServer
 
     servers = [NatsServer(store_dir=tmp_path / f"s{n}") for n in range(4)]
     with pytest.raises(RuntimeError, match="start"):

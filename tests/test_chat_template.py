@@ -11,9 +11,9 @@ from pathlib import Path
 import jinja2
 import pytest
 
+from agentarium.formats import ToolsNotRendered
+from agentarium.formats.chat_template import ChatTemplate
 from agentarium.tiny import ensure_tiny_model
-from consumers import ToolsNotRendered
-from consumers.chat_template import ChatTemplate
 
 TOOLS = [
     {
@@ -252,7 +252,8 @@ def test_missing_files_say_what_to_do(tmp_path):
 
 def test_import_pulls_in_neither_transformers_nor_torch():
     code = (
-        "import sys, consumers.chat_template, consumers.llm, consumers.proxy;"
+        "import sys, agentarium.formats.chat_template, agentarium.consumers.tracing.llm,"
+        " agentarium.consumers.tracing.proxy;"
         "heavy = [m for m in ('transformers', 'torch') if m in sys.modules];"
         "assert not heavy, heavy"
     )
@@ -275,7 +276,7 @@ def _random_texts(tokens: list[str], count: int, seed: int = 0) -> list[str]:
 def test_segment_encoder_matches_the_tokenizer(tiny_dir):
     """ChatTemplate.encode caches the text between added tokens: the same ids as encoding the
     whole text, for any text, and a template's fixed pieces are encoded once."""
-    from consumers.chat_template import SegmentEncoder, load_tokenizer
+    from agentarium.formats.chat_template import SegmentEncoder, load_tokenizer
 
     tokenizer = load_tokenizer(tiny_dir)
     encoder = SegmentEncoder(tokenizer)
@@ -297,7 +298,7 @@ def test_segment_encoder_steps_aside_where_pieces_are_not_independent(tiny_dir):
     tokens added after the encoder was made: the tokenizer's own encode, the same ids."""
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
-    from consumers.chat_template import SegmentEncoder, load_tokenizer
+    from agentarium.formats.chat_template import SegmentEncoder, load_tokenizer
 
     stripping = load_tokenizer(tiny_dir)
     stripping.add_tokens([AddedToken("<sep>", lstrip=True, rstrip=True, special=True)])
@@ -318,8 +319,8 @@ def test_segment_encoder_steps_aside_where_pieces_are_not_independent(tiny_dir):
 def test_segment_cache_is_bounded(tiny_dir, monkeypatch):
     """The piece cache holds at most SEGMENT_BUDGET_CHARS of text, the oldest pieces out first;
     ids stay the tokenizer's."""
-    from consumers import chat_template
-    from consumers.chat_template import SegmentEncoder, load_tokenizer
+    from agentarium.formats import chat_template
+    from agentarium.formats.chat_template import SegmentEncoder, load_tokenizer
 
     monkeypatch.setattr(chat_template, "SEGMENT_BUDGET_CHARS", 200)
     tokenizer = load_tokenizer(tiny_dir)

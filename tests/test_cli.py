@@ -9,8 +9,8 @@ import re
 
 import pytest
 
+from agentarium.broker import free_port
 from agentarium.cli import build_parser, main
-from broker import free_port
 
 
 def all_parsers(parser: argparse.ArgumentParser, path: tuple[str, ...] = ("agentarium",)):
@@ -190,7 +190,7 @@ def test_a_server_without_jetstream_is_named_as_such(tmp_path):
     import subprocess
     import time
 
-    from broker import find_nats_server
+    from agentarium.broker import find_nats_server
 
     ports = tmp_path / "ports"
     ports.mkdir()
@@ -216,7 +216,7 @@ def test_a_wrong_nats_url_fails_in_one_line_without_log_noise():
     import subprocess
     import sys
 
-    from broker import free_port
+    from agentarium.broker import free_port
 
     for url, says in (
         (f"nats://127.0.0.1:{free_port()}", "cannot connect to NATS"),

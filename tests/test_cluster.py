@@ -18,13 +18,13 @@ from fake_sglang import FakeSGLang
 from nats_configs import cluster, wait_healthy
 from worker_env import worker_for
 
+from agentarium.broker import Limits, NatsSettings, Topology, provision
+from agentarium.broker.patience import patiently
+from agentarium.broker.registry import live_workers
+from agentarium.broker.sweep import sweep_stranded
 from agentarium.demo.processes import child_env
-from broker import Limits, NatsSettings, Topology, provision
-from broker.patience import patiently
-from broker.registry import live_workers
-from broker.sweep import sweep_stranded
-from producers import TaskProducer, TrajectoryReader
-from schemas import Job, decode
+from agentarium.producers import TaskProducer, TrajectoryReader
+from agentarium.schemas import Job, decode
 
 GROUPS, GROUP_SIZE = 256, 8  # 2,048 jobs
 KILL_AFTER = 512  # acked publishes before the leader is killed: publishing is in full swing

@@ -22,7 +22,9 @@ def test_ruff_lint_and_format_are_clean():
     assert fmt.returncode == 0, fmt.stdout[-3000:]
 
 
-PACKAGES = ("schemas", "broker", "producers", "consumers", "environments", "trainer", "agentarium")
+# agentarium holds every component (agentarium/broker -> ../broker, ...): mypy follows the links
+# and checks each file once, under its real name (agentarium.broker.settings)
+PACKAGES = ("agentarium",)
 
 
 # 126 s alone on an AVX2-only 2-core machine, over 300 s beside the first pass's other long
@@ -30,10 +32,14 @@ PACKAGES = ("schemas", "broker", "producers", "consumers", "environments", "trai
 @pytest.mark.long(100)
 @pytest.mark.timeout(900)
 def test_mypy_on_every_package():
-    result = run("mypy", "--ignore-missing-imports", *PACKAGES)
+    # examples/ (agentarium.examples) stays out, as before the namespace: user-facing sample code
+    # written against third-party SDKs whose stubs vary by version
+    result = run(
+        "mypy", "--ignore-missing-imports", "--exclude", "^agentarium/examples/", *PACKAGES
+    )
     assert result.returncode == 0, result.stdout[-3000:]
 
 
 def test_checked_in_json_schemas_match_the_definitions():
-    result = run("schemas.jsonschema", "--check")
+    result = run("agentarium.schemas.jsonschema", "--check")
     assert result.returncode == 0, result.stderr

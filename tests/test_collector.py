@@ -12,11 +12,11 @@ from frozen import frozen
 from nats.js.api import AckPolicy, ConsumerConfig
 from trainlib import short_call
 
-from broker import BrokerUnavailable
-from schemas import Trajectory, encode
-from trainer.collector import Collector, CollectorConfig
-from trainer.errors import TrainerConfigError
-from trainer.groups import BUFFERED, DUPLICATE, REDELIVERED, GroupBuffer, Selection
+from agentarium.broker import BrokerUnavailable
+from agentarium.schemas import Trajectory, encode
+from agentarium.trainer.collector import Collector, CollectorConfig
+from agentarium.trainer.errors import TrainerConfigError
+from agentarium.trainer.groups import BUFFERED, DUPLICATE, REDELIVERED, GroupBuffer, Selection
 
 RUN, AGENT = "r1", "toy"
 

@@ -11,12 +11,12 @@ import pytest
 import yaml
 from structlog.testing import capture_logs
 
+from agentarium.broker import NatsSettings
 from agentarium.cli import build_parser
 from agentarium.commands import consumer_cmd, env_cmd, produce_cmd, trainer_cmd
 from agentarium.config import ConfigError, read_config_file
-from broker import NatsSettings
-from consumers import ConsumerProcess
-from schemas import settings
+from agentarium.consumers import ConsumerProcess
+from agentarium.schemas import settings
 
 
 def subparser(name: str) -> argparse.ArgumentParser:
@@ -170,7 +170,7 @@ def test_every_flag_has_a_key_and_every_key_a_flag(command):
 def test_the_consumer_takes_a_config_file_and_overrides(tmp_path):
     path = write(
         tmp_path / "c.yaml",
-        "agent: toy=examples.toy:rollout\nllm: [http://a:1, http://b:2]\nconcurrency: 8\n"
+        "agent: toy=agentarium.examples.toy:rollout\nllm: [http://a:1, http://b:2]\nconcurrency: 8\n"
         "ack_wait_s: 90\n",
     )
     args = parse("consumer", "--config", path, "--concurrency", "16", "attempts=5")
@@ -263,7 +263,7 @@ async def test_resolved_trainer_config_is_logged_once_and_written_next_to_checkp
 async def test_resolved_consumer_config_is_logged_once(nats_url, tmp_path):
     path = write(
         tmp_path / "c.yaml",
-        "agent: toy=examples.toy:rollout\nllm: http://127.0.0.1:9\nburst: true\n",
+        "agent: toy=agentarium.examples.toy:rollout\nllm: http://127.0.0.1:9\nburst: true\n",
     )
     args = parse("consumer", "--config", path, "concurrency=3", "--nats-url", nats_url)
     config, source = consumer_cmd.config_from_args(args)
@@ -274,7 +274,7 @@ async def test_resolved_consumer_config_is_logged_once(nats_url, tmp_path):
     assert len(events) == 1
     event = events[0]
     assert (event["agent"], event["llm"], event["concurrency"]) == (
-        "toy=examples.toy:rollout",
+        "toy=agentarium.examples.toy:rollout",
         ["http://127.0.0.1:9"],
         3,
     )

@@ -13,10 +13,10 @@ import torch
 from fake_sglang import FakeSGLang
 from tokenizers import Tokenizer, models
 
+from agentarium.broker import Topology
 from agentarium.cli import build_parser
 from agentarium.commands import consumer_cmd
-from broker import Topology
-from consumers import (
+from agentarium.consumers import (
     ConsumerService,
     ConsumerSettings,
     ConsumerSpec,
@@ -25,14 +25,14 @@ from consumers import (
     LLMTarget,
     TokenizerMismatch,
 )
-from consumers.backends import SGLangBackend
-from consumers.backends.cross_sampling import check_same_tokenizer
-from consumers.chat_template import ChatTemplate
-from producers import TaskProducer, TrajectoryReader
-from schemas import LLMCall, Trajectory, decode, encode
-from trainer.batch import Sample, build_rows, collate
-from trainer.groups import BUFFERED, GroupBuffer, Selection
-from trainer.rows import refusal, rows_of
+from agentarium.consumers.backends import SGLangBackend
+from agentarium.consumers.backends.cross_sampling import check_same_tokenizer
+from agentarium.formats.chat_template import ChatTemplate
+from agentarium.producers import TaskProducer, TrajectoryReader
+from agentarium.schemas import LLMCall, Trajectory, decode, encode
+from agentarium.trainer.batch import Sample, build_rows, collate
+from agentarium.trainer.groups import BUFFERED, GroupBuffer, Selection
+from agentarium.trainer.rows import refusal, rows_of
 
 pytestmark = pytest.mark.kernels  # run again under ATEN_CPU_CAPABILITY=avx2 (ops/test.sh)
 
@@ -132,7 +132,7 @@ async def test_the_consumer_refuses_a_cross_model_with_another_tokenizer(nats_ur
     for server in (policy, other):
         await server.start()
     argv = [
-        "consumer", "--agent", "toy=examples.toy:rollout", "--llm", policy.url,
+        "consumer", "--agent", "toy=agentarium.examples.toy:rollout", "--llm", policy.url,
         "--cross-model", other.url, "--cross-model-name", "llama", "--cross-ratio", "0.3",
         "--burst", "--nats-url", nats_url,
     ]  # fmt: skip
@@ -352,7 +352,7 @@ def cross_call(version: str) -> list[LLMCall]:
 
 def test_importance_weights_exclude_the_cross_sampled_tokens():
     from agentarium.tiny import ensure_tiny_model
-    from trainer.step import StepSettings, Totals, forward_backward, load_model
+    from agentarium.trainer.step import StepSettings, Totals, forward_backward, load_model
 
     model = load_model(ensure_tiny_model(), "cpu")
     prompt = [257, 40, 41]

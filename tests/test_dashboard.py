@@ -19,13 +19,14 @@ import yaml
 from chromium import Chromium
 from worker_env import worker_for
 
+from agentarium.broker import collect_status, ensure_provisioned
 from agentarium.cli import main
 from agentarium.dashboard import DashboardConfig, DashboardServer, LiveView
-from broker import collect_status, ensure_provisioned, record_engine
-from producers import TaskProducer, TrajectoryReader
-from schemas import WeightUpdate, encode_json
-from trainer.live import LiveMetrics
-from trainer.metrics import StepMetrics
+from agentarium.inference import record_engine
+from agentarium.producers import TaskProducer, TrajectoryReader
+from agentarium.schemas import WeightUpdate, encode_json
+from agentarium.trainer.live import LiveMetrics
+from agentarium.trainer.metrics import StepMetrics
 
 RUN = "r1"
 TRACE_URL = "http://localhost:16686/trace/{trace_id}"
@@ -306,7 +307,12 @@ async def test_dashboard_exports_the_queue_gauges_from_the_status_it_reads(js, t
     (docs/operations.md): the numbers are the broker status its page shows."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from broker import MetricsServer, collect_status, collect_stream_metrics, render_metrics
+    from agentarium.broker import (
+        MetricsServer,
+        collect_status,
+        collect_stream_metrics,
+        render_metrics,
+    )
 
     await TaskProducer(js, topology).submit(
         "gauged", [{"task_id": f"g{i}"} for i in range(3)], run=RUN, group_size=2

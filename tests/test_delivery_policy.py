@@ -11,7 +11,7 @@ import itertools
 
 import pytest
 
-from consumers.delivery import Action, Decision, DeliveryPolicy, Event
+from agentarium.consumers.delivery import Action, Decision, DeliveryPolicy, Event
 
 # attempts=3, lost_deliveries=5: JetStream's max_deliver is 9, and the 9th delivery is never
 # run. No jitter, so every delay in the table is exact: base 1s doubling, capped at 60s.

@@ -20,12 +20,12 @@ from agentarium.demo import (
 )
 from agentarium.demo.run import _step_batches, trainer_argv
 from agentarium.demo.tasks import digit_tasks, split_groups
-from examples.toy import digit_credit, next_digit, rollout
+from agentarium.examples.toy import digit_credit, next_digit, rollout
 
 
 def test_the_single_task_demo_is_unchanged():
     config = DemoConfig(run="r")
-    assert config.task_set == () and config.agents() == {"toy": "examples.toy:rollout"}
+    assert config.task_set == () and config.agents() == {"toy": "agentarium.examples.toy:rollout"}
     [(agent, tasks)] = _step_batches(config, random.Random(0), 0)
     # the task stream the demo always fed: "repeat d" -> d, one rng draw per task, ids b<n>-<i>
     rng = random.Random(0)
@@ -42,7 +42,10 @@ def test_the_single_task_demo_is_unchanged():
 def test_a_task_set_feeds_each_agent_its_share_and_trains_them_together():
     config = DemoConfig(run="r", task_set="repeat,next", groups_per_step=5, task_adv_norm="token")
     assert config.task_set == ("repeat", "next")
-    assert config.agents() == {"repeat": "examples.toy:rollout", "next": "examples.toy:next_digit"}
+    assert config.agents() == {
+        "repeat": "agentarium.examples.toy:rollout",
+        "next": "agentarium.examples.toy:next_digit",
+    }
     batches = dict(_step_batches(config, random.Random(0), 10))
     assert {k: len(v) for k, v in batches.items()} == {"repeat": 3, "next": 2}
     assert all(t["task_id"].startswith(f"{k}-b10-") for k, v in batches.items() for t in v)
@@ -137,10 +140,10 @@ def test_next_digit_pays_graded_credit():
 
 
 def test_the_real_model_demo_trains_addition_with_its_own_defaults():
-    from examples.arithmetic import add_tasks, eval_tasks, held_out, messages_of
+    from agentarium.examples.arithmetic import add_tasks, eval_tasks, held_out, messages_of
 
     config = DemoConfig(run="r", model="smol")
-    assert (config.agent_name, config.agent) == ("add", "examples.arithmetic:rollout")
+    assert (config.agent_name, config.agent) == ("add", "agentarium.examples.arithmetic:rollout")
     assert (config.lr, config.entropy_coef, config.steps, config.groups_per_step) == (
         1e-5,
         0.0,

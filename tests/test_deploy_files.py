@@ -28,9 +28,9 @@ import pytest
 import yaml
 from nats_configs import ROLES
 
+from agentarium.broker import Topology
+from agentarium.broker.settings import DEFAULT_URL
 from agentarium.cli import build_parser
-from broker import Topology
-from broker.settings import DEFAULT_URL
 
 ROOT = Path(__file__).resolve().parents[1]
 # the documentation pages whose command lines are checked: the README and every page of docs/
@@ -406,11 +406,17 @@ def test_dockerfile_is_multistage_slim_non_root_with_agentarium_as_entrypoint():
 def test_dockerfile_copies_every_package_and_dockerignore_lets_them_through():
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     patterns = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    # agentarium/ links to the components it holds (agentarium/broker -> ../broker): the wheel
+    # copies them, so the image's build context needs their folders too
+    linked = {p.name for p in (ROOT / "agentarium").iterdir() if p.is_symlink()}
     packages = sorted(
         p.name
         for p in ROOT.iterdir()
         if (p / "__init__.py").exists()
-        and any(re.fullmatch(pat.replace("*", ".*"), p.name) for pat in patterns)
+        and (
+            any(re.fullmatch(pat.replace("*", ".*"), p.name) for pat in patterns)
+            or p.name in linked
+        )
     )
     assert {"agentarium", "broker", "consumers", "producers", "schemas", "trainer"} <= set(packages)
     copies = {
@@ -631,12 +637,12 @@ def exported_metric_names() -> set[str]:
     from prometheus_client import CollectorRegistry
     from prometheus_client.parser import text_string_to_metric_families
 
-    import consumers.metrics  # noqa: F401 - registers the consumer's series
-    import consumers.sync.metrics  # noqa: F401 - the syncer's
-    import trainer.prometheus  # noqa: F401 - the trainer's
-    from broker import BrokerStatus, StreamMetrics, render_metrics
-    from broker.status import AgentStatus
-    from consumers.engine.metrics import EngineMetrics
+    import agentarium.consumers.metrics  # noqa: F401 - registers the consumer's series
+    import agentarium.inference.sync.metrics  # noqa: F401 - the syncer's
+    import agentarium.trainer.prometheus  # noqa: F401 - the trainer's
+    from agentarium.broker import BrokerStatus, StreamMetrics, render_metrics
+    from agentarium.broker.status import AgentStatus
+    from agentarium.inference.engine.metrics import EngineMetrics
 
     streams = StreamMetrics(None, Topology())  # type: ignore[arg-type]
     streams.update(
@@ -895,8 +901,8 @@ def test_helm_values_make_a_three_node_jetstream_cluster_for_r3():
     "conf", ["single.conf", "cluster-a.conf", "cluster-b.conf", "cluster-c.conf", "auth.conf"]
 )
 def test_nats_configs_are_accepted_by_nats_server(conf, tmp_path):
-    from broker import find_nats_server
-    from broker.errors import ServerLaunchError
+    from agentarium.broker import find_nats_server
+    from agentarium.broker.errors import ServerLaunchError
 
     try:
         binary = find_nats_server()
@@ -1003,7 +1009,7 @@ def test_k8s_nats_clients_wait_for_broker_init():
 
 
 async def test_k8s_wait_script_waits_until_broker_init_ran(nats_url, tmp_path):
-    from broker import NatsSettings, provision
+    from agentarium.broker import NatsSettings, provision
 
     script = tmp_path / "wait.py"
     script.write_text(k8s("ConfigMap", "agentarium-wait-for-broker")["data"]["wait.py"])

@@ -21,12 +21,12 @@ import torch
 from agentlib import scored
 from worker_env import worker_for
 
-from producers import GroupRefill, TaskProducer
-from schemas import LLMCall, Trajectory
-from trainer.config import TrainerConfig
-from trainer.groups import GroupBuffer, Selection
-from trainer.loop import Trainer
-from trainer.metrics import read_metrics
+from agentarium.producers import GroupRefill, TaskProducer
+from agentarium.schemas import LLMCall, Trajectory
+from agentarium.trainer.config import TrainerConfig
+from agentarium.trainer.groups import GroupBuffer, Selection
+from agentarium.trainer.loop import Trainer
+from agentarium.trainer.metrics import read_metrics
 
 torch.set_num_threads(1)
 RUN, AGENT, B, G = "dyn", "scored", 2, 4
@@ -155,7 +155,7 @@ def test_overlong_responses_are_filtered_or_given_the_set_reward(policy, trained
 async def test_draws_stop_at_the_bound_unless_the_step_holds_nothing(nc, topology):
     """No producer serves the run: each request is counted as unanswered; past the bound a
     step holding groups is done drawing, one holding none goes on asking."""
-    from trainer.draws import Draws
+    from agentarium.trainer.draws import Draws
 
     draws = Draws(nc, topology, RUN, limit=2, timeout_s=1.0)
     draws.begin(1)

@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from agentarium.formats.chat_template import ChatTemplate
+from agentarium.inference.engine import LocalEngine, start_server
 from agentarium.tiny import ensure_tiny_model
-from consumers.chat_template import ChatTemplate
-from consumers.engine import LocalEngine, start_server
 
 pytestmark = pytest.mark.kernels  # run again under ATEN_CPU_CAPABILITY=avx2 (ops/test.sh)
 

@@ -1,4 +1,4 @@
-"""broker.EngineControl against SGLang's shapes (the fake) and an older server: one error type
+"""inference.EngineControl against SGLang's shapes (the fake) and an older server: one error type
 for every failure, the one /model_info fallback."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 from aiohttp import web
 from fake_sglang import FakeSGLang, dead_url
 
-from broker import EngineControl, EngineControlError
+from agentarium.inference import EngineControl, EngineControlError
 
 
 async def test_info_pause_update_continue_and_a_refusal_raise_one_error_type(tmp_path):

@@ -23,14 +23,14 @@ import pytest
 from envlib import serve_process, solve_sql, tool_call_text
 from fake_sglang import FakeSGLang, scripted
 
+from agentarium.broker import Topology, collect_env_status
 from agentarium.cli import build_parser
 from agentarium.commands import consumer_cmd, produce_cmd
-from broker import Topology, collect_env_status
-from environments import EnvWorker, EnvWorkerConfig, SqlEnvironment
-from environments.sql import load_tasks
-from producers import TaskProducer, TrajectoryReader
-from schemas import Sampling
-from trainer import rows_of
+from agentarium.environments import EnvWorker, EnvWorkerConfig, SqlEnvironment
+from agentarium.environments.sql import load_tasks
+from agentarium.producers import TaskProducer, TrajectoryReader
+from agentarium.schemas import Sampling
+from agentarium.trainer import rows_of
 
 ROOT = Path(__file__).resolve().parents[1]
 SQL_TASKS = ROOT / "examples" / "sql_tasks.jsonl"
@@ -193,7 +193,7 @@ async def test_eval_run_with_env_runs_the_generic_agent_in_process(
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["reward_mean"] == 1.0 and summary["missing"] == 0
     with pytest.raises(ValueError, match="not both|one or the other"):
-        EvalRun(EvalConfig.of(agent="db=examples.toy:rollout", env="sql",
+        EvalRun(EvalConfig.of(agent="db=agentarium.examples.toy:rollout", env="sql",
                               tasks_file=str(file), llm=(model.url,)), settings)  # fmt: skip
 
 
@@ -386,7 +386,7 @@ def test_the_orchestrator_registers_the_generic_agent_by_env(nats_url, template)
 
 
 def test_consumer_env_flags_config_keys_and_errors(tmp_path):
-    from consumers import AgentSpec, EnvAgent
+    from agentarium.consumers import AgentSpec, EnvAgent
 
     args = cli(
         "consumer", "--agent", "db", "--env", "sql", "--llm", "http://a:1", "--max-turns", "5"
@@ -409,7 +409,7 @@ def test_consumer_env_flags_config_keys_and_errors(tmp_path):
         return str(err.value)
 
     assert "names its own rollout function" in refused(
-        "--agent", "db=examples.toy:rollout", "--env", "sql"
+        "--agent", "db=agentarium.examples.toy:rollout", "--env", "sql"
     )
     assert "or NAME with --env ENV" in refused("--agent", "db")
     assert "env 'a.b' is not a valid name" in refused("--agent", "db", "--env", "a.b")
@@ -421,7 +421,7 @@ def test_consumer_env_flags_config_keys_and_errors(tmp_path):
 def test_eval_run_refuses_env_with_an_agent_function(capsys):
     from agentarium.commands import eval_cmd
 
-    args = cli("eval", "run", "--agent", "db=examples.toy:rollout", "--env", "sql",
+    args = cli("eval", "run", "--agent", "db=agentarium.examples.toy:rollout", "--env", "sql",
                "--file", str(SQL_TASKS), "--llm", "http://a:1")  # fmt: skip
     assert eval_cmd.cmd_eval_run(args) == 2
     assert "names its own rollout function" in capsys.readouterr().err

@@ -20,7 +20,7 @@ import nats.errors
 import pytest
 from envlib import EchoEnv, serve_process
 
-from broker import (
+from agentarium.broker import (
     Topology,
     collect_env_status,
     collect_status,
@@ -28,16 +28,16 @@ from broker import (
     format_status,
     round_trip,
 )
-from consumers import (
+from agentarium.consumers import (
     EnvClient,
     EnvironmentFailed,
     EnvironmentTimeout,
     EnvironmentUnavailable,
     EnvRequestError,
 )
-from environments import EnvWorker, EnvWorkerConfig, SqlEnvironment
-from environments.sql import load_tasks
-from schemas import EnvCall, EnvError, EnvStart, decode, encode
+from agentarium.environments import EnvWorker, EnvWorkerConfig, SqlEnvironment
+from agentarium.environments.sql import load_tasks
+from agentarium.schemas import EnvCall, EnvError, EnvStart, decode, encode
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -433,7 +433,7 @@ async def test_a_worker_counts_sessions_steps_errors_and_expiries_for_prometheus
     from prometheus_client import REGISTRY
     from prometheus_client.parser import text_string_to_metric_families
 
-    from broker import MetricsServer
+    from agentarium.broker import MetricsServer
 
     async def scrape(url: str) -> dict:
         async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics") as resp:
@@ -613,7 +613,7 @@ async def test_env_bridge_serves_an_agentbench_worker_with_the_same_rules(nats_u
 
 async def test_env_serve_shell_by_name_with_options(nats_url, nc):
     """The built-in `shell` by name (imported when asked), its class built with --option."""
-    from environments import ShellEnvironment, check_options
+    from agentarium.environments import ShellEnvironment, check_options
 
     with pytest.raises(ValueError, match="does not take the options"):
         check_options(ShellEnvironment, {"max_stepz": 3})
@@ -640,11 +640,11 @@ async def solve_with_sql(task: dict, llm, envs) -> dict:
 @asynccontextmanager
 async def rollout_worker(js, nc, agent_fn, *, attempts: int = 3):
     """A rollout worker for agent ``db`` whose agent never calls its LLM: no model, no fleet."""
-    from consumers import ConsumerSettings
-    from consumers.agents import AgentRunner, AgentSpec
-    from consumers.proxy import TracingProxy
-    from consumers.rollout import RolloutEnv
-    from consumers.worker import Worker
+    from agentarium.consumers import ConsumerSettings
+    from agentarium.consumers.agents.loading import AgentRunner, AgentSpec
+    from agentarium.consumers.rollout import RolloutEnv
+    from agentarium.consumers.tracing.proxy import TracingProxy
+    from agentarium.consumers.worker.worker import Worker
 
     proxy = TracingProxy(host="127.0.0.1", port=0, advertised_host="127.0.0.1")
     await proxy.start()
@@ -674,7 +674,7 @@ async def rollout_worker(js, nc, agent_fn, *, attempts: int = 3):
 
 
 async def test_an_agent_with_envs_gets_the_client_and_its_steps_are_recorded(settings, nc, js):
-    from producers import TrajectoryReader
+    from agentarium.producers import TrajectoryReader
 
     await js.publish(
         "agentarium.tasks.db",
@@ -698,7 +698,7 @@ async def test_an_agent_with_envs_gets_the_client_and_its_steps_are_recorded(set
 
 
 async def test_a_rollout_without_an_environment_worker_is_retried_then_stored_as_error(nc, js):
-    from producers import TrajectoryReader
+    from agentarium.producers import TrajectoryReader
 
     job = {"job_id": "db-2", "agent": "db", "task": {"index": "aggregate-01"}, "deadline_s": 1.0}
     await js.publish("agentarium.tasks.db", json.dumps(job).encode())

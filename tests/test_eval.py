@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from fake_sglang import FakeSGLang
 
+from agentarium.broker import NatsSettings
 from agentarium.evaluation import EvalConfig, EvalRun, export_run, print_summary
-from broker import NatsSettings
-from producers import TrajectoryReader
+from agentarium.producers import TrajectoryReader
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,7 +63,7 @@ async def test_resume_after_kill_runs_every_pair_exactly_once(js, topology, nats
     out = tmp_path / "eval-out"
     args = [
         "--agent",
-        "toy=examples.toy:rollout",
+        "toy=agentarium.examples.toy:rollout",
         "--file",
         str(tasks),
         "--k",
@@ -153,7 +153,7 @@ async def test_cross_sampling_records_both_models_and_export(js, topology, nats_
     tasks = write_tasks(tmp_path / "tasks.jsonl", 6)
     out = tmp_path / "cross"
     cfg = EvalConfig.of(
-        agent="calc=examples.calculator:rollout",
+        agent="calc=agentarium.examples.calculator:rollout",
         tasks_file=str(tasks),
         k=2,
         out_dir=str(out),
@@ -222,7 +222,7 @@ async def test_new_weights_behind_the_same_url_and_name_are_a_new_eval(nats_url,
 
     async def evaluate(**sampling) -> tuple[EvalRun, str]:
         cfg = EvalConfig.of(
-            agent="toy=examples.toy:rollout",
+            agent="toy=agentarium.examples.toy:rollout",
             tasks_file=str(tasks),
             llm=(fake.url,),
             model="tiny",

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from broker import loop_name, new_event_loop, run_loop
-from broker.eventloop import ENV
+from agentarium.broker import loop_name, new_event_loop, run_loop
+from agentarium.broker.eventloop import ENV
 
 
 async def _which() -> str:

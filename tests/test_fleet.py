@@ -15,11 +15,18 @@ from prometheus_client import REGISTRY
 from structlog.testing import capture_logs
 from worker_env import tiny_template
 
-from broker import collect_status, format_status, live_workers
-from consumers import ConsumerService, ConsumerSettings, ConsumerSpec, Fleet, FleetPolicy, LLMTarget
-from consumers.backends import GenerateRequest, SGLangBackend
-from consumers.errors import BackendUnavailable
-from producers import TaskProducer, TrajectoryReader
+from agentarium.broker import collect_status, format_status, live_workers
+from agentarium.consumers import (
+    ConsumerService,
+    ConsumerSettings,
+    ConsumerSpec,
+    Fleet,
+    FleetPolicy,
+    LLMTarget,
+)
+from agentarium.consumers.backends import GenerateRequest, SGLangBackend
+from agentarium.consumers.errors import BackendUnavailable
+from agentarium.producers import TaskProducer, TrajectoryReader
 
 # Probed fast, so an outage of a few seconds is seen within a fraction of one.
 FAST = dict(probe_interval_s=0.2, probe_timeout_s=0.3, backoff_s=0.1, max_backoff_s=0.4)

@@ -15,10 +15,10 @@ from test_ray_dp import batch_of
 from trainlib import one_call_group, publish
 
 from agentarium.tiny import ensure_tiny_model
-from trainer.checkpoint import SHARDS, Checkpoints
-from trainer.config import TrainerConfig
-from trainer.errors import TrainerConfigError
-from trainer.step import LocalUpdater, memory_of
+from agentarium.trainer.checkpoint import SHARDS, Checkpoints
+from agentarium.trainer.config import TrainerConfig
+from agentarium.trainer.errors import TrainerConfigError
+from agentarium.trainer.step import LocalUpdater, memory_of
 
 pytestmark = pytest.mark.kernels  # run again under ATEN_CPU_CAPABILITY=avx2 (ops/test.sh)
 
@@ -60,8 +60,8 @@ class Kept:
 
 
 async def test_two_sharded_ranks_train_as_one_process_hold_half_and_resume(js, topology, tmp_path):
-    from trainer.fsdp import FsdpParallel
-    from trainer.loop import Trainer
+    from agentarium.trainer.fsdp import FsdpParallel
+    from agentarium.trainer.loop import Trainer
 
     for g in range(6):
         group = one_call_group(

@@ -15,9 +15,9 @@ import pytest
 from fake_sglang import scripted, serving, tool_then_answer
 from worker_env import worker_for
 
-from consumers.gateway import sse
-from consumers.proxy import secret_of
-from producers import TaskProducer, TrajectoryReader
+from agentarium.consumers.tracing.gateway import sse
+from agentarium.consumers.tracing.proxy import secret_of
+from agentarium.producers import TaskProducer, TrajectoryReader
 
 CALL_TEXT = 'Adding now.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
 ANSWER = "The sum of 2 and 3 is 5."
@@ -223,8 +223,8 @@ def test_a_mid_conversation_system_message_stays_where_it_stands():
     """Claude Code sends ``role: system`` entries inside ``messages`` (its mid-conversation
     system beta, even with experimental betas off): each becomes a system chat message in
     place; any other role is refused with a message naming the entry."""
-    from consumers.gateway.anthropic import chat_messages
-    from consumers.gateway.errors import GatewayError
+    from agentarium.consumers.tracing.gateway.anthropic import chat_messages
+    from agentarium.consumers.tracing.gateway.errors import GatewayError
 
     messages = [
         {"role": "user", "content": "hi"},

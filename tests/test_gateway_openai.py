@@ -16,8 +16,8 @@ from agentlib import add_tool
 from fake_sglang import scripted, serving, tool_then_answer
 from worker_env import worker_for
 
-from consumers.gateway import sse
-from producers import TaskProducer, TrajectoryReader
+from agentarium.consumers.tracing.gateway import sse
+from agentarium.producers import TaskProducer, TrajectoryReader
 
 CALL_TEXT = (
     'I will add them.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from schemas import LLMCall, Trajectory
-from trainer.batch import Sample, advantages, build_rows, collate, refusal
-from trainer.grpo import (
+from agentarium.schemas import LLMCall, Trajectory
+from agentarium.trainer.batch import Sample, advantages, build_rows, collate, refusal
+from agentarium.trainer.grpo import (
     aggregate,
     clipped_surrogate,
     group_advantages,
@@ -193,7 +193,7 @@ def test_unreproducible_sampling_is_refused():
 
 def test_micro_batches_and_shards_add_up_to_the_whole_batch(tmp_path):
     from agentarium.tiny import ensure_tiny_model
-    from trainer.step import StepSettings, Totals, forward_backward, load_model
+    from agentarium.trainer.step import StepSettings, Totals, forward_backward, load_model
 
     model = load_model(ensure_tiny_model(), "cpu")
     samples = [
@@ -349,9 +349,9 @@ def test_dual_clip_is_a_trainer_flag_that_can_be_turned_off():
 
     from agentarium.commands.trainer_cmd import add_trainer_arguments, config_from_args
     from agentarium.tiny import ensure_tiny_model
-    from trainer.config import TrainerConfig
-    from trainer.errors import TrainerConfigError
-    from trainer.step import StepSettings
+    from agentarium.trainer.config import TrainerConfig
+    from agentarium.trainer.errors import TrainerConfigError
+    from agentarium.trainer.step import StepSettings
 
     parser = argparse.ArgumentParser()
     add_trainer_arguments(parser)
@@ -370,16 +370,16 @@ def test_one_torch_free_rows_module_serves_trainer_tensorize_and_export():
     import sys
 
     import agentarium.evaluation.export
-    import trainer
-    import trainer.batch
-    from trainer import pad_token_id, rows_of
+    import agentarium.trainer.batch
+    from agentarium import trainer
+    from agentarium.trainer import pad_token_id, rows_of
 
     # trajectory -> rows lives once, in trainer/rows.py; agentarium reaches it through `trainer`
     tensorize_module = importlib.import_module("agentarium.orchestrator.tensorize")
     assert tensorize_module.rows_of is rows_of
     assert agentarium.evaluation.export.rows_of is rows_of
     assert trainer.batch.rows_of is rows_of and "rows_of" in trainer.__all__
-    code = "import sys, trainer; print('torch' in sys.modules, 'transformers' in sys.modules)"
+    code = "import sys, agentarium.trainer; print('torch' in sys.modules, 'transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
     # the trainer's rows and the verl batch's rows are the same tokens, mask and log-probs

@@ -8,8 +8,8 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from broker import free_port
-from consumers.backends.http import HttpError, HttpPool
+from agentarium.broker import free_port
+from agentarium.consumers.backends.http import HttpError, HttpPool
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 

@@ -14,12 +14,12 @@ from fake_sglang import dead_url
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from consumers.backends import GenerateRequest, GenerateResult, SGLangBackend
-from consumers.chat_template import ChatTemplate
-from consumers.errors import BackendUnavailable, BadRequest
-from consumers.llm import ChatResult, TracingLLM
-from consumers.toolcalls import arguments_as_objects
-from schemas import LLMCall, Sampling, Trajectory, decode, encode
+from agentarium.consumers.backends import GenerateRequest, GenerateResult, SGLangBackend
+from agentarium.consumers.errors import BackendUnavailable, BadRequest
+from agentarium.consumers.tracing.llm import ChatResult, TracingLLM
+from agentarium.formats.chat_template import ChatTemplate
+from agentarium.formats.toolcalls import arguments_as_objects
+from agentarium.schemas import LLMCall, Sampling, Trajectory, decode, encode
 
 TOOLS = [add_tool()]
 TOOL_TEXT = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'

@@ -12,10 +12,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from agentarium.tiny import ensure_tiny_model
-from trainer.batch import Batch, Row, collate
-from trainer.grpo import token_logprobs
-from trainer.logprobs import splittable, token_stats
-from trainer.step import StepSettings, Totals, forward_backward, load_model
+from agentarium.trainer.batch import Batch, Row, collate
+from agentarium.trainer.grpo import token_logprobs
+from agentarium.trainer.logprobs import splittable, token_stats
+from agentarium.trainer.step import StepSettings, Totals, forward_backward, load_model
 
 pytestmark = pytest.mark.kernels  # run again under ATEN_CPU_CAPABILITY=avx2 (ops/test.sh)
 
@@ -113,7 +113,7 @@ def test_chunks_give_the_whole_paths_loss_stats_and_gradient(tiny, chunk):
 
 def test_with_lora_adapters_the_chunked_path_trains_the_same(tiny):
     pytest.importorskip("peft")
-    from trainer.lora import with_lora
+    from agentarium.trainer.lora import with_lora
 
     model = with_lora(
         load_model(tiny, "cpu", dtype="float64"), rank=4, alpha=8, target_modules=("all-linear",)
@@ -171,7 +171,7 @@ def test_only_the_loss_positions_go_through_log_softmax_a_chunk_at_a_time(tiny):
 
 def test_a_pass_with_no_loss_token_still_gives_the_head_a_zero_gradient(tiny):
     # a sharded rank's idle pass: its ranks must reduce the same gradients (trainer/fsdp.py)
-    from trainer.fsdp import idle_pass
+    from agentarium.trainer.fsdp import idle_pass
 
     model = load_model(tiny, "cpu")
     data = idle_pass()

@@ -12,15 +12,15 @@ import torch
 from trainlib import one_call_group, publish
 
 from agentarium.cli import main
-from broker import EngineControl, lora_config_of
-from consumers.backends.base import GenerateRequest
-from consumers.backends.sglang import SGLangBackend
-from consumers.sync import SyncConfig, WeightSyncer
-from trainer.config import TrainerConfig
-from trainer.loop import Trainer
-from trainer.process import TrainerProcess, publisher_for
-from trainer.step import load_model
-from trainer.weights import WeightStore
+from agentarium.consumers.backends.base import GenerateRequest
+from agentarium.consumers.backends.sglang import SGLangBackend
+from agentarium.inference import EngineControl, lora_config_of
+from agentarium.inference.sync import SyncConfig, WeightSyncer
+from agentarium.trainer.config import TrainerConfig
+from agentarium.trainer.loop import Trainer
+from agentarium.trainer.process import TrainerProcess, publisher_for
+from agentarium.trainer.step import load_model
+from agentarium.trainer.weights import WeightStore
 
 pytestmark = pytest.mark.kernels  # run again under ATEN_CPU_CAPABILITY=avx2 (ops/test.sh)
 
@@ -134,7 +134,7 @@ async def test_the_engine_serves_each_new_adapter_and_the_base_stays(
 
 
 def test_lora_cannot_stream_and_needs_a_rank(tiny_dir):
-    from trainer.errors import TrainerConfigError
+    from agentarium.trainer.errors import TrainerConfigError
 
     process = TrainerProcess(weight_transport="stream", stream_engines=("http://x:1",))
     with pytest.raises(TrainerConfigError, match="use object-store or shared-path"):
@@ -150,7 +150,7 @@ async def test_the_syncer_loads_an_adapter_with_sglangs_calls(
 ):
     """Against the SGLang fake (which refuses fields SGLang does not define): the calls and
     their order, and a generation that names the adapter reports its version."""
-    from trainer.step import LocalUpdater
+    from agentarium.trainer.step import LocalUpdater
 
     adapter = LocalUpdater(config(tiny_dir)).publishable_model()
     store = WeightStore(js, topology, weights_dir=tmp_path / "w")
@@ -194,9 +194,9 @@ def test_an_adapter_on_a_tied_head_changes_the_head_alone(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from agentarium.demo.run import LORA_TARGETS
-    from broker import adapter_directory
-    from consumers.engine.lora import Adapter, AdapterSlot
-    from trainer.lora import AdapterExport, merge_lora, with_lora
+    from agentarium.inference import adapter_directory
+    from agentarium.inference.engine.lora import Adapter, AdapterSlot
+    from agentarium.trainer.lora import AdapterExport, merge_lora, with_lora
 
     torch.manual_seed(0)
     shape = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4)

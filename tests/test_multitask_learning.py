@@ -58,7 +58,7 @@ import pytest
 from trainlib import run_micro_demo
 
 from agentarium.demo import FAMILIES, first_last, task_rewards
-from trainer.metrics import read_metrics
+from agentarium.trainer.metrics import read_metrics
 
 TASKS = ("repeat", "next")
 STEPS = 60  # two windows of 20 and room to learn between them

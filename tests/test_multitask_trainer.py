@@ -12,16 +12,16 @@ import pytest
 import torch
 from trainlib import publish, tiny_config
 
+from agentarium.broker import provision
 from agentarium.commands import trainer_cmd
+from agentarium.schemas import LLMCall, Trajectory
 from agentarium.tiny import ensure_tiny_model
-from broker import provision
-from schemas import LLMCall, Trajectory
-from trainer.checkpoint import Checkpoints
-from trainer.config import TrainerConfig
-from trainer.errors import TrainerConfigError
-from trainer.loop import Trainer
-from trainer.metrics import plot_metrics, read_metrics
-from trainer.tasks import discover_agents
+from agentarium.trainer.checkpoint import Checkpoints
+from agentarium.trainer.config import TrainerConfig
+from agentarium.trainer.errors import TrainerConfigError
+from agentarium.trainer.loop import Trainer
+from agentarium.trainer.metrics import plot_metrics, read_metrics
+from agentarium.trainer.tasks import discover_agents
 
 torch.set_num_threads(1)
 RUN = "multi"

@@ -24,7 +24,7 @@ import nats.js.api
 import pytest
 import structlog
 
-from broker import (
+from agentarium.broker import (
     Limits,
     NatsServer,
     Topology,
@@ -33,10 +33,10 @@ from broker import (
     live_workers,
     provision,
 )
-from broker.errors import ServerLaunchError
-from broker.registry import entry_ttl_supported, publish_worker
-from broker.server import ENV_BINARY
-from broker.version import (
+from agentarium.broker.errors import ServerLaunchError
+from agentarium.broker.registry import entry_ttl_supported, publish_worker
+from agentarium.broker.server import ENV_BINARY
+from agentarium.broker.version import (
     DISCARD_NEW_BYTES_SINCE,
     MSG_TTL_SINCE,
     SYNC_INTERVAL_SINCE,

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.checkpoint import Checkpoints
-from trainer.errors import CheckpointError
+from agentarium.trainer.checkpoint import Checkpoints
+from agentarium.trainer.errors import CheckpointError
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = (

@@ -12,9 +12,9 @@ import pytest
 from orchestrator_env import ThreadedFake
 
 from agentarium import AgentOrchestrator
+from agentarium.broker import NatsSettings, Topology
+from agentarium.examples import openai_agent
 from agentarium.orchestrator import BatchDataError
-from broker import NatsSettings, Topology
-from examples import openai_agent
 
 OUTPUT = [49, 50, 258]  # "1", "2", <|im_end|>
 PAD = 256  # the tiny model's pad token (<|endoftext|>)

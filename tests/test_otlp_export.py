@@ -107,8 +107,8 @@ async def test_metrics_leave_the_process_over_otlp(tmp_path):
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     port = runner.addresses[0][1]
     code = (
-        "from broker import setup_tracing, shutdown_tracing\n"
-        "from trainer.metrics import MetricsSink\n"
+        "from agentarium.broker import setup_tracing, shutdown_tracing\n"
+        "from agentarium.trainer.metrics import MetricsSink\n"
         "setup_tracing('trainer-under-test')\n"
         "sink = MetricsSink(None, attributes={'run': 'r', 'agent': 'a'})\n"
         "from opentelemetry import metrics\n"

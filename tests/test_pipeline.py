@@ -11,8 +11,8 @@ import aiohttp
 import pytest
 
 from agentarium.demo.processes import Child, child_env, consumer_argv, start_child
+from agentarium.producers import TaskProducer, TrajectoryReader
 from agentarium.tiny import ensure_tiny_model
-from producers import TaskProducer, TrajectoryReader
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -70,7 +70,7 @@ async def test_two_consumer_processes_on_the_local_engine(js, topology, nats_url
     workers = [
         consumer(
             f"c{i}",
-            "toy=examples.toy:rollout",
+            "toy=agentarium.examples.toy:rollout",
             nats_url,
             engine.url,
             tmp_path,

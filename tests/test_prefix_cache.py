@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from consumers.chat_template import ChatTemplate
-from consumers.engine import EngineSettings, LocalEngine
-from consumers.engine.prefix_cache import PrefixCache
+from agentarium.formats.chat_template import ChatTemplate
+from agentarium.inference.engine import EngineSettings, LocalEngine
+from agentarium.inference.engine.prefix_cache import PrefixCache
 
 pytestmark = pytest.mark.kernels  # run again under ATEN_CPU_CAPABILITY=avx2 (ops/test.sh)
 
@@ -124,7 +124,7 @@ async def test_changed_weights_and_flush_cache_empty_it(tiny_dir, template, tmp_
 
 
 def _prefix_of(engine_model, ids: list[int]):
-    from consumers.engine.prefix_cache import CachedPrefix
+    from agentarium.inference.engine.prefix_cache import CachedPrefix
 
     _, cached = engine_model.prefill([ids], all_logits=False)
     keys = [k[0] for k in cached.keys]
@@ -132,7 +132,7 @@ def _prefix_of(engine_model, ids: list[int]):
 
 
 def test_a_prefill_split_under_its_mask_bound_gives_the_same_logits_and_kv(tiny_dir):
-    from consumers.engine.model import EngineModel
+    from agentarium.inference.engine.model import EngineModel
 
     model = EngineModel(tiny_dir)
     long, short = [i % 250 for i in range(900)], [(7 * i) % 250 for i in range(300)]
@@ -162,8 +162,8 @@ def test_a_prefill_split_under_its_mask_bound_gives_the_same_logits_and_kv(tiny_
 PEAK_SCRIPT = """
 import resource, sys
 from pathlib import Path
-from consumers.engine.model import EngineModel
-from consumers.engine.prefix_cache import CachedPrefix
+from agentarium.inference.engine.model import EngineModel
+from agentarium.inference.engine.prefix_cache import CachedPrefix
 model = EngineModel(Path(sys.argv[1]))
 ids = [i % 250 for i in range(24000)]
 _, kv = model.prefill([ids[:12000]], all_logits=False)

@@ -12,16 +12,11 @@ import structlog
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
+from agentarium.broker import Backoff, Limits, provision
 from agentarium.commands import produce_cmd as producers_cli
 from agentarium.commands import trajectories_cmd
-from broker import Backoff, Limits, provision
-from producers import (
-    ProducerError,
-    StreamMissing,
-    TaskProducer,
-    expand_tasks,
-)
-from schemas import Job, Sampling, SchemaError, decode, encode_json
+from agentarium.producers import ProducerError, StreamMissing, TaskProducer, expand_tasks
+from agentarium.schemas import Job, Sampling, SchemaError, decode, encode_json
 
 FAST = Backoff(initial_s=0.02, max_s=0.3, jitter=0.5)
 

@@ -28,11 +28,10 @@ import pytest
 from test_env_agent import sql_worker
 from test_worker import dead_letters
 
+from agentarium.broker import NatsSettings
 from agentarium.cli import build_parser
 from agentarium.commands import consumer_cmd
-from agentarium.evaluation import EvalConfig, EvalRun
-from broker import NatsSettings
-from consumers import (
+from agentarium.consumers import (
     AgentLoadError,
     AgentSpec,
     ConsumerService,
@@ -45,9 +44,10 @@ from consumers import (
     load_agent,
     program_agent,
 )
-from environments.sql import load_tasks
-from producers import TaskProducer, TrajectoryReader
-from schemas import Sampling
+from agentarium.environments.sql import load_tasks
+from agentarium.evaluation import EvalConfig, EvalRun
+from agentarium.producers import TaskProducer, TrajectoryReader
+from agentarium.schemas import Sampling
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -409,7 +409,7 @@ async def test_a_sigkilled_consumer_loses_no_job_and_leaves_no_process_of_its_pr
 
 
 def test_the_repo_task_recipe_scores_its_reference_fix(tmp_path):
-    from examples import repo_task
+    from agentarium.examples import repo_task
 
     for line in (ROOT / "examples" / "repo_tasks.jsonl").read_text().splitlines():
         task = json.loads(line)

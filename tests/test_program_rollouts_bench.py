@@ -21,7 +21,7 @@ import program_rollouts  # noqa: E402
 
 sys.path[:] = _path  # bench/agents.py would hide the openai-agents package, `agents`
 
-from producers import TaskProducer, TrajectoryReader  # noqa: E402
+from agentarium.producers import TaskProducer, TrajectoryReader  # noqa: E402
 
 MODES = ("program-python", "program-sh")
 

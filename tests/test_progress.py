@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 
 from agentarium.progress import ProgressBar, StatusLine
-from schemas import Trajectory
+from agentarium.schemas import Trajectory
 
 
 def trajectory(status: str, reward: float | None = None) -> Trajectory:

@@ -18,9 +18,9 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from trainlib import one_call_group, publish
 
-from broker import MetricsServer, MetricsServerError, Topology, collect_stream_metrics
-from consumers import ConsumerService, ConsumerSettings, ConsumerSpec, LLMTarget
-from producers import TaskProducer, TrajectoryReader
+from agentarium.broker import MetricsServer, MetricsServerError, Topology, collect_stream_metrics
+from agentarium.consumers import ConsumerService, ConsumerSettings, ConsumerSpec, LLMTarget
+from agentarium.producers import TaskProducer, TrajectoryReader
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -225,8 +225,8 @@ async def test_engine_serves_its_own_metrics(engine_url):
 async def test_trainer_exports_its_step_reward_and_stale_drops(js, topology, tiny_dir, tmp_path):
     import torch
 
-    from trainer.config import TrainerConfig
-    from trainer.loop import Trainer
+    from agentarium.trainer.config import TrainerConfig
+    from agentarium.trainer.loop import Trainer
 
     torch.set_num_threads(1)
     run, agent = "prom-train", "toy"
@@ -286,8 +286,8 @@ async def test_trainer_exports_its_step_reward_and_stale_drops(js, topology, tin
 async def test_syncer_exports_each_engines_weight_version_and_reload_times(js, topology, tmp_path):
     import torch
 
-    from consumers.sync import SyncConfig, WeightSyncer
-    from trainer.weights import WeightStore
+    from agentarium.inference.sync import SyncConfig, WeightSyncer
+    from agentarium.trainer.weights import WeightStore
 
     behind, ahead = FakeSGLang(), FakeSGLang(weight_version="5")
     await behind.start()

@@ -1,4 +1,4 @@
-"""Multi-turn prompts built from token ids (consumers/prompt_chain.py): a rollout whose replies
+"""Multi-turn prompts built from token ids (consumers/tracing/prompt_chain.py): a rollout whose replies
 do not re-encode to the ids sampled is still one exact row; a template that rewrites history
 is detected, said (LLMCall.prompt_build, a Prometheus counter) and rendered whole as before.
 
@@ -17,12 +17,12 @@ import pytest
 from fake_sglang import FakeSGLang
 from prometheus_client import REGISTRY
 
-from consumers.backends import SGLangBackend
-from consumers.chat_template import ChatTemplate
-from consumers.llm import TracingLLM
-from consumers.toolcalls import arguments_as_objects
-from schemas import Sampling, Trajectory
-from trainer import rows_of
+from agentarium.consumers.backends import SGLangBackend
+from agentarium.consumers.tracing.llm import TracingLLM
+from agentarium.formats.chat_template import ChatTemplate
+from agentarium.formats.toolcalls import arguments_as_objects
+from agentarium.schemas import Sampling, Trajectory
+from agentarium.trainer import rows_of
 
 QUESTION = [{"role": "user", "content": "Spell 'sensitivity'."}]
 FOLLOW_UP = {"role": "user", "content": "Again?"}

@@ -17,13 +17,13 @@ import structlog.testing
 from fake_sglang import FakeSGLang
 from worker_env import worker_for
 
-import consumers.proxy as proxy_module
-from consumers.backends import SGLangBackend
-from consumers.llm import TracingLLM
-from consumers.proxy import TracingProxy, default_advertised_host, secret_of
-from consumers.toolcalls import arguments_as_objects
-from producers import TaskProducer, TrajectoryReader
-from schemas import Sampling, encode
+import agentarium.consumers.tracing.proxy as proxy_module
+from agentarium.consumers.backends import SGLangBackend
+from agentarium.consumers.tracing.llm import TracingLLM
+from agentarium.consumers.tracing.proxy import TracingProxy, default_advertised_host, secret_of
+from agentarium.formats.toolcalls import arguments_as_objects
+from agentarium.producers import TaskProducer, TrajectoryReader
+from agentarium.schemas import Sampling, encode
 
 QUESTION = [{"role": "user", "content": "What is 2+3?"}]
 TOOLS = [

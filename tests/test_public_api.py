@@ -15,10 +15,17 @@ FACE = {
     "agentarium.models": {"resolve_model"},
     "agentarium.smol": {"ensure_smol_model"},
     "agentarium.tiny": {"ensure_tiny_model"},
-    "broker": {"NatsSettings", "Topology"},
-    "consumers": {"ChatResult", "ProgramOutput", "TracingLLM", "program_agent"},
-    "producers": {"SubmitResult", "TaskProducer", "TrajectoryReader"},
-    "schemas": {"DeadLetter", "Job", "LLMCall", "Sampling", "Trajectory", "WeightUpdate"},
+    "agentarium.broker": {"NatsSettings", "Topology"},
+    "agentarium.consumers": {"ChatResult", "ProgramOutput", "TracingLLM", "program_agent"},
+    "agentarium.producers": {"SubmitResult", "TaskProducer", "TrajectoryReader"},
+    "agentarium.schemas": {
+        "DeadLetter",
+        "Job",
+        "LLMCall",
+        "Sampling",
+        "Trajectory",
+        "WeightUpdate",
+    },
 }
 
 
@@ -33,7 +40,8 @@ def test_public_names_are_pinned_and_importable():
 def test_the_cli_and_a_consumer_do_not_load_torch():
     # torch + transformers cost a consumer ~2.5 s and ~250 MB: only the engine and trainer load them.
     code = (
-        "import sys, agentarium, agentarium.cli, consumers.worker, consumers.llm, producers;"
+        "import sys, agentarium, agentarium.cli, agentarium.consumers.worker,"
+        " agentarium.consumers.tracing.llm, agentarium.producers;"
         "agentarium.cli.build_parser();"
         "print('torch' in sys.modules, 'transformers' in sys.modules)"
     )

@@ -9,7 +9,7 @@ import nats.errors
 import nats.js.errors
 import pytest
 
-from broker import ERR_WRONG_LAST_SEQUENCE, JetStreamPublisher
+from agentarium.broker import ERR_WRONG_LAST_SEQUENCE, JetStreamPublisher
 
 
 async def test_many_in_flight_each_acked_in_its_own_future(js, nc):

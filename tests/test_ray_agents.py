@@ -13,7 +13,7 @@ import structlog
 from orchestrator_env import ThreadedFake
 
 from agentarium import AgentOrchestrator
-from broker import free_port
+from agentarium.broker import free_port
 
 ray = pytest.importorskip("ray")
 
@@ -25,7 +25,7 @@ except ImportError:  # pragma: no cover - the test extra installs it
         "langchain-openai is not installed (pip install langchain-openai)", allow_module_level=True
     )
 
-from examples.langchain_agent import rollout  # noqa: E402  (after the skip: it imports ray)
+from agentarium.examples.langchain_agent import rollout  # noqa: E402  (after the skip: it imports ray)
 
 OUTPUT = [52, 50, 258]  # "4", "2", <|im_end|>
 

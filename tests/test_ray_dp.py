@@ -9,11 +9,11 @@ import pytest
 import torch
 from trainlib import one_call_group, publish
 
+from agentarium.schemas import LLMCall, Trajectory
 from agentarium.tiny import ensure_tiny_model
-from schemas import LLMCall, Trajectory
-from trainer.batch import Sample, build_rows, collate
-from trainer.config import TrainerConfig
-from trainer.step import LocalUpdater
+from agentarium.trainer.batch import Sample, build_rows, collate
+from agentarium.trainer.config import TrainerConfig
+from agentarium.trainer.step import LocalUpdater
 
 pytestmark = pytest.mark.kernels  # run again under ATEN_CPU_CAPABILITY=avx2 (ops/test.sh)
 
@@ -82,7 +82,7 @@ def ray_local():
 @pytest.mark.long(75)
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
 def test_two_ray_workers_match_one_worker(ray_local, loss_agg):
-    from trainer.ray_dp import RayDataParallel
+    from agentarium.trainer.ray_dp import RayDataParallel
 
     config = TrainerConfig(
         run="r",
@@ -156,8 +156,8 @@ def test_two_ray_workers_match_one_worker(ray_local, loss_agg):
 async def test_trainer_with_ray_workers_checkpoints_rank_zero_weights(
     ray_local, js, topology, tmp_path
 ):
-    from trainer.checkpoint import Checkpoints
-    from trainer.loop import Trainer
+    from agentarium.trainer.checkpoint import Checkpoints
+    from agentarium.trainer.loop import Trainer
 
     for g in range(2):
         group = one_call_group(

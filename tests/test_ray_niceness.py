@@ -21,8 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TRAINER = """
 import os, sys
 import ray
-from trainer.config import TrainerConfig
-from trainer.ray_dp import RayDataParallel
+from agentarium.trainer.config import TrainerConfig
+from agentarium.trainer.ray_dp import RayDataParallel
 
 dp = RayDataParallel(TrainerConfig(run="r", agent="a", model_dir=sys.argv[1]), 1)
 try:

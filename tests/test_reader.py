@@ -15,8 +15,8 @@ import structlog
 from trainlib import short_call
 
 from agentarium.commands import trajectories_cmd as producers_cli
-from producers import StreamMissing, TrajectoryReader
-from schemas import Trajectory, encode, encode_json
+from agentarium.producers import StreamMissing, TrajectoryReader
+from agentarium.schemas import Trajectory, encode, encode_json
 
 
 def trajectory(
@@ -89,7 +89,7 @@ async def test_empty_run_returns_at_once(js, topology, monkeypatch):
     read (a consumer created, one answer, the consumer deleted) takes milliseconds: the bound of
     60 s separates the two with a 60 s margin either way, and no load on a 2-core machine turns
     milliseconds into a minute (a fixed 1 s bound was a wall-clock guess against a busy box)."""
-    import producers.reader as reader_module
+    import agentarium.producers.reader as reader_module
 
     monkeypatch.setattr(reader_module, "EXPIRES_S", 120.0)
     monkeypatch.setattr(reader_module, "SILENCE_S", 123.0)

@@ -20,21 +20,20 @@ import torch
 from agentlib import add_tool
 from fake_sglang import local_engine
 
-from broker import Topology
-from consumers import (
-    ChatTemplate,
+from agentarium.broker import Topology
+from agentarium.consumers import (
     ConsumerService,
     ConsumerSettings,
     ConsumerSpec,
     LLMTarget,
     TokenizerMismatch,
-    ToolsNotRendered,
     TracingLLM,
 )
-from consumers.backends import SGLangBackend
-from consumers.sync import SyncConfig, WeightSyncer
-from examples import toy
-from schemas import Sampling, Trajectory
+from agentarium.consumers.backends import SGLangBackend
+from agentarium.examples import toy
+from agentarium.formats import ChatTemplate, ToolsNotRendered
+from agentarium.inference.sync import SyncConfig, WeightSyncer
+from agentarium.schemas import Sampling, Trajectory
 
 pytestmark = [pytest.mark.real_model, pytest.mark.kernels]
 torch.set_num_threads(1)
@@ -127,9 +126,9 @@ def test_a_reply_ends_on_im_end(smol_url, smol_template):
 
 
 def test_the_trainer_reproduces_the_engines_logprobs(smol_dir, calls):
-    from trainer.batch import Sample, build_rows, collate
-    from trainer.logprobs import token_stats
-    from trainer.step import StepSettings, load_model
+    from agentarium.trainer.batch import Sample, build_rows, collate
+    from agentarium.trainer.logprobs import token_stats
+    from agentarium.trainer.step import StepSettings, load_model
 
     samples = [
         Sample(
@@ -202,7 +201,7 @@ async def test_published_weights_reach_the_engine_and_change_what_eval_reads(
     from transformers import AutoModelForCausalLM
 
     from agentarium.evaluation.served import served_weights
-    from trainer.weights import WeightStore
+    from agentarium.trainer.weights import WeightStore
 
     trained = AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch.float32)
     with torch.no_grad():  # a visibly different policy

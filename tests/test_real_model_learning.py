@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.metrics import read_metrics
+from agentarium.trainer.metrics import read_metrics
 
 pytestmark = pytest.mark.real_model
 

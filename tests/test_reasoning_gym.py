@@ -17,9 +17,9 @@ import reasoning_gym
 from reasoning_gym.utils import extract_answer
 
 from agentarium.demo.processes import child_env, start_child
-from examples import reasoning_gym_agent as agent
-from examples.reasoning_gym_tasks import main as make_tasks
-from producers import TrajectoryReader
+from agentarium.examples import reasoning_gym_agent as agent
+from agentarium.examples.reasoning_gym_tasks import main as make_tasks
+from agentarium.producers import TrajectoryReader
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = ("basic_arithmetic", "leg_counting")
@@ -121,7 +121,7 @@ async def test_families_run_through_the_pipeline_with_scorer_rewards(
             [
                 "consumer",
                 "--agent",
-                f"{family}=examples.reasoning_gym_agent:rollout",
+                f"{family}=agentarium.examples.reasoning_gym_agent:rollout",
                 "--llm",
                 engine_url,
                 "--model",

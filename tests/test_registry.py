@@ -14,8 +14,8 @@ import time
 import nats.js.errors
 import pytest
 
-from broker import provision
-from broker.registry import json_entries, live_workers, publish_worker
+from agentarium.broker import provision
+from agentarium.broker.registry import json_entries, live_workers, publish_worker
 
 N = 150
 

@@ -11,10 +11,14 @@ import asyncio
 
 import pytest
 
-from consumers.agents import RewardError
-from consumers.errors import BackendUnavailable, EnvironmentTimeout, EnvironmentUnavailable
-from consumers.rollout import AgentExit
-from consumers.rollout_result import Ending, Happened, Stage, Verdict, judge
+from agentarium.consumers.agents.loading import RewardError
+from agentarium.consumers.errors import (
+    BackendUnavailable,
+    EnvironmentTimeout,
+    EnvironmentUnavailable,
+)
+from agentarium.consumers.rollout import AgentExit
+from agentarium.consumers.rollout_result import Ending, Happened, Stage, Verdict, judge
 
 BACKEND = BackendUnavailable("all 2 SGLang server(s) failed after retries")
 SDK_ERROR = RuntimeError("APIStatusError: 503")  # an agent's SDK rewording the proxy's 503

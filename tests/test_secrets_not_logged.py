@@ -21,8 +21,8 @@ import trainlib
 from fake_sglang import FakeSGLang
 from nats_configs import agentarium_cli, single_node
 
+from agentarium.broker import BrokerUnavailable, NatsServer, NatsSettings, Topology, free_port
 from agentarium.tiny import ensure_tiny_model
-from broker import BrokerUnavailable, NatsServer, NatsSettings, Topology, free_port
 
 ROLES = ("admin", "producer", "consumer", "trainer")
 RUN, AGENT = "secrets", "toy"
@@ -98,7 +98,7 @@ async def test_no_password_or_token_appears_in_any_output(tmp_path, passwords):
         await asyncio.to_thread(
             cli,
             "consumer",
-            "consumer", "--agent", f"{AGENT}=examples.toy:rollout", "--llm", fake.url,
+            "consumer", "--agent", f"{AGENT}=agentarium.examples.toy:rollout", "--llm", fake.url,
             "--burst", "--concurrency", "4", "--proxy-host", "127.0.0.1",
             "--nats-url", f"nats://consumer:{passwords['consumer']}@{host}",
         )  # fmt: skip

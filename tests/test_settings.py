@@ -16,9 +16,9 @@ from agentarium.config import (
     add_settings,
     resolve,
 )
-from consumers import ConsumerProcess, ConsumerSettings
-from producers import JobOptions
-from schemas import SettingError, check_settings, section, setting, settings
+from agentarium.consumers import ConsumerProcess, ConsumerSettings
+from agentarium.producers import JobOptions
+from agentarium.schemas import SettingError, check_settings, section, setting, settings
 
 
 def _subparsers(parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()):

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from environments import ShellEnvironment
-from environments.sandbox import Sandbox, SandboxError, SandboxLimits, isolation
-from environments.shell_tasks import TaskError
-from schemas import SessionOutcome, StepResult
+from agentarium.environments import ShellEnvironment
+from agentarium.environments.sandbox import Sandbox, SandboxError, SandboxLimits, isolation
+from agentarium.environments.shell_tasks import TaskError
+from agentarium.schemas import SessionOutcome, StepResult
 
 ISO = isolation()
 needs_uid = pytest.mark.skipif(ISO.mode != "uid", reason=f"sandbox mode {ISO.mode} (not root)")

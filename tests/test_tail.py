@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from broker import read_tail
+from agentarium.broker import read_tail
 
 
 @pytest.mark.nats_semantics

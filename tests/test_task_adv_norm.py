@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from schemas import LLMCall, Trajectory
-from trainer.batch import Sample, build_rows, with_task_advantages
-from trainer.grpo import task_normalized
-from trainer.rows import grpo_advantages
+from agentarium.schemas import LLMCall, Trajectory
+from agentarium.trainer.batch import Sample, build_rows, with_task_advantages
+from agentarium.trainer.grpo import task_normalized
+from agentarium.trainer.rows import grpo_advantages
 
 EPS = 1e-6
 

@@ -8,7 +8,7 @@ import csv
 
 import pytest
 
-from trainer.metrics import (
+from agentarium.trainer.metrics import (
     COLUMNS,
     FIELDS,
     MetricsSink,
@@ -100,8 +100,8 @@ def test_the_plot_draws_one_curve_per_task_in_one_figure(tmp_path, monkeypatch):
 async def test_broker_status_shows_the_trainers_latest_figures_per_task(js, topology):
     """`broker status` reads the trainer's last row from <p>.metrics.<run> (the live stream
     the trainer publishes each step) and lists the per-task figures."""
-    from broker import collect_status, format_status
-    from trainer.live import LiveMetrics
+    from agentarium.broker import collect_status, format_status
+    from agentarium.trainer.live import LiveMetrics
 
     live = LiveMetrics(js, topology, run="mt", agent="a+b")
     first = step(1, a=TaskMetrics(groups=1, reward_mean_received=0.1), b=TaskMetrics())

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from trainer.mix import TaskMix, apportion, compose, quotas
+from agentarium.trainer.mix import TaskMix, apportion, compose, quotas
 
 
 def keys(*ages: int) -> list[tuple[int, float]]:

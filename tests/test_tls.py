@@ -19,8 +19,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from fake_sglang import FakeSGLang
 from worker_env import worker_for
 
-from broker import BrokerUnavailable, NatsServer, NatsSettings, Topology, provision
-from producers import TaskProducer, TrajectoryReader
+from agentarium.broker import BrokerUnavailable, NatsServer, NatsSettings, Topology, provision
+from agentarium.producers import TaskProducer, TrajectoryReader
 
 pytestmark = pytest.mark.nats_semantics
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from consumers.toolcalls import arguments_as_objects, parse_tool_calls
+from agentarium.formats.toolcalls import arguments_as_objects, parse_tool_calls
 
 
 def test_plain_text_has_no_calls():

@@ -14,17 +14,17 @@ from fake_sglang import FakeSGLang, dead_url
 from opentelemetry.trace import SpanKind, StatusCode
 from worker_env import worker_for
 
+from agentarium.consumers.backends import CrossSamplingBackend, SGLangBackend
+from agentarium.consumers.backends.openai_compat import OpenAICompatBackend
+from agentarium.consumers.errors import BackendUnavailable, BadRequest
+from agentarium.consumers.tracing.genai import CAPTURE_CONTENT_ENV
+from agentarium.consumers.tracing.llm import TracingLLM
+from agentarium.consumers.tracing.proxy import TracingProxy
+from agentarium.producers import TaskProducer
+from agentarium.schemas import Sampling
 from agentarium.tiny import ensure_tiny_model
-from consumers.backends import CrossSamplingBackend, SGLangBackend
-from consumers.backends.openai_compat import OpenAICompatBackend
-from consumers.errors import BackendUnavailable, BadRequest
-from consumers.genai import CAPTURE_CONTENT_ENV
-from consumers.llm import TracingLLM
-from consumers.proxy import TracingProxy
-from producers import TaskProducer
-from schemas import Sampling
-from trainer.config import TrainerConfig
-from trainer.loop import Trainer
+from agentarium.trainer.config import TrainerConfig
+from agentarium.trainer.loop import Trainer
 
 torch.set_num_threads(1)
 KIND = "openinference.span.kind"

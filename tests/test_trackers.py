@@ -18,11 +18,11 @@ from trainlib import one_call_group, publish, tiny_config
 
 from agentarium.commands.trainer_cmd import add_trainer_arguments, config_from_args
 from agentarium.tiny import ensure_tiny_model
-from trainer.config import TrainerConfig
-from trainer.errors import TrainerConfigError
-from trainer.loop import Trainer
-from trainer.metrics import TASK_TRACKER_NAMES, TRACKER_NAMES, read_metrics
-from trainer.trackers import FanOut, TrackerRun, open_backends, wandb_run_id
+from agentarium.trainer.config import TrainerConfig
+from agentarium.trainer.errors import TrainerConfigError
+from agentarium.trainer.loop import Trainer
+from agentarium.trainer.metrics import TASK_TRACKER_NAMES, TRACKER_NAMES, read_metrics
+from agentarium.trainer.trackers import FanOut, TrackerRun, open_backends, wandb_run_id
 
 torch.set_num_threads(1)
 RUN, AGENT = "tracked", "toy"
@@ -258,7 +258,7 @@ def test_report_to_flag(tmp_path):
 def test_unselected_trackers_are_never_imported(tmp_path):
     code = (
         "import sys; from pathlib import Path;"
-        "from trainer.trackers import NullTracker, TrackerRun, open_backends;"
+        "from agentarium.trainer.trackers import NullTracker, TrackerRun, open_backends;"
         "run = TrackerRun(run='r', agent='a', directory=Path(sys.argv[1]));"
         "assert isinstance(open_backends(('csv',), run), NullTracker);"
         "print(sorted(m for m in ('tensorboard', 'wandb', 'mlflow') if m in sys.modules))"

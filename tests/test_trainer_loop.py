@@ -11,13 +11,13 @@ import pytest
 import torch
 from trainlib import one_call_group, publish, tiny_config
 
+from agentarium.broker import read_tail
 from agentarium.commands.trainer_cmd import add_trainer_arguments, config_from_args
 from agentarium.tiny import ensure_tiny_model
-from broker import read_tail
-from trainer.config import TrainerConfig
-from trainer.errors import TrainerConfigError
-from trainer.loop import Trainer, WeightPublisher
-from trainer.metrics import COLUMNS, plot_metrics, read_metrics
+from agentarium.trainer.config import TrainerConfig
+from agentarium.trainer.errors import TrainerConfigError
+from agentarium.trainer.loop import Trainer, WeightPublisher
+from agentarium.trainer.metrics import COLUMNS, plot_metrics, read_metrics
 
 torch.set_num_threads(1)
 RUN, AGENT = "loop", "toy"

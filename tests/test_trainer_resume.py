@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from trainlib import TrainerChild, publish
 
+from agentarium.schemas import LLMCall, Trajectory, WeightUpdate, decode
 from agentarium.tiny import ensure_tiny_model
-from schemas import LLMCall, Trajectory, WeightUpdate, decode
-from trainer.checkpoint import Checkpoints
-from trainer.metrics import read_metrics
+from agentarium.trainer.checkpoint import Checkpoints
+from agentarium.trainer.metrics import read_metrics
 
 RUN, AGENT = "resume", "toy"
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,6 +19,8 @@ pytest.importorskip("trl", reason="TRL is the `trl` extra: pip install -e '.[trl
 
 from trllib import VersionsSeen, services_running  # noqa: E402
 
+from agentarium.examples.toy import any_digit  # noqa: E402
+from agentarium.examples.trl_trainer import train  # noqa: E402
 from agentarium.integrations.config import RolloutConfig  # noqa: E402
 from agentarium.integrations.samples import Sample, sample_of  # noqa: E402
 from agentarium.integrations.trl import (  # noqa: E402
@@ -28,9 +30,7 @@ from agentarium.integrations.trl import (  # noqa: E402
     groups_of,
     sampling_of,
 )
-from examples.toy import any_digit  # noqa: E402
-from examples.trl_trainer import train  # noqa: E402
-from schemas import LLMCall, Trajectory  # noqa: E402
+from agentarium.schemas import LLMCall, Trajectory  # noqa: E402
 
 RUN, AGENT, STEPS, FROZEN = "trl", "digit", 20, 8
 

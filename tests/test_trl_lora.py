@@ -19,12 +19,12 @@ from safetensors import safe_open  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 from trllib import VersionsSeen, services_running  # noqa: E402
 
+from agentarium.examples.toy import messages_of  # noqa: E402
+from agentarium.examples.trl_trainer import grpo_trainer  # noqa: E402
+from agentarium.inference import EngineControl, lora_config_of  # noqa: E402
 from agentarium.integrations.config import RolloutConfig  # noqa: E402
 from agentarium.integrations.trl import AgentariumRollout, AgentariumWeightSync  # noqa: E402
-from broker import EngineControl, lora_config_of  # noqa: E402
-from examples.toy import messages_of  # noqa: E402
-from examples.trl_trainer import grpo_trainer  # noqa: E402
-from trainer import TrainerConfigError, TrainerProcess, peft_adapter  # noqa: E402
+from agentarium.trainer import TrainerConfigError, TrainerProcess, peft_adapter  # noqa: E402
 
 RUN, AGENT, STEPS, RANK = "trl-lora", "digit", 3, 4
 

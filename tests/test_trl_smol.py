@@ -29,9 +29,9 @@ pytest.importorskip("peft", reason="LoRA is the `lora` extra: pip install -e '.[
 from fake_sglang import local_engine  # noqa: E402
 from trllib import VersionsSeen, services_running  # noqa: E402
 
+from agentarium.examples.toy import any_digit  # noqa: E402
+from agentarium.examples.trl_trainer import train  # noqa: E402
 from agentarium.integrations.config import RolloutConfig  # noqa: E402
-from examples.toy import any_digit  # noqa: E402
-from examples.trl_trainer import train  # noqa: E402
 
 pytestmark = pytest.mark.real_model
 

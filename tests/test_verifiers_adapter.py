@@ -15,9 +15,9 @@ import pytest
 from fake_sglang import FakeSGLang, dead_url
 from worker_env import tiny_template, worker_for
 
-from consumers import AgentLoadError, AgentSpec, VerifiersAgent, load_callable
-from consumers.verifiers_agent import rollout_input
-from producers import TaskProducer, TrajectoryReader
+from agentarium.consumers import AgentLoadError, AgentSpec, VerifiersAgent, load_callable
+from agentarium.consumers.agents.verifiers_agent import rollout_input
+from agentarium.producers import TaskProducer, TrajectoryReader
 
 ANSWERS = {"What is 2+3?": "5", "What is 4+4?": "7"}  # the second one is wrong (8)
 TOOL_CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'

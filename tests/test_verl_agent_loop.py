@@ -20,8 +20,8 @@ from pathlib import Path
 from test_verl_compat import _ensure_venv
 from worker_env import worker_for
 
+from agentarium.examples.toy import messages_of
 from agentarium.integrations.servers import announced_servers
-from examples.toy import messages_of
 
 ROOT = Path(__file__).resolve().parent.parent
 _FLAKY = itertools.count()

@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 
 from agentarium.orchestrator import tensorize
-from schemas import LLMCall, Trajectory
-from trainer import grpo_advantages
+from agentarium.schemas import LLMCall, Trajectory
+from agentarium.trainer import grpo_advantages
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV = Path(os.environ.get("AGENTARIUM_VERL_VENV") or "~/.cache/agentarium/verl-venv").expanduser()

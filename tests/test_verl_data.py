@@ -14,11 +14,11 @@ import pyarrow.parquet as pq
 import pytest
 from fake_sglang import FakeSGLang
 
+from agentarium.broker import NatsSettings
 from agentarium.commands import produce_cmd
 from agentarium.evaluation import EvalConfig, EvalRun, export_run
-from broker import NatsSettings
-from producers import TaskFileError, read_task_file
-from schemas import Job, LLMCall, Trajectory, decode, encode
+from agentarium.producers import TaskFileError, read_task_file
+from agentarium.schemas import Job, LLMCall, Trajectory, decode, encode
 
 
 def verl_row(index: int, source: str, question: str, answer: str) -> dict:
@@ -138,7 +138,7 @@ async def test_eval_run_reads_a_verl_parquet(nats_url, tmp_path):
     await fake.start()
     try:
         cfg = EvalConfig.of(
-            agent="toy=examples.toy:rollout",
+            agent="toy=agentarium.examples.toy:rollout",
             tasks_file=str(path),
             k=2,
             out_dir=str(tmp_path / "eval"),

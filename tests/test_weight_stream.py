@@ -16,11 +16,11 @@ import pytest
 import torch
 from aiohttp import web
 
-from broker import weights_checksum
-from consumers.sync import SyncConfig, WeightSyncer
-from trainer import weight_group as wg
-from trainer.weight_stream import StreamConfig, StreamPublisher, WeightStreamer
-from trainer.weights import WeightStore
+from agentarium.inference import weights_checksum
+from agentarium.inference.sync import SyncConfig, WeightSyncer
+from agentarium.trainer import weight_group as wg
+from agentarium.trainer.weight_stream import StreamConfig, StreamPublisher, WeightStreamer
+from agentarium.trainer.weights import WeightStore
 
 PROMPT = list(b"<|im_start|>user\n7+5=")  # byte-level: token id == byte value
 
@@ -240,7 +240,7 @@ async def test_a_stalled_broadcast_is_discarded_and_the_object_store_catches_up(
 
 
 async def test_trainer_settings_select_the_transport(js, topology, tmp_path):
-    import trainer
+    from agentarium import trainer
     from agentarium.cli import build_parser
     from agentarium.commands import trainer_cmd
 

@@ -17,7 +17,7 @@ from fake_sglang import FakeSGLang
 from safetensors.torch import save_file
 
 from agentarium.commands.sync_cmd import add_sync_arguments, config_from_args
-from broker import (
+from agentarium.inference import (
     WEIGHTS_FILE,
     WeightNotFound,
     WeightVerificationError,
@@ -25,8 +25,8 @@ from broker import (
     sha256_file,
     verify_file,
 )
-from consumers.sync import SyncConfig, WeightSyncer
-from trainer.weights import WeightStore
+from agentarium.inference.sync import SyncConfig, WeightSyncer
+from agentarium.trainer.weights import WeightStore
 
 PROMPT = list(b"<|im_start|>user\n7+5=")  # byte-level: token id == byte value
 

@@ -6,7 +6,8 @@ release would silently stop seeing jobs. docs/design.md lists the same names.
 
 from __future__ import annotations
 
-from broker import Limits, Topology, engine_key, object_name
+from agentarium.broker import Limits, Topology
+from agentarium.inference import engine_key, object_name
 
 
 def test_default_prefix_names():

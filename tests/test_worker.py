@@ -14,12 +14,12 @@ from fake_sglang import FakeSGLang
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from worker_env import tiny_template, worker_for
 
-from broker import Limits, provision
-from broker.errors import ERR_STREAM_FULL
-from consumers.redact import log_safe
-from examples import calculator, openai_agent
-from producers import TaskProducer, TrajectoryReader
-from schemas import DeadLetter, Job, decode, encode
+from agentarium.broker import Limits, provision
+from agentarium.broker.errors import ERR_STREAM_FULL
+from agentarium.consumers.redact import log_safe
+from agentarium.examples import calculator, openai_agent
+from agentarium.producers import TaskProducer, TrajectoryReader
+from agentarium.schemas import DeadLetter, Job, decode, encode
 
 
 @pytest.fixture
@@ -440,7 +440,7 @@ async def test_failed_runs_are_counted_across_lost_deliveries(js, topology, fake
 async def test_sync_agents_past_their_deadline_are_counted_as_busy_threads():
     import threading
 
-    from consumers.agents import AgentRunner, AgentSpec
+    from agentarium.consumers.agents.loading import AgentRunner, AgentSpec
 
     release = threading.Event()
 
@@ -467,7 +467,7 @@ async def test_agent_threads_hand_results_errors_and_context_to_the_loop():
     import contextvars
     import threading
 
-    from consumers.agents import AgentThreads
+    from agentarium.consumers.agents.loading import AgentThreads
 
     loop = asyncio.get_running_loop()
     pool = AgentThreads(max_workers=2)

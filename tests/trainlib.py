@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from agentarium.demo.processes import child_env
+from agentarium.schemas import LLMCall, Trajectory, encode
 from agentarium.tiny import ensure_tiny_model
-from schemas import LLMCall, Trajectory, encode
-from trainer.config import TrainerConfig
-from trainer.metrics import read_metrics
+from agentarium.trainer.config import TrainerConfig
+from agentarium.trainer.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 # Every answer is 7 (no conditioning needed), no entropy bonus, fixed seeds.

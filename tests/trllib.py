@@ -11,10 +11,10 @@ from pathlib import Path
 
 from worker_env import worker_for
 
+from agentarium.broker import NatsSettings, Topology, provision
+from agentarium.formats import ChatTemplate
+from agentarium.inference.sync import SyncConfig, WeightSyncer
 from agentarium.orchestrator.loop_thread import LoopThread
-from broker import NatsSettings, Topology, provision
-from consumers import ChatTemplate
-from consumers.sync import SyncConfig, WeightSyncer
 
 
 async def trl_services(

@@ -101,8 +101,8 @@ class Replay:
 
 
 async def trajectories(job_ids: list[str]) -> dict[str, dict]:
-    from broker import NatsSettings, Topology
-    from producers import TrajectoryReader
+    from agentarium.broker import NatsSettings, Topology
+    from agentarium.producers import TrajectoryReader
 
     settings = NatsSettings.from_env()
     nc = await settings.connect(name="verl-check")
@@ -121,7 +121,12 @@ async def trajectories(job_ids: list[str]) -> dict[str, dict]:
 async def main(model_dir: str, out_path: str, server: str) -> None:
     import agentarium.integrations.verl  # noqa: F401 - registers "agentarium"
 
-    heavy = {"consumers", "agentarium.orchestrator", "trainer.loop", "trainer.step"}
+    heavy = {
+        "agentarium.consumers",
+        "agentarium.orchestrator",
+        "agentarium.trainer.loop",
+        "agentarium.trainer.step",
+    }
     assert not heavy & set(sys.modules), heavy & set(sys.modules)  # the light client side only
 
     config = verl_config(model_dir)

@@ -6,14 +6,14 @@ from __future__ import annotations
 from contextlib import asynccontextmanager
 from functools import lru_cache
 
-from broker import Topology
-from consumers import ConsumerSettings
-from consumers.agents import AgentRunner, AgentSpec
-from consumers.backends.sglang import SGLangBackend
-from consumers.chat_template import ChatTemplate
-from consumers.proxy import TracingProxy
-from consumers.rollout import RolloutEnv
-from consumers.worker import Worker
+from agentarium.broker import Topology
+from agentarium.consumers import ConsumerSettings
+from agentarium.consumers.agents.loading import AgentRunner, AgentSpec
+from agentarium.consumers.backends.sglang import SGLangBackend
+from agentarium.consumers.rollout import RolloutEnv
+from agentarium.consumers.tracing.proxy import TracingProxy
+from agentarium.consumers.worker.worker import Worker
+from agentarium.formats.chat_template import ChatTemplate
 
 
 @lru_cache(maxsize=1)

@@ -1,8 +1,8 @@
 """The asynchronous GRPO trainer: collector, GRPO math, step, checkpoints, metrics and
 experiment trackers, and weight publishing and streaming (see docs/design.md, "The trainer"; the weight syncer
-is consumers.sync).
+is inference.sync).
 
-``import trainer`` stays light (no torch): the names that need torch load on first use. The
+``import agentarium.trainer`` stays light (no torch): the names that need torch load on first use. The
 torch-free trajectory -> token rows rules (trainer/rows.py) are shared with the verl tensorizer
 and export.
 """

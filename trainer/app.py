@@ -1,7 +1,7 @@
 """The trainer's service: connect, provision, run until stopped.
 
 ``agentarium trainer`` parses its flags into a ``TrainerConfig`` and calls this; nothing here
-knows about argparse. (The weight syncer's service is consumers/sync/service.py.)
+knows about argparse. (The weight syncer's service is inference/sync/service.py.)
 """
 
 from __future__ import annotations
@@ -16,7 +16,13 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from nats.js import JetStreamContext
 
-from broker import START_PATIENCE_S, MetricsServer, NatsSettings, Topology, ensure_provisioned
+from agentarium.broker import (
+    START_PATIENCE_S,
+    MetricsServer,
+    NatsSettings,
+    Topology,
+    ensure_provisioned,
+)
 
 from .config import TrainerConfig
 from .errors import TrainerError

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from schemas import Trajectory
+from agentarium.schemas import Trajectory
 
 from .grpo import task_normalized
 from .rows import TokenRow, grpo_advantages, refusal, rows_of

@@ -40,8 +40,8 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from broker import START_PATIENCE_S, Backoff, Topology, cancel_and_wait, patiently
-from schemas import SchemaError, Trajectory, check_name, decode
+from agentarium.broker import START_PATIENCE_S, Backoff, Topology, cancel_and_wait, patiently
+from agentarium.schemas import SchemaError, Trajectory, check_name, decode
 
 from .batch import refusal
 from .config import TrainerConfig

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from schemas import SettingError, check_name, check_settings, setting
+from agentarium.schemas import SettingError, check_name, check_settings, setting
 
 from .errors import TrainerConfigError
 from .mix import TaskMix

@@ -27,8 +27,8 @@ import itertools
 import nats.errors
 import structlog
 
-from broker import Topology
-from schemas import GroupDemand, GroupSupply, SchemaError, decode, encode_json
+from agentarium.broker import Topology
+from agentarium.schemas import GroupDemand, GroupSupply, SchemaError, decode, encode_json
 
 log = structlog.get_logger("agentarium.trainer")
 

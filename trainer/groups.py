@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from schemas import Trajectory, version_number
+from agentarium.schemas import Trajectory, version_number
 
 from .batch import Sample, advantages, refusal
 from .config import OVERLONG

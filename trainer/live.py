@@ -20,8 +20,8 @@ import nats.js.errors
 import structlog
 from nats.js import JetStreamContext
 
-from broker import Topology
-from schemas import JSON_CONTENT_TYPE
+from agentarium.broker import Topology
+from agentarium.schemas import JSON_CONTENT_TYPE
 
 from .metrics import StepMetrics
 

@@ -7,7 +7,7 @@
         report(row)                                  # CSV, trackers, /metrics, <p>.metrics.<run>
         publishing.due(step):  version += 1; await publisher.publish(model, version, step)
         checkpoints.due(step): checkpoint, then ack the groups it covers (no directory: ack)
-        with sync_rollouts:    await every engine serving `version` (broker.wait_served)
+        with sync_rollouts:    await every engine serving `version` (inference.wait_served)
 
 Setup and teardown are ``_session()``, a context manager around the loop; a missing publisher
 or checkpoint directory is a do-nothing object (trainer/publishing.py, trainer/checkpoint.py),
@@ -49,7 +49,8 @@ from typing import Any
 import structlog
 from nats.js import JetStreamContext
 
-from broker import START_PATIENCE_S, Topology, patiently, wait_served
+from agentarium.broker import START_PATIENCE_S, Topology, patiently
+from agentarium.inference import wait_served
 
 from .batch import Sample, build_rows, collate, with_task_advantages
 from .checkpoint import Checkpoints, NoCheckpoints, restore_rng

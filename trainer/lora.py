@@ -6,7 +6,7 @@ With ``--lora-rank R`` the policy is the base model wrapped by ``peft`` (``LoraC
 its base weights are frozen, the optimizer holds only the adapters' parameters, and a checkpoint
 holds both. What is published per version is the adapter alone (``AdapterExport``): one
 safetensors file of the PEFT adapter state dict, its ``LoraConfig`` in the header metadata under
-``broker.LORA_CONFIG_KEY``, so it travels through the same weight paths as whole weights (object
+``inference.LORA_CONFIG_KEY``, so it travels through the same weight paths as whole weights (object
 store or shared path) and the syncer can hand the engines a PEFT adapter directory
 (``/load_lora_adapter``). ``merge_lora`` folds an adapter into its base model for export
 (``agentarium merge-lora``).
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from broker import LORA_CONFIG_KEY, adapter_directory
+from agentarium.inference import LORA_CONFIG_KEY, adapter_directory
 
 from .errors import TrainerConfigError
 

@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from schemas import check_name
+from agentarium.schemas import check_name
 
 PROPORTIONAL, BALANCED, WEIGHTS = "proportional", "balanced", "weights"
 

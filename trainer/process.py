@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from schemas import SettingError, check_settings, setting
+from agentarium.schemas import SettingError, check_settings, setting
 
 from .app import PublisherFactory, store_publisher
 from .config import BATCH, COMPUTE, OUTPUTS, TrainerConfig

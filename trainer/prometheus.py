@@ -1,4 +1,4 @@
-"""The trainer's Prometheus metrics (the weight syncer's are consumers/sync/metrics.py).
+"""The trainer's Prometheus metrics (the weight syncer's are inference/sync/metrics.py).
 
 Defined once per process on the default registry, which ``agentarium trainer --metrics-port``
 serves (broker.MetricsServer). Labels: the run, an engine

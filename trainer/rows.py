@@ -2,7 +2,7 @@
 
 The one implementation behind the trainer's batches (trainer/batch.py), the orchestrator's verl
 batches (agentarium/orchestrator/tensorize.py) and SFT export (agentarium/evaluation/export.py).
-It imports numpy and schemas only, so ``import trainer`` loads neither torch nor transformers.
+It imports numpy and schemas only, so ``import agentarium.trainer`` loads neither torch nor transformers.
 
 A trajectory becomes rows in one of two modes (``MULTI_TURN``):
 
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from schemas import LLMCall, Trajectory
+from agentarium.schemas import LLMCall, Trajectory
 
 MULTI_TURN = ("concat", "per-call")
 # How rows_of built a trajectory's rows.

@@ -16,7 +16,7 @@ import structlog
 from opentelemetry import trace
 from opentelemetry.trace import INVALID_SPAN_ID, Link, Span, SpanContext, TraceFlags
 
-from broker import OPENINFERENCE_SPAN_KIND, extract_context
+from agentarium.broker import OPENINFERENCE_SPAN_KIND, extract_context
 
 from .batch import BuildStats
 from .groups import BufferCounters, Group

@@ -25,8 +25,8 @@ import nats.js.errors
 import structlog
 from nats.js import JetStreamContext
 
-from broker import Topology, count_messages
-from schemas import check_name
+from agentarium.broker import Topology, count_messages
+from agentarium.schemas import check_name
 
 from .collector import Collector, CollectorConfig, wait_for_any
 from .config import TrainerConfig

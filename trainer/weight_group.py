@@ -1,7 +1,7 @@
 """Rank 0 of a weight-update group: the torch.distributed half of streaming weights.
 
 The trainer makes a TCPStore (port 0: the OS picks a free one), and every engine joins the
-group through it while the trainer joins too (consumers/engine/weight_group.py is the engine's
+group through it while the trainer joins too (inference/engine/weight_group.py is the engine's
 half; SGLang's ``init_custom_process_group`` is the same recipe: a PrefixStore named after the
 group, torch's process-group helper). It then broadcasts each update from rank 0: one tensor
 per broadcast, in order, with at most ``window`` broadcasts in flight, so that a peer that
@@ -9,7 +9,7 @@ stops receiving fails the update after one timeout instead of one per queued ten
 "flattened_bucket", every tensor's bytes in one uint8 buffer.
 
 Blocking calls all: the streamer (weight_stream.py) runs them in worker threads. torch.distributed
-is imported here, never by ``import trainer``.
+is imported here, never by ``import agentarium.trainer``.
 """
 
 from __future__ import annotations

@@ -41,8 +41,9 @@ from urllib.parse import urlsplit
 
 import structlog
 
-from broker import EngineControl, EngineControlError, Topology, is_loopback, record_engine
-from schemas import WeightUpdate, check_name
+from agentarium.broker import Topology, is_loopback
+from agentarium.inference import EngineControl, EngineControlError, record_engine
+from agentarium.schemas import WeightUpdate, check_name
 
 if TYPE_CHECKING:
     from nats.js import JetStreamContext

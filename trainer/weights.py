@@ -22,7 +22,7 @@ config and reads the ``*.safetensors`` under ``model_path``), so the syncer hand
 directory that holds ``model.safetensors`` alone. A model whose save would be sharded is saved
 as one file (``max_shard_size`` raised); a directory with several shards is refused.
 
-Fetching (the syncer's side) and the policy KV's reads are broker/weights.py's
+Fetching (the syncer's side) and the policy KV's reads are inference/weights.py's
 ``WeightFetcher``, which ``WeightStore`` extends.
 """
 
@@ -45,17 +45,17 @@ import structlog
 from nats.js import JetStreamContext
 from nats.js.api import ObjectMeta, ObjectMetaOptions
 
-from broker import (
+from agentarium.broker import Topology
+from agentarium.inference import (
     STALL_TIMEOUT_S,
     WEIGHTS_FILE,
-    Topology,
     WeightFetcher,
     WeightsError,
     local_versions,
     object_name,
     sha256_file,
 )
-from schemas import WeightUpdate, check_name, encode_json
+from agentarium.schemas import WeightUpdate, check_name, encode_json
 
 log = structlog.get_logger("agentarium.weights")
 

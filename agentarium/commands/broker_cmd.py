@@ -9,7 +9,7 @@ from pathlib import Path
 
 import structlog
 
-from broker import (
+from agentarium.broker import (
     Limits,
     NatsServer,
     NatsSettings,
@@ -22,7 +22,7 @@ from broker import (
     setup_logging,
     sweep_stranded,
 )
-from schemas import settings
+from agentarium.schemas import settings
 
 from ..config import add_settings, flag_values
 from .common import add_command_group, add_nats_flags, run_async, settings_from_args

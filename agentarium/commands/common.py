@@ -15,14 +15,8 @@ import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from broker import (
-    NatsSettings,
-    run_loop,
-    setup_logging,
-    setup_tracing,
-    shutdown_tracing,
-)
-from schemas import settings
+from agentarium.broker import NatsSettings, run_loop, setup_logging, setup_tracing, shutdown_tracing
+from agentarium.schemas import settings
 
 from ..config import add_settings
 

@@ -11,8 +11,8 @@ import sys
 
 import structlog
 
-from broker import Topology, tune_gc
-from consumers import (
+from agentarium.broker import Topology, tune_gc
+from agentarium.consumers import (
     AgentLoadError,
     AgentSpec,
     ConsumerProcess,
@@ -25,7 +25,7 @@ from consumers import (
     normalize_urls,
     parse_agent,
 )
-from schemas import settings
+from agentarium.schemas import settings
 
 from ..config import add_config_arguments, add_settings, resolve
 from ..models import model_name, resolve_model

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from agentarium.dashboard import DashboardConfig, run_dashboard
-from schemas import settings
+from agentarium.schemas import settings
 
 from ..config import add_settings, flag_values
 from .common import run_async, settings_from_args

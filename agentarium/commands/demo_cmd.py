@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from schemas import settings
+from agentarium.schemas import settings
 
 from ..config import add_settings, flag_values
 from ..demo import FAMILIES, DemoConfig, run_demo

@@ -9,9 +9,11 @@ import argparse
 import asyncio
 from dataclasses import dataclass
 
-from broker import setup_logging
-from consumers.engine import EngineSettings  # torch-free: the engine itself loads in cmd_engine
-from schemas import section, setting
+from agentarium.broker import setup_logging
+from agentarium.inference.engine import (
+    EngineSettings,  # torch-free: the engine itself loads in cmd_engine
+)
+from agentarium.schemas import section, setting
 
 from ..config import ConfigKeys, add_settings, resolve
 from ..models import resolve_model
@@ -36,7 +38,7 @@ KEYS = ConfigKeys.of("engine", EngineCommand)
 
 
 def cmd_engine(args: argparse.Namespace) -> int:
-    from consumers.engine import serve  # torch + transformers: imported only here
+    from agentarium.inference.engine import serve  # torch + transformers: imported only here
 
     command: EngineCommand = resolve(args, KEYS).build(EngineCommand)
     setup_logging()

@@ -17,8 +17,8 @@ from typing import Any
 import structlog
 import yaml
 
-from broker import Topology, collect_env_status, format_env_status
-from environments import (
+from agentarium.broker import Topology, collect_env_status, format_env_status
+from agentarium.environments import (
     BUILTIN,
     Environment,
     EnvironmentLoadError,
@@ -29,7 +29,7 @@ from environments import (
     load_environment,
     service_name,
 )
-from schemas import check_settings, section, setting, settings
+from agentarium.schemas import check_settings, section, setting, settings
 
 from ..config import add_config_arguments, add_settings, resolve
 from .common import (

@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from consumers import AgentLoadError
+from agentarium.consumers import AgentLoadError
 
 from ..config import ConfigKeys, add_config_arguments, add_settings, resolve
 from ..evaluation import EvalConfig, EvalError, EvalRun, print_summary

@@ -24,7 +24,7 @@ EXAMPLES: dict[tuple[str, ...], tuple[str, ...]] = {
     ),
     ("completion",): ('eval "$(agentarium completion bash)"',),
     ("consumer",): (
-        "agentarium consumer --agent toy=examples.toy:rollout --llm http://127.0.0.1:30000 "
+        "agentarium consumer --agent toy=agentarium.examples.toy:rollout --llm http://127.0.0.1:30000 "
         "--model tiny",
         "agentarium consumer --agent coder=exec:'python3 my_agent.py' --llm "
         "http://127.0.0.1:30000 --model smol --concurrency 8",
@@ -48,9 +48,9 @@ EXAMPLES: dict[tuple[str, ...], tuple[str, ...]] = {
     ("env", "bridge"): ("agentarium env bridge --agentbench http://127.0.0.1:5000 --name ab",),
     ("env", "status"): ("agentarium env status", "agentarium env status --json"),
     ("eval", "run"): (
-        "agentarium eval run --agent toy=examples.toy:rollout --file examples/toy_tasks.jsonl "
+        "agentarium eval run --agent toy=agentarium.examples.toy:rollout --file examples/toy_tasks.jsonl "
         "--k 4 --llm http://127.0.0.1:30000 --model tiny",
-        "agentarium eval run --agent toy=examples.toy:rollout --file examples/toy_tasks.jsonl "
+        "agentarium eval run --agent toy=agentarium.examples.toy:rollout --file examples/toy_tasks.jsonl "
         "--llm http://127.0.0.1:30000 --model tiny --out evals/toy --resume",
     ),
     ("eval", "summary"): ("agentarium eval summary evals/toy",),

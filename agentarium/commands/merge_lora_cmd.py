@@ -9,7 +9,7 @@ from ..models import resolve_model
 
 
 def cmd_merge_lora(args: argparse.Namespace) -> int:
-    from trainer import merge_lora
+    from agentarium.trainer import merge_lora
 
     try:
         out = merge_lora(resolve_model(args.model), args.adapter, args.out)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from trainer import plot_metrics
+from agentarium.trainer import plot_metrics
 
 
 def add_plot_arguments(parser: argparse.ArgumentParser) -> None:

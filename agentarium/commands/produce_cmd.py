@@ -16,8 +16,8 @@ from typing import IO
 
 import structlog
 
-from broker import START_PATIENCE_S, NatsSettings, Topology, ensure_streams
-from producers import (
+from agentarium.broker import START_PATIENCE_S, NatsSettings, Topology, ensure_streams
+from agentarium.producers import (
     MAX_IN_FLIGHT,
     JobOptions,
     ProducerError,
@@ -29,7 +29,7 @@ from producers import (
     expand_tasks,
     read_task_file,
 )
-from schemas import SchemaError, check_name, check_settings, section, setting, settings
+from agentarium.schemas import SchemaError, check_name, check_settings, section, setting, settings
 
 from ..config import ConfigKeys, add_config_arguments, add_settings, resolve
 from .common import add_nats_flags, connection_flags, run_async, settings_from_args

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 
 from nats.aio.client import Client
 
-from broker import MetricsServer
+from agentarium.broker import MetricsServer
 
 from ..config import ConfigKeys
 from .common import add_nats_flags, connection_flags

@@ -1,4 +1,4 @@
-"""``agentarium sync``: the weight syncer beside an engine fleet (consumers.run_sync).
+"""``agentarium sync``: the weight syncer beside an engine fleet (inference.sync.run_sync).
 
 Its settings are ``SyncCommand``'s fields: the syncer's ``SyncConfig`` and the command's own
 ``--once``, each one a flag.
@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from consumers import SyncConfig, run_sync
-from schemas import section, setting
+from agentarium.inference.sync import SyncConfig, run_sync
+from agentarium.schemas import section, setting
 
 from ..config import ConfigKeys, add_settings, resolve
 from .common import run_async, settings_from_args

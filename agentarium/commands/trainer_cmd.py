@@ -11,10 +11,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-import trainer
-from broker import NatsSettings
-from schemas import settings
-from trainer import TrainerConfig, TrainerProcess
+from agentarium import trainer
+from agentarium.broker import NatsSettings
+from agentarium.schemas import settings
+from agentarium.trainer import TrainerConfig, TrainerProcess
 
 from ..config import Resolved, add_config_arguments, add_settings, resolve
 from ..models import resolve_model

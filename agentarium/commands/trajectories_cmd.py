@@ -9,9 +9,9 @@ import json
 import sys
 from pathlib import Path
 
-from broker import NatsSettings, Topology
-from producers import ProducerError, TrajectoryReader
-from schemas import STATUSES, Trajectory
+from agentarium.broker import NatsSettings, Topology
+from agentarium.producers import ProducerError, TrajectoryReader
+from agentarium.schemas import STATUSES, Trajectory
 
 from ..evaluation import FORMATS, export_run
 from .common import add_command_group, add_nats_flags, run_async, settings_from_args
@@ -126,7 +126,7 @@ async def run_show(args: argparse.Namespace, settings: NatsSettings) -> int:
 async def _no_such_run(nc, topology: Topology, args: argparse.Namespace) -> str | None:
     """Why nothing was found, when it is that the run (or its agent) has no trajectory at all
     here: a mistyped --run must not look like an empty result."""
-    from broker.status import count_messages
+    from agentarium.broker import count_messages
 
     stored = await count_messages(
         nc.jetstream(),

@@ -29,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from schemas import settings
+from agentarium.schemas import settings
 
 SOURCES = ("file", "flag", "override")  # what can set a key, lowest precedence first
 

@@ -15,7 +15,7 @@ import types
 import typing
 from typing import Any
 
-from schemas import settings
+from agentarium.schemas import settings
 
 
 def add_settings(parser: Any, *classes: type, prefix: str = "") -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from schemas import check_name, setting
+from agentarium.schemas import check_name, setting
 
 DEFAULT_PORT = 8266  # next to Ray's dashboard (8265)
 

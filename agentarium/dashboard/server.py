@@ -25,7 +25,13 @@ import nats.errors
 import structlog
 from aiohttp import web
 
-from broker import MetricsServer, NatsSettings, Topology, collect_stream_metrics, is_loopback
+from agentarium.broker import (
+    MetricsServer,
+    NatsSettings,
+    Topology,
+    collect_stream_metrics,
+    is_loopback,
+)
 
 from .config import DashboardConfig
 from .view import LiveView

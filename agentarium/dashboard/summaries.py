@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from schemas import DeadLetter, SchemaError, Trajectory, version_number
+from agentarium.schemas import DeadLetter, SchemaError, Trajectory, version_number
 
 
 def preview(text: str, limit: int) -> str:

@@ -28,8 +28,9 @@ import nats.js.errors
 import structlog
 from nats.js import JetStreamContext
 
-from broker import StreamMetrics, Topology, collect_status, engine_versions, read_tail
-from schemas import DeadLetter, SchemaError, Trajectory, decode, loads
+from agentarium.broker import StreamMetrics, Topology, collect_status, read_tail
+from agentarium.inference import engine_versions
+from agentarium.schemas import DeadLetter, SchemaError, Trajectory, decode, loads
 
 from .config import DashboardConfig
 from .summaries import dead_letter_row, trajectory_row, undecodable_dead_letter_row

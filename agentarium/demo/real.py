@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from broker import NatsSettings, Topology, WeightFetcher, wait_served
+from agentarium.broker import NatsSettings, Topology
+from agentarium.inference import WeightFetcher, wait_served
 
 from ..evaluation import EvalConfig, EvalRun
 
@@ -45,7 +46,7 @@ class Preset:
 
     def tasks(self, rng: random.Random, n: int, prefix: str, digits: str) -> list[dict]:
         if self.agent_name == "add":
-            from examples.arithmetic import add_tasks
+            from agentarium.examples.arithmetic import add_tasks
 
             return add_tasks(rng, n, prefix)
         from .tasks import digit_tasks
@@ -55,7 +56,7 @@ class Preset:
 
 PRESETS = {
     "tiny": Preset(
-        agent="examples.toy:rollout",
+        agent="agentarium.examples.toy:rollout",
         agent_name="toy",
         lr=1e-3,
         entropy_coef=0.02,
@@ -65,7 +66,7 @@ PRESETS = {
         held_out_eval=False,
     ),
     "smol": Preset(
-        agent="examples.arithmetic:rollout",
+        agent="agentarium.examples.arithmetic:rollout",
         agent_name="add",
         lr=1e-5,
         entropy_coef=0.0,
@@ -82,7 +83,7 @@ def preset_of(model: str) -> Preset:
 
 
 def write_eval_tasks(path: Path) -> Path:
-    from examples.arithmetic import eval_tasks
+    from agentarium.examples.arithmetic import eval_tasks
 
     path.write_text("".join(json.dumps(task) + "\n" for task in eval_tasks()))
     return path

@@ -77,7 +77,7 @@ def report(
     out: Path, elapsed: float, digits: str, tasks: Sequence[str], model: str = "tiny"
 ) -> int:
     """Print the run's figures and write reward.png; 0 when at least one step was trained."""
-    from trainer import plot_metrics, read_metrics
+    from agentarium.trainer import plot_metrics, read_metrics
 
     metrics = out / "metrics.csv"
     rows = read_metrics(metrics) if metrics.exists() else []

@@ -46,20 +46,18 @@ from pathlib import Path
 import nats.errors
 import nats.js.errors
 
-from broker import (
-    EngineControl,
-    EngineControlError,
+from agentarium.broker import (
     NatsServer,
     NatsSettings,
     Topology,
     count_messages,
     provision,
     setup_logging,
-    wait_served,
 )
-from producers import GroupRefill, RunSession, expand_tasks, read_task_file
-from schemas import check_settings, setting
-from trainer import DEVICES, TASK_ADV_NORMS
+from agentarium.inference import EngineControl, EngineControlError, wait_served
+from agentarium.producers import GroupRefill, RunSession, expand_tasks, read_task_file
+from agentarium.schemas import check_settings, setting
+from agentarium.trainer import DEVICES, TASK_ADV_NORMS
 
 from ..models import resolve_model
 from ..progress import ProgressBar, StatusLine
@@ -68,7 +66,8 @@ from .real import HeldOutEval, Preset, preset_of
 from .report import report, task_column
 from .tasks import FAMILIES, digit_tasks, parse_task_set, split_groups
 
-DEFAULT_TASKS = Path(__file__).resolve().parents[2] / "examples" / "toy_tasks.jsonl"
+# agentarium/examples: a link to the repository's examples/ in a checkout, package data in a wheel
+DEFAULT_TASKS = Path(__file__).resolve().parents[1] / "examples" / "toy_tasks.jsonl"
 # --lora-rank: every linear layer and the output head; the one-token toy task did not learn in
 # 40 steps with adapters on the layers alone (all-linear), and did with the head's (benchmarks)
 LORA_TARGETS = (
@@ -130,8 +129,8 @@ class DemoConfig:
     )
     agent: str = setting(
         None,
-        help="agent function (default: tiny examples.toy:rollout, smol "
-        "examples.arithmetic:rollout)",
+        help="agent function (default: tiny agentarium.examples.toy:rollout, smol "
+        "agentarium.examples.arithmetic:rollout)",
     )
     agent_name: str = setting(None, help="agent name on the wire (default: tiny toy, smol add)")
     rollouts_only: bool = setting(
@@ -249,7 +248,7 @@ def _step_batches(args: DemoConfig, rng: random.Random, published: int) -> list[
 
 
 def _last_row(path: Path) -> dict | None:
-    from trainer import read_metrics
+    from agentarium.trainer import read_metrics
 
     try:
         rows = read_metrics(path)

@@ -56,7 +56,7 @@ FAMILIES: dict[str, TaskFamily] = {
     for family in (
         TaskFamily(
             name="repeat",
-            agent="examples.toy:rollout",
+            agent="agentarium.examples.toy:rollout",
             verb="repeat",
             offset=0,
             neighbour_credit=0.0,
@@ -64,7 +64,7 @@ FAMILIES: dict[str, TaskFamily] = {
         ),
         TaskFamily(
             name="next",
-            agent="examples.toy:next_digit",
+            agent="agentarium.examples.toy:next_digit",
             verb="next",
             offset=1,
             neighbour_credit=0.5,

@@ -14,9 +14,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from consumers import ConsumerSettings, RolloutSettings
-from producers import JobOptions
-from schemas import (
+from agentarium.consumers import ConsumerSettings, RolloutSettings
+from agentarium.producers import JobOptions
+from agentarium.schemas import (
     Sampling,
     SchemaError,
     check_name,

@@ -22,8 +22,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from schemas import Trajectory
-from trainer import rows_of
+from agentarium.schemas import Trajectory
+from agentarium.trainer import rows_of
 
 FORMATS = ("jsonl", "parquet")
 
@@ -229,7 +229,7 @@ async def export_run(
     min_reward: float | None = None,
 ) -> int:
     """Read the run's trajectories and write them; returns the number of records."""
-    from producers import TrajectoryReader
+    from agentarium.producers import TrajectoryReader
 
     if fmt not in FORMATS:
         raise ValueError(f"--format must be one of {FORMATS}, got {fmt!r}")

@@ -19,8 +19,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from consumers import model_of_call
-from schemas import Trajectory
+from agentarium.consumers import model_of_call
+from agentarium.schemas import Trajectory
 
 from ..agent_metrics import pass_at_k
 

@@ -30,23 +30,23 @@ from typing import Any
 
 import structlog
 
-from broker import NatsSettings, Topology
-from consumers import (
-    ChatTemplate,
+from agentarium.broker import NatsSettings, Topology
+from agentarium.consumers import (
     ConsumerService,
     ConsumerSettings,
     ConsumerSpec,
     EnvAgent,
     LLMTarget,
-    env_agent,
     load_agent,
     load_callable,
     normalize_urls,
 )
-from producers import JobOptions, RunSession, TrajectoryReader, make_job, task_id_of
-from producers import read_task_file as load_task_file
-from schemas import Job, Sampling, SchemaError, Trajectory, check_name
-from schemas import settings as schema_settings
+from agentarium.consumers.agents import env_agent
+from agentarium.formats import ChatTemplate
+from agentarium.producers import JobOptions, RunSession, TrajectoryReader, make_job, task_id_of
+from agentarium.producers import read_task_file as load_task_file
+from agentarium.schemas import Job, Sampling, SchemaError, Trajectory, check_name
+from agentarium.schemas import settings as schema_settings
 
 from ..models import resolve_model
 from ..progress import ProgressBar

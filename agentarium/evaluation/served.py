@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from broker import EngineControl, EngineControlError
+from agentarium.inference import EngineControl, EngineControlError
 
 CHECKSUM_PATH = "/weights_checksum"  # the local engine's, not SGLang's
 

@@ -22,9 +22,10 @@ from collections.abc import Sequence
 
 import structlog
 
-from broker import Limits, NatsSettings, wait_served
-from producers import RunSession
-from schemas import Job, Trajectory
+from agentarium.broker import Limits, NatsSettings
+from agentarium.inference import wait_served
+from agentarium.producers import RunSession
+from agentarium.schemas import Job, Trajectory
 
 log = structlog.get_logger("agentarium.integrations")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from schemas import Sampling, check_name, check_settings, setting
+from agentarium.schemas import Sampling, check_name, check_settings, setting
 
 ROLLOUTS = "rollouts through Agentarium"
 

@@ -17,7 +17,7 @@ is unusable, with its reason in ``status``, and carries no reward (None), never 
 | ``no_tokens`` | no call with token ids and a generated token (an OpenAI-compatible backend) |
 | ``mismatch`` | several calls whose prompts do not extend each other token for token (a chat template that re-renders history): not one sequence |
 
-``trainer`` is imported for ``rows_of`` alone; ``import trainer`` loads the same third-party
+``trainer`` is imported for ``rows_of`` alone; ``import agentarium.trainer`` loads the same third-party
 modules as ``producers`` (nats, structlog, numpy), never torch, so this also runs in verl's
 virtualenv.
 """
@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from schemas import SchemaError, Trajectory, version_number
-from trainer import rows_of
+from agentarium.schemas import SchemaError, Trajectory, version_number
+from agentarium.trainer import rows_of
 
 UNUSABLE = ("error", "timeout", "missing", "no_tokens", "mismatch")
 

@@ -13,7 +13,8 @@ import argparse
 import asyncio
 import sys
 
-from broker import NatsSettings, Topology, engine_versions
+from agentarium.broker import NatsSettings, Topology
+from agentarium.inference import engine_versions
 
 ANNOUNCED = "announced"
 

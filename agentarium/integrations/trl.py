@@ -39,7 +39,7 @@ global_step``, ``base`` one above the run's latest version (1 for a new run). At
 it publishes the weights TRL starts from as ``base`` (whatever the engines served before: an
 earlier run's policy, or this run's before TRL resumed). Before each call's rollouts, the
 rollout function waits until every engine of the run serves the last version published (the
-engines KV, ``broker.wait_served``), so every step's samples come from the weights TRL just
+engines KV, ``inference.wait_served``), so every step's samples come from the weights TRL just
 trained: TRL stays on-policy. One process (TRL without several accelerate processes): the
 versions are counted by the process that publishes.
 
@@ -65,11 +65,11 @@ from typing import Any
 import structlog
 from transformers import TrainerCallback
 
+from agentarium.broker import NatsSettings
 from agentarium.orchestrator.loop_thread import LoopThread
-from broker import NatsSettings
-from producers import JobOptions, make_job
-from schemas import Job, Sampling
-from trainer import TrainerConfig, TrainerProcess, peft_adapter, publisher_for
+from agentarium.producers import JobOptions, make_job
+from agentarium.schemas import Job, Sampling
+from agentarium.trainer import TrainerConfig, TrainerProcess, peft_adapter, publisher_for
 
 from .client import RolloutClient
 from .config import RolloutConfig, sampling

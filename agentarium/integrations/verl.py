@@ -50,8 +50,9 @@ import numpy as np
 import structlog
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput, register
 
-from broker import NatsSettings, record_engine
-from producers import JobOptions, make_job
+from agentarium.broker import NatsSettings
+from agentarium.inference import record_engine
+from agentarium.producers import JobOptions, make_job
 
 from .client import RolloutClient
 from .config import RolloutConfig, sampling

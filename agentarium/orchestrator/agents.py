@@ -8,8 +8,9 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from consumers import AgentSpec, ConsumerSettings, ConsumerSpec, LLMTarget, env_agent, load_agent
-from schemas import check_name
+from agentarium.consumers import AgentSpec, ConsumerSettings, ConsumerSpec, LLMTarget, load_agent
+from agentarium.consumers.agents import env_agent
+from agentarium.schemas import check_name
 
 from .config import OrchestratorConfig
 from .model import PolicyModel

@@ -28,9 +28,9 @@ from typing import Any
 
 import structlog
 
-from broker import NatsSettings
-from consumers import AgentSpec
-from schemas import Sampling, Trajectory
+from agentarium.broker import NatsSettings
+from agentarium.consumers import AgentSpec
+from agentarium.schemas import Sampling, Trajectory
 
 from . import results
 from .agents import AgentRegistry

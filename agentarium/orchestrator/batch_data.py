@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from producers import (
+from agentarium.producers import (
     AGENT_COLUMN,
     SOURCE_COLUMN,
     JobOptions,
@@ -33,7 +33,7 @@ from producers import (
     expand_rows,
     task_id_of,
 )
-from schemas import Job, SchemaError
+from agentarium.schemas import Job, SchemaError
 
 AGENT_COLUMNS = (AGENT_COLUMN, SOURCE_COLUMN)
 _SHOW = 5  # rows named in an error message

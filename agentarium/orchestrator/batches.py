@@ -10,7 +10,7 @@ from typing import Any
 
 import structlog
 
-from schemas import Sampling, Trajectory, check_name
+from agentarium.schemas import Sampling, Trajectory, check_name
 
 from ..progress import ProgressBar
 from .batch_data import batch_id_for, expand, normalize

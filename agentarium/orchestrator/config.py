@@ -15,17 +15,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from broker import Limits
-from consumers import ConsumerSettings, normalize_urls
-from producers import JobOptions
-from schemas import (
-    Sampling,
-    check_name,
-    check_settings,
-    section,
-    setting,
-    settings,
-)
+from agentarium.broker import Limits
+from agentarium.consumers import ConsumerSettings, normalize_urls
+from agentarium.producers import JobOptions
+from agentarium.schemas import Sampling, check_name, check_settings, section, setting, settings
 
 from .ray_consumers import RayConfig
 from .tensorize import MODES

@@ -19,10 +19,11 @@ from pathlib import Path
 
 import structlog
 
-from broker import Limits, NatsServer, NatsSettings, Topology
-from consumers import AgentSpec, ChatTemplate, ConsumerService, ConsumerSpec
-from producers import RunSession, TrajectoryFeed
-from schemas import Job, Trajectory
+from agentarium.broker import Limits, NatsServer, NatsSettings, Topology
+from agentarium.consumers import AgentSpec, ConsumerService, ConsumerSpec
+from agentarium.formats import ChatTemplate
+from agentarium.producers import RunSession, TrajectoryFeed
+from agentarium.schemas import Job, Trajectory
 
 from .ray_consumers import RayConfig, RayConsumerPool
 from .ray_resources import StallWatch, read_snapshot, task_cpus

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from broker import new_event_loop
+from agentarium.broker import new_event_loop
 
 T = TypeVar("T")
 

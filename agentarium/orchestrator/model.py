@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from consumers import ChatTemplate
-from trainer import pad_token_id
+from agentarium.formats import ChatTemplate
+from agentarium.trainer import pad_token_id
 
 from ..models import model_name, resolve_model
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import structlog
 
-from broker import NatsSettings, Topology
-from consumers import AgentSpec, ConsumerService, ConsumerSpec
+from agentarium.broker import NatsSettings, Topology
+from agentarium.consumers import AgentSpec, ConsumerService, ConsumerSpec
 
 from .ray_resources import check_fits, task_cpus
 

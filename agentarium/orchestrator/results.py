@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from schemas import Trajectory
+from agentarium.schemas import Trajectory
 
 from ..agent_metrics import agent_metrics
 from .batches import BatchState

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from broker import tune_gc
+from agentarium.broker import tune_gc
 
 from .core import RolloutCore
 from .loop_thread import LoopThread

@@ -65,8 +65,8 @@ from typing import Any
 
 import numpy as np
 
-from schemas import Trajectory
-from trainer import MULTI_TURN, TokenRow, grpo_advantages, refusal, rows_of
+from agentarium.schemas import Trajectory
+from agentarium.trainer import MULTI_TURN, TokenRow, grpo_advantages, refusal, rows_of
 
 MODES = MULTI_TURN
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from broker import Backoff
+from agentarium.broker import Backoff
 
 FinishReason = Literal["stop", "length", "abort"]
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import orjson
 
-from broker import EngineControl, EngineControlError
+from agentarium.inference import EngineControl, EngineControlError
 
 from ..errors import BackendUnavailable, BadRequest
 from .balancer import StickyBalancer
@@ -309,7 +309,7 @@ class SGLangBackend:
     async def model_info(self) -> dict[str, Any]:
         """``GET /model_info`` (``/get_model_info`` on older servers) from the first server
         that answers; raises ``BackendUnavailable`` when none does. Asked through the
-        engines' one control client (broker.EngineControl), which holds that fallback."""
+        engines' one control client (inference.EngineControl), which holds that fallback."""
         errors: dict[str, str] = {}
         async with EngineControl(timeout_s=self._timeout) as control:
             for url in self.urls:

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import structlog
 
-from broker import EngineControl, EngineControlError
+from agentarium.formats import ChatTemplate, load_tokenizer, tokenizer_fingerprint
+from agentarium.inference import EngineControl, EngineControlError
 
-from ..chat_template import ChatTemplate, load_tokenizer, tokenizer_fingerprint
 from ..errors import TokenizerMismatch
 from ..redact import log_safe
 

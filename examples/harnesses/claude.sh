@@ -4,7 +4,7 @@
 # Messages API), every model it would pick is the policy, and `claude -p` runs the task's prompt
 # in the working directory. `claude` must be on PATH (ops/harnesses.sh installs it).
 #   agentarium consumer --agent claude=exec:examples/harnesses/claude.sh --llm URL \
-#     --program-env PATH=... --program-setup examples.repo_task:setup --program-scorer examples.repo_task:score
+#     --program-env PATH=... --program-setup agentarium.examples.repo_task:setup --program-scorer agentarium.examples.repo_task:score
 set -euo pipefail
 prompt=$(node -e 'process.stdout.write(JSON.parse(require("fs").readFileSync(0, "utf8")).prompt)' \
   < "$AGENTARIUM_TASK_FILE")

@@ -3,7 +3,7 @@
 # at the rollout's gateway (its Responses API), then `codex exec` on the task's prompt in the
 # working directory. `codex` must be on PATH (ops/harnesses.sh installs it and says which PATH).
 #   agentarium consumer --agent codex=exec:examples/harnesses/codex.sh --llm URL \
-#     --program-env PATH=... --program-setup examples.repo_task:setup --program-scorer examples.repo_task:score
+#     --program-env PATH=... --program-setup agentarium.examples.repo_task:setup --program-scorer agentarium.examples.repo_task:score
 set -euo pipefail
 prompt=$(node -e 'process.stdout.write(JSON.parse(require("fs").readFileSync(0, "utf8")).prompt)' \
   < "$AGENTARIUM_TASK_FILE")

@@ -5,7 +5,7 @@
 # in yolo mode, at most MINI_STEP_LIMIT model calls. Its trajectory is printed last, as one JSON
 # line ({"mini_trajectory": ...}). `mini` must be on PATH (ops/harnesses.sh installs it).
 #   agentarium consumer --agent mini=exec:examples/harnesses/mini_swe.sh --llm URL \
-#     --program-env PATH=... --program-setup examples.repo_task:setup --program-scorer examples.repo_task:score
+#     --program-env PATH=... --program-setup agentarium.examples.repo_task:setup --program-scorer agentarium.examples.repo_task:score
 set -euo pipefail
 prompt=$(python3 -c 'import json, sys; print(json.load(sys.stdin)["prompt"])' < "$AGENTARIUM_TASK_FILE")
 export MSWEA_CONFIGURED=true MSWEA_COST_TRACKING=ignore_errors

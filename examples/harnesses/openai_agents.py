@@ -4,7 +4,7 @@ the agent runs streamed on the Responses API with one tool, ``bash``, in the wor
 Run it with the interpreter that has the SDK (ops/harnesses.sh):
 
     agentarium consumer --agent sdk=exec:"$VENV/bin/python examples/harnesses/openai_agents.py" \
-        --llm URL --program-setup examples.repo_task:setup --program-scorer examples.repo_task:score
+        --llm URL --program-setup agentarium.examples.repo_task:setup --program-scorer agentarium.examples.repo_task:score
 
 It prints, last, one JSON line: the final output and how many model responses the run took.
 """

@@ -44,10 +44,10 @@ from chaos_agents import LOG_ENV
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from agentarium.broker import Topology
 from agentarium.demo.processes import Child, child_env, start_child
-from broker import Topology
-from producers import TaskProducer
-from schemas import loads
+from agentarium.producers import TaskProducer
+from agentarium.schemas import loads
 
 CHAOS_DIR = Path(__file__).resolve().parent
 TESTS = CHAOS_DIR.parent

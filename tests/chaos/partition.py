@@ -16,7 +16,7 @@ from pathlib import Path
 from blackhole import TcpProxy
 from nats_configs import CLUSTER_NODES, OPS_NATS, Node, render
 
-from broker import NatsServer, free_port
+from agentarium.broker import NatsServer, free_port
 
 
 @dataclass

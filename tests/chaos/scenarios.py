@@ -27,9 +27,9 @@ from fake_sglang import FakeSGLang
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy
 
-from broker import Limits, NatsServer, NatsSettings, Topology, provision
-from broker.registry import live_workers
-from broker.version import DISCARD_NEW_BYTES_SINCE, format_version, js_server_version
+from agentarium.broker import Limits, NatsServer, NatsSettings, Topology, provision
+from agentarium.broker.registry import live_workers
+from agentarium.broker.version import DISCARD_NEW_BYTES_SINCE, format_version, js_server_version
 
 ACK_WAIT_S = 3.0
 LIMITS = Limits(ack_wait_s=ACK_WAIT_S, attempts=3)
@@ -420,7 +420,7 @@ async def trainer_kill_storm(
     steps computed again (each kill may cost the steps done since its last checkpoint)."""
     from trainlib import TrainerChild, one_call_group, publish
 
-    from trainer.checkpoint import Checkpoints
+    from agentarium.trainer.checkpoint import Checkpoints
 
     steps = groups // groups_per_step
     run_agent = {"run": TRAIN_RUN, "agent": TRAIN_AGENT}

@@ -9,7 +9,7 @@ import pytest
 from blackhole import TcpProxy
 from chaoslib import until
 
-from broker import NatsServer, NatsSettings, free_port
+from agentarium.broker import NatsServer, NatsSettings, free_port
 
 pytestmark = pytest.mark.chaos
 

@@ -17,10 +17,10 @@ import pytest
 from corpus import Request, draw
 from worker_env import tiny_template
 
-from consumers.backends.sglang import SGLangBackend
-from consumers.engine import LocalEngine, start_server
-from consumers.llm import TracingLLM
-from consumers.proxy import TracingProxy
+from agentarium.consumers.backends.sglang import SGLangBackend
+from agentarium.consumers.tracing.llm import TracingLLM
+from agentarium.consumers.tracing.proxy import TracingProxy
+from agentarium.inference.engine import LocalEngine, start_server
 
 PER_KIND = 40
 

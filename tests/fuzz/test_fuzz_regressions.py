@@ -21,13 +21,13 @@ import pytest
 from fake_sglang import FakeSGLang
 from worker_env import worker_for
 
-from consumers.engine.errors import InvalidRequest
-from consumers.engine.request import parse_generate
-from consumers.llm import _sampling_params
-from producers import TrajectoryReader
-from schemas import DecodeError, Job, LLMCall, Sampling, SchemaError, Trajectory, decode
-from schemas import version_number as weight_version_number
-from trainer.rows import refusal
+from agentarium.consumers.tracing.llm import _sampling_params
+from agentarium.inference.engine.errors import InvalidRequest
+from agentarium.inference.engine.request import parse_generate
+from agentarium.producers import TrajectoryReader
+from agentarium.schemas import DecodeError, Job, LLMCall, Sampling, SchemaError, Trajectory, decode
+from agentarium.schemas import version_number as weight_version_number
+from agentarium.trainer.rows import refusal
 
 BASE = {"job_id": "a", "agent": "fuzz", "task": {}}
 

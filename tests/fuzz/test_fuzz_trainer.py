@@ -22,11 +22,11 @@ import structlog.testing
 import torch
 from corpus import Poison, draw
 
+from agentarium.schemas import LLMCall, Trajectory, decode, encode
 from agentarium.tiny import ensure_tiny_model
-from schemas import LLMCall, Trajectory, decode, encode
-from trainer.config import TrainerConfig
-from trainer.loop import Trainer
-from trainer.rows import refusal
+from agentarium.trainer.config import TrainerConfig
+from agentarium.trainer.loop import Trainer
+from agentarium.trainer.rows import refusal
 
 torch.set_num_threads(1)
 RUN, AGENT = "fuzztrain", "toy"

@@ -29,9 +29,9 @@ from fake_sglang import FakeSGLang
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from agentarium.demo.processes import child_env, consumer_argv
+from agentarium.producers import TrajectoryReader
+from agentarium.schemas import DeadLetter, decode
 from agentarium.tiny import ensure_tiny_model
-from producers import TrajectoryReader
-from schemas import DeadLetter, decode
 
 FUZZ = Path(__file__).resolve().parent
 ROOT = FUZZ.parents[1]

@@ -1,0 +1,388 @@
+"""TracingLLM: the ``llm`` object handed to agents, one per rollout.
+
+``await llm.chat(messages, tools=None, **sampling)`` renders the model's chat template into
+token ids, has the backend generate from those ids, and records the exact prompt and response
+tokens with their logprobs as an ``LLMCall``: what the policy saw and produced, with no
+re-tokenization of text. A call continuing an earlier one's conversation extends that call's
+prompt and sampled ids with the new messages' tokens (``PromptChain``), so earlier replies are
+never re-encoded either. Tool calls are parsed from the generated text into OpenAI
+``tool_calls``. Every call is a ``chat <model>`` CLIENT span under the rollout's span.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import jinja2
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
+from opentelemetry.util.types import AttributeValue
+
+from agentarium.broker import OPENINFERENCE_SPAN_KIND
+from agentarium.formats import (
+    ChatTemplate,
+    ToolCallError,
+    normalize_messages,
+    parse_tool_calls,
+    plain_data,
+)
+from agentarium.schemas import LLMCall, Sampling
+
+from ..backends.base import Backend, GenerateRequest
+from ..backends.cross_sampling import model_of_call
+from ..errors import BadRequest, LLMError
+from ..metrics import observe_llm_call, observe_llm_failure, observe_prompt
+from . import genai
+from .prompt_chain import Prompt, PromptChain
+
+tracer = trace.get_tracer("agentarium.consumers")
+# Request-id nonces: a private generator (seeded from os.urandom), so an agent seeding the
+# global one cannot make two attempts of a job, in two processes, send the same rid.
+_NONCES = random.Random()
+
+# Per-call keyword → SGLang sampling_params key. The aliases are the OpenAI names, so an agent
+# written against the OpenAI SDK can pass what it already passes.
+SAMPLING_ALIASES = {
+    "max_tokens": "max_new_tokens",
+    "max_completion_tokens": "max_new_tokens",
+    "seed": "sampling_seed",
+}
+SAMPLING_KEYS = frozenset(
+    {
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "max_new_tokens",
+        "min_new_tokens",
+        "stop",
+        "stop_token_ids",
+        "frequency_penalty",
+        "presence_penalty",
+        "repetition_penalty",
+        "ignore_eos",
+        "skip_special_tokens",
+        "no_stop_trim",
+        "json_schema",
+        "regex",
+        "logit_bias",
+        "sampling_seed",
+    }
+)
+
+
+@dataclass(frozen=True)
+class ChatResult:
+    """One chat turn. ``text`` is the generated text as decoded (tool-call blocks included);
+    ``message`` is the OpenAI-style assistant message to append to the conversation."""
+
+    text: str
+    message: dict
+    finish_reason: str
+    call: LLMCall
+    tool_call_errors: list[ToolCallError] = field(default_factory=list)
+
+    @property
+    def tool_calls(self) -> list[dict]:
+        return self.message.get("tool_calls") or []
+
+    @property
+    def content(self) -> str:
+        return self.message.get("content") or ""
+
+
+@functools.lru_cache(maxsize=1024)  # a fleet's few URLs
+def _server_address(url: str) -> tuple[str, int | None]:
+    address = urlsplit(url)
+    return address.hostname or url, address.port
+
+
+def _sampling_params(job: Sampling, eos_ids: Sequence[int], overrides: dict[str, Any]) -> dict:
+    params: dict[str, Any] = {
+        "max_new_tokens": job.max_new_tokens,
+        "temperature": job.temperature,
+        "top_p": job.top_p,
+        "top_k": job.top_k,
+    }
+    if job.stop:
+        params["stop"] = list(job.stop)
+    if eos_ids:
+        params["stop_token_ids"] = list(eos_ids)
+    for key, value in overrides.items():
+        key = SAMPLING_ALIASES.get(key, key)
+        if key not in SAMPLING_KEYS:
+            allowed = sorted(SAMPLING_KEYS | set(SAMPLING_ALIASES))
+            raise TypeError(f"llm.chat() got an unknown sampling option {key!r}; known: {allowed}")
+        if value is None:  # clients pass None for "not set"
+            continue
+        if key == "stop":
+            value = [value] if isinstance(value, str) else value
+            if not isinstance(value, list | tuple) or not all(isinstance(s, str) for s in value):
+                raise ValueError(f"stop must be a string or a list of strings, got {value!r}")
+            value = list(value)
+        params[key] = value
+    for key in ("temperature", "top_p", "max_new_tokens", "top_k", "min_p", "sampling_seed"):
+        if key in params:
+            params[key] = _number(key, params[key], integer=key in _INTEGER_KEYS)
+    if params["temperature"] < 0:
+        raise ValueError(f"temperature must be >= 0, got {params['temperature']}")
+    if not 0 < params["top_p"] <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {params['top_p']}")
+    if params["max_new_tokens"] < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {params['max_new_tokens']}")
+    return params
+
+
+_INTEGER_KEYS = frozenset({"max_new_tokens", "top_k", "sampling_seed"})
+
+
+def _number(key: str, value: Any, *, integer: bool) -> float | int:
+    """A sampling option as a finite number (an integer where SGLang wants one), or a
+    ValueError naming the option: an agent or an OpenAI client may send anything."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or (isinstance(value, float) and not math.isfinite(value))
+    ):
+        kind = "an integer" if integer else "a finite number"
+        raise ValueError(f"{key} must be {kind}, got {value!r}")
+    if integer:
+        if value != int(value):
+            raise ValueError(f"{key} must be an integer, got {value!r}")
+        return int(value)
+    return value
+
+
+class TracingLLM:
+    """Renders, generates, records and traces every LLM call of one rollout.
+
+    ``template`` may be None only with a chat-native backend (``OpenAICompatBackend``); the
+    calls then carry no token ids. ``route_key`` is the job's group_id (one server per group),
+    ``rid_prefix`` the job id (request ids ``<job>-<nonce>-call-<n>``, unique even when a
+    redelivered job runs again while the first attempt is still on the server).
+    ``capture_content`` puts prompts and replies on the chat spans; None reads the GenAI
+    conventions' switch, ``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT``.
+    ``extend_prompts`` False renders every prompt whole instead of extending the call it
+    continues (``PromptChain``; comparisons and benchmarks).
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        template: ChatTemplate | None,
+        job_sampling: Sampling | None = None,
+        route_key: str = "",
+        rid_prefix: str = "",
+        model_name: str = "",
+        parent_context: otel_context.Context | None = None,
+        *,
+        record_messages: bool = True,
+        capture_content: bool | None = None,
+        extend_prompts: bool = True,
+    ) -> None:
+        self.backend = backend
+        self.template = template
+        self.sampling = job_sampling if job_sampling is not None else Sampling()
+        self.route_key = route_key
+        self.rid_prefix = rid_prefix or "llm"
+        self.model_name = model_name
+        self.parent_context = parent_context
+        self.record_messages = record_messages
+        self.chain = PromptChain(template, extend=extend_prompts) if template is not None else None
+        self.capture_content = (
+            genai.capture_message_content() if capture_content is None else capture_content
+        )
+        # gen_ai.provider.name: the API the backend speaks. Custom backends may not say.
+        self.provider_name = str(getattr(backend, "provider_name", "") or "unknown")
+        self.calls: list[LLMCall] = []
+        # Backend errors seen by this rollout, kept even when the agent swallows them (the
+        # OpenAI SDK turns the proxy's 503 into its own exception), so the worker can class
+        # the rollout as an infrastructure failure.
+        self.errors: list[LLMError] = []
+        self._nonce = f"{_NONCES.getrandbits(24):06x}"
+        self._started = 0
+        self._span_name = f"chat {model_name}".rstrip()
+
+    async def chat(
+        self, messages: Sequence[Any], tools: Sequence[Any] | None = None, **sampling: Any
+    ) -> ChatResult:
+        """Generate the assistant's next message; per-call sampling overrides the job's."""
+        chat = normalize_messages(messages)
+        tool_list = plain_data(list(tools)) if tools else None
+        eos = self.template.eos_token_ids if self.template is not None else []
+        params = _sampling_params(self.sampling, eos, sampling)
+        index, self._started = self._started, self._started + 1
+        # The chat span is made once the call is over, with its start time and every attribute
+        # at once (the SDK cleans and locks per attribute update, and nothing runs under a chat
+        # span), parented as if it had been current: what an exporter receives is the same.
+        parent = self._parent_for_call()
+        attributes = self._request_attributes(chat, tool_list, params)
+        started = time.time_ns()
+        try:
+            result, response = await self._chat(index, chat, tool_list, params)
+        except BaseException as exc:  # CancelledError too: a deadline cut the call
+            attributes["error.type"] = genai.error_type(exc)
+            span = tracer.start_span(
+                self._span_name,
+                context=parent,
+                kind=trace.SpanKind.CLIENT,
+                attributes=attributes,
+                start_time=started,
+            )
+            if isinstance(exc, Exception):  # as start_as_current_span records one
+                span.record_exception(exc)
+                span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+            span.end()
+            if isinstance(exc, LLMError):
+                self.errors.append(exc)
+                observe_llm_failure(exc)
+            raise
+        attributes.update(response)
+        tracer.start_span(
+            self._span_name,
+            context=parent,
+            kind=trace.SpanKind.CLIENT,
+            attributes=attributes,
+            start_time=started,
+        ).end()
+        return result
+
+    def _parent_for_call(self) -> otel_context.Context | None:
+        """The context to attach for one call, or None to keep the current one.
+
+        The worker attaches the rollout context for the whole agent run, so an agent's own
+        spans nest under the rollout and chat spans under them: when the current span belongs
+        to the rollout's trace, keep it. Otherwise (a proxy handler, a thread without the
+        context, no span at all) attach the rollout context, only for this call.
+        """
+        if self.parent_context is None:
+            return None
+        current = trace.get_current_span().get_span_context()
+        rollout = trace.get_current_span(self.parent_context).get_span_context()
+        if current.is_valid and current.trace_id == rollout.trace_id:
+            return None
+        return self.parent_context
+
+    def _request_attributes(
+        self, chat: list[dict], tools: list | None, params: dict
+    ) -> dict[str, AttributeValue]:
+        """What a chat span says before the call: set at its start, so a failed call shows
+        what was asked."""
+        attributes: dict[str, AttributeValue] = {
+            OPENINFERENCE_SPAN_KIND: "LLM",
+            "gen_ai.operation.name": "chat",
+            "gen_ai.provider.name": self.provider_name,
+            "gen_ai.request.model": self.model_name,
+            **genai.request_attributes(params),
+        }
+        if self.capture_content:
+            attributes["gen_ai.input.messages"] = genai.input_messages(chat)
+            if tools:
+                attributes["gen_ai.tool.definitions"] = genai.tool_definitions(tools)
+        return attributes
+
+    async def _chat(
+        self, index: int, chat: list[dict], tools: list | None, params: dict
+    ) -> tuple[ChatResult, dict[str, AttributeValue]]:
+        """The call, and the attributes its span gets from the response."""
+        prompt = Prompt([], "", "")
+        if self.chain is not None:
+            try:
+                prompt = self.chain.prompt(chat, tools)
+            except jinja2.TemplateError as exc:
+                raise BadRequest(f"the chat template refused these messages: {exc}") from exc
+            observe_prompt(prompt.build)
+        input_ids = prompt.ids
+        request = GenerateRequest(
+            input_ids=input_ids,
+            sampling=params,
+            rid=f"{self.rid_prefix}-{self._nonce}-call-{index}",
+            route_key=self.route_key,
+            messages=chat,
+            tools=tools,
+        )
+        start = time.perf_counter()
+        result = await self.backend.generate(request)
+        latency = time.perf_counter() - start
+
+        errors: list[ToolCallError] = []
+        if result.tool_calls is not None:  # a chat-native backend parsed them already
+            content, tool_calls = result.text, result.tool_calls
+        elif tools:
+            parsed = parse_tool_calls(result.text)
+            content, tool_calls, errors = parsed.content, parsed.tool_calls, parsed.errors
+        else:  # no tools offered: the text is the answer, whatever it contains
+            content, tool_calls = result.text, []
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        finish = "tool_calls" if tool_calls else result.finish_reason
+
+        call = LLMCall(
+            prompt_ids=list(input_ids),
+            response_ids=list(result.output_ids),
+            response_logprobs=list(result.output_logprobs),
+            finish_reason=finish,
+            weight_version=result.weight_version,
+            temperature=float(params["temperature"]),
+            top_p=float(params["top_p"]),
+            top_k=int(params.get("top_k", -1)),
+            latency_s=latency,
+            backend=result.backend,
+            model=result.model or self.model_name,
+            policy=result.policy,
+            cached_tokens=result.cached_tokens,
+            messages=[*chat, message] if self.record_messages else None,
+            prompt_build=prompt.build,
+        )
+        self.calls.append(call)
+        if self.chain is not None:
+            self.chain.record(chat, tools, prompt, message, result.output_ids)
+
+        prompt_tokens = len(input_ids) or result.prompt_tokens
+        output_tokens = len(result.output_ids) or result.completion_tokens
+        observe_llm_call(call, prompt_tokens, output_tokens)
+        # The model that answered: a cross-sampled call names the second model.
+        model = result.meta_info.get("model") or model_of_call(call, self.model_name)
+        attributes: dict[str, AttributeValue] = {
+            "gen_ai.response.model": str(model),
+            "gen_ai.usage.input_tokens": prompt_tokens,
+            "gen_ai.usage.output_tokens": output_tokens,
+            "gen_ai.usage.cache_read.input_tokens": result.cached_tokens,
+            "gen_ai.response.finish_reasons": [finish],
+            "agentarium.weight_version": result.weight_version,
+        }
+        response_id = result.meta_info.get("id")
+        if response_id:
+            attributes["gen_ai.response.id"] = str(response_id)
+        if self.capture_content:
+            attributes["gen_ai.output.messages"] = genai.output_messages(message, finish)
+        if result.backend:
+            host, port = _server_address(result.backend)
+            attributes["server.address"] = host
+            if port:
+                attributes["server.port"] = port
+        if errors:
+            attributes["agentarium.tool_call_errors"] = len(errors)
+        chat_result = ChatResult(
+            text=result.text,
+            message=message,
+            finish_reason=finish,
+            call=call,
+            tool_call_errors=errors,
+        )
+        return chat_result, attributes
+
+    def __repr__(self) -> str:
+        return (
+            f"TracingLLM(model={self.model_name!r}, rid_prefix={self.rid_prefix!r}, "
+            f"route_key={self.route_key!r}, calls={len(self.calls)})"
+        )

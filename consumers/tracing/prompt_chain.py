@@ -1,0 +1,201 @@
+"""PromptChain: a multi-turn rollout's next prompt built from token ids, not from re-rendered text.
+
+Rendering the whole conversation again re-encodes the model's earlier replies from their text,
+and text does not always come back as the ids that were sampled: a BPE tokenizer merges it
+otherwise (SmolLM2's sampled ``'ĊĠ', 'ensitivity'`` re-encodes as ``'Ċ', 'Ġs', 'ensitivity'``)
+and a reply cut inside a UTF-8 character decodes to U+FFFD. The next prompt then no longer
+starts with the previous prompt and reply, and the trainer cannot make the rollout one row.
+
+So, as TRL's and prime-rl's multi-turn renderers do, a call whose messages continue an earlier
+call of the rollout (that call's messages, its reply, then new messages) gets as prompt: the
+earlier prompt's ids, the ids it sampled, then the tokens of what the template writes after
+them: the end of the assistant turn the sample did not produce itself (its end-of-turn token
+when it stopped on one, the whole turn end when it was cut), and the new messages, taken as the
+text the conversation's rendering has beyond the rendering without them. Every prompt of such
+a rollout starts with the previous prompt and reply: one exact row by construction.
+
+That is the template's own rendering only while the template renders the history the same way
+once messages follow. When it does not (it strips reasoning from earlier turns, renders the
+generation prompt unlike a finished turn, changes the system prompt with the tools), or its
+turn end cannot be found, the prompt is the whole conversation rendered, as before, and
+``Prompt.build`` says why (``BUILDS``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from agentarium.formats import ChatTemplate, arguments_as_objects
+
+log = structlog.get_logger("agentarium.consumers")
+
+# How a prompt was built. render: the conversation rendered (no earlier call it continues);
+# extend: an earlier call's prompt + sampled ids + the new messages' tokens. The others are
+# rendered because extending was refused: tools_changed (other tools than the call it
+# continues), reply_rerendered (the template renders the finished reply's turn unlike the
+# prompt it was sampled after), history_rewritten (the earlier conversation renders otherwise
+# once the new messages follow), no_turn_end (the template's end of an assistant turn was not
+# found).
+BUILDS = (
+    "render",
+    "extend",
+    "tools_changed",
+    "reply_rerendered",
+    "history_rewritten",
+    "no_turn_end",
+)
+# Refusals that come from the template itself: logged once per template, as each one costs
+# every multi-turn rollout of the model its single row.
+TEMPLATE_REFUSALS = ("reply_rerendered", "history_rewritten", "no_turn_end")
+# Earlier calls a new one may continue (an agent continues its latest one; a few more let it
+# branch or retry a turn).
+KEEP_TURNS = 4
+
+_warned: set[tuple[str, str]] = set()
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A call's prompt: its ids, the conversation's rendered text (the next call compares its
+    own rendering with it) and how it was built (one of ``BUILDS``)."""
+
+    ids: list[int]
+    text: str
+    build: str
+
+
+@dataclass(frozen=True)
+class _Turn:
+    """A finished call, as a later call may continue it."""
+
+    chat: list[dict]
+    tools: list | None
+    reply: tuple
+    text: str
+    ids: list[int]  # prompt + sampled
+    last: int  # the last sampled id
+
+
+class PromptChain:
+    """The prompts of one rollout's calls, each continuing an earlier one where it can.
+
+    ``extend=False`` renders every prompt whole (what the tracing client did before).
+    """
+
+    def __init__(self, template: ChatTemplate, *, extend: bool = True) -> None:
+        self.template = template
+        self.extend = extend
+        self._turns: deque[_Turn] = deque(maxlen=KEEP_TURNS)
+
+    def prompt(self, chat: list[dict], tools: list | None) -> Prompt:
+        """The prompt for ``chat`` (normalized messages) and ``tools`` (plain data).
+
+        Raises jinja2.TemplateError when the template refuses the messages."""
+        rendered = arguments_as_objects(chat)
+        text = self.template.render_normalized(rendered, tools)
+        turn = self._continued(chat) if self.extend else None
+        if turn is None:
+            return Prompt(self.template.encode(text), text, "render")
+        build, ids = self._extension(turn, rendered, tools, text)
+        if ids is None:
+            _note_refusal(self.template, build)
+            return Prompt(self.template.encode(text), text, build)
+        return Prompt(ids, text, "extend")
+
+    def record(
+        self,
+        chat: list[dict],
+        tools: list | None,
+        prompt: Prompt,
+        reply: dict,
+        response_ids: Sequence[int],
+    ) -> None:
+        """Remember a finished call, so that a later call continuing it extends its ids (not
+        one without token ids: its reply exists only as text)."""
+        if self.extend and prompt.ids and len(response_ids):
+            ids = [*prompt.ids, *response_ids]
+            turn = _Turn(chat, tools, _reply_key(reply), prompt.text, ids, response_ids[-1])
+            self._turns.append(turn)
+
+    def _continued(self, chat: list[dict]) -> _Turn | None:
+        """The latest earlier call whose messages and reply begin ``chat``."""
+        for turn in reversed(self._turns):
+            n = len(turn.chat)
+            if (
+                len(chat) > n
+                and chat[n].get("role") == "assistant"
+                and _reply_key(chat[n]) == turn.reply
+                and chat[:n] == turn.chat
+            ):
+                return turn
+        return None
+
+    def _extension(
+        self, turn: _Turn, rendered: list[dict], tools: list | None, text: str
+    ) -> tuple[str, list[int] | None]:
+        """(build, ids): the extended prompt's ids, or None and the reason there are none."""
+        if tools != turn.tools:
+            return "tools_changed", None
+        # The conversation up to and with the earlier reply, as a finished turn.
+        base = self.template.render_normalized(
+            rendered[: len(turn.chat) + 1], tools, add_generation_prompt=False
+        )
+        if not base.startswith(turn.text):
+            return "reply_rerendered", None
+        if not text.startswith(base):
+            return "history_rewritten", None
+        close = self.template.turn_close(tools)
+        if close is None or not base.endswith(close):
+            return "no_turn_end", None
+        if turn.last in self.template.eos_token_ids:
+            # it ended its turn itself; the template may write more after that token ("\n")
+            ended = self.template.decode([turn.last])
+            if ended and close.startswith(ended):
+                close = close[len(ended) :]
+        return "extend", turn.ids + self.template.encode_piece(close + text[len(base) :])
+
+
+def _reply_key(message: dict) -> tuple:
+    """What makes an assistant message the reply a call returned: its content and tool calls
+    (names and arguments; ids and types are the client's business), and any other field set."""
+    calls = tuple(
+        (
+            str((call.get("function") or {}).get("name")),
+            _canonical((call.get("function") or {}).get("arguments")),
+        )
+        for call in message.get("tool_calls") or []
+        if isinstance(call, dict)
+    )
+    rest = {
+        k: v
+        for k, v in message.items()
+        if k not in ("role", "content", "tool_calls") and v not in ("", [], {})
+    }
+    return message.get("content") or "", calls, _canonical(rest)
+
+
+def _canonical(value: Any) -> str:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return value
+    return json.dumps(value, sort_keys=True, ensure_ascii=False, default=str)
+
+
+def _note_refusal(template: ChatTemplate, build: str) -> None:
+    if build not in TEMPLATE_REFUSALS or (template.name, build) in _warned:
+        return
+    _warned.add((template.name, build))
+    log.warning(
+        "chat template breaks multi-turn prompt extension: prompts are rendered whole, and "
+        "trajectories whose replies re-encode differently become one row per call",
+        template=template.name,
+        reason=build,
+    )

@@ -1,0 +1,134 @@
+"""Engine weight versions: one KV entry per (run, engine), written by the weight syncer.
+
+The syncer is the one process that asks engines their ``weight_version``; recording what it
+saw lets anything on the wire (the dashboard) show which engine serves which version without
+reaching the engines' HTTP ports. The key is ``<run>.<engine id>``, the id being 16 hex digits
+of the URL's sha256 (a URL's ``:`` is not a key character); the JSON value carries the URL.
+A running syncer rewrites its entries every ``--recheck-s``; the bucket's max age removes those
+of engines nobody syncs any more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import nats.errors
+from nats.js import JetStreamContext
+
+from agentarium.broker import Topology, json_entries
+from agentarium.schemas import SchemaError, check_name, version_number
+
+
+def engine_key(run: str, url: str) -> str:
+    return f"{check_name(run, 'run')}.{hashlib.sha256(url.encode()).hexdigest()[:16]}"
+
+
+async def record_engine(
+    js: JetStreamContext,
+    topo: Topology,
+    *,
+    run: str,
+    url: str,
+    weight_version: str | None,
+    status: str,
+    target_version: int,
+    message: str = "",
+) -> None:
+    """What one engine serves now (``weight_version`` None: it did not answer)."""
+    kv = await js.key_value(topo.engines_bucket)
+    value = {
+        "run": run,
+        "engine": url,
+        "weight_version": weight_version,
+        "target_version": target_version,
+        "status": status,
+        "message": message[:500],
+        "updated_at": time.time(),
+    }
+    await kv.put(engine_key(run, url), json.dumps(value).encode())
+
+
+async def engine_versions(js: JetStreamContext, topo: Topology) -> list[dict[str, Any]]:
+    """Every recorded engine, sorted by run then URL."""
+    out = await json_entries(js, topo.engines_bucket)
+    return sorted(out, key=lambda e: (e.get("run", ""), e.get("engine", "")))
+
+
+FRESH_S = 120.0  # an entry not rewritten for this long is an engine nobody syncs any more
+
+
+def served_version(
+    entries: list[dict[str, Any]], run: str, *, now: float, fresh_s: float = FRESH_S
+) -> int | None:
+    """The version every engine of ``run`` serves at least, from engines-KV entries: the lowest
+    among entries written within ``fresh_s`` (a live syncer rewrites its engines every
+    ``--recheck-s`` and after every round); an engine that did not answer (null) counts as
+    serving nothing. None when no fresh entry of the run exists."""
+    versions: list[int] = []
+    for entry in entries:
+        if entry.get("run") != run or now - float(entry.get("updated_at") or 0) > fresh_s:
+            continue
+        served = entry.get("weight_version")
+        try:
+            versions.append(version_number(served) if served is not None else -1)
+        except SchemaError:
+            versions.append(-1)  # not one of the trainer's versions: not serving the run's
+    return min(versions) if versions else None
+
+
+async def wait_served(
+    js: JetStreamContext,
+    topo: Topology,
+    run: str,
+    version: int,
+    *,
+    fresh_s: float = FRESH_S,
+    stop: asyncio.Event | None = None,
+    timeout: float | None = None,
+    on_wait: Callable[[float], None] | None = None,
+) -> bool:
+    """Wait until every engine of ``run`` serves ``version`` or newer (``served_version``), by
+    watching the engines KV. Version 0 (the engines' initial weights) needs no wait. False when
+    ``stop`` was set or ``timeout`` passed first; ``on_wait(waited_s)`` is called about every
+    30 s while waiting, for a warning."""
+    if version <= 0:
+        return True
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    deadline = None if timeout is None else started + timeout
+    kv = await js.key_value(topo.engines_bucket)
+    watcher = await kv.watch(f"{check_name(run, 'run')}.*")
+    entries: dict[str, dict[str, Any]] = {}
+    next_warning = started + 30.0
+    try:
+        while True:
+            served = served_version(list(entries.values()), run, now=time.time(), fresh_s=fresh_s)
+            if served is not None and served >= version:
+                return True
+            if stop is not None and stop.is_set():
+                return False
+            now = loop.time()
+            if deadline is not None and now >= deadline:
+                return False
+            if on_wait is not None and now >= next_warning:
+                on_wait(now - started)
+                next_warning = now + 30.0
+            # Wake at the next update, or after a second to look at stop, the deadline and the
+            # entries' ages again.
+            try:
+                entry = await watcher.updates(timeout=1.0)
+            except nats.errors.TimeoutError:
+                continue
+            if entry is None:  # the end of the initial values
+                continue
+            if entry.operation in ("DEL", "PURGE") or not entry.value:
+                entries.pop(entry.key, None)
+            else:
+                entries[entry.key] = json.loads(entry.value)
+    finally:
+        await watcher.stop()
