@@ -61,7 +61,7 @@ class ConsumerSettings:
         "machines or containers",
     )
     proxy_port: int = setting(
-        0, ge=0, help="proxy port; 0 picks a free one, another is scanned upwards"
+        0, ge=0, le=65535, help="proxy port; 0 picks a free one, another is scanned upwards"
     )
     advertise_host: str | None = setting(
         None,

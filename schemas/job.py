@@ -53,6 +53,10 @@ class Sampling(WireMessage):
             )
         if not 0 < self.top_p <= 1:
             raise SchemaError("sampling.top_p must be in (0, 1]", field="sampling.top_p")
+        if self.top_k != -1 and self.top_k < 1:  # SGLang's rule: 0 is not "off"
+            raise SchemaError(
+                "sampling.top_k must be -1 (off) or at least 1", field="sampling.top_k"
+            )
         if self.max_new_tokens < 1:
             raise SchemaError(
                 "sampling.max_new_tokens must be >= 1", field="sampling.max_new_tokens"

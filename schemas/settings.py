@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from collections.abc import Callable, Iterator, Sequence
@@ -181,7 +182,33 @@ def build(klass: type, values: dict[str, Any], **runtime: Any) -> Any:
     """``klass`` from flat ``values`` (key -> value; keys left out keep their defaults), its
     sections built first; ``runtime``: fields that are not settings (objects, callables)."""
     paths = {k.path: values[k.name] for k in keys(klass) if k.name in values}
-    return _from_paths(klass, paths, runtime)
+    try:
+        return _from_paths(klass, paths, runtime)
+    except ValueError as exc:  # a check in a class's own __post_init__, or the wire's
+        named = _with_flags(str(exc), klass)
+        if named == str(exc):
+            raise
+        exc.args = (named, *exc.args[1:])  # the same error (type, field), in the user's words
+        raise
+
+
+def _with_flags(message: str, klass: type) -> str:
+    """``message`` with the keys it names (``group_size``, ``deadline_s``,
+    ``sampling.temperature``; a plain word such as ``port`` only where the message starts
+    with it) replaced by their flags."""
+    names: dict[str, str] = {}
+    for key in keys(klass):
+        if key.flag is None:
+            continue
+        for name in (".".join(key.path), key.name, key.path[-1]):
+            names.setdefault(name, key.flag)
+    for name in sorted(names, key=len, reverse=True):
+        flag = names[name]
+        if "_" in name or "." in name:
+            message = re.sub(rf"(?<![\w.-]){re.escape(name)}(?![\w-])", flag, message)
+        elif message.startswith(f"{name} "):
+            message = flag + message[len(name) :]
+    return message
 
 
 def _from_paths(
@@ -192,10 +219,31 @@ def _from_paths(
         meta = f.metadata.get(META)
         if isinstance(meta, SectionMeta):
             inner = {p[1:]: v for p, v in values.items() if p[0] == f.name}
-            kwargs[f.name] = _from_paths(_field_class(klass, f), inner)
+            try:
+                kwargs[f.name] = _from_paths(_field_class(klass, f), inner)
+            except ValueError as exc:
+                exc.args = (_as_outer(str(exc), klass, f), *exc.args[1:])
+                raise
         elif (f.name,) in values:
             kwargs[f.name] = values[(f.name,)]
     return klass(**kwargs)
+
+
+def _as_outer(message: str, klass: type, section_field: dataclasses.Field) -> str:
+    """A section's error in the words of the command around it: the section's own flags and
+    keys (``--kill-grace``, ``base_delay_s``) become the flags the user has
+    (``--program-kill-grace``, ``--retry-delay``)."""
+    names: dict[str, str] = {}
+    for key in keys(klass):
+        if key.path[0] != section_field.name or key.flag is None:
+            continue
+        own = key.meta.flag or flag_for(key.path[-1])
+        names[own] = names[key.path[-1]] = key.flag
+    for own in sorted(names, key=len, reverse=True):
+        # also a dotted name the section's own checks use (sampling.temperature)
+        pattern = rf"(?<![\w.-])(?:[a-z_]+\.)?{re.escape(own)}(?![\w-])"
+        message = re.sub(pattern, names[own], message)
+    return message
 
 
 def flatten(config: Any) -> dict[str, Any]:

@@ -77,6 +77,7 @@ class TrainerProcess:
     )
     stream_timeout_s: float = setting(
         60.0,
+        gt=0,
         group=OUTPUTS,
         help="with --weight-transport stream: longest wait for the engines to join the group "
         "and for each broadcast; an engine that times out keeps its weights until the syncer "
@@ -84,6 +85,7 @@ class TrainerProcess:
     )
     keep_versions: int = setting(
         3,
+        ge=1,  # the version the engines are loading is never pruned
         group=OUTPUTS,
         metavar="K",
         help="published versions kept per run; older ones are pruned",

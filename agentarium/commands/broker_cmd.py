@@ -25,20 +25,15 @@ from agentarium.broker import (
 from agentarium.schemas import settings
 
 from ..config import add_settings, flag_values
-from .common import add_command_group, add_nats_flags, run_async, settings_from_args
+from .common import (
+    add_command_group,
+    add_nats_flags,
+    port_number,
+    run_async,
+    settings_from_args,
+)
 
 log = structlog.get_logger("agentarium.cli")
-
-
-def _port(text: str) -> int:
-    """A TCP port, 0-65535 (argparse names the flag in its error)."""
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{port} is not a port (0-65535)")
-    return port
 
 
 def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
@@ -176,7 +171,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     up.add_argument(
         "--port",
-        type=_port,
+        type=port_number,
         default=4222,
         help="client port, 0 for one the server picks (printed); a port another process holds "
         "is refused (default %(default)s)",
@@ -190,7 +185,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="JetStream store directory (default %(default)s)",
     )
     up.add_argument(
-        "--monitor-port", type=_port, default=None, help="HTTP monitoring port (off by default)"
+        "--monitor-port",
+        type=port_number,
+        default=None,
+        help="HTTP monitoring port (off by default)",
     )
     up.add_argument(
         "--nats-server",

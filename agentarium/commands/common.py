@@ -23,6 +23,20 @@ from ..config import add_settings
 NATS_PREFIX = "nats_"  # the connection flags' dests: nats_url, nats_prefix, ...
 
 
+def port_number(text: str) -> int:
+    """An argparse type: a TCP port, 0-65535 (argparse names the flag in its error)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port (0-65535)")
+    return port
+
+
+port_number.number_type = int  # type: ignore[attr-defined]  # for the bad-input table
+
+
 def positive_float(text: str) -> float:
     """An argparse type: a number > 0 (argparse names the flag in its error)."""
     try:

@@ -15,7 +15,7 @@ from nats.aio.client import Client
 from agentarium.broker import MetricsServer
 
 from ..config import ConfigKeys
-from .common import add_nats_flags, connection_flags
+from .common import add_nats_flags, connection_flags, port_number
 
 
 def add_service_flags(parser: argparse.ArgumentParser) -> None:
@@ -31,7 +31,7 @@ def _add_metrics_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--metrics-port",
-        type=int,
+        type=port_number,
         default=None,
         metavar="PORT",
         help="serve /metrics, /healthz and /readyz on this port; 0 picks a free one (logged as "

@@ -100,22 +100,25 @@ class DemoConfig:
     # None: the model's own default (agentarium/demo/real.py, PRESETS), set in __post_init__,
     # so after construction each holds a value of its type
     steps: int = setting(None, help="training steps (default: tiny 300, smol 20)")
-    minutes: float = setting(None, help="stop after this long at most (default: tiny 10, smol 20)")
+    minutes: float = setting(
+        None, gt=0, help="stop after this long at most (default: tiny 10, smol 20)"
+    )
     groups_per_step: int = setting(None, help="GRPO groups per step (default: tiny 16, smol 8)")
     group_size: int = setting(
         8, ge=2, help="samples per task, one GRPO group (2 or more: one sample has no baseline)"
     )
-    lr: float = setting(None, help="learning rate (default: tiny 1e-3, smol 1e-5)")
+    lr: float = setting(None, ge=0, help="learning rate (default: tiny 1e-3, smol 1e-5)")
     entropy_coef: float = setting(
         None,
+        ge=0,
         help="entropy bonus keeping a random policy exploring until it learns (default: tiny "
         "0.02, smol 0)",
     )
     eval_k: int = setting(
-        4, help="with --model smol: attempts per held-out task of the base and trained evals"
+        4, ge=1, help="with --model smol: attempts per held-out task of the base and trained evals"
     )
     max_staleness: int = setting(4, help="drop trajectories more than this many versions old")
-    ahead: int = setting(2, help="steps' worth of tasks kept queued ahead of the trainer")
+    ahead: int = setting(2, ge=1, help="steps' worth of tasks kept queued ahead of the trainer")
     consumers: int = setting(1, help="consumer processes")
     concurrency: int = setting(64, help="rollouts at once per consumer")
     seed: int = setting(0, help="seed for tasks and the trainer")
@@ -174,6 +177,7 @@ class DemoConfig:
 
     lora_rank: int = setting(
         0,
+        ge=0,
         help="train LoRA adapters of this rank instead of every weight (the trainer's "
         "--lora-rank): the syncer loads each adapter into the engine and the consumers ask for "
         "it; 0 = full fine-tuning",
@@ -202,8 +206,8 @@ class DemoConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         check_settings(self)  # the ranges declared with each setting (--group-size >= 2)
-        if self.ahead < 0 or self.max_staleness < 0:
-            raise ValueError("--ahead and --max-staleness must be >= 0")
+        if self.max_staleness < 0:
+            raise ValueError("--max-staleness must be >= 0")
         if not self.digits or not self.digits.isdigit():
             raise ValueError(f"--digits must be a non-empty string of digits, got {self.digits!r}")
         object.__setattr__(self, "task_set", parse_task_set(self.task_set))
