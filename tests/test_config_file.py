@@ -214,7 +214,7 @@ def test_produce_takes_a_config_file_of_job_options(tmp_path):
     with pytest.raises(ConfigError, match="the flag --eval sets key is_train"):
         produce_cmd.command_from_args(parse("produce", "--file", "t.jsonl", "--config", path))
     # bounds are the fields': the wire's for Sampling, the settings' for the rest
-    with pytest.raises(ValueError, match="sampling.max_new_tokens must be >= 1"):
+    with pytest.raises(ValueError, match="--max-new-tokens must be >= 1"):  # the flag given
         produce_cmd.check_produce(parse("produce", "--agent", "toy", "--file", "t.jsonl",
                                         "--max-new-tokens", "0"))  # fmt: skip
     with pytest.raises(ValueError, match="--max-in-flight must be >= 1, got 0"):

@@ -186,7 +186,7 @@ def job_dicts(draw_: Callable, *, run: str | None = None) -> dict:
                     optional={
                         "temperature": st.floats(0, 2),
                         "top_p": st.floats(0.05, 1.0),
-                        "top_k": st.integers(-1, 50),
+                        "top_k": st.just(-1) | st.integers(1, 50),  # 0 is refused (SGLang)
                         "max_new_tokens": st.integers(1, 64),
                         "stop": st.lists(st.text(min_size=1, max_size=4), max_size=2),
                     },
