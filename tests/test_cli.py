@@ -252,3 +252,28 @@ def test_every_command_ends_its_help_with_examples_that_parse():
             assert argv[0] == "agentarium", example
             args = parser.parse_args(argv[1:])  # exits (SystemExit) on a flag that is gone
             assert args.func is leaf.get_default("func"), example
+
+
+@pytest.mark.parametrize(
+    ("source", "says"),
+    [
+        ("def rollout(:\n    pass\n", "has a syntax error: invalid syntax"),
+        ("raise RuntimeError('no key set')\n", "raised RuntimeError: no key set"),
+    ],
+)
+def test_a_broken_agent_module_is_one_line_naming_the_module(source, says, tmp_path):
+    """A user's agent file that does not import: the consumer says which module and why, in
+    one line, before it connects anywhere."""
+    import subprocess
+    import sys
+
+    (tmp_path / "broken_agent.py").write_text(source)
+    result = subprocess.run(
+        [sys.executable, "-m", "agentarium", "consumer", "--agent", "a=broken_agent:rollout",
+         "--llm", "http://127.0.0.1:1", "--model", "tiny", "--nats-url", "nats://127.0.0.1:1"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        env={**__import__("os").environ, "PYTHONPATH": f"{tmp_path}"},
+    )  # fmt: skip
+    lines = [line for line in result.stderr.splitlines() if not line.startswith("{")]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert "'broken_agent'" in lines[0] and says in lines[0] and "Traceback" not in result.stderr

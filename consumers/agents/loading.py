@@ -55,6 +55,15 @@ def load_callable(spec: str, what: str = "agent") -> Callable[..., Any]:
         obj: Any = importlib.import_module(module_name)
     except ImportError as exc:
         raise AgentLoadError(f"cannot import {what} module {module_name!r}: {exc}") from exc
+    except SyntaxError as exc:  # the user's file: where, not a traceback
+        raise AgentLoadError(
+            f"{what} module {module_name!r} has a syntax error: {exc.msg} "
+            f"({exc.filename}, line {exc.lineno})"
+        ) from exc
+    except Exception as exc:  # its top level raised while importing
+        raise AgentLoadError(
+            f"importing {what} module {module_name!r} raised {type(exc).__name__}: {exc}"
+        ) from exc
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
