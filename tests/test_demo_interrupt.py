@@ -46,3 +46,36 @@ def test_an_interrupted_demo_stops_cleanly_and_reports_what_it_trained(how, tmp_
     assert (out / "metrics.csv").stat().st_size > 0 and (out / "reward.png").stat().st_size > 0
     with pytest.raises(ProcessLookupError):  # nothing of the demo left running
         os.killpg(proc.pid, 0)
+
+
+@pytest.mark.long(45)
+def test_a_child_that_dies_fails_the_demo_naming_it(tmp_path):
+    """The consumer killed under a running demo (as the OOM killer would): the demo stops the
+    rest and exits 1 naming the child, its signal and its log, instead of feeding tasks no one
+    runs until --minutes ends."""
+    out = tmp_path / "demo"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agentarium", "demo", "--out", str(out), *MICRO_TASK,
+         "--steps", "300", "--minutes", "8"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        for line in proc.stdout:
+            if re.search(r"step [1-9]\d*/300", line):
+                break
+        consumers = subprocess.run(
+            ["pgrep", "-P", str(proc.pid), "-f", "agentarium consumer"],
+            capture_output=True, text=True,
+        ).stdout.split()  # fmt: skip
+        assert len(consumers) == 1, consumers
+        os.kill(int(consumers[0]), signal.SIGKILL)
+        rest, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 1, rest + err
+    assert "error: consumer-0 exited (signal 9) while the demo needed it" in err, err
+    assert "Traceback" not in err and (out / "metrics.csv").exists()
+    with pytest.raises(ProcessLookupError):  # nothing of the demo left running
+        os.killpg(proc.pid, 0)

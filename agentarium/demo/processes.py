@@ -49,6 +49,30 @@ class Child:
             self.proc.wait()
 
 
+class ChildExited(RuntimeError):
+    """A child of the demo exited while the demo still needed it."""
+
+    def __init__(self, child: Child) -> None:
+        code = child.proc.returncode
+        how = f"signal {-code}" if code is not None and code < 0 else f"code {code}"
+        tail = child.log_path.read_text(errors="replace") if child.log_path.exists() else ""
+        last = "\n".join(tail.rstrip("\n").splitlines()[-10:])
+        super().__init__(
+            f"{child.name} exited ({how}) while the demo needed it; its log is {child.log_path}"
+            + (f", last lines:\n{last}" if last else "")
+        )
+        self.child = child
+
+
+def check_alive(children: list[Child], *, may_finish: str = "trainer") -> None:
+    """Raise ChildExited for the first child that exited, except ``may_finish`` exiting 0
+    (the trainer ends the run at its --steps)."""
+    for child in children:
+        code = child.proc.poll()
+        if code is not None and not (child.name == may_finish and code == 0):
+            raise ChildExited(child)
+
+
 def consumer_argv(agent: str, llm: str, model: str | Path, nats_url: str, *extra: str) -> list[str]:
     """``agentarium consumer``'s arguments: ``agent`` (``NAME=module:function``) on the LLM
     server ``llm`` serving ``model``."""

@@ -61,7 +61,7 @@ from agentarium.trainer import DEVICES, TASK_ADV_NORMS
 
 from ..models import resolve_model
 from ..progress import ProgressBar, StatusLine
-from .processes import Child, consumer_argv, start_child
+from .processes import Child, ChildExited, check_alive, consumer_argv, start_child
 from .real import HeldOutEval, Preset, preset_of
 from .report import report, task_column
 from .tasks import FAMILIES, digit_tasks, parse_task_set, split_groups
@@ -261,7 +261,9 @@ def _last_row(path: Path) -> dict | None:
     return rows[-1] if rows else None
 
 
-async def _feed_and_watch(args: DemoConfig, url: str, out: Path, trainer: Child) -> None:
+async def _feed_and_watch(
+    args: DemoConfig, url: str, out: Path, trainer: Child, children: list[Child]
+) -> None:
     session = await RunSession(NatsSettings(url=url), args.run, name="agentarium-demo").start()
     js, topo = session.js, session.topology
     assert session.producer is not None
@@ -293,6 +295,7 @@ async def _feed_and_watch(args: DemoConfig, url: str, out: Path, trainer: Child)
     stored, next_count = 0, 0.0
     try:
         while step < args.steps and time.monotonic() < deadline and trainer.proc.poll() is None:
+            check_alive(children)  # an engine, consumer or syncer gone: an error, not a wait
             if args.sync_rollouts:
                 # Synchronous: batch k+1 only once the engine serves version k, the weights
                 # trained on batch k (version 0, the initial weights, needs no wait). The wait
@@ -420,6 +423,7 @@ def run_demo(args: DemoConfig) -> int:
     children: list[Child] = []
     started = time.monotonic()
     interrupted = False
+    failed: ChildExited | None = None
     evals: HeldOutEval | None = None
     try:
         evals = HeldOutEval(args, server.url, model_dir, out) if args.preset.held_out_eval else None
@@ -499,7 +503,8 @@ def run_demo(args: DemoConfig) -> int:
             f"trainer and weight syncer running; run {args.run}: {args.groups_per_step} groups x "
             f"{args.group_size} per step, up to {args.steps} steps or {args.minutes:g} minutes"
         )
-        asyncio.run(_feed_and_watch(args, server.url, out, trainer))
+        asyncio.run(_feed_and_watch(args, server.url, out, trainer, children))
+        check_alive(children)  # the trainer's own exit too: non-zero is a failure
         if evals is not None:
             # the last version on the engine, nothing else running on it
             trainer.terminate(timeout_s=120)  # done at --steps already, or stopped by --minutes
@@ -510,6 +515,9 @@ def run_demo(args: DemoConfig) -> int:
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (_interrupt): stop, then report what ran
         interrupted = True
         print("\ninterrupted: stopping the demo's processes", flush=True)
+    except ChildExited as exc:  # stop the rest, report what ran, fail
+        failed = exc
+        print(f"\nerror: {exc}", file=sys.stderr, flush=True)
     finally:
         # A second Ctrl-C or SIGTERM must not cut the stop short (children left running).
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -519,9 +527,9 @@ def run_demo(args: DemoConfig) -> int:
             child.terminate()
         server.stop()
     code = report(out, time.monotonic() - started, args.digits, args.task_set, args.model)
-    if evals is not None and not interrupted:
+    if evals is not None and not interrupted and failed is None:
         evals.report()
-    return 130 if interrupted else code
+    return 130 if interrupted else 1 if failed is not None else code
 
 
 def _reachable(url: str) -> str:
