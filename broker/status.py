@@ -166,7 +166,13 @@ async def collect_status(
             f"{traj.state.messages} trajectories stored: pass --run RUN for per-run counts"
         )
 
-    status.workers = await live_workers(js, topo)
+    try:
+        status.workers = await live_workers(js, topo)
+    except nats.js.errors.NotFoundError:  # streams only: made by a producer, which needs no more
+        status.notes.append(
+            f"bucket {topo.workers_bucket} does not exist (a producer creates only the streams): "
+            "run `agentarium broker init`, or start a consumer, which creates what it needs"
+        )
     for worker in status.workers:
         served = per_agent.get(worker.get("agent", ""))
         if served is not None:

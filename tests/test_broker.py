@@ -430,3 +430,14 @@ async def test_servers_started_side_by_side_pick_their_own_ports_and_keep_them(t
     finally:
         for server in servers:
             server.stop()
+
+
+async def test_status_after_a_producer_alone_reports_the_jobs_and_what_is_missing(nc, topology):
+    """A producer creates the streams only (its least-privilege role sees no buckets): status
+    then shows the waiting jobs and says which buckets are missing, not 'not provisioned'."""
+    js = nc.jetstream()
+    await ensure_streams(js, topology)
+    await TaskProducer(js, topology).submit("toy", [{"n": 1}, {"n": 2}], run="r")
+    status = await collect_status(js, topology, environments=False)
+    assert [(a.agent, a.waiting) for a in status.agents] == [("toy", 2)]
+    assert any(f"bucket {topology.workers_bucket} does not exist" in n for n in status.notes)
