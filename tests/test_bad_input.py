@@ -10,7 +10,7 @@ a command that did any work before checking its settings would fail here another
 from __future__ import annotations
 
 import pytest
-from badinput import BASE, numeric_flags, outcome
+from badinput import BASE, NO_BROKER, numeric_flags, outcome
 
 from agentarium.cli import main
 
@@ -103,3 +103,56 @@ def test_each_allowed_value_is_taken_by_every_command_that_has_the_flag(flag, va
         if name == flag:
             refused, said = outcome(path, flag, value)
             assert not refused, (path, said)
+
+
+MISSING = "/nonexistent/agentarium-test/x"
+
+# Every command that reads a file or folder the user names, given one that does not exist.
+MISSING_FILES: list[tuple[str, ...]] = [
+    ("produce", "--agent", "toy", "--file", f"{MISSING}.jsonl", "--nats-url", NO_BROKER),
+    ("produce", "--file", "examples/toy_tasks.jsonl", "--config", f"{MISSING}.yaml"),
+    ("trainer", "--config", f"{MISSING}.yaml"),
+    ("consumer", "--config", f"{MISSING}.yaml"),
+    ("env", "serve", "shell", "--config", f"{MISSING}.yaml"),
+    ("eval", "run", *BASE[("eval", "run")][:2], "--file", f"{MISSING}.jsonl",
+     "--llm", "http://127.0.0.1:1", "--model", "tiny", "--nats-url", NO_BROKER),
+    ("eval", "summary", MISSING),
+    ("plot", f"{MISSING}.csv"),
+    ("merge-lora", "--model", "tiny", "--adapter", MISSING, "--out", "merged"),
+    ("engine", "--model", MISSING),
+    ("broker", "up", "--port", "0", "--store", "/proc/agentarium-nope"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("argv", MISSING_FILES, ids=lambda argv: " ".join(argv[:2]))
+def test_a_missing_file_is_one_line_naming_it(argv, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "examples").mkdir()
+    (tmp_path / "examples" / "toy_tasks.jsonl").write_text('{"prompt": "x"}\n')
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:
+        code = exc.code
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if not line.startswith("{")]
+    assert code == 2 and len(lines) == 1, err
+    path = next(a for a in argv if a.startswith(("/nonexistent", "/proc/")))
+    assert path in lines[0] and "Traceback" not in err, err
+
+
+def test_parquet_export_without_pyarrow_names_the_extra(capsys, monkeypatch):
+    """docs/evaluation.md shows --format parquet; without pyarrow it is one line naming the
+    extra to install, before connecting."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "pyarrow" else real(name, *a)
+    )
+    argv = ["trajectories", "export", "--run", "r", "--format", "parquet", "--out", "r.parquet"]
+    assert main([*argv, "--nats-url", NO_BROKER]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "error: --format parquet needs pyarrow: pip install 'agentarium[parquet]' "
+        "(or use --format jsonl)"
+    )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from ..models import resolve_model
 
@@ -11,6 +12,9 @@ from ..models import resolve_model
 def cmd_merge_lora(args: argparse.Namespace) -> int:
     from agentarium.trainer import merge_lora
 
+    if not Path(args.adapter).exists():  # before the base model loads
+        print(f"error: --adapter {args.adapter}: no such file or folder", file=sys.stderr)
+        return 2
     try:
         out = merge_lora(resolve_model(args.model), args.adapter, args.out)
     except (OSError, ValueError) as exc:
