@@ -7,7 +7,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-from collections.abc import Callable
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from agentarium.cli import build_parser, leaf_parsers
@@ -99,3 +104,36 @@ def outcome(path: tuple[str, ...], flag: str, value: str) -> tuple[bool, str]:
     except ValueError as exc:  # SettingError, ConfigError, TrainerConfigError: all ValueErrors
         return True, str(exc)
     return False, ""
+
+
+_CHILD = """
+import contextlib, io, json, os, sys
+from agentarium.cli import main
+{prelude}
+cases, results = json.load(open(sys.argv[1])), []
+for argv in cases:
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    results.append([code, err.getvalue()])
+json.dump(results, open(sys.argv[2], "w"))
+"""
+
+
+def run_in_child(
+    cases: Sequence[Sequence[str]], workdir: Path, prelude: str = ""
+) -> list[tuple[int, str]]:
+    """``agentarium.cli.main(argv)`` for each case, all in one child process run in
+    ``workdir`` (main sets up logging and tracing for the process: in the test's own process
+    they would outlive the test); each case's exit code and what it wrote to stderr."""
+    todo, done = workdir / "cases.json", workdir / "results.json"
+    todo.write_text(json.dumps([list(c) for c in cases]))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    subprocess.run(
+        [sys.executable, "-c", _CHILD.format(prelude=prelude), str(todo), str(done)],
+        cwd=workdir, env=env, check=True, timeout=600,
+    )  # fmt: skip
+    return [(code, err) for code, err in json.loads(done.read_text())]

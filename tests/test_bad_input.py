@@ -3,16 +3,15 @@ past its maximum. A value a command cannot use is refused before any work, with 
 one line that names the flag; a value it can use is listed in ALLOWED with what it means, so
 the table is the whole list (docs/operations.md gives its count).
 
-Each case runs ``agentarium.cli.main`` in this process with the other arguments the command
-needs (tests/badinput.py: BASE), a broker address where nothing listens and no model loaded:
-a command that did any work before checking its settings would fail here another way."""
+Each case runs ``agentarium.cli.main`` (in one child process for all: main sets up the
+process's logging and tracing) with the other arguments the command needs (tests/badinput.py:
+BASE), a broker address where nothing listens and no model loaded: a command that did any
+work before checking its settings would fail here another way."""
 
 from __future__ import annotations
 
 import pytest
-from badinput import BASE, NO_BROKER, numeric_flags, outcome
-
-from agentarium.cli import main
+from badinput import BASE, NO_BROKER, numeric_flags, outcome, run_in_child
 
 # (flag, value) a command takes as it is, with what it means there.
 ALLOWED: dict[tuple[str, str], str] = {
@@ -81,20 +80,26 @@ def test_the_table_covers_every_numeric_flag_of_every_command():
     assert {flag for flag, _ in ALLOWED} <= known and set(PAST_MAX) <= known
 
 
-@pytest.mark.parametrize(("path", "flag", "value"), CASES, ids=lambda v: str(v))
-def test_a_value_a_command_cannot_use_is_refused_in_one_line_naming_its_flag(
-    path, flag, value, capsys, tmp_path, monkeypatch
-):
-    monkeypatch.chdir(tmp_path)  # nothing a command might write lands in the checkout
-    try:
-        code = main([*path, *BASE[path], flag, value])
-    except SystemExit as exc:  # argparse refuses: usage, then "error: argument FLAG: ..."
-        code = exc.code
-    err = capsys.readouterr().err
+def one_line_naming(code: int, err: str, name: str) -> str | None:
+    """None when ``err`` is one line (argparse's usage aside) naming ``name``, exit 2, no
+    traceback; else what is wrong."""
     lines = [line for line in err.splitlines() if not line.startswith("{")]
-    assert code == 2, err
-    assert flag in lines[-1] and "Traceback" not in err, err
-    assert len(lines) == 1 or lines[0].startswith("usage:"), err  # argparse: usage, then one
+    if lines and lines[0].startswith("usage:"):  # argparse: usage, then one line
+        lines = lines[-1:]
+    if code != 2 or len(lines) != 1 or name not in lines[0] or "Traceback" in err:
+        return f"exit {code}: {err.strip()[-300:]!r}"
+    return None
+
+
+@pytest.mark.long(40)
+def test_a_value_a_command_cannot_use_is_refused_in_one_line_naming_its_flag(tmp_path):
+    results = run_in_child([[*p, *BASE[p], flag, value] for p, flag, value in CASES], tmp_path)
+    wrong = [
+        f"{' '.join(p)} {flag} {value}: {problem}"
+        for (p, flag, value), (code, err) in zip(CASES, results, strict=True)
+        if (problem := one_line_naming(code, err, flag))
+    ]
+    assert not wrong, "\n".join(wrong)
 
 
 @pytest.mark.parametrize(("flag", "value"), sorted(ALLOWED))
@@ -124,35 +129,29 @@ MISSING_FILES: list[tuple[str, ...]] = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("argv", MISSING_FILES, ids=lambda argv: " ".join(argv[:2]))
-def test_a_missing_file_is_one_line_naming_it(argv, capsys, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
+def test_a_missing_file_is_one_line_naming_it(tmp_path):
     (tmp_path / "examples").mkdir()
     (tmp_path / "examples" / "toy_tasks.jsonl").write_text('{"prompt": "x"}\n')
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:
-        code = exc.code
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if not line.startswith("{")]
-    assert code == 2 and len(lines) == 1, err
-    path = next(a for a in argv if a.startswith(("/nonexistent", "/proc/")))
-    assert path in lines[0] and "Traceback" not in err, err
+    results = run_in_child(MISSING_FILES, tmp_path)
+    wrong = []
+    for argv, (code, err) in zip(MISSING_FILES, results, strict=True):
+        path = next(a for a in argv if a.startswith(("/nonexistent", "/proc/")))
+        if problem := one_line_naming(code, err, path):
+            wrong.append(f"{' '.join(argv)}: {problem}")
+    assert not wrong, "\n".join(wrong)
 
 
-def test_parquet_export_without_pyarrow_names_the_extra(capsys, monkeypatch):
+def test_parquet_export_without_pyarrow_names_the_extra(tmp_path):
     """docs/evaluation.md shows --format parquet; without pyarrow it is one line naming the
     extra to install, before connecting."""
-    import importlib.util
-
-    real = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name == "pyarrow" else real(name, *a)
+    hide = (
+        "import importlib.util as u; real = u.find_spec; "
+        "u.find_spec = lambda name, *a: None if name == 'pyarrow' else real(name, *a)"
     )
-    argv = ["trajectories", "export", "--run", "r", "--format", "parquet", "--out", "r.parquet"]
-    assert main([*argv, "--nats-url", NO_BROKER]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err == (
+    argv = ["trajectories", "export", "--run", "r", "--format", "parquet", "--out", "r.parquet",
+            "--nats-url", NO_BROKER]  # fmt: skip
+    [(code, err)] = run_in_child([argv], tmp_path, prelude=hide)
+    assert code == 2 and err.strip() == (
         "error: --format parquet needs pyarrow: pip install 'agentarium[parquet]' "
         "(or use --format jsonl)"
-    )
+    ), err
