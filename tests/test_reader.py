@@ -272,3 +272,22 @@ async def test_show_of_a_run_with_no_trajectories_says_so(js, topology, settings
     assert "no trajectories of run 'nosuchrun' on this broker: check --run" in err
     assert await producers_cli.run_show(show_args("--run", "s", "--status", "error"), settings) == 0
     assert "0 trajectories" in capsys.readouterr().err
+
+
+async def test_export_of_a_run_with_no_trajectories_says_so(js, topology, nats_url, tmp_path):
+    import asyncio
+    import sys
+
+    await store(js, topology, trajectory("s", "a", "j-ok"))
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "agentarium", "trajectories", "export", "--run", "nosuchrun",
+        "--out", str(tmp_path / "x.jsonl"), "--nats-url", nats_url,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    _, err = await asyncio.wait_for(proc.communicate(), timeout=120)
+    lines = [line for line in err.decode().splitlines() if not line.startswith("{")]
+    assert proc.returncode == 1, err
+    assert lines == [
+        "error: no trajectories of run 'nosuchrun' on this broker: check --run (and --agent, "
+        "--prefix, --nats-url)"
+    ], err
