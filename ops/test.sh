@@ -113,20 +113,4 @@ echo "ops/test.sh: tier avx2 (the kernels tests under ATEN_CPU_CAPABILITY=avx2; 
 show_tier avx2
 
 # One line per tier, then the total: pytest's own counts where it printed them.
-failed=0 passed_all=0 failed_all=0
-echo "ops/test.sh: summary"
-for name in "${names[@]}"; do
-  rc=$(cat "$logs/$name.rc") s=$(cat "$logs/$name.s")
-  counts=$(grep -E "^(=+ )?[0-9]+ (passed|failed|error)" "$logs/$name.log" | tail -n 1 |
-    sed -E 's/^=+ //; s/ in [0-9.]+s.*//; s/ =+$//')
-  for n in $(grep -oE "[0-9]+ passed" <<<"$counts" | grep -oE "^[0-9]+"); do
-    passed_all=$((passed_all + n))
-  done
-  for n in $(grep -oE "[0-9]+ (failed|errors?)" <<<"$counts" | grep -oE "^[0-9]+"); do
-    failed_all=$((failed_all + n))
-  done
-  if [ "$rc" = 0 ]; then verdict=passed; else verdict="FAILED (rc $rc)"; failed=1; fi
-  printf 'ops/test.sh:   %-15s %-16s %-40s %dm%02ds\n' "$name" "$verdict" "${counts:-no pytest counts}" $((s / 60)) $((s % 60))
-done
-echo "suite: $passed_all passed, $failed_all failed"
-exit "$failed"
+bash ops/test_summary.sh "$logs" "${names[@]}"
