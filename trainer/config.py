@@ -76,8 +76,9 @@ class TrainerConfig:
     model_dir: str = setting(
         flag="--model",
         metavar="tiny|smol|PATH",
-        help="policy to train: 'tiny', 'smol' or a local transformers model directory (the same one "
-        "the engines serve)",
+        help="policy to train, required: 'tiny', 'smol' or a local transformers model directory, "
+        "the same one the engines serve (no default: a default unlike the engines' model would "
+        "train another policy without a word)",
     )
     # batch shape
     group_size: int = setting(
