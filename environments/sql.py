@@ -19,7 +19,7 @@ A task (a JSON object, or ``{"index": id}`` of one shipped in ``examples/sql_tas
 
 Bad actions get a tool message that says what was wrong, never an exception: no tool call,
 arguments that are not a JSON object, an unknown tool, SQL that fails or runs over
-``QUERY_TIME_S``. The database cannot reach the disk (ATTACH and VACUUM INTO are refused).
+``QUERY_TIME_S`` of CPU time. The database cannot reach the disk (ATTACH and VACUUM INTO are refused).
 """
 
 from __future__ import annotations
@@ -306,8 +306,11 @@ class SqlEnvironment(Environment):
 
     def _execute(self, query: str) -> str:
         assert self.db is not None
-        deadline = time.monotonic() + QUERY_TIME_S
-        self.db.set_progress_handler(lambda: int(time.monotonic() > deadline), 1000)
+        # CPU time of the thread running the query, not wall time: on a loaded machine a
+        # query that fills the database ran past a 1 s wall clock before it hit the size cap
+        # (tests/test_env_worker.py); the handler runs in that same thread.
+        deadline = time.thread_time() + QUERY_TIME_S
+        self.db.set_progress_handler(lambda: int(time.thread_time() > deadline), 1000)
         try:
             cursor = self.db.execute(query)
             rows = cursor.fetchmany(MAX_ROWS + 1) if cursor.description else []
