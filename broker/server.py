@@ -99,8 +99,10 @@ class NatsServer:
     """A nats-server child process with JetStream in ``store_dir``.
 
     Keeps its port and store across ``stop()``/``start()``, so tests and the demo can
-    restart it on the same data. Without a ``port`` the server picks a free one itself
-    (``-p -1``) and says which in a ports file: no other process can take the port between
+    restart it on the same data. Every start writes a ports file named with the child's pid,
+    and ``start()`` returns once it lists the port: a port another process already answers on
+    is refused, never adopted. Without a ``port`` the server picks a free one itself
+    (``-p -1``) and says which in that file: no other process can take the port between
     choosing and binding it, so any number of servers can start side by side (parallel
     test workers). ``port`` is known once ``start()`` returns. ``config`` runs it from a config file instead of flags.
     ``sync_interval`` (``"always"`` or a duration such as ``"10s"``: how often JetStream
