@@ -99,11 +99,13 @@ class DemoConfig:
     )
     # None: the model's own default (agentarium/demo/real.py, PRESETS), set in __post_init__,
     # so after construction each holds a value of its type
-    steps: int = setting(None, help="training steps (default: tiny 300, smol 20)")
+    steps: int = setting(None, ge=1, help="training steps (default: tiny 300, smol 20)")
     minutes: float = setting(
         None, gt=0, help="stop after this long at most (default: tiny 10, smol 20)"
     )
-    groups_per_step: int = setting(None, help="GRPO groups per step (default: tiny 16, smol 8)")
+    groups_per_step: int = setting(
+        None, ge=1, help="GRPO groups per step (default: tiny 16, smol 8)"
+    )
     group_size: int = setting(
         8, ge=2, help="samples per task, one GRPO group (2 or more: one sample has no baseline)"
     )
@@ -117,10 +119,10 @@ class DemoConfig:
     eval_k: int = setting(
         4, ge=1, help="with --model smol: attempts per held-out task of the base and trained evals"
     )
-    max_staleness: int = setting(4, help="drop trajectories more than this many versions old")
+    max_staleness: int = setting(4, ge=0, help="drop trajectories more than this many versions old")
     ahead: int = setting(2, ge=1, help="steps' worth of tasks kept queued ahead of the trainer")
-    consumers: int = setting(1, help="consumer processes")
-    concurrency: int = setting(64, help="rollouts at once per consumer")
+    consumers: int = setting(1, ge=1, help="consumer processes")
+    concurrency: int = setting(64, ge=1, help="rollouts at once per consumer")
     seed: int = setting(0, help="seed for tasks and the trainer")
     digits: str = setting(
         "0123456789",
@@ -202,12 +204,7 @@ class DemoConfig:
         for name in ("agent", "agent_name"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, getattr(preset, name))
-        for name in ("steps", "groups_per_step", "consumers", "concurrency"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-        check_settings(self)  # the ranges declared with each setting (--group-size >= 2)
-        if self.max_staleness < 0:
-            raise ValueError("--max-staleness must be >= 0")
+        check_settings(self)  # the ranges declared with each setting, once the presets filled in
         if not self.digits or not self.digits.isdigit():
             raise ValueError(f"--digits must be a non-empty string of digits, got {self.digits!r}")
         object.__setattr__(self, "task_set", parse_task_set(self.task_set))
