@@ -189,7 +189,7 @@ class TrainerConfig:
         choices=("float32", "float64"),
         group=LOSS,
         help="dtype of the weights, gradients and optimizer state (float64: numerical checks, "
-        "about twice the memory and time; log-probs are computed in at least fp32)",
+        "8 bytes a value instead of 4; log-probs are computed in at least fp32)",
     )
     loss_agg: str = setting(
         "token-mean",
