@@ -21,7 +21,7 @@ from .job import DEFAULT_DEADLINE_S, Job, Sampling
 from .names import check_name
 from .settings import SettingError, check_settings, section, setting
 from .trajectory import FINISH_REASONS, STATUSES, LLMCall, Trajectory
-from .weights import WeightUpdate, version_number
+from .weights import WeightIdentity, WeightUpdate, run_version, version_number
 
 __all__ = [
     "DEFAULT_DEADLINE_S",
@@ -49,6 +49,7 @@ __all__ = [
     "SchemaError",
     "SettingError",
     "Trajectory",
+    "WeightIdentity",
     "WeightUpdate",
     "check_name",
     "check_settings",
@@ -59,5 +60,6 @@ __all__ = [
     "section",
     "setting",
     "settings",
+    "run_version",
     "version_number",
 ]
