@@ -140,6 +140,9 @@ class Fleet:
         self.policy = policy or FleetPolicy()
         self.servers: list[str] = list(backend.servers)
         self._open: dict[str, str] = {}  # server -> why its breaker opened
+        # server -> why it is held out: its weight syncer found it not serving what it
+        # reports (consumers/quarantine.py); its probe fails until that is lifted
+        self._quarantined: dict[str, str] = {}
         self.down_since: float | None = None  # loop time the fleet went down
         self._down_at = 0.0  # the same as wall time, for the registry
         self.past_limit = False
@@ -252,7 +255,11 @@ class Fleet:
         policy = self.policy
         failures = 0
         while True:
-            if url not in self._open and self._answered_recently(url):
+            if (
+                url not in self._open
+                and url not in self._quarantined
+                and self._answered_recently(url)
+            ):
                 failures = 0
                 await self._nap(url, policy.probe_interval_s)
                 continue
@@ -269,8 +276,22 @@ class Fleet:
             else:  # one failed probe: look again soon before opening the breaker
                 await self._nap(url, policy.backoff_s)
 
+    def quarantine(self, url: str, why: str) -> None:
+        """Hold ``url`` out until ``unquarantine``: its breaker opens at its next probe (now)."""
+        if url in self._kick and self._quarantined.get(url) != why:
+            self._quarantined[url] = why
+            self._trip(url, f"held out of the fleet: {why}")
+            self._kick[url].set()
+
+    def unquarantine(self, url: str) -> None:
+        """``url`` serves what it reports again: its next probe (now) may close its breaker."""
+        if self._quarantined.pop(url, None) is not None:
+            self._kick[url].set()
+
     async def _probe(self, url: str) -> str:
         """The backend's probe of ``url``: "" when it answers, else why not (never raises)."""
+        if url in self._quarantined:
+            return f"held out of the fleet: {self._quarantined[url]}"
         try:
             return str(await self.backend.probe(url, self.policy.probe_timeout_s))
         except Exception as exc:  # noqa: BLE001 - a probe that breaks is a probe that failed

@@ -32,6 +32,7 @@ from .config import ConsumerSettings
 from .errors import CrossSamplingError
 from .fleet import Fleet, supports
 from .metrics import LOOP_LAG_SECONDS
+from .quarantine import watch_engine_records
 from .rollout import RolloutEnv
 from .tracing.proxy import TracingProxy
 from .worker.counters import Counters
@@ -214,6 +215,7 @@ class ConsumerService:
         self._task: asyncio.Task[Counters] | None = None
         self._watching_lag = False
         self.fleets: tuple[Fleet, ...] = ()
+        self._holds: asyncio.Task | None = None  # engines KV watch: quarantine.py
 
     def __repr__(self) -> str:
         return f"<ConsumerService {self.spec.agent} {self.worker!r}>"
@@ -241,6 +243,10 @@ class ConsumerService:
             self._backend = self._fleet(self._backend, "llm")
         for fleet in self.fleets:
             await fleet.start()
+        if self.fleets:
+            self._holds = asyncio.create_task(
+                watch_engine_records(self.js, self.topology, self.fleets), name="engine-holds"
+            )
         try:
             host = proxy_bind_host(spec.settings.proxy_host, spec.settings.advertise_host, agent)
             self.proxy = await start_proxy(
@@ -399,6 +405,11 @@ class ConsumerService:
         return counters
 
     async def _close(self) -> None:
+        if self._holds is not None:
+            self._holds.cancel()
+            with contextlib.suppress(BaseException):
+                await self._holds
+            self._holds = None
         if self._watching_lag:
             self._watching_lag = False
             _unwatch_lag()

@@ -16,7 +16,14 @@ two services, ``engine`` and ``sync``, are started only by the ``agentarium`` co
 """
 
 from .control import PAUSE_MODES, EngineControl, EngineControlError, weights_checksum
-from .engines import engine_key, engine_versions, record_engine, served_version, wait_served
+from .engines import (
+    FRESH_S,
+    engine_key,
+    engine_versions,
+    record_engine,
+    served_version,
+    wait_served,
+)
 from .weights import (
     LORA_CONFIG_KEY,
     STALL_TIMEOUT_S,
@@ -50,6 +57,7 @@ __all__ = [
     "default_weights_dir",
     "engine_key",
     "engine_versions",
+    "FRESH_S",
     "is_shared_path",
     "local_versions",
     "lora_config_of",

@@ -184,6 +184,23 @@ class EngineControl:
         body = {"group_name": group_name}
         return _message(await self.post(url, "/destroy_weights_update_group", body, self.timeout_s))
 
+    async def get_weights_by_name(self, url: str, name: str, truncate_size: int) -> list:
+        """SGLang's ``POST /get_weights_by_name {"name", "truncate_size"}`` (the local engine
+        serves it too): the served parameter's first ``truncate_size`` entries along its first
+        dimension, as nested lists of floats, read back to check what an engine serves."""
+        body = {"name": name, "truncate_size": truncate_size}
+        data = await self._request(
+            "POST", url, "/get_weights_by_name", body, self.timeout_s, raw=True
+        )
+        if not isinstance(data, list):
+            raise EngineControlError(
+                url,
+                "/get_weights_by_name",
+                f"answered {type(data).__name__}, not a list",
+                status=200,
+            )
+        return data
+
     # ---- LoRA adapters (SGLang's endpoints; the local engine serves them too) ---------------------
 
     async def load_lora_adapter(
@@ -216,8 +233,15 @@ class EngineControl:
         return await self._request("POST", url, path, body, timeout_s)
 
     async def _request(
-        self, method: str, url: str, path: str, body: Any, timeout_s: float | None
-    ) -> dict[str, Any]:
+        self,
+        method: str,
+        url: str,
+        path: str,
+        body: Any,
+        timeout_s: float | None,
+        *,
+        raw: bool = False,
+    ) -> Any:
         try:
             async with self._session().request(
                 method, url.rstrip("/") + path, json=body, timeout=self._timeout(timeout_s)
@@ -234,6 +258,8 @@ class EngineControl:
             raise EngineControlError(
                 url, path, said or f"HTTP {resp.status}: {text[:200]}", status=resp.status
             )
+        if raw:
+            return data
         if not isinstance(data, dict):
             if method == "GET":  # an info call's answer is its content
                 raise EngineControlError(url, path, "did not answer a JSON object", status=200)

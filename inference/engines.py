@@ -21,7 +21,7 @@ import nats.errors
 from nats.js import JetStreamContext
 
 from agentarium.broker import Topology, json_entries
-from agentarium.schemas import SchemaError, check_name, version_number
+from agentarium.schemas import check_name, run_version
 
 
 def engine_key(run: str, url: str) -> str:
@@ -67,17 +67,20 @@ def served_version(
 ) -> int | None:
     """The version every engine of ``run`` serves at least, from engines-KV entries: the lowest
     among entries written within ``fresh_s`` (a live syncer rewrites its engines every
-    ``--recheck-s`` and after every round); an engine that did not answer (null) counts as
-    serving nothing. None when no fresh entry of the run exists."""
+    ``--recheck-s`` and after every round) and not ``stopped``. An engine counts as serving
+    nothing (-1) when it did not answer (null), serves another run's weights or a label no
+    trainer wrote (``schemas.run_version``: versions never compare across runs), or was found
+    not to serve what it reports (status ``mismatch``). None when no such entry exists."""
     versions: list[int] = []
     for entry in entries:
         if entry.get("run") != run or now - float(entry.get("updated_at") or 0) > fresh_s:
             continue
-        served = entry.get("weight_version")
-        try:
-            versions.append(version_number(served) if served is not None else -1)
-        except SchemaError:
-            versions.append(-1)  # not one of the trainer's versions: not serving the run's
+        if entry.get("status") == "stopped":
+            continue
+        served = run_version(entry.get("weight_version"), run)
+        if served is None or entry.get("status") == "mismatch":
+            served = -1
+        versions.append(served)
     return min(versions) if versions else None
 
 
@@ -92,23 +95,26 @@ async def wait_served(
     timeout: float | None = None,
     on_wait: Callable[[float], None] | None = None,
 ) -> bool:
-    """Wait until every engine of ``run`` serves ``version`` or newer (``served_version``), by
-    watching the engines KV. Version 0 (the engines' initial weights) needs no wait. False when
-    ``stop`` was set or ``timeout`` passed first; ``on_wait(waited_s)`` is called about every
-    30 s while waiting, for a warning."""
-    if version <= 0:
-        return True
+    """Wait until every engine of ``run`` serves ``version`` or newer of this run
+    (``served_version``), by watching the engines KV. Version 0 is the base weights: it needs a
+    wait only while a syncer of the run records an engine serving something else (another
+    run's weights, before this run's syncer took it over); with no syncer recording the run's
+    engines there is nothing to wait on. False when ``stop`` was set or ``timeout`` passed
+    first; ``on_wait(waited_s)`` is called about every 30 s while waiting, for a warning."""
     loop = asyncio.get_running_loop()
     started = loop.time()
     deadline = None if timeout is None else started + timeout
     kv = await js.key_value(topo.engines_bucket)
     watcher = await kv.watch(f"{check_name(run, 'run')}.*")
     entries: dict[str, dict[str, Any]] = {}
+    initial_done = False  # the watch has delivered every entry that existed when it began
     next_warning = started + 30.0
     try:
         while True:
             served = served_version(list(entries.values()), run, now=time.time(), fresh_s=fresh_s)
             if served is not None and served >= version:
+                return True
+            if served is None and version <= 0 and initial_done:
                 return True
             if stop is not None and stop.is_set():
                 return False
@@ -125,6 +131,7 @@ async def wait_served(
             except nats.errors.TimeoutError:
                 continue
             if entry is None:  # the end of the initial values
+                initial_done = True
                 continue
             if entry.operation in ("DEL", "PURGE") or not entry.value:
                 entries.pop(entry.key, None)

@@ -15,10 +15,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .names import check_name
-
 from .errors import SchemaError
 from .fields import FLOAT, INT, NAME, STR, WireMessage, spec
+from .names import check_name
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -91,7 +90,12 @@ class WeightIdentity:
     @classmethod
     def of(cls, update: WeightUpdate) -> WeightIdentity:
         """The identity of a published version: its run, its version, its file's sha256."""
-        return cls(update.run, update.version, update.sha256[:CHECKSUM_CHARS])
+        return cls.named(update.run, update.version, update.sha256)
+
+    @classmethod
+    def named(cls, run: str, version: int, sha256: str) -> WeightIdentity:
+        """The identity of ``run``'s ``version`` whose file has this sha256 (64 hex digits)."""
+        return cls(run, version, sha256[:CHECKSUM_CHARS])
 
     @classmethod
     def parse(cls, weight_version: str | None) -> WeightIdentity | None:

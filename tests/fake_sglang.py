@@ -180,6 +180,11 @@ class FakeSGLang:
         self.update_failures = 0  # how many of the next weight updates fail
         self.paused = False
         self.adapters: dict[str, str] = {}  # LoRA adapters loaded: name -> path
+        # the safetensors file of the last update, served by /get_weights_by_name (None: the
+        # weights it started with, which a stand-in does not have); ignore_weights: report the
+        # update's weight_version and success but keep the weights (a broken engine)
+        self.weights_file: Path | None = None
+        self.ignore_weights = False
         self.hung: list[str] = []  # paths of the requests that arrived while hung
         self._answering = asyncio.Event()
         self._answering.set()
@@ -204,6 +209,7 @@ class FakeSGLang:
         app.router.add_post("/load_lora_adapter", self._load_lora)
         app.router.add_post("/unload_lora_adapter", self._unload_lora)
         app.router.add_post("/update_weight_version", self._update_weight_version)
+        app.router.add_post("/get_weights_by_name", self._get_weights_by_name)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", self.port)
@@ -283,6 +289,8 @@ class FakeSGLang:
         else:
             if body.get("weight_version") is not None:
                 self.weight_version = str(body["weight_version"])
+            if not self.ignore_weights:
+                self.weights_file = next(iter(sorted(path.glob("*.safetensors"))))
             return web.json_response(
                 {
                     "success": True,
@@ -315,6 +323,21 @@ class FakeSGLang:
             message = f"LoRA adapter {body.get('lora_name')} is not loaded"
             return web.json_response({"success": False, "error_message": message}, status=400)
         return web.json_response({"success": True, "loaded_adapters": self.adapters})
+
+    async def _get_weights_by_name(self, request: web.Request) -> web.Response:
+        """SGLang's GetWeightsByNameReqInput {name, truncate_size}: the parameter's first
+        truncate_size rows as nested float lists; 400 "Get parameter by name failed" else."""
+        body = await request.json()
+        self.control.append(("/get_weights_by_name", body))
+        name, size = body.get("name"), body.get("truncate_size", 100)
+        if self.weights_file is not None and isinstance(name, str) and isinstance(size, int):
+            from safetensors import safe_open
+
+            with safe_open(str(self.weights_file), framework="pt") as f:
+                if name in f.keys():
+                    return web.json_response(f.get_slice(name)[:size].float().tolist())
+        error = {"object": "error", "message": "Get parameter by name failed", "code": 400}
+        return web.json_response(error, status=400)
 
     async def _update_weight_version(self, request: web.Request) -> web.Response:
         body = await request.json()

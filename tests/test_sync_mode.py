@@ -21,7 +21,7 @@ from agentarium.examples.toy import rollout
 from agentarium.inference import served_version, wait_served
 from agentarium.inference.sync import SyncConfig, WeightSyncer
 from agentarium.producers import TaskProducer, TrajectoryReader
-from agentarium.schemas import Job, decode, version_number
+from agentarium.schemas import Job, decode, run_version
 from agentarium.trainer.config import TrainerConfig
 from agentarium.trainer.errors import TrainerConfigError
 from agentarium.trainer.loop import Trainer
@@ -56,8 +56,10 @@ def test_sync_rollouts_train_only_the_current_version(tiny_dir, tmp_path):
 def test_served_version_is_the_lowest_fresh_engine_of_the_run():
     now = 1000.0
 
-    def entry(version, *, run=RUN, age=1.0):
-        return {"run": run, "weight_version": version, "updated_at": now - age}
+    def entry(version, *, run=RUN, age=1.0, serving=RUN, status="updated"):
+        if version not in (None, "default"):
+            version = f"{serving}@{version}:{'ab' * 8}"  # an identity of run ``serving``
+        return {"run": run, "weight_version": version, "updated_at": now - age, "status": status}
 
     assert served_version([], RUN, now=now) is None
     assert served_version([entry("3"), entry("2")], RUN, now=now) == 2  # every engine
@@ -67,6 +69,10 @@ def test_served_version_is_the_lowest_fresh_engine_of_the_run():
     # an engine nobody has synced for long (removed) does not hold the run back
     assert served_version([entry("3"), entry("1", age=500.0)], RUN, now=now) == 3
     assert served_version([entry("1", age=500.0)], RUN, now=now) is None
+    # versions never compare across runs: another run's version 31 serves nothing of this one
+    assert served_version([entry("3"), entry("31", serving="other")], RUN, now=now) == -1
+    assert served_version([entry("3"), entry("3", status="mismatch")], RUN, now=now) == -1
+    assert served_version([entry("3", status="stopped")], RUN, now=now) is None  # released
 
 
 async def test_each_batch_is_generated_by_the_last_version_and_released_after_it(
@@ -89,7 +95,8 @@ async def test_each_batch_is_generated_by_the_last_version_and_released_after_it
             if entry is not None and entry.value:
                 value = json.loads(entry.value)
                 if value["weight_version"] is not None:
-                    version = version_number(value["weight_version"])
+                    version = run_version(value["weight_version"], RUN)
+                    assert version is not None, value  # only this run's weights, or the base
                     served_at.setdefault(version, value["updated_at"])
 
     watching = asyncio.create_task(watch_engines())
@@ -154,7 +161,7 @@ async def test_each_batch_is_generated_by_the_last_version_and_released_after_it
         for job_id in job_ids:
             trajectory = stored[job_id]
             assert trajectory.task_id.startswith(f"b{step}-"), (step, trajectory.task_id)
-            versions = {version_number(call.weight_version) for call in trajectory.calls}
+            versions = {run_version(call.weight_version, RUN) for call in trajectory.calls}
             assert versions == {step - 1}, (step, job_id, versions)
 
     # No job of batch k + 1 was published before the engine served version k.

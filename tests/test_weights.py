@@ -26,6 +26,7 @@ from agentarium.inference import (
     verify_file,
 )
 from agentarium.inference.sync import SyncConfig, WeightSyncer
+from agentarium.schemas import WeightIdentity
 from agentarium.trainer.weights import WeightStore
 
 PROMPT = list(b"<|im_start|>user\n7+5=")  # byte-level: token id == byte value
@@ -144,11 +145,13 @@ async def test_shared_path_mode(js, topology, tiny, tmp_path):
 
 
 async def test_syncer_drives_sglang_pause_update_continue(js, topology, fake, tmp_path):
-    ahead = FakeSGLang(weight_version="5")
+    ahead = FakeSGLang(weight_version="sg@5:" + "0" * 16)  # a newer version of this run
     await ahead.start()
     try:
         store = WeightStore(js, topology)
-        await store.publish(state(3), run="sg", version=3, step=30)
+        v3 = str(WeightIdentity.of(await store.publish(state(3), run="sg", version=3, step=30)))
+        assert v3.startswith("sg@3:")
+        read_back = ["b", "w"]  # the first and last name, for a state dict of no known model
         config = SyncConfig(run="sg", engines=(fake.url, ahead.url), weights_dir=tmp_path / "w")
         syncer = WeightSyncer(js, config, topology=topology)
         result = await syncer.sync_once()
@@ -161,22 +164,24 @@ async def test_syncer_drives_sglang_pause_update_continue(js, topology, fake, tm
                 {
                     "model_path": str(local),
                     "load_format": None,
-                    "weight_version": "3",
+                    "weight_version": v3,
                     "flush_cache": True,
                     "abort_all_requests": False,
                 },
             ),
             ("/continue_generation", {}),
+            # delivery is verified: a read-back of three parameters against the file
+            *[("/get_weights_by_name", {"name": n, "truncate_size": 2}) for n in read_back],
         ]
-        assert fake.weight_version == "3" and not fake.paused
+        assert fake.weight_version == v3 and not fake.paused
         assert ahead.control == []  # an engine at a newer version is left alone
         assert result.ok and [r.status for r in result.engines] == ["updated", "skipped"]
         assert (local / WEIGHTS_FILE).is_file()
         # what each engine serves now is on the wire, for live views (agentarium dashboard)
         recorded = {e["engine"]: e for e in await engine_versions(js, topology)}
         assert {u: (e["weight_version"], e["status"]) for u, e in recorded.items()} == {
-            fake.url: ("3", "updated"),
-            ahead.url: ("5", "skipped"),
+            fake.url: (v3, "updated"),
+            ahead.url: ("sg@5:" + "0" * 16, "skipped"),
         }
         assert {e["run"] for e in recorded.values()} == {"sg"}
 
@@ -184,17 +189,17 @@ async def test_syncer_drives_sglang_pause_update_continue(js, topology, fake, tm
         fake.update_failures = 1
         update = await store.publish(state(4), run="sg", version=4)
         result = await syncer.apply(update)
-        assert [p for p, _ in fake.control[3:]] == [
+        assert [p for p, _ in fake.control[3 + len(read_back) :]] == [
             "/pause_generation",
             "/update_weights_from_disk",
             "/continue_generation",
         ]
-        assert not fake.paused and fake.weight_version == "3"
+        assert not fake.paused and fake.weight_version == v3
         assert not result.ok and result.engines[0].status == "failed"
         assert "scripted update failure" in result.engines[0].message
         (failed,) = [e for e in await engine_versions(js, topology) if e["engine"] == fake.url]
         assert (failed["weight_version"], failed["target_version"], failed["status"]) == (
-            "3",
+            v3,
             4,
             "failed",
         )
@@ -217,7 +222,7 @@ async def test_syncer_shared_path_loads_in_place_or_copies(js, topology, fake, t
     copying = SyncConfig(run="sh", engines=(fake.url,), weights_dir=tmp_path / "w")
     result = await WeightSyncer(js, copying, topology=topology).sync_once()
     assert result.ok and result.model_path == str(tmp_path / "w" / "sh" / "v1")
-    assert fake.weight_version == "1"
+    assert fake.weight_version == result.identity and result.identity.startswith("sh@1:")
 
 
 async def test_syncer_follows_the_watch_across_a_broker_restart(
@@ -234,7 +239,7 @@ async def test_syncer_follows_the_watch_across_a_broker_restart(
     try:
 
         async def at(version: str):
-            return fake.weight_version == version
+            return fake.weight_version.startswith(f"w@{version}:")
 
         await wait_for(lambda: at("1"), 30, "version 1")
         await store.publish(state(2, rows=8), run="w", version=2)
@@ -258,7 +263,7 @@ async def test_syncer_follows_the_watch_across_a_broker_restart(
 
         await wait_for(pruned, 10, "local copies pruned to the newest two")
         updates = [body for path, body in fake.control if path == "/update_weights_from_disk"]
-        assert [b["weight_version"] for b in updates] == ["1", "2", "3", "4"]
+        assert [b["weight_version"].split(":")[0] for b in updates] == [f"w@{v}" for v in "1234"]
     finally:
         syncer.stop()
         await asyncio.wait_for(task, 30)
@@ -311,7 +316,7 @@ async def test_weight_round_trip_through_the_local_engine(js, topology, tiny, en
                 return await resp.json()
 
         async def serves_v1() -> bool:
-            return (await model_info())["weight_version"] == "1"
+            return (await model_info())["weight_version"].startswith("rt@1:")
 
         try:
             assert (await model_info())["weight_version"] == "default"
@@ -332,7 +337,7 @@ async def test_weight_round_trip_through_the_local_engine(js, topology, tiny, en
         async with http.post("/generate", json=body) as resp:
             assert resp.status == 200
             out = await resp.json()
-    assert out["meta_info"]["weight_version"] == "1"
+    assert out["meta_info"]["weight_version"] == str(WeightIdentity.of(update))
     ids = PROMPT + out["output_ids"]
     got = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
     positions = range(len(PROMPT) - 1, len(ids) - 1)

@@ -33,17 +33,19 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import tempfile
 import time
 from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import structlog
 
 from agentarium.broker import Topology, is_loopback
-from agentarium.inference import EngineControl, EngineControlError, record_engine
-from agentarium.schemas import WeightUpdate, check_name
+from agentarium.inference import EngineControl, EngineControlError, record_engine, sha256_file
+from agentarium.schemas import WeightIdentity, WeightUpdate, check_name
 
 if TYPE_CHECKING:
     from nats.js import JetStreamContext
@@ -182,9 +184,13 @@ class WeightStreamer:
 
     # ---- one version -------------------------------------------------------------------------
 
-    async def stream(self, tensors: list[tuple[str, Any]], version: int) -> StreamResult:
+    async def stream(
+        self, tensors: list[tuple[str, Any]], version: int, identity: str | None = None
+    ) -> StreamResult:
         """Bring every engine that answers to ``version`` by broadcasting ``tensors`` (name,
-        tensor) from rank 0. Never raises for an engine's failure: see the result."""
+        tensor) from rank 0; engines then report ``identity`` (the version's
+        ``WeightIdentity``, ``str(version)`` when not given) as their ``weight_version``.
+        Never raises for an engine's failure: see the result."""
         started = time.perf_counter()
         probes = await asyncio.gather(*(self._probe(url) for url in self.config.engines))
         reachable = [p for p in probes if p.ok]
@@ -203,7 +209,9 @@ class WeightStreamer:
                     results[p.url] = EngineStream(p.url, "failed", p.version, error)
                 reachable = []
         if reachable:
-            updated = await self._update(tensors, version, {p.url: p for p in reachable})
+            updated = await self._update(
+                tensors, identity or str(version), {p.url: p for p in reachable}
+            )
             results.update(updated)
         out = StreamResult(
             version=version,
@@ -246,7 +254,7 @@ class WeightStreamer:
         return False
 
     async def _update(
-        self, tensors: list[tuple[str, Any]], version: int, probes: dict[str, _Probe]
+        self, tensors: list[tuple[str, Any]], identity: str, probes: dict[str, _Probe]
     ) -> dict[str, EngineStream]:
         from . import weight_group as wg
 
@@ -272,7 +280,7 @@ class WeightStreamer:
                         dtypes=dtypes,
                         shapes=shapes,
                         group_name=self.group_name,
-                        weight_version=str(version),
+                        weight_version=identity,
                         load_format="flattened_bucket" if cfg.bucket else None,
                         timeout_s=None,
                     )
@@ -318,7 +326,7 @@ class WeightStreamer:
             note = "; ".join(n for n in (str(answer), *notes[m.url]) if n)
             before = probes[m.url].version
             out[m.url] = EngineStream(m.url, "updated" if success else "failed", before, note)
-            m.version = str(version) if success else None
+            m.version = identity if success else None
             if not success:
                 self._broken = True
         return out
@@ -472,13 +480,23 @@ class StreamPublisher:
         return f"<StreamPublisher {self.streamer!r} then {self.store!r}>"
 
     async def publish(self, model: Any, version: int, step: int) -> WeightUpdate:
+        """Save the version's file first, for its sha256: the identity engines report
+        (``run@version:checksum``) names the same file whether the stream or the syncer
+        delivered it; then stream, then store that file."""
         from . import weight_group as wg
+        from .weights import materialize
 
         device = "cpu" if self.streamer.config.backend == "gloo" else None
         tensors = await asyncio.to_thread(wg.streamable, model, device=device)
-        self.last = await self.streamer.stream(tensors, version)
-        update = await self.store.publish(model, version, step)
-        await self._record(self.last)
+        with tempfile.TemporaryDirectory(prefix="agentarium-stream-") as tmp:
+            file, _ = await asyncio.to_thread(materialize, model, Path(tmp))
+            sha, _size = await asyncio.to_thread(sha256_file, file)
+            identity = WeightIdentity.named(self.streamer.run, version, sha)
+            self.last = await self.streamer.stream(tensors, version, str(identity))
+            update = await self.store.publish(file, version, step)
+        if WeightIdentity.of(update) != identity:  # the store hashed the very same file
+            raise RuntimeError(f"stored {WeightIdentity.of(update)}, streamed {identity}")
+        await self._record(self.last, str(identity))
         return update
 
     async def latest_version(self) -> int | None:
@@ -487,7 +505,7 @@ class StreamPublisher:
     async def close(self) -> None:
         await self.streamer.close()
 
-    async def _record(self, result: StreamResult) -> None:
+    async def _record(self, result: StreamResult, identity: str) -> None:
         if self.js is None:
             return
         for e in result.engines:
@@ -497,7 +515,7 @@ class StreamPublisher:
                     self.topology,
                     run=self.streamer.run,
                     url=e.url,
-                    weight_version=str(result.version) if e.status == "updated" else e.before,
+                    weight_version=identity if e.status == "updated" else e.before,
                     status=e.status,
                     target_version=result.version,
                     message=("streamed" if e.status == "updated" else e.message),

@@ -154,7 +154,7 @@ class WeightStore(WeightFetcher):
     async def _publish_object(self, model_or_dir: Any, run: str, version: int):
         name = object_name(run, version)
         with tempfile.TemporaryDirectory(prefix="agentarium-weights-") as tmp:
-            file, _ = await asyncio.to_thread(_materialize, model_or_dir, Path(tmp))
+            file, _ = await asyncio.to_thread(materialize, model_or_dir, Path(tmp))
             obs = await self.js.object_store(self.topology.weights_bucket)
             meta = ObjectMeta(
                 name=name,
@@ -178,7 +178,7 @@ class WeightStore(WeightFetcher):
         stage = run_dir / f".v{version}.{uuid.uuid4().hex[:8]}.stage"
         try:
             stage.mkdir()
-            file, owned = await asyncio.to_thread(_materialize, model_or_dir, stage / "save")
+            file, owned = await asyncio.to_thread(materialize, model_or_dir, stage / "save")
             out = stage / "out"
             out.mkdir()
             if owned:
@@ -282,7 +282,7 @@ class _HashingReader:
         return self._digest.hexdigest()
 
 
-def _materialize(model_or_dir: Any, scratch: Path) -> tuple[Path, bool]:
+def materialize(model_or_dir: Any, scratch: Path) -> tuple[Path, bool]:
     """One safetensors file holding the weights, and whether it is ours (saved into
     ``scratch``) rather than the caller's own file."""
     if isinstance(model_or_dir, str | os.PathLike):

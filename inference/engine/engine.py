@@ -329,6 +329,21 @@ class LocalEngine:
             version = self.scheduler.weight_version
         return {"checksum": digest, "tensors": count, "bytes": size, "weight_version": version}
 
+    async def get_weights_by_name(self, body: dict[str, Any]) -> list:
+        """SGLang's ``/get_weights_by_name {"name", "truncate_size"}``: the served parameter's
+        first ``truncate_size`` entries along its first dimension, as floats (a tied output
+        head answers its embedding's values), read between steps."""
+        name, size = body.get("name"), body.get("truncate_size", 100)
+        if not isinstance(name, str) or not name:
+            raise InvalidRequest("get_weights_by_name needs name (a parameter's name)")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise InvalidRequest("get_weights_by_name's truncate_size must be an integer >= 1")
+        async with self.scheduler.step_lock:
+            tensor = self.model.model.state_dict().get(name)
+            if tensor is None:
+                raise InvalidRequest(f"the model has no parameter {name!r}")
+            return tensor[:size].detach().float().tolist()
+
     async def pause_generation(self, body: dict[str, Any] | None = None) -> dict[str, Any]:
         mode = (body or {}).get("mode", "abort")
         if mode not in PAUSE_MODES:

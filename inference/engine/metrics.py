@@ -19,7 +19,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from agentarium.schemas import SchemaError, version_number
+from agentarium.schemas import WeightIdentity
 
 from .engine import LocalEngine
 
@@ -102,7 +102,9 @@ class _SchedulerCollector:
         )
         version = GaugeMetricFamily(
             "agentarium_engine_weight_version",
-            "Weight version the engine serves ('default' is 0; absent when not a number)",
+            "Version number of the weights the engine serves (its run and checksum are in the "
+            "run label; 'default', the base weights, is 0; absent for a label no trainer wrote)",
+            labels=["run"],
         )
         if engine is not None:
             s = engine.scheduler
@@ -112,8 +114,7 @@ class _SchedulerCollector:
             waiting.add_metric([], s.num_waiting)
             paused.add_metric([], 1.0 if s.paused else 0.0)
             cache.add_metric([], s.prefix_cache.tokens)
-            try:
-                version.add_metric([], version_number(s.weight_version))
-            except SchemaError:
-                pass  # a version set by hand that is not a number: no sample rather than a lie
+            identity = WeightIdentity.parse(s.weight_version)
+            if identity is not None:  # a label set by hand: no sample rather than a lie
+                version.add_metric([identity.run or ""], identity.version)
         yield from (generated, steps, running, waiting, paused, cache, version)

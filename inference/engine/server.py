@@ -142,6 +142,11 @@ async def _update_weight_version(request: web.Request) -> web.Response:
     return web.json_response(await request.app[ENGINE_KEY].update_weight_version(body))
 
 
+async def _get_weights_by_name(request: web.Request) -> web.Response:
+    body = await _body(request)
+    return web.json_response(await request.app[ENGINE_KEY].get_weights_by_name(body))
+
+
 async def _flush_cache(request: web.Request) -> web.Response:
     ok = request.app[ENGINE_KEY].flush_cache()
     return web.Response(text=_FLUSH_TEXT, status=200 if ok else 400)
@@ -169,6 +174,7 @@ def make_app(engine: LocalEngine) -> web.Application:
     r.add_post("/update_weights_from_distributed", _update_weights_from_distributed)
     r.add_post("/destroy_weights_update_group", _destroy_weights_update_group)
     r.add_get("/weights_checksum", _weights_checksum)  # local engine only
+    r.add_post("/get_weights_by_name", _get_weights_by_name)
     r.add_post("/load_lora_adapter", _load_lora_adapter)
     r.add_post("/unload_lora_adapter", _unload_lora_adapter)
     r.add_post("/pause_generation", _pause)

@@ -4,6 +4,14 @@ serves; the trainer only publishes."""
 
 from .config import SyncConfig
 from .service import run_sync
-from .syncer import EngineResult, SyncResult, WeightSyncer, reload_engine
+from .syncer import EngineResult, SyncRefused, SyncResult, WeightSyncer, reload_engine
 
-__all__ = ["EngineResult", "SyncConfig", "SyncResult", "WeightSyncer", "reload_engine", "run_sync"]
+__all__ = [
+    "EngineResult",
+    "SyncConfig",
+    "SyncRefused",
+    "SyncResult",
+    "WeightSyncer",
+    "reload_engine",
+    "run_sync",
+]

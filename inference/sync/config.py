@@ -36,6 +36,21 @@ class SyncConfig:
         "same path here: verify and load those files in place instead of copying them into "
         "--weights-dir",
     )
+    shared_engines: bool = setting(
+        False,
+        help="these engines serve several runs: never load this run's weights over another "
+        "run's; stop with an error naming both runs instead (default: this run takes its "
+        "engines over, whatever they served before)",
+    )
+    base_model: Path | None = setting(
+        None,
+        metavar="DIR",
+        parse=Path,
+        help="the engines' original model directory (on this disk), loaded to restore the base "
+        "weights when this run takes over engines that serve another run's and has published "
+        "no version yet, or trains a LoRA adapter (default: the engine's /model_info "
+        "tokenizer_path, when it holds *.safetensors)",
+    )
     keep: int = setting(
         2,
         ge=1,
@@ -85,5 +100,6 @@ class SyncConfig:
     def describe(self) -> dict[str, Any]:
         out = asdict(self)
         out["weights_dir"] = str(self.weights_dir)
+        out["base_model"] = None if self.base_model is None else str(self.base_model)
         out["engines"] = list(self.engines)
         return out

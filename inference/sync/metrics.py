@@ -30,6 +30,12 @@ SYNC_RELOAD_SECONDS = Histogram(
     ["run", "engine"],
     buckets=BUCKETS,
 )
+SYNC_MISMATCH = Counter(
+    "agentarium_sync_mismatch",
+    "Updates after which an engine did not serve what was published (its weight_version or "
+    "a read-back of its parameters differed); the engine is out of the run's fleet until it does",
+    ["run", "engine"],
+)
 SYNC_RELOADS = Counter(
     "agentarium_sync_reloads",
     "Engine reloads, by result (updated, failed)",
@@ -45,8 +51,10 @@ def record_sync_round(
     if fetch_s is not None:
         SYNC_FETCH_SECONDS.labels(run).observe(fetch_s)
     for url, status, seconds, version in engines:
-        if status in ("updated", "failed"):
-            SYNC_RELOADS.labels(run, url, status).inc()
+        if status in ("updated", "failed", "mismatch"):
+            SYNC_RELOADS.labels(run, url, "failed" if status == "mismatch" else status).inc()
+        if status == "mismatch":
+            SYNC_MISMATCH.labels(run, url).inc()
         if seconds > 0:  # 0: no reload was tried (the weights were unavailable)
             SYNC_RELOAD_SECONDS.labels(run, url).observe(seconds)
         if version is not None:

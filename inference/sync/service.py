@@ -32,7 +32,9 @@ async def run_sync(
 ) -> int:
     """Run the weight syncer until SIGTERM/SIGINT, or apply the current version once
     (``once``: exit status 1 if any engine failed). ``metrics``, a MetricsServer not yet
-    started, serves /metrics and the probes meanwhile (ready: connected to NATS)."""
+    started, serves /metrics and the probes meanwhile (ready: connected to NATS). An engine
+    this run may not take over (``--shared-engines``) ends it with ``SyncRefused``, which the
+    CLI prints as one line and exit status 1."""
     log.info("sync config", nats=settings.redacted(), once=once, **config.describe())
     nc = await settings.connect(name=f"agentarium-sync-{config.run}")
     try:
@@ -45,9 +47,8 @@ async def run_sync(
             await metrics.start()
         if once:
             result = await syncer.sync_once()
-            if result is None:
-                print(f"run {config.run}: no version published yet")
-                return 0
+            if result.identity == "default":
+                print(f"run {config.run}: no version published yet (the base weights)")
             print(result)
             return 0 if result.ok else 1
         loop = asyncio.get_running_loop()

@@ -4,8 +4,15 @@ It runs beside the engines, sharing their filesystem (SGLang reads new weights f
 disk). It watches the policy KV key ``<run>`` (the initial value included), and for each new
 WeightUpdate:
 
-1. asks every engine its ``/model_info`` ``weight_version`` and leaves alone those already at
-   this version or a newer one;
+1. asks every engine its ``/model_info`` ``weight_version``, the identity of what it serves
+   (``schemas.WeightIdentity``: ``"default"`` for the base weights, ``"<run>@<version>:<sha16>"``
+   for a published version), and leaves alone those serving this version, or a newer one *of
+   this run*. An engine serving another run's weights (or a string no trainer wrote) is taken
+   over: this run's weights are loaded (the base weights first, from the engine's original
+   model directory, when this run has published nothing yet or trains a LoRA adapter), unless
+   ``shared_engines`` is set, when the syncer stops with ``SyncRefused`` naming both runs; and
+   never while another run's syncer records the engine as its own (a fresh engines-KV entry):
+   that engine is left alone with an error each round (``conflict``), not fought over;
 2. gets the safetensors (inference.WeightFetcher) into ``<weights_dir>/<run>/v<version>/model.safetensors`` (streamed from
    the object store, or copied from the trainer's shared path) and verifies its sha256 — or, with
    ``shared_path``, verifies the trainer's file in place and loads it from there;
@@ -21,9 +28,17 @@ WeightUpdate:
    → ``POST /load_lora_adapter {"lora_name": <run>, "lora_path"}`` → ``POST
    /update_weight_version {"new_version"}``, so generations that name the adapter (the
    consumer's ``--lora <run>``) report the adapter's version;
-4. keeps the newest ``keep`` local copies;
-5. records what each engine serves now in the engines KV (``inference.record_engine``), for
-   live views; a record that cannot be written is logged and skipped.
+4. verifies each updated engine: its ``weight_version`` must be the identity just loaded, and
+   for whole weights a read-back of a few parameters (``POST /get_weights_by_name``, SGLang's
+   route, which the local engine serves too) must match the file within the rounding of a
+   16-bit engine. A difference is status ``mismatch``: an error naming the engine and both
+   identities, the metric ``agentarium_sync_mismatch_total``, and an engines-KV record whose
+   status consumers read to hold the engine out of the run's fleet until a later round finds
+   it serving the right weights;
+5. keeps the newest ``keep`` local copies;
+6. records what each engine serves now in the engines KV (``inference.record_engine``), for
+   live views; a record that cannot be written is logged and skipped. On stop its records say
+   ``stopped``, so another run may take the engines over at once.
 
 Updates that arrive while a reload runs are coalesced: only the newest is applied next. Every
 ``recheck_s`` the syncer also reads the KV key directly (a watch that silently died after a
@@ -47,11 +62,11 @@ import nats.js.errors
 import structlog
 from nats.js import JetStreamContext
 
-from agentarium.broker import Backoff, Topology
-from agentarium.schemas import SchemaError, WeightUpdate, decode, version_number
+from agentarium.broker import Backoff, BrokerError, Topology
+from agentarium.schemas import SchemaError, WeightIdentity, WeightUpdate, decode
 
 from ..control import EngineControl, EngineControlError
-from ..engines import record_engine
+from ..engines import FRESH_S, engine_versions, record_engine
 from ..weights import (
     WeightFetcher,
     WeightNotFound,
@@ -65,15 +80,23 @@ from ..weights import (
 )
 from .config import SyncConfig
 from .metrics import SYNC_SEEN, record_sync_round
+from .verify import read_back_mismatch
 
 log = structlog.get_logger("agentarium.sync")
 
 WATCH_BACKOFF = Backoff(initial_s=0.5, max_s=10.0)  # re-creating a failed policy watch
 
 
+class SyncRefused(BrokerError):
+    """An engine serves another run's weights and this syncer may not take it over
+    (``shared_engines``): the service stops with this message, which names both runs."""
+
+
 @dataclass(frozen=True)
 class EngineResult:
-    """What happened to one engine for one version: ``updated``, ``skipped`` or ``failed``."""
+    """What happened to one engine for one version: ``updated``, ``skipped``, ``failed``,
+    ``mismatch`` (updated, but it does not serve what was loaded) or ``conflict`` (another
+    run's live syncer holds it: left alone)."""
 
     url: str
     status: str
@@ -88,13 +111,14 @@ class SyncResult:
     engines: tuple[EngineResult, ...]
     model_path: str | None = None
     fetch_s: float = 0.0
+    identity: str = "default"
 
     @property
     def ok(self) -> bool:
-        return all(r.status != "failed" for r in self.engines)
+        return all(r.status in ("updated", "skipped") for r in self.engines)
 
     def __str__(self) -> str:
-        lines = [f"version {self.version}: " + ("ok" if self.ok else "FAILED")]
+        lines = [f"version {self.version} ({self.identity}): " + ("ok" if self.ok else "FAILED")]
         for r in self.engines:
             lines.append(f"  {r.url}: {r.status} (was {r.before}) {r.message}".rstrip())
         return "\n".join(lines)
@@ -105,6 +129,7 @@ class SyncCounters:
     seen: int = 0
     applied: int = 0
     failed: int = 0
+    mismatched: int = 0
     bad_versions: set[int] = field(default_factory=set)
 
 
@@ -168,28 +193,39 @@ class WeightSyncer:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), self.config.recheck_s)
                 self._wake.clear()
-                if self._stopping or self._latest is None:
+                if self._stopping:
                     continue
-                if self._latest.version in self.counters.bad_versions:
+                latest = self._latest
+                if latest is not None and latest.version in self.counters.bad_versions:
                     continue  # reported once; wait for the next version
                 try:
-                    await self.apply(self._latest)
+                    # nothing published yet: the run's version 0, the base weights
+                    await self.apply(latest)
+                except SyncRefused:
+                    raise
                 except Exception:  # one bad round must not end the service
-                    log.exception("sync round failed", version=self._latest.version)
+                    log.exception(
+                        "sync round failed", version=None if latest is None else latest.version
+                    )
         finally:
             watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watch
+            await self._release()
             await self.close()
             log.info("weight syncer stopped", syncer=repr(self))
 
-    async def sync_once(self) -> SyncResult | None:
-        """Apply the run's current version to every engine; None when nothing is published."""
+    async def sync_once(self) -> SyncResult:
+        """Apply the run's current version to every engine (the base weights, version 0, when
+        nothing is published yet)."""
         update = await self.store.latest(self.config.run)
         if update is None:
-            log.info("nothing published yet", run=self.config.run)
-            return None
-        self._offer(update)
+            log.info(
+                "nothing published yet: the run's engines serve the base weights",
+                run=self.config.run,
+            )
+        else:
+            self._offer(update)
         try:
             return await self.apply(update)
         finally:
@@ -259,27 +295,65 @@ class WeightSyncer:
 
     # ---- one version -------------------------------------------------------------------------
 
-    async def apply(self, update: WeightUpdate) -> SyncResult:
-        """Bring every engine to ``update`` (engines at it or newer are skipped)."""
-        before = await asyncio.gather(*(self._engine_version(u) for u in self.config.engines))
+    async def apply(self, update: WeightUpdate | None) -> SyncResult:
+        """Bring every engine to ``update`` (None: the base weights, the run's version 0).
+
+        Engines serving it, or a newer version of this run, are skipped; engines serving
+        another run's weights are taken over (or, with ``shared_engines``, ``SyncRefused``)."""
+        run = self.config.run
+        target = WeightIdentity.base() if update is None else WeightIdentity.of(update)
+        version = 0 if update is None else update.version
+        infos = await asyncio.gather(*(self._engine_info(u) for u in self.config.engines))
         results: dict[str, EngineResult] = {}
-        need = []
-        for url, version in zip(self.config.engines, before, strict=True):
-            number = _as_number(version)
-            if number is not None and number >= update.version:
-                results[url] = EngineResult(url, "skipped", version, "already at this version")
-                if number > update.version:
-                    log.warning(
-                        "engine is ahead of the published version; left alone",
-                        engine=url,
-                        engine_version=version,
-                        version=update.version,
+        need: list[tuple[str, str | None, bool]] = []  # (url, serving, restore the base first)
+        owners: dict[str, str] | None = None  # engine URL -> another run's live syncer
+        for url, info in zip(self.config.engines, infos, strict=True):
+            serving = None if info is None else _weight_version(info)
+            held = WeightIdentity.parse(serving)
+            if info is None:
+                need.append((url, None, False))  # unreachable: the reload reports why
+            elif held == target:
+                results[url] = EngineResult(url, "skipped", serving, "already serving it")
+            elif held is not None and held.run == run and held.version > version:
+                results[url] = EngineResult(url, "skipped", serving, "serves a newer version")
+                log.warning(
+                    "engine is ahead of the published version of this run; left alone",
+                    engine=url,
+                    engine_version=serving,
+                    version=version,
+                )
+            elif held is not None and (held.run == run or held.is_base):
+                need.append((url, serving, False))
+            else:  # another run's weights, or a label no trainer wrote
+                other = held.run if held is not None else None
+                if owners is None:
+                    owners = await self._other_syncers()
+                if url in owners:
+                    message = (
+                        f"engine serves {serving!r} and run {owners[url]!r}'s syncer is live on "
+                        f"it: run {run!r} leaves it alone (stop that syncer, or give each run "
+                        "its own engines)"
                     )
-            else:
-                need.append((url, version))
+                    log.error("engine held by another run's syncer", engine=url, message=message)
+                    results[url] = EngineResult(url, "conflict", serving, message)
+                    continue
+                if self.config.shared_engines:
+                    raise SyncRefused(
+                        f"engine {url} serves run {other or '?'!r}'s weights ({serving!r}); run "
+                        f"{run!r} does not take it over (--shared-engines): give run {run!r} "
+                        "engines of its own, or drop --shared-engines to take these over"
+                    )
+                log.warning(
+                    "engine serves another run's weights: this run takes it over",
+                    engine=url,
+                    engine_version=serving,
+                    other_run=other,
+                    target=str(target),
+                )
+                need.append((url, serving, True))
         model_dir: Path | None = None
         fetch_s = 0.0
-        if need:
+        if need and update is not None:
             started = time.perf_counter()
             try:
                 model_dir = await self._weights_for(update)
@@ -287,29 +361,34 @@ class WeightSyncer:
                 if isinstance(exc, WeightVerificationError | WeightNotFound):
                     self.counters.bad_versions.add(update.version)
                 log.error("weights unavailable", version=update.version, error=str(exc))
-                for url, version in need:
-                    results[url] = EngineResult(url, "failed", version, str(exc))
+                for url, serving, _ in need:
+                    results[url] = EngineResult(url, "failed", serving, str(exc))
                 need = []
             fetch_s = time.perf_counter() - started
+        info_of = dict(zip(self.config.engines, infos, strict=True))
         reloads = await asyncio.gather(
-            *(self._reload(url, version, model_dir, update) for url, version in need)
+            *(
+                self._reload(url, serving, model_dir, target, base_first, info_of[url])
+                for url, serving, base_first in need
+            )
         )
         for result in reloads:
             results[result.url] = result
         out = SyncResult(
-            version=update.version,
+            version=version,
             engines=tuple(results[u] for u in self.config.engines),
             model_path=None if model_dir is None else str(model_dir),
             fetch_s=round(fetch_s, 3),
+            identity=str(target),
         )
         record_sync_round(
-            update.run,
+            run,
             [
                 (
                     r.url,
                     r.status,
                     r.seconds,
-                    update.version if r.status == "updated" else _as_number(r.before),
+                    version if r.status == "updated" else _run_version(r.before, run),
                 )
                 for r in out.engines
             ],
@@ -317,13 +396,15 @@ class WeightSyncer:
         )
         if any(r.status == "updated" for r in out.engines):
             self.counters.applied += 1
-            self._prune_local(update.run)
+            self._prune_local(run)
+        self.counters.mismatched += sum(r.status == "mismatch" for r in out.engines)
         if not out.ok:
             self.counters.failed += 1
         if need or not out.ok:
             log.info(
                 "sync round",
-                version=update.version,
+                version=version,
+                identity=str(target),
                 ok=out.ok,
                 fetch_s=out.fetch_s,
                 engines=[f"{r.url}={r.status}" for r in out.engines],
@@ -332,26 +413,62 @@ class WeightSyncer:
         await self._record(out)
         return out
 
+    async def _other_syncers(self) -> dict[str, str]:
+        """Engine URL -> run, for engines another run's syncer recorded within ``FRESH_S`` and
+        has not released (``stopped``): a live syncer that would load its weights back."""
+        try:
+            entries = await engine_versions(self.js, self.topology)
+        except (nats.errors.Error, nats.js.errors.Error) as exc:
+            log.warning("engines KV unreadable; other runs' syncers not checked", error=str(exc))
+            return {}
+        now = time.time()
+        return {
+            str(e.get("engine")): str(e.get("run"))
+            for e in entries
+            if e.get("run") != self.config.run
+            and e.get("status") != "stopped"
+            and now - float(e.get("updated_at") or 0) <= FRESH_S
+        }
+
     async def _record(self, result: SyncResult) -> None:
         for r in result.engines:
-            serving = str(result.version) if r.status == "updated" else r.before
-            try:
-                await record_engine(
-                    self.js,
-                    self.topology,
-                    run=self.config.run,
-                    url=r.url,
-                    weight_version=serving,
-                    status=r.status,
-                    target_version=result.version,
-                    message=r.message,
-                )
-            except (nats.errors.Error, nats.js.errors.Error) as exc:
-                log.warning(
-                    "engine version not recorded (live views only; syncing goes on)",
-                    engine=r.url,
-                    error=str(exc) or type(exc).__name__,
-                )
+            serving = result.identity if r.status == "updated" else r.before
+            await self._record_engine(r.url, serving, r.status, result.version, r.message)
+
+    async def _record_engine(
+        self, url: str, serving: str | None, status: str, version: int, message: str
+    ) -> None:
+        try:
+            await record_engine(
+                self.js,
+                self.topology,
+                run=self.config.run,
+                url=url,
+                weight_version=serving,
+                status=status,
+                target_version=version,
+                message=message,
+            )
+        except (nats.errors.Error, nats.js.errors.Error) as exc:
+            log.warning(
+                "engine version not recorded (live views only; syncing goes on)",
+                engine=url,
+                error=str(exc) or type(exc).__name__,
+            )
+
+    async def _release(self) -> None:
+        """On stop: record every engine as ``stopped``, so another run may take it over at once
+        (a syncer that died instead is taken over once its records are ``FRESH_S`` old)."""
+        last = self.last_result
+        for url in self.config.engines:
+            served = None
+            if last is not None:
+                for r in last.engines:
+                    if r.url == url:
+                        served = last.identity if r.status == "updated" else r.before
+            version = 0 if last is None else last.version
+            with contextlib.suppress(Exception):
+                await self._record_engine(url, served, "stopped", version, "syncer stopped")
 
     async def _weights_for(self, update: WeightUpdate) -> Path:
         """The verified directory to hand the engines for this version."""
@@ -380,38 +497,101 @@ class WeightSyncer:
         url: str,
         before: str | None,
         model_dir: Path | None,
-        update: WeightUpdate,
+        target: WeightIdentity,
+        base_first: bool,
+        info: dict | None,
     ) -> EngineResult:
-        assert model_dir is not None
         started = time.perf_counter()
-        version, timeout = str(update.version), self.config.update_timeout_s
-        if (model_dir / "adapter_config.json").is_file():
-            ok, message = await reload_engine(
-                self.control,
-                url,
-                apply=lambda: load_adapter(
-                    self.control, url, self.config.run, str(model_dir), version, timeout
-                ),
-                pause_mode=self.config.pause_mode,
+        identity, timeout = str(target), self.config.update_timeout_s
+        adapter = model_dir is not None and (model_dir / "adapter_config.json").is_file()
+        restore = target.is_base or (adapter and base_first)
+        base = self._base_directory(info) if restore else None
+        if restore and base is None:
+            message = (
+                "cannot restore the base weights: the engine's /model_info names no model "
+                "directory on this disk holding *.safetensors; give --base-model DIR"
+            )
+            log.error("engine reload failed", engine=url, target=identity, message=message)
+            return EngineResult(url, "failed", before, message)
+
+        async def apply() -> str:
+            notes = []
+            if base is not None:
+                notes.append(
+                    await self.control.update_weights_from_disk(
+                        url,
+                        model_path=str(base),
+                        weight_version=str(WeightIdentity.base()),
+                        timeout_s=timeout,
+                    )
+                )
+            if adapter:
+                assert model_dir is not None
+                notes.append(
+                    await load_adapter(
+                        self.control, url, self.config.run, str(model_dir), identity, timeout
+                    )
+                )
+            elif model_dir is not None:
+                notes.append(
+                    await self.control.update_weights_from_disk(
+                        url, model_path=str(model_dir), weight_version=identity, timeout_s=timeout
+                    )
+                )
+            return "; ".join(n for n in notes if n)
+
+        ok, message = await reload_engine(
+            self.control, url, apply=apply, pause_mode=self.config.pause_mode
+        )
+        status = "updated" if ok else "failed"
+        if ok:
+            problem = await self._verify(url, target, None if adapter else model_dir)
+            if problem:
+                status, message = "mismatch", problem
+        seconds = round(time.perf_counter() - started, 3)
+        if status == "mismatch":
+            log.error(
+                "engine does not serve the weights just loaded: out of the run's fleet until "
+                "it does",
+                engine=url,
+                expected=identity,
+                message=message,
             )
         else:
-            ok, message = await reload_engine(
-                self.control,
-                url,
-                model_path=str(model_dir),
-                weight_version=version,
-                pause_mode=self.config.pause_mode,
-                update_timeout_s=timeout,
+            (log.info if ok else log.error)(
+                "engine reloaded" if ok else "engine reload failed",
+                engine=url,
+                identity=identity,
+                seconds=seconds,
+                message=message,
             )
-        seconds = round(time.perf_counter() - started, 3)
-        (log.info if ok else log.error)(
-            "engine reloaded" if ok else "engine reload failed",
-            engine=url,
-            version=update.version,
-            seconds=seconds,
-            message=message,
-        )
-        return EngineResult(url, "updated" if ok else "failed", before, message, seconds)
+        return EngineResult(url, status, before, message, seconds)
+
+    async def _verify(self, url: str, target: WeightIdentity, model_dir: Path | None) -> str:
+        """ "" when ``url`` serves ``target``, else what differs: its ``weight_version``, then
+        (whole weights only) a read-back of a few parameters against the file."""
+        try:
+            served = await self.control.weight_version(url)
+        except EngineControlError as exc:
+            return f"weights not verified: {exc}"
+        if served != str(target):
+            return f"serves {served!r} after loading {str(target)!r}"
+        if model_dir is None:
+            return ""
+        return await read_back_mismatch(self.control, url, model_dir, target)
+
+    def _base_directory(self, info: dict | None) -> Path | None:
+        """The engine's original weights on this disk: ``--base-model``, else its
+        ``/model_info`` ``tokenizer_path`` (where the engine was started from; SGLang changes
+        ``model_path`` with every update) when that holds *.safetensors."""
+        if self.config.base_model is not None:
+            return self.config.base_model
+        path = (info or {}).get("tokenizer_path")
+        if isinstance(path, str) and path:
+            directory = Path(path)
+            if directory.is_dir() and any(directory.glob("*.safetensors")):
+                return directory
+        return None
 
     def _prune_local(self, run: str) -> None:
         run_dir = self.config.directory / run
@@ -420,11 +600,11 @@ class WeightSyncer:
             if version not in loaded:
                 shutil.rmtree(run_dir / f"v{version}", ignore_errors=True)
 
-    async def _engine_version(self, url: str) -> str | None:
-        """The engine's ``weight_version``, or None when it cannot be read (then it is
-        reloaded)."""
+    async def _engine_info(self, url: str) -> dict | None:
+        """The engine's ``/model_info``, or None when it cannot be read (then a reload is
+        tried, which says why it failed)."""
         try:
-            return await self.control.weight_version(url)
+            return await self.control.model_info(url)
         except EngineControlError as exc:
             log.warning("engine unreachable", engine=url, error=str(exc))
             return None
@@ -492,10 +672,12 @@ async def load_adapter(
     return message
 
 
-def _as_number(weight_version: str | None) -> int | None:
-    if weight_version is None:
-        return None
-    try:
-        return version_number(weight_version)
-    except SchemaError:
-        return None  # a version string we did not publish: reload to a known one
+def _weight_version(info: dict) -> str | None:
+    version = info.get("weight_version")
+    return None if version is None else str(version)
+
+
+def _run_version(weight_version: str | None, run: str) -> int | None:
+    """The engine's version as one of ``run``'s, for the version gauge (None: not the run's)."""
+    identity = WeightIdentity.parse(weight_version)
+    return None if identity is None else identity.version_in(run)

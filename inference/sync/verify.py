@@ -1,0 +1,85 @@
+"""The syncer's read-back: does an engine serve the parameters of the file it was given?
+
+After an update whose ``weight_version`` checks out, the syncer reads a few parameters back
+(SGLang's ``POST /get_weights_by_name {"name", "truncate_size"}``, which the local engine
+serves too) and compares them with the same slices of the file. An engine may serve in a
+narrower dtype than the file (bf16 or fp16 from an fp32 file), so a value matches when it is
+the file's value rounded to a 16-bit float: |served - file| <= 2^-8 * |file| (bf16 keeps 8
+significant bits, so its rounding error is at most half a unit in the 8th bit, 2^-9 relative;
+fp16 keeps 11). Weights of another version or run differ far beyond that in all but a few
+entries, so the check asks that no compared entry differ by more. What it cannot see: two
+versions whose difference in the compared slices is within a 16-bit rounding (a tiny learning
+rate, read back from a 16-bit engine): the ``weight_version`` check is the one guard there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from agentarium.schemas import WeightIdentity
+
+from ..control import EngineControl, EngineControlError
+
+READ_ROWS = 2  # truncate_size: the first rows of each parameter read back
+RELATIVE = 2.0**-8  # a 16-bit engine's rounding of the file's value (module docstring)
+ABSOLUTE = 2.0**-24  # values that round to zero or a subnormal in fp16
+
+
+def pick_names(names: list[str]) -> list[str]:
+    """Up to three parameters to read back: the first and last layer's MLP down projection and
+    the final norm when the model has them (every architecture we serve names them so), else
+    the first and last names. Sorted names, so both sides pick the same."""
+    ordered = sorted(names)
+    down = [n for n in ordered if n.endswith("mlp.down_proj.weight")]
+    picks = [down[0], down[-1]] if down else []
+    picks += [n for n in ordered if n == "model.norm.weight"]
+    if not picks:
+        picks = [ordered[0], ordered[-1]] if ordered else []
+    return list(dict.fromkeys(picks))
+
+
+def expected_slices(file: Path) -> dict[str, list]:
+    """The first ``READ_ROWS`` rows of the picked parameters of a safetensors file, as floats."""
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as f:
+        names = pick_names(list(f.keys()))
+        return {n: f.get_slice(n)[:READ_ROWS].float().tolist() for n in names}
+
+
+def _flatten(value: Any) -> list[float]:
+    if isinstance(value, list):
+        return [x for v in value for x in _flatten(v)]
+    return [float(value)]
+
+
+def compare(name: str, expected: Any, served: Any) -> str:
+    """ "" when ``served`` is ``expected`` up to a 16-bit rounding, else the first difference."""
+    want, got = _flatten(expected), _flatten(served)
+    if len(want) != len(got):
+        return f"{name}: read back {len(got)} values, the file has {len(want)}"
+    for i, (w, g) in enumerate(zip(want, got, strict=True)):
+        if abs(g - w) > RELATIVE * abs(w) + ABSOLUTE:
+            return f"{name}[{i}]: serves {g!r}, the file has {w!r}"
+    return ""
+
+
+async def read_back_mismatch(
+    control: EngineControl, url: str, model_dir: Path, target: WeightIdentity
+) -> str:
+    """ "" when the engine's parameters match ``model_dir``'s file, else what differs."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    if len(files) != 1:
+        return ""  # not a file the syncer made: nothing to compare against
+    expected = await asyncio.to_thread(expected_slices, files[0])
+    for name, values in expected.items():
+        try:
+            served = await control.get_weights_by_name(url, name, READ_ROWS)
+        except EngineControlError as exc:
+            return f"serves {str(target)!r} but its weights could not be read back: {exc}"
+        problem = compare(name, values, served)
+        if problem:
+            return f"reports {str(target)!r} but does not serve its weights: {problem}"
+    return ""
