@@ -38,8 +38,10 @@ async def record_engine(
     status: str,
     target_version: int,
     message: str = "",
+    live: bool = True,
 ) -> None:
-    """What one engine serves now (``weight_version`` None: it did not answer)."""
+    """What one engine serves now (``weight_version`` None: it did not answer). ``live``
+    False: the syncer that wrote it has stopped, so another run may take the engine over."""
     kv = await js.key_value(topo.engines_bucket)
     value = {
         "run": run,
@@ -48,6 +50,7 @@ async def record_engine(
         "target_version": target_version,
         "status": status,
         "message": message[:500],
+        "live": live,
         "updated_at": time.time(),
     }
     await kv.put(engine_key(run, url), json.dumps(value).encode())
@@ -67,18 +70,24 @@ def served_version(
 ) -> int | None:
     """The version every engine of ``run`` serves at least, from engines-KV entries: the lowest
     among entries written within ``fresh_s`` (a live syncer rewrites its engines every
-    ``--recheck-s`` and after every round) and not ``stopped``. An engine counts as serving
+    ``--recheck-s`` and after every round), each read from the engine's newest record by any
+    run's syncer (one that took the engine over since wrote it). An engine counts as serving
     nothing (-1) when it did not answer (null), serves another run's weights or a label no
     trainer wrote (``schemas.run_version``: versions never compare across runs), or was found
     not to serve what it reports (status ``mismatch``). None when no such entry exists."""
+    fresh = [e for e in entries if now - float(e.get("updated_at") or 0) <= fresh_s]
+    newest: dict[str, dict[str, Any]] = {}  # engine URL -> its newest record, by any run
+    for entry in fresh:
+        url = str(entry.get("engine"))
+        if url not in newest or entry.get("updated_at", 0) > newest[url].get("updated_at", 0):
+            newest[url] = entry
     versions: list[int] = []
-    for entry in entries:
-        if entry.get("run") != run or now - float(entry.get("updated_at") or 0) > fresh_s:
+    for entry in fresh:
+        if entry.get("run") != run:
             continue
-        if entry.get("status") == "stopped":
-            continue
-        served = run_version(entry.get("weight_version"), run)
-        if served is None or entry.get("status") == "mismatch":
+        now_serving = newest[str(entry.get("engine"))]  # another run may have taken it since
+        served = run_version(now_serving.get("weight_version"), run)
+        if served is None or now_serving.get("status") == "mismatch":
             served = -1
         versions.append(served)
     return min(versions) if versions else None

@@ -185,6 +185,7 @@ class FakeSGLang:
         # update's weight_version and success but keep the weights (a broken engine)
         self.weights_file: Path | None = None
         self.ignore_weights = False
+        self.ignore_updates = False  # answer an update's success and change nothing at all
         self.hung: list[str] = []  # paths of the requests that arrived while hung
         self._answering = asyncio.Event()
         self._answering.set()
@@ -287,9 +288,9 @@ class FakeSGLang:
             self.update_failures -= 1
             message = "scripted update failure"
         else:
-            if body.get("weight_version") is not None:
+            if body.get("weight_version") is not None and not self.ignore_updates:
                 self.weight_version = str(body["weight_version"])
-            if not self.ignore_weights:
+            if not (self.ignore_weights or self.ignore_updates):
                 self.weights_file = next(iter(sorted(path.glob("*.safetensors"))))
             return web.json_response(
                 {

@@ -12,6 +12,7 @@ its own too.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 
 import pytest
@@ -56,10 +57,18 @@ def test_sync_rollouts_train_only_the_current_version(tiny_dir, tmp_path):
 def test_served_version_is_the_lowest_fresh_engine_of_the_run():
     now = 1000.0
 
-    def entry(version, *, run=RUN, age=1.0, serving=RUN, status="updated"):
+    engines = itertools.count()
+
+    def entry(version, *, run=RUN, age=1.0, serving=RUN, status="updated", engine=None):
         if version not in (None, "default"):
             version = f"{serving}@{version}:{'ab' * 8}"  # an identity of run ``serving``
-        return {"run": run, "weight_version": version, "updated_at": now - age, "status": status}
+        return {
+            "run": run,
+            "engine": engine or f"http://e{next(engines)}",
+            "weight_version": version,
+            "updated_at": now - age,
+            "status": status,
+        }
 
     assert served_version([], RUN, now=now) is None
     assert served_version([entry("3"), entry("2")], RUN, now=now) == 2  # every engine
@@ -72,7 +81,12 @@ def test_served_version_is_the_lowest_fresh_engine_of_the_run():
     # versions never compare across runs: another run's version 31 serves nothing of this one
     assert served_version([entry("3"), entry("31", serving="other")], RUN, now=now) == -1
     assert served_version([entry("3"), entry("3", status="mismatch")], RUN, now=now) == -1
-    assert served_version([entry("3", status="stopped")], RUN, now=now) is None  # released
+    # another run's syncer took the engine over after this run's record: it serves that now
+    taken = [
+        entry("3", engine="http://x", age=5.0),
+        entry("1", run="other", serving="other", engine="http://x"),
+    ]
+    assert served_version(taken, RUN, now=now) == -1
 
 
 async def test_each_batch_is_generated_by_the_last_version_and_released_after_it(

@@ -38,7 +38,7 @@ WeightUpdate:
 5. keeps the newest ``keep`` local copies;
 6. records what each engine serves now in the engines KV (``inference.record_engine``), for
    live views; a record that cannot be written is logged and skipped. On stop its records say
-   ``stopped``, so another run may take the engines over at once.
+   ``live: false``, so another run may take the engines over at once.
 
 Updates that arrive while a reload runs are coalesced: only the newest is applied next. Every
 ``recheck_s`` the syncer also reads the KV key directly (a watch that silently died after a
@@ -227,8 +227,11 @@ class WeightSyncer:
         else:
             self._offer(update)
         try:
-            return await self.apply(update)
+            await self.apply(update)
+            assert self.last_result is not None
+            return self.last_result
         finally:
+            await self._release()  # a one-off syncer holds no engine once it is done
             await self.close()
 
     async def _watch(self) -> None:
@@ -415,7 +418,7 @@ class WeightSyncer:
 
     async def _other_syncers(self) -> dict[str, str]:
         """Engine URL -> run, for engines another run's syncer recorded within ``FRESH_S`` and
-        has not released (``stopped``): a live syncer that would load its weights back."""
+        has not released (``live`` false): a live syncer that would load its weights back."""
         try:
             entries = await engine_versions(self.js, self.topology)
         except (nats.errors.Error, nats.js.errors.Error) as exc:
@@ -426,7 +429,7 @@ class WeightSyncer:
             str(e.get("engine")): str(e.get("run"))
             for e in entries
             if e.get("run") != self.config.run
-            and e.get("status") != "stopped"
+            and e.get("live", True)
             and now - float(e.get("updated_at") or 0) <= FRESH_S
         }
 
@@ -436,7 +439,14 @@ class WeightSyncer:
             await self._record_engine(r.url, serving, r.status, result.version, r.message)
 
     async def _record_engine(
-        self, url: str, serving: str | None, status: str, version: int, message: str
+        self,
+        url: str,
+        serving: str | None,
+        status: str,
+        version: int,
+        message: str,
+        *,
+        live: bool = True,
     ) -> None:
         try:
             await record_engine(
@@ -448,6 +458,7 @@ class WeightSyncer:
                 status=status,
                 target_version=version,
                 message=message,
+                live=live,
             )
         except (nats.errors.Error, nats.js.errors.Error) as exc:
             log.warning(
@@ -457,18 +468,15 @@ class WeightSyncer:
             )
 
     async def _release(self) -> None:
-        """On stop: record every engine as ``stopped``, so another run may take it over at once
-        (a syncer that died instead is taken over once its records are ``FRESH_S`` old)."""
+        """On stop: rewrite this syncer's records with ``live`` false (what each engine
+        serves stays), so another run may take the engines over at once; a syncer that died
+        instead is taken over once its records are ``FRESH_S`` old."""
         last = self.last_result
-        for url in self.config.engines:
-            served = None
-            if last is not None:
-                for r in last.engines:
-                    if r.url == url:
-                        served = last.identity if r.status == "updated" else r.before
-            version = 0 if last is None else last.version
-            with contextlib.suppress(Exception):
-                await self._record_engine(url, served, "stopped", version, "syncer stopped")
+        if last is None:
+            return
+        for r in last.engines:
+            serving = last.identity if r.status == "updated" else r.before
+            await self._record_engine(r.url, serving, r.status, last.version, r.message, live=False)
 
     async def _weights_for(self, update: WeightUpdate) -> Path:
         """The verified directory to hand the engines for this version."""
