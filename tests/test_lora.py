@@ -82,7 +82,8 @@ async def test_the_engine_serves_each_new_adapter_and_the_base_stays(
                 )
             )
             served.append((result.weight_version, (await control.weights_checksum(engine_url))))
-        assert [v for v, _ in served] == ["1", "2", "3"]  # what the calls record advances
+        # what the calls record advances, each the identity of this run's adapter version
+        assert [v.split(":")[0] for v, _ in served] == ["lora@1", "lora@2", "lora@3"]
         sums = [c["checksum"] for _, c in served]
         assert sums[0] == base["checksum"]  # the initial adapter adds nothing (B = 0)
         assert len({base["checksum"], sums[1], sums[2]}) == 3
@@ -177,13 +178,14 @@ async def test_the_syncer_loads_an_adapter_with_sglangs_calls(
     assert load["lora_name"] == RUN and (tmp_path / "sync" / RUN / "v1" / "lora") == Path(
         load["lora_path"]
     )
-    assert version == {"new_version": "1", "abort_all_requests": False}
+    assert version == {"new_version": result.identity, "abort_all_requests": False}
+    assert result.identity.startswith(f"{RUN}@1:")
     backend = SGLangBackend([fake.url], lora=RUN)
     try:
         result = await backend.generate(GenerateRequest(input_ids=PROMPT, sampling={}))
     finally:
         await backend.aclose()
-    assert result.weight_version == "1" and fake.requests[-1]["lora_path"] == RUN
+    assert result.weight_version == version["new_version"] and fake.requests[-1]["lora_path"] == RUN
 
 
 def test_an_adapter_on_a_tied_head_changes_the_head_alone(tmp_path):

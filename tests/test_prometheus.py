@@ -289,7 +289,7 @@ async def test_syncer_exports_each_engines_weight_version_and_reload_times(js, t
     from agentarium.inference.sync import SyncConfig, WeightSyncer
     from agentarium.trainer.weights import WeightStore
 
-    behind, ahead = FakeSGLang(), FakeSGLang(weight_version="5")
+    behind, ahead = FakeSGLang(), FakeSGLang(weight_version="prom-sync@5:" + "ab" * 8)
     await behind.start()
     await ahead.start()
     try:

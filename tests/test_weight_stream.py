@@ -18,6 +18,7 @@ from aiohttp import web
 
 from agentarium.inference import weights_checksum
 from agentarium.inference.sync import SyncConfig, WeightSyncer
+from agentarium.schemas import WeightIdentity
 from agentarium.trainer import weight_group as wg
 from agentarium.trainer.weight_stream import StreamConfig, StreamPublisher, WeightStreamer
 from agentarium.trainer.weights import WeightStore
@@ -166,33 +167,38 @@ def publisher(js, topology, engines: list[str], run: str, timeout_s: float = 30.
     return StreamPublisher(streamer, store.for_run(run), js=js, topology=topology), store
 
 
+def ident(update) -> str:
+    """The weight_version engines report for a published version: its identity."""
+    return str(WeightIdentity.of(update))
+
+
 async def test_stream_updates_every_engine_and_a_restarted_one_rejoins(js, topology, fleet, model):
     async with Proxy(fleet, 1) as proxy, aiohttp.ClientSession() as http:
         engines = [fleet.urls[0], proxy.url]
         pub, store = publisher(js, topology, engines, run="s1")
         try:
             expected = train_step(model, seed=1)
-            update = await pub.publish(model, version=1, step=1)
+            update = u1 = await pub.publish(model, version=1, step=1)
             assert pub.last is not None and pub.last.ok and pub.last.rebuilt
             for url in engines:
-                assert await served(http, url) == (expected, "1")
+                assert await served(http, url) == (expected, ident(u1))
             # the version is recorded as the default path records it: consumers see it
             assert (update.version, (await store.latest("s1")).version) == (1, 1)
 
             expected = train_step(model, seed=2)
-            await pub.publish(model, version=2, step=2)
+            u2 = await pub.publish(model, version=2, step=2)
             assert pub.last.ok and not pub.last.rebuilt  # the same group, no new rendezvous
             for url in engines:
-                assert await served(http, url) == (expected, "2")
+                assert await served(http, url) == (expected, ident(u2))
 
             fleet.restart(1)  # a new engine process behind the same URL, on its first weights
             assert (await served(http, proxy.url))[1] == "default"
             expected = train_step(model, seed=3)
-            await pub.publish(model, version=3, step=3)
+            u3 = await pub.publish(model, version=3, step=3)
             assert pub.last.ok and pub.last.rebuilt
-            assert [e.before for e in pub.last.engines] == ["2", "default"]
+            assert [e.before for e in pub.last.engines] == [ident(u2), "default"]
             for url in engines:
-                assert await served(http, url) == (expected, "3")
+                assert await served(http, url) == (expected, ident(u3))
             assert pub.streamer.counters.rebuilt == 2
         finally:
             await pub.close()
@@ -206,19 +212,19 @@ async def test_a_stalled_broadcast_is_discarded_and_the_object_store_catches_up(
         pub, _ = publisher(js, topology, engines, run="s2", timeout_s=2.0)
         try:
             first = train_step(model, seed=11)
-            await pub.publish(model, version=1, step=1)
+            u1 = await pub.publish(model, version=1, step=1)
             assert pub.last.ok
 
             # engine 1 stops answering the update: it never receives, the broadcast times out
             proxy.stalled.add("/update_weights_from_distributed")
             second = train_step(model, seed=12)
-            update = await pub.publish(model, version=2, step=2)
+            update = u2 = await pub.publish(model, version=2, step=2)
             result = pub.last
             assert proxy.held == 1 and not result.ok and proxy.url in result.failed()
             assert "broadcast failed" in dict((e.url, e.message) for e in result.engines)[proxy.url]
             # no engine is half-updated: those the broadcast did not complete keep version 1
             for url in result.failed():
-                assert await served(http, url) == (first, "1")
+                assert await served(http, url) == (first, ident(u1))
             assert update.version == 2  # stored and recorded all the same
 
             # the fallback: the syncer fetches version 2 from the object store
@@ -227,14 +233,14 @@ async def test_a_stalled_broadcast_is_discarded_and_the_object_store_catches_up(
             synced = await WeightSyncer(js, config, topology=topology).sync_once()
             assert synced is not None and synced.ok
             for url in engines:
-                assert await served(http, url) == (second, "2")
+                assert await served(http, url) == (second, ident(u2))
 
             # and the next version streams again, through a rebuilt group
             third = train_step(model, seed=13)
-            await pub.publish(model, version=3, step=3)
+            u3 = await pub.publish(model, version=3, step=3)
             assert pub.last.ok and pub.last.rebuilt
             for url in engines:
-                assert await served(http, url) == (third, "3")
+                assert await served(http, url) == (third, ident(u3))
         finally:
             await pub.close()
 
