@@ -141,7 +141,7 @@ class Fleet:
         self.servers: list[str] = list(backend.servers)
         self._open: dict[str, str] = {}  # server -> why its breaker opened
         # server -> why it is held out: its weight syncer found it not serving what it
-        # reports (consumers/quarantine.py); its probe fails until that is lifted
+        # reports (consumers/backends/engine_holds.py); its probe fails until that is lifted
         self._quarantined: dict[str, str] = {}
         self.down_since: float | None = None  # loop time the fleet went down
         self._down_at = 0.0  # the same as wall time, for the registry

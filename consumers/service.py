@@ -27,12 +27,12 @@ from .agents.envclient import EnvClient
 from .agents.loading import AgentRunner, AgentSpec
 from .backends import CrossSamplingBackend, OpenAICompatBackend, SGLangBackend
 from .backends.cross_sampling import check_same_tokenizer
+from .backends.engine_holds import watch_engine_records
 from .backends.vocab import check_engine_tokenizer
 from .config import ConsumerSettings
 from .errors import CrossSamplingError
 from .fleet import Fleet, supports
 from .metrics import LOOP_LAG_SECONDS
-from .quarantine import watch_engine_records
 from .rollout import RolloutEnv
 from .tracing.proxy import TracingProxy
 from .worker.counters import Counters
@@ -215,7 +215,7 @@ class ConsumerService:
         self._task: asyncio.Task[Counters] | None = None
         self._watching_lag = False
         self.fleets: tuple[Fleet, ...] = ()
-        self._holds: asyncio.Task | None = None  # engines KV watch: quarantine.py
+        self._holds: asyncio.Task | None = None  # engines KV watch: backends/engine_holds.py
 
     def __repr__(self) -> str:
         return f"<ConsumerService {self.spec.agent} {self.worker!r}>"

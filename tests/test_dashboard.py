@@ -218,7 +218,7 @@ async def test_page_follows_the_run_live_in_chromium(js, topology, fake, tmp_pat
                 await trainer_rows(js, topology, range(21, 41))
                 await publish_policy(js, topology, 20)
                 await record_engine(
-                    js, topology, run=RUN, url=fake.url, weight_version="19",
+                    js, topology, run=RUN, url=fake.url, weight_version=f"{RUN}@19:{'ab' * 8}",
                     status="updated", target_version=20,
                 )  # fmt: skip
                 after = await wait_for_page(
@@ -239,7 +239,8 @@ async def test_page_follows_the_run_live_in_chromium(js, topology, fake, tmp_pat
     assert after["runs"]["r1"]["policy_version"] == "20"
     assert after["runs"]["r1"]["trajectories"] == "8"
     (engine,) = after["engines"].values()
-    assert (engine["weight_version"], engine["policy_version"]) == ("19", "20")  # one behind
+    # one behind: the run's own version 19, while the policy is at 20
+    assert (engine["weight_version"], engine["policy_version"]) == (f"{RUN}@19:{'ab' * 8}", "20")
     stored = await TrajectoryReader(js, topology).read(RUN)
     assert set(after["trajectories"]) == {t.job_id for t in stored}
     assert sorted(after["links"]) == sorted(

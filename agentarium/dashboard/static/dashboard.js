@@ -31,13 +31,13 @@
   }
 
   // columns: [{label, field, show(row) -> string | Node, cls(row) -> class, left}]
-  function table(id, columns, rows, key, empty) {
+  function table(id, columns, rows, key, empty, rowCls) {
     const t = byId(id);
     const head = el("tr");
     for (const c of columns) head.appendChild(el("th", { class: c.left ? "l" : undefined }, c.label));
     const body = [head];
     for (const row of rows) {
-      const tr = el("tr", { "data-row": key(row) });
+      const tr = el("tr", { "data-row": key(row), class: rowCls ? rowCls(row) : undefined });
       for (const c of columns) {
         const shown = c.show ? c.show(row) : num(row[c.field]);
         const cls = [c.left ? "l" : "", c.cls ? c.cls(row) || "" : ""].join(" ").trim();
@@ -194,15 +194,24 @@
     lineChart("chart-stale", runSeries("dropped_stale"), { title: "stale trajectories dropped (total)", zero: true, digits: 0 });
 
     const policy = Object.fromEntries(s.runs.map((r) => [r.run, r.policy_version]));
+    // an engine's weight_version is an identity: "default" (the base, version 0) or
+    // "<run>@<version>:<sha16>"; a version of another run is not this run's (null)
+    const servedOf = (r) => {
+      if (r.weight_version === "default") return 0;
+      const m = /^([A-Za-z0-9_-]+)@(\d+):[0-9a-f]{16}$/.exec(r.weight_version ?? "");
+      return m && m[1] === r.run ? Number(m[2]) : null;
+    };
+    const badSync = (r) => ["failed", "mismatch", "conflict"].includes(r.status);
     table("engines", [
       { label: "engine", field: "engine", left: true, show: (r) => r.engine, cls: () => "text mono" },
       { label: "run", field: "run", left: true, show: (r) => r.run },
       { label: "serving", field: "weight_version", show: (r) => r.weight_version ?? "unreachable",
-        cls: (r) => (r.weight_version === null ? "bad" : Number(r.weight_version) < (policy[r.run] ?? 0) ? "lag" : "ok") },
+        cls: (r) => (servedOf(r) === null ? "bad mono" : servedOf(r) < (policy[r.run] ?? 0) ? "lag mono" : "ok mono") },
       { label: "policy", field: "policy_version", show: (r) => num(policy[r.run]) },
-      { label: "last sync", field: "status", left: true, show: (r) => r.status, cls: (r) => (r.status === "failed" ? "bad" : undefined) },
+      { label: "last sync", field: "status", left: true, show: (r) => r.status, cls: (r) => (badSync(r) ? "bad" : undefined) },
       { label: "seen", field: "updated_at", show: (r) => ago(r.updated_at, now) },
-    ], s.engines, (r) => `${r.run} ${r.engine}`, "no syncer has reported an engine yet (agentarium sync)");
+    ], s.engines, (r) => `${r.run} ${r.engine}`, "no syncer has reported an engine yet (agentarium sync)",
+    (r) => (r.status === "mismatch" ? "bad" : undefined));
 
     table("workers", [
       { label: "worker", field: "worker_id", left: true, show: (r) => r.worker_id, cls: () => "mono" },

@@ -17,7 +17,7 @@ import contextlib
 import json
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import nats.errors
 import nats.js.errors
@@ -27,7 +27,8 @@ from nats.js import JetStreamContext
 from agentarium.broker import Backoff, Topology
 from agentarium.inference import FRESH_S
 
-from .fleet import Fleet
+if TYPE_CHECKING:
+    from ..fleet import Fleet
 
 log = structlog.get_logger("agentarium.consumers")
 
