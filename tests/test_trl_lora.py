@@ -39,6 +39,24 @@ async def first_char(task: dict, llm) -> dict:
     return {"reward": min(ord(result.text[:1] or "\0"), 255) / 255, "metrics": {}}
 
 
+async def full_run_on(settings, engine_url, model, weights_dir) -> None:
+    """Run ``full`` publishes ``model``'s whole weights and its syncer loads them (then stops,
+    so another run may take the engine over)."""
+    from agentarium.broker import Topology
+    from agentarium.inference.sync import SyncConfig, WeightSyncer
+    from agentarium.trainer.weights import WeightStore
+
+    nc = await settings.connect(name="full-run")
+    try:
+        js = nc.jetstream()
+        await WeightStore(js, Topology()).publish(model, run="full", version=5)
+        config = SyncConfig(run="full", engines=(engine_url,), weights_dir=weights_dir)
+        result = await WeightSyncer(js, config, topology=Topology()).sync_once()
+        assert result.ok and result.identity.startswith("full@5:"), result
+    finally:
+        await nc.close()
+
+
 def _base(tiny_dir):
     return AutoModelForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.float32).eval()
 
@@ -51,9 +69,17 @@ def test_trl_trains_a_lora_adapter_and_the_engine_serves_base_plus_adapter(
     group is flat when its 4 replies start with the same character: sum_c q_c^4 <= max_c q_c^3,
     and the near-uniform tiny model gives no first character (nor the empty reply) more than
     q = 0.05 (uniform over its 263 tokens is 0.004): 1.3e-4 a group, and all 12 flat
-    (1.3e-4)^12 < 1e-46. Everything else it asserts is deterministic."""
+    (1.3e-4)^12 < 1e-46. Everything else it asserts is deterministic.
+
+    Before it, a full fine-tuning run (``full``) leaves its weights on the engine, as the run
+    before a LoRA experiment would: the LoRA run's syncer restores the base weights before its
+    first adapter, so the adapter trains and serves on the base, not on the other run's."""
     torch.manual_seed(0)
     control = EngineControl()
+    full = _base(tiny_dir)
+    with torch.no_grad():
+        for param in full.parameters():
+            param.mul_(1.5)  # visibly other weights
     seen = VersionsSeen()
     with services_running(
         settings,
@@ -66,6 +92,8 @@ def test_trl_trains_a_lora_adapter_and_the_engine_serves_base_plus_adapter(
     ) as loop:
         try:
             base_sum = loop.call(control.weights_checksum(engine_url))
+            loop.call(full_run_on(settings, engine_url, full, tmp_path / "full"))
+            assert loop.call(control.weights_checksum(engine_url)) != base_sum
             config = RolloutConfig(agent=AGENT, run=RUN, deadline_s=60, grace_s=30)
             with AgentariumRollout(config, settings=settings) as rollouts:
                 trainer = grpo_trainer(
@@ -98,7 +126,7 @@ def test_trl_trains_a_lora_adapter_and_the_engine_serves_base_plus_adapter(
     # version s, the one published after the step before
     assert sync.published == list(range(1, STEPS + 2)), sync.published
     assert seen.steps == [{s} for s in range(1, STEPS + 1)], seen.steps
-    assert served["weight_version"] == str(STEPS + 1)
+    assert served["weight_version"].startswith(f"{RUN}@{STEPS + 1}:")
     # the engine served its base + the trained adapter, and its base is intact
     assert served["checksum"] != base_sum["checksum"]
     assert unloaded["checksum"] == base_sum["checksum"]
