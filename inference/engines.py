@@ -103,13 +103,17 @@ async def wait_served(
     stop: asyncio.Event | None = None,
     timeout: float | None = None,
     on_wait: Callable[[float], None] | None = None,
+    synced: bool = False,
 ) -> bool:
     """Wait until every engine of ``run`` serves ``version`` or newer of this run
-    (``served_version``), by watching the engines KV. Version 0 is the base weights: it needs a
-    wait only while a syncer of the run records an engine serving something else (another
-    run's weights, before this run's syncer took it over); with no syncer recording the run's
-    engines there is nothing to wait on. False when ``stop`` was set or ``timeout`` passed
-    first; ``on_wait(waited_s)`` is called about every 30 s while waiting, for a warning."""
+    (``served_version``), by watching the engines KV. Version 0 is the base weights: without
+    ``synced`` it needs a wait only while a syncer of the run records an engine serving
+    something else (another run's weights, before this run's syncer took it over), and with no
+    syncer recording the run's engines there is nothing to wait on; with ``synced`` (a syncer
+    of the run is known to run: synchronous training, the demo) it waits for that syncer's
+    record, so a run's first batch is never sampled from weights its syncer has not yet taken
+    over. False when ``stop`` was set or ``timeout`` passed first; ``on_wait(waited_s)`` is
+    called about every 30 s while waiting, for a warning."""
     loop = asyncio.get_running_loop()
     started = loop.time()
     deadline = None if timeout is None else started + timeout
@@ -123,7 +127,7 @@ async def wait_served(
             served = served_version(list(entries.values()), run, now=time.time(), fresh_s=fresh_s)
             if served is not None and served >= version:
                 return True
-            if served is None and version <= 0 and initial_done:
+            if served is None and version <= 0 and initial_done and not synced:
                 return True
             if stop is not None and stop.is_set():
                 return False

@@ -14,11 +14,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+from dataclasses import replace
 
 import pytest
 from worker_env import worker_for
 
-from agentarium.examples.toy import rollout
+from agentarium.examples.toy import messages_of, rollout
 from agentarium.inference import served_version, wait_served
 from agentarium.inference.sync import SyncConfig, WeightSyncer
 from agentarium.producers import TaskProducer, TrajectoryReader
@@ -41,9 +42,8 @@ def config(tiny_dir, tmp_path, **extra) -> TrainerConfig:
         model_dir=str(tiny_dir),
         group_size=SIZE,
         groups_per_step=GROUPS,
-        lr=1e-3,
         metrics_path=str(tmp_path / "metrics.csv"),
-        **extra,
+        **{"lr": 1e-3, **extra},
     )
 
 
@@ -185,3 +185,67 @@ async def test_each_batch_is_generated_by_the_last_version_and_released_after_it
         batch = int(job.task_id.split("-")[0][1:])
         if batch > 1:
             assert job.created_at >= served_at[batch - 1], (job.task_id, served_at)
+
+
+async def test_a_control_run_after_a_run_on_the_same_engine_samples_the_base_weights(
+    js, topology, tiny_dir, engine_url, tmp_path
+):
+    """Issue 31's scenario with the trainer: run A trains (lr 1e-1) and leaves its weights on
+    the engine; then run B, the control (lr 0), on the same engine. B's syncer takes the engine
+    over (A's has stopped) and restores the base weights: every call of B records the base or
+    B's own identity, none A's, and the engine serves exactly the base (its checksum)."""
+    from agentarium.inference import EngineControl
+
+    async def checksum() -> str:
+        async with EngineControl() as control:
+            return (await control.weights_checksum(engine_url))["checksum"]
+
+    async def first_char(task: dict, llm) -> dict:
+        """A reward that differs within a group (the reply's first character), so run A's
+        step has an advantage to train on: the near-uniform tiny model gives no first
+        character more than 5% (tests/test_trl_lora.py), so a group of 4 is flat with
+        p <= 1.3e-4 and both groups with p < 2e-8."""
+        result = await llm.chat(messages_of(task), max_new_tokens=1)
+        return {"reward": min(ord(result.text[:1] or "\0"), 255) / 255, "metrics": {}}
+
+    async def one_run(run: str, lr: float) -> list:
+        syncer = WeightSyncer(
+            js,
+            SyncConfig(run=run, engines=(engine_url,), weights_dir=tmp_path / "w"),
+            topology=topology,
+        )
+        trainer = Trainer(
+            replace(config(tiny_dir, tmp_path / run, sync_rollouts=True, lr=lr), run=run),
+            js,
+            topology=topology,
+            publisher=WeightStore(js, topology).for_run(run),
+        )
+        producer = TaskProducer(js, topology)
+        async with worker_for(js, AGENT, first_char, [engine_url], burst=False) as worker:
+            tasks = [
+                asyncio.create_task(worker.run()),
+                asyncio.create_task(syncer.run()),
+                asyncio.create_task(trainer.run(max_steps=1)),
+            ]
+            try:
+                # the run's syncer has taken the engine over: its version 0, the base
+                assert await wait_served(js, topology, run, 0, timeout=60, synced=True), run
+                batch = [{"task_id": f"{run}-{i}", "prompt": f"repeat {i}", "answer": str(i),
+                          "max_new_tokens": 1} for i in range(GROUPS)]  # fmt: skip
+                await producer.submit(AGENT, batch, run=run, group_size=SIZE)
+                await asyncio.wait_for(tasks[2], 120)
+                assert await wait_served(js, topology, run, 1, timeout=60), run
+            finally:
+                worker.stop()
+                syncer.stop()
+                trainer.stop()
+                await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)
+        return await TrajectoryReader(js, topology).read(run)
+
+    base = await checksum()
+    await one_run("run-a", 1e-1)
+    assert await checksum() != base  # A's trained weights are what the engine serves
+    control = await one_run("run-b", 0.0)
+    assert await checksum() == base  # B took the engine over and serves the base weights
+    versions = {call.weight_version for t in control for call in t.calls}
+    assert versions == {"default"}, versions  # B's step 1 sampled its version 0: the base

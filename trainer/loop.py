@@ -333,7 +333,13 @@ class Trainer:
             )
 
         served = await wait_served(
-            self.js, self.topology, self.config.run, version, stop=self._stop, on_wait=waiting
+            self.js,
+            self.topology,
+            self.config.run,
+            version,
+            stop=self._stop,
+            on_wait=waiting,
+            synced=True,
         )
         if served:
             log.info(

@@ -295,12 +295,12 @@ async def _feed_and_watch(
             check_alive(children)  # an engine, consumer or syncer gone: an error, not a wait
             if args.sync_rollouts:
                 # Synchronous: batch k+1 only once the engine serves version k, the weights
-                # trained on batch k (version 0, the initial weights, needs no wait). The wait
-                # doubles as the status refresh tick.
+                # trained on batch k (version 0: the base weights, once the run's syncer has
+                # recorded them). The wait doubles as the status refresh tick.
                 released = published_groups // args.groups_per_step
                 if released >= args.steps:
                     await asyncio.sleep(0.5)
-                elif await wait_served(js, topo, args.run, released, timeout=0.5):
+                elif await wait_served(js, topo, args.run, released, timeout=0.5, synced=True):
                     for agent, batch in _step_batches(args, rng, published_groups):
                         await producer.submit(
                             agent, batch, run=args.run, group_size=args.group_size

@@ -253,6 +253,10 @@ class WeightSyncer:
                             entry = None
                     if entry is not None and entry.value:
                         self._offer_bytes(entry.value)
+                    elif entry is None and self._latest is None:
+                        # the end of the initial values, and none for this run: a first
+                        # round now (the base weights) rather than after recheck_s
+                        self._wake.set()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
