@@ -67,6 +67,10 @@ EXAMPLES: dict[tuple[str, ...], tuple[str, ...]] = {
         "agentarium sync --run run1 --engine http://127.0.0.1:30000",
         "agentarium sync --run run1 --engine http://127.0.0.1:30000 --weights-dir /shared/w "
         "--shared-path",
+        "agentarium sync --run ctrl --engine http://127.0.0.1:30000 --base-model /models/smol"
+        "   # take over engines that served another run",
+        "agentarium sync --run run2 --engine http://127.0.0.1:30000 --shared-engines"
+        "   # never load over another run's weights",
     ),
     ("trainer",): (
         "agentarium trainer --run run1 --agent toy --model tiny --metrics metrics.csv",
