@@ -15,10 +15,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .names import check_name
-
 from .errors import SchemaError
 from .fields import FLOAT, INT, NAME, STR, WireMessage, spec
+from .names import check_name
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
