@@ -66,6 +66,25 @@ def _read_spans(value, path) -> list[tuple[str, int]]:
     return spans
 
 
+def spans_problem(spans: list[tuple[str, int]], tokens: int, last_version: str) -> str | None:
+    """What is wrong with non-empty ``weight_spans`` of a response of ``tokens`` tokens whose
+    last token's version is ``last_version``, or None: the one rule, for LLMCall and for the
+    backends that read an engine's spans."""
+    starts = [start for _, start in spans]
+    if starts[0] != 0:
+        return f"the first span starts at token {starts[0]}, not 0"
+    if any(b <= a for a, b in zip(starts, starts[1:], strict=False)):
+        return f"span starts {starts} are not strictly increasing"
+    if starts[-1] >= tokens:
+        return f"a span starts at token {starts[-1]} of a response of {tokens}"
+    if spans[-1][0] != last_version:
+        return (
+            f"the last span's version {spans[-1][0]!r} is not weight_version "
+            f"{last_version!r} (the version of the last token)"
+        )
+    return None
+
+
 WEIGHT_SPANS = Kind(
     {
         "type": "array",
@@ -162,21 +181,7 @@ class LLMCall(WireMessage):
     def _check_spans(self) -> None:
         spans = _read_spans(self.weight_spans, "llmcall.weight_spans")  # also built in Python
         object.__setattr__(self, "weight_spans", spans)
-        starts = [start for _, start in spans]
-        problem = None
-        if starts[0] != 0:
-            problem = f"the first span starts at token {starts[0]}, not 0"
-        elif any(b <= a for a, b in zip(starts, starts[1:], strict=False)):
-            problem = f"span starts {starts} are not strictly increasing"
-        elif starts[-1] >= len(self.response_ids):
-            problem = (
-                f"a span starts at token {starts[-1]} of a response of {len(self.response_ids)}"
-            )
-        elif spans[-1][0] != self.weight_version:
-            problem = (
-                f"the last span's version {spans[-1][0]!r} is not weight_version "
-                f"{self.weight_version!r} (the version of the last token)"
-            )
+        problem = spans_problem(spans, len(self.response_ids), self.weight_version)
         if problem:
             raise SchemaError(f"llmcall.weight_spans: {problem}", field="llmcall.weight_spans")
 
