@@ -176,3 +176,45 @@ async def test_a_step_keeps_the_group_of_a_stale_member(js, topology, tmp_path, 
     counted = {"drop": ("1", "0"), "mask": ("0", "1")}[policy]
     assert (row["dropped_stale"], row["stale_masked"]) == counted
     assert row["staleness_max"] == "3" and summary.counters["dropped_stale_groups"] == 0
+
+
+def test_importance_weights_are_per_token():
+    """A row with its first tokens too stale: their loss is the TIS loss (ratio against the
+    current policy, weight min(pi / pi_rollout, 2)), the others' the plain clipped one. Under
+    token-mean the row's loss is the sum of the two parts, each computed alone with the other's
+    tokens out of the mask."""
+    from agentarium.tiny import ensure_tiny_model
+    from agentarium.trainer.batch import Row, collate
+    from agentarium.trainer.step import StepSettings, Totals, forward_backward, load_model
+
+    model = load_model(ensure_tiny_model(), "cpu")
+    prompt, response = [257, 40, 41, 42], [48, 49, 50, 51, 52, 258]
+    stale = [1, 1, 1, 0, 0, 0]  # the call crossed an update after its third token
+    fresh = [1 - s for s in stale]
+
+    def loss(mask: list[int], tis: list[int]) -> float:
+        row = Row(
+            input_ids=prompt + response,
+            loss_mask=[0] * len(prompt) + mask,
+            # far below the tiny model's (about -5.6, 1/263): every ratio is past both the
+            # clip (1.2) and the TIS cap (2), so TIS and plain tokens lose differently
+            old_logprobs=[0.0] * len(prompt) + [-9.0] * len(response),
+            temperature=[1.0] * (len(prompt) + len(response)),
+            advantage=0.8,
+            tis=[0] * len(prompt) + tis,
+            job_id="j",
+        )
+        batch = collate([row], pad_id=256)
+        model.zero_grad(set_to_none=True)
+        value, _ = forward_backward(model, None, batch, StepSettings(), Totals.of(batch), "cpu")
+        return value
+
+    whole = loss([1] * 6, stale)
+    parts = loss(stale, stale) * sum(stale) + loss(fresh, [0] * 6) * sum(fresh)
+    # fp32: the same per-token terms summed in another order, 6 of them: a few 2^-24 apart
+    assert whole == pytest.approx(parts / 6, rel=6 * 2**-24 * 4)
+    # A = 0.8, ratios past every cap: a TIS token loses -A * 2, a plain one -A * 1.2 (fp32: six
+    # rounded terms summed and divided, well within 8 ulp, 2^-20)
+    assert loss([1] * 6, [1] * 6) == pytest.approx(-0.8 * 2.0, rel=2**-20)
+    assert loss([1] * 6, [0] * 6) == pytest.approx(-0.8 * 1.2, rel=2**-20)
+    assert whole == pytest.approx(-0.8 * (3 * 2.0 + 3 * 1.2) / 6, rel=2**-20)
