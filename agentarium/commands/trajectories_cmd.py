@@ -11,8 +11,7 @@ from pathlib import Path
 
 from agentarium.broker import NatsSettings, Topology
 from agentarium.producers import ProducerError, TrajectoryReader
-from agentarium.schemas import STATUSES, Trajectory
-from agentarium.schemas.weights import versions_label
+from agentarium.schemas import STATUSES, Trajectory, versions_label
 
 from ..evaluation import FORMATS, export_run
 from .common import add_command_group, add_nats_flags, run_async, settings_from_args

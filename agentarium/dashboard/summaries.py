@@ -11,8 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from agentarium.schemas import DeadLetter, SchemaError, Trajectory
-from agentarium.schemas.weights import versions_label
+from agentarium.schemas import DeadLetter, SchemaError, Trajectory, versions_label
 
 
 def preview(text: str, limit: int) -> str:

@@ -34,7 +34,7 @@ from typing import Any
 import orjson
 
 from agentarium.inference import EngineControl, EngineControlError
-from agentarium.schemas.trajectory import spans_problem
+from agentarium.schemas import spans_problem
 
 from ..errors import BackendUnavailable, BadRequest
 from .balancer import StickyBalancer
