@@ -147,7 +147,8 @@ def run_version(weight_version: str | None, run: str) -> int | None:
 def versions_label(versions: Iterable[str]) -> str:
     """Weight versions as people read them: ``default`` (the base weights), ``A@3`` (run A's
     version 3; the checksum left out), ``A@3..A@5`` for several of one run, runs apart joined
-    by ", " and strings no trainer wrote shown as they are; "" for none."""
+    by "," (no space: one cell of a table) and strings no trainer wrote shown as they are; ""
+    for none."""
     base = False
     runs: dict[str, set[int]] = {}
     other: set[str] = set()
@@ -163,4 +164,4 @@ def versions_label(versions: Iterable[str]) -> str:
     for run, numbers in sorted(runs.items()):
         low, high = min(numbers), max(numbers)
         parts.append(f"{run}@{low}" if low == high else f"{run}@{low}..{run}@{high}")
-    return ", ".join(parts + sorted(other))
+    return ",".join(parts + sorted(other))

@@ -229,3 +229,27 @@ def test_a_call_without_an_update_has_no_spans_and_bad_spans_are_refused():
         job_id="j", agent="a", task_id="t", group_id="g", status="ok", reward=0.0, calls=[spanned]
     )))  # fmt: skip
     assert data["calls"][0]["weight_spans"] == [["default", 0], [V1, 2]]
+
+
+def test_the_dashboard_and_show_name_every_tokens_weights():
+    from agentarium.commands.trajectories_cmd import table_row
+    from agentarium.dashboard.summaries import trajectory_row
+
+    def shown(*calls: LLMCall) -> tuple[str, str]:
+        t = Trajectory(
+            job_id="j", agent="a", task_id="t", group_id="g", run=RUN, status="ok", reward=1.0,
+            calls=list(calls),
+        )  # fmt: skip
+        return trajectory_row(t, seq=1, trace_url="")["weight_version"], table_row(t).split()[7]
+
+    def call(version: str, spans=()) -> LLMCall:
+        return LLMCall(
+            prompt_ids=[1], response_ids=[2, 3, 4], response_logprobs=[-1.0] * 3,
+            finish_reason="stop", weight_version=version, weight_spans=list(spans),
+        )  # fmt: skip
+
+    v2, v3 = served(RUN, 2), served(RUN, 3)
+    assert shown(call(v3)) == ("spans@3", "spans@3")  # the checksum left out
+    assert shown(call(v3, [(v2, 0), (v3, 1)])) == ("spans@2..spans@3",) * 2  # a span counts
+    assert shown(call("default"), call(served("other", 9))) == ("default,other@9",) * 2
+    assert shown(call("sglang-v1.2")) == ("sglang-v1.2",) * 2  # a server's own, as it said
