@@ -32,10 +32,10 @@ and acks what it is told to. Rules (docs/design.md "The GRPO trainer"):
   ``max_new_tokens``) are kept as they are (``keep``), filtered out of statistics and training
   like a refused member (``filter``), or given a set reward (``reward``); both counted.
 - Cross-sampled calls (``LLMCall.policy`` false) report another model's weight version: only the
-  policy's own calls count for staleness (and for refusal and foreign weights). A member whose calls are all
-  cross-sampled (``cross_only``) has no policy token to train: its reward stays in the group's
-  statistics (it is a sample of the same mixed behaviour as its siblings, so leaving it out
-  would bias the baseline) but it becomes no sample.
+  policy's own calls count for staleness (and for refusal and foreign weights). A member whose
+  calls are all cross-sampled (``cross_only``) has no policy token to train: its reward stays in
+  the group's statistics (it is a sample of the same mixed behaviour as its siblings, so leaving
+  it out would bias the baseline) but it becomes no sample.
 
 A dropped group is acked at once (dropped on purpose); a used group is acked by the trainer
 once a checkpoint covers its step, all members together, so a replay after a crash rebuilds
@@ -132,10 +132,9 @@ class Group:
     timed_out: bool = False
     # Set by select():
     samples: list[Sample] = field(default_factory=list)
-    staleness: list[int] = field(
-        default_factory=list
-    )  # every ok member evaluated: its oldest token
-    token_staleness: Counter[int] = field(default_factory=Counter)  # staleness -> their tokens
+    # every ok member evaluated, by its oldest token; and every token, by its own version
+    staleness: list[int] = field(default_factory=list)
+    token_staleness: Counter[int] = field(default_factory=Counter)  # staleness -> tokens
     stale_dropped: int = 0
     stale_masked: int = 0
 
