@@ -20,8 +20,8 @@ from .fields import SCHEMA_VERSION
 from .job import DEFAULT_DEADLINE_S, Job, Sampling
 from .names import check_name
 from .settings import SettingError, check_settings, section, setting
-from .trajectory import FINISH_REASONS, STATUSES, LLMCall, Trajectory
-from .weights import WeightIdentity, WeightUpdate, run_version, version_number
+from .trajectory import FINISH_REASONS, STATUSES, LLMCall, Trajectory, spans_problem
+from .weights import WeightIdentity, WeightUpdate, run_version, version_number, versions_label
 
 __all__ = [
     "DEFAULT_DEADLINE_S",
@@ -61,5 +61,7 @@ __all__ = [
     "setting",
     "settings",
     "run_version",
+    "spans_problem",
     "version_number",
+    "versions_label",
 ]

@@ -41,12 +41,76 @@ def _read_messages(value, path):
     return list(value)
 
 
+def _read_spans(value, path) -> list[tuple[str, int]]:
+    """``[[version, first output-token index], ...]`` as a list of (str, int) pairs; the order
+    rules (first 0, increasing, within the response) are LLMCall's own checks."""
+    if not isinstance(value, (list, tuple)):
+        raise SchemaError(
+            f"{path}: expected a list of [version, first token index] pairs", field=path
+        )
+    spans = []
+    for i, pair in enumerate(value):
+        if (
+            not isinstance(pair, (list, tuple))
+            or len(pair) != 2
+            or not isinstance(pair[0], str)
+            or isinstance(pair[1], bool)
+            or not isinstance(pair[1], int)
+        ):
+            raise SchemaError(
+                f"{path}[{i}]: expected a [version string, first token index] pair, "
+                f"got {str(pair)[:80]}",
+                field=path,
+            )
+        spans.append((STR.read(pair[0], f"{path}[{i}][0]"), pair[1]))
+    return spans
+
+
+def spans_problem(spans: list[tuple[str, int]], tokens: int, last_version: str) -> str | None:
+    """What is wrong with non-empty ``weight_spans`` of a response of ``tokens`` tokens whose
+    last token's version is ``last_version``, or None: the one rule, for LLMCall and for the
+    backends that read an engine's spans."""
+    starts = [start for _, start in spans]
+    if starts[0] != 0:
+        return f"the first span starts at token {starts[0]}, not 0"
+    if any(b <= a for a, b in zip(starts, starts[1:], strict=False)):
+        return f"span starts {starts} are not strictly increasing"
+    if starts[-1] >= tokens:
+        return f"a span starts at token {starts[-1]} of a response of {tokens}"
+    if spans[-1][0] != last_version:
+        return (
+            f"the last span's version {spans[-1][0]!r} is not weight_version "
+            f"{last_version!r} (the version of the last token)"
+        )
+    return None
+
+
+WEIGHT_SPANS = Kind(
+    {
+        "type": "array",
+        "items": {
+            "type": "array",
+            "prefixItems": [{"type": "string"}, {"type": "integer", "minimum": 0}],
+            "minItems": 2,
+            "maxItems": 2,
+        },
+    },
+    _read_spans,
+    lambda value, binary: [[version, start] for version, start in value],
+)
+
+
 @dataclass(frozen=True, kw_only=True)
 class LLMCall(WireMessage):
     """One LLM call of a rollout: the exact prompt and generated tokens, as the backend saw them.
 
     ``policy`` says who generated them: the policy being trained (true), or another model that
     cross-sampling sent the call to (false), whose tokens a trainer keeps as context only.
+
+    ``weight_version`` names the weights of the call's last token. An engine updated in place
+    while the call ran (pause, update, continue) generated its tokens with two versions or more:
+    ``weight_spans`` then lists each version with the index of its first response token, so a
+    trainer measures every token's staleness by its own version (``version_spans``).
     """
 
     prompt_ids: list[int] = spec(TOKENS, doc="prompt token ids sent to the backend")
@@ -58,7 +122,16 @@ class LLMCall(WireMessage):
     weight_version: str = spec(
         STR,
         "default",
-        doc="weight version of the model that served the call, as its engine reports it",
+        doc="the weights that generated the call's last token, as its engine reports them: "
+        "'default' (the engine's initial weights) or '<run>@<version>:<checksum>'",
+    )
+    weight_spans: list[tuple[str, int]] = spec(
+        WEIGHT_SPANS,
+        factory=list,
+        doc="every version the call's tokens came from, when the weights changed while it "
+        "ran: [version, first response token index] pairs in order, the first at 0, indices "
+        "increasing, the last version equal to weight_version; empty: every token came from "
+        "weight_version",
     )
     temperature: float = spec(FLOAT, 1.0, doc="sampling temperature used")
     top_p: float = spec(FLOAT, 1.0, doc="top_p used")
@@ -102,6 +175,34 @@ class LLMCall(WireMessage):
                 f"llmcall.finish_reason {self.finish_reason!r} is not one of {FINISH_REASONS}",
                 field="llmcall.finish_reason",
             )
+        if self.weight_spans:
+            self._check_spans()
+
+    def _check_spans(self) -> None:
+        spans = _read_spans(self.weight_spans, "llmcall.weight_spans")  # also built in Python
+        object.__setattr__(self, "weight_spans", spans)
+        problem = spans_problem(spans, len(self.response_ids), self.weight_version)
+        if problem:
+            raise SchemaError(f"llmcall.weight_spans: {problem}", field="llmcall.weight_spans")
+
+    def version_spans(self) -> list[tuple[str, int, int]]:
+        """The call's response tokens as ``(version, start, end)`` runs, in order: its
+        ``weight_spans``, or one run of ``weight_version`` (``(weight_version, 0, 0)`` for a
+        call without response tokens, whose version is still the call's)."""
+        if not self.weight_spans:
+            return [(self.weight_version, 0, len(self.response_ids))]
+        ends = [start for _, start in self.weight_spans[1:]] + [len(self.response_ids)]
+        return [
+            (version, start, end)
+            for (version, start), end in zip(self.weight_spans, ends, strict=True)
+        ]
+
+    def token_versions(self) -> list[str]:
+        """The version of each response token, aligned with ``response_ids``."""
+        out: list[str] = []
+        for version, start, end in self.version_spans():
+            out.extend([version] * (end - start))
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -13,6 +13,7 @@ other weights.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .errors import SchemaError
@@ -146,3 +147,26 @@ def run_version(weight_version: str | None, run: str) -> int | None:
     crosses runs."""
     identity = WeightIdentity.parse(weight_version)
     return None if identity is None else identity.version_in(run)
+
+
+def versions_label(versions: Iterable[str]) -> str:
+    """Weight versions as people read them: ``default`` (the base weights), ``A@3`` (run A's
+    version 3; the checksum left out), ``A@3..A@5`` for several of one run, runs apart joined
+    by "," (no space: one cell of a table) and strings no trainer wrote shown as they are; ""
+    for none."""
+    base = False
+    runs: dict[str, set[int]] = {}
+    other: set[str] = set()
+    for version in versions:
+        identity = WeightIdentity.parse(version)
+        if identity is None:
+            other.add(version)
+        elif identity.run is None:
+            base = True
+        else:
+            runs.setdefault(identity.run, set()).add(identity.version)
+    parts = [BASE] if base else []
+    for run, numbers in sorted(runs.items()):
+        low, high = min(numbers), max(numbers)
+        parts.append(f"{run}@{low}" if low == high else f"{run}@{low}..{run}@{high}")
+    return ",".join(parts + sorted(other))

@@ -6,7 +6,10 @@ and the weight endpoints (``/pause_generation``, ``/update_weights_from_disk``,
 
 Instant, configurable answers (``scripted(template, policy)``: a policy that reads the prompt
 as text and answers text, tool calls included); scripted failures (HTTP statuses, aborts); a gate to hold
-requests in flight; per-server request counting. It refuses (HTTP 400) any request field that
+requests in flight; per-server request counting. A request held by the gate has generated the first
+half of its output when it arrived: if the weights change while it waits (an update in place), its
+answer says so as SGLANG_API.md and the local engine do, ``meta_info.weight_versions``
+``[{version, start, end}]``, the second half on the new version. It refuses (HTTP 400) any request field that
 SGLang does not define, so a client sending extra fields fails its tests. Outages: ``stop()``
 closes it (connections refused) and ``start()`` brings it back on the same port; ``hang()``
 makes it accept every request, ``/health`` included, and never answer until ``unhang()``.
@@ -359,6 +362,7 @@ class FakeSGLang:
             return web.json_response(
                 {"error": {"message": f"unknown fields {sorted(unknown)}"}}, status=400
             )
+        started_on = self.weight_version  # the first half's weights, when held by the gate
         if self.gate is not None:
             await self.gate.wait()
         if self.failures:
@@ -388,7 +392,14 @@ class FakeSGLang:
             finish: dict[str, Any] = {"type": "length", "length": max_new}
         else:
             finish = {"type": "stop", "matched": output_ids[-1] if output_ids else None}
-        return web.json_response(self._response(body, prompt, output_ids, text, finish))
+        response = self._response(body, prompt, output_ids, text, finish)
+        split = len(output_ids) // 2
+        if started_on != self.weight_version and split > 0:  # updated in place mid-request
+            response["meta_info"]["weight_versions"] = [
+                {"version": started_on, "start": 0, "end": split},
+                {"version": self.weight_version, "start": split, "end": len(output_ids)},
+            ]
+        return web.json_response(response)
 
     def _response(
         self, body: dict, prompt: list[int], output_ids: list[int], text: str, finish: dict

@@ -10,7 +10,7 @@ import nats.js.errors
 import pytest
 from frozen import frozen
 from nats.js.api import AckPolicy, ConsumerConfig
-from trainlib import short_call
+from trainlib import served, short_call
 
 from agentarium.broker import BrokerUnavailable
 from agentarium.schemas import Trajectory, encode
@@ -32,9 +32,10 @@ class FakeClock:
 
 
 def traj(
-    job, group, reward=1.0, *, size=4, status="ok", version="default", is_train=True, top_p=1.0
+    job, group, reward=1.0, *, size=4, status="ok", version=0, is_train=True, top_p=1.0
 ) -> Trajectory:
-    call = short_call(weight_version=version, top_p=top_p)
+    """One member; ``version``: the run's version that sampled it (0: the base weights)."""
+    call = short_call(weight_version=served(RUN, version), top_p=top_p)
     return Trajectory(
         job_id=job,
         agent=AGENT,
@@ -166,11 +167,9 @@ async def test_stale_members_dropped_or_weighted_and_counted(js, topology, make_
     await publish(
         js,
         topology,
-        *(traj(f"d{i}", "mixed", float(i % 2), version=str(v)) for i, v in enumerate([1, 4, 4, 5])),
+        *(traj(f"d{i}", "mixed", float(i % 2), version=v) for i, v in enumerate([1, 4, 4, 5])),
     )
-    await publish(
-        js, topology, *(traj(f"o{i}", "old", float(i % 2), version="default") for i in range(4))
-    )
+    await publish(js, topology, *(traj(f"o{i}", "old", float(i % 2), version=0) for i in range(4)))
     collector = await make_collector()
     await collector.wait_received(8)
     # version 5, max staleness 2: "old" (staleness 5) is entirely stale, d0 (4) too
@@ -188,7 +187,7 @@ async def test_stale_policy_tis_keeps_stale_members_weighted(js, topology, make_
     await publish(
         js,
         topology,
-        *(traj(f"w{i}", "g", float(i % 2), version=str(v)) for i, v in enumerate([0, 3, 3, 3])),
+        *(traj(f"w{i}", "g", float(i % 2), version=v) for i, v in enumerate([0, 3, 3, 3])),
     )
     collector = await make_collector()
     (group,) = await collector.take(
@@ -200,12 +199,10 @@ async def test_stale_policy_tis_keeps_stale_members_weighted(js, topology, make_
 
 
 async def test_flat_groups_filtered_when_asked_oldest_first(js, topology, make_collector):
-    await publish(
-        js, topology, *(traj(f"n{i}", "new", float(i % 2), version="2") for i in range(4))
-    )
+    await publish(js, topology, *(traj(f"n{i}", "new", float(i % 2), version=2) for i in range(4)))
     await publish(js, topology, *(traj(f"f{i}", "flat", 1.0) for i in range(4)))
     await publish(
-        js, topology, *(traj(f"p{i}", "older", float(i % 2), version="1") for i in range(4))
+        js, topology, *(traj(f"p{i}", "older", float(i % 2), version=1) for i in range(4))
     )
     collector = await make_collector()
     await collector.wait_received(12)

@@ -12,6 +12,7 @@ import pytest
 import torch
 from fake_sglang import FakeSGLang
 from tokenizers import Tokenizer, models
+from trainlib import served
 
 from agentarium.broker import Topology
 from agentarium.cli import build_parser
@@ -64,7 +65,10 @@ def other_tokenizer(dest):
 async def test_cross_sampled_calls_record_which_model_and_version(js, tiny_dir, tmp_path):
     # the policy's engine is at version 3; the other model is a stock server ("default" = 0)
     policy = FakeSGLang(
-        output_ids=POLICY_IDS, text="1", weight_version="3", tokenizer_path=str(tiny_dir)
+        output_ids=POLICY_IDS,
+        text="1",
+        weight_version=served("xpol", 3),
+        tokenizer_path=str(tiny_dir),
     )
     other = FakeSGLang(
         output_ids=OTHER_IDS,
@@ -104,7 +108,8 @@ async def test_cross_sampled_calls_record_which_model_and_version(js, tiny_dir, 
     assert len(calls) == 12 and all(t.ok for t in trajectories)
     for call in calls:
         if call.policy:
-            assert (call.model, call.weight_version, call.backend) == ("tiny", "3", policy.url)
+            assert (call.model, call.backend) == ("tiny", policy.url)
+            assert call.weight_version == served("xpol", 3)
             assert call.response_ids == POLICY_IDS
         else:
             assert (call.model, call.weight_version, call.backend) == ("big", "default", other.url)
@@ -323,10 +328,18 @@ def test_staleness_and_statistics_count_only_the_policys_calls():
     def member(job, reward, calls):
         assert buffer.add(traj(calls, reward, job=job, size=4), None, now=0.0) == BUFFERED
 
-    # m0's only old call is the other model's ("default" = 0; m1's is not even a version)
-    member("m0", 1.0, [call([1], [2], [-1.0], weight_version="9"), *cross_call("default")])
-    member("m1", 0.0, [*cross_call("v2-instruct"), call([1], [2], [-1.0], weight_version="10")])
-    member("m2", 0.0, [call([1], [2], [-1.0], weight_version="4")])  # stale: 10 - 4 > 2
+    # m0's only old call is the other model's ("default" = 0; m1's is not even a version, and
+    # neither is foreign: another model's version is never read as the policy's)
+    run = "default"  # traj()'s
+    member(
+        "m0", 1.0, [call([1], [2], [-1.0], weight_version=served(run, 9)), *cross_call("default")]
+    )
+    member(
+        "m1",
+        0.0,
+        [*cross_call("v2-instruct"), call([1], [2], [-1.0], weight_version=served(run, 10))],
+    )
+    member("m2", 0.0, [call([1], [2], [-1.0], weight_version=served(run, 4))])  # stale: 10 - 4 > 2
     member("m3", 1.0, cross_call("default"))  # no policy call: statistics only
     (group,), dropped = buffer.select(1, Selection(version=10, max_staleness=2))
     assert not dropped and buffer.counters.invalid == 0

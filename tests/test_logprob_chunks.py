@@ -1,6 +1,6 @@
 """Chunked log-probs (``--logprob-chunk``, trainer/logprobs.py) against the whole-vocabulary path
 (``--logprob-chunk 0``, the model's own logits): the same loss, statistics and gradient on the
-tiny model, with per-call temperatures, stale (tis) rows, the entropy bonus and the KL
+tiny model, with per-call temperatures, stale (tis) tokens, the entropy bonus and the KL
 reference, bare and with LoRA adapters; only the loss's positions go through log_softmax, a
 chunk at a time; under bf16 autocast the head runs in fp32. (FSDP2 shards against the whole
 path: tests/test_fsdp.py.)"""
@@ -25,7 +25,8 @@ V = 263  # the tiny model's vocabulary
 
 def batch() -> Batch:
     """Five rows of different lengths: prompts, responses of one to four calls' worth of model
-    tokens at temperatures 0.6-1.3, an observation in the middle of one, a stale (tis) row."""
+    tokens at temperatures 0.6-1.3, an observation in the middle of one, a row whose first
+    half of model tokens is too stale (tis: a call that crossed a weight update)."""
     g = torch.Generator().manual_seed(3)
     rows = []
     for i in range(5):
@@ -43,7 +44,8 @@ def batch() -> Batch:
                 old_logprobs=[o if m else 0.0 for o, m in zip(old, mask, strict=True)],
                 temperature=temperature,
                 advantage=(-1) ** i * 0.4 * (i + 1),
-                tis=i == 4,
+                tis=[0] * len(prompt)
+                + [int(i == 4 and j < len(response) // 2) for j in range(len(response))],
                 job_id=f"j{i}",
             )
         )

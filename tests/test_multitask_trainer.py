@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 import torch
-from trainlib import publish, tiny_config
+from trainlib import publish, served, tiny_config
 
 from agentarium.broker import provision
 from agentarium.commands import trainer_cmd
@@ -141,7 +141,8 @@ async def test_staleness_is_judged_per_trajectory_and_counted_per_task(js, topol
     # sampled by version 0: 3 versions behind, past --max-staleness 1
     await publish(js, topology, [t for g in range(2) for t in group("code", g, CODE)])
     fresh = [
-        group("math", g, MATH, version="3") + group("code", g + 2, CODE, version="3")
+        group("math", g, MATH, version=served(RUN, 3))
+        + group("code", g + 2, CODE, version=served(RUN, 3))
         for g in range(2)
     ]
     await publish(js, topology, [t for pair in fresh for t in pair])

@@ -16,7 +16,7 @@ import pytest
 from fake_sglang import FakeSGLang
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
-from trainlib import one_call_group, publish
+from trainlib import one_call_group, publish, served
 
 from agentarium.broker import MetricsServer, MetricsServerError, Topology, collect_stream_metrics
 from agentarium.consumers import ConsumerService, ConsumerSettings, ConsumerSpec, LLMTarget
@@ -230,7 +230,9 @@ async def test_trainer_exports_its_step_reward_and_stale_drops(js, topology, tin
 
     torch.set_num_threads(1)
     run, agent = "prom-train", "toy"
-    for g, version in enumerate(["default", "default", "3", "3"]):  # 2 groups too stale
+    for g, version in enumerate(
+        ["default", "default", served(run, 3), served(run, 3)]
+    ):  # 2 too stale
         group = one_call_group(
             g,
             run=run,

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from trainlib import one_call_group, publish, tiny_config
+from trainlib import one_call_group, publish, served, tiny_config
 
 from agentarium.broker import read_tail
 from agentarium.commands.trainer_cmd import add_trainer_arguments, config_from_args
@@ -103,7 +103,7 @@ async def test_publishes_versions_links_trajectories_and_writes_metrics(
 
 async def test_stale_trajectories_dropped_against_published_versions(js, topology, tmp_path):
     await publish_groups(js, topology, 2, version="default", prefix="old")
-    await publish_groups(js, topology, 2, version="3", prefix="new")
+    await publish_groups(js, topology, 2, version=served(RUN, 3), prefix="new")
     publisher = RecordingPublisher()
     publisher.latest_version = _returns(3)  # a predecessor published up to version 3
     trainer = Trainer(
@@ -118,13 +118,17 @@ async def test_stale_trajectories_dropped_against_published_versions(js, topolog
     assert summary.trained == 8 and summary.counters["dropped_stale"] == 8
     row = read_metrics(tmp_path / "metrics.csv")[0]
     assert (row["dropped_stale"], row["version"]) == ("8", "3")
+    assert (row["stale_policy"], row["stale_masked"]) == ("drop", "0")  # the policy, named
 
 
-async def test_any_weight_version_string_trains_and_the_csv_names_both_rewards(
+async def test_other_weights_are_never_trained_and_the_csv_names_both_rewards(
     js, topology, tmp_path
 ):
-    # a server reporting its own version string: read as the initial weights (0), never skipped
-    # (before, every such trajectory was acked unread and the trainer waited forever)
+    # Sampled by weights this run did not publish: another run's identity, or a server's own
+    # version string. Not this run's policy: out of statistics, rewards and training, counted
+    # (foreign_weights) and acked, so the trainer goes on with the run's own groups.
+    for version in (served("other", 31), "sglang-v1.2"):
+        await publish_groups(js, topology, 1, version=version, prefix=f"x{version[:5]}")
     flat = [
         one_call_group(
             g,
@@ -133,20 +137,21 @@ async def test_any_weight_version_string_trains_and_the_csv_names_both_rewards(
             job_id=lambda g, i: f"flat{g}-{i}",
             group_id=f"flat{g}",
             reward=lambda g, i: 0.0,
-            version="sglang-v1.2",
         )
         for g in range(2)
     ]
     for group in flat:  # first: when two groups with spread arrive, all 16 were received
         await publish(js, topology, group)
-    await publish_groups(js, topology, 2, version="sglang-v1.2", prefix="spread")
+    await publish_groups(js, topology, 2, version="default", prefix="spread")
     trainer = Trainer(config(tmp_path, filter_flat_groups=True), js, topology=topology)
     async with asyncio.timeout(60):
         summary = await trainer.run(max_steps=1)
     assert summary.trained == 8 and summary.counters["invalid"] == 0
-    assert summary.counters["dropped_flat"] == 2
+    assert summary.counters["foreign_weights"] == 8 and summary.counters["dropped_flat"] == 2
     (row,) = read_metrics(tmp_path / "metrics.csv")
-    # the policy scored 2 of 16; the trained subset (flat groups filtered) 2 of 8
+    assert row["foreign_weights"] == "8"
+    # the policy scored 2 of its 16 (the 8 of other weights are not its); the trained subset
+    # (flat groups filtered) 2 of 8
     assert (row["reward_mean_received"], row["reward_mean_trained"]) == ("0.125", "0.25")
     assert (row[f"reward_mean_received/{AGENT}"], row[f"reward_mean_trained/{AGENT}"]) == (
         "0.125",

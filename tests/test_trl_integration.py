@@ -17,6 +17,7 @@ import pytest
 
 pytest.importorskip("trl", reason="TRL is the `trl` extra: pip install -e '.[trl]'")
 
+from trainlib import served  # noqa: E402
 from trllib import VersionsSeen, services_running  # noqa: E402
 
 from agentarium.examples.toy import any_digit  # noqa: E402
@@ -89,7 +90,11 @@ def test_jobs_carry_trls_sampling_and_the_dataset_row_of_their_prompt():
 
 
 def test_failed_rollouts_reach_trl_without_reward_or_loss_token():
-    chained = [_call([1, 2], [3, 4], "5"), _call([1, 2, 3, 4, 9, 9], [6, 7], "6")]
+    # the run ("default", _traj's) sampled the first turn with its version 5, the second with 6
+    chained = [
+        _call([1, 2], [3, 4], served("default", 5)),
+        _call([1, 2, 3, 4, 9, 9], [6, 7], served("default", 6)),
+    ]
     rerendered = [_call([1, 2], [3, 4]), _call([1, 2, 8, 9], [6, 7])]
     trajectories = [
         _traj("ok", calls=chained, reward=0.5),
@@ -104,7 +109,9 @@ def test_failed_rollouts_reach_trl_without_reward_or_loss_token():
     assert samples[0].completion_ids == [3, 4, 9, 9, 6, 7]
     assert samples[0].mask == [1, 1, 0, 0, 1, 1]
     assert samples[0].weight_version == 5 and samples[0].turns == 2
+    assert samples[0].token_versions == [5, 5, None, None, 6, 6]  # each token its own
     out = AgentariumRollout.output(samples, [(0, 5)], eos_id=258)
+    assert out["agentarium_token_versions"] == [[5, 5, None, None, 6, 6]] + [[None]] * 4
     assert out["prompt_ids"] == [[1, 2]] * 5  # the group's prompt for the unusable ones
     assert out["completion_ids"][1:] == [[258]] * 4
     assert out["env_mask"][1:] == [[0]] * 4 and out["logprobs"][1:] == [[0.0]] * 4

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from agentarium.demo.processes import child_env
-from agentarium.schemas import LLMCall, Trajectory, encode
+from agentarium.schemas import LLMCall, Trajectory, WeightIdentity, encode
 from agentarium.tiny import ensure_tiny_model
 from agentarium.trainer.config import TrainerConfig
 from agentarium.trainer.metrics import read_metrics
@@ -24,6 +24,14 @@ from agentarium.trainer.metrics import read_metrics
 ROOT = Path(__file__).resolve().parents[1]
 # Every answer is 7 (no conditioning needed), no entropy bonus, fixed seeds.
 MICRO_TASK = ("--digits", "7", "--groups-per-step", "8", "--group-size", "8", "--entropy-coef", "0")
+
+
+def served(run: str, version: int) -> str:
+    """The ``weight_version`` an engine reports for ``run``'s version (``"default"``, the base
+    weights, for 0), with a checksum made up from the version."""
+    if version == 0:
+        return "default"
+    return str(WeightIdentity(run, version, f"{version:016x}"))
 
 
 def short_call(**fields: Any) -> LLMCall:

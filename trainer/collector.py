@@ -140,6 +140,7 @@ class Collector:
             min_members=config.min_members,
             seen=seen,
             task=config.agent,
+            run=config.run,
             vocab_size=vocab_size,
             overlong=config.overlong,
             overlong_reward=config.overlong_reward,

@@ -21,7 +21,7 @@ from .rows import MULTI_TURN
 from .trackers import TRACKERS, check_installed, parse_report_to
 
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-STALE_POLICIES = ("drop", "tis")
+STALE_POLICIES = ("drop", "tis", "mask")
 DEVICES = ("cpu", "cuda")
 PARALLEL = ("replicated", "fsdp")  # data parallel: a full replica per rank, or FSDP2 shards
 TASK_ADV_NORMS = ("none", "token", "trajectory")
@@ -227,15 +227,17 @@ class TrainerConfig:
         ge=0,
         group=GROUPS,
         metavar="S",
-        help="trajectories sampled more than S published versions ago are dropped or "
-        "importance-weighted",
+        help="tokens sampled more than S published versions ago are too stale (each token by "
+        "its own version); --stale-policy says what becomes of them",
     )
     stale_policy: str = setting(
         "drop",
         choices=STALE_POLICIES,
         group=GROUPS,
-        help="drop: too-stale trajectories are counted and skipped; tis: trained with truncated "
-        "importance weights min(pi/pi_rollout, 2)",
+        help="a trajectory with too-stale tokens, whose reward always stays in its group's "
+        "baseline: drop: not trained (dropped_stale); tis: its too-stale tokens trained with "
+        "truncated importance weights min(pi/pi_rollout, 2) (tis_weighted); mask: its too-stale "
+        "tokens masked out of the loss, its fresher tokens trained (stale_masked)",
     )
     # synchronous training (the baseline asynchronous RL is measured against): every step trains
     # only trajectories of the current version (max_staleness is set to 0), publishes, and waits

@@ -94,7 +94,7 @@ def idle_pass() -> Batch:
         old_logprobs=[0.0, 0.0],
         temperature=[1.0, 1.0],
         advantage=0.0,
-        tis=False,
+        tis=[0, 0],
         job_id="",
     )
     return collate([row], pad_id=0)

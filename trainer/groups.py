@@ -12,20 +12,30 @@ and acks what it is told to. Rules (docs/design.md "The GRPO trainer"):
   members; otherwise it is dropped then. Members arriving after their group closed are late.
 - ``error`` / ``timeout`` members and refused ones (top_p < 1, top_k > 0, greedy) stay in the
   group's membership but out of its statistics.
+- Every generated token has its own version (``LLMCall.weight_spans``: an engine updated in place
+  mid-call generated one call with two), read as a version of the trajectory's run with
+  ``run_version``: the base weights (``"default"``) are version 0, the run's own identity
+  ``<run>@<v>:<checksum>`` is v, and anything else (another run's weights, a bare number or a
+  server's own string: no trainer of this run wrote it) is not this run's policy. Such a member is
+  ``foreign_weights``: out of statistics and training like a refused one, with a warning naming
+  the identity (the first, then every 100th).
 - At ``select`` time: groups with fewer than ``min_members`` ok members are dropped; flat groups
-  (all rewards equal) are dropped if asked; each ok member's staleness is the current version
-  minus the oldest policy version among its calls (a ``weight_version`` that is not a decimal
-  a trainer published, a server's own string, reads as 0); beyond ``max_staleness`` it is dropped
-  (``drop``) or kept with truncated importance weights (``tis``). The oldest complete groups
-  go first, so slow rollouts are trained before they go stale rather than starved.
+  (all rewards equal) are dropped if asked; each token's staleness is the current version minus
+  its own version, a member's that of its oldest token. Advantages are computed over every
+  trainable member first, so a too-stale member's reward stays in its group's baseline whatever
+  the policy. A member whose oldest token is beyond ``max_staleness`` is dropped (``drop``:
+  no sample), or kept with its too-stale tokens trained with truncated importance weights
+  (``tis``) or masked out of the loss (``mask``: its fresher tokens still train; a member with
+  no fresh token is statistics only). The oldest complete groups go first, so slow rollouts are
+  trained before they go stale rather than starved.
 - Overlong responses (a policy call that ended ``finish_reason: length``: it hit
   ``max_new_tokens``) are kept as they are (``keep``), filtered out of statistics and training
   like a refused member (``filter``), or given a set reward (``reward``); both counted.
 - Cross-sampled calls (``LLMCall.policy`` false) report another model's weight version: only the
-  policy's own calls count for staleness (and for refusal). A member whose calls are all
-  cross-sampled (``cross_only``) has no policy token to train: its reward stays in the group's
-  statistics (it is a sample of the same mixed behaviour as its siblings, so leaving it out
-  would bias the baseline) but it becomes no sample.
+  policy's own calls count for staleness (and for refusal and foreign weights). A member whose
+  calls are all cross-sampled (``cross_only``) has no policy token to train: its reward stays in
+  the group's statistics (it is a sample of the same mixed behaviour as its siblings, so leaving
+  it out would bias the baseline) but it becomes no sample.
 
 A dropped group is acked at once (dropped on purpose); a used group is acked by the trainer
 once a checkpoint covers its step, all members together, so a replay after a crash rebuilds
@@ -41,10 +51,10 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from agentarium.schemas import Trajectory, version_number
+from agentarium.schemas import Trajectory, run_version
 
 from .batch import Sample, advantages, refusal
-from .config import OVERLONG
+from .config import OVERLONG, STALE_POLICIES
 
 if TYPE_CHECKING:
     from .config import TrainerConfig
@@ -68,13 +78,19 @@ class Selection:
 
     version: int
     max_staleness: int
-    stale_policy: str = "drop"  # or "tis": kept with truncated importance weights
+    # drop: no sample; tis: too-stale tokens importance-weighted; mask: too-stale tokens masked
+    stale_policy: str = "drop"
     filter_flat: bool = False
     std_norm: bool = True
     eps: float = 1e-6
 
     def __post_init__(self) -> None:
-        assert self.stale_policy in ("drop", "tis"), self.stale_policy
+        assert self.stale_policy in STALE_POLICIES, self.stale_policy
+
+    @property
+    def fresh_from(self) -> int:
+        """The oldest version whose tokens are not too stale."""
+        return self.version - self.max_staleness
 
     @classmethod
     def of(cls, config: TrainerConfig, *, version: int) -> Selection:
@@ -92,9 +108,10 @@ class Selection:
 class Member:
     trajectory: Trajectory
     handle: Any
-    version: int | None  # oldest version among the policy's calls; None without one
+    version: int | None  # oldest version of the run among the policy's calls; None without one
     refused: str | None = None
     cross_only: bool = False  # every call cross-sampled: statistics only, no sample
+    tokens: dict[int, int] = field(default_factory=dict)  # version -> policy tokens it generated
 
     @property
     def job_id(self) -> str:
@@ -115,8 +132,11 @@ class Group:
     timed_out: bool = False
     # Set by select():
     samples: list[Sample] = field(default_factory=list)
-    staleness: list[int] = field(default_factory=list)  # every ok member evaluated
+    # every ok member evaluated, by its oldest token; and every token, by its own version
+    staleness: list[int] = field(default_factory=list)
+    token_staleness: Counter[int] = field(default_factory=Counter)  # staleness -> tokens
     stale_dropped: int = 0
+    stale_masked: int = 0
 
     @property
     def ok(self) -> list[Member]:
@@ -156,15 +176,17 @@ class BufferCounters:
     invalid: int = 0
     failed_members: int = 0  # status error/timeout: out of statistics
     refused: int = 0  # unreproducible sampling
+    foreign_weights: int = 0  # sampled by weights that are not this run's: out of statistics
     cross_only: int = 0  # every call cross-sampled: in statistics, never trained
     groups_complete: int = 0
     groups_timed_out: int = 0  # released short after the timeout
     dropped_incomplete: int = 0  # groups: timed out with too few ok members
     dropped_small: int = 0  # groups: complete but fewer than min ok members
     dropped_flat: int = 0  # groups: all rewards equal
-    dropped_stale: int = 0  # trajectories
-    dropped_stale_groups: int = 0  # groups: every ok member too stale (drop policy)
-    tis_weighted: int = 0  # trajectories
+    dropped_stale: int = 0  # trajectories (drop policy)
+    dropped_stale_groups: int = 0  # groups: no member with a token to train (all too stale)
+    tis_weighted: int = 0  # trajectories with too-stale tokens importance-weighted (tis)
+    stale_masked: int = 0  # trajectories with too-stale tokens masked, their reward kept (mask)
     groups_used: int = 0
     ok_received: int = 0  # ok trajectories taken in (late ones too; not duplicates)
     reward_received: float = 0.0  # the sum of their rewards
@@ -204,6 +226,7 @@ class GroupBuffer:
         min_members: int = 2,
         seen: Iterable[str] = (),
         task: str = "",
+        run: str = "",
         vocab_size: int | None = None,
         overlong: str = "keep",
         overlong_reward: float = 0.0,
@@ -211,6 +234,7 @@ class GroupBuffer:
         assert min_members >= 2, "a group needs at least two ok members for an advantage"
         assert overlong in OVERLONG, overlong
         self.task = task
+        self.run = run  # versions are read as this run's ("": each trajectory's own run)
         self.overlong = overlong
         self.overlong_reward = overlong_reward
         self.vocab_size = vocab_size  # token ids at or above it are refused (rows.refusal)
@@ -260,19 +284,18 @@ class GroupBuffer:
         if job_id in self._seen:
             c.duplicates += 1
             return DUPLICATE
-        if trajectory.ok:  # the policy's reward, whatever becomes of the trajectory
+        own = [call for call in trajectory.calls if call.policy]
+        member, foreign = self._member(trajectory, handle, own)
+        if trajectory.ok and foreign is None:  # the policy's reward, whatever becomes of it
             c.ok_received += 1
             c.reward_received += float(trajectory.reward or 0.0)
         if trajectory.group_id in self._closed:
             c.late += 1
             return LATE
-        own = [call for call in trajectory.calls if call.policy]
-        # A version string no trainer published (a server's own) counts as the initial
-        # weights, 0: trained while fresh enough, dropped as stale after that, never skipped.
-        versions = [version_number(call.weight_version, other=0) for call in own]
-        member = Member(trajectory, handle, min(versions) if versions else None)
         member.cross_only = bool(trajectory.calls) and not own
-        if trajectory.ok:
+        if trajectory.ok and foreign is not None:
+            self._foreign(member, foreign)
+        elif trajectory.ok:
             member.refused = refusal(trajectory, self.vocab_size)
             c.refused += member.refused is not None
             if member.refused is None and any(call.finish_reason == "length" for call in own):
@@ -289,6 +312,43 @@ class GroupBuffer:
             c.groups_complete += 1
             self._release(group)
         return BUFFERED
+
+    def _member(self, trajectory: Trajectory, handle: Any, own: list) -> tuple[Member, str | None]:
+        """The member, its tokens counted by version (each span of each policy call), and the
+        first version that is not this run's (None when every one is)."""
+        run = self.run or trajectory.run
+        numbers: dict[str, int | None] = {}
+        tokens: Counter[int] = Counter()
+        foreign = None
+        for call in own:
+            for version, start, end in call.version_spans():
+                if version not in numbers:
+                    numbers[version] = run_version(version, run)
+                number = numbers[version]
+                if number is None:
+                    foreign = version if foreign is None else foreign
+                elif end > start:
+                    tokens[number] += end - start
+        known = [n for n in numbers.values() if n is not None]
+        member = Member(trajectory, handle, min(known) if known else None, tokens=dict(tokens))
+        return member, foreign
+
+    def _foreign(self, member: Member, identity: str) -> None:
+        """Sampled (in part) by weights that are not this run's: not this run's policy, so out
+        of statistics and training, and said loudly (the first, then every 100th)."""
+        run = self.run or member.trajectory.run
+        member.refused = f"sampled by weights {identity!r}, not run {run}'s"
+        self.counters.foreign_weights += 1
+        if self.counters.foreign_weights % 100 == 1:
+            log.warning(
+                "trajectory sampled by weights of another run: not trained",
+                job_id=member.job_id,
+                weight_version=identity,
+                run=run,
+                foreign_weights=self.counters.foreign_weights,
+                hint="the engine served weights this run did not publish: another run's syncer "
+                "updated it, or it was never synced for this run (agentarium broker status)",
+            )
 
     def _overlong(self, member: Member) -> None:
         if self.overlong == "filter":
@@ -350,20 +410,18 @@ class GroupBuffer:
                 c.dropped_flat += 1
                 dropped.append(group)
                 continue
+            # every trainable member's reward, too-stale ones included: the baseline
             advs = advantages(rewards, std_norm=selection.std_norm, eps=selection.eps)
-            group.samples, group.staleness, group.stale_dropped = [], [], 0
+            self._clear(group)
             for member, adv in zip(ok, advs, strict=True):
                 if member.cross_only:
                     c.cross_only += 1
                     continue
-                stale = selection.version - member.version if member.version is not None else 0
-                group.staleness.append(stale)
-                too_old = stale > selection.max_staleness
-                if too_old and selection.stale_policy == "drop":
-                    group.stale_dropped += 1
-                    continue
-                group.samples.append(Sample(member.trajectory, adv, stale, too_old))
+                sample = self._sample(group, member, adv, selection)
+                if sample is not None:
+                    group.samples.append(sample)
             c.dropped_stale += group.stale_dropped
+            c.stale_masked += group.stale_masked
             if group.samples:
                 c.tis_weighted += sum(s.tis for s in group.samples)
                 c.groups_used += 1
@@ -373,15 +431,47 @@ class GroupBuffer:
                 dropped.append(group)
         return chosen, dropped
 
+    @staticmethod
+    def _sample(
+        group: Group, member: Member, advantage: float, selection: Selection
+    ) -> Sample | None:
+        """The member's sample under the stale policy (None: it trains no token), its
+        staleness recorded in the group: its oldest token's, and each token's own."""
+        if member.version is None:
+            stale = 0
+        else:
+            stale = selection.version - member.version
+        group.staleness.append(stale)
+        for version, count in member.tokens.items():
+            group.token_staleness[selection.version - version] += count
+        if stale <= selection.max_staleness:
+            return Sample(member.trajectory, advantage, stale)
+        fresh_from = selection.fresh_from
+        if selection.stale_policy == "drop":
+            group.stale_dropped += 1
+            return None
+        if selection.stale_policy == "mask":
+            group.stale_masked += 1
+            if all(version < fresh_from for version in member.tokens):
+                return None  # no fresh token: its reward counts in the baseline, nothing trains
+            return Sample(member.trajectory, advantage, stale, masked=True, fresh_from=fresh_from)
+        return Sample(member.trajectory, advantage, stale, tis=True, fresh_from=fresh_from)
+
+    @staticmethod
+    def _clear(group: Group) -> None:
+        group.samples, group.staleness, group.token_staleness = [], [], Counter()
+        group.stale_dropped = group.stale_masked = 0
+
     def requeue(self, groups: Iterable[Group]) -> None:
         """Put selected groups back (a take that timed out or was stopped), undoing counts."""
         c = self.counters
         for group in groups:
             c.dropped_stale -= group.stale_dropped
+            c.stale_masked -= group.stale_masked
             c.cross_only -= sum(m.cross_only for m in group.ok)
             c.tis_weighted -= sum(s.tis for s in group.samples)
             c.groups_used -= 1
-            group.samples, group.staleness, group.stale_dropped = [], [], 0
+            self._clear(group)
             self._ready.append(group)
 
     def done(self, groups: Iterable[Group]) -> None:
@@ -392,6 +482,7 @@ class GroupBuffer:
                 self._seen.add(job_id)
 
     def staleness_histogram(self, groups: Iterable[Group]) -> dict[int, int]:
+        """Versions behind -> trajectories (each by its oldest token)."""
         return dict(sorted(Counter(s for g in groups for s in g.staleness).items()))
 
     def _release(self, group: Group) -> None:

@@ -25,10 +25,13 @@ Departures from textbook GRPO (DeepSeekMath, 2024), each on purpose:
    frozen initial model, added per token inside the aggregation as in the paper.
 6. std normalisation is optional (Dr. GRPO drops it); std is the unbiased sample std
    (Bessel), as in TRL and verl.
-7. Trajectories older than ``max_staleness`` policy versions are either dropped or trained by
-   truncated importance sampling (``tis``): for those rows the ratio is taken against the
-   trainer's current policy (so it is 1 and only carries the gradient), and each token is
-   weighted by w_t = min(pi_current / pi_rollout, tis_clip), detached (tis_clip = 2).
+7. Staleness is per token (each token by the version that sampled it: a call can cross a
+   weight update). A trajectory with tokens older than ``max_staleness`` policy versions is
+   dropped (``drop``), has those tokens masked out of the loss (``mask``), or has them trained
+   by truncated importance sampling (``tis``): for those tokens the ratio is taken against the
+   trainer's current policy (so it is 1 and only carries the gradient), and each is weighted
+   by w_t = min(pi_current / pi_rollout, tis_clip), detached (tis_clip = 2). Its reward stays
+   in its group's advantage statistics under every policy.
 8. Log-probs are taken at each call's sampling temperature, log_softmax(logits / T), which is
    what SGLang and the local engine report; top_p / top_k samples are refused upstream because
    their log-probs cannot be reproduced.

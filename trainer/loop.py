@@ -306,6 +306,7 @@ class Trainer:
                 wait_s=wait_s,
                 success_threshold=cfg.success_threshold,
                 drawn=self.draws.drawn,
+                stale_policy=cfg.stale_policy,
             )
             span.set_attributes(span_attributes(cfg.run, row, len(samples)))
         log_step(row)

@@ -7,7 +7,8 @@ Columns (in this order; the first ones are the stable contract):
     entropy, tokens, tokens_per_s,
     step_s, groups_used, dropped_stale, dropped_flat, staleness_max, staleness_mean,
     staleness_hist, then extras (model_tokens, rows, grad_norm, ratio_mean, wait_s, tis_weighted,
-    prefix_mismatches, failed_members, refused, validation_skipped, drawn, overlong, time).
+    prefix_mismatches, failed_members, refused, validation_skipped, drawn, overlong,
+    stale_masked, foreign_weights, stale_policy, time).
 
 ``version`` is the policy version the step's data was judged against (the update it makes is
 published as the next version). Two rewards, named apart: ``reward_mean_received`` is the
@@ -16,13 +17,20 @@ later dropped as flat, stale or late included; empty when none arrived), and
 ``reward_mean_trained`` (with ``reward_std``) the mean over the trajectories the step trained on,
 which ``--filter-flat-groups`` and stale drops make another population. ``tokens`` counts every real token of the batch (prompts too:
 what the forward pass processes), ``tokens_per_s`` divides it by ``step_s`` (batch building
-and the update, not the wait for data). ``dropped_*``, ``tis_weighted``, ``failed_members``, ``refused`` and
+and the update, not the wait for data). ``dropped_*``, ``tis_weighted``, ``stale_masked``,
+``failed_members``, ``refused``, ``foreign_weights`` and
 ``validation_skipped`` are running totals, since drops happen between steps. ``drawn`` is the
 step's replacement groups (dynamic sampling: what producers published for the groups it
 dropped); ``overlong`` the running total of responses cut at max_new_tokens that were filtered
-or given the set reward. The staleness
-columns cover every ok trajectory weighed for the step (trained or dropped as stale);
-``staleness_hist`` reads ``0:96 1:24 3:8`` (versions behind: trajectories).
+or given the set reward. What became of too-stale trajectories follows ``stale_policy`` (the
+trainer's ``--stale-policy``, named in every row): ``dropped_stale`` (drop), ``tis_weighted``
+(tis) or ``stale_masked`` (mask); ``foreign_weights`` counts trajectories sampled by weights
+that are not the run's (another run's, or a version string no trainer of it wrote), never
+trained. The staleness columns cover every ok trajectory weighed for the step (trained or not)
+and count each generated token by its own version (``LLMCall.weight_spans``):
+``staleness_max`` is the oldest token's, ``staleness_mean`` the mean over the tokens, and
+``staleness_hist`` reads ``0:96 1:24 3:8`` (versions behind: trajectories, each by its oldest
+token).
 
 Per task (an agent; a trainer may train several), after those columns, for every trained agent
 in the order trained: ``groups/<agent>``, ``trajectories/<agent>`` (this step's share),
@@ -37,7 +45,8 @@ whose agents changed rewrites the file once with the union of the columns.
 Trackers (TensorBoard, W&B, MLflow) get the same values under verl-style ``/``-grouped names,
 identical in every tracker: ``TRACKER_NAMES`` maps each CSV column to its name
 (``reward_mean_received`` -> ``reward/mean``, ``reward_mean_trained`` -> ``reward/mean_trained``). ``staleness_hist`` and ``time`` have no scalar form there
-(``staleness/max`` and ``staleness/mean`` summarise the first; trackers stamp their own time).
+(``staleness/max`` and ``staleness/mean`` summarise the first; trackers stamp their own time),
+nor has ``stale_policy`` (a name).
 Per-task values go under ``TASK_TRACKER_NAMES`` + ``/<agent>`` (``reward/mean/toy``), so each
 tracker shows the tasks side by side in one panel; an empty value is not logged.
 
@@ -147,6 +156,9 @@ class StepMetrics:
     validation_skipped: int = 0
     drawn: int = 0
     overlong: int = 0
+    stale_masked: int = 0
+    foreign_weights: int = 0
+    stale_policy: str = "drop"  # the trainer's --stale-policy: no scalar form
     time: float = field(default_factory=time.time)
     tasks: dict[str, TaskMetrics] = field(default_factory=dict)  # per agent: not a column
 
@@ -212,8 +224,10 @@ TRACKER_NAMES: Mapping[str, str] = {
     "validation_skipped": "trajectories/validation_skipped",
     "drawn": "batch/drawn",
     "overlong": "trajectories/overlong",
+    "stale_masked": "trajectories/stale_masked",
+    "foreign_weights": "trajectories/foreign_weights",
 }
-assert set(TRACKER_NAMES) == set(FIELDS) - {"step", "staleness_hist", "time"}, (
+assert set(TRACKER_NAMES) == set(FIELDS) - {"step", "staleness_hist", "stale_policy", "time"}, (
     "every StepMetrics field needs a tracker name (or a reason to have none)"
 )
 
@@ -261,7 +275,7 @@ class MetricsSink:
                 ("entropy", "nat", "mean policy entropy per model token"),
                 ("tokens_per_s", "{token}/s", "tokens processed per second of update"),
                 ("version", "1", "policy version the trainer publishes"),
-                ("staleness_max", "{version}", "oldest trajectory of the step, versions behind"),
+                ("staleness_max", "{version}", "oldest token of the step, versions behind"),
             )
         }
         self._step_s = meter.create_histogram(

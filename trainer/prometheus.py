@@ -97,6 +97,7 @@ DROPPED_TRAJECTORIES = {
     "failed_members": "failed",
     "validation_skipped": "validation",
     "cross_only": "cross_only",
+    "foreign_weights": "foreign_weights",
 }
 DROPPED_GROUPS = {
     "dropped_flat": "flat",

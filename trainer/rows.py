@@ -36,7 +36,7 @@ Also here, so that each rule lives in one place:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -54,8 +54,10 @@ class TokenRow:
     ``response_mask`` is 1 on tokens the policy generated, 0 on observations between turns
     and on tokens another model generated (cross-sampled calls);
     ``response_logprobs`` and ``response_temperature`` hold the engine's log-prob and the
-    sampling temperature of each generated token (0.0 and 1.0 elsewhere). ``call_index`` is
-    the call's index in ``trajectory.calls``, -1 for a concatenated row.
+    sampling temperature of each generated token (0.0 and 1.0 elsewhere);
+    ``response_versions`` the weights that generated each of the policy's tokens (its call's
+    ``LLMCall.token_versions``: the version string as the engine reported it), "" elsewhere.
+    ``call_index`` is the call's index in ``trajectory.calls``, -1 for a concatenated row.
     """
 
     prompt_ids: list[int]
@@ -64,6 +66,7 @@ class TokenRow:
     response_logprobs: list[float]
     response_temperature: list[float]
     call_index: int = -1
+    response_versions: list[str] = field(default_factory=list)
 
     @property
     def input_ids(self) -> list[int]:
@@ -121,7 +124,13 @@ def _single(index: int, call: LLMCall) -> TokenRow:
     n = len(call.response_ids)
     if not call.policy:  # another model's reply: context only
         return TokenRow(
-            list(call.prompt_ids), list(call.response_ids), [0] * n, [0.0] * n, [1.0] * n, index
+            list(call.prompt_ids),
+            list(call.response_ids),
+            [0] * n,
+            [0.0] * n,
+            [1.0] * n,
+            index,
+            [""] * n,
         )
     return TokenRow(
         list(call.prompt_ids),
@@ -130,6 +139,7 @@ def _single(index: int, call: LLMCall) -> TokenRow:
         [float(x) for x in call.response_logprobs],
         [float(call.temperature)] * n,
         index,
+        call.token_versions(),
     )
 
 
@@ -144,15 +154,17 @@ def _concatenated(calls: list[LLMCall]) -> TokenRow | None:
     mask = [0] * len(response)
     logprobs = [0.0] * len(response)
     temperature = [1.0] * len(response)
+    versions = [""] * len(response)
     for call in calls:
         if not call.policy:  # another model's reply stays in the row as context, mask 0
             continue
         offset = len(call.prompt_ids) - start
-        for j, logprob in enumerate(call.response_logprobs):
-            mask[offset + j] = 1
-            logprobs[offset + j] = float(logprob)
-            temperature[offset + j] = float(call.temperature)
-    return TokenRow(list(calls[0].prompt_ids), response, mask, logprobs, temperature, -1)
+        n = len(call.response_ids)
+        mask[offset : offset + n] = [1] * n
+        logprobs[offset : offset + n] = [float(x) for x in call.response_logprobs]
+        temperature[offset : offset + n] = [float(call.temperature)] * n
+        versions[offset : offset + n] = call.token_versions()
+    return TokenRow(list(calls[0].prompt_ids), response, mask, logprobs, temperature, -1, versions)
 
 
 def refusal(trajectory: Trajectory, vocab_size: int | None = None) -> str | None:

@@ -188,14 +188,14 @@ def forward_backward(
         logprobs = stats.logprobs  # (b, T-1)
         mask = mb.loss_mask[:, 1:]  # (b, T-1): position t predicts token t + 1
         behaviour = mb.old_logprobs[:, 1:]  # (b, T-1)
-        tis_rows = mb.tis.unsqueeze(-1)  # (b, 1)
-        # Too-stale rows (stale_policy tis): ratio against the current policy, weighted by
+        tis = mb.tis[:, 1:]  # (b, T-1): too-stale tokens, each by its own version
+        # Too-stale tokens (stale_policy tis): ratio against the current policy, weighted by
         # min(pi_current / pi_rollout, tis_clip); see trainer/grpo.py.
-        old = torch.where(tis_rows, logprobs.detach(), behaviour)  # (b, T-1)
+        old = torch.where(tis, logprobs.detach(), behaviour)  # (b, T-1)
         is_weights = None
-        if bool(mb.tis.any()):
+        if bool(tis.any()):
             w = truncated_is_weights(logprobs.detach(), behaviour, clip=settings.tis_clip)
-            is_weights = torch.where(tis_rows, w, torch.ones_like(w))  # (b, T-1)
+            is_weights = torch.where(tis, w, torch.ones_like(w))  # (b, T-1)
         ref = None
         if ref_model is not None and settings.kl_coef > 0:
             with torch.no_grad():

@@ -7,7 +7,9 @@ assembled here from the step's groups, the updater's StepStats and the collector
 
 from __future__ import annotations
 
+import math
 import statistics
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -92,12 +94,22 @@ def step_metrics(
     wait_s: float,
     success_threshold: float,
     drawn: Mapping[str, int] | None = None,
+    stale_policy: str = "drop",
 ) -> StepMetrics:
     """The metrics row of one step (``drawn``: replacement groups per agent, dynamic
-    sampling's)."""
+    sampling's). Staleness is per token: the oldest token's and the mean over tokens, each by
+    its own version (a trajectory without a generated token counts by its calls' version)."""
     drawn = drawn or {}
     rewards = _rewards(groups)
     staleness = [x for g in groups for x in g.staleness]
+    tokens: Counter[int] = Counter()
+    for g in groups:
+        tokens.update(g.token_staleness)
+    count = sum(tokens.values())
+    if count:
+        mean = math.fsum(s * n for s, n in tokens.items()) / count
+    else:
+        mean = statistics.fmean(staleness) if staleness else 0.0
     c = collector.counters
     return StepMetrics(
         step=step,
@@ -115,8 +127,8 @@ def step_metrics(
         groups_used=len(groups),
         dropped_stale=c.dropped_stale,
         dropped_flat=c.dropped_flat,
-        staleness_max=max(staleness, default=0),
-        staleness_mean=statistics.fmean(staleness) if staleness else 0.0,
+        staleness_max=max([*staleness, *tokens], default=0),
+        staleness_mean=mean,
         staleness_hist=collector.staleness_histogram(groups),
         model_tokens=stats.model_tokens,
         rows=stats.rows,
@@ -130,6 +142,9 @@ def step_metrics(
         validation_skipped=c.validation_skipped,
         drawn=sum(drawn.values()),
         overlong=c.overlong_filtered + c.overlong_rewarded,
+        stale_masked=c.stale_masked,
+        foreign_weights=c.foreign_weights,
+        stale_policy=stale_policy,
         tasks=task_metrics(groups, collector, success_threshold, drawn, received),
     )
 
@@ -198,6 +213,8 @@ def log_step(row: StepMetrics) -> None:
         tokens=row.tokens,
         step_s=round(row.step_s, 3),
         dropped_stale=row.dropped_stale,
+        **({"stale_masked": row.stale_masked} if row.stale_masked else {}),
+        **({"foreign_weights": row.foreign_weights} if row.foreign_weights else {}),
         **({"drawn": row.drawn} if row.drawn else {}),
         **({"groups_by_task": by_task} if len(by_task) > 1 else {}),
     )

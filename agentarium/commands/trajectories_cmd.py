@@ -11,7 +11,7 @@ from pathlib import Path
 
 from agentarium.broker import NatsSettings, Topology
 from agentarium.producers import ProducerError, TrajectoryReader
-from agentarium.schemas import STATUSES, Trajectory
+from agentarium.schemas import STATUSES, Trajectory, versions_label
 
 from ..evaluation import FORMATS, export_run
 from .common import add_command_group, add_nats_flags, run_async, settings_from_args
@@ -70,12 +70,8 @@ def error_reason(error: str | None) -> str:
 
 
 def table_row(t: Trajectory) -> str:
-    versions = sorted({c.weight_version for c in t.calls})
-    version = (
-        versions[0]
-        if len(versions) == 1
-        else (f"{versions[0]}..{versions[-1]}" if versions else "-")
-    )
+    # every token's weights: default, A@3, A@2..A@3 (the checksums left out)
+    version = versions_label(v for c in t.calls for v, _, _ in c.version_spans()) or "-"
     cells = (
         t.job_id,
         t.group_id[:12],

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from agentarium.schemas import DeadLetter, SchemaError, Trajectory, version_number
+from agentarium.schemas import DeadLetter, SchemaError, Trajectory, versions_label
 
 
 def preview(text: str, limit: int) -> str:
@@ -52,17 +52,10 @@ def undecodable_dead_letter_row(
 
 
 def weight_versions(trajectory: Trajectory) -> str:
-    """The versions that served the rollout: ``3``, ``2-3`` across versions, ``""`` with no call."""
-    numbers = set()
-    for call in trajectory.calls:
-        try:
-            numbers.add(version_number(call.weight_version))
-        except SchemaError:
-            return call.weight_version  # not a trainer version: show it as the engine said
-    if not numbers:
-        return ""
-    low, high = min(numbers), max(numbers)
-    return str(low) if low == high else f"{low}-{high}"
+    """The weights that served the rollout, every token's (``LLMCall.weight_spans`` too):
+    ``default``, ``A@3``, ``A@2..A@3`` across versions of run A (``versions_label``); ``""``
+    with no call."""
+    return versions_label(v for call in trajectory.calls for v, _, _ in call.version_spans())
 
 
 def trajectory_row(trajectory: Trajectory, *, seq: int, trace_url: str) -> dict[str, Any]:

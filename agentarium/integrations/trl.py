@@ -20,8 +20,10 @@ earlier run's trajectory is ever taken for this one.
 ``env_mask``: a multi-turn rollout is one sequence (``agentarium.integrations.samples``), the
 model's tokens 1, tool results and environment turns between them 0. Extra keys, handed by
 TRL to every reward function: ``agentarium_reward`` (the agent's reward), ``agentarium_status``,
-``agentarium_metrics`` (the agent's metrics dict), ``agentarium_weight_version`` and
-``agentarium_turns``. ``agent_reward`` is the reward function that returns the agent's reward.
+``agentarium_metrics`` (the agent's metrics dict), ``agentarium_weight_version`` (the oldest
+version of the run that sampled the completion), ``agentarium_token_versions`` (each completion
+token's own version, aligned with ``completion_ids``: an engine updated mid-rollout samples one
+completion with two; None where ``env_mask`` is 0) and ``agentarium_turns``. ``agent_reward`` is the reward function that returns the agent's reward.
 
 **Failed rollouts are never reward 0.** A sample whose rollout ended ``error`` or
 ``timeout``, never arrived, or is not one sequence gets ``agentarium_reward`` None, which
@@ -82,6 +84,7 @@ EXTRA_KEYS = (
     "agentarium_status",
     "agentarium_metrics",
     "agentarium_weight_version",
+    "agentarium_token_versions",
     "agentarium_turns",
 )
 
@@ -293,11 +296,13 @@ class AgentariumRollout:
                     out["completion_ids"].append(sample.completion_ids)
                     out["logprobs"].append(sample.logprobs)
                     out["env_mask"].append(sample.mask)
+                    out["agentarium_token_versions"].append(sample.token_versions)
                 else:
                     out["prompt_ids"].append(list(fallback))
                     out["completion_ids"].append([eos_id])
                     out["logprobs"].append([0.0])
                     out["env_mask"].append([0])
+                    out["agentarium_token_versions"].append([None])
                 out["agentarium_reward"].append(sample.reward)
                 out["agentarium_status"].append(sample.status)
                 out["agentarium_metrics"].append(sample.metrics)

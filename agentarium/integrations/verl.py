@@ -266,6 +266,9 @@ class AgentariumAgentLoop(AgentLoopBase):
             "agentarium_status": sample.status,
             "agentarium_job_id": job_id,
             "agentarium_weight_version": sample.weight_version,
+            # each response token's version of the run, aligned with response_ids (None where
+            # the mask is 0): an engine updated mid-rollout samples one response with two
+            "agentarium_token_versions": sample.token_versions[: self.response_length],
             "agentarium_metrics": sample.metrics,
         }
 

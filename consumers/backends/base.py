@@ -41,7 +41,10 @@ class GenerateResult:
     output_logprobs: list[float]
     text: str
     finish_reason: FinishReason
-    weight_version: str = "default"
+    weight_version: str = "default"  # the weights of the last output token
+    # [(version, first output index), ...] when the weights changed during the generation
+    # (LLMCall.weight_spans); empty: every token came from weight_version
+    weight_spans: list[tuple[str, int]] = field(default_factory=list)
     cached_tokens: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0

@@ -13,6 +13,13 @@ handling, from the request's point of view:
 - a server whose breaker is open (``open_breaker``: its health probe failed, consumers/fleet.py)
   is skipped, and the requests in flight on it are cut off and fail over at once.
 
+Weight versions: ``meta_info.weight_version`` names the weights of the last token; when an
+update in place changed them while the request ran, ``meta_info.weight_versions`` lists each
+version's span of output tokens (``[{version, start, end}]``: the local engine, SGLANG_API.md),
+kept as ``GenerateResult.weight_spans``. Requests are not streamed, so without that list the
+call is recorded as one version, its last token's (SGLang's own server reports a request's
+version changes only on streamed chunks' ``meta_info.weight_version``).
+
 Each resubmission carries a fresh ``rid`` (``<rid>-r<n>``): the server may still hold the
 first attempt, and SGLang refuses a duplicate request id.
 """
@@ -27,6 +34,7 @@ from typing import Any
 import orjson
 
 from agentarium.inference import EngineControl, EngineControlError
+from agentarium.schemas import spans_problem
 
 from ..errors import BackendUnavailable, BadRequest
 from .balancer import StickyBalancer
@@ -77,12 +85,14 @@ def parse_generate_response(data: Any, *, url: str = "", latency_s: float = 0.0)
     kind = finish.get("type") if isinstance(finish, dict) else finish
     if kind not in _FINISH_TYPES:
         raise ValueError(f"unknown finish_reason {finish!r}")
+    version = str(meta.get("weight_version", "default"))
     return GenerateResult(
         output_ids=[int(t) for t in output_ids],
         output_logprobs=logprobs,
         text=data.get("text") or "",
         finish_reason=kind,
-        weight_version=str(meta.get("weight_version", "default")),
+        weight_version=version,
+        weight_spans=weight_spans(meta.get("weight_versions"), len(output_ids), version),
         cached_tokens=int(meta.get("cached_tokens") or 0),
         prompt_tokens=int(meta.get("prompt_tokens") or 0),
         completion_tokens=int(meta.get("completion_tokens") or len(output_ids)),
@@ -90,6 +100,31 @@ def parse_generate_response(data: Any, *, url: str = "", latency_s: float = 0.0)
         latency_s=latency_s,
         meta_info=meta,
     )
+
+
+def weight_spans(listed: Any, tokens: int, last_version: str) -> list[tuple[str, int]]:
+    """``meta_info.weight_versions`` (``[{version, start, end}]`` over the output tokens) as
+    ``LLMCall.weight_spans``: ``[(version, start), ...]``, empty when absent or one version.
+    Raises ValueError for spans that do not describe this response (LLMCall's rule)."""
+    if not listed:
+        return []
+    if not isinstance(listed, list):
+        raise ValueError(f"meta_info.weight_versions is not a list: {str(listed)[:200]}")
+    spans: list[tuple[str, int]] = []
+    for span in listed:
+        start = span.get("start") if isinstance(span, dict) else None
+        if (
+            not isinstance(span, dict)
+            or not isinstance(span.get("version"), str)
+            or isinstance(start, bool)
+            or not isinstance(start, int)
+        ):
+            raise ValueError(f"meta_info.weight_versions holds {str(span)[:200]}")
+        spans.append((span["version"], start))
+    problem = spans_problem(spans, tokens, last_version)
+    if problem:
+        raise ValueError(f"meta_info.weight_versions: {problem}")
+    return spans if len(spans) > 1 else []
 
 
 class SGLangBackend:

@@ -332,6 +332,7 @@ class TracingLLM:
             response_logprobs=list(result.output_logprobs),
             finish_reason=finish,
             weight_version=result.weight_version,
+            weight_spans=list(result.weight_spans),
             temperature=float(params["temperature"]),
             top_p=float(params["top_p"]),
             top_k=int(params.get("top_k", -1)),
@@ -360,6 +361,9 @@ class TracingLLM:
             "gen_ai.response.finish_reasons": [finish],
             "agentarium.weight_version": result.weight_version,
         }
+        if result.weight_spans:  # the weights changed mid-call: each version and its first token
+            attributes["agentarium.weight_spans.versions"] = [v for v, _ in result.weight_spans]
+            attributes["agentarium.weight_spans.starts"] = [i for _, i in result.weight_spans]
         response_id = result.meta_info.get("id")
         if response_id:
             attributes["gen_ai.response.id"] = str(response_id)

@@ -659,7 +659,8 @@ TINY_VOCAB = 263  # agentarium/tiny.py
 @dataclass(frozen=True)
 class Poison:
     """A trajectory a trainer must survive. ``fate``: ``undecodable`` (acked and skipped, the
-    log names the field), ``bad_version`` (acked and skipped, logged), ``refused`` (kept out
+    log names the field), ``bad_version`` (not the run's weights: a member of its group that
+    is never trained, counted as foreign_weights and logged), ``refused`` (kept out
     of training, ``rows.refusal`` says why), ``failed`` (a member out of the statistics), or
     ``harmless`` (trained: nothing in it can hurt a step)."""
 

@@ -92,10 +92,11 @@ async def test_fuzzed_trajectories_are_refused_with_a_reason_and_never_crash_the
     generated_s = time.monotonic() - started
     messages = []
     for g, poison in enumerate(poisons):
-        # A poison the buffer skips never joins its group, which is its three good members
-        # (published first, before the group closes). Any other completes a group of four
-        # (published last: the group's size comes from the good ones). No group waits for a
-        # timeout.
+        # A poison the buffer skips (undecodable) never joins its group, which is its three
+        # good members; one of weights not the run's (bad_version) joins it as a member never
+        # trained: both are published first, before the group closes. Any other completes a
+        # group of four (published last: the group's size comes from the good ones). No group
+        # waits for a timeout.
         skipped = poison.fate in ("undecodable", "bad_version")
         good = [(t.job_id, encode(t)) for t in good_members(g, 3 if skipped else 4)]
         bad = [(f"g{g}-p", poisoned_payload(poison, g))]
@@ -148,10 +149,9 @@ async def test_fuzzed_trajectories_are_refused_with_a_reason_and_never_crash_the
             error = undecodable.get(job_id, "")
             ok = not is_trained and any(word in error for word in poison.reason)
         elif poison.fate == "bad_version":
-            # any string an engine reports is a version: one the trainer cannot read as a
-            # number counts as 0, the initial weights, trained while fresh (nothing in this run
-            # goes stale: dropped_stale is 0 below)
-            ok = is_trained
+            # a version string no trainer of the run wrote is not the run's weights: never
+            # trained, out of its group's statistics, counted (foreign_weights, below)
+            ok = not is_trained
         elif poison.fate == "refused":
             why = refusal(decode(Trajectory, poisoned_payload(poison, g)), corpus.TINY_VOCAB)
             ok = not is_trained and any(word in (why or "") for word in poison.reason)
@@ -169,6 +169,7 @@ async def test_fuzzed_trajectories_are_refused_with_a_reason_and_never_crash_the
     assert counters["invalid"] == fates["undecodable"]
     assert counters["dropped_stale"] == 0
     assert counters["refused"] == fates["refused"]
+    assert counters["foreign_weights"] == fates["bad_version"]
     assert counters["failed_members"] == fates["failed"]
     assert counters["groups_complete"] == groups and counters["late"] == 0
     print(
