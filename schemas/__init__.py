@@ -21,7 +21,7 @@ from .job import DEFAULT_DEADLINE_S, Job, Sampling
 from .names import check_name
 from .settings import SettingError, check_settings, section, setting
 from .trajectory import FINISH_REASONS, STATUSES, LLMCall, Trajectory, spans_problem
-from .weights import WeightIdentity, WeightUpdate, run_version, version_number, versions_label
+from .weights import WeightIdentity, WeightUpdate, run_version, versions_label
 
 __all__ = [
     "DEFAULT_DEADLINE_S",
@@ -62,6 +62,5 @@ __all__ = [
     "settings",
     "run_version",
     "spans_problem",
-    "version_number",
     "versions_label",
 ]

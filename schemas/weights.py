@@ -49,24 +49,6 @@ class WeightUpdate(WireMessage):
             )
 
 
-def version_number(weight_version: str, *, other: int | None = None) -> int:
-    """An engine's weight_version string as an int: "default" is 0, decimals are themselves.
-
-    Any other string (a server's own "v1.2", a model hash: not a version a trainer published)
-    raises, or is ``other`` when given (the trainer reads it as 0, the initial weights).
-    """
-    if weight_version in ("", "default"):
-        return 0
-    # digits only: int() would also take "-3", "+3", " 3" and "1_000"
-    if not (weight_version.isascii() and weight_version.isdigit()):
-        if other is not None:
-            return other
-        raise SchemaError(
-            f"weight_version {weight_version!r} is not 'default' or a decimal integer >= 0"
-        )
-    return int(weight_version)
-
-
 BASE = "default"  # the weight_version of an engine's initial weights (SGLang's own initial value)
 CHECKSUM_CHARS = 16  # hex digits of the file's sha256 an identity carries
 _IDENTITY = re.compile(r"([A-Za-z0-9_-]{1,128})@(0|[1-9][0-9]{0,17}):([0-9a-f]{16})")

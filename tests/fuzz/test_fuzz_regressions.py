@@ -25,8 +25,17 @@ from agentarium.consumers.tracing.llm import _sampling_params
 from agentarium.inference.engine.errors import InvalidRequest
 from agentarium.inference.engine.request import parse_generate
 from agentarium.producers import TrajectoryReader
-from agentarium.schemas import DecodeError, Job, LLMCall, Sampling, SchemaError, Trajectory, decode
-from agentarium.schemas import version_number as weight_version_number
+from agentarium.schemas import (
+    DecodeError,
+    Job,
+    LLMCall,
+    Sampling,
+    SchemaError,
+    Trajectory,
+    WeightIdentity,
+    decode,
+    run_version,
+)
 from agentarium.trainer.rows import refusal
 
 BASE = {"job_id": "a", "agent": "fuzz", "task": {}}
@@ -71,10 +80,11 @@ def test_a_job_that_could_not_be_stored_again_is_refused_when_decoded(payload, s
 def test_sampling_and_versions_that_mean_nothing_are_refused():
     with pytest.raises(SchemaError, match="finite"):
         Sampling(temperature=math.inf)
-    for version in ("-3", "+3", " 7", "1_000", "²"):
-        with pytest.raises(SchemaError, match="weight_version"):
-            weight_version_number(version)
-    assert weight_version_number("12") == 12 and weight_version_number("default") == 0
+    # what int() would take is no identity: "r@-3:…", "r@+3:…", "r@ 7:…", "r@1_000:…", "r@²:…"
+    for version in ("-3", "+3", " 7", "1_000", "²", "012"):
+        assert WeightIdentity.parse(f"r@{version}:{'ab' * 8}") is None, version
+        assert run_version(f"r@{version}:{'ab' * 8}", "r") is None
+    assert run_version(f"r@12:{'ab' * 8}", "r") == 12 and run_version("default", "r") == 0
 
 
 def one_call(**fields) -> Trajectory:
