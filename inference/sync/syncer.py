@@ -556,8 +556,11 @@ class WeightSyncer:
             self.control, url, apply=apply, pause_mode=self.config.pause_mode
         )
         status = "updated" if ok else "failed"
+        verify_s = 0.0
         if ok:
+            checking = time.perf_counter()
             problem = await self._verify(url, target, None if adapter else model_dir)
+            verify_s = round(time.perf_counter() - checking, 3)
             if problem:
                 status, message = "mismatch", problem
         seconds = round(time.perf_counter() - started, 3)
@@ -575,6 +578,7 @@ class WeightSyncer:
                 engine=url,
                 identity=identity,
                 seconds=seconds,
+                verify_s=verify_s,
                 message=message,
             )
         return EngineResult(url, status, before, message, seconds)
