@@ -16,6 +16,8 @@ import pytest
 from fake_sglang import local_engine
 from trainlib import run_micro_demo
 
+from agentarium.schemas import WeightIdentity
+
 
 def run_demo(out, *extra: str) -> list[float]:
     # the steps end each run, never the clock (as in test_real_model_learning): --minutes and
@@ -60,6 +62,7 @@ def test_reward_rises_with_learning_and_not_without(tmp_path, tiny_dir):
     assert len(frozen) == 15
     # the demo started no engine of its own and its syncer loaded versions into this one
     assert not (tmp_path / "lr0" / "logs" / "engine.log").exists()
-    assert served is not None and int(served) >= 1, served
+    identity = WeightIdentity.parse(served)  # the demo's run's own version, published by it
+    assert identity is not None and identity.run is not None and identity.version >= 1, served
     assert mean(frozen[-5:]) < mean(frozen[:5]) + 0.1, frozen
     assert (tmp_path / "lr" / "reward.png").stat().st_size > 0

@@ -33,7 +33,7 @@ from agentarium.consumers.backends import SGLangBackend
 from agentarium.examples import toy
 from agentarium.formats import ChatTemplate, ToolsNotRendered
 from agentarium.inference.sync import SyncConfig, WeightSyncer
-from agentarium.schemas import Sampling, Trajectory
+from agentarium.schemas import Sampling, Trajectory, WeightIdentity
 
 pytestmark = [pytest.mark.real_model, pytest.mark.kernels]
 torch.set_num_threads(1)
@@ -220,9 +220,10 @@ async def test_published_weights_reach_the_engine_and_change_what_eval_reads(
 
         try:
             assert await version() == "default"
-            await WeightStore(js, topology).publish(trained, run="real", version=1, step=1)
+            update = await WeightStore(js, topology).publish(trained, run="real", version=1, step=1)
+            identity = str(WeightIdentity.of(update))  # real@1:<the file's sha256, 16 digits>
             async with asyncio.timeout(120):
-                while await version() != "1":
+                while await version() != identity:
                     await asyncio.sleep(0.2)
         finally:
             syncer.stop()
@@ -237,7 +238,7 @@ async def test_published_weights_reach_the_engine_and_change_what_eval_reads(
             out = await resp.json()
     (after,) = await served_weights([smol_url])
     assert before.startswith("sha256:") and after.startswith("sha256:") and after != before
-    assert out["meta_info"]["weight_version"] == "1"
+    assert out["meta_info"]["weight_version"] == identity
     ids = prompt + out["output_ids"]
     with torch.no_grad():
         logits = trained(input_ids=torch.tensor([ids])).logits[0].float()  # (T, V)
