@@ -287,3 +287,33 @@ async def test_a_host_without_namespaces_is_refused_unless_the_operator_allows_i
             sandbox = weak.observation.info["sandbox"]
             assert sandbox["mode"] == "uid" and sandbox["namespaces"] == []
             assert any("bubblewrap is not installed" in m for m in sandbox["missing"])
+
+
+@needs_full
+async def test_a_check_runs_after_every_process_of_the_agent_has_ended(tmp_path):
+    """A watcher the policy leaves running to catch the check script and its arguments (the
+    answer) is ended before the check; the check sees only itself in the session."""
+    from agentarium.environments import ShellEnvironment
+
+    marker = f"check-{secrets.token_hex(4)}"
+    task = {
+        "description": "answer 7",
+        "evaluation": {"check": f'ps -eo args > check_saw; [ "$1" = 7 ] # {marker}'},
+    }
+    env = ShellEnvironment()
+    await env.reset(task)
+    try:
+        watch = "(setsid bash -c 'while :; do ps -eo args >> seen; done' > /dev/null 2>&1 &)"
+        await env.step(bash(watch + "; sleep 0.5; wc -l < seen"))
+        answer = {"id": "c2", "type": "function",
+                  "function": {"name": "commit_final_answer", "arguments": '{"answer": "7"}'}}  # fmt: skip
+        result = await env.step({"role": "assistant", "content": None, "tool_calls": [answer]})
+        assert result.done and result.reward == 1.0
+        workdir = env.box.path  # the session's working directory, as root on the host sees it
+        seen = (workdir / "seen").read_text()
+        saw = (workdir / "check_saw").read_text().splitlines()
+    finally:
+        await env.close()
+    assert seen.count("ps -eo args") > 1 and marker not in seen
+    assert saw[0].strip() == "COMMAND" and saw[1].startswith("bwrap --args"), saw
+    assert saw[2] == "sleep infinity" and marker in saw[3] and saw[4:] == ["ps -eo args"], saw
