@@ -1,5 +1,5 @@
 """The ``shell`` environment: tasks solved with bash commands, in the manner of AgentBench's
-OS interaction, each session in its own resource sandbox (``sandbox.py``).
+OS interaction, each session in its own sandbox (``sandbox/``: namespaces, a cgroup, a uid).
 
 The agent gets the task's description and three tools: ``bash(command)`` runs a command in the
 session's directory (a fresh ``bash -c`` each call), ``commit_final_answer(answer)`` answers a

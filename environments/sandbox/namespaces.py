@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -172,8 +173,15 @@ class Holder:
     def __init__(self, proc: subprocess.Popen, info: dict, uid: int) -> None:
         self.proc = proc
         self.pid1 = int(info["child-pid"])  # the namespace's init, as the host numbers it
-        self.mnt_ns = info.get("mnt-namespace")
         self.uid = uid
+        # A pidfd, so the init is signalled and watched, never a process that reused its pid;
+        # opened while bwrap (its parent, our child) still holds it, and checked to be in the
+        # mount namespace bwrap reported.
+        self._pidfd = os.pidfd_open(self.pid1)
+        mnt = os.readlink(f"/proc/{self.pid1}/ns/mnt")
+        if mnt != f"mnt:[{info['mnt-namespace']}]":
+            os.close(self._pidfd)
+            raise SandboxError(f"the sandbox's init {self.pid1} is not bwrap's ({mnt})")
 
     @classmethod
     async def start(cls, *, limits: SandboxLimits, uid: int, hidden: Iterable[Path]) -> Holder:
@@ -236,7 +244,10 @@ class Holder:
 
     @property
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        """The namespace's init still runs (its pidfd is readable once it has exited)."""
+        if self._pidfd < 0 or self.proc.poll() is not None:
+            return False
+        return not select.select([self._pidfd], [], [], 0)[0]
 
     def enter(self, argv: list[str]) -> list[str]:
         """``argv`` run inside the session: its namespaces, root, working directory and uid."""
@@ -258,8 +269,11 @@ class Holder:
 
     async def stop(self) -> None:
         """End the namespace: its init's death kills every process in it and frees its tmpfs."""
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid1, signal.SIGKILL)
+        if self._pidfd >= 0:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+            os.close(self._pidfd)
+            self._pidfd = -1
         if self.proc.poll() is None:
             try:
                 await asyncio.wait_for(asyncio.to_thread(self.proc.wait), 5.0)
