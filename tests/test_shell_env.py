@@ -409,3 +409,17 @@ async def test_a_uid_leased_elsewhere_is_skipped(tmp_path):
         await again.close()
     finally:
         os.close(other)
+
+
+@pytest.mark.skipif(ISO.mode != "namespaces", reason=f"sandbox mode {ISO.mode}: no mount namespace")
+async def test_hidden_paths_are_masked_even_under_a_system_folder(open_env, tmp_path):
+    """A task file or the agentarium package installed under /usr would show through the
+    read-only system folders: ``hide`` (and the tasks file, always) masks them."""
+    folder, single = Path("/usr/share/doc/bash"), Path("/etc/hostname")
+    assert any(folder.iterdir()) and single.read_text()  # on the host: not empty
+    env = await open_env(hide=[str(folder)], tasks_file=single)
+    result = await env.step(bash(f"ls -A {folder} | wc -l; cat {single}; ls /usr/share | wc -l"))
+    lines = result.messages[0]["content"].split("\n")
+    assert lines[0] == "0" and int(lines[2]) > 10, lines  # the rest of /usr is there
+    # a file is masked by /dev/null on a nodev mount: it cannot even be opened
+    assert lines[1] == f"cat: {single}: Permission denied", lines
