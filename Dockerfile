@@ -48,10 +48,11 @@ RUN pip install ".[${EXTRAS}]" \
  && python -c "import agentarium.cli, agentarium.broker, agentarium.consumers, agentarium.inference"
 
 FROM ${PYTHON_IMAGE} AS runtime
-# tini as PID 1: forwards SIGTERM (consumers drain on it) and reaps children.
+# tini as PID 1: forwards SIGTERM (consumers drain on it) and reaps children. bubblewrap: the
+# shell environment's per-session namespaces (docs/design.md, "The sandbox").
 # hadolint ignore=DL3008
 RUN apt-get update \
- && apt-get install -y --no-install-recommends tini \
+ && apt-get install -y --no-install-recommends tini bubblewrap \
  && rm -rf /var/lib/apt/lists/* \
  && useradd --create-home --uid 10001 --user-group agentarium \
  && mkdir -p /var/lib/agentarium /weights \

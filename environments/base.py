@@ -41,6 +41,13 @@ class Environment(ABC):
         return []
 
     @classmethod
+    def preflight(cls, options: dict[str, Any]) -> None:
+        """Called once as a worker starts serving this class, with the options every session is
+        built with: refuse a host that cannot serve it (raise ``ValueError`` saying what to do),
+        and clean what a crashed worker left. The default does nothing."""
+        return None
+
+    @classmethod
     def overall(cls, outcomes: Sequence[SessionOutcome]) -> dict[str, float] | None:
         """An optional overall score over many episodes (default: the mean score)."""
         if not outcomes:

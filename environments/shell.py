@@ -1,5 +1,5 @@
 """The ``shell`` environment: tasks solved with bash commands, in the manner of AgentBench's
-OS interaction, each session in its own resource sandbox (``sandbox.py``).
+OS interaction, each session in its own sandbox (``sandbox/``: namespaces, a cgroup, a uid).
 
 The agent gets the task's description and three tools: ``bash(command)`` runs a command in the
 session's directory (a fresh ``bash -c`` each call), ``commit_final_answer(answer)`` answers a
@@ -23,7 +23,8 @@ import structlog
 from agentarium.schemas import Observation, SessionOutcome, StepResult
 
 from .base import Environment
-from .sandbox import CommandResult, Sandbox, SandboxLimits
+from .sandbox import CommandResult, Sandbox, SandboxLimits, human_bytes, isolation, sweep
+from .sandbox.uids import DEFAULT_UID_BASE, DEFAULT_UID_COUNT, default_uid_lock_dir
 from .shell_tasks import ShellTask, TaskError, load_tasks, matches
 
 log = structlog.get_logger("agentarium.environments")
@@ -84,6 +85,14 @@ SIGNAL_NOTES = {
     signal.SIGKILL: "killed (SIGKILL)",
     signal.SIGSEGV: "crashed (SIGSEGV; the memory limit is {memory_bytes} bytes)",
 }
+# The session limits a command ran into (CommandResult.hit), whatever else happened.
+HIT_NOTES = {
+    "memory": "killed: session memory limit {session_memory}",
+    "nproc": "the session's process limit ({nproc} processes) was reached: forks failed",
+    "disk": "no space left: the working directory's disk limit is {disk}",
+    "tmp": "/tmp is full (its limit is {tmp})",
+    "shm": "/dev/shm is full (its limit is {tmp})",
+}
 
 
 def describe(result: CommandResult, limits: SandboxLimits) -> str:
@@ -91,8 +100,17 @@ def describe(result: CommandResult, limits: SandboxLimits) -> str:
     text = result.output if result.output else "(no output)\n"
     if not text.endswith("\n"):
         text += "\n"
+    sizes = {
+        "session_memory": human_bytes(limits.session_memory_bytes),
+        "disk": human_bytes(limits.disk_bytes),
+        "tmp": human_bytes(limits.tmp_bytes),
+        "nproc": limits.nproc,
+    }
+    hits = [HIT_NOTES[h].format(**sizes) for h in result.hit if h in HIT_NOTES]
     if result.stopped == "wall":
         note = f"stopped: it ran past the wall-time limit ({limits.wall_s:g} s)"
+    elif result.stopped == "cpu":
+        note = f"killed: session CPU time limit ({limits.cpu_s} s)"
     elif result.stopped == "output":
         note = (
             f"output cut at {limits.output_bytes} bytes and the command stopped: "
@@ -102,11 +120,13 @@ def describe(result: CommandResult, limits: SandboxLimits) -> str:
         code = result.exit_code
         sig = -code if code < 0 else code - 128 if 128 < code < 160 else 0
         note = f"exit code {code}"
-        if sig in SIGNAL_NOTES:
+        if sig == signal.SIGKILL and "memory" in result.hit:
+            pass  # the session memory note says why
+        elif sig in SIGNAL_NOTES:
             note += "; " + SIGNAL_NOTES[signal.Signals(sig)].format(**asdict(limits))
         if result.stopped == "background":
             note += "; a background process kept the output open, the rest is discarded"
-    return f"{text}[{note}]"
+    return f"{text}[{'; '.join([note, *hits])}]"
 
 
 def _arguments(call: dict) -> tuple[str, dict | None, str]:
@@ -129,10 +149,17 @@ def _arguments(call: dict) -> tuple[str, dict | None, str]:
 class ShellEnvironment(Environment):
     """One session: a sandbox, a task, the steps until the agent answers or finishes.
 
-        Options (``agentarium env serve shell`` passes them as keywords): ``tasks_file`` (for
-        ``{"index": id}`` tasks), ``max_steps``, ``limits`` (SandboxLimits or a dict of its fields),
-        ``base_dir``, ``uid_base``, ``uid_count`` and ``uid_lock_dir`` (the uid range sessions lease
-    as root, and where the leases are: one directory for every worker of the machine).
+    Options (``agentarium env serve shell`` passes them as keywords): ``tasks_file`` (for
+    ``{"index": id}`` tasks), ``max_steps``, ``limits`` (SandboxLimits or a dict of its fields),
+    ``base_dir`` (the sessions' folders in the weaker modes), ``uid_base``, ``uid_count`` and
+    ``uid_lock_dir`` (the uid range sessions lease as root, and where the leases are: one
+    directory for every worker of the machine), ``hide`` (more host paths a session must not
+    see; the project's folder and the tasks file always are), ``allow_weaker_sandbox`` (serve
+    where the host lacks some isolation, ``Isolation.missing``; refused otherwise).
+
+    The answers stay out of the session's reach: the tasks file is hidden from it, expected
+    answers live in the worker's memory, an ``answer_from`` script runs before the agent's first
+    command and a ``check`` script only after every process of the session has been ended.
     """
 
     name = "shell"
@@ -148,6 +175,8 @@ class ShellEnvironment(Environment):
         uid_base: int | None = None,
         uid_count: int | None = None,
         uid_lock_dir: str | Path | None = None,
+        hide: list[str] | tuple[str, ...] = (),
+        allow_weaker_sandbox: bool = False,
     ) -> None:
         if tasks_file is not None:
             self.tasks_file = Path(tasks_file)
@@ -155,7 +184,12 @@ class ShellEnvironment(Environment):
             limits = SandboxLimits(**limits)
         self.limits = limits or SandboxLimits()
         self.max_steps = int(max_steps)
-        self._box_options: dict[str, Any] = {"limits": self.limits, "base_dir": base_dir}
+        self._box_options: dict[str, Any] = {
+            "limits": self.limits,
+            "base_dir": base_dir,
+            "hide": (self.tasks_file, *hide),
+            "allow_weaker": bool(allow_weaker_sandbox),
+        }
         if uid_base is not None:
             self._box_options["uid_base"] = int(uid_base)
         if uid_count is not None:
@@ -175,6 +209,21 @@ class ShellEnvironment(Environment):
     @classmethod
     def indices(cls) -> list[str]:
         return list(load_tasks(cls.tasks_file))
+
+    @classmethod
+    def preflight(cls, options: dict[str, Any]) -> None:
+        """Refuse a host whose sandbox lacks isolation, unless ``allow_weaker_sandbox``; then
+        sweep what crashed workers left (cgroups, processes and folders of free uids)."""
+        found = isolation()
+        if found.missing and not options.get("allow_weaker_sandbox"):
+            raise ValueError(found.refusal())
+        base_dir = options.get("base_dir")
+        sweep(
+            uid_lock_dir=Path(options.get("uid_lock_dir") or default_uid_lock_dir()),
+            uid_base=int(options.get("uid_base") or DEFAULT_UID_BASE),
+            uid_count=int(options.get("uid_count") or DEFAULT_UID_COUNT),
+            base_dir=Path(base_dir) if base_dir else None,
+        )
 
     def _task(self, task: dict) -> ShellTask:
         if "index" in task and "description" not in task:
@@ -222,6 +271,7 @@ class ShellEnvironment(Environment):
             if done.exit_code != 0 or done.stopped:
                 raise TaskError(f"the answer_from script of task {self.task.id!r} failed")
             self.expected = done.output.strip()
+        await self.box.kill_all()  # nothing the preparation started is left for the agent
 
     async def step(self, action: dict) -> StepResult:
         if self.box is None or self.task is None:
@@ -290,7 +340,9 @@ class ShellEnvironment(Environment):
         assert self.box is not None and self.task is not None
         if self.task.kind != "check":
             return float(matches(self.task, answer, self.expected))
-        await self.box.kill_all()  # nothing left running changes the state under the check
+        # Every process of the session ends first: nothing left running changes the state under
+        # the check, and nothing of the agent's sees the check's script or arguments.
+        await self.box.kill_all()
         done = await self.box.run(self.task.evaluation["check"], [answer])
         return float(done.exit_code == 0 and not done.stopped)
 

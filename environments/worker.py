@@ -176,6 +176,8 @@ class EnvWorker:
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> EnvWorker:
         cfg = self.config
+        # The host first (a refusal is a ValueError, like a bad setting): nothing subscribed yet.
+        await asyncio.to_thread(self.env_cls.preflight, dict(self.options))
         max_payload = getattr(self.nc, "max_payload", 0) or 0
         if max_payload and cfg.max_observation_bytes >= max_payload:
             raise ValueError(

@@ -61,6 +61,16 @@ if ! command -v nats-server >/dev/null 2>&1 && [ ! -x /usr/sbin/nats-server ]; t
     exit 1
   fi
 fi
+if ! command -v bwrap >/dev/null 2>&1; then
+  # The shell environment's sandbox: each session's own namespaces are made by bubblewrap;
+  # without it a shell worker refuses to start unless --option allow_weaker_sandbox=true.
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends bubblewrap >/dev/null) \
+      || echo "note: bubblewrap could not be installed; the shell environment's full sandbox is unavailable"
+  else
+    echo "note: bubblewrap not installed (sudo apt-get install bubblewrap): the shell environment needs it, and root, for its full sandbox"
+  fi
+fi
 if [ -n "$testing" ] && ! command -v docker-compose >/dev/null 2>&1; then
   # The deploy-file tests validate docker-compose.yml with `docker-compose config` (no engine needed).
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

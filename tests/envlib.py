@@ -119,11 +119,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @asynccontextmanager
 async def serve_process(
-    nats_url: str, *args: str, command: Sequence[str] = ("serve", "envlib:EchoEnv")
+    nats_url: str,
+    *args: str,
+    command: Sequence[str] = ("serve", "envlib:EchoEnv"),
+    environ: dict[str, str] | None = None,
 ) -> AsyncIterator[tuple[asyncio.subprocess.Process, str]]:
     """`agentarium env serve envlib:EchoEnv ARGS` (or ``command``) as a child, once it says it
-    serves; yields (process, worker id) and kills what is still running at the end."""
+    serves; yields (process, worker id) and kills what is still running at the end.
+    ``environ``: variables to set (or, with the value "", remove) in the child's environment."""
     env = dict(os.environ)
+    for key, value in (environ or {}).items():
+        if value:
+            env[key] = value
+        else:
+            env.pop(key, None)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
     env["AGENTARIUM_LOG_FORMAT"] = "json"
     proc = await asyncio.create_subprocess_exec(

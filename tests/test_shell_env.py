@@ -2,7 +2,9 @@
 its reference commands, wrong answers scored 0, and each bad action the issue names (malformed
 calls, a fork bomb, a 2 GB allocation, an infinite loop, 100 MB of output) answered with an
 observation while other sessions keep running. Limits that the host cannot enforce (not root,
-no namespaces) are skipped with the reason ``isolation()`` gives."""
+no namespaces) are skipped with the reason ``isolation()`` gives; such a host runs the rest with
+``allow_weaker_sandbox``. The probes a cheating or escaping policy would try, through
+``EnvClient``: tests/test_sandbox_redteam.py."""
 
 from __future__ import annotations
 
@@ -24,7 +26,12 @@ from agentarium.environments.shell_tasks import TaskError
 from agentarium.schemas import SessionOutcome, StepResult
 
 ISO = isolation()
-needs_uid = pytest.mark.skipif(ISO.mode != "uid", reason=f"sandbox mode {ISO.mode} (not root)")
+WEAKER = bool(ISO.missing)  # this host's sandbox lacks something: tests allow it explicitly
+needs_uid = pytest.mark.skipif(
+    ISO.mode not in ("namespaces", "uid"), reason=f"sandbox mode {ISO.mode} (not root)"
+)
+# the session's CPU time is watched as a whole (a cgroup's CPU accounting)
+SESSION_CPU = "cpuacct" in ISO.cgroup.places and ISO.mode in ("namespaces", "uid")
 needs_nproc = pytest.mark.skipif(not ISO.nproc, reason="no process limit on this host")
 needs_net = pytest.mark.skipif(not ISO.network, reason="no network namespaces on this host")
 
@@ -65,6 +72,7 @@ async def open_env(tmp_path):
 
     async def make(task: dict | None = None, **options) -> ShellEnvironment:
         options.setdefault("base_dir", tmp_path / "sessions")
+        options.setdefault("allow_weaker_sandbox", WEAKER)
         env = ShellEnvironment(**options)
         envs.append(env)
         await env.reset(task or {"description": "free play", "evaluation": {"answer": "x"}})
@@ -106,7 +114,7 @@ async def test_a_scripted_policy_solves_every_shipped_task_and_wrong_answers_sco
     assert len(ids) >= 20 and len(set(ids)) == len(ids)
 
     async def play(task_id: str, honest: bool) -> tuple[str, float, float]:
-        env = ShellEnvironment(base_dir=tmp_path / "sessions")
+        env = ShellEnvironment(base_dir=tmp_path / "sessions", allow_weaker_sandbox=WEAKER)
         observation = await env.reset({"index": task_id})
         assert [t["function"]["name"] for t in observation.tools] == [
             "bash",
@@ -166,9 +174,13 @@ async def test_the_step_limit_ends_an_episode_unscored(open_env):
 
 async def test_bad_tasks_are_refused_with_the_reason(open_env, tmp_path):
     with pytest.raises(TaskError, match="no shell task 'nope'"):
-        await ShellEnvironment(base_dir=tmp_path).reset({"index": "nope"})
+        await ShellEnvironment(base_dir=tmp_path, allow_weaker_sandbox=WEAKER).reset(
+            {"index": "nope"}
+        )
     with pytest.raises(TaskError, match="exactly one of"):
-        await ShellEnvironment(base_dir=tmp_path).reset({"description": "d", "evaluation": {}})
+        await ShellEnvironment(base_dir=tmp_path, allow_weaker_sandbox=WEAKER).reset(
+            {"description": "d", "evaluation": {}}
+        )
     with pytest.raises(TaskError, match="init script of task 'broken' failed"):
         await open_env(
             {"id": "broken", "description": "d", "init": "exit 3", "evaluation": {"answer": "x"}}
@@ -209,7 +221,12 @@ async def test_an_infinite_loop_is_killed_at_the_cpu_limit(open_env):
     started = time.monotonic()
     result = await env.step(bash("while :; do :; done"))
     assert time.monotonic() - started < 20
-    assert result.messages[0]["content"].endswith("[exit code -24; killed: CPU time limit (1 s)]")
+    if SESSION_CPU:  # the session's processes together, watched by the worker
+        assert result.messages[0]["content"].endswith("[killed: session CPU time limit (1 s)]")
+    else:  # each process's own RLIMIT_CPU
+        assert result.messages[0]["content"].endswith(
+            "[exit code -24; killed: CPU time limit (1 s)]"
+        )
 
 
 async def test_a_sleeping_command_is_killed_at_the_wall_limit_with_its_group(open_env):
@@ -257,8 +274,14 @@ async def test_commands_have_no_network(open_env):
     try:
         env = await open_env()
         result = await env.step(bash(probe))
-        assert "Network is unreachable" in result.messages[0]["content"]
-        assert "connected" not in result.messages[0]["content"]
+        content = result.messages[0]["content"]
+        # uid mode: no network at all; namespaces: the session's own loopback, where nothing listens
+        assert "Network is unreachable" in content or "Connection refused" in content
+        assert "connected" not in content
+        listener.setblocking(False)
+        with pytest.raises(BlockingIOError):  # no connection is waiting to be accepted
+            listener.accept()
+        listener.setblocking(True)
         # the same probe outside the sandbox connects: the listener is reachable
         outside = await asyncio.create_subprocess_exec("bash", "-c", probe, stdout=subprocess.PIPE)
         conn, _ = await asyncio.to_thread(listener.accept)
@@ -283,7 +306,9 @@ async def test_commands_see_an_empty_environment_and_not_the_workers(open_env, m
     try:
         result = await env.step(bash(f"cat /proc/{worker.pid}/environ /proc/$PPID/environ"))
         content = result.messages[0]["content"]
-        assert content.count("Permission denied") == 2 and secret not in content
+        assert secret not in content
+        # denied (uid mode), or not there at all (namespaces: the host's processes are not seen)
+        assert content.count("Permission denied") + content.count("No such file") == 2, content
     finally:
         worker.kill()
         worker.wait()
@@ -296,7 +321,9 @@ async def test_sessions_cannot_see_each_others_files(open_env):
     where = str(a.box.path)  # type: ignore[union-attr]
     result = await b.step(bash(f"ls {where}; cat {where}/mine.txt; echo hi > {where}/theirs"))
     content = result.messages[0]["content"]
-    assert content.count("Permission denied") == 3 and "private" not in content
+    assert "private" not in content
+    # denied (uid mode), or not there at all (namespaces: another session's root is not seen)
+    assert content.count("Permission denied") + content.count("No such file") == 3, content
     ids = await asyncio.gather(*(e.step(bash("id -u")) for e in (a, b)))
     assert ids[0].messages[0]["content"] != ids[1].messages[0]["content"]
 
@@ -346,12 +373,13 @@ def test_limits_are_validated():
 
 
 async def test_the_sandbox_reports_what_it_enforces(tmp_path):
-    box = await Sandbox.open(base_dir=tmp_path)
+    box = await Sandbox.open(base_dir=tmp_path, allow_weaker=WEAKER)
     try:
         assert box.isolation is ISO
-        assert re.fullmatch(r"uid|userns|rlimits", ISO.mode)
+        assert re.fullmatch(r"namespaces|uid|userns|rlimits", ISO.mode)
+        assert ISO.as_dict()["missing"] == list(ISO.missing)
         if os.geteuid() == 0:
-            assert ISO.mode == "uid" and ISO.sessions_apart and box.uid is not None
+            assert ISO.mode in ("namespaces", "uid") and ISO.sessions_apart and box.uid is not None
             assert (box.path.stat().st_uid, box.path.stat().st_mode & 0o777) == (box.uid, 0o700)
     finally:
         await box.close()
@@ -368,6 +396,7 @@ async def test_a_uid_leased_elsewhere_is_skipped(tmp_path):
         "uid_base": base,
         "uid_count": 2,
         "uid_lock_dir": tmp_path,
+        "allow_weaker": WEAKER,
     }
     try:
         box = await Sandbox.open(**options)
@@ -380,3 +409,17 @@ async def test_a_uid_leased_elsewhere_is_skipped(tmp_path):
         await again.close()
     finally:
         os.close(other)
+
+
+@pytest.mark.skipif(ISO.mode != "namespaces", reason=f"sandbox mode {ISO.mode}: no mount namespace")
+async def test_hidden_paths_are_masked_even_under_a_system_folder(open_env, tmp_path):
+    """A task file or the agentarium package installed under /usr would show through the
+    read-only system folders: ``hide`` (and the tasks file, always) masks them."""
+    folder, single = Path("/usr/share/doc/bash"), Path("/etc/hostname")
+    assert any(folder.iterdir()) and single.read_text()  # on the host: not empty
+    env = await open_env(hide=[str(folder)], tasks_file=single)
+    result = await env.step(bash(f"ls -A {folder} | wc -l; cat {single}; ls /usr/share | wc -l"))
+    lines = result.messages[0]["content"].split("\n")
+    assert lines[0] == "0" and int(lines[2]) > 10, lines  # the rest of /usr is there
+    # a file is masked by /dev/null on a nodev mount: it cannot even be opened
+    assert lines[1] == f"cat: {single}: Permission denied", lines

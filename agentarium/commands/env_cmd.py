@@ -279,7 +279,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "with room takes it; a full worker stops listening, so a start finding no room backs off) "
         "and every later step goes to the worker that holds it. Idle sessions expire; SIGTERM "
         "drains: no new sessions, open ones finish or expire (at most --drain-grace), then exit. "
-        "Settings may come from --config FILE.yaml and KEY=VALUE overrides.",
+        "Settings may come from --config FILE.yaml and KEY=VALUE overrides. The shell "
+        "environment runs each session in its own namespaces and cgroup, which needs root and "
+        "bubblewrap: where the host lacks any of it the worker refuses to start, naming what is "
+        "missing, unless --option allow_weaker_sandbox=true accepts the weaker sandbox.",
     )
     p.add_argument(
         "env",
