@@ -425,3 +425,42 @@ def test_eval_run_refuses_env_with_an_agent_function(capsys):
                "--file", str(SQL_TASKS), "--llm", "http://a:1")  # fmt: skip
     assert eval_cmd.cmd_eval_run(args) == 2
     assert "names its own rollout function" in capsys.readouterr().err
+
+
+async def test_a_step_lost_with_its_worker_is_found_by_the_next_resend(nc, topology):
+    """The race behind a killed worker: the server delivers a step to the worker's
+    subscription before it sees the connection close, and the request is lost with it. A
+    stand-in worker takes the step and unsubscribes without answering; the client must learn by
+    its next resend (no responders) that the worker is gone, within RESEND_S plus scheduling,
+    not after the step's whole 60 s timeout."""
+    from agentarium.consumers.agents.envclient import RESEND_S, EnvClient
+    from agentarium.consumers.errors import EnvironmentUnavailable
+    from agentarium.schemas import EnvStart, EnvStarted, Observation, decode, encode
+
+    subject = f"{topology.prefix}.env.lost.s.w1.session"
+    took_step = asyncio.Event()
+
+    async def on_start(msg) -> None:
+        start = decode(EnvStart, msg.data, (msg.headers or {}).get("Content-Type"))
+        started = EnvStarted(
+            session_id=start.session_id, worker="w1", subject=subject, observation=Observation()
+        )
+        await msg.respond(encode(started))
+
+    async def on_step(msg) -> None:  # delivered, never answered: the worker is gone
+        took_step.set()
+        await worker.unsubscribe()
+
+    starts = await nc.subscribe(topology.env_start_subject("lost"), cb=on_start)
+    worker = await nc.subscribe(subject, cb=on_step)
+    loop = asyncio.get_running_loop()
+    try:
+        async with EnvClient(nc, topology, step_timeout_s=60.0).session("lost", {}) as env:
+            began = loop.time()
+            with pytest.raises(EnvironmentUnavailable, match="is gone"):
+                await env.step({"role": "assistant", "content": "ls"})
+            waited = loop.time() - began
+    finally:
+        await starts.unsubscribe()
+    assert took_step.is_set()
+    assert waited < RESEND_S + 5.0, waited  # one resend period, not the 60 s timeout

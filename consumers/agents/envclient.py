@@ -12,7 +12,8 @@ trajectory's ``metadata["envs"]``.
 
 Failures, by what the rollout should do (consumers/errors.py): a start backs off while no worker
 has room (no responders, 503) until its deadline, then ``EnvironmentUnavailable``; a step's
-request that times out is sent again with the same ``seq`` (the worker never runs a step twice),
+request is sent again with the same ``seq`` every ``RESEND_S`` until it is answered or times out
+(the worker never runs a step twice; a resend finds a worker that died meanwhile at once),
 and a worker that is gone (no responders, 404, ``max_timeouts`` timeouts in a row) raises
 ``EnvironmentUnavailable`` at once: the rollout is an infrastructure error, retried, never
 scored 0. Each start, step and close is a span (``env.start``, ``env.step``, ``env.close``).
@@ -60,6 +61,9 @@ DEFAULT_DEADLINE_S = 600.0
 # own timeout ends it (status timeout) rather than the worker's.
 DEADLINE_SLACK_S = 5.0
 START_MARGIN_S = 1.0
+# A step or close is sent again this often while unanswered (the same seq): a worker that died
+# with the request in flight is found by the resend's no responders, not after the whole timeout.
+RESEND_S = 5.0
 
 
 class _NoResponders(Exception):
@@ -389,7 +393,7 @@ class EnvSession:
         client = self.client
         for attempt in range(1, client.max_timeouts + 1):
             try:
-                return await client._request(self.subject, payload, client.step_timeout_s)
+                return await self._send(payload, client.step_timeout_s)
             except _NoResponders:
                 error = EnvironmentUnavailable(
                     f"env {self.name} session {self.session_id}: worker {self.worker} is gone "
@@ -411,6 +415,23 @@ class EnvSession:
             session=self.session_id,
         )
         raise _record(span, self._fail(error))
+
+    async def _send(self, payload: bytes, timeout: float) -> Msg:
+        """One try of ``timeout`` seconds, the request sent again every ``RESEND_S``: a request
+        the server delivered to a worker that had just died (before the server saw its
+        connection close) is lost, and only a new request learns, by no responders, that the
+        worker is gone. The worker answers a resend of the step it is running once that step
+        ends, from its stored reply (the same seq: never run twice)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            try:
+                return await self.client._request(
+                    self.subject, payload, max(min(deadline - loop.time(), RESEND_S), 0.001)
+                )
+            except nats.errors.TimeoutError:
+                if loop.time() >= deadline:
+                    raise
 
     # ---- records -------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
