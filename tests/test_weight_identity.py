@@ -192,16 +192,14 @@ async def test_consumers_hold_a_mismatched_engine_out_until_it_serves_the_right_
     try:
         await service.start()
         [fleet] = service.fleets
-        await record_engine(
-            js,
-            topology,
-            run="h",
-            url=bad.url,
-            weight_version="h@2:" + "ab" * 8,
-            status="mismatch",
-            target_version=2,
-            message="reports 'h@2:abab…' but does not serve its weights",
-        )
+
+        async def syncer_says(status: str, message: str = "") -> None:  # as run h's syncer
+            await record_engine(
+                js, topology, run="h", url=bad.url, weight_version="h@2:" + "ab" * 8,
+                status=status, target_version=2, message=message,
+            )  # fmt: skip
+
+        await syncer_says("mismatch", "reports 'h@2:abab…' but does not serve its weights")
         while bad.url not in fleet._open:  # the watch delivers the record
             await asyncio.sleep(0.02)
         await producer.submit("held", [{"task_id": f"t{i}"} for i in range(12)], run="h")
@@ -209,15 +207,7 @@ async def test_consumers_hold_a_mismatched_engine_out_until_it_serves_the_right_
             await asyncio.sleep(0.05)
         assert bad.count == 0 and good.count == 12  # no call went to the engine held out
 
-        await record_engine(
-            js,
-            topology,
-            run="h",
-            url=bad.url,
-            weight_version="h@2:" + "ab" * 8,
-            status="updated",
-            target_version=2,
-        )
+        await syncer_says("updated")
         while bad.url in fleet._open:  # verified later: back in the fleet
             await asyncio.sleep(0.02)
     finally:

@@ -12,19 +12,16 @@ than ``inference.FRESH_S`` (nobody syncs that engine any more) lift the hold.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import nats.errors
-import nats.js.errors
 import structlog
 from nats.js import JetStreamContext
 
-from agentarium.broker import Backoff, Topology
+from agentarium.broker import Backoff, Topology, follow_key_value
 from agentarium.inference import FRESH_S
 
 if TYPE_CHECKING:
@@ -60,42 +57,19 @@ def apply_holds(fleets: Sequence[Fleet], holds: dict[str, str]) -> None:
 async def watch_engine_records(
     js: JetStreamContext, topology: Topology, fleets: Sequence[Fleet]
 ) -> None:
-    """Until cancelled: keep ``fleets``' quarantines in step with the engines KV (a watch,
-    re-created after any failure; ages re-checked every second)."""
-    failures = 0
-    while True:
-        watcher = None
-        entries: dict[str, dict[str, Any]] = {}
-        try:
-            kv = await js.key_value(topology.engines_bucket)
-            watcher = await kv.watch(">")
-            failures = 0
-            while True:
-                try:
-                    entry = await watcher.updates(timeout=1.0)
-                except nats.errors.TimeoutError:
-                    entry = None
-                if entry is not None:
-                    if entry.operation in ("DEL", "PURGE") or not entry.value:
-                        entries.pop(entry.key, None)
-                    else:
-                        with contextlib.suppress(ValueError):
-                            entries[entry.key] = json.loads(entry.value)
-                apply_holds(fleets, held_out(list(entries.values()), now=time.time()))
-        except asyncio.CancelledError:
-            raise
-        except nats.js.errors.BucketNotFoundError:
-            await asyncio.sleep(RETRY.max_s)  # not provisioned (yet): nobody records engines
-        except Exception as exc:
-            failures += 1
-            wait = RETRY.delay(failures)
-            log.warning(
-                "engines KV watch failed; retrying",
-                error=str(exc) or type(exc).__name__,
-                retry_in_s=round(wait, 3),
-            )
-            await asyncio.sleep(wait)
-        finally:
-            if watcher is not None:
-                with contextlib.suppress(Exception):
-                    await watcher.stop()
+    """Until cancelled: keep ``fleets``' holds in step with the engines KV (a watch, re-created
+    after any failure; the records' ages looked at again every second)."""
+    entries: dict[str, dict[str, Any]] = {}
+
+    async def handle(kv, entry) -> None:
+        if entry is not None:
+            if entry.operation in ("DEL", "PURGE") or not entry.value:
+                entries.pop(entry.key, None)
+            else:
+                with contextlib.suppress(ValueError):
+                    entries[entry.key] = json.loads(entry.value)
+        apply_holds(fleets, held_out(list(entries.values()), now=time.time()))
+
+    await follow_key_value(
+        js, topology.engines_bucket, ">", handle, what="engines KV", idle_s=1.0, backoff=RETRY
+    )

@@ -62,7 +62,7 @@ import nats.js.errors
 import structlog
 from nats.js import JetStreamContext
 
-from agentarium.broker import Backoff, BrokerError, Topology
+from agentarium.broker import Backoff, BrokerError, Topology, follow_key_value
 from agentarium.schemas import SchemaError, WeightIdentity, WeightUpdate, decode
 
 from ..control import EngineControl, EngineControlError
@@ -235,43 +235,28 @@ class WeightSyncer:
             await self.close()
 
     async def _watch(self) -> None:
-        """Feed ``_offer`` from a KV watch, re-created after any failure; poll when idle."""
-        failures = 0
-        while True:
-            watcher = None
-            try:
-                kv = await self.js.key_value(self.topology.policy_bucket)
-                watcher = await kv.watch(self.config.run)
-                failures = 0
-                while True:
-                    try:
-                        entry = await watcher.updates(timeout=self.config.recheck_s)
-                    except nats.errors.TimeoutError:
-                        try:
-                            entry = await kv.get(self.config.run)
-                        except nats.js.errors.KeyNotFoundError:
-                            entry = None
-                    if entry is not None and entry.value:
-                        self._offer_bytes(entry.value)
-                    elif entry is None and self._latest is None:
-                        # the end of the initial values, and none for this run: a first
-                        # round now (the base weights) rather than after recheck_s
-                        self._wake.set()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                failures += 1
-                wait = WATCH_BACKOFF.delay(failures)
-                log.warning(
-                    "policy watch failed; retrying",
-                    error=str(exc) or type(exc).__name__,
-                    retry_in_s=round(wait, 3),
-                )
-                await asyncio.sleep(wait)
-            finally:
-                if watcher is not None:
-                    with contextlib.suppress(Exception):
-                        await watcher.stop()
+        """Feed ``_offer`` from a KV watch (re-created after any failure); poll when idle."""
+
+        async def handle(kv, entry) -> None:
+            if entry is None:  # the end of the initial values, or recheck_s idle: poll
+                with contextlib.suppress(nats.js.errors.KeyNotFoundError):
+                    entry = await kv.get(self.config.run)
+            if entry is not None and entry.value:
+                self._offer_bytes(entry.value)
+            elif self._latest is None:
+                # nothing published for this run: a round now (the base weights) rather
+                # than after recheck_s
+                self._wake.set()
+
+        await follow_key_value(
+            self.js,
+            self.topology.policy_bucket,
+            self.config.run,
+            handle,
+            what="policy",
+            idle_s=self.config.recheck_s,
+            backoff=WATCH_BACKOFF,
+        )
 
     def _offer_bytes(self, payload: bytes) -> None:
         try:
