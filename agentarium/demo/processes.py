@@ -9,6 +9,8 @@ import signal
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -102,6 +104,21 @@ def terminate(proc: subprocess.Popen, timeout_s: float) -> int | None:
     return proc.returncode
 
 
+def stop_all(children: Sequence[Child], timeout_s: float = 30.0) -> None:
+    """SIGTERM every child still running, all at once, then wait for them with one deadline and
+    SIGKILL whoever outlives it: the whole stop takes at most ``timeout_s`` (plus the kills),
+    however many children there are and whatever each waits for while it drains."""
+    for child in children:
+        if child.proc.poll() is None:
+            child.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for child in children:
+        try:
+            child.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.kill()
+
+
 def child_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     # Five processes share two cores: one torch/BLAS thread each.
@@ -147,10 +164,13 @@ def start_child(
     watch_ready: bool = False,
     timeout_s: float = 120.0,
     env: dict[str, str] | None = None,
+    into: list[Child] | None = None,
 ) -> Child:
     """Run ``python -m agentarium ARGS``; with ``wait_ready``, block until it prints its URL;
     with ``watch_ready``, return at once and let ``Child.wait_ready()`` block later (so other
-    processes start while this one loads)."""
+    processes start while this one loads). ``into``: the list the child is added to as soon as
+    it exists, before anything that waits, so a Ctrl-C while it starts or loads still finds it
+    there to stop."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     proc = subprocess.Popen(
@@ -162,11 +182,12 @@ def start_child(
     )
     ready = threading.Event() if wait_ready or watch_ready else None
     holder: dict = {}
+    child = Child(name=name, proc=proc, log_path=log_path, _ready=ready, _holder=holder)
+    if into is not None:
+        into.append(child)
     pump = threading.Thread(target=_pump, args=(proc.stdout, log_path, ready, holder), daemon=True)
+    child._threads.append(pump)
     pump.start()
-    child = Child(
-        name=name, proc=proc, log_path=log_path, _threads=[pump], _ready=ready, _holder=holder
-    )
     if wait_ready:
         child.wait_ready(timeout_s)
     return child
