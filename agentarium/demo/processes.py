@@ -164,13 +164,10 @@ def start_child(
     watch_ready: bool = False,
     timeout_s: float = 120.0,
     env: dict[str, str] | None = None,
-    into: list[Child] | None = None,
 ) -> Child:
     """Run ``python -m agentarium ARGS``; with ``wait_ready``, block until it prints its URL;
     with ``watch_ready``, return at once and let ``Child.wait_ready()`` block later (so other
-    processes start while this one loads). ``into``: the list the child is added to as soon as
-    it exists, before anything that waits, so a Ctrl-C while it starts or loads still finds it
-    there to stop."""
+    processes start while this one loads)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     proc = subprocess.Popen(
@@ -182,12 +179,11 @@ def start_child(
     )
     ready = threading.Event() if wait_ready or watch_ready else None
     holder: dict = {}
-    child = Child(name=name, proc=proc, log_path=log_path, _ready=ready, _holder=holder)
-    if into is not None:
-        into.append(child)
     pump = threading.Thread(target=_pump, args=(proc.stdout, log_path, ready, holder), daemon=True)
-    child._threads.append(pump)
     pump.start()
+    child = Child(
+        name=name, proc=proc, log_path=log_path, _threads=[pump], _ready=ready, _holder=holder
+    )
     if wait_ready:
         child.wait_ready(timeout_s)
     return child

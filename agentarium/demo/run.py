@@ -429,10 +429,11 @@ def run_demo(args: DemoConfig) -> int:
     failed: ChildExited | None = None
     evals: HeldOutEval | None = None
     try:
-        model_dir = resolve_model(args.model)  # smol: converted once, about a minute
+        with STOP.interruptible():
+            model_dir = resolve_model(args.model)  # smol: converted once, about a minute
         print(f"model {args.model}: {model_dir}")
         external = _reachable(args.engine) if args.engine is not None else None  # before starting
-        server.start()
+        server.start()  # a Ctrl-C meanwhile acts once it is there to stop (15 s at most)
         started = time.monotonic()
         print(f"nats-server (JetStream) at {server.url}, store {out / 'nats'}")
         print(
@@ -444,47 +445,42 @@ def run_demo(args: DemoConfig) -> int:
         STOP.run(lambda: _provision(server.url, provisioned))
         # The engine and the trainer load torch and the model at the same time (the trainer
         # needs no URL); everything that needs the engine's URL waits for it.
-        engine = None
+        # A Ctrl-C while a child starts acts once it is in `children` (interrupt.py).
+        engine = trainer = None
         if external is None:
             engine = start_child(
                 "engine",
                 ["engine", "--model", str(model_dir), "--port", "0"],
                 logs,
                 watch_ready=True,
-                into=children,
             )
-        trainer = (
-            None
-            if args.rollouts_only
-            else start_child(
-                "trainer", trainer_argv(args, model_dir, out, server.url), logs, into=children
-            )
-        )
+            children.append(engine)
+        if not args.rollouts_only:
+            trainer = start_child("trainer", trainer_argv(args, model_dir, out, server.url), logs)
+            children.append(trainer)
         if engine is not None:
-            engine_url, where = engine.wait_ready(), "local engine"
+            with STOP.interruptible():
+                engine_url, where = engine.wait_ready(), "local engine"
         else:
             assert external is not None  # --engine was given
             engine_url, where = external, "engine"
         agents = args.agents()
         for (name, agent), i in itertools.product(agents.items(), range(args.consumers)):
-            start_child(
-                f"consumer-{i}" if not args.task_set else f"consumer-{name}-{i}",
-                consumer_argv(
-                    f"{name}={agent}",
-                    engine_url,
-                    model_dir,
-                    server.url,
-                    "--concurrency",
-                    str(args.concurrency),
-                    # Stopping, its rollouts are of no use (the trainer stops too), and on a
-                    # Ctrl-C the engine they wait for stops with them: 5 s, not 30, to drain.
-                    "--drain-grace",
-                    "5",
-                    *(["--lora", args.run] if args.lora_rank else []),
-                ),
-                logs,
-                into=children,
+            argv = consumer_argv(
+                f"{name}={agent}",
+                engine_url,
+                model_dir,
+                server.url,
+                "--concurrency",
+                str(args.concurrency),
+                # Stopping, its rollouts are of no use (the trainer stops too), and on a Ctrl-C
+                # the engine they wait for stops with them: 5 s, not 30, to drain.
+                "--drain-grace",
+                "5",
+                *(["--lora", args.run] if args.lora_rank else []),
             )
+            name_i = f"consumer-{i}" if not args.task_set else f"consumer-{name}-{i}"
+            children.append(start_child(name_i, argv, logs))
         running = ", ".join(f"{name}={agent}" for name, agent in agents.items())
         print(
             f"{where} at {engine_url}; {args.consumers} consumer(s) per agent running "
@@ -497,21 +493,17 @@ def run_demo(args: DemoConfig) -> int:
             print(json.dumps(summary))
             print(f"trajectories written to {out / 'trajectories.jsonl'}")
             return 0 if summary["trajectories"] else 1
-        start_child(
+        sync_argv = [
             "sync",
-            [
-                "sync",
-                "--run",
-                args.run,
-                "--engine",
-                engine_url,
-                "--weights-dir",
-                str(out / "weights"),
-                *nats,
-            ],
-            logs,
-            into=children,
-        )
+            "--run",
+            args.run,
+            "--engine",
+            engine_url,
+            "--weights-dir",
+            str(out / "weights"),
+            *nats,
+        ]
+        children.append(start_child("sync", sync_argv, logs))
         assert trainer is not None
         if evals is not None:  # on the base weights: nothing is fed, so nothing is trained yet
             evals.run("base", engine_url)
@@ -523,11 +515,13 @@ def run_demo(args: DemoConfig) -> int:
         check_alive(children)  # the trainer's own exit too: non-zero is a failure
         if evals is not None:
             # the last version on the engine, nothing else running on it
-            trainer.terminate(timeout_s=120)  # done at --steps already, or stopped by --minutes
-            for child in children:
-                if child.name.startswith("consumer"):
-                    child.terminate()
+            with STOP.interruptible():
+                trainer.terminate(timeout_s=120)  # done at --steps already, or by --minutes
+                for child in children:
+                    if child.name.startswith("consumer"):
+                        child.terminate()
             evals.run("trained", engine_url, after_run=args.run)
+        STOP.check()
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM (STOP): stop, then report what ran
         STOP.ignore()
         interrupted = True
