@@ -94,6 +94,18 @@ def _port_open(host: str, port: int) -> bool:
         return False
 
 
+def _sigterm_when_parent_dies() -> None:
+    """In the child, before exec: SIGTERM when the process that started it dies (Linux's
+    PR_SET_PDEATHSIG); elsewhere nothing (the owner's stop() is then the only way out)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 @dataclass
 class NatsServer:
     """A nats-server child process with JetStream in ``store_dir``.
@@ -105,6 +117,10 @@ class NatsServer:
     (``-p -1``) and says which in that file: no other process can take the port between
     choosing and binding it, so any number of servers can start side by side (parallel
     test workers). ``port`` is known once ``start()`` returns. ``config`` runs it from a config file instead of flags.
+    ``own_group`` runs it in a process group of its own, so a terminal's Ctrl-C (SIGINT to the
+    foreground group) does not reach it: its owner stops it, after the processes that still
+    need it (the demo's trainer acks its checkpoint through it); it gets SIGTERM when the
+    process that started it dies (Linux), so even a killed owner leaves no server behind.
     ``sync_interval`` (``"always"`` or a duration such as ``"10s"``: how often JetStream
     fsyncs; 2 minutes by default) needs nats-server 2.10+: the server then runs from a config
     file written into ``store_dir``; an older binary runs without it, with a warning.
@@ -119,6 +135,7 @@ class NatsServer:
     log_file: Path | None = None
     extra_args: tuple[str, ...] = ()
     sync_interval: str | None = None
+    own_group: bool = False
 
     def __post_init__(self) -> None:
         self.store_dir = Path(self.store_dir)
@@ -223,7 +240,11 @@ class NatsServer:
         log_path = self.log_path
         out = None if foreground else open(log_path, "ab")  # noqa: SIM115 - owned by the child
         self._proc = subprocess.Popen(
-            self.command(), stdout=out, stderr=subprocess.STDOUT if out else None
+            self.command(),
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+            process_group=0 if self.own_group else None,
+            preexec_fn=_sigterm_when_parent_dies if self.own_group else None,
         )
         if out is not None:
             out.close()

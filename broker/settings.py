@@ -27,6 +27,7 @@ import structlog
 
 from agentarium.schemas import setting, settings
 
+from .aio import cancel_and_wait
 from .errors import BrokerUnavailable
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
@@ -239,6 +240,12 @@ class NatsSettings:
                 raise nats.errors.Error(errors[-1] if errors else "timed out")
             connecting.result()
             connected_once = True
+        except asyncio.CancelledError:  # Ctrl-C while connecting: leave no client task behind
+            # (nats-py's connect may swallow the cancel and still start its reader, pinger and
+            # flusher, which asyncio.run would then find pending on a closed loop)
+            await cancel_and_wait([connecting])
+            await _close_quietly(nc)
+            raise
         except (TimeoutError, OSError, nats.errors.Error) as exc:
             await _close_quietly(nc)
             # A refused login can surface as a reset connection first: any auth error decides.

@@ -30,7 +30,7 @@ from typing import Any
 
 import structlog
 
-from agentarium.broker import Backoff
+from agentarium.broker import Backoff, cancel_and_wait
 from agentarium.schemas import check_settings, setting
 
 from .backends.base import GenerateRequest, GenerateResult
@@ -190,10 +190,10 @@ class Fleet:
         return self
 
     async def aclose(self) -> None:
-        for task in self._tasks:
-            task.cancel()
         if self._recheck is not None:
             self._recheck.cancel()
+        # a probe naps in 3.11's wait_for, which swallows a cancel that meets a kick
+        await cancel_and_wait(self._tasks)
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
         if self._limit_timer is not None:

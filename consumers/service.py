@@ -19,7 +19,7 @@ from typing import Any
 import structlog
 from nats.js import JetStreamContext
 
-from agentarium.broker import Topology, loop_name, watch_lag
+from agentarium.broker import Topology, cancel_and_wait, loop_name, watch_lag
 from agentarium.formats import ChatTemplate
 from agentarium.schemas import SettingError
 
@@ -406,9 +406,12 @@ class ConsumerService:
 
     async def _close(self) -> None:
         if self._holds is not None:
-            self._holds.cancel()
+            # Its KV watch waits with 3.11's wait_for, which swallows a cancel that meets an
+            # update (broker/aio.py): cancelled once, a drained consumer waited on it forever
+            # when the syncer recorded the engine as a Ctrl-C stopped them all.
+            await cancel_and_wait([self._holds])
             with contextlib.suppress(BaseException):
-                await self._holds
+                self._holds.result()
             self._holds = None
         if self._watching_lag:
             self._watching_lag = False

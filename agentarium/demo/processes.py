@@ -9,6 +9,8 @@ import signal
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -100,6 +102,21 @@ def terminate(proc: subprocess.Popen, timeout_s: float) -> int | None:
             proc.kill()
             proc.wait()
     return proc.returncode
+
+
+def stop_all(children: Sequence[Child], timeout_s: float = 30.0) -> None:
+    """SIGTERM every child still running, all at once, then wait for them with one deadline and
+    SIGKILL whoever outlives it: the whole stop takes at most ``timeout_s`` (plus the kills),
+    however many children there are and whatever each waits for while it drains."""
+    for child in children:
+        if child.proc.poll() is None:
+            child.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for child in children:
+        try:
+            child.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.kill()
 
 
 def child_env(**extra: str) -> dict[str, str]:

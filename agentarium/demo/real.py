@@ -16,7 +16,6 @@ version. Both evals go through the same engine; each is keyed by the weights it 
 
 from __future__ import annotations
 
-import asyncio
 import io
 import json
 import random
@@ -29,6 +28,7 @@ from agentarium.broker import NatsSettings, Topology
 from agentarium.inference import WeightFetcher, wait_served
 
 from ..evaluation import EvalConfig, EvalRun
+from .interrupt import STOP
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -150,10 +150,10 @@ class HeldOutEval:
     def run(self, label: str, engine_url: str, *, after_run: str | None = None) -> dict:
         started = time.monotonic()
         if after_run is not None:
-            version = asyncio.run(wait_final_version(self.nats_url, after_run))
+            version = STOP.run(lambda: wait_final_version(self.nats_url, after_run))
             print(f"engine serves the last version: v{version}")
-        summary = asyncio.run(
-            evaluate(
+        summary = STOP.run(
+            lambda: evaluate(
                 self.nats_url,
                 engine_url=engine_url,
                 model_dir=self.model_dir,

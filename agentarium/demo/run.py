@@ -37,7 +37,6 @@ import itertools
 import json
 import os
 import random
-import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -61,7 +60,8 @@ from agentarium.trainer import DEVICES, TASK_ADV_NORMS
 
 from ..models import resolve_model
 from ..progress import ProgressBar, StatusLine
-from .processes import Child, ChildExited, check_alive, consumer_argv, start_child
+from .interrupt import STOP
+from .processes import Child, ChildExited, check_alive, consumer_argv, start_child, stop_all
 from .real import HeldOutEval, Preset, preset_of
 from .report import report, task_column
 from .tasks import FAMILIES, digit_tasks, parse_task_set, split_groups
@@ -261,37 +261,47 @@ def _last_row(path: Path) -> dict | None:
 async def _feed_and_watch(
     args: DemoConfig, url: str, out: Path, trainer: Child, children: list[Child]
 ) -> None:
-    session = await RunSession(NatsSettings(url=url), args.run, name="agentarium-demo").start()
-    js, topo = session.js, session.topology
-    assert session.producer is not None
-    producer = session.producer
-    rng = random.Random(args.seed)
-    # rewritten in place on a terminal, a plain line every 5 s otherwise
-    display = StatusLine(
-        args.steps,
-        fmt="[{bar:24}] step {n_fmt}/{total_fmt} {info}  {elapsed}",
-        every_s=5.0,
-        stream=sys.stdout,
-    )
-    metrics = out / "metrics.csv"
-    refills = [
-        await GroupRefill(
-            producer,
-            run=args.run,
-            agent=agent,
-            tasks=_refill_source(args, rng, agent),
-            group_size=args.group_size,
-        ).start()
-        for agent in (args.agents() if args.dynamic_sampling else ())
-    ]
-    started = time.monotonic()
-    deadline = started + args.minutes * 60
-    published_groups = 0
-    step = 0
-    row = None
-    stored, next_count = 0, 0.0
+    # Whatever start-up did is undone in the finally, a Ctrl-C while connecting included (a
+    # connection left open on a closed loop prints "Task was destroyed but it is pending!").
+    session = RunSession(NatsSettings(url=url), args.run, name="agentarium-demo")
+    refills: list[GroupRefill] = []
+    display: StatusLine | None = None
+    task = asyncio.current_task()
     try:
+        await session.start()
+        js, topo = session.js, session.topology
+        assert session.producer is not None
+        producer = session.producer
+        rng = random.Random(args.seed)
+        # rewritten in place on a terminal, a plain line every 5 s otherwise
+        display = StatusLine(
+            args.steps,
+            fmt="[{bar:24}] step {n_fmt}/{total_fmt} {info}  {elapsed}",
+            every_s=5.0,
+            stream=sys.stdout,
+        )
+        metrics = out / "metrics.csv"
+        for agent in args.agents() if args.dynamic_sampling else ():
+            refill = GroupRefill(
+                producer,
+                run=args.run,
+                agent=agent,
+                tasks=_refill_source(args, rng, agent),
+                group_size=args.group_size,
+            )
+            refills.append(await refill.start())
+        started = time.monotonic()
+        deadline = started + args.minutes * 60
+        published_groups = 0
+        step = 0
+        row = None
+        stored, next_count = 0, 0.0
         while step < args.steps and time.monotonic() < deadline and trainer.proc.poll() is None:
+            if task is not None and task.cancelling():
+                # Ctrl-C cancelled the feed (STOP.run), but a call swallowed it: 3.11's
+                # wait_for, under nats-py's requests, returns a result that arrived in the same
+                # loop iteration instead (CPython gh-86296). Stop all the same.
+                raise asyncio.CancelledError
             check_alive(children)  # an engine, consumer or syncer gone: an error, not a wait
             if args.sync_rollouts:
                 # Synchronous: batch k+1 only once the engine serves version k, the weights
@@ -339,7 +349,8 @@ async def _feed_and_watch(
             if not args.sync_rollouts:
                 await asyncio.sleep(0.5)  # a status refresh tick, not a wait for an event
     finally:
-        display.close()
+        if display is not None:
+            display.close()
         for refill in refills:
             await refill.close()
         await session.close()
@@ -393,14 +404,16 @@ async def _rollouts_only(args: DemoConfig, url: str, out: Path) -> dict:
     }
 
 
-def _interrupt(*_: object) -> None:
-    raise KeyboardInterrupt  # SIGTERM: clean up children and the broker like Ctrl-C does
-
-
 def run_demo(args: DemoConfig) -> int:
     """Run the demo in the foreground; the exit code: 0 when it trained (or, with
-    ``rollouts_only``, stored trajectories)."""
-    signal.signal(signal.SIGTERM, _interrupt)
+    ``rollouts_only``, stored trajectories).
+
+    Ctrl-C (SIGINT to the whole process group) or SIGTERM at any moment, start-up included:
+    every child gets SIGTERM at once and a shared 30 s grace, then SIGKILL; then the broker,
+    which sits in a process group of its own so that it outlives its clients' drains (10 s,
+    then SIGKILL); then the report. So the demo exits 130 within about 45 s at worst, a few
+    seconds when every child drains at once as it should."""
+    STOP.install()  # Ctrl-C and SIGTERM, whatever the demo inherited (interrupt.py)
     setup_logging("warning", json=True)  # the demo prints its own progress; children log to files
     # The demo's prompts are toy digits: show them on chat spans (the GenAI conventions' opt-in
     # switch, inherited by every child) unless the user set the switch themselves.
@@ -408,26 +421,32 @@ def run_demo(args: DemoConfig) -> int:
     out = Path(args.out).expanduser().resolve()
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    model_dir = resolve_model(args.model)  # smol: converted once, about a minute
-    print(f"model {args.model}: {model_dir}")
-    external = _reachable(args.engine) if args.engine is not None else None  # before starting
-    server = NatsServer(store_dir=out / "nats", log_file=logs / "nats-server.log").start()
-    print(f"nats-server (JetStream) at {server.url}, store {out / 'nats'}")
-    print(
-        f"watch it live: agentarium dashboard --nats-url {server.url}, then open http://127.0.0.1:8266/"
-    )
-    nats = ["--nats-url", server.url]
+    # Not reached by the terminal's Ctrl-C (own_group): stopped here, after every child.
+    server = NatsServer(store_dir=out / "nats", log_file=logs / "nats-server.log", own_group=True)
     children: list[Child] = []
     started = time.monotonic()
     interrupted = False
     failed: ChildExited | None = None
     evals: HeldOutEval | None = None
     try:
+        with STOP.interruptible():
+            model_dir = resolve_model(args.model)  # smol: converted once, about a minute
+        print(f"model {args.model}: {model_dir}")
+        external = _reachable(args.engine) if args.engine is not None else None  # before starting
+        server.start()  # a Ctrl-C meanwhile acts once it is there to stop (15 s at most)
+        started = time.monotonic()
+        print(f"nats-server (JetStream) at {server.url}, store {out / 'nats'}")
+        print(
+            f"watch it live: agentarium dashboard --nats-url {server.url}, then open http://127.0.0.1:8266/"
+        )
+        nats = ["--nats-url", server.url]
         evals = HeldOutEval(args, server.url, model_dir, out) if args.preset.held_out_eval else None
-        asyncio.run(_provision(server.url, (*args.agents(), *([evals.agent] if evals else []))))
+        provisioned = (*args.agents(), *([evals.agent] if evals else []))
+        STOP.run(lambda: _provision(server.url, provisioned))
         # The engine and the trainer load torch and the model at the same time (the trainer
         # needs no URL); everything that needs the engine's URL waits for it.
-        engine = None
+        # A Ctrl-C while a child starts acts once it is in `children` (interrupt.py).
+        engine = trainer = None
         if external is None:
             engine = start_child(
                 "engine",
@@ -436,35 +455,32 @@ def run_demo(args: DemoConfig) -> int:
                 watch_ready=True,
             )
             children.append(engine)
-        trainer = (
-            None
-            if args.rollouts_only
-            else start_child("trainer", trainer_argv(args, model_dir, out, server.url), logs)
-        )
-        if trainer is not None:
+        if not args.rollouts_only:
+            trainer = start_child("trainer", trainer_argv(args, model_dir, out, server.url), logs)
             children.append(trainer)
         if engine is not None:
-            engine_url, where = engine.wait_ready(), "local engine"
+            with STOP.interruptible():
+                engine_url, where = engine.wait_ready(), "local engine"
         else:
             assert external is not None  # --engine was given
             engine_url, where = external, "engine"
         agents = args.agents()
         for (name, agent), i in itertools.product(agents.items(), range(args.consumers)):
-            children.append(
-                start_child(
-                    f"consumer-{i}" if not args.task_set else f"consumer-{name}-{i}",
-                    consumer_argv(
-                        f"{name}={agent}",
-                        engine_url,
-                        model_dir,
-                        server.url,
-                        "--concurrency",
-                        str(args.concurrency),
-                        *(["--lora", args.run] if args.lora_rank else []),
-                    ),
-                    logs,
-                )
+            argv = consumer_argv(
+                f"{name}={agent}",
+                engine_url,
+                model_dir,
+                server.url,
+                "--concurrency",
+                str(args.concurrency),
+                # Stopping, its rollouts are of no use (the trainer stops too), and on a Ctrl-C
+                # the engine they wait for stops with them: 5 s, not 30, to drain.
+                "--drain-grace",
+                "5",
+                *(["--lora", args.run] if args.lora_rank else []),
             )
+            name_i = f"consumer-{i}" if not args.task_set else f"consumer-{name}-{i}"
+            children.append(start_child(name_i, argv, logs))
         running = ", ".join(f"{name}={agent}" for name, agent in agents.items())
         print(
             f"{where} at {engine_url}; {args.consumers} consumer(s) per agent running "
@@ -473,26 +489,21 @@ def run_demo(args: DemoConfig) -> int:
             else f"{where} at {engine_url}; {args.consumers} consumer(s) running {args.agent}; logs in {logs}"
         )
         if args.rollouts_only:
-            summary = asyncio.run(_rollouts_only(args, server.url, out))
+            summary = STOP.run(lambda: _rollouts_only(args, server.url, out))
             print(json.dumps(summary))
             print(f"trajectories written to {out / 'trajectories.jsonl'}")
             return 0 if summary["trajectories"] else 1
-        children.append(
-            start_child(
-                "sync",
-                [
-                    "sync",
-                    "--run",
-                    args.run,
-                    "--engine",
-                    engine_url,
-                    "--weights-dir",
-                    str(out / "weights"),
-                    *nats,
-                ],
-                logs,
-            )
-        )
+        sync_argv = [
+            "sync",
+            "--run",
+            args.run,
+            "--engine",
+            engine_url,
+            "--weights-dir",
+            str(out / "weights"),
+            *nats,
+        ]
+        children.append(start_child("sync", sync_argv, logs))
         assert trainer is not None
         if evals is not None:  # on the base weights: nothing is fed, so nothing is trained yet
             evals.run("base", engine_url)
@@ -500,28 +511,31 @@ def run_demo(args: DemoConfig) -> int:
             f"trainer and weight syncer running; run {args.run}: {args.groups_per_step} groups x "
             f"{args.group_size} per step, up to {args.steps} steps or {args.minutes:g} minutes"
         )
-        asyncio.run(_feed_and_watch(args, server.url, out, trainer, children))
+        STOP.run(lambda: _feed_and_watch(args, server.url, out, trainer, children))
         check_alive(children)  # the trainer's own exit too: non-zero is a failure
         if evals is not None:
             # the last version on the engine, nothing else running on it
-            trainer.terminate(timeout_s=120)  # done at --steps already, or stopped by --minutes
-            for child in children:
-                if child.name.startswith("consumer"):
-                    child.terminate()
+            with STOP.interruptible():
+                trainer.terminate(timeout_s=120)  # done at --steps already, or by --minutes
+                for child in children:
+                    if child.name.startswith("consumer"):
+                        child.terminate()
             evals.run("trained", engine_url, after_run=args.run)
-    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (_interrupt): stop, then report what ran
+        STOP.check()
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (STOP): stop, then report what ran
+        STOP.ignore()
         interrupted = True
         print("\ninterrupted: stopping the demo's processes", flush=True)
     except ChildExited as exc:  # stop the rest, report what ran, fail
+        STOP.ignore()
         failed = exc
         print(f"\nerror: {exc}", file=sys.stderr, flush=True)
     finally:
-        # A second Ctrl-C or SIGTERM must not cut the stop short (children left running).
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        # the trainer first (it checkpoints), then the rest, last started first
-        for child in sorted(reversed(children), key=lambda c: c.name != "trainer"):
-            child.terminate()
+        STOP.ignore()
+        # Every child at once, one grace for all (each already drains on a Ctrl-C: waiting for
+        # them one by one added their graces up); the broker last, once no one needs it (the
+        # trainer acks its last checkpoint through it).
+        stop_all(children, timeout_s=30.0)
         server.stop()
     code = report(out, time.monotonic() - started, args.digits, args.task_set, args.model)
     if evals is not None and not interrupted and failed is None:
@@ -546,15 +560,17 @@ def _reachable(url: str) -> str:
                         ) from None
                 await asyncio.sleep(1.0)
 
-    info = asyncio.run(ask())
+    info = STOP.run(ask)
     print(f"engine at {url} serves {info.get('model_path', '?')}")
     return url.rstrip("/")
 
 
 async def _provision(url: str, agents: tuple[str, ...]) -> None:
     nc = await NatsSettings(url=url).connect(name="agentarium-demo")
-    await provision(nc.jetstream(), Topology(), agents=agents)
-    await nc.close()
+    try:
+        await provision(nc.jetstream(), Topology(), agents=agents)
+    finally:  # a Ctrl-C meanwhile too: no connection left pending on a closed loop
+        await nc.close()
 
 
 def trainer_argv(
