@@ -62,7 +62,7 @@ import nats.js.errors
 import structlog
 from nats.js import JetStreamContext
 
-from agentarium.broker import Backoff, BrokerError, Topology, follow_key_value
+from agentarium.broker import Backoff, BrokerError, Topology, cancel_and_wait, follow_key_value
 from agentarium.schemas import SchemaError, WeightIdentity, WeightUpdate, decode
 
 from ..control import EngineControl, EngineControlError
@@ -208,9 +208,9 @@ class WeightSyncer:
                         "sync round failed", version=None if latest is None else latest.version
                     )
         finally:
-            watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watch
+            # not cancel-then-await: nats-py's watcher waits in 3.11's wait_for, which can
+            # swallow a cancel (CPython gh-86296), and the await would never return
+            await cancel_and_wait([watch])
             await self._release()
             await self.close()
             log.info("weight syncer stopped", syncer=repr(self))
