@@ -214,3 +214,10 @@ async def test_consumers_hold_a_mismatched_engine_out_until_it_serves_the_right_
         await service.stop()
         await good.close()
         await bad.close()
+
+
+def test_a_base_model_that_holds_no_weights_is_refused_naming_the_flag(tmp_path):
+    (tmp_path / "empty").mkdir()
+    for bad in (tmp_path / "missing", tmp_path / "empty"):
+        with pytest.raises(ValueError, match="--base-model"):
+            SyncConfig(run="B", engines=("http://127.0.0.1:1",), base_model=bad)

@@ -88,6 +88,14 @@ class SyncConfig:
         check_settings(self)
         # the one place the default directory is chosen, absolute so log lines and the
         # engines' model_path agree whatever the working directory (frozen: set it once here)
+        if self.base_model is not None:
+            base = Path(self.base_model).expanduser().resolve()
+            if not base.is_dir() or not any(base.glob("*.safetensors")):
+                raise ValueError(
+                    f"--base-model {str(self.base_model)!r} is not a directory holding "
+                    "*.safetensors (the engines' original model directory, on this disk)"
+                )
+            object.__setattr__(self, "base_model", base)
         directory = Path(self.weights_dir) if self.weights_dir else default_weights_dir()
         object.__setattr__(self, "weights_dir", directory.expanduser().resolve())
 
