@@ -35,6 +35,33 @@ def _start_demo(out: Path) -> subprocess.Popen:
     )  # fmt: skip
 
 
+def _interrupted(out: Path, ready, how: str) -> subprocess.Popen:
+    """Start the demo, signal it (``ctrl-c``: SIGINT to its whole group, as a terminal does;
+    ``sigterm``: SIGTERM to the demo alone, as a supervisor does) at the first line ``ready``
+    accepts, and check it stopped as interrupted: status 130, no traceback."""
+    proc = _start_demo(out)
+    try:
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if ready(line):
+                break
+        assert proc.poll() is None, "".join(seen)
+        if how == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGTERM)
+        rest, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, "".join(seen) + rest + err
+    assert "Traceback" not in err and "Traceback" not in rest, err
+    assert "interrupted: stopping the demo's processes" in rest
+    return proc
+
+
 def _assert_nothing_left(proc: subprocess.Popen, out: Path) -> None:
     with pytest.raises(ProcessLookupError):  # nothing of the demo left running
         os.killpg(proc.pid, 0)
@@ -52,26 +79,8 @@ def _assert_nothing_left(proc: subprocess.Popen, out: Path) -> None:
 @pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
 def test_an_interrupted_demo_stops_cleanly_and_reports_what_it_trained(how, tmp_path):
     out = tmp_path / "demo"
-    proc = _start_demo(out)
-    try:
-        seen = []
-        for line in proc.stdout:  # wait for a trained step, not for a time
-            seen.append(line)
-            if re.search(r"step [1-9]\d*/300", line):  # printed every 5 s: any step after 0
-                break
-        assert proc.poll() is None, "".join(seen)
-        if how == "ctrl-c":
-            os.killpg(proc.pid, signal.SIGINT)  # the terminal signals the whole group
-        else:
-            proc.send_signal(signal.SIGTERM)  # a supervisor signals the demo alone
-        rest, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 130, "".join(seen) + rest + err
-    assert "Traceback" not in err and "Traceback" not in rest, err
-    assert "interrupted: stopping the demo's processes" in rest
+    # wait for a trained step, not for a time (printed every 5 s: any step after 0)
+    proc = _interrupted(out, lambda line: re.search(r"step [1-9]\d*/300", line), how)
     assert (out / "metrics.csv").stat().st_size > 0 and (out / "reward.png").stat().st_size > 0
     _assert_nothing_left(proc, out)
 
@@ -82,23 +91,8 @@ def test_ctrl_c_while_the_demo_starts_stops_it_too(tmp_path):
     load torch and the model, before they handle signals themselves; the demo still stops them
     all and exits 130 without a traceback."""
     out = tmp_path / "demo"
-    proc = _start_demo(out)
-    try:
-        seen = []
-        for line in proc.stdout:
-            seen.append(line)
-            if line.startswith("watch it live:"):  # printed once the broker listens
-                break
-        assert proc.poll() is None, "".join(seen)
-        os.killpg(proc.pid, signal.SIGINT)
-        rest, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 130, "".join(seen) + rest + err
-    assert "Traceback" not in err and "Traceback" not in rest, err
-    assert "interrupted: stopping the demo's processes" in rest
+    # "watch it live:" is printed once the broker listens
+    proc = _interrupted(out, lambda line: line.startswith("watch it live:"), "ctrl-c")
     _assert_nothing_left(proc, out)
 
 
