@@ -1,7 +1,7 @@
 """Chaos runs, long: every scenario of tests/chaos/ at bench size, one broker (or cluster) of
 its own each, then the results table of docs/reliability.md ("Chaos runs").
 
-    .venv/bin/python bench/chaos.py                      # every scenario (about 15 minutes)
+    .venv/bin/python bench/chaos.py                      # every scenario (about 20 minutes)
     .venv/bin/python bench/chaos.py --only kill-storm fleet-down
     .venv/bin/python bench/chaos.py --list
 
@@ -84,6 +84,7 @@ SCENARIOS: dict[str, Scenario] = {
     "fleet-hung": on_broker(scenarios.fleet_down, jobs=3000, outage_s=30.0, hang=True),
     "trainer-storm": on_broker(scenarios.trainer_kill_storm, groups=48, kills=5),
     "slow-rollouts": on_broker(scenarios.slow_rollouts, jobs=64, sleep_s=10.0),
+    "crash-recovery": on_broker(scenarios.crash_recovery, held=1000, slow=16, rollout_s=300.0),
     "store-full": on_broker(scenarios.store_full, jobs=2000, room=200, full_s=20.0),
     "disk-full": on_tmpfs(size_mb=8, jobs=3000, full_s=20.0),
 }

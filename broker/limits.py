@@ -69,7 +69,7 @@ class Limits:
     # Rollout consumer defaults (each worker's flags may change ack_wait/attempts).
     # The same rule as the consumer's --ack-wait (consumers/config.py): heartbeats every third.
     ack_wait_s: float = setting(
-        60.0,
+        10.0,
         ge=3,
         group=GROUP,
         help="redelivery timeout of rollout consumers; workers heartbeat every third of it",

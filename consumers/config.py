@@ -40,10 +40,14 @@ class ConsumerSettings:
             "retry_jitter": "jitter",
         },
     )
+    # Short, so a crashed consumer's jobs come back within seconds; a live rollout of any
+    # length is never redelivered, since its job is heartbeated every third of it.
     ack_wait_s: float = setting(
-        60.0,
+        10.0,
         ge=3,
-        help="redelivery timeout; in-flight jobs are heartbeated every third of it",
+        help="redelivery timeout: a dead consumer's jobs run elsewhere after about this long; "
+        "in-flight jobs are heartbeated every third of it, so rollouts may run for hours "
+        "(default %(default)s)",
     )
     drain_grace_s: float = setting(
         30.0,

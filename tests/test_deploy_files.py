@@ -1096,3 +1096,145 @@ def test_setup_takes_torch_from_the_index_given(tmp_path):
     given = {"AGENTARIUM_TORCH_INDEX_URL": "https://example.invalid/cu128"}
     [call] = run_install_torch(tmp_path, cpu_index_fails=False, env=given)[0]
     assert "--index-url https://example.invalid/cu128" in call and CPU_INDEX not in call
+
+
+def _compose_lines() -> list[tuple[str, list[str]]]:
+    """Every `docker compose ...` line the docs and the compose file's own header give: in code
+    blocks, inline, or after `#` in docker-compose.yml; a line continued with `\\` is joined."""
+    found = []
+    for page in [*DOC_PAGES, "docker-compose.yml"]:
+        text = (ROOT / page).read_text()
+        if page.endswith(".yml"):  # the header: comment lines, continuations joined
+            text = "\n".join(
+                line.lstrip("# ") for line in text.splitlines() if line.startswith("#")
+            )
+        text = re.sub(r"\\\n\s*", " ", text)
+        parts = text.split("```")  # prose between fences: an inline span may wrap a line
+        parts[::2] = [re.sub(r"`[^`]*`", lambda m: m[0].replace("\n", " "), p) for p in parts[::2]]
+        text = "```".join(parts)
+        for m in re.finditer(r"docker[ -]compose((?:[ \t]+[^\s`#;]+)+)", text):
+            argv = shlex.split(m.group(1))
+            if argv:
+                found.append((f"{page}: docker compose{m.group(1)}", argv))
+    return found
+
+
+COMPOSE_LINES = _compose_lines()
+
+
+def _started(argv: list[str]) -> tuple[str, set[str]]:
+    """What `docker compose ARGV` runs: its verb and the services it starts (those enabled by
+    the profiles named, or the ones named on the line, with what they depend on)."""
+    profiles, rest = set(), list(argv)
+    while rest and rest[0].startswith("-"):
+        flag = rest.pop(0)
+        if flag == "--profile":
+            profiles.add(rest.pop(0))
+    verb, rest = rest[0], rest[1:]
+    named, skip = [], False
+    for arg in rest:
+        if skip:
+            skip = False
+        elif arg in ("--scale", "-e", "--entrypoint"):
+            skip = True
+        elif not arg.startswith("-"):
+            named.append(arg)
+            if verb == "run":
+                break  # what follows is the command run in the service
+    enabled = {
+        name
+        for name, s in SERVICES.items()
+        if not s.get("profiles") or profiles & set(s["profiles"])
+    }
+    todo = list(named) if named else sorted(enabled)
+    started: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name not in started:
+            started.add(name)
+            todo += list(SERVICES[name].get("depends_on", {}))
+    return verb, started
+
+
+def test_compose_lines_were_found():
+    lines = {where.split(":")[0] for where, _ in COMPOSE_LINES}
+    assert {"docker-compose.yml", "docs/operations.md", "docs/observability.md"} <= lines
+    assert any("--scale" in argv and "consumer=4" in argv for _, argv in COMPOSE_LINES)
+
+
+@pytest.mark.parametrize("argv", [a for _, a in COMPOSE_LINES], ids=[w for w, _ in COMPOSE_LINES])
+def test_every_documented_compose_line_starts_what_it_needs(argv):
+    """Issue 38: `docker compose up --scale consumer=N` (no profile) started no engine, and the
+    consumers waited 30 minutes on `llm-ready` and failed. Each documented line must start, with
+    the profiles it names, every service its services depend on, an engine answering as `llm`
+    wherever something waits for one, and the services it scales."""
+    verb, started = _started(argv)
+    if verb not in ("up", "run"):
+        return
+    missing = {
+        dep
+        for name in started
+        for dep in SERVICES[name].get("depends_on", {})
+        if SERVICES[dep].get("profiles") and dep not in started
+    }
+    assert not missing, f"{missing} are needed but not started"
+    engines = {
+        n
+        for n in started
+        if "llm" in SERVICES[n].get("networks", {}).get("default", {}).get("aliases", [])
+    }
+    if "llm-ready" in started:
+        assert len(engines) == 1, (
+            f"`llm-ready` waits for one engine; the line starts {engines or 'none'}"
+        )
+    for i, arg in enumerate(argv):
+        if arg == "--scale":
+            assert argv[i + 1].split("=")[0] in started, (
+                f"{argv[i + 1]} scales a service not started"
+            )
+
+
+def _llm_ready_script(host: str, port: int, grace: int) -> str:
+    script = SERVICES["llm-ready"]["entrypoint"][2]
+    assert script.count("'llm'") == 1 and "llm:30000" in script and "waited >= 60" in script
+    script = script.replace("'llm', 30000", f"{host!r}, {port}").replace(
+        "llm:30000", f"{host}:{port}"
+    )
+    return script.replace("waited >= 60", f"waited >= {grace}")
+
+
+def test_compose_llm_ready_fails_fast_without_an_engine_and_passes_with_one(tmp_path):
+    """`llm-ready` (the compose file's own script, host and port pointed here): with no engine
+    service the name `llm` never resolves and it fails with the flags to use instead of waiting
+    30 minutes; with an engine answering /health it exits 0."""
+    no_engine = _llm_ready_script("llm.invalid", 30000, grace=1)  # .invalid never resolves
+    proc = subprocess.run(
+        [sys.executable, "-c", no_engine], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 1 and "--profile cpu or --profile gpu" in proc.stderr, proc.stderr
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "http.server",
+            "0",
+            "--bind",
+            "127.0.0.1",
+            "--directory",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},  # its "port N" line, before any request
+    )
+    try:
+        (tmp_path / "health").write_text("ok")
+        port = int(re.search(r"port (\d+)", server.stdout.readline())[1])
+        ready = _llm_ready_script("127.0.0.1", port, grace=1)
+        proc = subprocess.run(
+            [sys.executable, "-c", ready], capture_output=True, text=True, timeout=60
+        )
+        assert proc.returncode == 0, proc.stderr
+    finally:
+        server.kill()
+        server.wait()

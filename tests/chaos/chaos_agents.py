@@ -6,6 +6,10 @@ The channel is an append-only file named by ``AGENTARIUM_CHAOS_LOG``, shared by 
 process of a run: each execution is one ``os.write`` of one short line on an ``O_APPEND``
 descriptor, which the kernel appends whole, so lines from concurrent processes never mix.
 Line: ``<task key> <pid> <unix time>``.
+
+A consumer process started with ``AGENTARIUM_CHAOS_HOLD_S`` holds every job it runs at least
+that long: a process that is to die mid-rollout keeps its jobs until it is killed, while the
+process that reruns them afterwards (without the variable) finishes them at once.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import os
 import time
 
 LOG_ENV = "AGENTARIUM_CHAOS_LOG"
+HOLD_ENV = "AGENTARIUM_CHAOS_HOLD_S"
 
 _fds: dict[str, int] = {}
 
@@ -28,8 +33,10 @@ def record(key: object) -> None:
 
 
 async def counted(task: dict, llm) -> float:
-    """Record the execution, make one LLM call, then hold the job for ``task["sleep"]`` s."""
+    """Record the execution, make one LLM call, then hold the job for ``task["sleep"]`` s (or
+    this process's ``AGENTARIUM_CHAOS_HOLD_S``, if longer)."""
     record(task["key"])
     await llm.chat([{"role": "user", "content": f"job {task['key']}"}], max_new_tokens=2)
-    await asyncio.sleep(float(task.get("sleep", 0.0)))
+    hold = float(os.environ.get(HOLD_ENV, 0.0))
+    await asyncio.sleep(max(float(task.get("sleep", 0.0)), hold))
     return 1.0

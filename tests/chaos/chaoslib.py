@@ -408,18 +408,20 @@ class ConsumerPool:
     worker_ids: dict[int, str] = field(default_factory=dict)
     restarts: int = 0
 
-    def start(self, slot: int) -> Child:
+    def start(self, slot: int, extra: Sequence[str] = (), **env: str) -> Child:
+        """Start the slot's consumer; ``extra`` flags and ``env`` variables for this process
+        only (after the pool's own ``extra``: a flag given twice takes the last)."""
         worker_id = self.worker_ids[slot] = f"chaos-{slot}-{self.restarts}"
         url = self.urls.get(slot, self.nats_url)
         args = ["consumer", "--agent", AGENT_SPEC, "--nats-url", url]
         for url in self.llm_urls:
             args += ["--llm", url]
-        args += ["--worker-id", worker_id, *self.extra]
+        args += ["--worker-id", worker_id, *self.extra, *extra]
         child = start_child(
             f"consumer-{worker_id}",
             args,
             self.run.log_dir,
-            env=child_env(**self.run.env),
+            env=child_env(**self.run.env, **env),
         )
         self.children[slot] = child
         return child

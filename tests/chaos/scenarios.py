@@ -22,7 +22,8 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from chaoslib import AGENT, ChaosRun, ConsumerPool, Row, patiently, until
+from chaos_agents import HOLD_ENV
+from chaoslib import AGENT, ChaosRun, ConsumerPool, Row, patiently, read_executions, until
 from fake_sglang import FakeSGLang
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy
@@ -253,6 +254,75 @@ async def slow_rollouts(
         assert info.num_redelivered == 0 and info.delivered.consumer_seq == jobs, info
         return await run.tally(
             f"slow rollouts: {sleep_s:g} s each, ack wait {ACK_WAIT_S:g} s (heartbeats)",
+            command=command,
+        )
+
+
+async def crash_recovery(
+    server: NatsServer,
+    workdir: Path,
+    *,
+    held: int = 100,
+    slow: int = 8,
+    rollout_s: float = 180.0,
+    command: str = "",
+) -> Row:
+    """The default ``ack_wait`` (10 s) against both of its jobs at once: a consumer SIGKILLed
+    with ``held`` jobs in flight has them run elsewhere within seconds, while a live consumer's
+    ``slow`` rollouts of ``rollout_s`` each, running all along, are never redelivered.
+
+    Three processes on one agent, started in turn so that each takes exactly its share: the
+    slow consumer (``--concurrency slow``) takes the slow jobs; the doomed one
+    (``--concurrency held``, holding every job until it dies) takes the held jobs; the rescuer
+    starts once every job is taken, so it has nothing to pull until the kill. Every process
+    runs with the consumer's defaults (no ``--ack-wait``), on an agent consumer provisioned
+    with the broker's defaults."""
+    limits = Limits()
+    flags = ("--retry-delay", "0.1", "--drain-grace", "10")
+    async with session(server.url, limits) as js, fake_fleet() as fake:
+        run = ChaosRun(js, workdir)
+        durable = run.topo.rollout_consumer(AGENT)
+        ack_wait = (await js.consumer_info(run.topo.tasks_stream, durable)).config.ack_wait
+        assert ack_wait == limits.ack_wait_s, ack_wait  # the defaults are what is measured
+
+        pool = ConsumerPool(run, server.url, [fake.url], extra=flags)
+        slow_keys, held_keys = range(slow), range(slow, slow + held)
+
+        def concurrency(n: int) -> tuple[str, ...]:
+            return ("--concurrency", str(n))
+
+        async def running(keys: range, pid: int) -> bool:
+            ran = {e.key for e in read_executions(run.exec_log) if e.pid == pid}
+            return set(keys) <= ran
+
+        try:
+            survivor = pool.start(0, concurrency(slow)).proc.pid
+            await registered(js, pool)
+            await run.publish(slow_keys, sleep_s=rollout_s)
+            await until(lambda: running(slow_keys, survivor), 60, "the slow rollouts started")
+            doomed = pool.start(1, concurrency(held), **{HOLD_ENV: "3600"}).proc.pid
+            await registered(js, pool)
+            await run.publish(held_keys)
+            await until(lambda: running(held_keys, doomed), 60, "the held jobs started")
+            pool.start(2, concurrency(held))  # the rescuer: every job is taken, it waits
+            await registered(js, pool)
+            with run.fault(f"SIGKILL the consumer holding {held} jobs", pids=[doomed]):
+                pool.kill(1)
+            await run.wait_settled(rollout_s + 120)
+            info = await js.consumer_info(run.topo.tasks_stream, durable)
+        finally:
+            codes = await pool.stop()
+        assert codes[0] == codes[2] == 0, codes  # the survivors drained cleanly
+        # every job delivered once, the killed consumer's once more: nothing else redelivered
+        assert info.delivered.consumer_seq == slow + 2 * held, info
+        back = min(
+            e.at for e in read_executions(run.exec_log) if e.key in held_keys and e.pid != doomed
+        )
+        kill = run.faults[0].start
+        return await run.tally(
+            f"consumer SIGKILLed holding {held} jobs, default ack wait {ack_wait:g} s (first job "
+            f"back {back - kill:.1f} s after the kill), beside {slow} live {rollout_s:g} s "
+            "rollouts (delivered once each)",
             command=command,
         )
 
