@@ -174,11 +174,30 @@ def _packed(dtype: str, what: str) -> Callable[[Any, str], list]:
             return np.frombuffer(value, dtype=dtype).tolist()
         if not isinstance(value, (list, tuple)):
             raise _fail(path, f"a list of {what}", value)
+        fast = _plain_numbers(value, integers=dtype.endswith("i4"))
+        if fast is not None:
+            return fast
         if dtype.endswith("i4"):
             return [_read_int(item, f"{path}[{i}]") for i, item in enumerate(value)]
         return [_read_json_float(item, f"{path}[{i}]") for i, item in enumerate(value)]
 
     return read
+
+
+def _plain_numbers(value: list | tuple, *, integers: bool) -> list | None:
+    """A JSON list of plain numbers read in one numpy pass (a long call's ids, read item by item,
+    cost milliseconds), or None for anything else (bools, nulls, huge integers, strings),
+    which the item-by-item reader reports by index."""
+    if not value:
+        return []
+    types = set(map(type, value))  # exact types: a bool is an int to numpy and isinstance
+    if not types <= ({int} if integers else {int, float}):
+        return None
+    try:
+        arr = np.asarray(value, dtype=np.int64 if integers else np.float64)
+    except OverflowError:  # an integer beyond 64 bits
+        return None
+    return arr.tolist()
 
 
 def _packed_write(dtype: str) -> Callable[[Any, bool], Any]:
