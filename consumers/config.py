@@ -73,7 +73,7 @@ class ConsumerSettings:
         choices=tuple(ENCODINGS),
         help="how trajectories and dead letters are written: msgpack (token ids and logprobs "
         "as packed int32/float32 bytes, the smallest) or json (plain arrays, readable by any "
-        "NATS client without a msgpack library; a trajectory about 2.4x the bytes). Each "
+        "NATS client without a msgpack library; a long trajectory about 1.8x the bytes). Each "
         "message names its encoding in its Content-Type header and every Agentarium reader "
         "takes both, so consumers of one agent may differ",
     )
