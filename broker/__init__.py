@@ -30,6 +30,7 @@ from .errors import (
 from .eventloop import loop_name, new_event_loop, run_loop, watch_lag
 from .foreground import run_in_foreground
 from .gc_tuning import tune_gc
+from .kvput import put_entry
 from .kvwatch import follow_key_value
 from .limits import Limits
 from .patience import START_PATIENCE_S, is_unavailable, patiently
@@ -65,6 +66,7 @@ from .topology import Topology
 __all__ = [
     "Backoff",
     "follow_key_value",
+    "put_entry",
     "ENV_SERVICE_KIND",
     "EnvServiceStatus",
     "collect_env_status",

@@ -19,6 +19,9 @@ import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.api import RawStreamMsg
 
+from agentarium.schemas import JSON
+
+from .kvput import put_entry
 from .topology import Topology
 from .version import MSG_TTL_SINCE, js_server_version
 
@@ -53,14 +56,9 @@ async def publish_worker(
     (default ``ENTRY_TTL_S``; pass about three refresh intervals), where the server has
     per-entry TTLs; elsewhere the bucket's TTL applies."""
     payload = json.dumps({**info, "worker_id": worker_id, "updated_at": time.time()}).encode()
-    if await entry_ttl_supported(js, topo):
-        # kv.put has no TTL argument; a KV entry is a message on its key's subject.
-        await js.publish(
-            topo.worker_subject(worker_id), payload, msg_ttl=max(1.0, ttl_s or ENTRY_TTL_S)
-        )
-        return
-    kv = await js.key_value(topo.workers_bucket)
-    await kv.put(worker_id, payload)
+    # kv.put has no TTL argument (nor headers): the entry is written as a message on its key.
+    ttl = max(1.0, ttl_s or ENTRY_TTL_S) if await entry_ttl_supported(js, topo) else None
+    await put_entry(js, topo.workers_bucket, worker_id, payload, JSON.headers(), msg_ttl=ttl)
 
 
 async def remove_worker(js: JetStreamContext, topo: Topology, worker_id: str) -> None:

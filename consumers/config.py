@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from agentarium.schemas import check_settings, section, setting, settings
+from agentarium.schemas import ENCODINGS, check_settings, section, setting, settings
 
 from .delivery import DeliveryPolicy
 from .fleet import FleetPolicy
@@ -71,6 +71,15 @@ class ConsumerSettings:
         None,
         help="host name put in the per-rollout endpoint URLs, for agents on other machines "
         "(default: the --proxy-host address, or this host's when that is 0.0.0.0)",
+    )
+    encoding: str = setting(
+        "msgpack",
+        choices=tuple(ENCODINGS),
+        help="how trajectories and dead letters are written: msgpack (token ids and logprobs "
+        "as packed int32/float32 bytes, the smallest) or json (plain arrays, readable by any "
+        "NATS client without a msgpack library; a long trajectory about 1.8x the bytes). Each "
+        "message names its encoding in its Content-Type header and every Agentarium reader "
+        "takes both, so consumers of one agent may differ",
     )
     worker_id: str = setting(
         factory=default_worker_id,

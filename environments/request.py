@@ -15,7 +15,7 @@ from typing import Any
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from agentarium.schemas import ENV_ERROR_CODES, EnvError, encode, encode_json
+from agentarium.schemas import ENV_ERROR_CODES, JSON, MSGPACK, Encoding, EnvError, is_json
 
 from .metrics import EnvMetrics
 from .service import Endpoint
@@ -48,12 +48,14 @@ class Request:
     def content_type(self) -> str | None:
         return (self.msg.headers or {}).get("Content-Type")
 
+    @property
+    def encoding(self) -> Encoding:
+        """The request's encoding, which its reply keeps: JSON to a JSON request, msgpack
+        otherwise."""
+        return JSON if is_json(self.msg.data or b"", self.content_type) else MSGPACK
+
     def encode(self, message: Any) -> bytes:
-        """``message`` in the request's encoding: JSON to a JSON request, msgpack otherwise."""
-        data = self.msg.data or b""
-        if (self.content_type or "").startswith("application/json") or data.lstrip()[:1] == b"{":
-            return encode_json(message)
-        return encode(message)
+        return self.encoding.encode(message)
 
     def too_large(self, reply: bytes) -> str:
         """Why a reply cannot be sent ("" when it can): nats-server refuses a message over its
@@ -71,7 +73,7 @@ class Request:
     async def reply(self, data: bytes) -> None:
         self.endpoint.counters.record(self.began)
         if self.msg.reply:
-            await self.replier.nc.publish(self.msg.reply, data)
+            await self.replier.nc.publish(self.msg.reply, data, headers=self.encoding.headers())
 
     async def error(self, code: int, message: str) -> None:
         name = ENV_ERROR_CODES[code]
@@ -86,7 +88,9 @@ class Request:
         await self.replier.nc.publish(
             self.msg.reply,
             self.encode(error),
-            headers={"Nats-Service-Error": header, "Nats-Service-Error-Code": str(code)},
+            headers=self.encoding.headers(
+                {"Nats-Service-Error": header, "Nats-Service-Error-Code": str(code)}
+            ),
         )
 
 

@@ -20,8 +20,8 @@ from typing import Any
 import nats.errors
 from nats.js import JetStreamContext
 
-from agentarium.broker import Topology, json_entries
-from agentarium.schemas import check_name, run_version
+from agentarium.broker import Topology, json_entries, put_entry
+from agentarium.schemas import JSON, check_name, run_version
 
 
 def engine_key(run: str, url: str) -> str:
@@ -42,7 +42,7 @@ async def record_engine(
 ) -> None:
     """What one engine serves now (``weight_version`` None: it did not answer). ``live``
     False: the syncer that wrote it has stopped, so another run may take the engine over."""
-    kv = await js.key_value(topo.engines_bucket)
+    await js.key_value(topo.engines_bucket)  # BucketNotFoundError if missing
     value = {
         "run": run,
         "engine": url,
@@ -53,7 +53,9 @@ async def record_engine(
         "live": live,
         "updated_at": time.time(),
     }
-    await kv.put(engine_key(run, url), json.dumps(value).encode())
+    await put_entry(
+        js, topo.engines_bucket, engine_key(run, url), json.dumps(value).encode(), JSON.headers()
+    )
 
 
 async def engine_versions(js: JetStreamContext, topo: Topology) -> list[dict[str, Any]]:

@@ -89,5 +89,23 @@ if [ -n "$testing" ] && ! command -v chromium >/dev/null 2>&1; then
     echo "note: chromium not installed (sudo apt-get install --no-install-recommends chromium); the dashboard browser test will skip (and fail under CI=true)"
   fi
 fi
+if [ -n "$testing" ] && ! { command -v go >/dev/null 2>&1 && [ -d /usr/share/gocode/src/github.com/nats-io/nats.go ]; }; then
+  # tests/test_any_language.py builds examples/go offline against Debian's nats.go (GOPATH mode).
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      golang-go golang-github-nats-io-go-nats-dev >/dev/null) \
+      || echo "note: Go could not be installed; the Go example's test will skip (and fail under CI=true)"
+  else
+    echo "note: Go not installed (sudo apt-get install golang-go golang-github-nats-io-go-nats-dev); the Go example's test will skip"
+  fi
+fi
+if [ -n "$testing" ] && command -v npm >/dev/null 2>&1 \
+  && [ ! -d examples/node/node_modules/@nats-io/transport-node ]; then
+  # The Node example's NATS client (examples/node/package-lock.json), for tests/test_any_language.py.
+  npm ci --prefix examples/node --no-audit --no-fund --loglevel=error >/dev/null \
+    || echo "note: npm ci in examples/node failed; the Node example's test will skip (and fail under CI=true)"
+elif [ -n "$testing" ] && ! command -v npm >/dev/null 2>&1; then
+  echo "note: npm not found (install Node.js 18+); the Node example's test will skip"
+fi
 if [ -n "$testing" ]; then bash ops/verl_venv.sh; fi  # verl 0.9.1's own venv, for tests/test_verl_compat.py
 echo "setup done: .venv ready, nats-server at $(command -v nats-server || echo /usr/sbin/nats-server)"

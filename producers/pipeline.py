@@ -31,7 +31,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from agentarium.broker import OPENINFERENCE_SPAN_KIND, inject_headers
-from agentarium.schemas import Job
+from agentarium.schemas import MSGPACK, Job
 
 from .errors import ProducerError, StreamMissing
 from .retry import PublishOutcome, classify
@@ -163,7 +163,8 @@ class Pipeline:
                 },
             )
             entry.headers = inject_headers(
-                {"Nats-Msg-Id": job.job_id}, trace.set_span_in_context(entry.span)
+                MSGPACK.headers({"Nats-Msg-Id": job.job_id}),
+                trace.set_span_in_context(entry.span),
             )
         self.sent += 1
         entry.token = str(self.sent)

@@ -19,7 +19,7 @@ from typing import Any
 import structlog
 
 from agentarium.broker import Topology
-from agentarium.schemas import GroupDemand, GroupSupply, Sampling, SchemaError, decode, encode_json
+from agentarium.schemas import JSON, GroupDemand, GroupSupply, Sampling, SchemaError, decode
 
 from .sdk import TaskProducer
 
@@ -111,4 +111,4 @@ class GroupRefill:
             demand_id=demand.demand_id, groups=len(tasks), jobs=jobs, batch_id=batch_id
         )
         if msg.reply:
-            await msg.respond(encode_json(supply))
+            await self.producer.nc.publish(msg.reply, JSON.encode(supply), headers=JSON.headers())

@@ -22,7 +22,7 @@ from nats.js import JetStreamContext
 from opentelemetry import context as otel_context
 
 from agentarium.broker import Backoff, NatsSettings, Topology
-from agentarium.schemas import Job, check_name, encode
+from agentarium.schemas import MSGPACK, Job, check_name
 
 from .errors import ProducerError, StreamMissing
 from .jobs import expand_tasks
@@ -184,7 +184,7 @@ class TaskProducer:
         check_name(job.job_id, "job_id")
         check_name(job.run, "run")
         subject = self.topology.tasks_subject(job.agent)
-        payload = encode(job.stamped())
+        payload = MSGPACK.encode(job.stamped())  # the pipeline sends MSGPACK.headers()
         max_payload = self.nc.max_payload
         if max_payload and len(payload) > max_payload:
             raise ProducerError(

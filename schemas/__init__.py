@@ -1,7 +1,20 @@
 """Agentarium's wire contracts: the only place wire compatibility lives."""
 
 from . import settings
-from .codec import JSON_CONTENT_TYPE, MSGPACK_CONTENT_TYPE, decode, encode, encode_json, loads
+from .codec import (
+    ENCODINGS,
+    JSON,
+    JSON_CONTENT_TYPE,
+    MSGPACK,
+    MSGPACK_CONTENT_TYPE,
+    Encoding,
+    decode,
+    encode,
+    encode_json,
+    encoding,
+    is_json,
+    loads,
+)
 from .deadletter import DeadLetter
 from .demand import GroupDemand, GroupSupply
 from .env import (
@@ -25,6 +38,11 @@ from .weights import WeightIdentity, WeightUpdate, run_version, versions_label
 
 __all__ = [
     "DEFAULT_DEADLINE_S",
+    "ENCODINGS",
+    "JSON",
+    "MSGPACK",
+    "Encoding",
+    "encoding",
     "FINISH_REASONS",
     "JSON_CONTENT_TYPE",
     "MSGPACK_CONTENT_TYPE",
@@ -56,6 +74,7 @@ __all__ = [
     "decode",
     "encode",
     "encode_json",
+    "is_json",
     "loads",
     "section",
     "setting",

@@ -1,16 +1,22 @@
-"""Bytes on the wire: msgpack by default, JSON accepted from outside.
+"""Bytes on the wire: msgpack or JSON, each message naming its own in ``Content-Type``.
 
-JSON is recognised by ``Content-Type: application/json`` or a payload whose first
-non-blank byte is ``{``; msgpack maps never start with that byte (0x7b is a positive
-fixint, not a map), so the sniffing is unambiguous.
+Agentarium writes msgpack by default (token arrays packed as int32, logprobs as float32) and
+JSON where a reader in another language asks for it (``Encoding``); every message it publishes
+carries a ``Content-Type`` header built by ``Encoding.headers``, the one place headers get it.
+Readers accept both: by the header, or, without one (a message from outside), JSON when the
+payload's first non-blank byte is ``{``; msgpack maps never start with that byte (0x7b is a
+positive fixint, not a map), so the sniffing is unambiguous.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgpack
+import orjson
 
 from .errors import DecodeError, SchemaError
 from .fields import WireMessage
@@ -19,6 +25,35 @@ M = TypeVar("M", bound=WireMessage)
 
 JSON_CONTENT_TYPE = "application/json"
 MSGPACK_CONTENT_TYPE = "application/msgpack"
+CONTENT_TYPE = "Content-Type"
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """One way a message travels: how it becomes bytes, and the header that says so."""
+
+    name: str
+    content_type: str
+
+    def encode(self, message: WireMessage) -> bytes:
+        return encode(message) if self is MSGPACK else encode_json(message)
+
+    def headers(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The headers of a message in this encoding: ``Content-Type``, then ``extra``."""
+        return {CONTENT_TYPE: self.content_type, **(extra or {})}
+
+
+MSGPACK = Encoding("msgpack", MSGPACK_CONTENT_TYPE)
+JSON = Encoding("json", JSON_CONTENT_TYPE)
+ENCODINGS = {e.name: e for e in (MSGPACK, JSON)}
+
+
+def encoding(name: str) -> Encoding:
+    """The encoding called ``name`` (``msgpack`` or ``json``)."""
+    try:
+        return ENCODINGS[name]
+    except KeyError:
+        raise ValueError(f"unknown encoding {name!r}: use one of {', '.join(ENCODINGS)}") from None
 
 
 def encode(message: WireMessage) -> bytes:
@@ -27,7 +62,9 @@ def encode(message: WireMessage) -> bytes:
 
 
 def encode_json(message: WireMessage) -> bytes:
-    return json.dumps(message.to_wire(binary=False), separators=(",", ":")).encode()
+    """JSON bytes (UTF-8, compact), token arrays and logprobs as plain lists. A non-finite
+    number (a -inf logprob, a NaN metric), which JSON cannot write, is written as null."""
+    return orjson.dumps(message.to_wire(binary=False), option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 def is_json(payload: bytes, content_type: str | None = None) -> bool:

@@ -91,6 +91,12 @@ def _read_float(value: Any, path: str) -> float:
         raise _fail(path, "a number that fits in a double", value) from None
 
 
+def _read_json_float(value: Any, path: str) -> float:
+    """A number where JSON's null stands for a non-finite one (NaN, an infinity), which JSON
+    cannot write: read as NaN."""
+    return math.nan if value is None else _read_float(value, path)
+
+
 def _read_opt_float(value: Any, path: str) -> float | None:
     return None if value is None else _read_float(value, path)
 
@@ -144,7 +150,7 @@ def _read_object(value: Any, path: str) -> dict:
 def _read_metrics(value: Any, path: str) -> dict[str, float]:
     out = {}
     for key, item in _read_dict(value, path).items():
-        out[_read_str(key, f"{path} key")] = _read_float(item, f"{path}.{key}")
+        out[_read_str(key, f"{path} key")] = _read_json_float(item, f"{path}.{key}")
     return out
 
 
@@ -168,10 +174,30 @@ def _packed(dtype: str, what: str) -> Callable[[Any, str], list]:
             return np.frombuffer(value, dtype=dtype).tolist()
         if not isinstance(value, (list, tuple)):
             raise _fail(path, f"a list of {what}", value)
-        reader = _read_int if dtype.endswith("i4") else _read_float
-        return [reader(item, f"{path}[{i}]") for i, item in enumerate(value)]
+        fast = _plain_numbers(value, integers=dtype.endswith("i4"))
+        if fast is not None:
+            return fast
+        if dtype.endswith("i4"):
+            return [_read_int(item, f"{path}[{i}]") for i, item in enumerate(value)]
+        return [_read_json_float(item, f"{path}[{i}]") for i, item in enumerate(value)]
 
     return read
+
+
+def _plain_numbers(value: list | tuple, *, integers: bool) -> list | None:
+    """A JSON list of plain numbers read in one numpy pass (a long call's ids, read item by item,
+    cost milliseconds), or None for anything else (bools, nulls, huge integers, strings),
+    which the item-by-item reader reports by index."""
+    if not value:
+        return []
+    types = set(map(type, value))  # exact types: a bool is an int to numpy and isinstance
+    if not types <= ({int} if integers else {int, float}):
+        return None
+    try:
+        arr = np.asarray(value, dtype=np.int64 if integers else np.float64)
+    except OverflowError:  # an integer beyond 64 bits
+        return None
+    return arr.tolist()
 
 
 def _packed_write(dtype: str) -> Callable[[Any, bool], Any]:
@@ -201,7 +227,14 @@ FLOAT = Kind({"type": "number"}, _read_float)
 OPT_FLOAT = Kind({"type": ["number", "null"]}, _read_opt_float)
 BOOL = Kind({"type": "boolean"}, _read_bool)
 OBJECT = Kind({"type": "object"}, _read_object)
-METRICS = Kind({"type": "object", "additionalProperties": {"type": "number"}}, _read_metrics)
+METRICS = Kind(
+    {
+        "type": "object",
+        "additionalProperties": {"type": ["number", "null"]},
+        "description": "null in JSON: a non-finite number, which JSON cannot write",
+    },
+    _read_metrics,
+)
 STR_LIST = Kind(
     {"type": "array", "items": {"type": "string"}},
     _read_str_list,
@@ -210,8 +243,10 @@ STR_LIST = Kind(
 TOKENS = Kind(
     {
         "type": "array",
-        "items": {"type": "integer"},
-        "description": "token ids; msgpack carries them as packed little-endian int32 bytes",
+        "items": {"type": "integer", "minimum": -(2**31), "maximum": 2**31 - 1},
+        "x-msgpack": {"type": "bin", "dtype": "int32", "byteorder": "little", "itemsize": 4},
+        "description": "in JSON a list of integers; in msgpack one bin of packed "
+        "little-endian int32, 4 bytes per token id",
     },
     _packed("<i4", "token ids"),
     _packed_write("<i4"),
@@ -219,8 +254,11 @@ TOKENS = Kind(
 LOGPROBS = Kind(
     {
         "type": "array",
-        "items": {"type": "number"},
-        "description": "log probabilities; msgpack carries them as packed little-endian float32 bytes",
+        "items": {"type": ["number", "null"]},
+        "x-msgpack": {"type": "bin", "dtype": "float32", "byteorder": "little", "itemsize": 4},
+        "description": "in JSON a list of numbers (null for a non-finite one, which JSON "
+        "cannot write); in msgpack one bin of packed little-endian IEEE 754 float32, 4 bytes "
+        "per value",
     },
     _packed("<f4", "log probabilities"),
     _packed_write("<f4"),

@@ -1,5 +1,8 @@
 """JSON Schema export of the wire messages, for producers and readers in other languages.
 
+A schema describes the message's JSON encoding exactly; its ``x-encodings`` says how the
+msgpack encoding differs (``x-msgpack`` on the packed arrays: dtype, byte order, item size).
+
 python -m agentarium.schemas.jsonschema          write schemas/json/*.schema.json
 python -m agentarium.schemas.jsonschema --check  exit 1 if the checked-in files are stale
 """
@@ -13,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .codec import JSON_CONTENT_TYPE, MSGPACK_CONTENT_TYPE
 from .deadletter import DeadLetter
 from .demand import GroupDemand, GroupSupply
 from .env import EnvCall, EnvError, EnvStart, EnvStarted, EnvWorkerStats, SessionOutcome, StepResult
@@ -22,6 +26,14 @@ from .trajectory import Trajectory
 from .weights import WeightUpdate
 
 OUT_DIR = Path(__file__).parent / "json"
+# Every message says its encoding in its Content-Type header; this schema is the JSON one,
+# and the msgpack one differs only where a property carries ``x-msgpack``.
+ENCODINGS_DOC = {
+    JSON_CONTENT_TYPE: "this schema as it is",
+    MSGPACK_CONTENT_TYPE: "a msgpack map holding the same keys and values, except that a "
+    "property with an x-msgpack annotation is a msgpack bin of packed values of that dtype "
+    "and byte order (itemsize bytes each) instead of an array",
+}
 EXPORTED = {
     "job": Job,
     "trajectory": Trajectory,
@@ -55,7 +67,8 @@ def _object_schema(cls: type[WireMessage], defs: dict[str, Any]) -> dict[str, An
         if nested is not None and nested.__name__ not in defs:
             defs[nested.__name__] = {}  # reserve the name before recursing
             defs[nested.__name__] = _object_schema(nested, defs)
-        schema["description"] = f.metadata["doc"]
+        encoded = schema.get("description")  # how the kind travels in each encoding
+        schema["description"] = f"{f.metadata['doc']}; {encoded}" if encoded else f.metadata["doc"]
         if f.default is not dataclasses.MISSING and isinstance(
             f.default, (str, int, float, bool, type(None), tuple)
         ):
@@ -82,6 +95,7 @@ def schema_for(cls: type[WireMessage]) -> dict[str, Any]:
         "$id": f"https://agentarium.dev/schemas/v{SCHEMA_VERSION}/{cls.__name__}.json",
         "title": cls.__name__,
         **body,
+        "x-encodings": ENCODINGS_DOC,
     }
     if defs:
         doc["$defs"] = defs

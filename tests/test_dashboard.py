@@ -224,7 +224,8 @@ async def test_page_follows_the_run_live_in_chromium(js, topology, fake, tmp_pat
                 after = await wait_for_page(
                     page,
                     'p.agents.echo.waiting === "0" && p.agents.echo.in_flight === "0" '
-                    '&& p.agents.other.dead_lettered === "1" && p.agents.echo.workers === "1" '
+                    '&& p.agents.echo.dead_lettered === "1" && !("other" in p.agents) '
+                    '&& p.agents.echo.workers === "1" '
                     '&& Object.keys(p.trajectories).length === 8 && p.runs.r1.trainer_step === "40" '
                     "&& Object.keys(p.engines).length === 1",
                 )
@@ -246,9 +247,9 @@ async def test_page_follows_the_run_live_in_chromium(js, topology, fake, tmp_pat
     assert sorted(after["links"]) == sorted(
         TRACE_URL.replace("{trace_id}", t.trace_id) for t in stored
     )
-    (letter,) = after["dead"].values()
+    (letter,) = after["dead"].values()  # filed under the subject's agent: no row for "other"
     assert (letter["agent"], letter["reason"], letter["job_id"]) == (
-        "other",
+        "echo",
         "wrong_subject",
         "misrouted",
     )

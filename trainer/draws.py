@@ -28,7 +28,7 @@ import nats.errors
 import structlog
 
 from agentarium.broker import Topology
-from agentarium.schemas import GroupDemand, GroupSupply, SchemaError, decode, encode_json
+from agentarium.schemas import JSON, GroupDemand, GroupSupply, SchemaError, decode
 
 log = structlog.get_logger("agentarium.trainer")
 
@@ -98,8 +98,10 @@ class Draws:
         )
         subject = self.topology.demand_subject(self.run, agent)
         try:
-            reply = await self.nc.request(subject, encode_json(demand), timeout=self.timeout_s)
-            supply = decode(GroupSupply, reply.data, "application/json")
+            reply = await self.nc.request(
+                subject, JSON.encode(demand), timeout=self.timeout_s, headers=JSON.headers()
+            )
+            supply = decode(GroupSupply, reply.data, (reply.headers or {}).get("Content-Type"))
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError, SchemaError) as exc:
             self.unanswered += 1
             if _power_of_ten(self.unanswered):

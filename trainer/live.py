@@ -21,7 +21,7 @@ import structlog
 from nats.js import JetStreamContext
 
 from agentarium.broker import Topology
-from agentarium.schemas import JSON_CONTENT_TYPE
+from agentarium.schemas import JSON
 
 from .metrics import StepMetrics
 
@@ -63,7 +63,7 @@ class LiveMetrics:
                 self.subject,
                 payload,
                 timeout=PUBLISH_TIMEOUT_S,
-                headers={"Content-Type": JSON_CONTENT_TYPE},
+                headers=JSON.headers(),
             )
         except (nats.errors.Error, nats.js.errors.Error) as exc:
             self.dropped += 1

@@ -45,7 +45,7 @@ import structlog
 from nats.js import JetStreamContext
 from nats.js.api import ObjectMeta, ObjectMetaOptions
 
-from agentarium.broker import Topology
+from agentarium.broker import Topology, put_entry
 from agentarium.inference import (
     STALL_TIMEOUT_S,
     WEIGHTS_FILE,
@@ -55,7 +55,7 @@ from agentarium.inference import (
     object_name,
     sha256_file,
 )
-from agentarium.schemas import WeightUpdate, check_name, encode_json
+from agentarium.schemas import JSON, WeightUpdate, check_name
 
 log = structlog.get_logger("agentarium.weights")
 
@@ -136,8 +136,10 @@ class WeightStore(WeightFetcher):
             format="safetensors",
             created_at=time.time(),
         )
-        kv = await self.js.key_value(self.topology.policy_bucket)
-        await kv.put(run, encode_json(update))
+        await self.js.key_value(self.topology.policy_bucket)  # BucketNotFoundError if missing
+        await put_entry(
+            self.js, self.topology.policy_bucket, run, JSON.encode(update), JSON.headers()
+        )
         self.published += 1
         log.info(
             "weights published",

@@ -34,6 +34,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from agentarium.broker import OPENINFERENCE_SPAN_KIND, Backoff, Topology, inject_headers
 from agentarium.schemas import (
+    MSGPACK,
     EnvCall,
     EnvError,
     EnvStart,
@@ -43,7 +44,6 @@ from agentarium.schemas import (
     SessionOutcome,
     StepResult,
     decode,
-    encode,
 )
 
 from ..errors import (
@@ -167,7 +167,9 @@ class EnvClient:
         """One request; raises _NoResponders, nats' TimeoutError, _Broken or _Refused (an
         EnvError)."""
         try:
-            msg = await self.nc.request(subject, payload, timeout=timeout, headers=inject_headers())
+            msg = await self.nc.request(
+                subject, payload, timeout=timeout, headers=inject_headers(MSGPACK.headers())
+            )
         except nats.errors.NoRespondersError:
             raise _NoResponders() from None
         except nats.errors.TimeoutError:
@@ -288,7 +290,7 @@ class EnvSession:
             deadline_s=self.deadline_s,
             metadata=self.metadata,
         )
-        payload = encode(request)
+        payload = MSGPACK.encode(request)
         subject = client.topology.env_start_subject(self.name)
         with self._span("env.start", "CHAIN") as span:
             deadline = time.monotonic() + self.start_wait_s
@@ -352,7 +354,7 @@ class EnvSession:
                 f"env {self.name} session {self.session_id} has ended", env=self.name
             )
         seq = self.seq + 1
-        payload = encode(EnvCall(op="step", seq=seq, message=message))
+        payload = MSGPACK.encode(EnvCall(op="step", seq=seq, message=message))
         tools = [
             str((call.get("function") or {}).get("name", ""))
             for call in message.get("tool_calls") or []
@@ -381,7 +383,7 @@ class EnvSession:
         if not self.session_started:
             raise EnvRequestError("close before start", env=self.name, session=self.session_id)
         with self._span("env.close", "CHAIN", seq=self.seq) as span:
-            reply = await self._call(encode(EnvCall(op="close")), "close", span)
+            reply = await self._call(MSGPACK.encode(EnvCall(op="close")), "close", span)
             outcome = decode(SessionOutcome, reply.data, (reply.headers or {}).get("Content-Type"))
             self.outcome = outcome
             span.set_attribute("agentarium.env.score", outcome.score)

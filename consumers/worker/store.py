@@ -30,7 +30,7 @@ from agentarium.broker import (
     Topology,
     trajectory_stored,
 )
-from agentarium.schemas import DeadLetter, Job, Trajectory, encode
+from agentarium.schemas import MSGPACK, DeadLetter, Encoding, Job, Trajectory
 
 log = structlog.get_logger("agentarium.consumers")
 
@@ -75,12 +75,22 @@ async def _until_done(what: str, call: Callable[[], Awaitable[T]]) -> T:
 
 class TrajectoryStore:
     """Stores trajectories (and dead letters); publishes are pipelined (``broker.JetStreamPublisher``): many
-    rollouts' trajectories wait for their acks at once, each still acked only once stored."""
+    rollouts' trajectories wait for their acks at once, each still acked only once stored.
+    Both are written in ``encoding`` (the consumer's ``--encoding``), named by their
+    ``Content-Type`` header."""
 
-    def __init__(self, js: JetStreamContext, topo: Topology, worker_id: str) -> None:
+    def __init__(
+        self,
+        js: JetStreamContext,
+        topo: Topology,
+        worker_id: str,
+        *,
+        encoding: Encoding = MSGPACK,
+    ) -> None:
         self.js = js
         self.topo = topo
         self.worker_id = worker_id
+        self.encoding = encoding
         self.publisher = JetStreamPublisher(js._nc)
         # fitted() encodes a trajectory to measure it; publish_trajectory() sends those bytes
         # instead of encoding again (by identity; popped at once, bounded against leaks).
@@ -156,7 +166,7 @@ class TrajectoryStore:
         return fitted
 
     def _fit(self, trajectory: Trajectory) -> tuple[Trajectory, bytes]:
-        payload = encode(trajectory)
+        payload = self.encoding.encode(trajectory)
         limit = self.max_payload
         if len(payload) <= limit:
             return trajectory, payload
@@ -168,12 +178,12 @@ class TrajectoryStore:
         if trajectory.error:
             why += f"; its own error: {trajectory.error[:FITTED_ERROR_CHARS]}"
         smaller = replace(trajectory, status="error", reward=None, metrics={}, calls=[], error=why)
-        payload = encode(smaller)
+        payload = self.encoding.encode(smaller)
         if len(payload) > limit:
             smaller = replace(
                 smaller, task={}, metadata={}, error=f"{why}; the task and metadata dropped too"
             )
-            payload = encode(smaller)
+            payload = self.encoding.encode(smaller)
         log.warning(
             "trajectory over max_payload stored as an error",
             job_id=trajectory.job_id,
@@ -201,7 +211,9 @@ class TrajectoryStore:
         async def publish() -> bool:
             try:
                 await self.publisher.publish(
-                    subject, payload, {"Nats-Expected-Last-Subject-Sequence": "0"}
+                    subject,
+                    payload,
+                    self.encoding.headers({"Nats-Expected-Last-Subject-Sequence": "0"}),
                 )
                 return True
             except nats.js.errors.APIError as exc:
@@ -221,8 +233,10 @@ class TrajectoryStore:
         attempts: int,
         job: Job | None = None,
     ) -> DeadLetter:
-        """Publish the job (or its raw bytes when it could not be decoded) with the reason."""
-        agent = job.agent if job else self.topo.agent_of_subject(subject)
+        """Publish the job (or its raw bytes when it could not be decoded) with the reason,
+        under the agent of the subject it arrived on: a job naming another agent
+        (``wrong_subject``) is that subject's consumer's to report, not the named agent's."""
+        agent = self.topo.agent_of_subject(subject)
         letter = DeadLetter(
             reason=reason,
             error=error,
@@ -239,7 +253,7 @@ class TrajectoryStore:
                 letter,
                 error=f"{error} (raw payload truncated to {MAX_RAW_BYTES} of {len(data)} bytes)",
             )
-        payload = encode(letter)
+        payload = self.encoding.encode(letter)
         if len(payload) > self.max_payload:  # a job near the limit plus its error
             keep = min(MAX_RAW_BYTES, self.max_payload // 4)
             letter = replace(
@@ -250,10 +264,12 @@ class TrajectoryStore:
                 f"the job is kept as raw bytes, truncated to {min(keep, len(data))} of "
                 f"{len(data)})",
             )
-            payload = encode(letter)
+            payload = self.encoding.encode(letter)
 
         async def publish() -> DeadLetter:
-            await self.publisher.publish(self.topo.dead_subject(agent), payload)
+            await self.publisher.publish(
+                self.topo.dead_subject(agent), payload, self.encoding.headers()
+            )
             return letter
 
         return await _until_done("dead-letter publish", publish)

@@ -38,7 +38,7 @@ from agentarium.broker import (
     ensure_provisioned,
     remove_worker,
 )
-from agentarium.schemas import check_name
+from agentarium.schemas import check_name, encoding
 
 from ..config import ConsumerSettings
 from ..fleet import fleets_summary
@@ -81,7 +81,7 @@ class Worker:
         self.limits = limits or Limits()
         self.counters = Counters()
         self.metrics = RolloutMetrics(agent)
-        self.store = TrajectoryStore(js, topo, config.worker_id)
+        self.store = TrajectoryStore(js, topo, config.worker_id, encoding=encoding(config.encoding))
         self._stop = asyncio.Event()
         self._intake: Intake | None = None  # bound by _attach
         self._background = BackgroundLoops()
