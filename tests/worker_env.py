@@ -41,6 +41,7 @@ async def worker_for(
     limits=None,
     template=None,
     model_name="tiny",
+    drain_grace=30.0,
 ):
     """A worker running ``agent_fn`` as ``agent_name`` against ``llm_urls``, rendering chats
     with ``template`` (default the tiny model's) for the model served as ``model_name``."""
@@ -66,6 +67,7 @@ async def worker_for(
         attempts=attempts,
         retry_delay_s=retry_delay,
         retry_max_delay_s=retry_delay * 4,
+        drain_grace_s=drain_grace,
     )
     worker = Worker(js, topology or Topology(), agent_name, config, env, limits=limits)
     try:
