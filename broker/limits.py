@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from agentarium.schemas import check_settings, setting
+from agentarium.schemas import SettingError, check_settings, setting
 
 GiB = 1024**3
 DAY_S = 86400.0
@@ -46,11 +46,27 @@ class Limits:
         group=GROUP,
         help="how long trajectories are kept (default %(default)s = 30 days)",
     )
+    # Byte bounds: on a cluster every node stores every stream and bucket in full (R3), so
+    # their sum must fit one node's JetStream volume (docs/operations.md, "Sizing storage").
     trajectories_max_bytes: int = setting(
-        -1, flagless="the trajectories stream is bounded by age; -1: no byte bound"
+        -1,
+        group=GROUP,
+        help="trajectories' byte bound, oldest dropped first past it (default %(default)s: "
+        "bounded by age only)",
     )
     dead_max_age_s: float = setting(
         30 * DAY_S, flagless="how long dead-lettered jobs are kept; set in code"
+    )
+    dead_max_bytes: int = setting(
+        -1,
+        group=GROUP,
+        help="dead letters' byte bound, oldest dropped first (default %(default)s: by age only)",
+    )
+    weights_max_bytes: int = setting(
+        -1,
+        group=GROUP,
+        help="the weights object store's byte bound: above (versions kept + 1) x the model's "
+        "bytes, or the trainer's publish is refused (default %(default)s: none)",
     )
     workers_ttl_s: float = setting(
         30.0,
@@ -104,5 +120,10 @@ class Limits:
 
     def __post_init__(self) -> None:
         check_settings(self)
+        for name in ("trajectories_max_bytes", "dead_max_bytes", "weights_max_bytes"):
+            value = getattr(self, name)
+            if value != -1 and value < 1:
+                flag = "--" + name.replace("_", "-")
+                raise SettingError(f"{flag} must be -1 (no byte bound) or >= 1, got {value}")
         if self.duplicate_window_s > self.trajectories_max_age_s:
             raise ValueError("duplicate window must not exceed the trajectories max age")

@@ -258,6 +258,7 @@ async def ensure_buckets(
         description="policy weights (safetensors), <run>/v<version>",
         storage=StorageType.FILE,
         replicas=limits.replicas,
+        max_bytes=limits.weights_max_bytes,
     )
     workers_settings: dict = {"max_age": limits.workers_ttl_s, "num_replicas": limits.replicas}
     if js_server_version(js) >= MSG_TTL_SINCE:
@@ -310,7 +311,7 @@ async def ensure_buckets(
             f"OBJ_{topo.weights_bucket}",
             topo.weights_bucket,
             lambda: js.create_object_store(topo.weights_bucket, weights),
-            {"num_replicas": limits.replicas},
+            {"num_replicas": limits.replicas, "max_bytes": limits.weights_max_bytes},
             update=update,
         )
     )

@@ -190,6 +190,7 @@ class Topology:
                 storage=StorageType.FILE,
                 discard=DiscardPolicy.OLD,
                 max_age=limits.dead_max_age_s,
+                max_bytes=limits.dead_max_bytes,
                 duplicate_window=120.0,
                 num_replicas=limits.replicas,
                 description="dead-lettered jobs with the reason and last error",

@@ -52,7 +52,9 @@ class ConsumerSettings:
     drain_grace_s: float = setting(
         30.0,
         ge=0,
-        help="on SIGTERM, how long in-flight rollouts may finish before release",
+        help="on SIGTERM, how long in-flight rollouts may finish before they are requeued for "
+        "another consumer (spending no attempt); a supervisor must wait this plus 20 s before "
+        "SIGKILL (terminationGracePeriodSeconds, stop_grace_period)",
     )
     llm_retries: int = setting(3, ge=0, help="retries per LLM call before failing over")
     llm_timeout_s: float = setting(600.0, gt=0, help="per LLM request")

@@ -15,6 +15,12 @@ JetStream's ``max_deliver`` is ``attempts + lost_deliveries + 1``, and that last
 never run, only dead-lettered and terminated (a job that crashes every worker that runs it
 ends there), because a work-queue stream would otherwise keep a max-delivered job forever. For
 the same reason no decision naks a job's last delivery: the server would never deliver it again.
+
+A job *released* by a drain (SIGTERM: a scale-down, a rolling update) is neither: the worker
+chose to give it back. It is requeued, published again as a fresh message (delivery count 1,
+its failed-run count kept in the attempts KV) before this delivery is acked, so a long job
+released by every scale-down of a day is never dead-lettered for it. Only when that publish
+fails (a full queue, a broker going away) is it naked, spending a delivery as before.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ class Event(Enum):
     ENV_UNAVAILABLE = "env_unavailable"  # an environment service failed under it: infrastructure
     WORKER_ERROR = "worker_error"  # the worker itself raised while handling the job
     RELEASED = "released"  # a drain (SIGTERM) cancelled it before it finished
+    REQUEUE_FAILED = "requeue_failed"  # ...and publishing it again failed (queue full, broker gone)
 
 
 class Action(Enum):
@@ -47,6 +54,7 @@ class Action(Enum):
     ACK = "ack"
     NAK = "nak"  # redelivered after ``delay_s``
     DEAD_LETTER = "dead_letter"  # published to DEAD with ``reason``, then term()ed
+    REQUEUE = "requeue"  # published again as a fresh message, then this delivery acked
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,6 +76,10 @@ class Decision:
     @classmethod
     def run(cls, *, check_stored: bool) -> Decision:
         return _RUN_AGAIN if check_stored else _RUN_FIRST
+
+    @classmethod
+    def requeue(cls) -> Decision:
+        return _REQUEUE
 
     @classmethod
     def ack(cls) -> Decision:
@@ -99,6 +111,7 @@ class Decision:
 _RUN_FIRST = Decision(action=Action.RUN)
 _RUN_AGAIN = Decision(action=Action.RUN, check_stored=True)
 _ACK = Decision(action=Action.ACK)
+_REQUEUE = Decision(action=Action.REQUEUE)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -147,10 +160,13 @@ class DeliveryPolicy:
         backoff = Backoff(initial_s=self.base_delay_s, max_s=self.max_delay_s, jitter=self.jitter)
         return backoff.delay(delivery)
 
-    def decide(self, event: Event, delivery: int, failures: int = 0) -> Decision:
+    def decide(
+        self, event: Event, delivery: int, failures: int = 0, *, requeued: bool = False
+    ) -> Decision:
         """The decision for ``event`` on the job's ``delivery``-th delivery (1-based), after
         ``failures`` of its runs failed (the attempts KV; the other earlier deliveries were
-        lost)."""
+        lost). ``requeued``: this message is a released job published again, so even its first
+        delivery may follow a run that stored the trajectory."""
         last_delivery = delivery >= self.max_deliver  # the server will not deliver it again
         match event:
             case Event.INVALID_JOB | Event.WRONG_SUBJECT:
@@ -169,7 +185,7 @@ class DeliveryPolicy:
                     check_stored=True,
                 )
             case Event.RECEIVED:
-                return Decision.run(check_stored=delivery > 1)
+                return Decision.run(check_stored=delivery > 1 or requeued)
             case Event.ALREADY_STORED | Event.OK | Event.TIMEOUT | Event.ERROR:
                 return Decision.ack()
             case Event.AGENT_ERROR if failures + 1 < self.attempts and not last_delivery:
@@ -188,8 +204,14 @@ class DeliveryPolicy:
                 # A bug or an outage in the worker says nothing about the job: give it another
                 # delivery, a lost one (the last delivery is judged as max_deliveries).
                 return Decision.nak(self.delay_s(1))
-            case Event.RELEASED if not last_delivery:
+            case Event.RELEASED:
+                # Not a failure and not a loss: back in the queue without spending a delivery,
+                # even on the last one (the requeued copy starts its count afresh).
+                return Decision.requeue()
+            case Event.REQUEUE_FAILED if not last_delivery:
                 return Decision.nak()  # at once: another worker can take it now
-            case Event.WORKER_ERROR | Event.RELEASED:
+            case Event.REQUEUE_FAILED:
+                return Decision.dead_letter(Event.RELEASED.value)
+            case Event.WORKER_ERROR:
                 return Decision.dead_letter(event.value)
         raise ValueError(f"no decision for {event!r}")  # unreachable: every Event is matched

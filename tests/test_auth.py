@@ -254,6 +254,26 @@ async def test_the_pipeline_runs_with_one_user_per_role(
         assert not who.errors, who.errors
 
 
+async def test_a_consumer_draining_requeues_its_unfinished_job(admin, login, fake):
+    """A drain's release publishes the job again (so it spends no delivery): the consumer role
+    may put a job it was given back in the queue."""
+    topo = Topology()
+    await TaskProducer(admin.js, topo).submit("slow", [{"n": 0, "sleep": 60}], run="drained")
+    consumer = await login("consumer")
+    async with worker_for(
+        consumer.js, "slow", agentlib.slow, [fake.url], burst=False, drain_grace=0.1
+    ) as worker:
+        runner = asyncio.create_task(worker.run())
+        await fake.wait_for_requests(1)
+        worker.stop()
+        counters = await asyncio.wait_for(runner, 15)
+    assert counters.released == 1 and counters.dead_lettered == 0, (counters, consumer.errors)
+    stream = await admin.js.stream_info(topo.tasks_stream)
+    assert stream.state.messages == 1
+    msg = await admin.js.get_msg(topo.tasks_stream, stream.state.last_seq)
+    assert msg.headers["Agentarium-Releases"] == "1"
+
+
 @pytest.mark.nats_semantics
 async def test_a_consumer_cannot_publish_weights_or_a_policy(admin, login):
     topo = Topology()

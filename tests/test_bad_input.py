@@ -51,6 +51,9 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("--llm-retries", "0"): "no retry of a failed LLM call",
     ("--fleet-outage-limit", "0"): "never hold work during an outage: fail at once",
     ("--prefix-cache-tokens", "0"): "no prefix cache",
+    ("--trajectories-max-bytes", "-1"): "no byte bound: trajectories kept by age only",
+    ("--dead-max-bytes", "-1"): "no byte bound: dead letters kept by age only",
+    ("--weights-max-bytes", "-1"): "no byte bound on the weights object store",
 }
 
 # Past the maximum, where a flag has one.

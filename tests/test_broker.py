@@ -441,3 +441,38 @@ async def test_status_after_a_producer_alone_reports_the_jobs_and_what_is_missin
     status = await collect_status(js, topology, environments=False)
     assert [(a.agent, a.waiting) for a in status.agents] == [("toy", 2)]
     assert any(f"bucket {topology.workers_bucket} does not exist" in n for n in status.notes)
+
+
+async def test_byte_bounds_reach_every_stream_and_the_weights_store(nc, topology):
+    """What the Kubernetes sizing relies on (docs/operations.md, "Sizing storage"): broker init
+    bounds the trajectories, dead letters and weights in bytes, and changes the bounds in place."""
+    js = nc.jetstream()
+    mib = 1024**2
+    limits = Limits(
+        trajectories_max_bytes=256 * mib,
+        dead_max_bytes=16 * mib,
+        weights_max_bytes=512 * mib,
+    )
+    await provision(js, topology, limits)
+
+    async def bounds() -> dict[str, int]:
+        names = {  # (the job queue's byte bound depends on the server's version: tested apart)
+            "trajectories": topology.trajectories_stream,
+            "dead": topology.dead_stream,
+            "weights": f"OBJ_{topology.weights_bucket}",
+        }
+        return {k: (await js.stream_info(v)).config.max_bytes for k, v in names.items()}
+
+    assert await bounds() == {
+        "trajectories": 256 * mib,
+        "dead": 16 * mib,
+        "weights": 512 * mib,
+    }
+    report = await provision(js, topology, Limits(weights_max_bytes=1024 * mib))
+    assert f"bucket {topology.weights_bucket}" in report.updated
+    assert (await bounds())["weights"] == 1024 * mib
+
+
+def test_a_byte_bound_is_minus_one_or_positive():
+    with pytest.raises(ValueError, match="--weights-max-bytes must be -1"):
+        Limits(weights_max_bytes=0)

@@ -106,10 +106,15 @@ CASES = [
     ("worker error", THREE, Event.WORKER_ERROR, 1, 0, nak(1.0)),
     ("worker error, last attempt", THREE, Event.WORKER_ERROR, 3, 2, nak(1.0)),
     ("worker error, last delivery", THREE, Event.WORKER_ERROR, 9, 0, dead("worker_error")),
-    # -- a drain released it: back to the queue at once, unless the server would not redeliver
-    ("released", THREE, Event.RELEASED, 1, 0, nak()),
-    ("released on the last attempt", THREE, Event.RELEASED, 3, 2, nak()),
-    ("released on its last delivery", THREE, Event.RELEASED, 9, 0, dead("released")),
+    # -- a drain released it: requeued (a fresh message), whatever its delivery: no delivery
+    # spent, so a long job released by every scale-down is never dead-lettered for it
+    ("released", THREE, Event.RELEASED, 1, 0, Decision.requeue()),
+    ("released on the last attempt", THREE, Event.RELEASED, 3, 2, Decision.requeue()),
+    ("released on its last delivery", THREE, Event.RELEASED, 9, 0, Decision.requeue()),
+    # -- ...and the requeue publish failed: back at once, unless the server would not redeliver
+    ("requeue failed", THREE, Event.REQUEUE_FAILED, 1, 0, nak()),
+    ("requeue failed, last attempt", THREE, Event.REQUEUE_FAILED, 3, 2, nak()),
+    ("requeue failed, last delivery", THREE, Event.REQUEUE_FAILED, 9, 0, dead("released")),
 ]
 
 
@@ -189,3 +194,17 @@ def test_the_callers_keywords_still_build_one():
     # agentarium's consumer command and in-process consumers pass exactly these.
     policy = DeliveryPolicy(attempts=5, base_delay_s=0.5, max_delay_s=60.0)
     assert (policy.attempts, policy.max_deliver) == (5, 11)
+
+
+def test_a_requeued_copy_looks_for_its_trajectory_on_its_first_delivery():
+    """A released job published again starts at delivery 1, but a run before it may have
+    stored the trajectory (the ack of the released delivery lost): it looks first."""
+    assert THREE.decide(Event.RECEIVED, 1, 0, requeued=True) == run(check_stored=True)
+    assert THREE.decide(Event.RECEIVED, 1, 2, requeued=True) == run(check_stored=True)
+
+
+def test_a_release_never_spends_a_delivery():
+    """However often a job is released, on whatever delivery, it is requeued: never naked
+    (which would spend one of its deliveries) nor dead-lettered."""
+    for policy, delivery in itertools.product((ONE, THREE, STRICT), range(1, 12)):
+        assert policy.decide(Event.RELEASED, delivery).action is Action.REQUEUE

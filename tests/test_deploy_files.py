@@ -708,7 +708,12 @@ def test_k8s_services_serve_metrics_with_probes_and_scrape_annotations():
                 where
             )
             assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}, where
-            assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}, where
+            if args[0] == "sync":  # a sidecar: its readiness would gate the engine's pod
+                assert "readinessProbe" not in c, where
+            else:
+                assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}, (
+                    where
+                )
             served.append(port)
             seen.add(args[0])
         if not served:
@@ -834,10 +839,11 @@ def test_k8s_agentarium_containers_read_the_config_and_their_role_credentials():
             assert re.search(rf"\buser: {role},", (NATS_CONF / "auth.conf").read_text()), (
                 f"{where}: no role {role}"
             )
-            assert all(
-                env[v]["valueFrom"]["secretKeyRef"]["optional"]
+            # required: a pod without its role's Secret does not start (no anonymous login)
+            assert not any(
+                env[v]["valueFrom"]["secretKeyRef"].get("optional", False)
                 for v in ("AGENTARIUM_NATS_USER", "AGENTARIUM_NATS_PASSWORD")
-            )
+            ), where
 
 
 def test_k8s_drain_and_resume_settings():
@@ -851,7 +857,7 @@ def test_k8s_drain_and_resume_settings():
     targs = containers(trainer)["trainer"]["args"]
     assert "--resume" in targs
     checkpoints = flag(targs, "--checkpoint-dir")
-    [mount] = containers(trainer)["trainer"]["volumeMounts"]
+    [mount] = [m for m in containers(trainer)["trainer"]["volumeMounts"] if m["name"] != "tmp"]
     assert checkpoints.startswith(mount["mountPath"])
     volume = next(
         v for v in trainer["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]
@@ -874,7 +880,7 @@ def test_keda_scales_consumers_on_their_durable_consumers_lag():
     host, port = meta["natsServerMonitoringEndpoint"].rsplit(":", 1)
     assert int(port) == NATS_VALUES["config"]["monitor"]["port"] == 8222
     assert host.startswith("nats-headless.")
-    assert int(meta["lagThreshold"]) >= 1 and scaled["spec"]["minReplicaCount"] >= 1
+    assert int(meta["lagThreshold"]) >= 1  # the scaling model: tests/test_k8s_production.py
 
 
 def test_helm_values_make_a_three_node_jetstream_cluster_for_r3():
@@ -995,7 +1001,7 @@ def test_k8s_nats_clients_wait_for_broker_init():
             continue
         [init] = [c for c in pod.get("initContainers", []) if c["name"] == "wait-for-broker-init"]
         assert init["command"] == ["python", "/opt/agentarium/wait.py"], file
-        [mount] = init["volumeMounts"]
+        [mount] = [m for m in init["volumeMounts"] if m["name"] != "tmp"]
         [volume] = [v for v in pod["volumes"] if v["name"] == mount["name"]]
         assert volume["configMap"]["name"] == "agentarium-wait-for-broker", file
         # the same role's credentials as the containers it guards

@@ -330,6 +330,42 @@ async def test_sigterm_style_stop_drains_in_flight_jobs(js, topology, fake):
     assert len(await TrajectoryReader(js, topology).read("drain")) == 4
 
 
+@pytest.mark.nats_semantics
+async def test_a_drain_requeues_what_it_gives_back_without_spending_deliveries_or_attempts(
+    js, topology, fake
+):
+    """A job released by four drains (a consumer scaled down four times while it ran), on a
+    consumer allowing 3 deliveries, is requeued each time as a fresh message: never
+    dead-lettered, and its count of failed runs (one, before the drains) still holds after."""
+    await provision(js, topology, Limits(attempts=2, lost_deliveries=0), agents=("slow",))
+    result = await TaskProducer(js, topology).submit("slow", [{"n": 0, "sleep": 60}], run="requeue")
+    [job_id] = result.job_ids
+    kv = await js.key_value(topology.attempts_bucket)
+    await kv.put(topology.attempts_key("slow", job_id), b"1")  # one run failed already
+    for release in range(1, 5):
+        async with worker_for(
+            js, "slow", agentlib.slow, [fake.url], burst=False, attempts=2, drain_grace=0.2
+        ) as w:
+            runner = asyncio.create_task(w.run())
+            await fake.wait_for_requests(release)  # the rollout is running
+            w.stop()
+            counters = await asyncio.wait_for(runner, 10)
+        assert counters.released == 1 and counters.dead_lettered == 0, counters
+        stream = await js.stream_info(topology.tasks_stream)
+        assert stream.state.messages == 1  # the released delivery acked, its copy queued
+        msg = await js.get_msg(topology.tasks_stream, stream.state.last_seq)
+        assert msg.headers["Agentarium-Releases"] == str(release)
+        assert msg.headers["Nats-Msg-Id"].startswith(f"{job_id}.released.")
+    info = await js.consumer_info(topology.tasks_stream, "rollout-slow")
+    assert info.config.max_deliver == 3 and info.num_redelivered == 0
+    # the fifth run fails: with the failure counted before the drains, it is the last attempt
+    async with worker_for(js, "slow", agentlib.always_raises, [fake.url], attempts=2) as w:
+        counters = await w.run()
+    assert (counters.retried, counters.dead_lettered) == (0, 1)
+    [letter] = await dead_letters(js, topology)
+    assert letter.reason == "agent_error" and letter.job_id == job_id
+
+
 async def test_agent_spans_nest_under_the_rollout_span(js, topology, fake, span_exporter):
     await TaskProducer(js, topology).submit("spans", [{"n": 1}], run="spans")
     async with worker_for(js, "spans", agentlib.with_own_span, [fake.url]) as w:

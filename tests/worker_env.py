@@ -42,6 +42,7 @@ async def worker_for(
     template=None,
     model_name="tiny",
     encoding="msgpack",
+    drain_grace=30.0,
 ):
     """A worker running ``agent_fn`` as ``agent_name`` against ``llm_urls``, rendering chats
     with ``template`` (default the tiny model's) for the model served as ``model_name``."""
@@ -68,6 +69,7 @@ async def worker_for(
         retry_delay_s=retry_delay,
         retry_max_delay_s=retry_delay * 4,
         encoding=encoding,
+        drain_grace_s=drain_grace,
     )
     worker = Worker(js, topology or Topology(), agent_name, config, env, limits=limits)
     try:

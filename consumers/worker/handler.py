@@ -25,13 +25,14 @@ from ..redact import log_safe
 from ..rollout import RolloutEnv, run_rollout, trajectory_for
 from ..rollout_result import AgentFailed, EnvironmentLost, Finished
 from .counters import Counters
-from .store import TrajectoryStore
+from .store import TrajectoryStore, releases
 
 log = structlog.get_logger("agentarium.consumers")
 
-# A job released by a drain on its last delivery is dead-lettered, but the drain's grace is
-# already over: give the dead letter this long (the broker may be the reason for the drain).
-RELEASE_DEAD_LETTER_S = 5.0
+# A job released by a drain is published again (or, failing that, naked or dead-lettered), but
+# the drain's grace is already over: give that this long (the broker may be the reason for the
+# drain). Manifests size their termination grace to --drain-grace plus this (docs/operations.md).
+RELEASE_S = 5.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,15 +89,17 @@ class DeliveryHandler:
     async def _process(self, msg: Msg) -> None:
         delivery = msg.metadata.num_delivered
         handled = self._decode(msg)
-        # A redelivery follows a failed run or a lost delivery: only the failures count.
+        # A redelivery follows a failed run or a lost delivery: only the failures count. A
+        # requeued job (released by a drain, published again) keeps its count the same way.
+        requeued = releases(msg) > 0
         failures = 0
-        if handled.job is not None and delivery > 1:
+        if handled.job is not None and (delivery > 1 or requeued):
             failures = await self.store.failures(handled.job, delivery)
-        decision = self.policy.decide(handled.event, delivery, failures)
+        decision = self.policy.decide(handled.event, delivery, failures, requeued=requeued)
         if decision.action is Action.RUN:
             assert handled.job is not None  # RUN is only decided for a decoded job
             handled = await self._run(msg, handled.job, delivery, decision)
-            decision = self.policy.decide(handled.event, delivery, failures)
+            decision = self.policy.decide(handled.event, delivery, failures, requeued=requeued)
         await self._settle(msg, decision, handled, delivery, failures)
 
     def _decode(self, msg: Msg) -> Handled:
@@ -211,6 +214,22 @@ class DeliveryHandler:
         be written: a nak would strand it in the work queue forever."""
         delivery = msg.metadata.num_delivered
         decision = self.policy.decide(handled.event, delivery)
+        if decision.action is Action.REQUEUE:
+            try:
+                async with asyncio.timeout(RELEASE_S):
+                    await self.store.requeue(msg)
+                self.counters.released += 1
+                await _quietly(msg.ack())
+                return
+            except Exception as requeue_exc:  # noqa: BLE001 - the nak or term below must happen
+                log.warning(
+                    "could not requeue a released job; naking it (this spends a delivery)",
+                    subject=msg.subject,
+                    delivery=delivery,
+                    error=repr(requeue_exc) if not str(requeue_exc) else str(requeue_exc),
+                )
+                handled = Handled(event=Event.REQUEUE_FAILED, error=handled.error)
+                decision = self.policy.decide(handled.event, delivery)
         if decision.action is Action.NAK:
             if exc is not None:
                 log.error(
@@ -221,7 +240,7 @@ class DeliveryHandler:
         if exc is not None:
             log.error("unexpected error on a job's last delivery; terminating it", exc_info=exc)
         # A drain's grace is over already: the dead letter gets a short bound of its own.
-        bound = RELEASE_DEAD_LETTER_S if handled.event is Event.RELEASED else None
+        bound = RELEASE_S if handled.event is Event.REQUEUE_FAILED else None
         try:
             async with asyncio.timeout(bound):
                 await self.store.dead_letter(

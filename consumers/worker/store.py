@@ -19,6 +19,7 @@ from typing import TypeVar
 import nats.errors
 import nats.js.errors
 import structlog
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
@@ -44,6 +45,17 @@ DEFAULT_MAX_PAYLOAD = 1024 * 1024  # nats-server's default, when the client does
 # An error text in a message that had to be cut down to fit max_payload keeps this much.
 FITTED_ERROR_CHARS = 4_000
 PAYLOAD_MEMO = 1024
+# A requeued job's header: how many times drains released it (logs and dead letters show it;
+# its presence tells the next worker to look for a stored trajectory first).
+RELEASES_HEADER = "Agentarium-Releases"
+
+
+def releases(msg: Msg) -> int:
+    """How many times drains released this job before (0 for a job as its producer sent it)."""
+    try:
+        return int((msg.headers or {}).get(RELEASES_HEADER, 0))
+    except ValueError:
+        return 0
 
 
 def _server_side(exc: nats.js.errors.APIError) -> bool:
@@ -222,6 +234,21 @@ class TrajectoryStore:
                 raise
 
         return await _until_done("trajectory publish", publish)
+
+    async def requeue(self, msg: Msg) -> None:
+        """Publish a released job again as a fresh message (delivery count 1) at the back of
+        its queue, keeping its headers (trace context) and counting the release; the caller
+        acks ``msg`` after. Raises when the server refuses (a full queue) or does not answer.
+
+        Its ``Nats-Msg-Id`` is the original's plus this message's stream sequence: a publish
+        retried after a lost ack is dropped as a duplicate, while the producer's own id stays
+        free to catch a resubmitted batch."""
+        headers = {k: v for k, v in (msg.headers or {}).items() if not k.startswith("Nats-")}
+        original = (msg.headers or {}).get("Nats-Msg-Id", "")
+        sequence = msg.metadata.sequence.stream
+        headers["Nats-Msg-Id"] = f"{original}.released.{sequence}".lstrip(".")
+        headers[RELEASES_HEADER] = str(releases(msg) + 1)
+        await self.publisher.publish(msg.subject, msg.data, headers)
 
     async def dead_letter(
         self,

@@ -433,6 +433,17 @@ class ConsumerPool:
         child.proc.wait()
         return child.proc.pid
 
+    async def terminate(self, slot: int, timeout_s: float = 60.0) -> int | None:
+        """SIGTERM the slot's consumer (a scale-down: it drains) and wait for its exit code,
+        in a thread, so the event loop keeps serving the fake fleet it finishes against."""
+        child = self.children[slot]
+        child.proc.send_signal(signal.SIGTERM)
+        try:
+            return await asyncio.to_thread(child.proc.wait, timeout_s)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            return None
+
     def restart(self, slot: int) -> Child:
         self.restarts += 1
         return self.start(slot)

@@ -258,6 +258,84 @@ async def slow_rollouts(
         )
 
 
+async def scale_down(
+    server: NatsServer,
+    workdir: Path,
+    *,
+    short: int = 4,
+    long: int = 4,
+    short_s: float = 1.0,
+    long_s: float = 6.0,
+    drains: int = 4,
+    grace_s: float = 3.0,
+    command: str = "",
+) -> Row:
+    """KEDA scaling the fleet down, over and over, while it holds long rollouts: each consumer
+    in turn takes the long jobs and gets SIGTERM mid-rollout (``--drain-grace grace_s``). The
+    first also holds short jobs, which finish within the grace; the long ones are requeued
+    each time, and a last consumer, left alone, runs them to the end. The agent's consumer
+    allows 4 deliveries (3 attempts, no lost delivery), fewer than a long job's ``drains`` + 1
+    runs: a release that spent a delivery (a nak) would dead-letter them as max_deliveries."""
+    limits = Limits(ack_wait_s=ACK_WAIT_S, attempts=3, lost_deliveries=0)
+    flags = (
+        "--ack-wait",
+        str(ACK_WAIT_S),
+        "--retry-delay",
+        "0.1",
+        "--drain-grace",
+        f"{grace_s:g}",
+        "--concurrency",
+        str(short + long),
+    )
+    short_keys, long_keys = range(short), range(short, short + long)
+    async with session(server.url, limits) as js, fake_fleet() as fake:
+        run = ChaosRun(js, workdir)
+        durable = run.topo.rollout_consumer(AGENT)
+        pool = ConsumerPool(run, server.url, [fake.url], extra=flags)
+
+        async def running(keys: range, pid: int) -> bool:
+            ran = {e.key for e in read_executions(run.exec_log) if e.pid == pid}
+            return set(keys) <= ran
+
+        drained_s: list[float] = []
+        try:
+            for drain in range(drains):
+                pid = (pool.restart(0) if drain else pool.start(0)).proc.pid
+                await registered(js, pool)
+                if drain == 0:
+                    await run.publish(short_keys, sleep_s=short_s)
+                    await run.publish(long_keys, sleep_s=long_s)
+                keys = range(short + long) if drain == 0 else long_keys
+                await until(lambda k=keys, p=pid: running(k, p), 60, "the batch running")
+                with run.fault(f"SIGTERM (scale-down) #{drain + 1}", pids=[pid]):
+                    began = time.monotonic()
+                    code = await pool.terminate(0)
+                    drained_s.append(time.monotonic() - began)
+                assert code == 0, f"drain {drain + 1} exited {code}"
+            pool.restart(0)  # the consumer that stays
+            await run.wait_settled(long_s + 60)
+            info = await js.consumer_info(run.topo.tasks_stream, durable)
+            attempts = await js.key_value(run.topo.attempts_bucket)
+            failures = (await attempts.status()).values
+        finally:
+            codes = await pool.stop()
+        assert codes == [0], codes
+        assert info.config.max_deliver == 4, info.config
+        # releases are fresh messages: no delivery was a redelivery, and no run was a failure
+        assert info.num_redelivered == 0, info
+        assert info.delivered.consumer_seq == short + long * (drains + 1), info
+        assert failures == 0, f"{failures} failed runs counted"
+        grace_limit = grace_s + 5.0 + 3.0  # the grace, the requeue's bound, process exit
+        assert max(drained_s) <= grace_limit, drained_s
+        return await run.tally(
+            f"{drains} scale-downs (SIGTERM, --drain-grace {grace_s:g} s) of consumers holding "
+            f"{long} rollouts of {long_s:g} s, on a consumer allowing 4 deliveries; {short} "
+            f"rollouts of {short_s:g} s finish within the grace (drains took "
+            f"{min(drained_s):.1f}-{max(drained_s):.1f} s)",
+            command=command,
+        )
+
+
 async def crash_recovery(
     server: NatsServer,
     workdir: Path,
