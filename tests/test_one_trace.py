@@ -168,7 +168,9 @@ async def test_one_job_is_one_trace_from_producer_to_engine(nats_url, tiny_dir, 
     assert parent(next(s for _, s in trace if s.name == "rollout"))[0] == "producer-under-test"
     phases = {s.name: s for _, s in trace if s.parent_span_id == server.span_id}
     assert {"engine.queue", "engine.prefill", "engine.decode"} <= set(phases), set(phases)
-    queue, prefill, decode = (phases[n] for n in ("engine.queue", "engine.prefill", "engine.decode"))
+    queue, prefill, decode = (
+        phases[n] for n in ("engine.queue", "engine.prefill", "engine.decode")
+    )
     assert server.start_time_unix_nano <= queue.start_time_unix_nano
     assert queue.end_time_unix_nano <= prefill.start_time_unix_nano
     assert prefill.end_time_unix_nano <= decode.start_time_unix_nano
@@ -204,9 +206,7 @@ async def test_a_weight_update_shows_on_the_requests_it_held(tiny_dir, span_expo
             )
             await engine.scheduler.wait_for(lambda: engine.scheduler.num_waiting == 1)
             update = "00-11111111111111111111111111111111-2222222222222222-01"
-            reply = await post(
-                "/update_weights_from_disk", {"model_path": str(tiny_dir)}, update
-            )
+            reply = await post("/update_weights_from_disk", {"model_path": str(tiny_dir)}, update)
             assert reply["success"], reply
             await post("/continue_generation", {})
             out = await asyncio.wait_for(held, 60)
@@ -232,7 +232,9 @@ async def test_a_weight_update_shows_on_the_requests_it_held(tiny_dir, span_expo
     assert not stalled["paused"].links
     # the request waited from its arrival to the continue: its queue span covers both stalls
     (queue,) = [
-        s for s in _spans(span_exporter, "engine.queue") if s.parent.span_id == request.context.span_id
+        s
+        for s in _spans(span_exporter, "engine.queue")
+        if s.parent.span_id == request.context.span_id
     ]
     for stall in stalled.values():
         assert queue.start_time <= stall.start_time <= stall.end_time <= queue.end_time
