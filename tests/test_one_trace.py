@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
+import pytest
 from aiohttp import web
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as ProtoSpan
@@ -87,6 +88,7 @@ async def _run(*argv: str, env: dict[str, str]) -> str:
     return out.decode()
 
 
+@pytest.mark.long(20)
 async def test_one_job_is_one_trace_from_producer_to_engine(nats_url, tiny_dir, tmp_path):
     receiver = OtlpReceiver()
     await receiver.start()
