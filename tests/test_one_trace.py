@@ -260,3 +260,57 @@ async def test_untraced_requests_make_no_engine_spans(tiny_dir, span_exporter):
     assert not [n for n in names if n.startswith("GET ")], names
     (root,) = _spans(span_exporter, "POST /generate")
     assert root.parent is None
+
+
+async def test_every_http_client_sends_the_current_traceparent():
+    """The consumers' HTTP client (SGLang, the local engine), the OpenAI-compatible backend
+    (vLLM), the engines' control client and the AgentBench bridge each put the current span's
+    ``traceparent`` on their requests."""
+    from opentelemetry import trace
+
+    from agentarium.consumers.backends import GenerateRequest, OpenAICompatBackend
+    from agentarium.consumers.backends.http import HttpPool
+    from agentarium.environments.agentbench_http import request as agentbench_request
+    from agentarium.inference import EngineControl
+
+    seen: dict[str, str] = {}
+
+    async def record(request: web.Request) -> web.Response:
+        seen[request.path] = request.headers.get("traceparent", "")
+        return web.json_response(
+            {"choices": [{"message": {"content": "hi"}, "finish_reason": "stop"}], "usage": {}}
+        )
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", record)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    pool, control = HttpPool(), EngineControl()
+    vllm = OpenAICompatBackend(f"{url}/v1", "m")
+    try:
+        with trace.get_tracer("test").start_as_current_span("caller") as span:
+            await pool.request("POST", f"{url}/generate", b"{}")
+            await vllm.generate(
+                GenerateRequest(input_ids=[], messages=[{"role": "user", "content": "x"}])
+            )
+            await control.model_info(url)
+            async with aiohttp.ClientSession() as http:
+                await agentbench_request(http, f"{url}/api", "/interact", {"x": 1}, lost=True)
+        ctx = span.get_span_context()
+        expected = f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{ctx.trace_flags:02x}"
+        # outside any span: nothing is sent
+        await pool.request("POST", f"{url}/untraced", b"{}")
+    finally:
+        await pool.close()
+        await control.close()
+        await vllm.aclose()
+        await runner.cleanup()
+    assert seen == {
+        "/generate": expected,
+        "/v1/chat/completions": expected,
+        "/model_info": expected,
+        "/api/interact": expected,
+        "/untraced": "",
+    }
