@@ -18,7 +18,8 @@ FROM ${PYTHON_IMAGE} AS builder
 # NVIDIA driver and container toolkit).
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-# Extras of the agentarium package: otlp exports spans to OTEL_EXPORTER_OTLP_ENDPOINT.
+# Extras of the agentarium package (lora, smol, ...). otlp is an empty alias kept for old build
+# commands: the OTLP exporter (spans to OTEL_EXPORTER_OTLP_ENDPOINT) is a dependency.
 ARG EXTRAS=otlp
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \

@@ -6,18 +6,26 @@ and one after another (what a user gets from an engine without batching; the eng
 collection window is turned off for that half so it is not charged for waiting). Prints
 requests/s and generated tokens/s side by side.
 
-    python bench/engine_batching.py [--model tiny|DIR] [--requests 64] [--tokens 32] [--threads 1]
+``--otlp`` runs the same with tracing on: the engine's spans (docs/observability.md) exported over
+OTLP/HTTP to a receiver in a separate process that reads and discards them, as a collector would.
+Comparing a run with and without it is what tracing costs the engine.
+
+    python bench/engine_batching.py [--model tiny|DIR] [--requests 64] [--tokens 32] [--threads 1] [--otlp]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import aiohttp
 
+from agentarium.broker import setup_tracing, shutdown_tracing
 from agentarium.inference.engine import LocalEngine, start_server
 from agentarium.tiny import resolve_model
 
@@ -94,10 +102,50 @@ async def main(args: argparse.Namespace) -> None:
     print(f"speed-up from batching: {single_s / batched_s:.1f}x")
 
 
+# An OTLP/HTTP sink in its own process: answers every POST 200, counts requests and bytes,
+# and prints them when its stdin closes.
+_SINK = """
+import http.server, sys, threading
+seen = [0, 0]
+class H(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+        seen[0] += 1; seen[1] += len(self.rfile.read(int(self.headers["Content-Length"])))
+        self.send_response(200); self.send_header("Content-Length", "0"); self.end_headers()
+    def log_message(self, *a): pass
+s = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+print(s.server_address[1], flush=True)
+threading.Thread(target=s.serve_forever, daemon=True).start()
+sys.stdin.read()
+print(f"{seen[0]} export requests, {seen[1]} bytes", flush=True)
+"""
+
+
+def start_sink() -> subprocess.Popen:
+    sink = subprocess.Popen(
+        [sys.executable, "-c", _SINK], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert sink.stdout is not None
+    os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = f"http://127.0.0.1:{sink.stdout.readline().strip()}"
+    return sink
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny", help="'tiny' or a transformers model dir")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1)
-    asyncio.run(main(parser.parse_args()))
+    parser.add_argument(
+        "--otlp", action="store_true", help="trace the engine, exporting to an OTLP/HTTP sink"
+    )
+    args = parser.parse_args()
+    sink = start_sink() if args.otlp else None
+    if sink is not None:
+        setup_tracing("engine-bench")
+    try:
+        asyncio.run(main(args))
+    finally:
+        if sink is not None:
+            shutdown_tracing()  # the last spans out before the sink counts
+            out, _ = sink.communicate("")
+            print(f"tracing on: {out.strip()} to the OTLP sink")

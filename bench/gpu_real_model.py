@@ -83,8 +83,20 @@ def engine_argv(args: argparse.Namespace, model_dir: Path) -> list[str]:
     return [
         sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir),
         "--host", "127.0.0.1", "--port", str(args.port),
-        "--mem-fraction-static", str(args.mem_fraction_static), *args.sglang_arg,
+        "--mem-fraction-static", str(args.mem_fraction_static), *sglang_trace_args(),
+        *args.sglang_arg,
     ]  # fmt: skip
+
+
+def sglang_trace_args() -> list[str]:
+    """SGLang's own spans into the run's trace when an OTLP endpoint is set (as every
+    Agentarium process exports to it): OTLP/HTTP, so one collector port takes them all
+    (docs/observability.md, "SGLang and vLLM")."""
+    endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").rstrip("/")
+    if not endpoint:
+        return []
+    os.environ.setdefault("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+    return ["--enable-trace", "--otlp-traces-endpoint", f"{endpoint}/v1/traces"]
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> dict:

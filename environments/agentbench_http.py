@@ -2,7 +2,9 @@
 
 The errors the bridge raises (see environments/agentbench.py's docstring for the tree) are
 declared here, next to the one place that tells them apart: HTTP statuses and bodies of
-AgentBench's task worker (FastAPI puts an error in ``detail``).
+AgentBench's task worker (FastAPI puts an error in ``detail``). Every request carries the
+current span's W3C ``traceparent`` (the worker continues the rollout's ``env.*`` span while it
+serves a session request), so a traced task worker joins the rollout's trace.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
+
+from agentarium.broker import inject_headers
 
 
 class AgentBenchError(Exception):
@@ -70,7 +74,9 @@ async def request(
 ) -> Any:
     """GET (no body) or POST ``url + path``; ``lost``: a failure to reach the worker means the
     session is gone (it had started), else the worker is unavailable."""
-    kwargs: dict[str, Any] = {} if body is None else {"json": body}
+    kwargs: dict[str, Any] = {"headers": inject_headers()}
+    if body is not None:
+        kwargs["json"] = body
     if timeout is not None:
         kwargs["timeout"] = aiohttp.ClientTimeout(total=timeout)
     try:
@@ -92,7 +98,7 @@ async def request(
 def request_sync(url: str, path: str, body: dict | None, timeout: float) -> Any:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(
-        url + path, data=data, headers={"Content-Type": "application/json"}
+        url + path, data=data, headers=inject_headers({"Content-Type": "application/json"})
     )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
 import time
 from typing import Any
@@ -33,7 +34,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from agentarium.broker import Topology, round_trip
+from agentarium.broker import Topology, continue_trace, round_trip
 from agentarium.schemas import (
     EnvStart,
     EnvStarted,
@@ -262,8 +263,15 @@ class EnvWorker:
             await asyncio.wait(list(self._tasks), timeout=LOOP_STOP_S)
         log.info("environment worker stopped", **dataclasses.asdict(self.stats()))
 
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.create_task(coro)
+    def _spawn(self, coro: Any, headers: dict[str, str] | None = None) -> None:
+        """Run ``coro`` in its own task, under the trace of the request whose NATS ``headers``
+        carry a ``traceparent`` (the rollout's ``env.*`` span): what the environment does,
+        an HTTP call to a task worker included, joins the rollout's trace."""
+        context = None
+        if headers and "traceparent" in headers:
+            context = contextvars.copy_context()
+            context.run(continue_trace, headers)  # the task's own copy: never detached
+        task = asyncio.create_task(coro, context=context)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -290,7 +298,7 @@ class EnvWorker:
             await req.error(503, f"worker {self.config.worker_id}: {why}")
             return
         self.sessions.begin(start.session_id)
-        self._spawn(self._start_session(req, start))
+        self._spawn(self._start_session(req, start), msg.headers)
 
     async def _start_session(self, req: Request, start: EnvStart) -> None:
         env: Environment | None = None
@@ -359,4 +367,4 @@ class EnvWorker:
 
     async def _on_session(self, msg: Msg) -> None:
         """Each session request in its own task: sessions step concurrently."""
-        self._spawn(self.calls.handle(self._replier.request(msg, self._session_ep)))
+        self._spawn(self.calls.handle(self._replier.request(msg, self._session_ep)), msg.headers)

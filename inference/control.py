@@ -10,6 +10,9 @@ engine was not reached, and the server's own message): an HTTP error, a connecti
 timeout, and a weight call SGLang answers ``{"success": false, "message": ...}`` alike. A
 caller that must go on (un-pause an engine whatever happened) catches that one type.
 
+Each request carries the current span's W3C ``traceparent``, so the engine's span of a weight
+update joins the caller's trace.
+
 ``weights_checksum`` is the sha256 both sides compute over tensors: the trainer over what it
 sends, the local engine (``GET /weights_checksum``, not in SGLang) over what it serves.
 """
@@ -23,7 +26,7 @@ from typing import Any
 
 import aiohttp
 
-from agentarium.broker import BrokerError
+from agentarium.broker import BrokerError, propagating_trace_config
 
 PAUSE_MODES = ("in_place", "retract", "abort")  # SGLang's /pause_generation modes
 CONTROL_TIMEOUT_S = 30.0  # a control call that moves no weights: info, pause, continue
@@ -275,7 +278,7 @@ class EngineControl:
 
     def _session(self) -> aiohttp.ClientSession:
         if self._http is None or self._http.closed:
-            self._http = aiohttp.ClientSession()
+            self._http = aiohttp.ClientSession(trace_configs=[propagating_trace_config()])
         return self._http
 
 

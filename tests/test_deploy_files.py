@@ -553,6 +553,29 @@ def test_compose_every_service_traces_to_the_viewer_and_finds_nats():
             assert (url.hostname, url.port) == ("nats", nats_port), name
 
 
+def test_sglang_exports_its_own_spans_to_the_same_collector():
+    """SGLang's trace export is on where it runs (compose, Kubernetes), over OTLP/HTTP to the
+    endpoint every other service uses, so its spans join the consumers' traces."""
+    sglang = SERVICES["sglang"]
+    command, env = sglang["command"], sglang["environment"]
+    assert "--enable-trace" in command
+    endpoint = flag(command, "--otlp-traces-endpoint")
+    assert endpoint == env["OTEL_EXPORTER_OTLP_ENDPOINT"] + "/v1/traces"
+    assert env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "http/protobuf"
+    deployment = next(d for f, d in K8S_DOCS if f == "sglang.yaml" and d["kind"] == "Deployment")
+    server = containers(deployment)["sglang"]
+    assert "--enable-trace" in server["args"]
+    assert (
+        flag(server["args"], "--otlp-traces-endpoint") == "$(OTEL_EXPORTER_OTLP_ENDPOINT)/v1/traces"
+    )
+    k8s_env = {e["name"]: e for e in server["env"]}
+    assert k8s_env["OTEL_EXPORTER_OTLP_ENDPOINT"]["valueFrom"]["configMapKeyRef"] == {
+        "name": "agentarium-config",
+        "key": "OTEL_EXPORTER_OTLP_ENDPOINT",
+    }
+    assert k8s_env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"]["value"] == "http/protobuf"
+
+
 def test_compose_offers_phoenix_with_content_capture_off_by_default():
     phoenix = SERVICES["phoenix"]
     assert phoenix["profiles"] == ["phoenix"]

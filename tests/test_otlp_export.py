@@ -9,15 +9,8 @@ import os
 import subprocess
 import sys
 
-import pytest
 from aiohttp import web
-
-pytest.importorskip(
-    "opentelemetry.exporter.otlp.proto.http", reason="the [otlp] extra is not installed"
-)
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (  # noqa: E402
-    ExportTraceServiceRequest,
-)
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 
 async def test_produce_exports_publish_spans_over_otlp(nats_url, tmp_path):

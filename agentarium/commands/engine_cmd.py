@@ -9,7 +9,7 @@ import argparse
 import asyncio
 from dataclasses import dataclass
 
-from agentarium.broker import setup_logging
+from agentarium.broker import setup_logging, setup_tracing, shutdown_tracing
 from agentarium.inference.engine import (
     EngineSettings,  # torch-free: the engine itself loads in cmd_engine
 )
@@ -43,6 +43,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
     command: EngineCommand = resolve(args, KEYS).build(EngineCommand)
     setup_logging()
     model_dir = resolve_model(command.model)
+    setup_tracing("agentarium-engine")  # spans over OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set
     try:
         asyncio.run(serve(model_dir, command.engine))
     except KeyboardInterrupt:
@@ -50,6 +51,8 @@ def cmd_engine(args: argparse.Namespace) -> int:
     except OSError as exc:  # the port taken, the host not an address here: say which flags
         settings = command.engine
         raise ValueError(f"--host {settings.host} --port {settings.port}: {exc}") from None
+    finally:
+        shutdown_tracing()  # the last spans leave before the process does
     return 0
 
 
@@ -60,7 +63,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="The local CPU engine: torch + transformers behind SGLang's /generate, /health, /model_info, "
         "/init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group, "
         "/update_weights_from_disk, /pause_generation and /continue_generation, batching concurrent requests; "
-        "Prometheus metrics on the same port at /metrics (as SGLang's --enable-metrics). "
+        "Prometheus metrics on the same port at /metrics (as SGLang's --enable-metrics); spans (each request's "
+        "queue wait, prefill and decode, in the caller's trace) over OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set. "
         "Prints 'engine ready on http://HOST:PORT' when it listens.",
     )
     add_settings(p, EngineCommand)

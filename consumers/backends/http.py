@@ -15,6 +15,10 @@ for ``keepalive_s`` is closed before a server's keep-alive timeout can race a re
 (uvicorn, under SGLang, closes idle connections after 5 s). Failures of the connection
 itself (refused, reset, closed before the whole answer, a timeout) raise ``HttpError`` or
 ``TimeoutError``; an HTTP error status is a ``Response`` like any other.
+
+Every request carries the current span's W3C ``traceparent`` (when a span is current: a
+rollout's ``chat`` span during its LLM call), so the engine's own spans (the local engine's,
+SGLang's with ``--enable-trace``, vLLM's with ``--otlp-traces-endpoint``) join the caller's trace.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import orjson
+
+from agentarium.broker import current_traceparent
 
 # Sockets kept free for everything else a consumer holds open (NATS, its proxy, files).
 FD_RESERVE = 512
@@ -260,10 +266,12 @@ class HttpPool:
         if self._closed:
             raise HttpError("the HTTP client is closed")
         key, path, host = self._target(url)
+        traceparent = current_traceparent()
+        trace_line = f"traceparent: {traceparent}\r\n" if traceparent else ""
         head = (
             f"{method} {path} HTTP/1.1\r\nHost: {host}\r\n"
             f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
-            "Accept: application/json\r\n\r\n"
+            f"Accept: application/json\r\n{trace_line}\r\n"
         ).encode("latin-1")
         loop = asyncio.get_running_loop()
         conn = await self._acquire(key, loop)

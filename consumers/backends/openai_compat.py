@@ -4,6 +4,10 @@ For evaluation only. These servers apply their own chat template and return text
 ids or per-token logprobs, so the calls it records have empty ``response_ids`` and
 ``response_logprobs`` and can never be trained on: use ``SGLangBackend`` (or the local
 engine) for training runs.
+
+Every request carries the current span's W3C ``traceparent`` (the rollout's ``chat`` span
+during a call), so a vLLM server started with ``--otlp-traces-endpoint`` puts its own spans in
+the caller's trace.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import time
 from typing import Any
 
 import aiohttp
+
+from agentarium.broker import propagating_trace_config
 
 from ..errors import BackendUnavailable, BadRequest
 from .base import BackendRetry, FinishReason, GenerateRequest, GenerateResult, retryable_status
@@ -72,7 +78,9 @@ class OpenAICompatBackend:
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-            self._session = aiohttp.ClientSession(timeout=self._timeout, headers=headers)
+            self._session = aiohttp.ClientSession(
+                timeout=self._timeout, headers=headers, trace_configs=[propagating_trace_config()]
+            )
         return self._session
 
     async def aclose(self) -> None:

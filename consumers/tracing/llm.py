@@ -220,48 +220,43 @@ class TracingLLM:
         eos = self.template.eos_token_ids if self.template is not None else []
         params = _sampling_params(self.sampling, eos, sampling)
         index, self._started = self._started, self._started + 1
-        # The chat span is made once the call is over, with its start time and every attribute
-        # at once (the SDK cleans and locks per attribute update, and nothing runs under a chat
-        # span), parented as if it had been current: what an exporter receives is the same.
-        parent = self._parent_for_call()
+        # The chat span is current during the call: the backend's HTTP request carries its
+        # traceparent, so the engine's spans (queue, prefill, decode) are its children.
         attributes = self._request_attributes(chat, tool_list, params)
-        started = time.time_ns()
+        span = tracer.start_span(
+            self._span_name,
+            context=self._parent_for_call(),
+            kind=trace.SpanKind.CLIENT,
+            attributes=attributes,
+        )
+        token = otel_context.attach(trace.set_span_in_context(span))
         try:
             result, response = await self._chat(index, chat, tool_list, params)
         except BaseException as exc:  # CancelledError too: a deadline cut the call
-            attributes["error.type"] = genai.error_type(exc)
-            span = tracer.start_span(
-                self._span_name,
-                context=parent,
-                kind=trace.SpanKind.CLIENT,
-                attributes=attributes,
-                start_time=started,
-            )
-            if isinstance(exc, Exception):  # as start_as_current_span records one
-                span.record_exception(exc)
-                span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
-            span.end()
+            if span.is_recording():
+                span.set_attribute("error.type", genai.error_type(exc))
+                if isinstance(exc, Exception):  # as start_as_current_span records one
+                    span.record_exception(exc)
+                    span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
             if isinstance(exc, LLMError):
                 self.errors.append(exc)
                 observe_llm_failure(exc)
             raise
-        attributes.update(response)
-        tracer.start_span(
-            self._span_name,
-            context=parent,
-            kind=trace.SpanKind.CLIENT,
-            attributes=attributes,
-            start_time=started,
-        ).end()
-        return result
+        else:
+            if span.is_recording():
+                span.set_attributes(response)
+            return result
+        finally:
+            otel_context.detach(token)
+            span.end()
 
     def _parent_for_call(self) -> otel_context.Context | None:
-        """The context to attach for one call, or None to keep the current one.
+        """The chat span's parent context, or None for the current one.
 
         The worker attaches the rollout context for the whole agent run, so an agent's own
         spans nest under the rollout and chat spans under them: when the current span belongs
         to the rollout's trace, keep it. Otherwise (a proxy handler, a thread without the
-        context, no span at all) attach the rollout context, only for this call.
+        context, no span at all) parent it on the rollout context.
         """
         if self.parent_context is None:
             return None

@@ -23,6 +23,7 @@ from .model import EngineModel
 from .request import parse_generate
 from .scheduler import PAUSE_MODES, Scheduler
 from .sequence import Sequence
+from .tracing import record_request
 
 log = structlog.get_logger("agentarium.engine")
 
@@ -117,10 +118,12 @@ class LocalEngine:
         )
         await self.scheduler.submit(seq)
         try:
-            return await future
+            out = await future
         except asyncio.CancelledError:
             seq.cancelled = True  # the client went away: free its row at the next step
             raise
+        record_request(seq, out)  # its phases as spans under the current (server) span
+        return out
 
     async def abort_request(self, body: dict[str, Any]) -> int:
         rid, abort_all = body.get("rid"), bool(body.get("abort_all", False))

@@ -11,6 +11,10 @@ Prefix cache (prefix_cache.py): a joining request whose prompt starts with a fin
 sequence's tokens (its previous turn) takes that KV and computes only the rest; each sequence
 that finishes (not aborted) leaves its KV there. A weight change flushes it.
 
+Each request's phases are stamped on its Sequence (admitted, each prefill pass) and every
+weight update or pause it waits through is recorded on it as a stall (tracing.py turns them into
+spans); a weight update is an ``engine.weight_update`` span of its own.
+
 Control operations (pause, abort, weight reload, version change) take the step lock, so they
 happen between steps, never during one:
 - pause `abort`: every request in flight or waiting finishes with finish_reason abort.
@@ -25,11 +29,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections import deque
 from collections.abc import Callable
 
 import structlog
 import torch
+from opentelemetry.trace import Status, StatusCode
 
 from .errors import WeightLoadError
 from .kv import PaddedKV
@@ -37,6 +43,7 @@ from .model import EngineModel
 from .prefix_cache import PrefixCache
 from .sampling import sample
 from .sequence import Sequence
+from .tracing import Stall, stall_everyone, tracer
 
 log = structlog.get_logger("agentarium.engine")
 
@@ -68,6 +75,7 @@ class Scheduler:
         self._running: list[Sequence] = []
         self._kv: PaddedKV | None = None
         self._hold_admission = 0  # weight reloads waiting for the running batch to drain
+        self._paused_since = 0  # time.time_ns() of the pause in effect
         self._step_lock = asyncio.Lock()
         self._changed = asyncio.Condition()
         self._task: asyncio.Task | None = None
@@ -153,6 +161,8 @@ class Scheduler:
     async def pause(self, mode: str) -> None:
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        if not self.paused:
+            self._paused_since = time.time_ns()
         self.paused = True
         async with self._step_lock:  # the step in flight, if any, ends first
             if mode == "abort":
@@ -164,6 +174,9 @@ class Scheduler:
         await self._notify()
 
     async def resume(self) -> None:
+        if self.paused:
+            stall = Stall("paused", self._paused_since, time.time_ns())
+            stall_everyone([*self._running, *self._waiting], stall)
         self.paused = False
         log.info("engine continued", waiting=len(self._waiting), running=len(self._running))
         await self._notify()
@@ -218,6 +231,13 @@ class Scheduler:
         def drained() -> bool:
             return self.paused or not self._running
 
+        # From here new requests are held back: the span covers the wait and the swap, and
+        # each request in flight at its end records it as a stall linked to it.
+        span = tracer.start_span(
+            "engine.weight_update",
+            attributes={"agentarium.engine.source": what, "agentarium.engine.paused": self.paused},
+        )
+        held_since = time.time_ns()
         self._hold_admission += 1
         try:
             while True:
@@ -230,6 +250,7 @@ class Scheduler:
                         message = await asyncio.to_thread(load)
                     except WeightLoadError as exc:
                         log.warning("weight update failed", source=what, error=str(exc))
+                        span.set_status(Status(StatusCode.ERROR, str(exc)))
                         return False, str(exc), 0
                     self.prefix_cache.flush()  # KV of the old weights
                     if version is not None:
@@ -238,6 +259,10 @@ class Scheduler:
                     paused = len(self._running) if self.paused else 0
                     break
         finally:
+            stall = Stall("weight update", held_since, time.time_ns(), span.get_span_context())
+            stall_everyone([*self._running, *self._waiting], stall)
+            span.set_attribute("agentarium.engine.weight_version", self.weight_version)
+            span.end()
             self._hold_admission -= 1
             await self._notify()
         log.info("weights updated", source=what, weight_version=self.weight_version)
@@ -296,6 +321,10 @@ class Scheduler:
                 break
             joiners.append(self._waiting.popleft())
             width = new_width
+        if joiners:
+            now = time.time_ns()
+            for seq in joiners:
+                seq.admitted_ns = seq.admitted_ns or now
         return joiners
 
     def _step(self, joiners: list[Sequence]) -> list[Sequence]:
@@ -328,7 +357,12 @@ class Scheduler:
             seq.kv_epoch = self.prefix_cache.epoch
             if not seq.output_ids:  # a retracted row re-runs its prompt: counted once
                 seq.cached_tokens = 0 if prefix is None else prefix.length
+        started = time.time_ns()
         logits, kv = self.model.prefill(prompts, all_logits=scoring, prefixes=prefixes)
+        pass_ns = (started, time.time_ns())
+        for seq in group:
+            seq.prefills.append(pass_ns)
+            seq.prefill_batch = len(group)
         if scoring:
             seq = group[0]
             seq.set_input_logprobs(

@@ -48,6 +48,13 @@ class Sequence:
         self.kv_epoch = -1  # the prefix cache's epoch when this row's KV was computed
         self.cancelled = False
         self.started = time.monotonic()
+        # Wall-clock stamps of its phases, for its spans (tracing.py): a few per request.
+        self.arrived_ns = time.time_ns()
+        self.admitted_ns = 0  # first taken into a step
+        self.prefills: list[tuple[int, int]] = []  # (start, end) of each prefill pass
+        self.prefill_batch = 0  # requests prefilled together with it, itself included
+        self.finished_ns = 0
+        self.stalls: list = []  # tracing.Stall: weight updates and pauses it waited through
         bytes_needed = max((len(s.encode()) for s in self.params.stop), default=0)
         self._stop_tail = bytes_needed + 1  # tokens to decode: each token is at least one byte
 
@@ -142,6 +149,7 @@ class Sequence:
 
     def response(self, current_version: str) -> dict:
         """The SGLang `/generate` response for this finished (or aborted) request."""
+        self.finished_ns = self.finished_ns or time.time_ns()
         r = self.request
         version = self.versions[-1][0] if self.versions else current_version
         meta: dict = {

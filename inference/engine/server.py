@@ -2,6 +2,10 @@
 (Prometheus, see metrics.py) and ``GET /weights_checksum`` (ours: a sha256 of the served
 weights, to compare them with the trainer's).
 
+Every POST is a SERVER span continuing the caller's W3C ``traceparent``, with the request's
+queue wait, prefill and decode (and the weight updates it waited through) as children
+(tracing.py).
+
 Bad requests answer 400 with `{"error": {"message": ...}}`, as SGLang's /generate does; a
 failed weight update or weight-group call answers 400 with `{"success": false, "message": ...}`.
 """
@@ -27,6 +31,7 @@ from .config import EngineSettings
 from .engine import LocalEngine
 from .errors import InvalidRequest
 from .metrics import EngineMetrics
+from .tracing import traced
 
 log = structlog.get_logger("agentarium.engine")
 
@@ -158,7 +163,7 @@ async def _abort_request(request: web.Request) -> web.Response:
 
 
 def make_app(engine: LocalEngine) -> web.Application:
-    app = web.Application(middlewares=[_invalid_to_400], client_max_size=64 * 1024**2)
+    app = web.Application(middlewares=[traced, _invalid_to_400], client_max_size=64 * 1024**2)
     app[ENGINE_KEY] = engine
     app[METRICS_KEY] = EngineMetrics(engine)
     r = app.router
