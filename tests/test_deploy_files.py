@@ -1267,3 +1267,33 @@ def test_compose_llm_ready_fails_fast_without_an_engine_and_passes_with_one(tmp_
     finally:
         server.kill()
         server.wait()
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A YAML loader that refuses a key given twice in one mapping (plain YAML keeps the last,
+    silently: two `env:` lists in one container lose the first)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: overridable by design
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} given twice", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+DEPLOY_YAML = sorted(
+    str(p.relative_to(ROOT))
+    for p in [COMPOSE_FILE, *ROOT.glob("ops/**/*.yaml"), *ROOT.glob("ops/**/*.yml")]
+)
+
+
+@pytest.mark.parametrize("path", DEPLOY_YAML)
+def test_deploy_yaml_gives_no_key_twice(path):
+    assert len(DEPLOY_YAML) > 10
+    list(yaml.load_all((ROOT / path).read_text(), Loader=_UniqueKeyLoader))
