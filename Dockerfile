@@ -19,7 +19,8 @@ FROM ${PYTHON_IMAGE} AS builder
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 # Extras of the agentarium package (lora, smol, ...). otlp is an empty alias kept for old build
-# commands: the OTLP exporter (spans to OTEL_EXPORTER_OTLP_ENDPOINT) is a dependency.
+# commands: the OTLP exporter (spans to OTEL_EXPORTER_OTLP_ENDPOINT) is a dependency. Another
+# set of extras needs a lock file made for it: EXTRAS=otlp,trackers ops/lock.sh.
 ARG EXTRAS=otlp
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -33,6 +34,10 @@ ENV PATH=/opt/venv/bin:$PATH
 # The biggest layer first, so a source change does not reinstall torch.
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 WORKDIR /src
+# Every other dependency from the lock file: exact versions, each file checked against its
+# sha256 (ops/lock.sh regenerates it; it covers pyproject's dependencies and the EXTRAS below).
+COPY requirements.lock ./
+RUN pip install --no-deps --require-hashes -r requirements.lock
 COPY pyproject.toml README.md ./
 COPY agentarium ./agentarium
 COPY broker ./broker
@@ -44,8 +49,11 @@ COPY producers ./producers
 COPY schemas ./schemas
 COPY trainer ./trainer
 COPY examples ./examples
+# The project alone (--no-deps: nothing unlocked), built with the locked setuptools; pip check
+# fails the build if the lock misses something pyproject or an EXTRAS asks for.
 # hadolint ignore=DL3013
-RUN pip install ".[${EXTRAS}]" \
+RUN pip install --no-deps --no-build-isolation ".[${EXTRAS}]" \
+ && pip check \
  && python -c "import agentarium.cli, agentarium.broker, agentarium.consumers, agentarium.inference"
 
 FROM ${PYTHON_IMAGE} AS runtime

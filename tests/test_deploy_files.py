@@ -115,6 +115,16 @@ def command_lines() -> list[tuple[str, list[str]]]:
                             [_substitute(t) for t in c["args"]],
                         )
                     )
+            # init containers that run an agentarium command (broker init), not a script
+            for c in doc["spec"]["template"]["spec"].get("initContainers", []):
+                cname = c["name"]
+                if c["image"] == AGENTARIUM_IMAGE and "args" in c and "command" not in c:
+                    lines.append(
+                        (
+                            f"ops/k8s/{file}:{doc['metadata']['name']}/{cname}",
+                            [_substitute(t) for t in c["args"]],
+                        )
+                    )
     # documented command lines: indented `#   agentarium ...` examples in the nats configs' comments,
     # and lines of fenced code blocks in the documentation pages
     for path in sorted(NATS_CONF.glob("*.conf")):
@@ -432,6 +442,63 @@ def test_dockerfile_copies_every_package_and_dockerignore_lets_them_through():
         assert f"!{package}/" in ignore, f".dockerignore keeps {package}/ out of the build context"
     for needed in ("pyproject.toml", "README.md"):  # the build reads both
         assert needed in copies and f"!{needed}" in ignore
+
+
+def test_the_image_installs_its_dependencies_from_a_lock_that_covers_pyproject():
+    """requirements.lock (ops/lock.sh) pins, with hashes, every dependency pyproject names for
+    the image (its EXTRAS too) at a version the specifier accepts; torch alone comes from the
+    Dockerfile's own pinned step, and the project goes in with --no-deps."""
+    import tomllib
+
+    from packaging.markers import default_environment
+    from packaging.requirements import Requirement
+
+    lock: dict[str, str] = {}
+    for block in re.split(r"\n(?=[a-z0-9])", (ROOT / "requirements.lock").read_text()):
+        m = re.match(r"([a-z0-9][a-z0-9._-]*)==(\S+) \\", block)
+        if m:
+            assert "--hash=sha256:" in block, m.group(1)
+            lock[m.group(1)] = m.group(2)
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    text = DOCKERFILE.read_text()
+    extras = re.search(r"^ARG EXTRAS=(\S+)", text, re.M).group(1).split(",")
+    torch = re.search(r"^ARG TORCH_VERSION=(\S+)", text, re.M).group(1)
+    wanted = list(project["dependencies"])
+    for extra in extras:
+        wanted += project["optional-dependencies"][extra]
+    env = {**default_environment(), "sys_platform": "linux", "platform_system": "Linux"}
+    env |= {"python_version": "3.11", "platform_machine": "x86_64"}
+    for line in wanted:
+        req = Requirement(line)
+        if req.marker and not req.marker.evaluate(env):
+            continue
+        name = re.sub(r"[-_.]+", "-", req.name).lower()
+        if name == "torch":
+            assert req.specifier.contains(torch), f"torch {torch} does not meet {req}"
+            assert name not in lock
+            continue
+        assert name in lock, f"{name} ({req}) is not in requirements.lock: run ops/lock.sh"
+        assert req.specifier.contains(lock[name], prereleases=True), (name, lock[name])
+    assert not [n for n in lock if n.startswith(("nvidia-", "cuda-")) or n == "triton"]
+    # the Dockerfile installs from it, and nothing unlocked after it
+    joined = re.sub(r"\\\n\s*", " ", text)
+    assert "COPY requirements.lock" in joined
+    ignore = (ROOT / ".dockerignore").read_text().splitlines()
+    assert "!requirements.lock" in ignore, ".dockerignore keeps the lock out of the build"
+    assert "pip install --no-deps --require-hashes -r requirements.lock" in joined
+    assert re.search(r"pip install --no-deps --no-build-isolation \"\.\[", joined)
+    installs = re.findall(r"pip install [^&\n]*", joined)
+    assert all("--no-deps" in i or "torch==" in i for i in installs), installs
+    assert subprocess.run(["bash", "-n", str(ROOT / "ops" / "lock.sh")]).returncode == 0
+
+
+def test_grafana_has_no_default_admin_login():
+    env = SERVICES["grafana"]["environment"]
+    assert env["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
+    assert env["GF_SECURITY_DISABLE_INITIAL_ADMIN_CREATION"] == "true"  # no admin user at all
+    assert env["GF_AUTH_DISABLE_LOGIN_FORM"] == "true"
+    assert env["GF_AUTH_BASIC_ENABLED"] == "false"
+    assert "GF_SECURITY_ADMIN_PASSWORD" not in env
 
 
 def test_hadolint_passes():
@@ -779,8 +846,8 @@ def test_k8s_manifests_validate_against_the_kubernetes_schema():
     version = kubernetes_validate.latest_version()
     checked = 0
     for file, doc in K8S_DOCS:
-        if doc["apiVersion"].startswith("keda.sh/"):
-            continue  # a CRD: no schema ships with kubernetes-validate; checked below
+        if doc["apiVersion"].startswith(("keda.sh/", "cert-manager.io/")):
+            continue  # a CRD: no schema ships with kubernetes-validate; checked on its own
         try:
             kubernetes_validate.validate(doc, version, strict=True)
         except kubernetes_validate.ValidationError as exc:
@@ -794,7 +861,8 @@ def test_k8s_manifests_validate_against_the_kubernetes_schema():
 def test_k8s_kustomization_lists_the_manifests():
     listed = set(KUSTOMIZATION["resources"])
     replaces_engine = {"sglang.yaml"}
-    assert listed == {p.name for p in K8S_FILES} - replaces_engine
+    before_nats = {"nats-tls.yaml"}  # applied before the NATS Helm release, which mounts its Secret
+    assert listed == {p.name for p in K8S_FILES} - replaces_engine - before_nats
     assert [i["name"] for i in KUSTOMIZATION["images"]] == [AGENTARIUM_IMAGE]
 
 
@@ -880,7 +948,11 @@ def test_k8s_drain_and_resume_settings():
     targs = containers(trainer)["trainer"]["args"]
     assert "--resume" in targs
     checkpoints = flag(targs, "--checkpoint-dir")
-    [mount] = [m for m in containers(trainer)["trainer"]["volumeMounts"] if m["name"] != "tmp"]
+    [mount] = [
+        m
+        for m in containers(trainer)["trainer"]["volumeMounts"]
+        if m["name"] not in ("tmp", "nats-ca")
+    ]
     assert checkpoints.startswith(mount["mountPath"])
     volume = next(
         v for v in trainer["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]
@@ -914,8 +986,9 @@ def test_helm_values_make_a_three_node_jetstream_cluster_for_r3():
         and config["jetstream"]["fileStore"]["pvc"]["enabled"] is True
     )
     assert config["monitor"]["enabled"] is True
-    job = k8s("Job", "agentarium-broker-init")
-    args = job["spec"]["template"]["spec"]["containers"][0]["args"]
+    pod = k8s("Deployment", "agentarium-broker-init")["spec"]["template"]["spec"]
+    [init] = [c for c in pod["initContainers"] if c["name"] == "broker-init"]
+    args = init["args"]
     assert args[:2] == ["broker", "init"] and flag(args, "--replicas") == "3"
     agent = flag(
         containers(k8s("Deployment", "agentarium-consumer"))["consumer"]["args"], "--agent"
@@ -1024,7 +1097,7 @@ def test_k8s_nats_clients_wait_for_broker_init():
             continue
         [init] = [c for c in pod.get("initContainers", []) if c["name"] == "wait-for-broker-init"]
         assert init["command"] == ["python", "/opt/agentarium/wait.py"], file
-        [mount] = [m for m in init["volumeMounts"] if m["name"] != "tmp"]
+        [mount] = [m for m in init["volumeMounts"] if m["name"] not in ("tmp", "nats-ca")]
         [volume] = [v for v in pod["volumes"] if v["name"] == mount["name"]]
         assert volume["configMap"]["name"] == "agentarium-wait-for-broker", file
         # the same role's credentials as the containers it guards

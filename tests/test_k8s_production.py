@@ -44,6 +44,13 @@ def pods() -> list[tuple[str, dict]]:
     ]
 
 
+def broker_init() -> dict:
+    """The container that runs `agentarium broker init`."""
+    pod = find("Deployment", "agentarium-broker-init")["spec"]["template"]["spec"]
+    [init] = [c for c in pod["initContainers"] if c["name"] == "broker-init"]
+    return init
+
+
 CONSUMER = find("Deployment", "agentarium-consumer")
 CONSUMER_ARGS = CONSUMER["spec"]["template"]["spec"]["containers"][0]["args"]
 SCALED = find("ScaledObject", "agentarium-consumer")["spec"]
@@ -162,7 +169,7 @@ def test_termination_grace_covers_the_drain_and_the_requeue():
 
 
 def test_max_ack_pending_covers_the_largest_fleet():
-    init = find("Job", "agentarium-broker-init")["spec"]["template"]["spec"]["containers"][0]
+    init = broker_init()
     concurrency = int(flag(CONSUMER_ARGS, "--concurrency"))
     assert (
         int(flag(init["args"], "--max-ack-pending")) > SCALED["maxReplicaCount"] * concurrency * 1.5
@@ -180,9 +187,7 @@ def _size(text: str) -> int:
 def test_every_stream_and_store_is_bounded_within_the_jetstream_volume():
     from agentarium.broker import Limits
 
-    args = find("Job", "agentarium-broker-init")["spec"]["template"]["spec"]["containers"][0][
-        "args"
-    ]
+    args = broker_init()["args"]
     parsed = build_parser().parse_args(args)
     bounds = {
         k: int(getattr(parsed, k))
@@ -292,3 +297,180 @@ def test_network_policies_admit_only_the_projects_pods_to_nats_and_the_engines()
         if d["kind"] == "Deployment":
             labels = d["spec"]["template"]["metadata"]["labels"]
             assert labels["app.kubernetes.io/part-of"] == "agentarium", d["metadata"]["name"]
+
+
+# ---- NATS: auth and TLS in the Helm values ---------------------------------------------------------
+
+CONFIG = find("ConfigMap", "agentarium-config")["data"]
+HELM_USERS = NATS_VALUES["config"]["merge"]["authorization"]["users"]
+VARIABLE = re.compile(r"<< \$([A-Z_]+) >>")
+
+
+def auth_conf_users() -> dict[str, tuple[str, dict]]:
+    """auth.conf's users: name -> (password variable, the role's permissions)."""
+    from natsconf import parse
+
+    auth = parse((ROOT / "ops" / "nats" / "auth.conf").read_text())["authorization"]
+    return {
+        u["user"]: (u["password"].removeprefix("$"), auth[u["permissions"].removeprefix("$")])
+        for u in auth["users"]
+    }
+
+
+def _normal(permissions: dict) -> dict:
+    """Both files' permissions alike: YAML's booleans as the text nats-server reads."""
+    return {k: (str(v).lower() if isinstance(v, bool) else v) for k, v in permissions.items()}
+
+
+def test_every_role_of_auth_conf_is_a_helm_user_with_the_same_permissions():
+    conf = auth_conf_users()
+    helm = {u["user"]: u for u in HELM_USERS}
+    assert set(helm) == set(conf), "the Helm values and ops/nats/auth.conf name other users"
+    for name, (variable, permissions) in conf.items():
+        assert _normal(helm[name]["permissions"]) == _normal(permissions), name
+        assert VARIABLE.fullmatch(helm[name]["password"]).group(1) == variable, name
+    # the consumer's requeue of a released job (a release spends no delivery)
+    assert "agentarium.tasks.>" in helm["consumer"]["permissions"]["publish"]["allow"]
+
+
+def test_no_secret_in_the_helm_values_each_password_comes_from_a_required_secret():
+    env = NATS_VALUES["container"]["env"]
+    for user in HELM_USERS:
+        variable = VARIABLE.fullmatch(user["password"]).group(1)  # a variable, never a value
+        ref = env[variable]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": f"agentarium-nats-{user['user']}", "key": "password"}, variable
+        assert not ref.get("optional", False)
+
+    def secrets(node, path=""):  # every value under a key that names a credential
+        if isinstance(node, dict):
+            for key, value in node.items():
+                where = f"{path}.{key}"
+                if re.search(r"password|token|secret|nkey|creds", key, re.IGNORECASE) and not (
+                    isinstance(value, dict) or key == "secretName"
+                ):
+                    yield where, value
+                yield from secrets(value, where)
+        elif isinstance(node, list):
+            for i, item in enumerate(node):
+                yield from secrets(item, f"{path}[{i}]")
+
+    found = list(secrets(NATS_VALUES))
+    assert len(found) >= len(HELM_USERS)
+    for where, value in found:
+        assert isinstance(value, str) and VARIABLE.fullmatch(value), f"{where}: not a variable"
+    for variable, value in env.items():  # from Secrets, or no credential at all
+        assert "valueFrom" in value or not re.search("PASSWORD|TOKEN", variable), variable
+    # the Agentarium pods log in with the same Secrets (test_deploy_files checks each role)
+    assert "PASSWORD" not in "".join(CONFIG)
+
+
+def test_tls_on_the_client_and_route_listeners_with_the_ca_the_pods_trust():
+    config = NATS_VALUES["config"]
+    clients, routes = config["nats"]["tls"], config["cluster"]["tls"]
+    assert clients["enabled"] is True and routes["enabled"] is True
+    assert clients["secretName"] == routes["secretName"] == "nats-server-tls"
+    assert routes["merge"]["verify"] is True  # routes authenticate each other (mutual TLS)
+    ca = NATS_VALUES["tlsCA"]
+    assert ca["enabled"] is True and ca["secretName"] == "nats-server-tls" and ca["key"] == "ca.crt"
+    # cert-manager makes that Secret, for the names clients and routes dial
+    cert = find("Certificate", "nats-server-tls")["spec"]
+    assert cert["secretName"] == "nats-server-tls"
+    assert {"server auth", "client auth"} <= set(cert["usages"])
+    url = CONFIG["AGENTARIUM_NATS_URL"]
+    assert url.startswith("tls://")
+    assert url.removeprefix("tls://").split(":")[0] in cert["dnsNames"]
+    assert "*.nats-headless" in cert["dnsNames"]  # the chart's route URLs: nats-<i>.nats-headless
+    issuer = find("Issuer", cert["issuerRef"]["name"])["spec"]
+    assert find("Certificate", issuer["ca"]["secretName"])["spec"]["isCA"] is True
+    # every Agentarium container mounts the CA file the config names, and only that file
+    ca_file = Path(CONFIG["AGENTARIUM_NATS_TLS_CA"])
+    for where, pod in pods():
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        for c in pod.get("initContainers", []) + pod["containers"]:
+            if c["image"] != "agentarium":
+                continue
+            [mount] = [m for m in c["volumeMounts"] if m["mountPath"] == str(ca_file.parent)]
+            secret = volumes[mount["name"]]["secret"]
+            assert secret["secretName"] == "nats-server-tls", where
+            assert secret["items"] == [{"key": "ca.crt", "path": ca_file.name}], where
+
+
+def test_tls_settings_are_what_the_cli_reads():
+    from agentarium.broker import NatsSettings
+
+    settings = NatsSettings.from_env(
+        {k: v for k, v in CONFIG.items() if k.startswith("AGENTARIUM_NATS_")}
+    )
+    assert settings.tls_ca == CONFIG["AGENTARIUM_NATS_TLS_CA"]
+
+
+# ---- broker init: re-run by `kubectl apply` --------------------------------------------------------
+
+
+def test_broker_init_is_rerun_by_apply_and_holds_the_only_admin_credential():
+    kinds = {d["kind"] for _, d in DOCS}
+    assert "Job" not in kinds, "a Job's template is immutable: apply cannot change its flags"
+    deploy = find("Deployment", "agentarium-broker-init")
+    assert deploy["spec"]["replicas"] == 1 and deploy["spec"]["strategy"]["type"] == "Recreate"
+    init = broker_init()
+    assert init["args"][:2] == ["broker", "init"]
+    refs = {e["valueFrom"]["secretKeyRef"]["name"] for e in init["env"] if "valueFrom" in e}
+    assert refs == {"agentarium-nats-admin"}
+    [hold] = deploy["spec"]["template"]["spec"]["containers"]
+    assert re.fullmatch(r"registry\.k8s\.io/pause:\d+\.\d+", hold["image"])
+    assert "ttlSecondsAfterFinished" not in str(deploy)
+    # no service pod holds the admin role
+    for where, pod in pods():
+        if where.endswith(":agentarium-broker-init"):
+            continue
+        assert "agentarium-nats-admin" not in str(pod), where
+    assert (
+        "broker-init.yaml" in yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"]
+    )
+
+
+# ---- pinned images ---------------------------------------------------------------------------------
+
+
+def _project_version() -> str:
+    import tomllib
+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+
+
+def _tag(image: str) -> str | None:
+    if "@sha256:" in image:
+        return "digest"
+    name = image.rsplit("/", 1)[-1]
+    return name.split(":", 1)[1] if ":" in name else None
+
+
+def test_no_image_floats_in_compose_or_kubernetes():
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    images = {}
+    for name, service in compose["services"].items():
+        image = service["image"]
+        # ${VAR:-default}: the default is what runs unless the user names another
+        m = re.fullmatch(r"\$\{[A-Z_]+:-([^}]+)\}", image)
+        images[f"docker-compose.yml:{name}"] = m.group(1) if m else image
+    kustomize = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    retag = {i["name"]: i["newTag"] for i in kustomize["images"]}
+    for where, pod in pods():
+        for c in pod.get("initContainers", []) + pod["containers"]:
+            image = c["image"]
+            if image in retag:  # kustomize writes the tag
+                image = f"{image}:{retag[image]}"
+            images[f"{where}:{c['name']}"] = image
+    for where, image in images.items():
+        assert "$" not in image, f"{where}: {image}"
+        tag = _tag(image)
+        assert tag not in (None, "latest"), f"{where}: {image} floats"
+    version = _project_version()
+    assert retag["agentarium"] == version
+    assert images["docker-compose.yml:consumer"] == f"agentarium:{version}"
+    sglang = next(
+        c["image"]
+        for c in find("Deployment", "sglang")["spec"]["template"]["spec"]["containers"]
+        if c["name"] == "sglang"
+    )
+    assert images["docker-compose.yml:sglang"] == sglang.split()[0]

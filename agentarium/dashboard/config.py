@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from agentarium.schemas import check_name, setting
 
 DEFAULT_PORT = 8266  # next to Ray's dashboard (8265)
+# A DNS name (letters, digits, '-', '.'), without scheme, port or path
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
+_HOST_NAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*\.?")
+
+
+def valid_host_name(name: str) -> bool:
+    """A DNS name or an IP address (an IPv6 one with or without brackets): what a ``Host``
+    header names, less its port."""
+    try:
+        ipaddress.ip_address(name[1:-1] if name.startswith("[") and name.endswith("]") else name)
+        return True
+    except ValueError:
+        return len(name) <= 253 and _HOST_NAME.fullmatch(name) is not None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -17,7 +32,18 @@ class DashboardConfig:
         "127.0.0.1",
         help="listen address (default %(default)s). WARNING: the page shows previews of dead "
         "letters' tasks and errors, which may hold user data, and has no login: bind another "
-        "address (0.0.0.0) only on a network you trust, or put an authenticating proxy in front",
+        "address (0.0.0.0) only on a network you trust, or put an authenticating proxy in front. "
+        "Whatever the bind, requests whose Host is not localhost, 127.0.0.1, [::1], this "
+        "address or an --allowed-host are refused (421), against DNS rebinding",
+    )
+    allowed_hosts: tuple[str, ...] = setting(
+        (),
+        flag="--allowed-host",
+        metavar="NAME",
+        help="also answer requests whose Host header names NAME (repeatable; no port): the "
+        "names users reach the page by, e.g. a Kubernetes Service (agentarium-dashboard), an "
+        "ingress host or the machine's name. localhost, 127.0.0.1, [::1] and the --host "
+        "address are always answered",
     )
     port: int = setting(
         DEFAULT_PORT,
@@ -73,6 +99,12 @@ class DashboardConfig:
                 )
         for run in self.runs:
             check_name(run, "run")
+        for name in self.allowed_hosts:
+            if not valid_host_name(name):
+                raise ValueError(
+                    f"--allowed-host {name!r} is not a host name or address: give the name "
+                    "alone, without scheme, port or path (e.g. dashboard.example.com)"
+                )
         for name in ("dead_letters", "trajectories", "sample", "history", "steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

@@ -7,9 +7,9 @@ without touching NATS.
 
 The page is plain HTML, CSS and JavaScript shipped with the package (no build step, no CDN):
 ``static/``. Every response forbids scripts and connections to anything but this server
-(Content-Security-Policy), and, while bound to a loopback address, requests naming another
-host are refused, so a web page elsewhere cannot read dead-letter payloads through DNS
-rebinding.
+(Content-Security-Policy), and, whatever the bind, requests naming a host other than localhost,
+the bind address or an ``--allowed-host`` are refused, so a web page elsewhere cannot read
+dead-letter payloads through DNS rebinding.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from agentarium.broker import (
     NatsSettings,
     Topology,
     collect_stream_metrics,
-    is_loopback,
 )
 
 from .config import DashboardConfig
@@ -53,14 +52,30 @@ SECURITY_HEADERS = {
     "Referrer-Policy": "no-referrer",  # a trace link must not leak the dashboard's address
     "Cache-Control": "no-store",
 }
-LOCAL_NAMES = {"localhost", "127.0.0.1", "::1"}
+LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+WILDCARD_BINDS = frozenset({"", "0.0.0.0", "::"})  # every interface: no one name to answer to
 
 
 def _host_name(header: str) -> str:
-    """``Host`` without its port: ``[::1]:8266`` -> ``::1``, ``localhost:8266`` -> ``localhost``."""
+    """``Host`` without its port, lower case, no trailing dot: ``[::1]:8266`` -> ``::1``,
+    ``LocalHost.:8266`` -> ``localhost``."""
     if header.startswith("["):
-        return header[1 : header.find("]")]
-    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+        name = header[1 : header.find("]")]
+    else:
+        name = header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+    return name.lower().rstrip(".")
+
+
+def allowed_host_names(config: DashboardConfig) -> frozenset[str]:
+    """The names a request's ``Host`` may carry: the local ones, the bind address (unless it
+    is a wildcard such as 0.0.0.0) and every ``--allowed-host``."""
+
+    def name(host: str) -> str:  # an address as a Host header writes it, then its name
+        bare = host.strip("[]")
+        return _host_name(f"[{bare}]" if ":" in bare else bare)
+
+    extra = {name(n) for n in config.allowed_hosts}
+    return LOCAL_NAMES | extra | ({name(config.host)} - WILDCARD_BINDS)
 
 
 class DashboardServer:
@@ -73,7 +88,7 @@ class DashboardServer:
         self._runner: web.AppRunner | None = None
         self._loop: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
-        self._local_only = is_loopback(config.host)
+        self._allowed = allowed_host_names(config)
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._guard])
@@ -145,11 +160,16 @@ class DashboardServer:
     # ---- handlers -------------------------------------------------------------------------
     @web.middleware
     async def _guard(self, request: web.Request, handler) -> web.StreamResponse:
-        if self._local_only and _host_name(request.host) not in LOCAL_NAMES:
+        # Every bind: a page on another site whose name rebinds to this address sends its own
+        # name as Host, and is refused before anything is read.
+        host = request.headers.get("Host", "")
+        if _host_name(host) not in self._allowed:
+            names = ", ".join(sorted(f"[{n}]" if ":" in n else n for n in self._allowed))
             return web.Response(
                 status=421,
-                text="this dashboard answers only to localhost, 127.0.0.1 or [::1] "
-                "(start it with --host to serve other names)\n",
+                text=f"this dashboard answers only to {names}: start it with "
+                "--allowed-host NAME to serve the name you reach it by\n",
+                headers=SECURITY_HEADERS,
             )
         response = await handler(request)
         response.headers.update(SECURITY_HEADERS)
