@@ -22,6 +22,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,17 @@ def processes(marker: str) -> list[int]:
             continue
         if marker.encode() in argv and state != b"Z":
             found.append(int(name))
+    return found
+
+
+def processes_including(marker: str, pids: list[int], timeout: float) -> list[int]:
+    """``processes(marker)`` once it holds every one of ``pids``. A program reports its
+    children's pids as it forks them, and a child may still be in its ``execve`` when the test
+    looks: /proc then shows its command line empty, for as long as the loaded machine takes to
+    finish the exec. Polls: no event says an exec is done."""
+    deadline = time.monotonic() + timeout
+    while not set(pids) <= set(found := processes(marker)) and time.monotonic() < deadline:
+        time.sleep(0.01)
     return found
 
 
@@ -327,7 +339,8 @@ async def test_a_drain_ends_the_program_and_everything_it_started(
     await TaskProducer(js, topology).submit("drain", [{}], run="prog")
     *pids, _ = (await asyncio.to_thread(fifo_line, ready, 30)).split()
     pids = [int(p) for p in pids]
-    running = processes(marker)  # the sleeps, the shell and its supervisor
+    # the sleeps, the shell and its supervisor
+    running = await asyncio.to_thread(processes_including, marker, pids, 10)
     assert set(pids) < set(running)
     service.drain()
     await service.wait()
