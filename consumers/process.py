@@ -126,6 +126,7 @@ class ConsumerProcess:
         "agent instead",
     )
     llm: tuple[str, ...] = setting(
+        (),
         metavar="URL",
         help="SGLang-compatible server (or `agentarium engine`); repeat for a fleet: "
         "least-loaded balancing, every sample of a group on the same server",

@@ -97,6 +97,8 @@ async def test_one_job_is_one_trace_from_producer_to_vllm(nats_url, smol_dir, tm
         "chat smol",
         ProtoSpan.SPAN_KIND_CLIENT,
     )
+    assert chat.status.code != chat.status.STATUS_CODE_ERROR, chat.status.message
+    assert server.status.code != server.status.STATUS_CODE_ERROR, server.status.message
     chain = [server.name, chat.name]
     span = chat
     while span.parent_span_id:

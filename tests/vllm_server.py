@@ -91,8 +91,9 @@ async def start_vllm(
         "--model", str(model_dir), "--served-model-name", served_name,
         "--host", "127.0.0.1", "--port", str(port),
         "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
-        "--disable-log-stats",
     ]  # fmt: skip
+    # not --disable-log-stats: vLLM 0.32's request span is made from the request's stats, and
+    # without them its output handler fails an assertion and the span is never sent
     full_env = {
         **os.environ,
         "VLLM_TARGET_DEVICE": "cpu",
