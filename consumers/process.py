@@ -126,9 +126,16 @@ class ConsumerProcess:
         "agent instead",
     )
     llm: tuple[str, ...] = setting(
+        (),
         metavar="URL",
         help="SGLang-compatible server (or `agentarium engine`); repeat for a fleet: "
         "least-loaded balancing, every sample of a group on the same server",
+    )
+    openai_base: str | None = setting(
+        None,
+        metavar="URL",
+        help="instead of --llm: an OpenAI-compatible base URL ending in /v1 (vLLM, hosted "
+        "APIs), called with --model's name; text only, so its calls cannot be trained on",
     )
     lora: str | None = setting(
         None,
@@ -142,6 +149,8 @@ class ConsumerProcess:
 
     def __post_init__(self) -> None:
         check_settings(self)
+        if self.llm and self.openai_base:
+            raise ValueError("pass --llm (SGLang) or --openai-base (OpenAI-compatible), not both")
 
 
 def parse_agent(value: str, env: str | None = None) -> tuple[str, str]:

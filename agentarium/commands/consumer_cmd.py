@@ -43,8 +43,10 @@ def config_from_args(args: argparse.Namespace) -> tuple[ConsumerProcess, dict]:
     resolved = resolve(args, KEYS)
     config: ConsumerProcess = resolved.build(ConsumerProcess)
     parse_agent(config.agent, config.rollout.env)
-    if not normalize_urls(config.llm):
-        raise ValueError("no LLM server: pass --llm URL (repeat it for a fleet) or set llm:")
+    if not normalize_urls(config.llm) and not config.openai_base:
+        raise ValueError(
+            "no LLM server: pass --llm URL (repeat it for a fleet), --openai-base URL, or set llm:"
+        )
     return config, resolved.describe()
 
 
@@ -59,13 +61,18 @@ async def consume(args: argparse.Namespace, config: ConsumerProcess, source: dic
     except (AgentLoadError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    name_of_model = rollout.model_name or model_name(rollout.model, model_dir)
+    if config.openai_base:  # text in, text out: the server applies its own chat template
+        target = LLMTarget(openai_base=config.openai_base.rstrip("/"), openai_model=name_of_model)
+    else:
+        target = LLMTarget(urls=tuple(normalize_urls(config.llm)), lora=config.lora)
     spec = ConsumerSpec(
         agent=name,
         fn=fn,
-        target=LLMTarget(urls=tuple(normalize_urls(config.llm)), lora=config.lora),
-        cross=rollout.cross(),
+        target=target,
+        cross=rollout.cross(openai=bool(config.openai_base)),
         model_dir=str(model_dir),
-        model_name=rollout.model_name or model_name(rollout.model, model_dir),
+        model_name=name_of_model,
         reward_fn=reward_fn,
         settings=config.consumer,
     )
@@ -73,7 +80,7 @@ async def consume(args: argparse.Namespace, config: ConsumerProcess, source: dic
         "consumer config",
         **{
             **settings.flatten(config),
-            "llm": list(spec.target.urls),
+            "llm": list(spec.target.urls) or [spec.target.openai_base],
             "cross_model": normalize_urls(list(rollout.cross_model)),
         },
         **source,

