@@ -216,12 +216,19 @@ async def test_a_weight_update_shows_on_the_requests_it_held(tiny_dir, span_expo
     finally:
         await server.close()
 
-    (weight_update,) = _spans(span_exporter, "engine.weight_update")
-    (update_server,) = _spans(span_exporter, "POST /update_weights_from_disk")
-    assert weight_update.parent.span_id == update_server.context.span_id
+    # Spans are picked by their traces, not their names alone: the exporter is the session's,
+    # and a span another test's server ends late would be counted too.
+    def in_trace(name: str, traceparent: str) -> list:
+        trace_id = traceparent.split("-")[1]
+        return [
+            s for s in _spans(span_exporter, name) if format(s.context.trace_id, "032x") == trace_id
+        ]
+
+    (update_server,) = in_trace("POST /update_weights_from_disk", update)
     assert format(update_server.parent.span_id, "016x") == "2222222222222222"
-    (request,) = _spans(span_exporter, "POST /generate")
-    assert format(request.context.trace_id, "032x") == TRACEPARENT.split("-")[1]
+    (weight_update,) = in_trace("engine.weight_update", update)
+    assert weight_update.parent.span_id == update_server.context.span_id
+    (request,) = in_trace("POST /generate", TRACEPARENT)
     assert request.attributes["agentarium.engine.stalls"] == 2
     stalled = {
         s.attributes["agentarium.engine.stall"]: s
