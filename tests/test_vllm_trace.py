@@ -29,6 +29,7 @@ def _attributes(span: ProtoSpan) -> dict:
 
 @pytest.mark.vllm
 @pytest.mark.long(65)
+@pytest.mark.timeout(900)  # on a machine without the venv, building it comes first (about 3 min)
 async def test_one_job_is_one_trace_from_producer_to_vllm(nats_url, smol_dir, tmp_path):
     vllm_python()  # skipped (failed under CI=true) here, before anything starts, without vLLM
     receiver = OtlpReceiver()
