@@ -391,11 +391,18 @@ async def crash_recovery(
         finally:
             codes = await pool.stop()
         assert codes[0] == codes[2] == 0, codes  # the survivors drained cleanly
+        executions = read_executions(run.exec_log)
         # every job delivered once, the killed consumer's once more: nothing else redelivered
-        assert info.delivered.consumer_seq == slow + 2 * held, info
-        back = min(
-            e.at for e in read_executions(run.exec_log) if e.key in held_keys and e.pid != doomed
+        runs = Counter(e.key for e in executions)
+        again = {k: [(e.pid, round(e.at - run.started, 1)) for e in executions if e.key == k]
+                 for k, n in runs.items() if n != (2 if k in held_keys else 1)}  # fmt: skip
+        assert info.delivered.consumer_seq == slow + 2 * held, (
+            f"{info.delivered.consumer_seq} deliveries, not {slow + 2 * held}; jobs run other "
+            f"than expected (pid, s after start): {again}; pids: survivor {survivor}, doomed "
+            f"{doomed}, rescuer {pool.children[2].proc.pid}; killed at "
+            f"{run.faults[0].start - run.started:.1f} s"
         )
+        back = min(e.at for e in executions if e.key in held_keys and e.pid != doomed)
         kill = run.faults[0].start
         return await run.tally(
             f"consumer SIGKILLed holding {held} jobs, default ack wait {ack_wait:g} s (first job "
