@@ -380,7 +380,16 @@ async def test_a_sigkilled_consumer_loses_no_job_and_leaves_no_process_of_its_pr
 
     first = await start("first")
     try:
-        started = [line.split() for line in await asyncio.to_thread(fifo_lines, ready, 3, 60)]
+        lines = asyncio.create_task(asyncio.to_thread(fifo_lines, ready, 3, 60))
+        exited = asyncio.create_task(first.wait())
+        await asyncio.wait([lines, exited], return_when=asyncio.FIRST_COMPLETED)
+        log_tail = (tmp_path / "first.log").read_text()[-3000:]
+        assert not exited.done(), f"the consumer exited ({first.returncode}):\n{log_tail}"
+        exited.cancel()
+        try:
+            started = [line.split() for line in await lines]
+        except AssertionError as exc:  # no program started: what the consumer said
+            raise AssertionError(f"{exc}; the consumer's log:\n{log_tail}") from None
         assert sorted(job for job, *_ in started) == sorted(jobs)
         pgids = {int(pgid) for _, pid, pgid, *_ in started if pid == pgid}  # each leads its group
         assert len(pgids) == 3
