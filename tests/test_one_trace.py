@@ -88,6 +88,27 @@ async def _run(*argv: str, env: dict[str, str]) -> str:
     return out.decode()
 
 
+def one_job_trace(receiver, services: set[str]):
+    """The spans of the trace the producer's ``publish tasks`` span roots, checked: unique ids,
+    every parent present, that span the one root, and ``services`` exactly; returns them and a
+    ``parent(span)`` lookup giving the parent's (service, span)."""
+    (publish,) = [s for _, s in receiver.spans if s.name == "publish tasks"]
+    trace = [(service, s) for service, s in receiver.spans if s.trace_id == publish.trace_id]
+    by_id = {s.span_id: (service, s) for service, s in trace}
+    assert len(by_id) == len(trace), "span ids are unique"
+    roots = [s for _, s in trace if not s.parent_span_id]
+    assert [s.name for s in roots] == ["publish tasks"]
+    for service, span in trace:
+        if span.parent_span_id:
+            assert span.parent_span_id in by_id, f"{service} {span.name}: parent not in the trace"
+    assert {service for service, _ in trace} == services
+
+    def parent(span: ProtoSpan) -> tuple[str, ProtoSpan]:
+        return by_id[span.parent_span_id]
+
+    return trace, parent
+
+
 @pytest.mark.long(20)
 async def test_one_job_is_one_trace_from_producer_to_engine(nats_url, tiny_dir, tmp_path):
     receiver = OtlpReceiver()
@@ -133,24 +154,9 @@ async def test_one_job_is_one_trace_from_producer_to_engine(nats_url, tiny_dir, 
             await engine.wait()
         await receiver.close()
 
-    (publish,) = [s for _, s in receiver.spans if s.name == "publish tasks"]
-    trace = [(service, s) for service, s in receiver.spans if s.trace_id == publish.trace_id]
-    by_id = {s.span_id: (service, s) for service, s in trace}
-    assert len(by_id) == len(trace), "span ids are unique"
-    # every span's parent is in the trace; the producer's publish span is its one root
-    roots = [s for _, s in trace if not s.parent_span_id]
-    assert [s.name for s in roots] == ["publish tasks"]
-    for service, span in trace:
-        if span.parent_span_id:
-            assert span.parent_span_id in by_id, f"{service} {span.name}: parent not in the trace"
-    assert {service for service, _ in trace} == {
-        "producer-under-test",
-        "consumer-under-test",
-        "engine-under-test",
-    }
-
-    def parent(span: ProtoSpan) -> tuple[str, ProtoSpan]:
-        return by_id[span.parent_span_id]
+    trace, parent = one_job_trace(
+        receiver, {"producer-under-test", "consumer-under-test", "engine-under-test"}
+    )
 
     # producer -> consumer -> engine, through the links a viewer draws
     (server_service, server) = next((v, s) for v, s in trace if s.name == "POST /generate")

@@ -15,7 +15,7 @@ import os
 
 import pytest
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as ProtoSpan
-from test_one_trace import OtlpReceiver, _run
+from test_one_trace import OtlpReceiver, _run, one_job_trace
 from vllm_server import start_vllm, vllm_python
 
 
@@ -71,24 +71,9 @@ async def test_one_job_is_one_trace_from_producer_to_vllm(nats_url, smol_dir, tm
     finally:
         await receiver.close()
 
-    (publish,) = [s for _, s in receiver.spans if s.name == "publish tasks"]
-    trace = [(service, s) for service, s in receiver.spans if s.trace_id == publish.trace_id]
-    by_id = {s.span_id: (service, s) for service, s in trace}
-    assert len(by_id) == len(trace), "span ids are unique"
-    # every span's parent is in the trace; the producer's publish span is its one root
-    roots = [s for _, s in trace if not s.parent_span_id]
-    assert [s.name for s in roots] == ["publish tasks"]
-    for service, span in trace:
-        if span.parent_span_id:
-            assert span.parent_span_id in by_id, f"{service} {span.name}: parent not in the trace"
-    assert {service for service, _ in trace} == {
-        "producer-under-test",
-        "consumer-under-test",
-        "vllm-under-test",
-    }
-
-    def parent(span: ProtoSpan) -> tuple[str, ProtoSpan]:
-        return by_id[span.parent_span_id]
+    trace, parent = one_job_trace(
+        receiver, {"producer-under-test", "consumer-under-test", "vllm-under-test"}
+    )
 
     # producer -> consumer -> vLLM, through the links a viewer draws
     (server_service, server) = next((v, s) for v, s in trace if s.name == "llm_request")
