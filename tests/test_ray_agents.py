@@ -38,7 +38,7 @@ def ray_cluster():
 
 
 def test_seed_langchain_agent_on_ray_actors(ray_cluster, nats_url):
-    base = free_port()
+    base = free_port(count=2)  # one proxy port per actor, counting up from base
     with (
         ThreadedFake(output_ids=OUTPUT, text="42") as fake,
         AgentOrchestrator(

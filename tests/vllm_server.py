@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import AsyncIterator
@@ -25,6 +24,8 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+
+from agentarium.broker import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -64,12 +65,6 @@ def vllm_python() -> Path:
             pytest.fail(reason)
         pytest.skip(reason)
     return python
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -20,10 +20,11 @@ workers' niceness (``RAY_worker_niceness=0 ray start ...``).
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import torch
+
+from agentarium.broker import free_port
 
 from .batch import Batch
 from .checkpoint import Loaded, write_full
@@ -66,10 +67,9 @@ class _Worker:
     def address(self) -> tuple[str, int]:
         import ray
 
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        # a port below the ephemeral range, reserved: a kernel-picked one could be taken by
+        # any outgoing connection before the rendezvous binds it
+        return ray.util.get_node_ip_address(), free_port("")
 
     def setup(self, host: str, port: int) -> bool:
         import torch.distributed as dist
