@@ -99,12 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     batch = collate(build_rows(samples)[0], pad_id=0)
     totals = Totals.of(batch)
     shards = batch.shards(world)
-    passes = max(1, *(len(passes_of(s, args.micro_batch_size)) for s in shards))
+    passes = max(1, *(len(passes_of(s, settings)) for s in shards))
     shard = shards[rank]
 
     def step() -> float:
         optimizer.zero_grad(set_to_none=True)
-        micro = passes_of(shard, args.micro_batch_size)
+        micro = passes_of(shard, settings)
         micro += [idle_pass()] * (passes - len(micro))
         forward_backward(model, None, shard, settings, totals, device, micro_batches=micro)
         if not fsdp and world > 1:  # the replicated trainer's one all-reduce

@@ -34,6 +34,7 @@ from .kvput import put_entry
 from .kvwatch import follow_key_value
 from .limits import Limits
 from .patience import START_PATIENCE_S, is_unavailable, patiently
+from .ports import free_port
 from .prometheus import MetricsServer, metrics_response, render_metrics
 from .provision import (
     ProvisionReport,
@@ -44,7 +45,6 @@ from .provision import (
 )
 from .publisher import JetStreamPublisher
 from .registry import json_entries, live_workers, publish_worker, remove_worker
-from .ports import free_port
 from .server import NatsServer, find_nats_server, is_loopback
 from .settings import NatsSettings
 from .status import BrokerStatus, collect_status, count_messages, format_status

@@ -132,8 +132,6 @@ async def test_two_sharded_ranks_train_as_one_process_hold_half_and_resume(js, t
         ray.shutdown()
 
 
-def test_fsdp_needs_ranks_and_activation_checkpointing_needs_fsdp(tmp_path):
+def test_fsdp_needs_ranks(tmp_path):
     with pytest.raises(TrainerConfigError, match="--ray-workers 1 or more"):
         config(tmp_path, ray_workers=0)
-    with pytest.raises(TrainerConfigError, match="--parallel fsdp setting"):
-        config(tmp_path, parallel="replicated", activation_checkpointing=True)

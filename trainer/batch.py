@@ -242,11 +242,24 @@ class Batch:
         bounds = [round(i * self.rows / n) for i in range(n + 1)]
         return [self.select(bounds[i], bounds[i + 1]) for i in range(n)]
 
-    def micro_batches(self, size: int) -> Iterator[Batch]:
-        """Chunks of ``size`` rows (all rows at once when size is 0)."""
-        size = size or max(self.rows, 1)
-        for start in range(0, self.rows, size):
-            yield self.select(start, min(start + size, self.rows))
+    def micro_batches(
+        self, size: int, *, max_tokens: int = 0, packed: bool = False
+    ) -> Iterator[Batch]:
+        """Consecutive rows, at most ``size`` of them (0: no limit) costing at most
+        ``max_tokens`` (0: no limit) in a pass: the rows' real tokens when ``packed``, rows x
+        the longest row when padded. A row over ``max_tokens`` alone is a pass of its own."""
+        lengths = self.attention_mask.sum(-1).tolist()
+        start = 0
+        while start < self.rows:
+            stop, longest, total = start, 0, 0
+            while stop < self.rows and (not size or stop - start < size):
+                n = int(lengths[stop])
+                cost = total + n if packed else (stop - start + 1) * max(longest, n)
+                if max_tokens and stop > start and cost > max_tokens:
+                    break
+                longest, total, stop = max(longest, n), total + n, stop + 1
+            yield self.select(start, stop)
+            start = stop
 
     def to(self, device: torch.device | str) -> Batch:
         moved = {

@@ -97,7 +97,16 @@ class TrainerConfig:
         ge=0,
         group=BATCH,
         metavar="ROWS",
-        help="rows per forward/backward pass, gradients accumulated; 0 = the whole batch at once",
+        help="rows per forward/backward pass, gradients accumulated; 0 = no limit in rows",
+    )
+    max_tokens_per_micro_batch: int = setting(
+        0,
+        ge=0,
+        group=BATCH,
+        metavar="TOKENS",
+        help="tokens per forward/backward pass (real tokens with --pack-rows, rows x the "
+        "longest row without), consecutive rows filling each pass and a longer row alone; "
+        "0 = no limit in tokens (with --micro-batch-size 0 too: the whole batch at once)",
     )
     # optimisation
     lr: float = setting(1e-5, ge=0, group=BATCH, help="AdamW learning rate")
@@ -411,8 +420,14 @@ class TrainerConfig:
     activation_checkpointing: bool = setting(
         False,
         group=COMPUTE,
-        help="with --parallel fsdp, recompute each decoder layer's activations in the backward "
-        "pass instead of keeping them (less memory, about a third more compute)",
+        help="recompute each decoder layer's activations in the backward pass instead of "
+        "keeping them (less memory, about a third more compute), in every --parallel mode",
+    )
+    pack_rows: bool = setting(
+        True,
+        group=COMPUTE,
+        help="run a micro-batch's rows as one sequence without their padding, attention kept "
+        "within each row (trainer/packing.py); --no-pack-rows pads them to the longest row",
     )
 
     def __post_init__(self) -> None:
@@ -474,11 +489,6 @@ class TrainerConfig:
             )
         if self.lora_rank > 0 and importlib.util.find_spec("peft") is None:
             raise TrainerConfigError("--lora-rank needs peft: pip install 'agentarium[lora]'")
-        if self.activation_checkpointing and self.parallel != "fsdp":
-            raise TrainerConfigError(
-                "--activation-checkpointing is a --parallel fsdp setting: add --parallel fsdp "
-                "--ray-workers N, or drop it"
-            )
 
     def _check_agents(self) -> None:
         agents = tuple(dict.fromkeys(str(a) for a in self.agents))

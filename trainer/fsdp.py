@@ -47,8 +47,8 @@ from .step import (
     Totals,
     apply_update,
     forward_backward,
-    load_model,
     load_policy,
+    load_reference,
     make_optimizer,
     publishable,
 )
@@ -100,8 +100,16 @@ def idle_pass() -> Batch:
     return collate([row], pad_id=0)
 
 
-def passes_of(shard: Batch, size: int) -> list[Batch]:
-    return list(shard.micro_batches(size)) if shard.rows else []
+def passes_of(shard: Batch, settings: StepSettings) -> list[Batch]:
+    if not shard.rows:
+        return []
+    return list(
+        shard.micro_batches(
+            settings.micro_batch_size,
+            max_tokens=settings.max_tokens_per_micro_batch,
+            packed=settings.pack_rows,
+        )
+    )
 
 
 class _FsdpWorker(_Worker):
@@ -120,14 +128,8 @@ class _FsdpWorker(_Worker):
         where = "cpu" if rank == 0 else "meta"
         self.model = load_policy(model_dir, where, settings)
         self.ref_model = (
-            load_model(model_dir, where, trainable=False, dtype=settings.dtype)
-            if settings.kl_coef > 0
-            else None
+            load_reference(model_dir, where, settings) if settings.kl_coef > 0 else None
         )
-        if settings.activation_checkpointing:
-            self.model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False}
-            )
 
     def setup(self, host: str, port: int) -> bool:
         from torch.distributed.device_mesh import init_device_mesh
@@ -164,7 +166,7 @@ class _FsdpWorker(_Worker):
     ) -> tuple[float, LossSums, float]:
         torch.manual_seed(seed)
         self.optimizer.zero_grad(set_to_none=True)
-        micro = passes_of(shard, self.settings.micro_batch_size)
+        micro = passes_of(shard, self.settings)
         micro += [idle_pass()] * (passes - len(micro))
         loss, sums = forward_backward(
             self.model,
@@ -217,8 +219,7 @@ class FsdpParallel(RayDataParallel):
         return f"<FsdpParallel world={self.world} device={self.config.device}>"
 
     def _step_args(self, shards: list[Batch]) -> tuple:
-        size = self.settings.micro_batch_size
-        return (max(1, *(len(passes_of(s, size)) for s in shards)),)
+        return (max(1, *(len(passes_of(s, self.settings)) for s in shards)),)
 
     def publishable_model(self):
         """The driver's CPU mirror with the ranks' current weights, one parameter at a time

@@ -30,8 +30,10 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from . import packing
 from .batch import Batch
 from .grpo import at_least_fp32, token_entropy, token_logprobs
+from .packing import pack
 
 # config attributes of models whose logits are not lm_head(hidden) alone
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
@@ -76,12 +78,22 @@ def token_stats(
 ) -> TokenStats:
     """Log-probs of ``mb``'s next tokens at each call's temperature, and their entropy (when
     ``entropy``; differentiable when ``entropy_grad``): chunked at the loss mask's positions
-    (``chunk`` > 0), or at every position over the whole vocabulary (``chunk`` = 0)."""
+    (``chunk`` > 0), or at every position over the whole vocabulary (``chunk`` = 0). A model
+    set up for packed rows (trainer/packing.py) runs ``mb``'s rows as one sequence without
+    their padding; the results are laid out as ``mb``'s either way."""
     device_type = mb.input_ids.device.type
     autocast = torch.autocast(device_type=device_type, dtype=torch.bfloat16, enabled=bf16_autocast)
+    packed = pack(mb.input_ids, mb.attention_mask) if packing.enabled(causal_lm(model)) else None
+    inputs = (
+        packed.forward_kwargs()
+        if packed is not None
+        else {"input_ids": mb.input_ids, "attention_mask": mb.attention_mask}
+    )
     if chunk <= 0 or not splittable(model):
         with autocast:
-            logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+            logits = model(**inputs).logits
+        if packed is not None:
+            logits = packed.unpack(logits, mb.input_ids.shape[1])  # (b, T, V), zeros past rows
         logits = logits[:, :-1]  # (b, T-1, V): position t predicts token t + 1
         targets, temperature = mb.input_ids[:, 1:], mb.temperature[:, 1:]  # (b, T-1)
         logprobs = token_logprobs(logits, targets, temperature)  # (b, T-1)
@@ -98,8 +110,7 @@ def token_stats(
     try:
         with autocast:
             model(
-                input_ids=mb.input_ids,
-                attention_mask=mb.attention_mask,
+                **inputs,
                 logits_to_keep=1,  # the model's own head: one position a row, unused
                 use_cache=False,
             )
@@ -108,7 +119,10 @@ def token_stats(
     assert len(captured) == 1, f"the decoder ran {len(captured)} times in one forward"
     mask = mb.loss_mask[:, 1:]  # (b, T-1)
     rows, cols = mask.nonzero(as_tuple=True)  # N positions, row-major
-    hidden = captured[0][:, :-1][rows, cols]  # (N, H)
+    if packed is not None:  # (1, tokens, H): a row's position t sits at its start + t
+        hidden = captured[0][0][packed.flat_index(rows, cols)]  # (N, H)
+    else:
+        hidden = captured[0][:, :-1][rows, cols]  # (N, H)
     targets = mb.input_ids[:, 1:][rows, cols]  # (N,)
     temperature = mb.temperature[:, 1:][rows, cols]  # (N,)
     head = causal.get_output_embeddings()

@@ -37,8 +37,8 @@ from .step import (
     Totals,
     apply_update,
     forward_backward,
-    load_model,
     load_policy,
+    load_reference,
     make_optimizer,
     memory_of,
     publishable,
@@ -58,9 +58,7 @@ class _Worker:
         self.device = torch.device(device)
         self.model = load_policy(model_dir, self.device, settings)
         self.ref_model = (
-            load_model(model_dir, self.device, trainable=False, dtype=settings.dtype)
-            if settings.kl_coef > 0
-            else None
+            load_reference(model_dir, self.device, settings) if settings.kl_coef > 0 else None
         )
         self.optimizer = make_optimizer(self.model, settings)
 

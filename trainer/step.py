@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from . import packing
 from .batch import Batch
 from .checkpoint import Loaded, write_full
 from .config import TrainerConfig
@@ -46,6 +47,8 @@ class StepSettings:
     loss_norm_tokens: int = _default("loss_norm_tokens")
     tis_clip: float = _default("tis_clip")
     micro_batch_size: int = _default("micro_batch_size")
+    max_tokens_per_micro_batch: int = _default("max_tokens_per_micro_batch")
+    pack_rows: bool = _default("pack_rows")
     grad_clip: float = _default("grad_clip")
     lr: float = _default("lr")
     weight_decay: float = _default("weight_decay")
@@ -133,9 +136,29 @@ def load_model(
     return model
 
 
+def _packing(model, settings: StepSettings):
+    """``model`` set up for packed rows when ``pack_rows`` asks and the model can take them."""
+    if settings.pack_rows and packing.supported(model):
+        packing.enable(model)
+    return model
+
+
+def load_reference(model_dir: str | Path, device: str | torch.device, settings: StepSettings):
+    """The frozen reference model (the KL term's), run as the policy is (packed or not)."""
+    return _packing(load_model(model_dir, device, trainable=False, dtype=settings.dtype), settings)
+
+
 def load_policy(model_dir: str | Path, device: str | torch.device, settings: StepSettings):
-    """The model trained: the base, wrapped with LoRA adapters when ``lora_rank`` > 0."""
-    model = load_model(model_dir, device, dtype=settings.dtype)
+    """The model trained: the base, set up for packed rows (``pack_rows``) and activation
+    checkpointing (``activation_checkpointing``), wrapped with LoRA adapters when
+    ``lora_rank`` > 0."""
+    model = _packing(load_model(model_dir, device, dtype=settings.dtype), settings)
+    if settings.activation_checkpointing:
+        non_reentrant = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.x's name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=non_reentrant)
+        else:  # gradient_checkpointing_enable: deprecated in 5.x, gone in v6
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=non_reentrant)
     if settings.lora_rank > 0:
         from .lora import with_lora
 
@@ -168,12 +191,17 @@ def forward_backward(
 ) -> tuple[float, LossSums]:
     """Accumulate this batch's (or shard's) gradient; returns its share of the loss.
     ``micro_batches``: the passes to run, when the caller decides them (a sharded rank runs
-    as many as every other rank, trainer/fsdp.py); by default ``micro_batch_size`` rows each."""
+    as many as every other rank, trainer/fsdp.py); by default ``micro_batch_size`` rows and
+    ``max_tokens_per_micro_batch`` tokens at most each."""
     loss_total, sums = 0.0, LossSums()
     if micro_batches is None and batch.rows == 0:
         return loss_total, sums
     if micro_batches is None:
-        micro_batches = batch.micro_batches(settings.micro_batch_size)
+        micro_batches = batch.micro_batches(
+            settings.micro_batch_size,
+            max_tokens=settings.max_tokens_per_micro_batch,
+            packed=settings.pack_rows,
+        )
     for micro in micro_batches:
         mb = micro.to(device)
         # Log-probs at the loss's positions only, `logprob_chunk` positions at a time, the head
@@ -290,7 +318,7 @@ class LocalUpdater:
         self.device = torch.device(config.device)
         self.model = load_policy(config.model_dir, self.device, self.settings)
         self.ref_model = (
-            load_model(config.model_dir, self.device, trainable=False, dtype=config.dtype)
+            load_reference(config.model_dir, self.device, self.settings)
             if config.kl_coef > 0
             else None
         )
