@@ -82,7 +82,12 @@ def child(args: argparse.Namespace) -> None:
     low, high = (int(x) for x in args.response.split(":"))
     batch = bench_batch(args.rows, args.prompt, (low, high), vocab)
     config = TrainerConfig(
-        run="bench", agent="a", model_dir=str(model_dir), lr=1e-5, logprob_chunk=args.child
+        run="bench",
+        agent="a",
+        model_dir=str(model_dir),
+        lr=1e-5,
+        logprob_chunk=args.child,
+        pack_rows=False,  # the padded batch measured here (packed: bench/trainer_packing.py)
     )
     started = time.monotonic()
     updater = LocalUpdater(config)

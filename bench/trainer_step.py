@@ -99,7 +99,12 @@ def main() -> None:
     print(f"{'mode':<28}{'step s':>10}{'tokens/s':>12}{'model tok/s':>13}")
     for label, micro in (("padded batch (trainer)", 0), ("one sample at a time", 1)):
         config = TrainerConfig(
-            run="bench", agent="toy", model_dir=str(model_dir), lr=1e-5, micro_batch_size=micro
+            run="bench",
+            agent="toy",
+            model_dir=str(model_dir),
+            lr=1e-5,
+            micro_batch_size=micro,
+            pack_rows=False,  # padded, as compared here (packed: bench/trainer_packing.py)
         )
         step_s = time_steps(LocalUpdater(config), batch, args.steps)
         print(
