@@ -18,7 +18,8 @@ table and one JSON line; writes the JSON to $OUT/gpu_grpo_step.json when OUT is 
 --micro-batch-size takes a comma list (e.g. 8,16) to compare sizes on one model build; a size
 that runs out of memory is reported as such and the next one still runs.
 
-The trainer has no gradient checkpointing, so neither has this benchmark.
+The trainer's --pack-rows (on by default: no padding computed), --activation-checkpointing and
+--max-tokens-per-micro-batch are flags here too, set up as the trainer sets up its policy.
 
 Imports beyond torch and transformers: numpy and msgpack (the ``schemas`` package imports both;
 numpy is a transformers dependency). If msgpack is missing, a stub stands in for it: the step
@@ -123,6 +124,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds from start after which no further timed step is begun",
     )
     parser.add_argument("--tiny", action="store_true", help="hidden 64, 2 layers, vocab 512")
+    parser.add_argument(
+        "--pack-rows",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the trainer's --pack-rows (default): each pass runs its rows' real tokens as one "
+        "sequence, attention within each row; --no-pack-rows pads them to the longest",
+    )
+    parser.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="the trainer's --activation-checkpointing: each decoder layer recomputed in the "
+        "backward pass",
+    )
+    parser.add_argument(
+        "--max-tokens-per-micro-batch",
+        type=int,
+        default=0,
+        help="the trainer's token budget per pass (0 = none: --micro-batch-size rows)",
+    )
     args = parser.parse_args(argv)
     try:
         args.micro_batch_sizes = [int(x) for x in str(args.micro_batch_size).split(",") if x]
@@ -255,6 +275,9 @@ def run_config(args, mbs, model, batch, model_dir, device, started, flops_per_st
         device=device.type,
         seed=args.seed,
         bf16_autocast=args.bf16_autocast,
+        pack_rows=args.pack_rows,
+        activation_checkpointing=args.activation_checkpointing,
+        max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
     )
     settings = StepSettings.from_config(config)
     # LocalUpdater around the in-memory model (its __init__ would load model_dir in float32).
@@ -265,12 +288,17 @@ def run_config(args, mbs, model, batch, model_dir, device, started, flops_per_st
     updater.ref_model = None  # kl_coef is 0 by default: no reference model
     updater.optimizer = make_optimizer(model, settings)
 
-    micros = list(batch.micro_batches(mbs))
+    micros = list(
+        batch.micro_batches(mbs, max_tokens=args.max_tokens_per_micro_batch, packed=args.pack_rows)
+    )
     result = {
         "micro_batch_size": mbs,
         "micro_batches": len(micros),
-        # positions the forward pass computes: each micro-batch is trimmed to its longest row
-        "computed_positions": sum(int(m.input_ids.numel()) for m in micros),
+        # positions the forward pass computes: the real tokens when packed; padded, each
+        # micro-batch trimmed to its longest row
+        "computed_positions": sum(
+            m.tokens if args.pack_rows else int(m.input_ids.numel()) for m in micros
+        ),
     }
     if device.type == "cuda":
         gc.collect()
@@ -362,6 +390,14 @@ def main(argv: list[str] | None = None) -> int:
     shape = TINY_SHAPE if args.tiny else FULL_SHAPE
     t0 = time.perf_counter()
     model = build_model(shape, dtype, device, args.seed)
+    if args.pack_rows:  # as the trainer's load_policy sets its policy up
+        from agentarium.trainer import packing
+
+        packing.enable(model)
+    if args.activation_checkpointing:
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False}
+        )
     sync(device)
     build_model_s = time.perf_counter() - t0
     n_params = sum(p.numel() for p in model.parameters())
@@ -409,7 +445,9 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": args.warmup,
         "steps": args.steps,
         "optimizer": "AdamW (trainer defaults: lr 1e-5, betas 0.9/0.999, wd 0, clip 1.0)",
-        "gradient_checkpointing": False,
+        "gradient_checkpointing": args.activation_checkpointing,
+        "pack_rows": args.pack_rows,
+        "max_tokens_per_micro_batch": args.max_tokens_per_micro_batch,
         "notes": notes,
     }
     print(
