@@ -1,10 +1,14 @@
 """Trainer: one GRPO step padded vs packed (``--pack-rows``), with and without activation
-checkpointing, against the machine's own fp32 matrix-multiply rate.
+checkpointing, beside TRL's GRPOTrainer on the same batch, against the machine's own fp32
+matrix-multiply rate.
 
 The batch is bench/trainer_memory.py's (``--rows`` rows of ``--prompt`` prompt tokens and a
 response drawn from ``--response MIN:MAX``, seeded, right-padded), trained by the trainer's
 single-process updater (``trainer.step.LocalUpdater``) with default settings but the ones
-compared. Each configuration runs in a fresh subprocess (its peak RSS its own), the
+compared, and by TRL's ``GRPOTrainer.compute_loss`` (``trl``: its "dapo" loss, fp32, its fused
+log-prob head, then backward, clip and AdamW as ours). Every configuration computes the same
+loss (``SAME_LOSS``): the first step's losses and gradient norms printed at the end must agree.
+Each configuration runs in a fresh subprocess (its peak RSS its own), the
 configurations alternate (in order, then reversed, ...) for ``--repeat`` rounds, and the
 table gives median (min-max) over rounds of:
 
@@ -20,7 +24,7 @@ share of the one-thread rate (the children train on ``--threads``, 1 by default)
 step's losses must agree across configurations (the same update): their largest difference
 is printed.
 
-    PYTHONPATH=. python bench/trainer_packing.py [--model smol|tiny|DIR] [--configs padded,packed,packed-ckpt]
+    PYTHONPATH=. python bench/trainer_packing.py [--model smol|tiny|DIR] [--configs padded,packed,packed-ckpt,trl]
         [--repeat 5] [--rows 16] [--prompt 60] [--response 64:256] [--threads 1] [--json OUT]
 """
 
@@ -38,11 +42,80 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trainer_memory import bench_batch, cell, peak_rss_mb  # noqa: E402
 
+# Our trainer's settings per configuration; "trl" is TRL's GRPOTrainer (trl_child). Every
+# configuration uses the loss TRL's "dapo" computes: the clipped surrogate at ratio clip 0.2
+# either side, summed over the batch's loss tokens and divided by their count, no dual clip,
+# no KL, no entropy term; AdamW (lr 1e-5, betas 0.9/0.999, no weight decay), grad clip 1.0.
+SAME_LOSS = {"clip_low": 0.2, "clip_high": 0.2, "dual_clip": None, "loss_agg": "token-mean"}
 CONFIGS = {
     "padded": {"pack_rows": False},
     "packed": {"pack_rows": True},
     "packed-ckpt": {"pack_rows": True, "activation_checkpointing": True},
+    "trl": {},
 }
+
+
+def trl_child(args: argparse.Namespace, model_dir: Path, batch) -> dict:
+    """TRL's GRPOTrainer (fp32, its fused log-prob head, no checkpointing: TRL's CPU settings
+    in examples/trl_trainer.py) on the same rows: its ``compute_loss`` on the batch split as
+    TRL holds it (prompt ids left-padded, completion ids right-padded), backward, clip, AdamW."""
+    import tempfile
+
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOConfig, GRPOTrainer
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    rows, prompt = batch.rows, args.prompt  # every row's prompt is --prompt tokens
+    lengths = batch.attention_mask.sum(-1)
+    completion = int(lengths.max()) - prompt
+    config = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="bench-trl-"),
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        per_device_train_batch_size=rows,
+        num_generations=min(8, rows),
+        max_completion_length=completion,
+        beta=0.0,
+        loss_type="dapo",
+        epsilon=0.2,
+        epsilon_high=0.2,
+        learning_rate=1e-5,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[lambda completions, **_: [0.0] * len(completions)],
+        args=config,
+        train_dataset=Dataset.from_list([{"prompt": "x"}] * rows),
+    )
+    trainer.current_gradient_accumulation_steps = 1  # set by the training loop, run here by hand
+    model = trainer.model
+    model.train()
+    completion_mask = batch.loss_mask[:, prompt : prompt + completion].to(torch.long)
+    inputs = {
+        "prompt_ids": batch.input_ids[:, :prompt],
+        "prompt_mask": batch.attention_mask[:, :prompt],
+        "completion_ids": batch.input_ids[:, prompt : prompt + completion],
+        "completion_mask": completion_mask,
+        "advantages": batch.advantages[:, prompt],
+        "old_per_token_logps": batch.old_logprobs[:, prompt : prompt + completion],
+        "num_items_in_batch": completion_mask.sum().to(torch.float32),
+    }
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.999), weight_decay=0)
+    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    t0 = time.monotonic()
+    loss = trainer.compute_loss(model, inputs)
+    loss.backward()
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    step_s = time.monotonic() - t0
+    return {"step_s": step_s, "loss": float(loss), "grad_norm": grad_norm, "params": params}
 
 
 def matmul_gflops(threads: int, n: int = 2048, repeat: int = 5) -> float:
@@ -75,14 +148,28 @@ def child(args: argparse.Namespace) -> None:
     vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
     low, high = (int(x) for x in args.response.split(":"))
     batch = bench_batch(args.rows, args.prompt, (low, high), vocab)
-    config = TrainerConfig(
-        run="bench", agent="a", model_dir=str(model_dir), lr=1e-5, **CONFIGS[args.child]
-    )
-    updater = LocalUpdater(config)
-    params = sum(p.numel() for p in updater.model.parameters() if p.requires_grad)
-    t0 = time.monotonic()
-    stats = updater.step(batch, seed=0)
-    step_s = time.monotonic() - t0
+    if args.child == "trl":
+        step = trl_child(args, model_dir, batch)
+    else:
+        config = TrainerConfig(
+            run="bench",
+            agent="a",
+            model_dir=str(model_dir),
+            lr=1e-5,
+            **SAME_LOSS,
+            **CONFIGS[args.child],
+        )
+        updater = LocalUpdater(config)
+        params = sum(p.numel() for p in updater.model.parameters() if p.requires_grad)
+        t0 = time.monotonic()
+        stats = updater.step(batch, seed=0)
+        step = {
+            "step_s": time.monotonic() - t0,
+            "loss": stats.loss,
+            "grad_norm": stats.grad_norm,
+            "params": params,
+        }
+    step_s, params = step["step_s"], step["params"]
     print(
         json.dumps(
             {
@@ -90,8 +177,8 @@ def child(args: argparse.Namespace) -> None:
                 "step_s": round(step_s, 2),
                 "gflops": round(6 * params * batch.tokens / step_s / 1e9, 2),
                 "rss_mb": round(peak_rss_mb()),
-                "loss": stats.loss,
-                "grad_norm": stats.grad_norm,
+                "loss": step["loss"],
+                "grad_norm": step["grad_norm"],
                 "params": params,
                 "rows": batch.rows,
                 "positions": int(batch.input_ids.shape[1]),
@@ -116,7 +203,9 @@ def run_child(name: str, args: argparse.Namespace) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smol", help="smol, tiny or a model directory")
-    parser.add_argument("--configs", default="padded,packed,packed-ckpt", help=", ".join(CONFIGS))
+    parser.add_argument(
+        "--configs", default="padded,packed,packed-ckpt,trl", help=", ".join(CONFIGS)
+    )
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--prompt", type=int, default=60)
