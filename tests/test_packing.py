@@ -166,3 +166,22 @@ def test_a_model_with_a_sliding_window_stays_padded():
     )  # fmt: skip
     model = MistralForCausalLM(config)
     assert not packing.supported(model)
+
+
+def test_the_trainer_command_packs_by_default_and_takes_the_flags():
+    from agentarium.cli import build_parser
+    from agentarium.commands import trainer_cmd
+
+    def resolved(*flags: str):
+        args = build_parser().parse_args(
+            ["trainer", "--run", "r", "--agent", "a", "--model", "tiny", *flags]
+        )
+        return trainer_cmd.resolve_args(args)[0]
+
+    default = resolved()
+    assert default.pack_rows and not default.activation_checkpointing
+    assert default.max_tokens_per_micro_batch == 0
+    off = resolved("--no-pack-rows", "--activation-checkpointing")
+    assert not off.pack_rows and off.activation_checkpointing  # no --parallel fsdp needed now
+    assert resolved("--max-tokens-per-micro-batch", "4096").max_tokens_per_micro_batch == 4096
+    assert not resolved("pack_rows=false").pack_rows  # the config key, as an override

@@ -104,8 +104,9 @@ class TrainerConfig:
         ge=0,
         group=BATCH,
         metavar="TOKENS",
-        help="tokens per forward/backward pass (real tokens with --pack-rows, rows x the "
-        "longest row without), consecutive rows filling each pass and a longer row alone; "
+        help="tokens per forward/backward pass (real tokens when rows are packed, rows x the "
+        "longest row with --no-pack-rows), consecutive rows filling each pass and a longer row "
+        "alone; "
         "0 = no limit in tokens (with --micro-batch-size 0 too: the whole batch at once)",
     )
     # optimisation
@@ -425,9 +426,11 @@ class TrainerConfig:
     )
     pack_rows: bool = setting(
         True,
+        negate=True,
         group=COMPUTE,
-        help="run a micro-batch's rows as one sequence without their padding, attention kept "
-        "within each row (trainer/packing.py); --no-pack-rows pads them to the longest row",
+        help="pad each pass's rows to its longest row instead of packing them (by default a "
+        "pass runs its rows' real tokens as one sequence, attention kept within each row: "
+        "trainer/packing.py)",
     )
 
     def __post_init__(self) -> None:
