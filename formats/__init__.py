@@ -3,7 +3,10 @@ a reply (the tracing client and gateway, the local engine, the trainer's tokeniz
 
 - ``chat_template.py``: a model's chat template and tokenizer, without transformers (tokenizer
   loading, fingerprints, prompt rendering and token segments);
-- ``toolcalls.py``: tool calls parsed from generated text (Hermes/Qwen ``<tool_call>`` blocks).
+- ``toolcalls.py``: tool calls parsed from generated text, per family (``TOOL_FORMATS``: Hermes,
+  Qwen3-Coder, Llama 3 JSON, Mistral, DeepSeek-V3, gpt-oss harmony);
+- ``reasoning.py``: reasoning split off (``<think>`` blocks; ``harmony.py``: gpt-oss's channels);
+- ``reply.py``: a reply split into reasoning, content and tool calls by the model's formats.
 
 Pure knowledge: nothing here imports a service, NATS or another component.
 """
@@ -18,30 +21,54 @@ from .chat_template import (
     tokenizer_fingerprint,
 )
 from .errors import ToolsNotRendered
+from .harmony import HarmonyReply, split_harmony
+from .reasoning import (
+    REASONING_FORMATS,
+    THINK_CLOSE,
+    THINK_OPEN,
+    Reasoned,
+    detect_reasoning_format,
+    split_reasoning,
+)
+from .reply import ParsedReply, parse_reply
 from .toolcalls import (
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
+    TOOL_FORMATS,
     ParsedToolCalls,
     ToolCallError,
     arguments_as_objects,
+    detect_tool_format,
     new_call_id,
     parse_tool_calls,
 )
 
 __all__ = [
+    "REASONING_FORMATS",
+    "THINK_CLOSE",
+    "THINK_OPEN",
     "TOOL_CALL_CLOSE",
     "TOOL_CALL_OPEN",
+    "TOOL_FORMATS",
     "ChatTemplate",
+    "HarmonyReply",
+    "ParsedReply",
     "ParsedToolCalls",
+    "Reasoned",
     "SegmentEncoder",
     "ToolCallError",
     "ToolsNotRendered",
     "arguments_as_objects",
     "compile_template",
+    "detect_reasoning_format",
+    "detect_tool_format",
     "load_tokenizer",
     "new_call_id",
     "normalize_messages",
+    "parse_reply",
     "parse_tool_calls",
     "plain_data",
+    "split_harmony",
+    "split_reasoning",
     "tokenizer_fingerprint",
 ]

@@ -34,6 +34,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer
 
 from .errors import ToolsNotRendered
+from .reasoning import detect_reasoning_format
+from .toolcalls import detect_tool_format
 
 # The prompt-ids cache (ChatTemplate.encode): at most this many prompts of at most this size.
 CACHE_ENTRIES = 1024
@@ -439,6 +441,14 @@ class ChatTemplate:
     def eos_token_ids(self) -> list[int]:
         """Token ids that end a generation: the tokenizer's eos plus generation_config's."""
         return list(self._eos_token_ids)
+
+    @property
+    def reply_formats(self) -> tuple[str, str]:
+        """(tool-call format, reasoning format) its model writes, read from the template's
+        text (its tool-use variant where it has one: formats/toolcalls.py, reasoning.py);
+        a template that names no tool format gets ``hermes``, the one parsed before."""
+        source = self.template_source(tools=())
+        return detect_tool_format(source) or "hermes", detect_reasoning_format(source)
 
     def template_source(self, tools: Sequence[Any] | None = None) -> str:
         """The template text ``render`` uses (``tool_use`` when tools are given and one exists)."""

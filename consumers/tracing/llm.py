@@ -28,10 +28,11 @@ from opentelemetry.util.types import AttributeValue
 
 from agentarium.broker import OPENINFERENCE_SPAN_KIND
 from agentarium.formats import (
+    THINK_OPEN,
     ChatTemplate,
     ToolCallError,
     normalize_messages,
-    parse_tool_calls,
+    parse_reply,
     plain_data,
 )
 from agentarium.schemas import LLMCall, Sampling
@@ -97,6 +98,11 @@ class ChatResult:
     @property
     def content(self) -> str:
         return self.message.get("content") or ""
+
+    @property
+    def reasoning(self) -> str | None:
+        """The reply's reasoning (None: the model's format has none, or it wrote none)."""
+        return self.message.get("reasoning_content")
 
 
 @functools.lru_cache(maxsize=1024)  # a fleet's few URLs
@@ -197,6 +203,10 @@ class TracingLLM:
         self.parent_context = parent_context
         self.record_messages = record_messages
         self.chain = PromptChain(template, extend=extend_prompts) if template is not None else None
+        # how the model writes tool calls and reasoning (formats/): from its chat template
+        self.tool_format, self.reasoning_format = (
+            template.reply_formats if template is not None else ("hermes", "none")
+        )
         self.capture_content = (
             genai.capture_message_content() if capture_content is None else capture_content
         )
@@ -309,14 +319,22 @@ class TracingLLM:
         latency = time.perf_counter() - start
 
         errors: list[ToolCallError] = []
+        reasoning: str | None = None
         if result.tool_calls is not None:  # a chat-native backend parsed them already
             content, tool_calls = result.text, result.tool_calls
-        elif tools:
-            parsed = parse_tool_calls(result.text)
-            content, tool_calls, errors = parsed.content, parsed.tool_calls, parsed.errors
-        else:  # no tools offered: the text is the answer, whatever it contains
-            content, tool_calls = result.text, []
+        else:  # reasoning off first, then tool calls (when offered) in the rest alone
+            reply = parse_reply(
+                result.text,
+                tool_format=self.tool_format,
+                reasoning_format=self.reasoning_format,
+                tools=tools,
+                opened=prompt.text.rstrip().endswith(THINK_OPEN),
+            )
+            content, tool_calls, errors = reply.content, reply.tool_calls, reply.errors
+            reasoning = reply.reasoning
         message: dict[str, Any] = {"role": "assistant", "content": content}
+        if reasoning is not None:  # where thinking models' APIs put it (vLLM, SGLang, DeepSeek)
+            message["reasoning_content"] = reasoning
         if tool_calls:
             message["tool_calls"] = tool_calls
         finish = "tool_calls" if tool_calls else result.finish_reason

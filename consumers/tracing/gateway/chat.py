@@ -1,7 +1,9 @@
 """OpenAI Chat Completions (``POST /v1/chat/completions``), with and without streaming.
 
 The request becomes one ``llm.chat``; the reply is OpenAI's ``chat.completion`` object or, with
-``stream: true``, its ``chat.completion.chunk`` events: the role first, the content in deltas,
+``stream: true``, its ``chat.completion.chunk`` events: the role first, a thinking model's
+reasoning in ``reasoning_content`` deltas (in the message too: vLLM's and SGLang's field), the
+content in deltas,
 each tool call as its index, id, type and name then its arguments in deltas, the finish reason,
 with ``stream_options.include_usage`` a last chunk with no choices and the usage, then
 ``data: [DONE]``. The deltas add up to the recorded message exactly.
@@ -205,6 +207,8 @@ def _content(result: ChatResult) -> str | None:
 
 def completion(result: ChatResult, model: str) -> dict:
     message: dict[str, Any] = {"role": "assistant", "content": _content(result), "refusal": None}
+    if result.reasoning is not None:  # a thinking model's reasoning, as vLLM and SGLang return it
+        message["reasoning_content"] = result.reasoning
     if result.tool_calls:
         message["tool_calls"] = result.tool_calls
     return {
@@ -250,6 +254,8 @@ class ChatStream(StreamShape):
         yield self._chunk(
             {"role": "assistant", "content": "" if _content(result) is not None else None}
         )
+        for piece in deltas(result.reasoning or ""):
+            yield self._chunk({"reasoning_content": piece})
         for piece in deltas(result.content):
             yield self._chunk({"content": piece})
         for index, call in enumerate(result.tool_calls):
