@@ -274,9 +274,13 @@ async def test_what_the_responses_api_cannot_serve_is_refused(gateway):
     sdk = client(endpoint)
     cases = {
         "web_search tool": ({"tools": [{"type": "web_search"}]}, "only function tools"),
-        "reasoning item": (
-            {"input": [{"type": "reasoning", "id": "rs_1", "summary": []}]},
-            "'reasoning' item",
+        "encrypted reasoning item": (
+            {
+                "input": [
+                    {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "gAAAA"}
+                ]
+            },
+            "encrypted reasoning",
         ),
         "image": (
             {

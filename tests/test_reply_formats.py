@@ -291,3 +291,76 @@ async def test_the_tracing_client_and_the_gateway_return_a_thinking_models_reaso
     )
     assert streamed == result.reasoning
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == result.content
+    check_responses(result)
+    check_messages(result)
+
+
+def sse_data(events) -> list[dict]:
+    out = []
+    for raw in events:
+        for line in raw.decode().splitlines():
+            if line.startswith("data: {"):
+                out.append(json.loads(line.removeprefix("data: ")))
+    return out
+
+
+def check_responses(result) -> None:
+    """A reasoning item first (its text a reasoning_text part), whole and streamed; sent back
+    in ``input``, it is the assistant turn's reasoning_content again."""
+    from openai.types.responses import Response
+
+    from agentarium.consumers.tracing.gateway.responses import ResponseShape, input_messages
+
+    shape = ResponseShape({}, "tiny")
+    whole = shape.response(result)
+    # the SDK's own types (3.x) require usage fields the gateway has no figure for
+    # (cache_write_tokens): the items are what is checked here
+    body = Response.model_validate({**whole, "usage": None})
+    reasoning, message, call = body.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == result.reasoning
+    assert message.type == "message" and call.type == "function_call" and call.name == "add"
+    events = sse_data(ResponseShape({}, "tiny").events(result))
+    streamed = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    assert streamed == result.reasoning
+    assert [e["text"] for e in events if e["type"] == "response.reasoning_text.done"] == [
+        result.reasoning
+    ]
+    back = input_messages([item.model_dump(exclude_none=True) for item in body.output])
+    assert back == [
+        {
+            "role": "assistant",
+            "content": "I will add.",
+            "reasoning_content": result.reasoning,
+            "tool_calls": [
+                {"id": call.call_id, "type": "function", "function": {"name": "add",
+                 "arguments": call.arguments}}
+            ],
+        }
+    ]  # fmt: skip
+
+
+def check_messages(result) -> None:
+    """A thinking block first, whole and streamed (thinking_delta); sent back, the turn's
+    reasoning_content."""
+    from anthropic.types import Message
+
+    from agentarium.consumers.tracing.gateway.anthropic import MessageShape, chat_messages
+
+    shape = MessageShape("tiny")
+    body = Message.model_validate(shape.message(result))
+    thinking, text, tool = body.content
+    assert thinking.type == "thinking" and thinking.thinking == result.reasoning
+    assert text.type == "text" and tool.type == "tool_use" and tool.input == {"a": 2, "b": 3}
+    events = sse_data(MessageShape("tiny").events(result))
+    deltas = [e["delta"] for e in events if e["type"] == "content_block_delta"]
+    streamed = "".join(d["thinking"] for d in deltas if d["type"] == "thinking_delta")
+    assert streamed == result.reasoning
+    result_block = {"type": "tool_result", "tool_use_id": tool.id, "content": "5"}
+    sent_back = [
+        {"role": "user", "content": "2+3?"},
+        {"role": "assistant", "content": [b.model_dump() for b in body.content]},
+        {"role": "user", "content": [result_block]},
+    ]
+    _, turn, _ = chat_messages(None, sent_back)
+    assert turn["reasoning_content"] == result.reasoning and turn["content"] == "I will add."
+    assert turn["tool_calls"][0]["function"]["name"] == "add"

@@ -5,16 +5,17 @@ for one ``llm.chat``: an assistant message's text and ``tool_use`` blocks are on
 with tool calls (``input`` as JSON arguments), each ``tool_result`` a ``tool`` message, text
 beside them a user message, in their order. The reply is a ``message``: a text block when the
 policy wrote text (or nothing else), then one ``tool_use`` block per tool call, its id the
-recorded call's id; ``stop_reason`` is ``tool_use``, ``max_tokens`` or ``end_turn``. Streamed,
+recorded call's id, after a ``thinking`` block when a thinking model reasoned (its signature
+empty: the text is the model's own; sent back, it is the turn's ``reasoning_content``); ``stop_reason`` is ``tool_use``, ``max_tokens`` or ``end_turn``. Streamed,
 it is Anthropic's event sequence: ``message_start``, per block ``content_block_start``, its
-``text_delta`` or ``input_json_delta`` deltas and ``content_block_stop``, then
+``thinking_delta``, ``text_delta`` or ``input_json_delta`` deltas and ``content_block_stop``, then
 ``message_delta`` (stop reason and usage) and ``message_stop``; ``ping`` keeps a long call's
 connection alive. Usage follows Anthropic's split: ``input_tokens`` excludes the prompt tokens
 the engine had cached, which are ``cache_read_input_tokens``.
 
 ``count_tokens`` renders the prompt with the policy's chat template and counts its tokens.
-Only custom (client) tools are served; ``thinking`` only disabled or adaptive (the policy
-decides, and writes no thinking blocks: its reasoning, if any, is in its text); a final
+Only custom (client) tools are served; ``thinking`` only disabled or adaptive (the policy's
+format decides whether it reasons: a budget cannot be honoured); a final
 assistant message (a prefill) is refused: the template starts a new assistant turn.
 """
 
@@ -194,11 +195,16 @@ def _user(blocks: list, where: str) -> list[dict]:
 def _assistant(blocks: list, where: str) -> list[dict]:
     texts: list[dict] = []
     calls: list[dict] = []
+    thoughts: list[str] = []
     for index, block in enumerate(blocks):
         at = f"{where}.content[{index}]"
         kind = _block_type(block, at)
         if kind == "text":
             texts.append(block)
+        elif kind == "thinking":  # a thinking block sent back: the turn's reasoning
+            if not isinstance(block.get("thinking"), str):
+                raise GatewayError(f"{at} needs a 'thinking' string")
+            thoughts.append(block["thinking"])
         elif kind == "tool_use":
             if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
                 raise GatewayError(f"{at} needs 'id' and 'name' strings")
@@ -207,10 +213,12 @@ def _assistant(blocks: list, where: str) -> list[dict]:
             calls.append({"id": block["id"], "type": "function", "function": function})
         else:
             raise GatewayError(
-                f"{at} is a {kind!r} block: assistant messages hold 'text' and 'tool_use' blocks "
-                "(the gateway produces no others)"
+                f"{at} is a {kind!r} block: assistant messages hold 'thinking', 'text' and "
+                "'tool_use' blocks (the gateway produces no others)"
             )
     message: dict[str, Any] = {"role": "assistant", "content": text_of(texts, where, _TEXT)}
+    if thoughts:
+        message["reasoning_content"] = "\n\n".join(thoughts)
     if calls:
         message["tool_calls"] = calls
     return [message]
@@ -284,6 +292,10 @@ class MessageShape(StreamShape):
         """The reply's content blocks, each with the text its deltas carry (a tool call's
         arguments as the policy's JSON)."""
         blocks: list[tuple[dict, str]] = []
+        if result.reasoning is not None:  # a thinking model's reasoning, first, as Claude's
+            # No signature: the text is the model's own, nothing to verify when it comes back.
+            thinking = {"type": "thinking", "thinking": result.reasoning, "signature": ""}
+            blocks.append((thinking, result.reasoning))
         if result.content or not result.tool_calls:
             blocks.append(({"type": "text", "text": result.content}, result.content))
         for call in result.tool_calls:
@@ -325,6 +337,9 @@ class MessageShape(StreamShape):
             opened: dict[str, Any]
             if block["type"] == "text":
                 opened, kind, key = {"type": "text", "text": ""}, "text_delta", "text"
+            elif block["type"] == "thinking":
+                opened = {"type": "thinking", "thinking": "", "signature": ""}
+                kind, key = "thinking_delta", "thinking"
             else:
                 opened, kind, key = {**block, "input": {}}, "input_json_delta", "partial_json"
             started = {"type": "content_block_start", "index": index, "content_block": opened}

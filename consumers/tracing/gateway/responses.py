@@ -4,10 +4,12 @@
 ``instructions`` become chat messages for one ``llm.chat``: an assistant message and the
 function calls after it are one assistant turn, each output one ``tool`` message, so a
 conversation sent back in full renders as the recorded one. The reply is a ``response`` object:
-a ``message`` item with one ``output_text`` part when the policy wrote text (or nothing else),
+a ``reasoning`` item when a thinking model reasoned (its text a ``reasoning_text`` part, as
+gpt-oss's; sent back in ``input``, it is the next assistant turn's ``reasoning_content``), a
+``message`` item with one ``output_text`` part when the policy wrote text (or nothing else),
 then one ``function_call`` item per tool call, its ``call_id`` the recorded call's id. Streamed,
 it is OpenAI's event sequence (``response.created``, ``response.in_progress``, per item
-``response.output_item.added``, the text or arguments deltas and their ``done``,
+``response.output_item.added``, the reasoning, text or arguments deltas and their ``done``,
 ``response.output_item.done``, then ``response.completed``, or ``response.incomplete`` when the
 reply hit ``max_output_tokens``), each event numbered by ``sequence_number``.
 
@@ -73,7 +75,7 @@ KNOWN = frozenset(
         *REFUSED,
     }
 )
-# include values with nothing to add: the gateway produces no reasoning items.
+# include values with nothing to add: reasoning items carry their text, never encrypted content.
 _INCLUDABLE = frozenset({"reasoning.encrypted_content"})
 _TEXT_PARTS = ("input_text", "output_text")
 
@@ -161,7 +163,21 @@ def input_messages(items: Any) -> list[dict]:
             if role not in ("user", "assistant", "system", "developer"):
                 raise GatewayError(f"{where} has role {role!r}", param="input")
             content = text_of(item.get("content"), f"{where}.content", _TEXT_PARTS)
+            last = messages[-1] if messages else None
+            if role == "assistant" and last is not None and _reasoning_only(last):
+                last["content"] = content  # the message of the turn its reasoning began
+                continue
             messages.append({"role": "system" if role == "developer" else role, "content": content})
+        elif kind == "reasoning":  # sent back: the reasoning of the assistant turn after it
+            parts = item.get("content") or []
+            if not parts and item.get("encrypted_content"):
+                raise GatewayError(
+                    f"{where} is encrypted reasoning (another provider's): the Agentarium "
+                    "gateway reads reasoning items by their reasoning_text content",
+                    param="input",
+                )
+            text = text_of(parts, f"{where}.content", ("reasoning_text",)) if parts else ""
+            messages.append({"role": "assistant", "content": "", "reasoning_content": text})
         elif kind == "function_call":
             call = {
                 "id": _string(item, "call_id", where),
@@ -186,6 +202,16 @@ def input_messages(items: Any) -> list[dict]:
                 param="input",
             )
     return messages
+
+
+def _reasoning_only(message: dict) -> bool:
+    """An assistant turn that so far holds a reasoning item alone."""
+    return (
+        message["role"] == "assistant"
+        and "reasoning_content" in message
+        and not message["content"]
+        and not message.get("tool_calls")
+    )
 
 
 def _string(item: dict, key: str, where: str) -> str:
@@ -316,6 +342,17 @@ class ResponseShape(StreamShape):
         """The output items, made once: the stream's events and its final response share ids."""
         if self._items is None:
             items: list[dict] = []
+            if result.reasoning is not None:  # a thinking model's reasoning, as gpt-oss's
+                items.append(
+                    {
+                        "id": f"rs_{_hex()}",
+                        "type": "reasoning",
+                        "summary": [],
+                        "content": [{"type": "reasoning_text", "text": result.reasoning}],
+                        "encrypted_content": None,
+                        "status": "completed",
+                    }
+                )
             if result.content or not result.tool_calls:
                 text = {
                     "type": "output_text",
@@ -357,6 +394,8 @@ class ResponseShape(StreamShape):
         for index, item in enumerate(self.items(result)):
             if item["type"] == "message":
                 yield from self._message_events(index, item)
+            elif item["type"] == "reasoning":
+                yield from self._reasoning_events(index, item)
             else:
                 yield from self._call_events(index, item)
         final = self.response(result)
@@ -374,6 +413,16 @@ class ResponseShape(StreamShape):
             yield self._event("response.output_text.delta", **ids, delta=piece, logprobs=[])
         yield self._event("response.output_text.done", **ids, text=text, logprobs=[])
         yield self._event("response.content_part.done", **ids, part=item["content"][0])
+        yield self._event("response.output_item.done", output_index=index, item=item)
+
+    def _reasoning_events(self, index: int, item: dict) -> Iterable[bytes]:
+        text = item["content"][0]["text"]
+        ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        opened = {**item, "status": "in_progress", "content": []}
+        yield self._event("response.output_item.added", output_index=index, item=opened)
+        for piece in deltas(text):
+            yield self._event("response.reasoning_text.delta", **ids, delta=piece)
+        yield self._event("response.reasoning_text.done", **ids, text=text)
         yield self._event("response.output_item.done", output_index=index, item=item)
 
     def _call_events(self, index: int, item: dict) -> Iterable[bytes]:
