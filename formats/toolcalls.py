@@ -112,27 +112,14 @@ def parse_tool_calls(
 def _hermes(text: str, _tools: list[dict]) -> ParsedToolCalls:
     if TOOL_CALL_OPEN not in text:
         return ParsedToolCalls(content=text)
-    calls: list[dict] = []
-    errors: list[ToolCallError] = []
-    kept: list[str] = []  # the text outside parsed blocks, malformed blocks included
-    position = 0
-    for match in _BLOCK.finditer(text):
-        raw = match.group(0)
-        body = (match.group(1) if match.group(1) is not None else match.group(2)).strip()
-        try:
-            payload = json.loads(body)
-            # A list of calls inside one block is rare but unambiguous.
-            found = (
-                [_to_call(p) for p in payload] if isinstance(payload, list) else [_to_call(payload)]
-            )
-        except ValueError as exc:
-            errors.append(ToolCallError(raw=raw, message=str(exc)))
-            continue
-        kept.append(text[position : match.start()])
-        position = match.end()
-        calls.extend(found)
-    kept.append(text[position:])
-    return ParsedToolCalls(content="".join(kept).strip(), tool_calls=calls, errors=errors)
+
+    def parse(block: re.Match) -> list[dict]:
+        body = (block.group(1) if block.group(1) is not None else block.group(2)).strip()
+        payload = json.loads(body)
+        # A list of calls inside one block is rare but unambiguous.
+        return [_to_call(p) for p in (payload if isinstance(payload, list) else [payload])]
+
+    return _blocks(text, _BLOCK, parse)
 
 
 def _blocks(text: str, pattern: re.Pattern, parse: Any) -> ParsedToolCalls:
