@@ -6,7 +6,9 @@ a reply (the tracing client and gateway, the local engine, the trainer's tokeniz
 - ``toolcalls.py``: tool calls parsed from generated text, per family (``TOOL_FORMATS``: Hermes,
   Qwen3-Coder, Llama 3 JSON, Mistral, DeepSeek-V3, gpt-oss harmony);
 - ``reasoning.py``: reasoning split off (``<think>`` blocks; ``harmony.py``: gpt-oss's channels);
-- ``reply.py``: a reply split into reasoning, content and tool calls by the model's formats.
+- ``reply.py``: a reply split into reasoning, content and tool calls by the model's formats;
+- ``families.py``: chat templates of the families (Qwen3, Qwen3-Coder, Llama 3, Mistral,
+  DeepSeek-V3, gpt-oss), written here in each family's format.
 
 Pure knowledge: nothing here imports a service, NATS or another component.
 """
