@@ -58,6 +58,13 @@ class ConsumerSettings:
     )
     llm_retries: int = setting(3, ge=0, help="retries per LLM call before failing over")
     llm_timeout_s: float = setting(600.0, gt=0, help="per LLM request")
+    tool_fallback: bool = setting(
+        False,
+        help="for a model whose chat template renders no tools (SmolLM2's): write the tools "
+        "into the system message, earlier calls and results into the conversation, and parse "
+        "<tool_call> blocks from the reply (formats/tool_fallback.py); without it such a call "
+        "is refused",
+    )
     fleet: FleetPolicy = section(FleetPolicy, prefix="fleet_")
     proxy_host: str | None = setting(
         None,

@@ -228,7 +228,9 @@ class ConsumerService:
         spec = self.spec
         template = self._template
         if template is None and spec.model_dir is not None:
-            template = ChatTemplate.from_model_dir(Path(spec.model_dir))
+            template = ChatTemplate.from_model_dir(
+                Path(spec.model_dir), tool_fallback=spec.settings.tool_fallback
+            )
         if template is None and spec.target.trainable:
             raise ValueError(
                 f"agent {spec.agent!r}: SGLang servers take token ids, so the model's tokenizer is "

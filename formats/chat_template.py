@@ -35,6 +35,7 @@ from tokenizers import AddedToken, Tokenizer
 
 from .errors import ToolsNotRendered
 from .reasoning import detect_reasoning_format
+from .tool_fallback import with_tools_in_text
 from .toolcalls import detect_tool_format
 
 # The prompt-ids cache (ChatTemplate.encode): at most this many prompts of at most this size.
@@ -382,6 +383,7 @@ class ChatTemplate:
         special_tokens: Mapping[str, str] | None = None,
         eos_token_ids: Sequence[int] = (),
         name: str = "",
+        tool_fallback: bool = False,
     ) -> None:
         if not templates:
             raise ValueError(
@@ -390,6 +392,9 @@ class ChatTemplate:
             )
         self.tokenizer = tokenizer
         self.name = name
+        # tools written into the conversation when the template renders none
+        # (formats/tool_fallback.py); off: such a call is refused (ToolsNotRendered)
+        self.tool_fallback = tool_fallback
         self.special_tokens = dict(special_tokens or {})
         self._sources = dict(templates)
         self._compiled = {key: compile_template(src) for key, src in templates.items()}
@@ -404,8 +409,9 @@ class ChatTemplate:
         self._closes: dict[str, str | None] = {}  # template name -> turn_close
 
     @classmethod
-    def from_model_dir(cls, path: str | Path) -> ChatTemplate:
-        """Load ``tokenizer.json``, the chat template and special tokens from a model directory."""
+    def from_model_dir(cls, path: str | Path, *, tool_fallback: bool = False) -> ChatTemplate:
+        """Load ``tokenizer.json``, the chat template and special tokens from a model directory
+        (``tool_fallback``: see ``formats/tool_fallback.py``)."""
         model_dir = Path(path)
         tokenizer = load_tokenizer(model_dir)
         config = _read_json(model_dir / "tokenizer_config.json")
@@ -430,6 +436,7 @@ class ChatTemplate:
             special_tokens=special,
             eos_token_ids=eos_ids,
             name=str(model_dir),
+            tool_fallback=tool_fallback,
         )
 
     @functools.cached_property
@@ -499,13 +506,16 @@ class ChatTemplate:
                         f"'function': {{...}}}}), got {tool!r}"
                     )
         key = self._pick(tools)
+        if tools and self.tool_fallback and not self.renders_tools(key):
+            chat, tools = with_tools_in_text(chat, tools), None
         if tools and not self.renders_tools(key):
             raise ToolsNotRendered(
                 f"the chat template of {self.name or 'this model'} does not render tools (its "
                 f"prompt is the same with and without them), so the model would never see the "
                 f"{len(tools)} tool(s) offered: use a model whose template reads `tools` (the "
-                "built-in tiny, Qwen2.5, Llama 3.1...), or describe the tools in a message "
-                "yourself and call without tools"
+                "built-in tiny, Qwen2.5, Llama 3.1...), turn on the tool fallback (the "
+                "consumer's --tool-fallback: the tools written into the system message), or "
+                "describe the tools in a message yourself and call without tools"
             )
         return self._compiled[key].render(
             messages=chat,
