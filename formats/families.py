@@ -26,7 +26,9 @@ class Family:
     tool_format: str
     reasoning_format: str
     assistant_open: tuple[str, ...]  # what starts an assistant turn's text in a rendering
-    turn_close: tuple[str, ...]  # what ends it (gpt-oss: a turn is several messages)
+    # what ends it: the tokens its model stops on (gpt-oss: <|call|>, <|return|>; a turn is
+    # several messages, and a finished one renders with <|end|> in the history)
+    turn_close: tuple[str, ...]
 
 
 # Tools described to the model in the system prompt, as JSON lines (Qwen's and Hermes's way).
@@ -303,7 +305,7 @@ FAMILIES = {
             "harmony",
             "harmony",
             ("<|start|>assistant",),
-            ("<|call|>", "<|end|>"),
+            ("<|call|>", "<|return|>"),
         ),
     )
 }

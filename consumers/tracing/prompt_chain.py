@@ -31,7 +31,7 @@ from typing import Any
 
 import structlog
 
-from agentarium.formats import ChatTemplate, arguments_as_objects
+from agentarium.formats import ChatTemplate, arguments_as_objects, normalize_messages
 
 log = structlog.get_logger("agentarium.consumers")
 
@@ -41,7 +41,7 @@ log = structlog.get_logger("agentarium.consumers")
 # continues), reply_rerendered (the template renders the finished reply's turn unlike the
 # prompt it was sampled after), history_rewritten (the earlier conversation renders otherwise
 # once the new messages follow), no_turn_end (the template's end of an assistant turn was not
-# found).
+# found: neither its plain replies' end nor the sampled text itself in the rendering).
 BUILDS = (
     "render",
     "extend",
@@ -80,6 +80,7 @@ class _Turn:
     text: str
     ids: list[int]  # prompt + sampled
     last: int  # the last sampled id
+    written: str = ""  # the sampled text, as decoded (the reply's own text in a rendering)
 
 
 class PromptChain:
@@ -120,7 +121,11 @@ class PromptChain:
         one without token ids: its reply exists only as text)."""
         if self.extend and prompt.ids and len(response_ids):
             ids = [*prompt.ids, *response_ids]
-            turn = _Turn(chat, tools, _reply_key(reply), prompt.text, ids, response_ids[-1])
+            # keyed as the next call's messages will hold it: normalized (a reasoning field
+            # gains its aliases there, as transformers adds them)
+            key = _reply_key(normalize_messages([reply])[0])
+            written = self.template.decode(list(response_ids), skip_special_tokens=True)
+            turn = _Turn(chat, tools, key, prompt.text, ids, response_ids[-1], written)
             self._turns.append(turn)
 
     def _continued(self, chat: list[dict]) -> _Turn | None:
@@ -152,7 +157,12 @@ class PromptChain:
             return "history_rewritten", None
         close = self.template.turn_close(tools)
         if close is None or not base.endswith(close):
-            return "no_turn_end", None
+            # This turn ends otherwise than a plain reply's (Llama 3 ends a tool call's turn
+            # with <|eom_id|>): what the rendering has after the reply's own text.
+            rest = base[len(turn.text) :]
+            if not turn.written or not rest.startswith(turn.written):
+                return "no_turn_end", None
+            close = rest[len(turn.written) :]
         if turn.last in self.template.eos_token_ids:
             # it ended its turn itself; the template may write more after that token ("\n")
             ended = self.template.decode([turn.last])
