@@ -23,6 +23,7 @@ from .chat_template import (
     tokenizer_fingerprint,
 )
 from .errors import ToolsNotRendered
+from .families import FAMILIES, Family
 from .harmony import HarmonyReply, split_harmony
 from .reasoning import (
     REASONING_FORMATS,
@@ -46,6 +47,7 @@ from .toolcalls import (
 )
 
 __all__ = [
+    "FAMILIES",
     "REASONING_FORMATS",
     "THINK_CLOSE",
     "THINK_OPEN",
@@ -53,6 +55,7 @@ __all__ = [
     "TOOL_CALL_OPEN",
     "TOOL_FORMATS",
     "ChatTemplate",
+    "Family",
     "HarmonyReply",
     "ParsedReply",
     "ParsedToolCalls",

@@ -43,12 +43,48 @@ def _peft():
     return peft
 
 
+def _expert_modules(model) -> list[str]:
+    """Names of a mixture of experts' expert blocks (Qwen3-MoE's, Mixtral's: their weights
+    are 3-D parameters, one slice an expert, not linear layers)."""
+    return [
+        name
+        for name, module in model.named_modules()
+        if type(module).__name__.endswith("Experts") and name
+    ]
+
+
 def with_lora(model, *, rank: int, alpha: float, target_modules: tuple[str, ...]):
-    """``model`` wrapped with fresh LoRA adapters (B = 0: the policy starts as the base)."""
+    """``model`` wrapped with fresh LoRA adapters (B = 0: the policy starts as the base).
+
+    On a mixture of experts, ``all-linear`` leaves the experts' weights alone (peft would
+    wrap their 3-D parameters, which no engine here folds in: the adapters train attention and
+    the router); naming the experts is refused."""
     peft = _peft()
     targets: str | list[str] = (
         ALL_LINEAR if tuple(target_modules) == (ALL_LINEAR,) else list(target_modules)
     )
+    experts = _expert_modules(model)
+    named = [t for t in target_modules if any(e.rsplit(".", 1)[-1] == t for e in experts)]
+    if named:
+        raise TrainerConfigError(
+            f"--lora-target-modules {', '.join(named)}: LoRA on a mixture of experts' expert "
+            "weights is not supported (they are 3-D parameters, one slice an expert, which the "
+            "engines do not fold adapters into); target the attention and router layers, as "
+            "all-linear does on such a model"
+        )
+    if experts and targets == ALL_LINEAR:
+        # peft's all-linear would wrap the experts' (and the router's) parameters as well:
+        # name the linear layers outside them instead, the output head aside, as all-linear does
+        head = model.get_output_embeddings()
+        targets = sorted(
+            {
+                name.rsplit(".", 1)[-1]
+                for name, module in model.named_modules()
+                if isinstance(module, torch.nn.Linear)
+                and module is not head
+                and not any(name.startswith(e + ".") for e in experts)
+            }
+        )
     config = peft.LoraConfig(
         r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, bias="none"
     )
