@@ -1,8 +1,10 @@
 """Each family's model in a multi-turn tool-using rollout through the gateway (formats/families.py):
-an endpoint agent on the official ``openai`` SDK, Chat Completions streamed and not, against an
+an endpoint agent on the official SDKs, through each API (Chat Completions, Responses and
+Messages), streamed and not, against an
 engine scripted to write what the family's model writes (its reasoning, a call, then the
-answer, in the family's own text, the tiny tokenizer's ids). The client gets the reasoning as
-``reasoning_content`` and the call parsed from the content alone; the trajectory stores the
+answer, in the family's own text, the tiny tokenizer's ids). The client gets the reasoning
+where its API puts it (``reasoning_content``, a reasoning item, a thinking block) and the call
+parsed from the content alone; the trajectory stores the
 engine's ids, and the second prompt extends the first (one row for the trainer)."""
 
 from __future__ import annotations
@@ -110,18 +112,120 @@ def chat_agent(stream: bool):
     return agent
 
 
+RESPONSES_TOOLS = [{"type": "function", **TOOLS[0]["function"]}]
+ANTHROPIC_TOOLS = [
+    {
+        "name": TOOLS[0]["function"]["name"],
+        "description": TOOLS[0]["function"]["description"],
+        "input_schema": TOOLS[0]["function"]["parameters"],
+    }
+]
+
+
+def responses_agent(stream: bool):
+    """The Responses API, stateless (store=false): the first response's items sent back with
+    the call's output, as Codex does."""
+
+    async def agent(task: dict, endpoint: str, model: str) -> float:
+        sdk = openai.AsyncOpenAI(base_url=endpoint, api_key="unused", max_retries=0)
+        items: list[dict] = list(QUESTION)
+        replies = []
+        for _ in range(2):
+            options = dict(model=model, input=items, tools=RESPONSES_TOOLS, store=False)
+            streamed = None
+            if stream:
+                events = [e async for e in await sdk.responses.create(**options, stream=True)]
+                response = events[-1].response
+                deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+                streamed = "".join(deltas)
+            else:
+                response = await sdk.responses.create(**options)
+            message: dict = {"role": "assistant", "content": ""}
+            for item in response.output:
+                if item.type == "reasoning":
+                    message["reasoning_content"] = item.content[0].text
+                    assert streamed in (None, item.content[0].text)
+                elif item.type == "message":
+                    message["content"] = item.content[0].text
+                elif item.type == "function_call":
+                    function = {"name": item.name, "arguments": item.arguments}
+                    call = {"id": item.call_id, "function": function}
+                    message.setdefault("tool_calls", []).append(call)
+            replies.append(message)
+            items += [item.model_dump(exclude_none=True) for item in response.output]
+            if "tool_calls" not in message:
+                break
+            for call in message["tool_calls"]:
+                output = {"type": "function_call_output", "call_id": call["id"], "output": "sunny"}
+                items.append(output)
+        SEEN[task["task_id"]] = replies
+        return 1.0
+
+    return agent
+
+
+def messages_agent(stream: bool):
+    """Anthropic's Messages API: thinking, text and tool_use blocks sent back, then the
+    tool_result, as Claude Code does."""
+
+    async def agent(task: dict, endpoint: str, model: str) -> float:
+        import anthropic
+
+        sdk = anthropic.AsyncAnthropic(
+            base_url=endpoint.removesuffix("/v1"), api_key="unused", max_retries=0
+        )
+        messages: list[dict] = list(QUESTION)
+        replies = []
+        for _ in range(2):
+            options = dict(model=model, max_tokens=256, messages=messages, tools=ANTHROPIC_TOOLS)
+            if stream:
+                async with sdk.messages.stream(**options) as events:
+                    reply = await events.get_final_message()
+            else:
+                reply = await sdk.messages.create(**options)
+            message: dict = {"role": "assistant", "content": ""}
+            for block in reply.content:
+                if block.type == "thinking":
+                    message["reasoning_content"] = block.thinking
+                elif block.type == "text":
+                    message["content"] = block.text
+                elif block.type == "tool_use":
+                    function = {"name": block.name, "arguments": json.dumps(block.input)}
+                    message.setdefault("tool_calls", []).append(
+                        {"id": block.id, "function": function}
+                    )
+            replies.append(message)
+            blocks = [b.model_dump(exclude_none=True) for b in reply.content]
+            messages.append({"role": "assistant", "content": blocks})
+            if "tool_calls" not in message:
+                break
+            results = [
+                {"type": "tool_result", "tool_use_id": c["id"], "content": "sunny"}
+                for c in message["tool_calls"]
+            ]
+            messages.append({"role": "user", "content": results})
+        SEEN[task["task_id"]] = replies
+        return 1.0
+
+    return agent
+
+
+AGENTS = {"chat": chat_agent, "responses": responses_agent, "messages": messages_agent}
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("api", sorted(AGENTS))
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 async def test_a_familys_tool_using_rollout_through_the_gateway(
-    js, topology, template, name, stream
+    js, topology, template, name, api, stream
 ):
     family = FAMILIES[name]
     chat = ChatTemplate(template.tokenizer, {"default": family.template}, name=name, eos_token_ids=template.eos_token_ids)  # fmt: skip
     policy, texts = family_policy(chat, family)
-    agent = f"fam-{name.replace('_', '-')}-{int(stream)}"
+    agent = f"fam-{name.replace('_', '-')}-{api}-{int(stream)}"
     async with serving(scripted(chat, policy)) as fake:
         await TaskProducer(js, topology).submit(agent, [{"task_id": "t"}], run=agent)
-        async with worker_for(js, agent, chat_agent(stream), [fake.url], attempts=1, template=chat) as worker:  # fmt: skip
+        async with worker_for(js, agent, AGENTS[api](stream), [fake.url], attempts=1, template=chat) as worker:  # fmt: skip
             counters = await worker.run()
     assert counters.ok == 1, counters
     [trajectory] = await TrajectoryReader(js, topology).read(agent)
