@@ -551,11 +551,29 @@ class ChatTemplate:
         return known
 
     def render_normalized(
-        self, chat: list[dict], tools: list | None = None, *, add_generation_prompt: bool = True
+        self,
+        chat: list[dict],
+        tools: list | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        variables: Mapping[str, Any] | None = None,
     ) -> str:
         """``render`` for messages already through ``normalize_messages`` and tools already
-        plain data (what the tracing client holds): the same text, without copying them again."""
-        return self._render(chat, tools, add_generation_prompt, {})
+        plain data (what the tracing client holds): the same text, without copying them again.
+        ``variables``: template variables beyond the messages (``enable_thinking``)."""
+        return self._render(chat, tools, add_generation_prompt, dict(variables or {}))
+
+    @functools.cached_property
+    def thinking_switch(self) -> bool:
+        """Whether the template turns its model's reasoning on and off (Qwen3's
+        ``enable_thinking``): the generation prompt differs between the two."""
+        probe = [{"role": "user", "content": "x"}]
+        try:
+            on = self._render(probe, None, True, {"enable_thinking": True})
+            off = self._render(probe, None, True, {"enable_thinking": False})
+        except Exception:  # noqa: BLE001 - a template that refuses the probe has no switch here
+            return False
+        return on != off
 
     def encode_normalized(self, chat: list[dict], tools: list | None = None) -> list[int]:
         """``encode_chat`` for normalized messages and plain tools (``render_normalized``)."""

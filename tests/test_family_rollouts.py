@@ -245,3 +245,66 @@ async def test_a_familys_tool_using_rollout_through_the_gateway(
         two.prompt_ids[: len(one.prompt_ids) + len(one.response_ids)]
         == one.prompt_ids + one.response_ids
     )
+
+
+async def test_reasoning_is_turned_on_and_off_where_the_template_can(replying, template):
+    """Qwen3's template has an enable_thinking switch: off, its generation prompt closes an
+    empty think block and the reply has no reasoning. A model without one takes only what it
+    does anyway: the tiny model never reasons (off is a no-op, on is refused), DeepSeek's
+    template always opens the block (on is a no-op, off is refused)."""
+    from agentarium.consumers.backends import SGLangBackend
+    from agentarium.consumers.errors import BadRequest
+    from agentarium.consumers.tracing.llm import TracingLLM
+    from agentarium.schemas import Sampling
+
+    def llm_for(chat: ChatTemplate, url: str) -> TracingLLM:
+        backend = SGLangBackend([url], backoff=0.0)
+        return TracingLLM(backend, chat, Sampling(max_new_tokens=64), model_name="tiny")
+
+    qwen3 = ChatTemplate(template.tokenizer, {"default": FAMILIES["qwen3"].template}, name="q3")
+    deepseek = ChatTemplate(
+        template.tokenizer, {"default": FAMILIES["deepseek_v3"].template}, name="ds"
+    )
+    assert qwen3.thinking_switch and not deepseek.thinking_switch
+    assert not template.thinking_switch
+    fake = await replying("Sunny.")
+    off = llm_for(qwen3, fake.url)
+    result = await off.chat(QUESTION, thinking=False)
+    assert result.reasoning is None and result.content == "Sunny."
+    prompt = qwen3.decode(fake.requests[-1]["input_ids"])
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    await off.chat(QUESTION, thinking=True)
+    assert qwen3.decode(fake.requests[-1]["input_ids"]).endswith("<|im_start|>assistant\n")
+    tiny = llm_for(template, fake.url)
+    await tiny.chat(QUESTION, thinking=False)  # what it does anyway
+    with pytest.raises(BadRequest, match="cannot be turned on: this model does not reason"):
+        await tiny.chat(QUESTION, thinking=True)
+    always = llm_for(deepseek, fake.url)
+    await always.chat(QUESTION, thinking=True)
+    with pytest.raises(BadRequest, match="cannot be turned off: this model always reasons"):
+        await always.chat(QUESTION, thinking=False)
+    for llm in (off, tiny, always):
+        await llm.backend.aclose()
+
+
+def test_each_api_asks_for_reasoning_on_or_off_in_its_own_terms():
+    from agentarium.consumers.tracing.gateway import anthropic, chat, responses
+    from agentarium.consumers.tracing.gateway.errors import GatewayError
+    from agentarium.consumers.tracing.gateway.route import Route
+
+    user = [{"role": "user", "content": "hi"}]
+    assert chat.parse({"messages": user}).call.thinking is None
+    assert chat.parse({"messages": user, "reasoning_effort": "none"}).call.thinking is False
+    assert chat.parse({"messages": user, "reasoning_effort": "low"}).call.thinking is True
+    with pytest.raises(GatewayError, match="is not one of"):
+        chat.parse({"messages": user, "reasoning_effort": "max"})
+    route = Route("j", "s", None)  # the store of previous responses is all parse reads
+    for effort, want in ((None, None), ("none", False), ("high", True)):
+        body = {"input": "hi", "reasoning": {"effort": effort, "summary": None}}
+        assert responses.parse(body, route).call.thinking is want
+    for kind, want in ((None, None), ("disabled", False), ("adaptive", None)):
+        body = {"messages": user, "max_tokens": 9, **({"thinking": {"type": kind}} if kind else {})}
+        assert anthropic.parse(body).call.thinking is want
+    with pytest.raises(GatewayError, match="with a budget cannot be served"):
+        anthropic.parse({"messages": user, "max_tokens": 9,
+                         "thinking": {"type": "enabled", "budget_tokens": 1024}})  # fmt: skip

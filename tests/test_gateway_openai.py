@@ -296,7 +296,8 @@ async def test_what_the_responses_api_cannot_serve_is_refused(gateway):
             "text model",
         ),
         "background": ({"background": True}, "background is not supported"),
-        "reasoning effort": ({"reasoning": {"effort": "high"}}, "reasoning effort cannot"),
+        "reasoning effort": ({"reasoning": {"effort": "high"}}, "cannot be turned on"),
+        "unknown effort": ({"reasoning": {"effort": "max"}}, "is not one of none"),
         "forced tool": (
             {"tools": RESPONSES_TOOLS, "tool_choice": "required"},
             "cannot be enforced",

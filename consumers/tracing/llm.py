@@ -222,9 +222,18 @@ class TracingLLM:
         self._span_name = f"chat {model_name}".rstrip()
 
     async def chat(
-        self, messages: Sequence[Any], tools: Sequence[Any] | None = None, **sampling: Any
+        self,
+        messages: Sequence[Any],
+        tools: Sequence[Any] | None = None,
+        *,
+        thinking: bool | None = None,
+        **sampling: Any,
     ) -> ChatResult:
-        """Generate the assistant's next message; per-call sampling overrides the job's."""
+        """Generate the assistant's next message; per-call sampling overrides the job's.
+        ``thinking`` turns a thinking model's reasoning on or off (its template's
+        ``enable_thinking``; None: the template's default); asking what the model cannot do
+        (off for a model that always reasons, on for one that never does) is a BadRequest."""
+        variables = self._thinking_variables(thinking)
         chat = normalize_messages(messages)
         tool_list = plain_data(list(tools)) if tools else None
         eos = self.template.eos_token_ids if self.template is not None else []
@@ -241,7 +250,7 @@ class TracingLLM:
         )
         token = otel_context.attach(trace.set_span_in_context(span))
         try:
-            result, response = await self._chat(index, chat, tool_list, params)
+            result, response = await self._chat(index, chat, tool_list, params, variables)
         except BaseException as exc:  # CancelledError too: a deadline cut the call
             if span.is_recording():
                 span.set_attribute("error.type", genai.error_type(exc))
@@ -294,14 +303,34 @@ class TracingLLM:
                 attributes["gen_ai.tool.definitions"] = genai.tool_definitions(tools)
         return attributes
 
+    def _thinking_variables(self, thinking: bool | None) -> dict | None:
+        """The template variables that honour ``thinking`` (see ``chat``)."""
+        if thinking is None:
+            return None
+        if self.template is not None and self.template.thinking_switch:
+            return {"enable_thinking": bool(thinking)}
+        thinks = self.reasoning_format != "none"
+        if bool(thinking) != thinks:
+            raise BadRequest(
+                f"reasoning cannot be turned {'on' if thinking else 'off'}: this model "
+                f"{'always reasons' if thinks else 'does not reason'} (its chat template has no "
+                "enable_thinking switch)"
+            )
+        return None  # what the model does anyway
+
     async def _chat(
-        self, index: int, chat: list[dict], tools: list | None, params: dict
+        self,
+        index: int,
+        chat: list[dict],
+        tools: list | None,
+        params: dict,
+        variables: dict | None = None,
     ) -> tuple[ChatResult, dict[str, AttributeValue]]:
         """The call, and the attributes its span gets from the response."""
         prompt = Prompt([], "", "")
         if self.chain is not None:
             try:
-                prompt = self.chain.prompt(chat, tools)
+                prompt = self.chain.prompt(chat, tools, variables)
             except jinja2.TemplateError as exc:
                 raise BadRequest(f"the chat template refused these messages: {exc}") from exc
             observe_prompt(prompt.build)
@@ -359,7 +388,7 @@ class TracingLLM:
         )
         self.calls.append(call)
         if self.chain is not None:
-            self.chain.record(chat, tools, prompt, message, result.output_ids)
+            self.chain.record(chat, tools, prompt, message, result.output_ids, variables)
 
         prompt_tokens = len(input_ids) or result.prompt_tokens
         output_tokens = len(result.output_ids) or result.completion_tokens

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -37,8 +37,8 @@ log = structlog.get_logger("agentarium.consumers")
 
 # How a prompt was built. render: the conversation rendered (no earlier call it continues);
 # extend: an earlier call's prompt + sampled ids + the new messages' tokens. The others are
-# rendered because extending was refused: tools_changed (other tools than the call it
-# continues), reply_rerendered (the template renders the finished reply's turn unlike the
+# rendered because extending was refused: tools_changed (other tools, or other template
+# variables such as thinking on or off, than the call it continues), reply_rerendered (the template renders the finished reply's turn unlike the
 # prompt it was sampled after), history_rewritten (the earlier conversation renders otherwise
 # once the new messages follow), no_turn_end (the template's end of an assistant turn was not
 # found: neither its plain replies' end nor the sampled text itself in the rendering).
@@ -81,6 +81,7 @@ class _Turn:
     ids: list[int]  # prompt + sampled
     last: int  # the last sampled id
     written: str = ""  # the sampled text, as decoded (the reply's own text in a rendering)
+    variables: dict = field(default_factory=dict)  # the template variables it was rendered with
 
 
 class PromptChain:
@@ -94,15 +95,18 @@ class PromptChain:
         self.extend = extend
         self._turns: deque[_Turn] = deque(maxlen=KEEP_TURNS)
 
-    def prompt(self, chat: list[dict], tools: list | None) -> Prompt:
-        """The prompt for ``chat`` (normalized messages) and ``tools`` (plain data).
+    def prompt(self, chat: list[dict], tools: list | None, variables: dict | None = None) -> Prompt:
+        """The prompt for ``chat`` (normalized messages), ``tools`` (plain data) and template
+        ``variables`` (``enable_thinking``).
 
         Raises jinja2.TemplateError when the template refuses the messages."""
         rendered = arguments_as_objects(chat)
-        text = self.template.render_normalized(rendered, tools)
+        text = self.template.render_normalized(rendered, tools, variables=variables)
         turn = self._continued(chat) if self.extend else None
         if turn is None:
             return Prompt(self.template.encode(text), text, "render")
+        if (variables or {}) != turn.variables:
+            return Prompt(self.template.encode(text), text, "tools_changed")
         build, ids = self._extension(turn, rendered, tools, text)
         if ids is None:
             _note_refusal(self.template, build)
@@ -116,6 +120,7 @@ class PromptChain:
         prompt: Prompt,
         reply: dict,
         response_ids: Sequence[int],
+        variables: dict | None = None,
     ) -> None:
         """Remember a finished call, so that a later call continuing it extends its ids (not
         one without token ids: its reply exists only as text)."""
@@ -125,7 +130,9 @@ class PromptChain:
             # gains its aliases there, as transformers adds them)
             key = _reply_key(normalize_messages([reply])[0])
             written = self.template.decode(list(response_ids), skip_special_tokens=True)
-            turn = _Turn(chat, tools, key, prompt.text, ids, response_ids[-1], written)
+            turn = _Turn(
+                chat, tools, key, prompt.text, ids, response_ids[-1], written, dict(variables or {})
+            )
             self._turns.append(turn)
 
     def _continued(self, chat: list[dict]) -> _Turn | None:
@@ -149,7 +156,10 @@ class PromptChain:
             return "tools_changed", None
         # The conversation up to and with the earlier reply, as a finished turn.
         base = self.template.render_normalized(
-            rendered[: len(turn.chat) + 1], tools, add_generation_prompt=False
+            rendered[: len(turn.chat) + 1],
+            tools,
+            add_generation_prompt=False,
+            variables=turn.variables,
         )
         if not base.startswith(turn.text):
             return "reply_rerendered", None

@@ -14,8 +14,9 @@ connection alive. Usage follows Anthropic's split: ``input_tokens`` excludes the
 the engine had cached, which are ``cache_read_input_tokens``.
 
 ``count_tokens`` renders the prompt with the policy's chat template and counts its tokens.
-Only custom (client) tools are served; ``thinking`` only disabled or adaptive (the policy's
-format decides whether it reasons: a budget cannot be honoured); a final
+Only custom (client) tools are served; ``thinking`` disabled (reasoning off: refused for a
+model that always reasons) or adaptive (the model's default), not enabled with a budget (a
+model's reasoning is on or off, its length bounded by ``max_tokens`` alone); a final
 assistant message (a prefill) is refused: the template starts a new assistant turn.
 """
 
@@ -102,7 +103,10 @@ def parse(body: dict, *, counting: bool = False) -> MessagesRequest:
     if schema is not None:
         sampling["json_schema"] = json.dumps(schema)
     messages = chat_messages(body.get("system"), body["messages"])
-    return MessagesRequest(ChatCall(messages, _tools(body), sampling), bool(body.get("stream")))
+    # disabled: reasoning off; adaptive or unset: the model's default
+    thinking = False if (body.get("thinking") or {}).get("type") == "disabled" else None
+    call = ChatCall(messages, _tools(body), sampling, thinking=thinking)
+    return MessagesRequest(call, bool(body.get("stream")))
 
 
 def _check_options(body: dict) -> None:
@@ -111,8 +115,9 @@ def _check_options(body: dict) -> None:
         not isinstance(thinking, dict) or thinking.get("type") not in ("disabled", "adaptive")
     ):
         raise GatewayError(
-            "extended thinking cannot be served: the policy writes its reasoning, if any, in its "
-            "text (disable thinking in the client, or make it adaptive)"
+            "extended thinking with a budget cannot be served: a thinking model's reasoning "
+            "is on or off, its length bounded by max_tokens alone (disable thinking in the "
+            "client, or make it adaptive)"
         )
     config = body.get("output_config") or {}
     if not isinstance(config, dict) or config.get("effort") is not None:

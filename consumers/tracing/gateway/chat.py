@@ -26,7 +26,7 @@ from aiohttp import web
 
 from ..llm import ChatResult
 from .errors import GatewayError, openai_error, refuse_set, refuse_unknown
-from .route import ChatCall, Route, stop_list, text_of
+from .route import ChatCall, Route, stop_list, text_of, thinking_of_effort
 from .sse import StreamShape, deltas, event, serve_stream
 
 FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "abort": "stop"}
@@ -108,12 +108,7 @@ def parse(body: dict) -> ChatRequest:
         raise GatewayError(
             "n > 1 is not supported: one rollout samples one reply per call", param="n"
         )
-    if body.get("reasoning_effort") not in (None, "none"):
-        raise GatewayError(
-            "reasoning_effort cannot be served: the policy's reasoning is not configurable per "
-            "request (leave it unset, or 'none')",
-            param="reasoning_effort",
-        )
+    thinking = thinking_of_effort(body.get("reasoning_effort"), "reasoning_effort")
     if body.get("modalities") not in (None, ["text"]):
         raise GatewayError("only the 'text' modality is served: the policy is a text model")
     sampling = {key: body[key] for key in SAMPLING_FIELDS if body.get(key) is not None}
@@ -128,7 +123,10 @@ def parse(body: dict) -> ChatRequest:
         raise GatewayError("stream_options must be an object", param="stream_options")
     return ChatRequest(
         call=ChatCall(
-            [_message(m, i) for i, m in enumerate(body["messages"])], _tools(body), sampling
+            [_message(m, i) for i, m in enumerate(body["messages"])],
+            _tools(body),
+            sampling,
+            thinking=thinking,
         ),
         stream=bool(body.get("stream")),
         include_usage=bool(options.get("include_usage")),

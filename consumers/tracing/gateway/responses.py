@@ -31,7 +31,7 @@ from aiohttp import web
 
 from ..llm import ChatResult
 from .errors import GatewayError, openai_error, refuse_set, refuse_unknown
-from .route import ChatCall, Route, list_field, text_of
+from .route import ChatCall, Route, list_field, text_of, thinking_of_effort
 from .sse import StreamShape, deltas, event, serve_stream
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
@@ -110,7 +110,12 @@ def parse(body: dict, route: Route) -> ResponsesRequest:
     if schema is not None:
         sampling["json_schema"] = schema
     return ResponsesRequest(
-        call=ChatCall([*system, *conversation], _tools(body), sampling),
+        call=ChatCall(
+            [*system, *conversation],
+            _tools(body),
+            sampling,
+            thinking=thinking_of_effort((body.get("reasoning") or {}).get("effort"), "reasoning"),
+        ),
         conversation=conversation,
         stream=bool(body.get("stream")),
         store=body.get("store") is not False,
@@ -118,15 +123,12 @@ def parse(body: dict, route: Route) -> ResponsesRequest:
 
 
 def _check_options(body: dict) -> None:
-    # No reasoning is configured or returned: an effort of "none" asks for what is served, and
-    # a summary of reasoning items there will never be asks for nothing.
+    # The effort turns reasoning on or off (the tracing client refuses what the model cannot
+    # do); summaries of reasoning items are never produced: asking for one asks for nothing.
     reasoning = body.get("reasoning") or {}
-    if not isinstance(reasoning, dict) or reasoning.get("effort") not in (None, "none"):
-        raise GatewayError(
-            "reasoning effort cannot be served: the policy's reasoning is not configurable per "
-            "request (leave 'reasoning' unset, or its effort 'none')",
-            param="reasoning",
-        )
+    if not isinstance(reasoning, dict):
+        raise GatewayError("reasoning must be an object", param="reasoning")
+    thinking_of_effort(reasoning.get("effort"), "reasoning.effort")
     extra = [
         v for v in list_field(body, "include") if not isinstance(v, str) or v not in _INCLUDABLE
     ]

@@ -66,12 +66,31 @@ class ChatCall:
     messages: list[dict]
     tools: list[dict] | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
+    thinking: bool | None = None  # reasoning on or off, as the API asked; None: the default
 
     async def run(self, llm: TracingLLM) -> ChatResult:
         try:
-            return await llm.chat(self.messages, tools=self.tools, **self.sampling)
+            return await llm.chat(
+                self.messages, tools=self.tools, thinking=self.thinking, **self.sampling
+            )
         except (LLMError, TypeError, ValueError) as exc:
             raise from_llm_error(exc) from exc
+
+
+# OpenAI's reasoning efforts: "none" turns reasoning off, the others on (their levels cannot
+# be told apart by a model whose template has an on/off switch at most).
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+def thinking_of_effort(effort: Any, param: str) -> bool | None:
+    """A reasoning effort as reasoning on (True) or off (False); None when not given."""
+    if effort is None:
+        return None
+    if effort not in EFFORTS:
+        raise GatewayError(
+            f"{param} {effort!r} is not one of {', '.join(EFFORTS)}", param=param.split(".")[0]
+        )
+    return effort != "none"
 
 
 def text_of(content: Any, where: str, text_types: tuple[str, ...]) -> str:
