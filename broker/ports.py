@@ -11,11 +11,11 @@ already in use". With dozens of test workers and servers connecting at once it h
 and reserves each port it hands out with an advisory lock (``flock``) on a file named after the
 port, held by the calling process, so that no other caller of ``free_port`` on this machine
 (another test worker, another suite, a child process) hands the same port out while this
-process lives. A port some process already listens on, or cannot be bound, is skipped.
+process holds it. A port some process already listens on, or cannot be bound, is skipped.
 
-A caller that binds the port itself gives nothing back: the lock goes with the process. A
-long-lived process keeps at most ``_MAX_HELD`` reservations; the oldest are released first
-(their servers have bound them long since).
+A caller that binds the port itself gives nothing back: the lock goes with the process, or, as
+a process keeps at most ``_MAX_HELD`` reservations, with the 64th newer one (by then its
+server has bound it long since).
 """
 
 from __future__ import annotations
@@ -28,9 +28,12 @@ import tempfile
 from collections import OrderedDict
 from pathlib import Path
 
-# Below the ephemeral range: ports from here up to its start, at most this many of them
-_LOWEST = 10000
-_MAX_HELD = 512
+# Below the ephemeral range, from here up to its start: above Ray's worker ports (10002-19999
+# by default), which its raylets bind themselves
+_LOWEST = 20000
+# reservations one process keeps at most, the oldest released first (their servers have bound
+# them long since): a few file descriptors, far under any fd limit
+_MAX_HELD = 64
 _EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 _held: OrderedDict[int, int] = OrderedDict()  # port -> fd of its lock file
@@ -57,7 +60,9 @@ def _candidates(low: int, high: int) -> range:
 
 
 def _lock_dir() -> Path:
-    path = Path(tempfile.gettempdir()) / f"agentarium-ports-{os.getuid()}"
+    # one place for every process of the user, whatever its TMPDIR
+    root = Path("/tmp") if Path("/tmp").is_dir() else Path(tempfile.gettempdir())
+    path = root / f"agentarium-ports-{os.getuid()}"
     path.mkdir(mode=0o700, exist_ok=True)
     return path
 

@@ -22,13 +22,37 @@ from dataclasses import dataclass, field
 
 from .toolcalls import ToolCallError, _call
 
-_MESSAGE = re.compile(
-    r"(?:<\|start\|>)?(?P<header>(?:(?!<\|message\|>|<\|start\|>).)*)<\|message\|>"
-    r"(?P<body>.*?)(?:<\|end\|>|<\|call\|>|<\|return\|>|(?=<\|start\|>)|\Z)",
-    re.DOTALL,
-)
+_START, _MESSAGE, _ENDS = "<|start|>", "<|message|>", ("<|end|>", "<|call|>", "<|return|>")
 _CHANNEL = re.compile(r"<\|channel\|>\s*([\w-]+)")
 _RECIPIENT = re.compile(r"to=([^\s<]+)")
+
+
+def _messages(text: str) -> list[tuple[str, str, str]]:
+    """(header, body, raw) of each message, in one pass over the markers; text outside any
+    message comes as a message with no header (kept as content)."""
+    out: list[tuple[str, str, str]] = []
+    position = 0
+    while position < len(text):
+        marker = text.find(_MESSAGE, position)
+        if marker == -1:
+            out.append(("", text[position:], text[position:]))
+            break
+        # the header: from the last <|start|> (or the last message's end) to <|message|>
+        start = text.rfind(_START, position, marker)
+        header_from = start + len(_START) if start != -1 else position
+        if start > position:  # text between a message's end and the next <|start|>
+            out.append(("", text[position:start], text[position:start]))
+        body_from = marker + len(_MESSAGE)
+        ends = [(text.find(e, body_from), e) for e in _ENDS]
+        nxt = text.find(_START, body_from)
+        if nxt != -1:
+            ends.append((nxt, ""))
+        found = [(at, e) for at, e in ends if at != -1]
+        at, end = min(found) if found else (len(text), "")
+        raw = text[start if start != -1 else position : at + len(end)]
+        out.append((text[header_from:marker], text[body_from:at], raw))
+        position = at + len(end)
+    return out
 
 
 @dataclass(frozen=True)
@@ -41,14 +65,13 @@ class HarmonyReply:
 
 def split_harmony(text: str) -> HarmonyReply:
     """``text`` (decoded with its special tokens) split into reasoning, content and calls."""
-    if "<|message|>" not in text:
+    if _MESSAGE not in text:
         return HarmonyReply(None, text)
     reasoning: list[str] = []
     content: list[str] = []
     calls: list[dict] = []
     errors: list[ToolCallError] = []
-    for match in _MESSAGE.finditer(text):
-        header, body = match.group("header"), match.group("body")
+    for header, body, raw in _messages(text):
         channel = _CHANNEL.search(header)
         recipient = _RECIPIENT.search(header)
         if recipient and recipient.group(1).startswith("functions."):
@@ -56,11 +79,11 @@ def split_harmony(text: str) -> HarmonyReply:
             try:
                 calls.append(_call(name, json.loads(body)))
             except ValueError as exc:
-                errors.append(ToolCallError(raw=match.group(0), message=str(exc)))
-                content.append(match.group(0))
+                errors.append(ToolCallError(raw=raw, message=str(exc)))
+                content.append(raw)
         elif channel and channel.group(1) == "analysis":
             reasoning.append(body.strip())
-        else:  # final, or commentary to the user
+        else:  # final, commentary to the user, or text outside any message
             content.append(body.strip())
     return HarmonyReply(
         reasoning="\n\n".join(r for r in reasoning if r) or None,

@@ -163,6 +163,8 @@ def _schema_types(tools: list[dict], name: str) -> dict[str, Any]:
 def _coder_value(raw: str, kind: Any) -> Any:
     value = raw.strip("\n")
     kinds = kind if isinstance(kind, list) else [kind]
+    if "string" in kinds:  # text as written ("123" stays a string), or a nullable's null
+        return None if value == "null" and "null" in kinds else value
     if kind is None or any(k in _JSON_TYPES for k in kinds):
         try:
             return json.loads(value)
@@ -210,7 +212,9 @@ def _llama3_json(text: str, _tools: list[dict]) -> ParsedToolCalls:
     try:
         while position < len(body):
             payload, end = decoder.raw_decode(body, position)
-            if not isinstance(payload, dict) or "name" not in payload:
+            if not isinstance(payload, dict) or not (
+                "name" in payload and ("parameters" in payload or "arguments" in payload)
+            ):
                 raise ValueError("a JSON object without a 'name' is not a tool call")
             calls.append(_to_call(payload))
             rest = body[end:].lstrip()
@@ -292,12 +296,13 @@ def _deepseek_v3(text: str, _tools: list[dict]) -> ParsedToolCalls:
         )
 
     parsed = _blocks(section, _DS_CALL, parse)
-    content = (
-        (text[:start] + " " + parsed.content + " " + tail).strip()
-        if parsed.errors
-        else (text[:start] + tail).strip()
-    )
-    return ParsedToolCalls(content=content, tool_calls=parsed.tool_calls, errors=parsed.errors)
+    errors = list(parsed.errors)
+    if parsed.content and not errors:  # text in the section outside any call
+        message = "text inside the tool-calls section that is not a call"
+        errors.append(ToolCallError(raw=parsed.content, message=message))
+    # nothing the model wrote is lost: what did not parse stays in the content
+    kept = f"{text[:start]} {parsed.content} {tail}" if errors else f"{text[:start]}{tail}"
+    return ParsedToolCalls(content=kept.strip(), tool_calls=parsed.tool_calls, errors=errors)
 
 
 def _harmony(text: str, _tools: list[dict]) -> ParsedToolCalls:

@@ -115,3 +115,11 @@ def test_lora_trains_each_and_leaves_a_mixtures_experts_alone(arch):
     if moe:
         with pytest.raises(TrainerConfigError, match="expert weights is not supported"):
             with_lora(load_model(model_dir, "cpu"), rank=4, alpha=8, target_modules=("experts",))
+
+
+def test_the_trainer_packs_only_models_whose_attention_allows_it():
+    from agentarium.trainer.config import TrainerConfig
+
+    for arch in ARCHITECTURES:
+        config = TrainerConfig(run="r", agent="a", model_dir=str(ensure_tiny_architecture(arch)))
+        assert config.pack_rows and StepSettings.from_config(config).pack_rows == (arch in PACKED)

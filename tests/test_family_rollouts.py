@@ -308,3 +308,30 @@ def test_each_api_asks_for_reasoning_on_or_off_in_its_own_terms():
     with pytest.raises(GatewayError, match="with a budget cannot be served"):
         anthropic.parse({"messages": user, "max_tokens": 9,
                          "thinking": {"type": "enabled", "budget_tokens": 1024}})  # fmt: skip
+
+
+async def test_a_reply_sent_back_without_its_reasoning_still_extends(replying, template):
+    """Most agent loops keep a reply's content and tool calls and drop the reasoning field:
+    the next call still continues the recorded ids (one row)."""
+    from agentarium.consumers.backends import SGLangBackend
+    from agentarium.consumers.tracing.llm import TracingLLM
+    from agentarium.schemas import Sampling
+
+    qwen3 = ChatTemplate(
+        template.tokenizer,
+        {"default": FAMILIES["qwen3"].template},
+        name="q3",
+        eos_token_ids=template.eos_token_ids,
+    )
+    fake = await replying("<think>\nHmm.\n</think>\n\nSunny.")
+    backend = SGLangBackend([fake.url], backoff=0.0)
+    try:
+        llm = TracingLLM(backend, qwen3, Sampling(max_new_tokens=64), model_name="tiny")
+        first = await llm.chat(QUESTION)
+        assert first.reasoning == "Hmm." and first.content == "Sunny."
+        echoed = {"role": "assistant", "content": first.content}  # no reasoning_content
+        await llm.chat([*QUESTION, echoed, {"role": "user", "content": "And Rome?"}])
+    finally:
+        await backend.aclose()
+    assert llm.calls[1].prompt_build == "extend"
+    assert llm.calls[1].prompt_ids[: len(llm.calls[0].prompt_ids)] == llm.calls[0].prompt_ids

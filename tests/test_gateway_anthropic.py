@@ -165,7 +165,10 @@ async def test_what_the_messages_api_cannot_serve_is_refused(gateway):
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA"}}
     cases = {
         "image": ({"messages": [{"role": "user", "content": [image]}]}, "'image' block"),
-        "thinking": ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "with a budget cannot"),
+        "thinking": (
+            {"thinking": {"type": "enabled", "budget_tokens": 1024}},
+            "with a budget cannot",
+        ),
         "prefill": ({"messages": [*QUESTION, {"role": "assistant", "content": "The"}]}, "prefill"),
         "server tool": (
             {"tools": [{"type": "web_search_20250305", "name": "web_search"}]},

@@ -364,3 +364,36 @@ def check_messages(result) -> None:
     _, turn, _ = chat_messages(None, sent_back)
     assert turn["reasoning_content"] == result.reasoning and turn["content"] == "I will add."
     assert turn["tool_calls"][0]["function"]["name"] == "add"
+
+
+def test_what_does_not_parse_is_kept_and_nothing_is_invented():
+    """Text a parser cannot place stays in the content with an error; a JSON answer that merely
+    has a "name" is no Llama call; a nullable string parameter stays the text written."""
+    loose = "Sure.<｜tool▁calls▁begin｜>I will call get_weather<｜tool▁calls▁end｜>"
+    parsed = parse_tool_calls(loose, "deepseek_v3", tools=TOOLS)
+    assert not parsed.tool_calls and "I will call get_weather" in parsed.content
+    assert parsed.errors and "not a call" in parsed.errors[0].message
+    trailing = split_harmony("<|channel|>final<|message|>Hi<|end|>trailing words")
+    assert trailing.content == "Hi\n\ntrailing words"
+    answer = '{"name": "Alice", "age": 3}'
+    parsed = parse_tool_calls(answer, "llama3_json", tools=TOOLS)
+    assert parsed.content == answer and not parsed.tool_calls and not parsed.errors
+    nullable = [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+         "properties": {"code": {"type": ["string", "null"]}}}}}
+    ]  # fmt: skip
+    text = (
+        "<tool_call>\n<function=f>\n<parameter=code>\n123\n</parameter>\n</function>\n</tool_call>"
+    )
+    [(_, args)] = calls(parse_tool_calls(text, "qwen3_coder", tools=nullable))
+    assert args == {"code": "123"}
+
+
+def test_a_long_unterminated_harmony_reply_is_read_in_linear_time():
+    """An early policy's garbage: one message marker, then 200,000 characters with no end.
+    The scan is linear (a quadratic one took ~90 s at 100,000); this bounds it generously."""
+    import time
+
+    started = time.perf_counter()
+    split_harmony("<|channel|>final<|message|>" + "x<|" * 100_000)
+    assert time.perf_counter() - started < 5.0

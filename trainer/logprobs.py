@@ -24,6 +24,7 @@ also taken when a model cannot be split this way: its
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass
 
@@ -89,8 +90,9 @@ def token_stats(
         if packed is not None
         else {"input_ids": mb.input_ids, "attention_mask": mb.attention_mask}
     )
+    rows_packed = packing.packed_forward() if packed is not None else contextlib.nullcontext()
     if chunk <= 0 or not splittable(model):
-        with autocast:
+        with autocast, rows_packed:
             logits = model(**inputs).logits
         if packed is not None:
             logits = packed.unpack(logits, mb.input_ids.shape[1])  # (b, T, V), zeros past rows
@@ -108,7 +110,7 @@ def token_stats(
         lambda _module, _args, output: captured.append(output[0])
     )
     try:
-        with autocast:
+        with autocast, rows_packed:
             model(
                 **inputs,
                 logits_to_keep=1,  # the model's own head: one position a row, unused

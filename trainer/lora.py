@@ -57,8 +57,9 @@ def with_lora(model, *, rank: int, alpha: float, target_modules: tuple[str, ...]
     """``model`` wrapped with fresh LoRA adapters (B = 0: the policy starts as the base).
 
     On a mixture of experts, ``all-linear`` leaves the experts' weights alone (peft would
-    wrap their 3-D parameters, which no engine here folds in: the adapters train attention and
-    the router); naming the experts is refused."""
+    wrap their 3-D parameters, which no engine here folds in): the adapters train the linear
+    layers outside them, the attention projections (transformers 5's routers are not linear
+    layers either); naming the experts is refused."""
     peft = _peft()
     targets: str | list[str] = (
         ALL_LINEAR if tuple(target_modules) == (ALL_LINEAR,) else list(target_modules)
@@ -73,7 +74,7 @@ def with_lora(model, *, rank: int, alpha: float, target_modules: tuple[str, ...]
             "all-linear does on such a model"
         )
     if experts and targets == ALL_LINEAR:
-        # peft's all-linear would wrap the experts' (and the router's) parameters as well:
+        # peft's all-linear would wrap the experts' (and the routers') parameters as well:
         # name the linear layers outside them instead, the output head aside, as all-linear does
         head = model.get_output_embeddings()
         targets = sorted(

@@ -12,18 +12,37 @@ transformers' attention interface and set on the model (``enable``): given the r
 every layer by the model's forward), it runs causal scaled-dot-product attention on each row's
 slice alone, whatever kernel the device's SDPA picks; no (N, N) mask is ever built (the name
 has no mask function registered, so transformers builds none). Given no boundaries (a padded
-call on a model set up for packing) it is SDPA with the causal and padding mask, as before.
-Either way the log-probs are exact: each row's tokens meet the same weights, positions and
-keys as in their padded row.
+call on a model set up for packing: transformers passes no mask to an attention without a
+mask function) it is causal SDPA over the padded rows, exact for right-padded rows, the
+trainer's only kind. Either way the log-probs are exact: each row's tokens meet the same
+weights, positions and keys as in their padded row. Attention that is more than that (a soft
+cap, a sliding window, gpt-oss's sinks), or a packed forward whose layers did not pass the
+boundaries down, is an error, never rows attending to each other.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass
 
 import torch
 
 PACKED_ATTENTION = "agentarium_packed"
+# Set while a packed forward runs (``packed_forward``): attention without the rows' boundaries
+# is then an error, not rows silently attending to each other.
+_PACKED_FORWARD: contextvars.ContextVar[bool] = contextvars.ContextVar("packed", default=False)
+
+
+@contextlib.contextmanager
+def packed_forward():
+    """Around a forward pass of packed rows. (A checkpointed layer's recomputation in the
+    backward pass gets the boundaries it was first called with.)"""
+    token = _PACKED_FORWARD.set(True)
+    try:
+        yield
+    finally:
+        _PACKED_FORWARD.reset(token)
 
 
 def _repeat_kv(states: torch.Tensor, groups: int) -> torch.Tensor:
@@ -47,15 +66,23 @@ def packed_attention(
     """Causal attention within each packed row (``cu_seq_lens_q``), or over a padded batch."""
     groups = getattr(module, "num_key_value_groups", 1)
     key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
-    if kwargs.get("softcap") is not None or kwargs.get("sliding_window") is not None:
-        raise NotImplementedError(  # supported() keeps such models padded
-            "packed rows: this model's attention has a soft cap or a sliding window"
+    other = [k for k in ("softcap", "sliding_window", "s_aux") if kwargs.get(k) is not None]
+    if other:  # supported() keeps such models padded; one that got here anyway must not mix
+        raise NotImplementedError(
+            f"packed rows: this model's attention has {', '.join(other)}, which packed "
+            "attention does not apply: train it with --no-pack-rows"
         )
     dropout = dropout if module.training else 0.0
     sdpa = torch.nn.functional.scaled_dot_product_attention
     bounds = kwargs.get("cu_seq_lens_q")
+    if bounds is None and _PACKED_FORWARD.get():
+        raise RuntimeError(  # the rows would attend to each other: never silently
+            "packed rows: the model's layers did not pass the rows' boundaries "
+            "(cu_seq_lens_q) to its attention: train it with --no-pack-rows"
+        )
     if bounds is not None:
-        edges = bounds.tolist()
+        # the edges on the host (no device sync per layer), as the packed forward passes them
+        edges = kwargs.get("packed_row_edges") or bounds.tolist()
         parts = [
             sdpa(
                 query[:, :, start:stop],
@@ -68,7 +95,7 @@ def packed_attention(
             for start, stop in zip(edges[:-1], edges[1:], strict=False)
             if stop > start
         ]
-        out = torch.cat(parts, dim=2)
+        out = torch.cat(parts, dim=2) if parts else torch.zeros_like(query)
     elif attention_mask is None:
         out = sdpa(query, key, value, dropout_p=dropout, is_causal=True, scale=scaling)
     else:
@@ -88,8 +115,18 @@ def register() -> None:
     AttentionInterface.register(PACKED_ATTENTION, packed_attention)
 
 
-# config attributes whose attention is more than causal SDPA within a row
-_OTHER_ATTENTION = ("sliding_window", "attn_logit_softcapping", "use_sliding_window")
+def plain_causal(config) -> bool:
+    """Whether a transformers config's attention is plain causal attention: every layer full
+    attention (``layer_types``, where the config has them; else no sliding window), no soft
+    cap. Qwen2's configs carry a ``sliding_window`` with ``use_sliding_window`` false: their
+    ``layer_types`` say full attention."""
+    config = getattr(config, "text_config", None) or config
+    if getattr(config, "attn_logit_softcapping", None):
+        return False
+    kinds = getattr(config, "layer_types", None)
+    if kinds:
+        return all(kind == "full_attention" for kind in kinds)
+    return not any(getattr(config, name, None) for name in ("sliding_window", "use_sliding_window"))
 
 
 def supported(model) -> bool:
@@ -97,11 +134,17 @@ def supported(model) -> bool:
     through the attention interface (``set_attn_implementation``) and is plain causal
     attention (no sliding window, no soft cap: those models run padded)."""
     config = getattr(model, "config", None)
-    if config is None or any(getattr(config, name, None) for name in _OTHER_ATTENTION):
-        return False
-    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
+    if config is None or not plain_causal(config):
         return False
     return callable(getattr(model, "set_attn_implementation", None))
+
+
+def model_dir_supported(model_dir) -> bool:
+    """``supported`` read from a model directory's config alone (no weights loaded), so the
+    driver of sharded ranks counts passes as the ranks will run them."""
+    from transformers import AutoConfig
+
+    return plain_causal(AutoConfig.from_pretrained(str(model_dir)))
 
 
 def enable(model) -> None:
@@ -131,7 +174,11 @@ class Packed:
     def forward_kwargs(self) -> dict:
         """What the model's forward takes to run the rows packed."""
         longest = max(self.lengths, default=0)
+        edges = [0]
+        for n in self.lengths:
+            edges.append(edges[-1] + n)
         return {
+            "packed_row_edges": edges,
             "input_ids": self.input_ids,
             "position_ids": self.position_ids,
             "cu_seq_lens_q": self.bounds,

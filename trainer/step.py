@@ -19,8 +19,9 @@ from . import packing
 from .batch import Batch
 from .checkpoint import Loaded, write_full
 from .config import TrainerConfig
+from .errors import TrainerConfigError
 from .grpo import LossSums, grpo_loss, truncated_is_weights
-from .logprobs import token_stats
+from .logprobs import causal_lm, token_stats
 
 
 def _default(name: str) -> Any:
@@ -60,7 +61,11 @@ class StepSettings:
 
     @classmethod
     def from_config(cls, config: TrainerConfig) -> StepSettings:
-        return cls(**{k: getattr(config, k) for k in cls.__dataclass_fields__})
+        values = {k: getattr(config, k) for k in cls.__dataclass_fields__}
+        # packed only where the model's attention allows it: every process (a sharded rank,
+        # the driver counting their passes) then counts a pass's cost the same way
+        values["pack_rows"] = config.pack_rows and packing.model_dir_supported(config.model_dir)
+        return cls(**values)
 
 
 @dataclass(frozen=True)
@@ -137,9 +142,20 @@ def load_model(
 
 
 def _packing(model, settings: StepSettings):
-    """``model`` set up for packed rows when ``pack_rows`` asks and the model can take them."""
-    if settings.pack_rows and packing.supported(model):
-        packing.enable(model)
+    """``model`` set up for packed rows when ``pack_rows`` asks (``from_config`` asks only
+    where the model's config allows it)."""
+    if not settings.pack_rows:
+        return model
+    config = getattr(model, "config", None)
+    if config is not None and not packing.plain_causal(config):
+        return model  # a sliding window or a soft cap: such a model runs padded
+    if not packing.supported(model):
+        raise TrainerConfigError(
+            f"{type(model).__name__} cannot take packed rows (its attention does not go "
+            "through transformers' attention interface, or is more than causal attention "
+            "within a row): train it with --no-pack-rows"
+        )
+    packing.enable(model)
     return model
 
 
@@ -196,11 +212,11 @@ def forward_backward(
     loss_total, sums = 0.0, LossSums()
     if micro_batches is None and batch.rows == 0:
         return loss_total, sums
-    if micro_batches is None:
+    if micro_batches is None:  # a pass's cost as the model runs it, packed or padded
         micro_batches = batch.micro_batches(
             settings.micro_batch_size,
             max_tokens=settings.max_tokens_per_micro_batch,
-            packed=settings.pack_rows,
+            packed=packing.enabled(causal_lm(model)),
         )
     for micro in micro_batches:
         mb = micro.to(device)

@@ -80,8 +80,9 @@ class _Turn:
     text: str
     ids: list[int]  # prompt + sampled
     last: int  # the last sampled id
-    written: str = ""  # the sampled text, as decoded (the reply's own text in a rendering)
+    written: str = ""  # the sampled text, special tokens kept, without a final end token
     variables: dict = field(default_factory=dict)  # the template variables it was rendered with
+    bare: tuple = ()  # ``reply`` without its reasoning: a client may send the turn back so
 
 
 class PromptChain:
@@ -128,10 +129,22 @@ class PromptChain:
             ids = [*prompt.ids, *response_ids]
             # keyed as the next call's messages will hold it: normalized (a reasoning field
             # gains its aliases there, as transformers adds them)
-            key = _reply_key(normalize_messages([reply])[0])
-            written = self.template.decode(list(response_ids), skip_special_tokens=True)
+            normalized = normalize_messages([reply])[0]
+            sampled = list(response_ids)
+            if sampled[-1] in self.template.eos_token_ids:
+                sampled = sampled[:-1]
+            # as a rendering holds it: special tokens as text (<|python_tag|>, [TOOL_CALLS])
+            written = self.template.decode(sampled)
             turn = _Turn(
-                chat, tools, key, prompt.text, ids, response_ids[-1], written, dict(variables or {})
+                chat,
+                tools,
+                _reply_key(normalized),
+                prompt.text,
+                ids,
+                response_ids[-1],
+                written,
+                dict(variables or {}),
+                _reply_key({k: v for k, v in normalized.items() if k not in REASONING_KEYS}),
             )
             self._turns.append(turn)
 
@@ -142,7 +155,7 @@ class PromptChain:
             if (
                 len(chat) > n
                 and chat[n].get("role") == "assistant"
-                and _reply_key(chat[n]) == turn.reply
+                and _reply_key(chat[n]) in _keys_of(turn, chat[n])
                 and chat[:n] == turn.chat
             ):
                 return turn
@@ -179,6 +192,19 @@ class PromptChain:
             if ended and close.startswith(ended):
                 close = close[len(ended) :]
         return "extend", turn.ids + self.template.encode_piece(close + text[len(base) :])
+
+
+# Where a reply's reasoning travels (normalize_messages fills every alias from any of them).
+REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _keys_of(turn: _Turn, incoming: dict) -> tuple[tuple, ...]:
+    """The keys an incoming copy of ``turn``'s reply may have: with its reasoning, or, when
+    the client sent the turn back without it (most agent loops keep content and tool calls
+    alone), without."""
+    if any(incoming.get(k) for k in REASONING_KEYS):
+        return (turn.reply,)
+    return (turn.reply, turn.bare)
 
 
 def _reply_key(message: dict) -> tuple:
