@@ -34,6 +34,20 @@ class Family:
 # Tools described to the model in the system prompt, as JSON lines (Qwen's and Hermes's way).
 _TOOLS_JSON = """{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"""
 
+# ChatML tool results (Qwen's): consecutive results in one user turn, each in <tool_response>
+# tags; then the generation prompt's start
+_CHATML_TOOL_RESULTS = """{% elif m.role == 'tool' -%}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}
+{{ '\\n' }}<tool_response>
+{{ m.content }}
+</tool_response>
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>
+{% endif -%}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt %}<|im_start|>assistant
+"""
+
 QWEN3 = (
     """{%- set sys = messages[0].content if messages[0].role == 'system' else '' -%}
 {%- if tools -%}
@@ -71,24 +85,17 @@ For each call, write a JSON object with the function's name and arguments within
 {"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
 </tool_call>
 {%- endfor %}<|im_end|>
-{% elif m.role == 'tool' -%}
-{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}
-{{ '\\n' }}<tool_response>
-{{ m.content }}
-</tool_response>
-{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>
-{% endif -%}
-{%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% if enable_thinking is defined and enable_thinking is false %}<think>
+"""
+    + _CHATML_TOOL_RESULTS
+    + """{% if enable_thinking is defined and enable_thinking is false %}<think>
 
 </think>
 
 {% endif %}{% endif %}"""
 )
 
-QWEN3_CODER = """{%- set sys = messages[0].content if messages[0].role == 'system' else '' -%}
+QWEN3_CODER = (
+    """{%- set sys = messages[0].content if messages[0].role == 'system' else '' -%}
 <|im_start|>system
 {{ sys or 'You are a helpful coding assistant.' }}
 {%- if tools %}{{ '\\n\\n' }}# Tools
@@ -126,17 +133,10 @@ value
 </parameter>{{ '\\n' }}{% endfor %}</function>
 </tool_call>
 {%- endfor %}<|im_end|>
-{% elif m.role == 'tool' -%}
-{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}
-{{ '\\n' }}<tool_response>
-{{ m.content }}
-</tool_response>
-{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>
-{% endif -%}
-{%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
+"""
+    + _CHATML_TOOL_RESULTS
+    + """{% endif %}"""
+)
 
 LLAMA3 = (
     """<|begin_of_text|>
