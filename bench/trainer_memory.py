@@ -46,7 +46,16 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def bench_batch(rows: int, prompt: int, response: tuple[int, int], vocab: int, seed: int = 0):
+def bench_batch(
+    rows: int,
+    prompt: int,
+    response: tuple[int, int],
+    vocab: int,
+    seed: int = 0,
+    long_row: int = 0,
+):
+    """The batch; ``long_row`` > 0 makes the first row that many tokens long (prompt
+    included), as one long agentic trajectory among short ones."""
     from agentarium.schemas import LLMCall, Trajectory
     from agentarium.trainer.batch import Sample, build_rows, collate
 
@@ -54,6 +63,8 @@ def bench_batch(rows: int, prompt: int, response: tuple[int, int], vocab: int, s
     samples = []
     for i in range(rows):
         length = rng.randint(*response)
+        if i == 0 and long_row:
+            length = long_row - prompt
         call = LLMCall(
             prompt_ids=[rng.randrange(vocab) for _ in range(prompt)],
             response_ids=[rng.randrange(vocab) for _ in range(length)],

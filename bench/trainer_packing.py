@@ -26,6 +26,7 @@ is printed.
 
     PYTHONPATH=. python bench/trainer_packing.py [--model smol|tiny|DIR] [--configs padded,packed,packed-ckpt,trl]
         [--repeat 5] [--rows 16] [--prompt 60] [--response 64:256] [--threads 1] [--json OUT]
+        [--long-row 8192 --max-tokens 2048]   # one 8,192-token row among short ones
 """
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ def child(args: argparse.Namespace) -> None:
     model_dir = resolve_model(args.model)
     vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
     low, high = (int(x) for x in args.response.split(":"))
-    batch = bench_batch(args.rows, args.prompt, (low, high), vocab)
+    batch = bench_batch(args.rows, args.prompt, (low, high), vocab, long_row=args.long_row)
     if args.child == "trl":
         step = trl_child(args, model_dir, batch)
     else:
@@ -156,6 +157,7 @@ def child(args: argparse.Namespace) -> None:
             agent="a",
             model_dir=str(model_dir),
             lr=1e-5,
+            max_tokens_per_micro_batch=args.max_tokens,
             **SAME_LOSS,
             **CONFIGS[args.child],
         )
@@ -191,8 +193,8 @@ def child(args: argparse.Namespace) -> None:
 
 def run_child(name: str, args: argparse.Namespace) -> dict:
     command = [sys.executable, __file__, "--child", name]
-    for flag in ("model", "rows", "prompt", "response", "threads"):
-        command += [f"--{flag}", str(getattr(args, flag))]
+    for flag in ("model", "rows", "prompt", "response", "threads", "long_row", "max_tokens"):
+        command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     load = os.getloadavg()[0]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -211,6 +213,20 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=60)
     parser.add_argument("--response", default="64:256", metavar="MIN:MAX")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--long-row",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="make the first row this long (one long trajectory among short ones)",
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="our configurations' --max-tokens-per-micro-batch (0: the batch in one pass)",
+    )
     parser.add_argument("--json", default="", help="also write the rows here")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
