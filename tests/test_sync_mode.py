@@ -242,6 +242,13 @@ async def test_a_control_run_after_a_run_on_the_same_engine_samples_the_base_wei
                 await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)
         return await TrajectoryReader(js, topology).read(run)
 
+    # The engine is the module's: an earlier test on this worker may have left its trained
+    # weights there. Serve the model directory's first, so "base" is the base (the flake this
+    # fixes: a fresh-clone run whose worker ran the batch test above first).
+    async with EngineControl() as control:
+        await control.update_weights_from_disk(
+            engine_url, model_path=str(tiny_dir), weight_version="default", timeout_s=60
+        )
     base = await checksum()
     await one_run("run-a", 1e-1)
     assert await checksum() != base  # A's trained weights are what the engine serves
