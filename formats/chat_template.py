@@ -449,7 +449,7 @@ class ChatTemplate:
         """Token ids that end a generation: the tokenizer's eos plus generation_config's."""
         return list(self._eos_token_ids)
 
-    @property
+    @functools.cached_property
     def reply_formats(self) -> tuple[str, str]:
         """(tool-call format, reasoning format) its model writes, read from the template's
         text (its tool-use variant where it has one: formats/toolcalls.py, reasoning.py);

@@ -80,7 +80,7 @@ class _Turn:
     text: str
     ids: list[int]  # prompt + sampled
     last: int  # the last sampled id
-    written: str = ""  # the sampled text, special tokens kept, without a final end token
+    sampled: tuple[int, ...] = ()  # the sampled ids without a final end token
     variables: dict = field(default_factory=dict)  # the template variables it was rendered with
     bare: tuple = ()  # ``reply`` without its reasoning: a client may send the turn back so
 
@@ -133,8 +133,6 @@ class PromptChain:
             sampled = list(response_ids)
             if sampled[-1] in self.template.eos_token_ids:
                 sampled = sampled[:-1]
-            # as a rendering holds it: special tokens as text (<|python_tag|>, [TOOL_CALLS])
-            written = self.template.decode(sampled)
             turn = _Turn(
                 chat,
                 tools,
@@ -142,7 +140,7 @@ class PromptChain:
                 prompt.text,
                 ids,
                 response_ids[-1],
-                written,
+                tuple(sampled),
                 dict(variables or {}),
                 _reply_key({k: v for k, v in normalized.items() if k not in REASONING_KEYS}),
             )
@@ -183,9 +181,12 @@ class PromptChain:
             # This turn ends otherwise than a plain reply's (Llama 3 ends a tool call's turn
             # with <|eom_id|>): what the rendering has after the reply's own text.
             rest = base[len(turn.text) :]
-            if not turn.written or not rest.startswith(turn.written):
+            # decoded only here, on this rare path: as a rendering holds it, special tokens
+            # as text (<|python_tag|>, [TOOL_CALLS])
+            written = self.template.decode(list(turn.sampled))
+            if not written or not rest.startswith(written):
                 return "no_turn_end", None
-            close = rest[len(turn.written) :]
+            close = rest[len(written) :]
         if turn.last in self.template.eos_token_ids:
             # it ended its turn itself; the template may write more after that token ("\n")
             ended = self.template.decode([turn.last])
