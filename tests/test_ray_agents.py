@@ -5,6 +5,7 @@ to start)."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -165,3 +166,73 @@ def test_agent_tasks_waiting_on_another_workload_are_named_then_run(ray_cluster,
     [warning] = [e for e in events if e.get("event") == "agent tasks wait for a CPU"]
     assert "0 of 2 CPU free, the consumer actors hold 0.1" in warning["detail"]
     assert "other tasks and actors 1.9" in warning["detail"]
+
+
+def test_the_calculator_agent_runs_on_ray_actors_with_the_tool_fallback(
+    ray_cluster, nats_url, smol_dir
+):
+    """The seed's training example as the seed writes it (examples/calculator_agent.py): the
+    LangChain agent with its calculator tool, a Ray remote function registered with the
+    orchestrator, on SmolLM2's real tokenizer and chat template (which renders no tools:
+    ``tool_fallback=True``). The engine is scripted: a calculator call first, then the number
+    the tool returned. Each rollout is two calls that chain token for token, so the trainer
+    builds one row of it, the tool's result masked out of the loss."""
+    from tokenizers import Tokenizer
+
+    from agentarium.examples.calculator_agent import ray_rollout
+    from agentarium.trainer.rows import rows_of
+
+    tokenizer = Tokenizer.from_file(str(smol_dir / "tokenizer.json"))
+
+    def scripted(request: dict) -> tuple[list[int], str]:
+        prompt = tokenizer.decode(request["input_ids"], skip_special_tokens=False)
+        last = prompt.rsplit("<|im_start|>user\n", 1)[1]
+        if last.startswith("<tool_response>"):  # the tool answered: say its number
+            text = last.split("\n", 2)[1]
+        else:
+            question = last.split("<|im_end|>", 1)[0]
+            expression = question.removeprefix("What is ").removesuffix("?")
+            call = {"name": "calculator", "arguments": {"expression": expression}}
+            text = f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
+        return tokenizer.encode(text, add_special_tokens=False).ids + [2], text  # <|im_end|>
+
+    tasks = [
+        {"task_id": "t1", "a": 537, "op": "+", "b": 86, "answer": "623"},
+        {"task_id": "t2", "a": 47, "op": "*", "b": 38, "answer": "1786"},
+    ]
+    with (
+        ThreadedFake(reply=scripted, tokenizer_path=str(smol_dir)) as fake,
+        AgentOrchestrator(
+            server_addresses=[fake.url],
+            proxy_port=free_port(),
+            nats_url=nats_url,
+            ray_config={"num_actors": 1, "num_cpus": 0.1},
+            advertise_host="127.0.0.1",
+            model="smol",
+            tool_fallback=True,
+            group_size=1,
+            progress=False,
+        ) as orch,
+    ):
+        orch.register_agent_type("calc", ray_rollout)
+        orch.initialize_batch_processing(data=tasks, is_train=True)
+        assert orch.wait_for_batch_completion(timeout=120)["ok"] == 2
+        trajectories = orch.trajectories()
+        orch.reset_orchestrator_state()
+
+    for traj in sorted(trajectories, key=lambda t: t.task["task_id"]):
+        assert traj.reward == 1.0, (traj.task, traj.metrics, traj.error)
+        assert traj.metrics["called_tool"] == 1.0 and traj.metrics["tool_errors"] == 0.0
+        assert traj.metrics["turns"] == 2.0 and len(traj.calls) == 2
+        first, second = traj.calls
+        assert first.messages[-1]["tool_calls"][0]["function"]["name"] == "calculator"
+        assert second.prompt_ids[: len(first.prompt_ids)] == first.prompt_ids
+        [row], how = rows_of(traj)
+        assert how == "concat"
+        # the loss covers the model's two replies and nothing between them (the tool's result)
+        assert sum(row.response_mask) == len(first.response_ids) + len(second.response_ids)
+        result = tokenizer.decode(
+            [t for t, m in zip(row.response_ids, row.response_mask, strict=True) if not m],
+            skip_special_tokens=False,
+        )
+        assert f"<tool_response>\n{traj.task['answer']}\n</tool_response>" in result

@@ -120,3 +120,25 @@ async def test_broker_status_shows_the_trainers_latest_figures_per_task(js, topo
     assert a_line.split()[1:] == ["0.750", "0.500", "3.000", "0", "0"]
     [b_line] = [line for line in text.splitlines() if line.strip().startswith("b ")]
     assert b_line.split()[1:] == ["-", "-", "-", "4", "1"]
+
+
+def test_the_agents_own_metrics_become_columns_the_first_step_that_reports_them(tmp_path):
+    """An agent's ``metrics`` (tool calls, turns) are ``rollout/<name>``: the file gains the
+    column at the first step that has it (earlier rows keep an empty cell), a step without it
+    leaves its cell empty, and trackers get the same names."""
+    path = tmp_path / "m.csv"
+    sink = MetricsSink(path)
+    sink.record(step(1))
+    sink.record(StepMetrics(step=2, version=1, rollout={"tool_calls": 1.5, "called_tool": 0.75}))
+    sink.record(step(3))
+    sink.record(StepMetrics(step=4, version=3, rollout={"called_tool": 1.0}))
+    sink.close()
+    with path.open(newline="") as f:
+        header = next(csv.reader(f))
+    assert header == [*FIELDS, "rollout/called_tool", "rollout/tool_calls"]
+    rows = read_metrics(path)
+    assert [r["step"] for r in rows] == ["1", "2", "3", "4"]
+    assert [r["rollout/called_tool"] for r in rows] == ["", "0.75", "", "1.0"]
+    assert [r["rollout/tool_calls"] for r in rows] == ["", "1.5", "", ""]
+    scalars = StepMetrics(step=2, version=1, rollout={"turns": 2.0}).scalars()
+    assert scalars["rollout/turns"] == 2.0

@@ -7,7 +7,7 @@ Columns (in this order; the first ones are the stable contract):
     entropy, tokens, tokens_per_s,
     step_s, groups_used, dropped_stale, dropped_flat, staleness_max, staleness_mean,
     staleness_hist, then extras (model_tokens, rows, grad_norm, ratio_mean, wait_s, tis_weighted,
-    prefix_mismatches, failed_members, refused, validation_skipped, drawn, overlong,
+    prefix_mismatches, multi_turn_rows, failed_members, refused, validation_skipped, drawn, overlong,
     stale_masked, foreign_weights, stale_policy, time).
 
 ``version`` is the policy version the step's data was judged against (the update it makes is
@@ -19,7 +19,9 @@ which ``--filter-flat-groups`` and stale drops make another population. ``tokens
 what the forward pass processes), ``tokens_per_s`` divides it by ``step_s`` (batch building
 and the update, not the wait for data). ``dropped_*``, ``tis_weighted``, ``stale_masked``,
 ``failed_members``, ``refused``, ``foreign_weights`` and
-``validation_skipped`` are running totals, since drops happen between steps. ``drawn`` is the
+``validation_skipped`` are running totals, since drops happen between steps.
+``multi_turn_rows`` counts the step's multi-call trajectories trained as one row (their calls
+chained token for token), ``prefix_mismatches`` those that fell back to a row per call. ``drawn`` is the
 step's replacement groups (dynamic sampling: what producers published for the groups it
 dropped); ``overlong`` the running total of responses cut at max_new_tokens that were filtered
 or given the set reward. What became of too-stale trajectories follows ``stale_policy`` (the
@@ -41,6 +43,11 @@ trajectory in the step, and the running totals ``dropped_stale/<agent>`` (trajec
 ``dropped_groups/<agent>`` (too few ok members, flat, every member stale), then this step's
 ``drawn/<agent>``. A resumed trainer
 whose agents changed rewrites the file once with the union of the columns.
+
+Then the agents' own metrics (each trajectory's ``metrics``: ``tool_calls``, ``turns``, ...):
+``rollout/<name>``, the mean over the step's trained trajectories that report it, empty in a
+step where none did. The first step that reports a name rewrites the file once with the new
+column (earlier rows keep an empty cell); trackers get the same ``rollout/<name>``.
 
 Trackers (TensorBoard, W&B, MLflow) get the same values under verl-style ``/``-grouped names,
 identical in every tracker: ``TRACKER_NAMES`` maps each CSV column to its name
@@ -124,6 +131,9 @@ def task_columns(agents: tuple[str, ...] | list[str]) -> list[str]:
     return [f"{name}/{agent}" for agent in agents for name in TASK_TRACKER_NAMES]
 
 
+ROLLOUT = "rollout/"  # the prefix of the agents' own metrics, in the CSV and the trackers
+
+
 @dataclass
 class StepMetrics:
     step: int
@@ -151,6 +161,7 @@ class StepMetrics:
     wait_s: float = 0.0
     tis_weighted: int = 0
     prefix_mismatches: int = 0
+    multi_turn_rows: int = 0
     failed_members: int = 0
     refused: int = 0
     validation_skipped: int = 0
@@ -161,15 +172,20 @@ class StepMetrics:
     stale_policy: str = "drop"  # the trainer's --stale-policy: no scalar form
     time: float = field(default_factory=time.time)
     tasks: dict[str, TaskMetrics] = field(default_factory=dict)  # per agent: not a column
+    # the agents' own metrics (Trajectory.metrics), each the mean over the step's trained
+    # trajectories that report it: columns ``rollout/<name>``
+    rollout: dict[str, float] = field(default_factory=dict)
 
     def as_row(self) -> dict[str, object]:
         row = asdict(self)
-        del row["tasks"]
+        del row["tasks"], row["rollout"]
         row["staleness_hist"] = " ".join(f"{k}:{v}" for k, v in sorted(self.staleness_hist.items()))
         for agent, task in self.tasks.items():
             for name in TASK_TRACKER_NAMES:
                 value = getattr(task, name)
                 row[f"{name}/{agent}"] = "" if value is None else value
+        for name, value in sorted(self.rollout.items()):
+            row[f"{ROLLOUT}{name}"] = value
         if row["reward_mean_received"] is None:
             row["reward_mean_received"] = ""
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in row.items()}
@@ -187,10 +203,12 @@ class StepMetrics:
                 value = getattr(task, column)
                 if value is not None:
                     out[f"{name}/{agent}"] = float(value)
+        for name, value in self.rollout.items():
+            out[f"{ROLLOUT}{name}"] = float(value)
         return out
 
 
-FIELDS = tuple(f for f in StepMetrics.__dataclass_fields__ if f != "tasks")
+FIELDS = tuple(f for f in StepMetrics.__dataclass_fields__ if f not in ("tasks", "rollout"))
 assert FIELDS[: len(COLUMNS)] == COLUMNS, "the CSV's leading columns are a contract"
 
 # CSV column -> tracker name. Groups as verl's: one panel per prefix in TensorBoard and W&B.
@@ -216,6 +234,7 @@ TRACKER_NAMES: Mapping[str, str] = {
     "groups_used": "batch/groups",
     "rows": "batch/rows",
     "prefix_mismatches": "batch/prefix_mismatches",
+    "multi_turn_rows": "batch/multi_turn_rows",
     "dropped_stale": "dropped/stale",
     "dropped_flat": "dropped/flat",
     "tis_weighted": "trajectories/tis_weighted",
@@ -298,7 +317,10 @@ class MetricsSink:
 
     def record(self, m: StepMetrics) -> None:
         if self._writer is not None:
-            self._writer.writerow(m.as_row())
+            row = m.as_row()
+            if any(name not in self._writer.fieldnames for name in row):
+                self._widen(list(row))  # an agent metric seen for the first time
+            self._writer.writerow(row)
             assert self._file is not None, (
                 "the writer writes to _file; record() after close() is a bug"
             )
@@ -320,6 +342,14 @@ class MetricsSink:
                 self._counters[name].add(delta, attrs)
             self._last_totals[name] = getattr(m, name)
         self.tracker.log(m.step, m.scalars())
+
+    def _widen(self, names: list[str]) -> None:
+        """Rewrite the CSV once under a header that has ``names`` too (rows kept)."""
+        assert self._file is not None and self._writer is not None and self.path is not None
+        self._file.close()
+        header = _widen_header(self.path, [*self._writer.fieldnames, *names])
+        self._file = self.path.open("a", newline="")
+        self._writer = csv.DictWriter(self._file, fieldnames=header)
 
     def close(self) -> None:
         if self._file is not None:

@@ -137,6 +137,7 @@ def step_metrics(
         wait_s=wait_s,
         tis_weighted=c.tis_weighted,
         prefix_mismatches=built.prefix_mismatches,
+        multi_turn_rows=built.concatenated,
         failed_members=c.failed_members,
         refused=c.refused,
         validation_skipped=c.validation_skipped,
@@ -146,7 +147,19 @@ def step_metrics(
         foreign_weights=c.foreign_weights,
         stale_policy=stale_policy,
         tasks=task_metrics(groups, collector, success_threshold, drawn, received),
+        rollout=rollout_metrics(groups),
     )
+
+
+def rollout_metrics(groups: list[Group]) -> dict[str, float]:
+    """Each of the agents' own metrics (``Trajectory.metrics``: tool calls, turns, ...), the
+    mean over the step's trained trajectories that report it."""
+    values: dict[str, list[float]] = {}
+    for g in groups:
+        for s in g.samples:
+            for name, value in (s.trajectory.metrics or {}).items():
+                values.setdefault(name, []).append(float(value))
+    return {name: math.fsum(v) / len(v) for name, v in values.items()}
 
 
 def task_metrics(

@@ -43,15 +43,31 @@ class Preset:
     groups_per_step: int
     minutes: float
     held_out_eval: bool  # evaluate base and trained on the held-out tasks
+    lora_rank: int = 0  # the default of --lora-rank
+    tool_fallback: bool = False  # the consumers' (and evals') --tool-fallback: tools in text
 
     def tasks(self, rng: random.Random, n: int, prefix: str, digits: str) -> list[dict]:
         if self.agent_name == "add":
             from agentarium.examples.arithmetic import add_tasks
 
             return add_tasks(rng, n, prefix)
+        if self.agent_name == "calc":
+            from agentarium.examples.calculator_agent import calc_tasks
+
+            return calc_tasks(rng, n, prefix)
         from .tasks import digit_tasks
 
         return digit_tasks(rng, n, prefix, digits)
+
+    def eval_tasks(self) -> list[dict]:
+        """The held-out tasks of ``held_out_eval``."""
+        if self.agent_name == "calc":
+            from agentarium.examples.calculator_agent import eval_tasks as calc_eval
+
+            return calc_eval()
+        from agentarium.examples.arithmetic import eval_tasks
+
+        return eval_tasks()
 
 
 PRESETS = {
@@ -75,22 +91,48 @@ PRESETS = {
         minutes=20.0,
         held_out_eval=True,
     ),
+    # --recipe calc: the LangChain calculator agent (examples/calculator_agent.py), rank-16
+    # LoRA (a step's rows are ~450 tokens, 8x the addition's: full fine-tuning's updates and
+    # optimizer would take most of the 25 minutes)
+    "smol-calc": Preset(
+        agent="agentarium.examples.calculator_agent:rollout",
+        agent_name="calc",
+        lr=3e-4,
+        entropy_coef=0.0,
+        steps=24,
+        groups_per_step=6,
+        minutes=22.0,
+        held_out_eval=True,
+        lora_rank=16,
+        tool_fallback=True,
+    ),
 }
 
+# what each built-in model can learn in the demo (--recipe); the first is its default
+RECIPES = {"tiny": ("repeat",), "smol": ("add", "calc")}
 
-def preset_of(model: str) -> Preset:
+
+def preset_of(model: str, recipe: str | None = None) -> Preset:
+    if model == "smol" and recipe == "calc":
+        return PRESETS["smol-calc"]
     return PRESETS.get(model, PRESETS["tiny"])
 
 
-def write_eval_tasks(path: Path) -> Path:
-    from agentarium.examples.arithmetic import eval_tasks
-
-    path.write_text("".join(json.dumps(task) + "\n" for task in eval_tasks()))
+def write_eval_tasks(path: Path, preset: Preset) -> Path:
+    path.write_text("".join(json.dumps(task) + "\n" for task in preset.eval_tasks()))
     return path
 
 
 async def evaluate(
-    nats_url: str, *, engine_url: str, model_dir: Path, agent: str, tasks: Path, out: Path, k: int
+    nats_url: str,
+    *,
+    engine_url: str,
+    model_dir: Path,
+    agent: str,
+    tasks: Path,
+    out: Path,
+    k: int,
+    tool_fallback: bool = False,
 ) -> dict:
     """One eval of what the engine serves now; returns its summary (eval.json's figures)."""
     cfg = EvalConfig.of(
@@ -101,6 +143,7 @@ async def evaluate(
         model=str(model_dir),
         out_dir=str(out),
         concurrency=32,
+        tool_fallback=tool_fallback,
     )
     run = EvalRun(cfg, NatsSettings(url=nats_url), out=io.StringIO(), err=io.StringIO())
     await run.run()
@@ -144,7 +187,7 @@ class HeldOutEval:
         self.model_dir = model_dir
         self.out = out
         self.agent = f"{args.agent_name}-eval"
-        self.tasks = write_eval_tasks(out / "eval_tasks.jsonl")
+        self.tasks = write_eval_tasks(out / "eval_tasks.jsonl", args.preset)
         self.summaries: dict[str, dict] = {}
 
     def run(self, label: str, engine_url: str, *, after_run: str | None = None) -> dict:
@@ -161,6 +204,7 @@ class HeldOutEval:
                 tasks=self.tasks,
                 out=self.out / f"eval-{label}",
                 k=self.args.eval_k,
+                tool_fallback=self.args.preset.tool_fallback,
             )
         )
         summary["seconds"] = round(time.monotonic() - started, 1)

@@ -54,6 +54,64 @@ def task_rewards(
     return series
 
 
+TOOL_RATE = "rollout/called_tool"  # the tool agent's metric (examples/calculator_agent.py)
+
+
+def rows_line(rows: Sequence[Mapping[str, str]], agent: str) -> str:
+    """How the trainer built the run's multi-turn rollouts: one row each when their calls
+    chained token for token (``multi_turn_rows``), a row per call when not
+    (``prefix_mismatches``)."""
+    column = task_column(list(rows[0]), agent, "trajectories") if agent else None
+    trained = sum(int(r[column] or 0) for r in rows) if column else None
+    chained = sum(int(r.get("multi_turn_rows") or 0) for r in rows)
+    split = sum(int(r.get("prefix_mismatches") or 0) for r in rows)
+    of = f" of {trained} trained" if trained is not None else ""
+    return (
+        f"multi-turn rollouts{of}: {chained} trained as one row each, {split} split into a row "
+        "per call (prefix mismatches)"
+    )
+
+
+def plot_tool_agent(
+    rows: Sequence[Mapping[str, str]], png_path: Path, held_out: Mapping[str, float]
+) -> Path:
+    """The tool agent's plot: the policy's exact answers and the fraction of rollouts that
+    called the tool against the step, and the held-out evals (base at step 0, trained at the
+    last step)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    for column, label, colour in (
+        (REWARD, "exact answers (the policy's rollouts)", "C0"),
+        (TOOL_RATE, "rollouts that called the tool", "C1"),
+    ):
+        points = [(int(r["step"]), _number(r.get(column))) for r in rows]
+        known = [(x, y) for x, y in points if y is not None]
+        ax.plot([x for x, _ in known], [y for _, y in known], color=colour, label=label)
+    last = int(rows[-1]["step"])
+    marks = [(0, held_out.get("base")), (last, held_out.get("trained"))]
+    shown = [(x, y) for x, y in marks if y is not None]
+    if shown:
+        ax.plot(
+            [x for x, _ in shown], [y for _, y in shown], "o--", color="C2",
+            label="held-out exact answers (base, trained)",
+        )  # fmt: skip
+        for x, y in shown:
+            ax.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(4, 6))
+    ax.set_xlabel("step")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title("calculator agent: reward, tool use and held-out accuracy vs step")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best")
+    fig.tight_layout()
+    fig.savefig(png_path)
+    plt.close(fig)
+    return png_path
+
+
 def _number(text: str | None) -> float | None:
     if text in (None, ""):
         return None
@@ -74,9 +132,18 @@ def first_last(values: Sequence[float | None], window: int = 20) -> tuple[int, f
 
 
 def report(
-    out: Path, elapsed: float, digits: str, tasks: Sequence[str], model: str = "tiny"
+    out: Path,
+    elapsed: float,
+    digits: str,
+    tasks: Sequence[str],
+    model: str = "tiny",
+    *,
+    agent: str = "",
+    held_out: Mapping[str, float] | None = None,
 ) -> int:
-    """Print the run's figures and write reward.png; 0 when at least one step was trained."""
+    """Print the run's figures and write reward.png; 0 when at least one step was trained.
+    ``held_out``: the demo's evals (label -> exact-answer rate), drawn on the tool agent's
+    plot."""
     from agentarium.trainer import plot_metrics, read_metrics
 
     metrics = out / "metrics.csv"
@@ -84,8 +151,19 @@ def report(
     if not rows:
         print("no training step completed: see the logs in", out / "logs")
         return 1
-    png = plot_metrics(metrics, out / "reward.png")
+    tool_agent = TOOL_RATE in rows[0]
+    if tool_agent:
+        png = plot_tool_agent(rows, out / "reward.png", held_out or {})
+    else:
+        png = plot_metrics(metrics, out / "reward.png")
     print(f"{len(rows)} steps in {elapsed:.0f}s; policy version {rows[-1]['version']}")
+    if tool_agent:
+        n, first, last = first_last([_number(r.get(TOOL_RATE)) for r in rows])
+        print(
+            f"rollouts that called the tool: first {n} steps {first:.2f} -> last {n} steps "
+            f"{last:.2f} (gain {last - first:+.2f})"
+        )
+        print(rows_line(rows, agent))
     if not tasks and model == "smol":  # few-shot addition: no constant policy to compare with
         n, first, last = first_last([_number(r.get(REWARD)) for r in rows])
         print(

@@ -99,7 +99,15 @@ class DemoConfig:
     )
     # None: the model's own default (agentarium/demo/real.py, PRESETS), set in __post_init__,
     # so after construction each holds a value of its type
-    steps: int = setting(None, ge=1, help="training steps (default: tiny 300, smol 20)")
+    recipe: str | None = setting(
+        None,
+        choices=("add", "calc"),
+        help="with --model smol, what it learns: 'add' (few-shot single-digit addition, the "
+        "default) or 'calc' (a LangChain agent with a calculator tool, on two- and three-digit "
+        "arithmetic: examples/calculator_agent.py; rank-16 LoRA, 24 steps of 6 groups, the "
+        "consumers with --tool-fallback; the plot adds the tool-call rate and the held-out evals)",
+    )
+    steps: int = setting(None, ge=1, help="training steps (default: tiny 300, smol 20, calc 24)")
     minutes: float = setting(
         None, gt=0, help="stop after this long at most (default: tiny 10, smol 20)"
     )
@@ -178,7 +186,7 @@ class DemoConfig:
     )
 
     lora_rank: int = setting(
-        0,
+        None,
         ge=0,
         help="train LoRA adapters of this rank instead of every weight (the trainer's "
         "--lora-rank): the syncer loads each adapter into the engine and the consumers ask for "
@@ -197,8 +205,10 @@ class DemoConfig:
     )
 
     def __post_init__(self) -> None:
-        preset = preset_of(self.model)
-        for name in ("steps", "minutes", "groups_per_step", "lr", "entropy_coef"):
+        if self.recipe is not None and self.model != "smol":
+            raise ValueError(f"--recipe {self.recipe} is a recipe of --model smol")
+        preset = preset_of(self.model, self.recipe)
+        for name in ("steps", "minutes", "groups_per_step", "lr", "entropy_coef", "lora_rank"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, getattr(preset, name))
         for name in ("agent", "agent_name"):
@@ -228,7 +238,7 @@ class DemoConfig:
 
     @property
     def preset(self) -> Preset:
-        return preset_of(self.model)
+        return preset_of(self.model, self.recipe)
 
     def agents(self) -> dict[str, str]:
         """Agent name -> module:function of every agent the demo serves."""
@@ -478,6 +488,7 @@ def run_demo(args: DemoConfig) -> int:
                 "--drain-grace",
                 "5",
                 *(["--lora", args.run] if args.lora_rank else []),
+                *(["--tool-fallback"] if args.preset.tool_fallback else []),
             )
             name_i = f"consumer-{i}" if not args.task_set else f"consumer-{name}-{i}"
             children.append(start_child(name_i, argv, logs))
@@ -537,7 +548,20 @@ def run_demo(args: DemoConfig) -> int:
         # trainer acks its last checkpoint through it).
         stop_all(children, timeout_s=30.0)
         server.stop()
-    code = report(out, time.monotonic() - started, args.digits, args.task_set, args.model)
+    held_out = {
+        label: summary["reward_mean"]
+        for label, summary in (evals.summaries.items() if evals else ())
+        if summary.get("reward_mean") is not None
+    }
+    code = report(
+        out,
+        time.monotonic() - started,
+        args.digits,
+        args.task_set,
+        args.model,
+        agent=args.agent_name,
+        held_out=held_out,
+    )
     if evals is not None and not interrupted and failed is None:
         evals.report()
     return 130 if interrupted else 1 if failed is not None else code

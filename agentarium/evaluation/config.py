@@ -82,6 +82,7 @@ class EvalConfig:
     sampling: Sampling = section(Sampling)  # --temperature, --max-new-tokens, ...: a job's own
     ack_wait_s: float = settings.shared(ConsumerSettings, "ack_wait_s")
     attempts: int = settings.shared(ConsumerSettings, "attempts")
+    tool_fallback: bool = settings.shared(ConsumerSettings, "tool_fallback")
     timeout_s: float | None = setting(None, gt=0, help="give up waiting after this many seconds")
     success_threshold: float = setting(
         1.0, metavar="R", help="a rollout succeeds when its reward >= R, for pass@k"

@@ -321,7 +321,7 @@ class EvalRun:
         else:
             target = LLMTarget(urls=tuple(normalize_urls(list(cfg.llm))))
             model_dir = str(resolve_model(rollout.model))
-            template = ChatTemplate.from_model_dir(model_dir)
+            template = ChatTemplate.from_model_dir(model_dir, tool_fallback=cfg.tool_fallback)
         try:
             cross = rollout.cross(openai=bool(cfg.openai_base), api_key=cfg.api_key, seed=cfg.seed)
         except ValueError as exc:
@@ -340,6 +340,7 @@ class EvalRun:
                 advertise_host="127.0.0.1",
                 attempts=cfg.attempts,
                 ack_wait_s=cfg.ack_wait_s,
+                tool_fallback=cfg.tool_fallback,
                 worker_id=f"{self.run_id}-{self.agent}"[:120],
             ),
         )

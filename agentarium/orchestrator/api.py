@@ -79,7 +79,9 @@ class AgentOrchestrator:
             settings = NatsSettings.from_env(url=config.nats_url)
         self.run = config.run
         self.progress = config.progress  # a display switch, not a setting: may be flipped
-        self._model = PolicyModel.load(config.model, config.model_name)
+        self._model = PolicyModel.load(
+            config.model, config.model_name, tool_fallback=config.consumer.tool_fallback
+        )
         self._runtime = Runtime(
             RolloutCore(
                 settings=settings, run=self.run, limits=config.limits, ray_config=config.ray_config

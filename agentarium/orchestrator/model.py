@@ -18,12 +18,15 @@ class PolicyModel:
     template: ChatTemplate | None
 
     @classmethod
-    def load(cls, model: str | None, name: str | None = None) -> PolicyModel:
+    def load(
+        cls, model: str | None, name: str | None = None, *, tool_fallback: bool = False
+    ) -> PolicyModel:
         """``model``: 'tiny', 'smol' or a model directory; ``name`` defaults to the built-in
-        model's word or the directory's name."""
+        model's word or the directory's name; ``tool_fallback``: the consumers' setting of that
+        name (tools written into the text for a template that renders none)."""
         path = str(resolve_model(model)) if model else None
         default = model_name(model, path) if model and path else "model"
-        template = ChatTemplate.from_model_dir(path) if path else None
+        template = ChatTemplate.from_model_dir(path, tool_fallback=tool_fallback) if path else None
         return cls(dir=path, name=name or default, template=template)
 
     @property
