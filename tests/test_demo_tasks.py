@@ -80,6 +80,8 @@ def test_split_and_best_constant():
         ({"task_set": "repeat,next", "groups_per_step": 1}, "at least the number of tasks"),
         ({"task_adv_norm": "group"}, "--task-adv-norm must be one of none, token, trajectory"),
         ({"task_set": "next", "rollouts_only": True}, "drop --task-set"),
+        ({"recipe": "calc"}, "--recipe calc is a recipe of --model smol"),
+        ({"model": "smol", "recipe": "sum"}, "recipe"),
     ],
 )
 def test_bad_task_settings_are_refused(kwargs, message):
@@ -166,3 +168,26 @@ def test_the_real_model_demo_trains_addition_with_its_own_defaults():
     ]
     with pytest.raises(ValueError, match="drop it with --model smol"):
         DemoConfig(run="r", model="smol", task_set="repeat,next")
+
+
+def test_the_calculator_recipe_feeds_its_agent_with_lora_and_the_tool_fallback():
+    """``--model smol --recipe calc``: the calculator agent, its training problems (none held
+    out), rank-16 LoRA unless told otherwise, and the tool fallback on the consumers."""
+    from agentarium.examples.calculator_agent import answer_of, eval_tasks, held_out
+
+    config = DemoConfig(run="r", model="smol", recipe="calc")
+    assert config.agents() == {"calc": "agentarium.examples.calculator_agent:rollout"}
+    assert (config.lora_rank, config.lr, config.steps, config.groups_per_step) == (16, 3e-4, 24, 6)
+    assert config.preset.tool_fallback and config.preset.held_out_eval
+    [(agent, tasks)] = _step_batches(config, random.Random(0), 3)
+    assert agent == "calc" and len(tasks) == 6
+    for task in tasks:
+        assert not held_out(task["a"], task["op"], task["b"])
+        assert task["answer"] == answer_of(task["a"], task["op"], task["b"])
+    evals = config.preset.eval_tasks()
+    assert len(evals) == 40 and len({t["task_id"] for t in evals}) == 40
+    assert all(held_out(t["a"], t["op"], t["b"]) for t in evals)
+    argv = trainer_argv(config, Path("/m"), Path("/o"), "nats://x")
+    assert argv[argv.index("--lora-rank") + 1] == "16"
+    assert DemoConfig(run="r", model="smol", recipe="calc", lora_rank=0).lora_rank == 0
+    assert DemoConfig(run="r", model="smol").lora_rank == 0  # the addition keeps its defaults

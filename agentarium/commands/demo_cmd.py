@@ -26,6 +26,12 @@ wheel), on few-shot single-digit addition with an exact-answer reward (examples/
 it starts near 0.1, with spread inside the groups), 20 steps of 8 groups by default, and
 evaluates the base and the trained weights on 20 held-out pairs (--eval-k attempts each).
 
+--model smol --recipe calc trains the seed's example: a LangChain agent with a calculator tool
+(examples/calculator_agent.py) on two- and three-digit arithmetic it cannot do in its head,
+rank-16 LoRA, 24 steps of 6 groups, the consumers and evals with --tool-fallback (SmolLM2's
+template renders no tools); it evaluates on 40 held-out problems and plots the reward, the
+fraction of rollouts that called the tool and the two evals.
+
 --task-set repeat,next trains one policy on several tasks at once, each its own agent name with
 its own consumer(s), fed in equal proportion, one trainer on all of them (--agent repeat
 --agent next: this needs a trainer that trains several agents, one with --task-mix). Tasks:

@@ -36,6 +36,7 @@ EXAMPLES: dict[tuple[str, ...], tuple[str, ...]] = {
     ("demo",): (
         "agentarium demo   # the tiny model learns to repeat a digit, ~5 minutes",
         "agentarium demo --model smol --out smol-demo",
+        "agentarium demo --model smol --recipe calc --out calc-demo   # a tool agent learns",
     ),
     ("engine",): (
         "agentarium engine --model tiny --port 30000",

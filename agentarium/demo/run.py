@@ -11,6 +11,10 @@ Tasks are fed continuously, a little ahead of the trainer, so rollouts never sto
 addition with an exact-answer reward instead (examples/arithmetic.py, agentarium/demo/real.py:
 its defaults), and evaluates it on 20 held-out pairs before feeding and after the last step.
 
+``--model smol --recipe calc`` trains the seed's example instead: a LangChain agent with a
+calculator tool on two- and three-digit arithmetic (examples/calculator_agent.py), rank-16 LoRA,
+the consumers and evals with ``--tool-fallback`` (SmolLM2's template renders no tools); its plot
+adds the fraction of rollouts that called the tool and the held-out evals.
 ``--task-set repeat,next`` trains one policy on several task families at once: each family is
 its own agent name with its own consumer(s), fed in equal proportion, and one trainer started
 with one ``--agent`` per family (agentarium/demo/tasks.py); the report gives each task's reward.
@@ -109,15 +113,15 @@ class DemoConfig:
     )
     steps: int = setting(None, ge=1, help="training steps (default: tiny 300, smol 20, calc 24)")
     minutes: float = setting(
-        None, gt=0, help="stop after this long at most (default: tiny 10, smol 20)"
+        None, gt=0, help="stop after this long at most (default: tiny 10, smol 20, calc 22)"
     )
     groups_per_step: int = setting(
-        None, ge=1, help="GRPO groups per step (default: tiny 16, smol 8)"
+        None, ge=1, help="GRPO groups per step (default: tiny 16, smol 8, calc 6)"
     )
     group_size: int = setting(
         8, ge=2, help="samples per task, one GRPO group (2 or more: one sample has no baseline)"
     )
-    lr: float = setting(None, ge=0, help="learning rate (default: tiny 1e-3, smol 1e-5)")
+    lr: float = setting(None, ge=0, help="learning rate (default: tiny 1e-3, smol 1e-5, calc 3e-4)")
     entropy_coef: float = setting(
         None,
         ge=0,
@@ -142,10 +146,11 @@ class DemoConfig:
     )
     agent: str = setting(
         None,
-        help="agent function (default: tiny agentarium.examples.toy:rollout, smol "
+        help="agent function (default: tiny agentarium.examples.toy:rollout, calc "
+        "agentarium.examples.calculator_agent:rollout, smol "
         "agentarium.examples.arithmetic:rollout)",
     )
-    agent_name: str = setting(None, help="agent name on the wire (default: tiny toy, smol add)")
+    agent_name: str = setting(None, help="agent name on the wire (default: tiny toy, smol add, calc calc)")
     rollouts_only: bool = setting(
         False, help="no training: publish --tasks once and wait for every trajectory"
     )
