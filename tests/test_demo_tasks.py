@@ -173,7 +173,7 @@ def test_the_real_model_demo_trains_addition_with_its_own_defaults():
 def test_the_calculator_recipe_feeds_its_agent_with_lora_and_the_tool_fallback():
     """``--model smol --recipe calc``: the calculator agent, its training problems (none held
     out), rank-16 LoRA unless told otherwise, and the tool fallback on the consumers."""
-    from agentarium.examples.calculator_agent import answer_of, eval_tasks, held_out
+    from agentarium.examples.calculator_agent import answer_of, held_out
 
     config = DemoConfig(run="r", model="smol", recipe="calc")
     assert config.agents() == {"calc": "agentarium.examples.calculator_agent:rollout"}

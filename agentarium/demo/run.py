@@ -150,7 +150,9 @@ class DemoConfig:
         "agentarium.examples.calculator_agent:rollout, smol "
         "agentarium.examples.arithmetic:rollout)",
     )
-    agent_name: str = setting(None, help="agent name on the wire (default: tiny toy, smol add, calc calc)")
+    agent_name: str = setting(
+        None, help="agent name on the wire (default: tiny toy, smol add, calc calc)"
+    )
     rollouts_only: bool = setting(
         False, help="no training: publish --tasks once and wait for every trajectory"
     )
