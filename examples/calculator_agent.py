@@ -139,10 +139,16 @@ def _run_tool(tool, call: dict) -> tuple[str, bool]:
     """The tool's reply to one call, and whether it was refused (as a real tool would say)."""
     if call.get("name") != tool.name:
         return f"error: no tool named {call.get('name')!r}", True
+    args = call.get("args") or {}
+    if set(args) != {"expression"}:
+        return 'error: the calculator takes one argument, "expression"', True
     try:
-        return str(tool.invoke(call.get("args") or {})), False
+        return str(tool.invoke(args)), False
     except Exception as exc:  # a bad expression, missing or extra arguments
-        return f"error: {exc}", True
+        # its first line only: a validation error runs to a dozen lines, which would fill the
+        # next prompt with the tool's prose rather than the model's work
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return f"error: {first[:160]}", True
 
 
 def reward_of(reply: str, answer: str) -> float:
