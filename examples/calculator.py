@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import json
 import operator
+from collections.abc import Callable
 
 CALCULATOR = {
     "type": "function",
@@ -20,7 +21,7 @@ CALCULATOR = {
     },
 }
 
-_OPS = {
+_OPS: dict[type, Callable[..., float]] = {
     ast.Add: operator.add,
     ast.Sub: operator.sub,
     ast.Mult: operator.mul,

@@ -49,6 +49,8 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+from collections.abc import Mapping
+from typing import Any
 
 import ray
 
@@ -96,7 +98,9 @@ def calc_tasks(rng: random.Random, n: int, prefix: str) -> list[dict]:
 
 def eval_tasks() -> list[dict]:
     """The held-out problems the demo evaluates on: a fixed draw, the same on every machine."""
-    rng, out, seen = random.Random(EVAL_SEED), [], set()
+    rng = random.Random(EVAL_SEED)
+    out: list[dict] = []
+    seen: set[tuple[int, str, int]] = set()
     while len(out) < EVAL_TASKS:
         a, op, b = draw(rng)
         if held_out(a, op, b) and (a, op, b) not in seen:
@@ -135,7 +139,7 @@ def history(question: str) -> list:
     return messages
 
 
-def _run_tool(tool, call: dict) -> tuple[str, bool]:
+def _run_tool(tool, call: Mapping[str, Any]) -> tuple[str, bool]:
     """The tool's reply to one call, and whether it was refused (as a real tool would say)."""
     if call.get("name") != tool.name:
         return f"error: no tool named {call.get('name')!r}", True
@@ -168,13 +172,14 @@ async def run_agent(task: dict, endpoint: str, model: str) -> dict:
 async def _loop(task: dict, endpoint: str, model: str, client) -> dict:
     from langchain_core.messages import ToolMessage
     from langchain_openai import ChatOpenAI
+    from pydantic import SecretStr
 
     llm = ChatOpenAI(
         model=model,
         base_url=endpoint,
-        api_key="unused",  # the endpoint names the rollout; the key is ignored
+        api_key=SecretStr("unused"),  # the endpoint names the rollout; the key is ignored
         temperature=1.0,
-        max_tokens=task.get("max_new_tokens", MAX_NEW_TOKENS),
+        max_completion_tokens=task.get("max_new_tokens", MAX_NEW_TOKENS),
         max_retries=0,  # the consumer retries failed rollouts itself
         http_async_client=client,
     )

@@ -219,7 +219,9 @@ def test_the_calculator_agent_runs_on_ray_actors_with_the_tool_fallback(
         assert orch.wait_for_batch_completion(timeout=120)["ok"] == 2
         trajectories = orch.trajectories()
         orch.reset_orchestrator_state()
+        sent = [r["sampling_params"]["max_new_tokens"] for r in fake.server.requests]
 
+    assert sent == [48] * 4  # the agent's max_completion_tokens reached the engine
     for traj in sorted(trajectories, key=lambda t: t.task["task_id"]):
         assert traj.reward == 1.0, (traj.task, traj.metrics, traj.error)
         assert traj.metrics["called_tool"] == 1.0 and traj.metrics["tool_errors"] == 0.0
