@@ -208,7 +208,12 @@ async def test_a_weight_update_shows_on_the_requests_it_held(tiny_dir, span_expo
             held = asyncio.create_task(
                 post(
                     "/generate",
-                    {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 3}},
+                    # ignore_eos: 3 sampled tokens of the random tiny model end on one of
+                    # its 2 stop ids with p ~ 2% (finish_reason "stop", not "length")
+                    {
+                        "input_ids": [1, 2, 3],
+                        "sampling_params": {"max_new_tokens": 3, "ignore_eos": True},
+                    },
                     TRACEPARENT,
                 )
             )

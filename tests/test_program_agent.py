@@ -196,7 +196,9 @@ async def test_a_node_program_chats_through_the_gateway_and_prints_its_reward(
         assert traj.status == "ok" and traj.reward in (0.0, 1.0)
         program = traj.metadata["program"]
         assert program["exit_code"] == 0 and program["stopped"] is False
-        saw = json.loads(program["stdout"].splitlines()[0])
+        # split on "\n" only: splitlines() also splits on U+0085, U+2028 and U+2029, which a
+        # sampled reply may hold and JSON.stringify writes as they are
+        saw = json.loads(program["stdout"].split("\n")[0])
         assert traj.metrics["reply_chars"] == len(saw["reply"])
         # the one LLM call, token-exact: the engine's ids for exactly the prompt the program sent
         [call] = traj.calls

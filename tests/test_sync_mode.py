@@ -201,12 +201,15 @@ async def test_a_control_run_after_a_run_on_the_same_engine_samples_the_base_wei
             return (await control.weights_checksum(engine_url))["checksum"]
 
     async def first_char(task: dict, llm) -> dict:
-        """A reward that differs within a group (the reply's first character), so run A's
-        step has an advantage to train on: the near-uniform tiny model gives no first
-        character more than 5% (tests/test_trl_lora.py), so a group of 4 is flat with
-        p <= 1.3e-4 and both groups with p < 2e-8."""
+        """A reward that differs within a group (the reply's one token, by its id), so run A's
+        step has an advantage to train on. The near-uniform tiny model (263 ids, weights at
+        scale 0.02) draws no id much above 1/263, so a group of 4 is flat (one id four times)
+        with p ~ 263 x (1/263)^4 = 5e-8, and both groups with p ~ 3e-15. Rewarding the decoded
+        character instead was flat far more often: the 128 byte ids 128-255 each decode alone
+        to U+FFFD, one reward, so a group was flat with p ~ 0.49^4 = 0.056 and both with
+        p ~ 3e-3; then nothing trained and the checksum did not move."""
         result = await llm.chat(messages_of(task), max_new_tokens=1)
-        return {"reward": min(ord(result.text[:1] or "\0"), 255) / 255, "metrics": {}}
+        return {"reward": result.call.response_ids[0] / 262, "metrics": {}}
 
     async def one_run(run: str, lr: float) -> list:
         syncer = WeightSyncer(

@@ -30,13 +30,15 @@ RUN, AGENT, STEPS, RANK = "trl-lora", "digit", 3, 4
 
 
 async def first_char(task: dict, llm) -> dict:
-    """A reward that differs within a group (the reply's first character, scaled to [0, 1]),
-    so every step has an advantage to train on. With ``any_digit`` (0/1; the tiny model
-    starts near 0.04) a group of 4 is flat with p ~ 0.85 and all 12 groups with p ~ 0.14, as
-    in CI's run at 8add217: no gradient, the adapter's B stayed zero and the engine served
-    its base unchanged."""
+    """A reward that differs within a group (the reply's one token by its id, scaled to
+    [0, 1]), so every step has an advantage to train on: a group of 4 of the near-uniform
+    tiny model is flat with p ~ 5e-8 (tests/test_sync_mode.py; by the decoded character it
+    was ~0.056, the 128 byte ids 128-255 all decoding to U+FFFD). With ``any_digit`` (0/1; the
+    tiny model starts near 0.04) a group of 4 was flat with p ~ 0.85 and all 12 groups with
+    p ~ 0.14, as in CI's run at 8add217: no gradient, the adapter's B stayed zero and the
+    engine served its base unchanged."""
     result = await llm.chat(messages_of(task), max_new_tokens=1)
-    return {"reward": min(ord(result.text[:1] or "\0"), 255) / 255, "metrics": {}}
+    return {"reward": result.call.response_ids[0] / 262, "metrics": {}}
 
 
 async def full_run_on(settings, engine_url, model, weights_dir) -> None:

@@ -33,4 +33,5 @@ console.log(
     same_task: JSON.stringify(task) === JSON.stringify(fromFile),
   }),
 );
-console.log(JSON.stringify({ reward: reply.trim() === task.answer ? 1 : 0, metrics: { reply_chars: reply.length } }));
+// characters as Python counts them (code points): .length counts UTF-16 units, 2 for one above U+FFFF
+console.log(JSON.stringify({ reward: reply.trim() === task.answer ? 1 : 0, metrics: { reply_chars: [...reply].length } }));
