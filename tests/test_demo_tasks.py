@@ -189,5 +189,6 @@ def test_the_calculator_recipe_feeds_its_agent_with_lora_and_the_tool_fallback()
     assert all(held_out(t["a"], t["op"], t["b"]) for t in evals)
     argv = trainer_argv(config, Path("/m"), Path("/o"), "nats://x")
     assert argv[argv.index("--lora-rank") + 1] == "16"
+    assert argv[argv.index("--max-tokens-per-micro-batch") + 1] == "4096"
     assert DemoConfig(run="r", model="smol", recipe="calc", lora_rank=0).lora_rank == 0
     assert DemoConfig(run="r", model="smol").lora_rank == 0  # the addition keeps its defaults

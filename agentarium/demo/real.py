@@ -45,6 +45,10 @@ class Preset:
     held_out_eval: bool  # evaluate base and trained on the held-out tasks
     lora_rank: int = 0  # the default of --lora-rank
     tool_fallback: bool = False  # the consumers' (and evals') --tool-fallback: tools in text
+    # the trainer's --max-tokens-per-micro-batch (0: the whole step in one pass): the calc
+    # recipe's 48 rows of ~500 tokens in one pass took the trainer past 19 GB and the kernel
+    # killed the engine
+    max_tokens_per_micro_batch: int = 0
 
     def tasks(self, rng: random.Random, n: int, prefix: str, digits: str) -> list[dict]:
         if self.agent_name == "add":
@@ -105,6 +109,7 @@ PRESETS = {
         held_out_eval=True,
         lora_rank=16,
         tool_fallback=True,
+        max_tokens_per_micro_batch=4096,
     ),
 }
 

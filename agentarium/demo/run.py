@@ -633,6 +633,11 @@ def trainer_argv(
         *(["--sync-rollouts"] if args.sync_rollouts else []),
         *(["--dynamic-sampling"] if args.dynamic_sampling else []),
         *(["--lora-rank", str(args.lora_rank)] if args.lora_rank else []),
+        *(
+            ["--max-tokens-per-micro-batch", str(args.preset.max_tokens_per_micro_batch)]
+            if args.preset.max_tokens_per_micro_batch
+            else []
+        ),
         *[
             w
             for m in (LORA_TARGETS if args.lora_rank else ())
