@@ -177,10 +177,10 @@ def test_the_calculator_recipe_feeds_its_agent_with_lora_and_the_tool_fallback()
 
     config = DemoConfig(run="r", model="smol", recipe="calc")
     assert config.agents() == {"calc": "agentarium.examples.calculator_agent:rollout"}
-    assert (config.lora_rank, config.lr, config.steps, config.groups_per_step) == (16, 3e-4, 24, 6)
+    assert (config.lora_rank, config.lr, config.steps, config.groups_per_step) == (16, 3e-4, 12, 2)
     assert config.preset.tool_fallback and config.preset.held_out_eval
     [(agent, tasks)] = _step_batches(config, random.Random(0), 3)
-    assert agent == "calc" and len(tasks) == 6
+    assert agent == "calc" and len(tasks) == 2
     for task in tasks:
         assert not held_out(task["a"], task["op"], task["b"])
         assert task["answer"] == answer_of(task["a"], task["op"], task["b"])

@@ -28,7 +28,7 @@ evaluates the base and the trained weights on 20 held-out pairs (--eval-k attemp
 
 --model smol --recipe calc trains the seed's example: a LangChain agent with a calculator tool
 (examples/calculator_agent.py) on two- and three-digit arithmetic it cannot do in its head,
-rank-16 LoRA, 24 steps of 6 groups, the consumers and evals with --tool-fallback (SmolLM2's
+rank-16 LoRA, 12 steps of 2 groups, the consumers and evals with --tool-fallback (SmolLM2's
 template renders no tools); it evaluates on 40 held-out problems and plots the reward, the
 fraction of rollouts that called the tool and the two evals.
 

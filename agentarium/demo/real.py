@@ -96,16 +96,16 @@ PRESETS = {
         held_out_eval=True,
     ),
     # --recipe calc: the LangChain calculator agent (examples/calculator_agent.py), rank-16
-    # LoRA (a step's rows are ~450 tokens, 8x the addition's: full fine-tuning's updates and
-    # optimizer would take most of the 25 minutes)
+    # LoRA, 2 groups of 8 a step: a step's rows are ~500 tokens, 8x the addition's, and one
+    # step of 16 took 63-82 s of single-threaded update (docs/benchmarks.md)
     "smol-calc": Preset(
         agent="agentarium.examples.calculator_agent:rollout",
         agent_name="calc",
         lr=3e-4,
         entropy_coef=0.0,
-        steps=24,
-        groups_per_step=6,
-        minutes=22.0,
+        steps=12,
+        groups_per_step=2,
+        minutes=14.0,
         held_out_eval=True,
         lora_rank=16,
         tool_fallback=True,

@@ -108,15 +108,15 @@ class DemoConfig:
         choices=("add", "calc"),
         help="with --model smol, what it learns: 'add' (few-shot single-digit addition, the "
         "default) or 'calc' (a LangChain agent with a calculator tool, on two- and three-digit "
-        "arithmetic: examples/calculator_agent.py; rank-16 LoRA, 24 steps of 6 groups, the "
+        "arithmetic: examples/calculator_agent.py; rank-16 LoRA, 12 steps of 2 groups, the "
         "consumers with --tool-fallback; the plot adds the tool-call rate and the held-out evals)",
     )
-    steps: int = setting(None, ge=1, help="training steps (default: tiny 300, smol 20, calc 24)")
+    steps: int = setting(None, ge=1, help="training steps (default: tiny 300, smol 20, calc 12)")
     minutes: float = setting(
-        None, gt=0, help="stop after this long at most (default: tiny 10, smol 20, calc 22)"
+        None, gt=0, help="stop after this long at most (default: tiny 10, smol 20, calc 14)"
     )
     groups_per_step: int = setting(
-        None, ge=1, help="GRPO groups per step (default: tiny 16, smol 8, calc 6)"
+        None, ge=1, help="GRPO groups per step (default: tiny 16, smol 8, calc 2)"
     )
     group_size: int = setting(
         8, ge=2, help="samples per task, one GRPO group (2 or more: one sample has no baseline)"
