@@ -15,8 +15,9 @@ recorded token-exactly), binds the calculator tool and runs the tool-calling loo
 model; run each tool call it made and send the results back as ``ToolMessage``s; stop at a
 reply without tool calls (its answer) or after ``MAX_TURNS`` calls. Three solved examples
 come first as chat history, each a question, a calculator call, its result and the bare
-answer: the model imitates them (about 4 replies in 10 call the tool at the start, a few with
-the right expression), which gives GRPO's groups spread to learn from.
+answer: the model imitates them. At the base weights it calls the tool in about half the
+rollouts (0.52 in a k = 4 eval of the 40 held-out problems) and gets 0.82 of those right, none
+of the others, which gives GRPO's groups spread to learn from.
 
 SmolLM2's chat template renders no tools: the consumer runs with ``--tool-fallback``
 (formats/tool_fallback.py), which writes the tool into the system message, earlier calls as
@@ -47,7 +48,6 @@ is a fixed draw of 40 of them.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 from collections.abc import Mapping
 from typing import Any
@@ -159,8 +159,9 @@ def reward_of(reply: str, answer: str) -> float:
     return 1.0 if reply.strip().rstrip(".").strip() == answer else 0.0
 
 
-async def run_agent(task: dict, endpoint: str, model: str) -> dict:
-    """One rollout: the LangChain tool-calling loop on ``endpoint``."""
+async def rollout(task: dict, endpoint: str, model: str) -> dict:
+    """One rollout, the LangChain tool-calling loop on ``endpoint``: the agent for
+    ``agentarium consumer`` (the module's docstring)."""
     import openai
 
     # The rollout's own HTTP client, closed with it: LangChain's default is cached per base
@@ -215,16 +216,7 @@ async def _loop(task: dict, endpoint: str, model: str, client) -> dict:
     }
 
 
-async def rollout(task: dict, endpoint: str, model: str) -> dict:
-    """The agent for ``agentarium consumer`` (its module docstring)."""
-    return await run_agent(task, endpoint, model)
-
-
 @ray.remote(num_cpus=0.1)
 def ray_rollout(task: dict, endpoint: str, model: str) -> dict:
     """The same agent as a Ray remote function (the orchestrator's, as the seed writes it)."""
-    return asyncio.run(run_agent(task, endpoint, model))
-
-
-def tasks_jsonl(tasks: list[dict]) -> str:
-    return "".join(json.dumps(t) + "\n" for t in tasks)
+    return asyncio.run(rollout(task, endpoint, model))
