@@ -15,6 +15,20 @@ if ! "$py" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; th
   exit 1
 fi
 
+# With --test, verl's and vLLM's own virtualenvs (ops/verl_venv.sh, ops/vllm_venv.sh: each pins
+# a transformers that .venv cannot share) build beside .venv: pip waits on the network and the
+# disk, so the three together take little more than the longest. Each logs to a file shown
+# when it fails; the builds are stopped if this script stops first.
+venv_logs="" venv_jobs=()
+if [ -n "$testing" ]; then
+  venv_logs=$(mktemp -d)
+  trap 'for job in "${venv_jobs[@]}"; do pkill -TERM -P "${job#*:}" 2>/dev/null || true; kill "${job#*:}" 2>/dev/null || true; done; rm -rf "$venv_logs"' EXIT
+  bash ops/verl_venv.sh >"$venv_logs/verl.log" 2>&1 &
+  venv_jobs+=("verl:$!")
+  bash ops/vllm_venv.sh >"$venv_logs/vllm.log" 2>&1 &
+  venv_jobs+=("vllm:$!")
+fi
+
 if [ ! -x .venv/bin/python ]; then
   if ! "$py" -m venv .venv 2>/dev/null; then
     echo "python venv is missing: install it (apt-get install python3-venv) and rerun." >&2
@@ -107,5 +121,21 @@ if [ -n "$testing" ] && command -v npm >/dev/null 2>&1 \
 elif [ -n "$testing" ] && ! command -v npm >/dev/null 2>&1; then
   echo "note: npm not found (install Node.js 18+); the Node example's test will skip"
 fi
-if [ -n "$testing" ]; then bash ops/verl_venv.sh; fi  # verl 0.9.1's own venv, for tests/test_verl_compat.py
+# verl 0.9.1's venv (tests/test_verl_compat.py) must build; vLLM's CPU build (the vllm tier) is
+# x86-64 only: without it the tier builds it again under CI=true and fails, or skips saying why.
+for job in "${venv_jobs[@]}"; do
+  name=${job%%:*} rc=0
+  wait "${job#*:}" || rc=$?
+  if [ "$rc" = 0 ]; then
+    tail -n 1 "$venv_logs/$name.log"
+  elif [ "$name" = verl ]; then
+    echo "ops/verl_venv.sh failed (exit $rc):" >&2
+    tail -n 20 "$venv_logs/$name.log" >&2
+    exit 1
+  else
+    echo "note: ops/vllm_venv.sh failed (exit $rc), so the vllm tier has no vLLM yet:" >&2
+    tail -n 5 "$venv_logs/$name.log" >&2
+  fi
+done
+venv_jobs=()
 echo "setup done: .venv ready, nats-server at $(command -v nats-server || echo /usr/sbin/nats-server)"

@@ -54,7 +54,9 @@ if [ ! -x "$venv/bin/python" ]; then
     exit 1
   fi
 fi
-pip=("$venv/bin/python" -m pip install --quiet)
+# --no-compile: no bytecode for its 15,000 modules at install; the few the tests import are
+# compiled when first imported.
+pip=("$venv/bin/python" -m pip install --quiet --no-compile)
 "${pip[@]}" "torch==${torch_version}"
 "${pip[@]}" "${packages[@]}"
 # Last and without its dependencies (datasets, peft, vllm, ...: none needed to build a DataProto

@@ -34,7 +34,9 @@ if [ ! -x "$venv/bin/python" ]; then
     exit 1
   fi
 fi
-pip=("$venv/bin/python" -m pip install --quiet)
+# --no-compile: no bytecode for the 21,000 modules at install (about 100 s on 2 cores); Python
+# compiles the few the server imports when it first starts.
+pip=("$venv/bin/python" -m pip install --quiet --no-compile)
 # PyTorch's CPU index, as ops/setup.sh does; a machine that cannot reach it gives up on it at once
 # (10 s, no retries) and takes the same build from its default index and find-links.
 if ! out=$("${pip[@]}" --timeout 10 --retries 0 --index-url "$index" "torch==${torch_version}+cpu" 2>&1); then
