@@ -42,6 +42,10 @@ packages=(
 # The stamp records what was installed: a change of this script's package list rebuilds.
 want="verl==0.9.1 torch==${torch_version} ${packages[*]}"
 stamp="$venv/.agentarium-verl-installed"
+# One build at a time (setup and a test may both start one): a second waits, then finds it built.
+mkdir -p "$(dirname "$venv")"
+exec 9>"$venv.lock"
+flock 9
 
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/python" ]; then
   echo "verl venv ready at $venv"

