@@ -5,6 +5,7 @@ adapter is unloaded, on the engine), and ``agentarium merge-lora`` folds it into
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -255,3 +256,44 @@ def test_an_adapter_on_a_tied_head_changes_the_head_alone(tmp_path):
     assert torch.equal(export.model.embed_tokens.weight, base_embedding)
     with torch.no_grad():
         torch.testing.assert_close(export(input_ids=ids).logits, want, **tol)  # as above
+
+
+async def test_a_lora_trainer_refuses_token_ids_outside_the_vocabulary(
+    js, topology, tiny_dir, tmp_path
+):
+    """With LoRA the trainer publishes an adapter, not the model; the vocabulary it checks
+    trajectories against is still the model's. A token id the embedding cannot look up is a
+    refused trajectory, said so in the log, never a step that crashes on it."""
+    import dataclasses
+
+    import structlog.testing
+
+    run = "lora-vocab"
+    groups = [
+        one_call_group(
+            g,
+            run=run,
+            agent=AGENT,
+            job_id=lambda g, i: f"v{g}{i}",
+            group_id=f"vg{g}",
+            reward=lambda g, i: float(i == g % 4),
+        )
+        for g in range(3)
+    ]
+    poisoned = groups[2][0]
+    call = poisoned.calls[0]
+    poisoned.calls[0] = dataclasses.replace(call, response_ids=[100_000, *call.response_ids[1:]])
+    for group in groups:
+        await publish(js, topology, group)
+    trainer = Trainer(
+        config(tiny_dir, run=run),
+        js,
+        topology=topology,
+        publisher=WeightStore(js, topology, weights_dir=tmp_path / "w").for_run(run),
+    )
+    with structlog.testing.capture_logs() as logs:
+        await asyncio.wait_for(trainer.run(max_steps=1), timeout=120)
+    refused = [e for e in logs if e.get("event", "").startswith("trajectory kept out of training")]
+    assert [e["job_id"] for e in refused] == [poisoned.job_id]
+    assert "token id 100000 in response_ids, outside the model's vocabulary" in refused[0]["reason"]
+    assert trainer._updater.model.get_input_embeddings().num_embeddings < 100_000

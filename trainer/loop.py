@@ -59,6 +59,7 @@ from .draws import Draws, NoDraws
 from .errors import TrainerConfigError
 from .groups import Group, Selection
 from .live import LiveMetrics
+from .lora import AdapterExport
 from .metrics import MetricsSink, StepMetrics
 from .prometheus import BUFFERS
 from .publishing import WeightPublisher, publishing_for
@@ -469,15 +470,21 @@ def _make_updater(config: TrainerConfig):
     return LocalUpdater(config)
 
 
+def _policy(model):
+    """The model behind what the updater publishes: with LoRA that is an ``AdapterExport``,
+    whose ``config`` is the adapter's (a method) and which has no embeddings of its own."""
+    return model.model if isinstance(model, AdapterExport) else model
+
+
 def _vocab_size(model) -> int | None:
     """Rows the embedding cannot look up would crash a step: trajectories holding token ids
     at or above this are refused (None: not known, no such check)."""
-    embeddings = getattr(model, "get_input_embeddings", None)
+    embeddings = getattr(_policy(model), "get_input_embeddings", None)
     return int(embeddings().num_embeddings) if callable(embeddings) else None
 
 
 def _pad_id(model) -> int:
-    config = model.config
+    config = _policy(model).config
     return pad_token_id(
         getattr(config, "pad_token_id", None), getattr(config, "eos_token_id", None)
     )
