@@ -1,0 +1,103 @@
+"""Trainer memory: how much of a step's RSS is glibc's heap rather than live tensors.
+
+Runs three steps of the trainer's single-process updater (``trainer.step.LocalUpdater``) on
+bench/trainer_memory.py's seeded batch, in a worker thread as the trainer runs its steps, once
+per configuration, each in a fresh process. It prints the RSS after each step, the peak RSS and
+the step times. A configuration is a trainer setting set, optionally with ``+mmap``: glibc's
+``MALLOC_MMAP_THRESHOLD_`` fixed at 1 MiB, so every large tensor is mapped and returned to the
+system when freed.
+
+    PYTHONPATH=. OMP_NUM_THREADS=1 python bench/trainer_allocator.py \\
+        --prompt 250 --response 150:350 lora-4096 lora-4096+mmap
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+CONFIGS = {
+    "full-4096": {"max_tokens_per_micro_batch": 4096},
+    "lora-4096": {"lora_rank": 16, "max_tokens_per_micro_batch": 4096},
+    "lora-2048": {"lora_rank": 16, "max_tokens_per_micro_batch": 2048},
+    "lora-4096-ckpt": {
+        "lora_rank": 16,
+        "max_tokens_per_micro_batch": 4096,
+        "activation_checkpointing": True,
+    },
+}
+ENVS = {"": {}, "mmap": {"MALLOC_MMAP_THRESHOLD_": "1048576"}}
+
+
+def rss_mb() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS"):
+            return int(line.split()[1]) // 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def child(args: argparse.Namespace) -> None:
+    import torch
+    from trainer_memory import bench_batch, peak_rss_mb
+
+    from agentarium.models import resolve_model
+    from agentarium.trainer.config import TrainerConfig
+    from agentarium.trainer.step import LocalUpdater
+
+    torch.set_num_threads(1)
+    model_dir = resolve_model(args.model)
+    vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+    low, high = (int(x) for x in args.response.split(":"))
+    batch = bench_batch(args.rows, args.prompt, (low, high), vocab)
+    settings = CONFIGS[args.child.split("+")[0]]
+    config = TrainerConfig(run="bench", agent="a", model_dir=str(model_dir), lr=1e-5, **settings)
+    pool = concurrent.futures.ThreadPoolExecutor(4)  # off the main thread, as asyncio.to_thread
+    updater = pool.submit(LocalUpdater, config).result()
+    out: dict = {"config": args.child, "tokens": batch.tokens, "rss_after_load": rss_mb()}
+    for k in range(args.steps):
+        t0 = time.monotonic()
+        pool.submit(updater.step, batch, seed=k).result()
+        out[f"step{k + 1}_s"] = round(time.monotonic() - t0, 1)
+        out[f"rss_after_step{k + 1}"] = rss_mb()
+    out["peak_rss"] = round(peak_rss_mb())
+    print(json.dumps(out), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("configs", nargs="*", default=["lora-4096", "lora-4096+mmap"])
+    parser.add_argument("--model", default="smol", help="smol, tiny or a model directory")
+    parser.add_argument("--rows", type=int, default=16)
+    parser.add_argument("--prompt", type=int, default=250)
+    parser.add_argument("--response", default="150:350", metavar="MIN:MAX")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args)
+        return
+    for name in args.configs:
+        base, _, env = name.partition("+")
+        if base not in CONFIGS or env not in ENVS:
+            sys.exit(f"unknown configuration {name!r}: {sorted(CONFIGS)}, each optionally +mmap")
+        command = [sys.executable, __file__, "--child", name, "--model", args.model]
+        for flag in ("rows", "prompt", "response", "steps"):
+            command += [f"--{flag}", str(getattr(args, flag))]
+        done = subprocess.run(
+            command, capture_output=True, text=True, env={**os.environ, **ENVS[env]}, check=False
+        )
+        if done.returncode != 0:
+            sys.exit(f"{name}: exit {done.returncode}\n{done.stderr[-4000:]}")
+        print(done.stdout.strip().splitlines()[-1], flush=True)
+
+
+if __name__ == "__main__":
+    main()
