@@ -121,8 +121,9 @@ if [ -n "$testing" ] && command -v npm >/dev/null 2>&1 \
 elif [ -n "$testing" ] && ! command -v npm >/dev/null 2>&1; then
   echo "note: npm not found (install Node.js 18+); the Node example's test will skip"
 fi
-# verl 0.9.1's venv (tests/test_verl_compat.py) must build; vLLM's CPU build (the vllm tier) is
-# x86-64 only: without it the tier builds it again under CI=true and fails, or skips saying why.
+# verl 0.9.1's venv (tests/test_verl_compat.py) must build; vLLM's CPU build (the vllm tier) may
+# have no wheel for this machine: without it the tier builds it again under CI=true and fails, or
+# skips saying why.
 for job in "${venv_jobs[@]}"; do
   name=${job%%:*} rc=0
   wait "${job#*:}" || rc=$?
