@@ -94,6 +94,20 @@ For each call, write a JSON object with the function's name and arguments within
 {% endif %}{% endif %}"""
 )
 
+# Qwen3's own habit: the reasoning of turns before the latest user message is not rendered (the
+# tool-call loop of the current question keeps it). The tracing client keeps such a rollout one
+# row all the same (consumers/tracing/prompt_chain.py, ``reasoning_kept``).
+_KEEPS_REASONING = "{% if m.reasoning_content is defined and m.reasoning_content is not none %}"
+QWEN3_LATEST_REASONING = (
+    "{%- set ns = namespace(last_query=-1) -%}{%- for m in messages -%}"
+    "{%- if m.role == 'user' %}{% set ns.last_query = loop.index0 %}{% endif -%}{%- endfor -%}"
+    + QWEN3.replace(
+        _KEEPS_REASONING,
+        "{% if loop.index0 > ns.last_query and m.reasoning_content is defined "
+        "and m.reasoning_content is not none %}",
+    )
+)
+
 QWEN3_CODER = (
     """{%- set sys = messages[0].content if messages[0].role == 'system' else '' -%}
 <|im_start|>system

@@ -159,8 +159,12 @@ class LLMCall(WireMessage):
         "",
         doc="how prompt_ids were built: render (the chat template over the messages), extend "
         "(an earlier call's prompt_ids and response_ids, then the new messages' tokens: no reply "
-        "re-encoded), or why extending was refused and the messages rendered (tools_changed, "
-        "reply_rerendered, history_rewritten, no_turn_end); empty without token ids",
+        "re-encoded), reasoning_kept (the same where the chat template drops earlier turns' "
+        "reasoning: the sampled ids are kept), after_budget (the rest of a reply cut at its "
+        "thinking budget: the first part's ids, then the reasoning's close when it was still "
+        "open, tokens never trained), or why extending was refused and the messages rendered "
+        "(tools_changed, reply_rerendered, history_rewritten, no_turn_end); empty without token "
+        "ids",
     )
 
     def __post_init__(self) -> None:

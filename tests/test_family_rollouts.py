@@ -305,9 +305,19 @@ def test_each_api_asks_for_reasoning_on_or_off_in_its_own_terms():
     for kind, want in ((None, None), ("disabled", False), ("adaptive", None)):
         body = {"messages": user, "max_tokens": 9, **({"thinking": {"type": kind}} if kind else {})}
         assert anthropic.parse(body).call.thinking is want
-    with pytest.raises(GatewayError, match="with a budget cannot be served"):
-        anthropic.parse({"messages": user, "max_tokens": 9,
-                         "thinking": {"type": "enabled", "budget_tokens": 1024}})  # fmt: skip
+        assert anthropic.parse(body).call.thinking_budget is None
+    enabled = {"messages": user, "max_tokens": 2048,
+               "thinking": {"type": "enabled", "budget_tokens": 1024}}  # fmt: skip
+    call = anthropic.parse(enabled).call
+    assert (call.thinking, call.thinking_budget) == (True, 1024)
+    for thinking, match in (
+        ({"type": "enabled"}, "budget_tokens: a positive integer is required, got None"),
+        ({"type": "enabled", "budget_tokens": 0}, "a positive integer is required, got 0"),
+        ({"type": "enabled", "budget_tokens": 4096}, "must be greater than thinking.budget"),
+        ({"type": "sometimes"}, "thinking.type must be"),
+    ):
+        with pytest.raises(GatewayError, match=match):
+            anthropic.parse({**enabled, "thinking": thinking})
 
 
 async def test_a_reply_sent_back_without_its_reasoning_still_extends(replying, template):
@@ -335,3 +345,187 @@ async def test_a_reply_sent_back_without_its_reasoning_still_extends(replying, t
         await backend.aclose()
     assert llm.calls[1].prompt_build == "extend"
     assert llm.calls[1].prompt_ids[: len(llm.calls[0].prompt_ids)] == llm.calls[0].prompt_ids
+
+
+@pytest.mark.parametrize("echo", ["whole", "without_reasoning"])
+async def test_a_template_that_drops_earlier_reasoning_keeps_the_rollout_one_row(
+    replying, template, echo
+):
+    """Qwen3's own template drops the reasoning of turns before the latest user message. The
+    second call's prompt keeps the first reply's sampled ids, reasoning included, and adds the
+    new message as the template writes it after the reasoning-free history: one row, its
+    tokens what the model saw, the reply's tokens trained, the new message's masked."""
+    from agentarium.consumers.backends import SGLangBackend
+    from agentarium.consumers.tracing.llm import TracingLLM
+    from agentarium.formats.families import QWEN3_LATEST_REASONING
+    from agentarium.schemas import Sampling, Trajectory
+    from agentarium.trainer.batch import Sample, build_rows
+
+    qwen3 = ChatTemplate(
+        template.tokenizer,
+        {"default": QWEN3_LATEST_REASONING},
+        name="q3-own",
+        eos_token_ids=template.eos_token_ids,
+    )
+    fake = await replying("<think>\nHmm.\n</think>\n\nSunny.")
+    backend = SGLangBackend([fake.url], backoff=0.0)
+    try:
+        llm = TracingLLM(backend, qwen3, Sampling(max_new_tokens=64), model_name="tiny")
+        first = await llm.chat(QUESTION)
+        assert first.reasoning == "Hmm." and first.content == "Sunny."
+        reply = dict(first.message) if echo == "whole" else {"role": "assistant", "content": "Sunny."}  # fmt: skip
+        chat = [*QUESTION, reply, {"role": "user", "content": "And Rome?"}]
+        await llm.chat(chat)
+    finally:
+        await backend.aclose()
+    one, two = llm.calls
+    rendered = qwen3.render(chat)
+    assert "Hmm." not in rendered  # the template would drop it
+    # sent back whole, the history the template renders drops it: reasoning_kept; sent back
+    # without it, the history renders as the template would anyway: a plain extension
+    assert two.prompt_build == ("reasoning_kept" if echo == "whole" else "extend")
+    kept = one.prompt_ids + one.response_ids
+    assert two.prompt_ids[: len(kept)] == kept  # the sampled reasoning, as sampled
+    tail = rendered[rendered.index("Sunny.<|im_end|>") + len("Sunny.") :]
+    assert qwen3.decode(two.prompt_ids[len(kept) - 1 :]) == tail  # <|im_end|>, then the new turn
+    trajectory = Trajectory(
+        job_id="j", agent="a", task_id="t", group_id="g", status="ok", reward=1.0,
+        calls=[one, two],
+    )  # fmt: skip
+    rows, stats = build_rows([Sample(trajectory, advantage=1.0)])
+    assert (stats.rows, stats.concatenated, stats.prefix_mismatches) == (1, 1, 0)
+    (row,) = rows
+    assert row.input_ids == two.prompt_ids + two.response_ids
+    trained = [t for t, m in zip(row.input_ids, row.loss_mask, strict=True) if m]
+    assert trained == one.response_ids + two.response_ids
+
+
+REASONING = "Paris is far; the forecast takes a while to read."
+THINKING_REPLY = f"<think>\n{REASONING}\n</think>\n\nSunny."
+
+
+def budgeted(chat: ChatTemplate):
+    """An engine reply for a thinking model: it reasons (REASONING, longer than the budgets
+    below), then answers; told to stop at max_new_tokens it does, its text what its ids say
+    (a real engine's). Given its own reply's start it goes on with it; after a reasoning
+    block closed for it, it answers."""
+
+    def reply(body: dict) -> tuple[list[int], str]:
+        written = chat.decode(body["input_ids"]).rsplit("<|im_start|>assistant\n", 1)[-1]
+        cont = THINKING_REPLY.startswith(written)  # it goes on with what it had written
+        text = THINKING_REPLY[len(written) :] if cont else "Sunny."
+        ids = chat.encode(text) + chat.eos_token_ids[:1]  # the fake cuts them at the limit
+        kept = ids[: body["sampling_params"]["max_new_tokens"]]
+        return ids, chat.decode([i for i in kept if i not in chat.eos_token_ids])
+
+    return reply
+
+
+def qwen3_of(template: ChatTemplate) -> ChatTemplate:
+    return ChatTemplate(
+        template.tokenizer,
+        {"default": FAMILIES["qwen3"].template},
+        name="q3",
+        eos_token_ids=template.eos_token_ids,
+    )
+
+
+async def test_a_thinking_budget_closes_the_reasoning_and_the_answer_follows(template):
+    """``thinking_budget`` = 20 (the tiny tokenizer: one token a byte): the engine is asked
+    for 20 tokens, all reasoning; the client closes the block itself and asks for the rest
+    (64 - 20 - 11 tokens). The reply holds the cut reasoning and the answer; the trajectory
+    two calls that make one row, the close's tokens untrained. A budget the reasoning fits in
+    is one request; a model without ``<think>`` reasoning or thinking off is refused."""
+    from agentarium.consumers.backends import SGLangBackend
+    from agentarium.consumers.errors import BadRequest
+    from agentarium.consumers.tracing.llm import BUDGET_CLOSE, TracingLLM
+    from agentarium.schemas import Sampling, Trajectory
+    from agentarium.trainer.batch import Sample, build_rows
+
+    qwen3 = qwen3_of(template)
+    async with serving(budgeted(qwen3)) as fake:
+        backend = SGLangBackend([fake.url], backoff=0.0)
+        try:
+            llm = TracingLLM(backend, qwen3, Sampling(max_new_tokens=64), model_name="tiny")
+            result = await llm.chat(QUESTION, thinking_budget=20)
+            asked = [r["sampling_params"]["max_new_tokens"] for r in fake.requests]
+            close = qwen3.encode_piece(BUDGET_CLOSE)
+            assert asked == [20, 64 - 20 - len(close)]
+            cut = qwen3.decode(qwen3.encode(THINKING_REPLY)[:20])
+            assert result.reasoning == cut.removeprefix("<think>").strip()
+            assert result.content == "Sunny." and result.finish_reason == "stop"
+            one, two = llm.calls
+            assert (one.finish_reason, one.prompt_build, two.prompt_build) == ("length", "render", "after_budget")  # fmt: skip
+            assert two.prompt_ids == one.prompt_ids + one.response_ids + close
+            assert result.call is two
+
+            roomy = TracingLLM(backend, qwen3, Sampling(max_new_tokens=128), model_name="tiny")
+            whole = await roomy.chat(QUESTION, thinking_budget=100)
+            assert (whole.reasoning, whole.content, len(roomy.calls)) == (REASONING, "Sunny.", 1)
+            # closed within the budget, cut in the answer: the rest follows, nothing added
+            fake.requests.clear()
+            after = await roomy.chat(QUESTION, thinking_budget=70)
+            assert [r["sampling_params"]["max_new_tokens"] for r in fake.requests] == [70, 58]
+            assert (after.reasoning, after.content) == (REASONING, "Sunny.")
+            three = roomy.calls[-1]
+            assert three.prompt_ids == roomy.calls[-2].prompt_ids + roomy.calls[-2].response_ids
+            with pytest.raises(BadRequest, match="needs thinking on"):
+                await roomy.chat(QUESTION, thinking=False, thinking_budget=20)
+            for budget in (0, 1.5, True):
+                with pytest.raises(BadRequest, match="must be a positive integer"):
+                    await roomy.chat(QUESTION, thinking_budget=budget)
+            plain = TracingLLM(backend, template, Sampling(max_new_tokens=64), model_name="tiny")
+            with pytest.raises(BadRequest, match="reasons in <think> blocks"):
+                await plain.chat(QUESTION, thinking_budget=20)
+        finally:
+            await backend.aclose()
+    trajectory = Trajectory(
+        job_id="j", agent="a", task_id="t", group_id="g", status="ok", reward=1.0,
+        calls=[one, two],
+    )  # fmt: skip
+    (row,), stats = build_rows([Sample(trajectory, advantage=1.0)])
+    assert (stats.rows, stats.prefix_mismatches) == (1, 0)
+    assert row.input_ids == two.prompt_ids + two.response_ids
+    trained = [t for t, m in zip(row.input_ids, row.loss_mask, strict=True) if m]
+    assert trained == one.response_ids + two.response_ids  # not the close
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_anthropic_extended_thinking_with_a_budget_through_the_sdk(
+    js, topology, template, stream
+):
+    """The official ``anthropic`` SDK asks for extended thinking with ``budget_tokens``: its
+    thinking block holds the reasoning cut at the budget, its text block the answer."""
+    import anthropic
+
+    qwen3 = qwen3_of(template)
+    seen: dict[str, list] = {}
+
+    async def agent(task: dict, endpoint: str, model: str) -> float:
+        sdk = anthropic.AsyncAnthropic(
+            base_url=endpoint.removesuffix("/v1"), api_key="unused", max_retries=0
+        )
+        options = dict(
+            model=model,
+            max_tokens=64,
+            messages=QUESTION,
+            thinking={"type": "enabled", "budget_tokens": 20},
+        )
+        if stream:
+            async with sdk.messages.stream(**options) as events:
+                reply = await events.get_final_message()
+        else:
+            reply = await sdk.messages.create(**options)
+        seen["blocks"] = [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in reply.content]  # fmt: skip
+        return 1.0
+
+    name = f"budget-{int(stream)}"
+    async with serving(budgeted(qwen3)) as fake:
+        await TaskProducer(js, topology).submit(name, [{"task_id": "t"}], run=name)
+        async with worker_for(js, name, agent, [fake.url], attempts=1, template=qwen3) as worker:
+            counters = await worker.run()
+    assert counters.ok == 1, counters
+    cut = qwen3.decode(qwen3.encode(THINKING_REPLY)[:20]).removeprefix("<think>").strip()
+    assert seen["blocks"] == [("thinking", cut), ("text", "Sunny.")]
+    [trajectory] = await TrajectoryReader(js, topology).read(name)
+    assert [c.prompt_build for c in trajectory.calls] == ["render", "after_budget"]

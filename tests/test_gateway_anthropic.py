@@ -165,9 +165,13 @@ async def test_what_the_messages_api_cannot_serve_is_refused(gateway):
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA"}}
     cases = {
         "image": ({"messages": [{"role": "user", "content": [image]}]}, "'image' block"),
-        "thinking": (
+        "thinking budget": (  # the tiny model does not reason
+            {"thinking": {"type": "enabled", "budget_tokens": 8}},
+            "a thinking budget needs a model that reasons in <think> blocks",
+        ),
+        "budget over max_tokens": (
             {"thinking": {"type": "enabled", "budget_tokens": 1024}},
-            "with a budget cannot",
+            "max_tokens must be greater than thinking.budget_tokens",
         ),
         "prefill": ({"messages": [*QUESTION, {"role": "assistant", "content": "The"}]}, "prefill"),
         "server tool": (

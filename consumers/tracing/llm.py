@@ -28,6 +28,7 @@ from opentelemetry.util.types import AttributeValue
 
 from agentarium.broker import OPENINFERENCE_SPAN_KIND
 from agentarium.formats import (
+    THINK_CLOSE,
     THINK_OPEN,
     ChatTemplate,
     ToolCallError,
@@ -37,7 +38,7 @@ from agentarium.formats import (
 )
 from agentarium.schemas import LLMCall, Sampling
 
-from ..backends.base import Backend, GenerateRequest
+from ..backends.base import Backend, GenerateRequest, GenerateResult
 from ..backends.cross_sampling import model_of_call
 from ..errors import BadRequest, LLMError
 from ..metrics import observe_llm_call, observe_llm_failure, observe_prompt
@@ -109,6 +110,16 @@ class ChatResult:
 def _server_address(url: str) -> tuple[str, int | None]:
     address = urlsplit(url)
     return address.hostname or url, address.port
+
+
+# How a reply cut at its thinking budget has its reasoning closed: as the templates write a
+# finished block (``<think>\n{reasoning}\n</think>\n\n{answer}``).
+BUDGET_CLOSE = f"\n{THINK_CLOSE}\n\n"
+
+
+def _capped(params: dict, budget: int) -> dict:
+    """``params`` generating at most ``budget`` tokens (the thinking budget's first request)."""
+    return {**params, "max_new_tokens": min(budget, params["max_new_tokens"])}
 
 
 def _sampling_params(job: Sampling, eos_ids: Sequence[int], overrides: dict[str, Any]) -> dict:
@@ -227,12 +238,21 @@ class TracingLLM:
         tools: Sequence[Any] | None = None,
         *,
         thinking: bool | None = None,
+        thinking_budget: int | None = None,
         **sampling: Any,
     ) -> ChatResult:
         """Generate the assistant's next message; per-call sampling overrides the job's.
         ``thinking`` turns a thinking model's reasoning on or off (its template's
         ``enable_thinking``; None: the template's default); asking what the model cannot do
-        (off for a model that always reasons, on for one that never does) is a BadRequest."""
+        (off for a model that always reasons, on for one that never does) is a BadRequest.
+
+        ``thinking_budget`` bounds the reasoning to that many generated tokens (a ``<think>``
+        model's; it turns reasoning on): a reply still reasoning at the budget has its block
+        closed for it (``</think>``, tokens the policy did not sample: recorded as context,
+        never trained) and the answer generated after it, within the call's max tokens. The
+        reply is then two engine requests, recorded as two calls that make one row."""
+        if thinking_budget is not None:
+            thinking = self._check_budget(thinking, thinking_budget)
         variables = self._thinking_variables(thinking)
         chat = normalize_messages(messages)
         tool_list = plain_data(list(tools)) if tools else None
@@ -250,7 +270,9 @@ class TracingLLM:
         )
         token = otel_context.attach(trace.set_span_in_context(span))
         try:
-            result, response = await self._chat(index, chat, tool_list, params, variables)
+            result, response = await self._chat(
+                index, chat, tool_list, params, variables, thinking_budget
+            )
         except BaseException as exc:  # CancelledError too: a deadline cut the call
             if span.is_recording():
                 span.set_attribute("error.type", genai.error_type(exc))
@@ -303,6 +325,19 @@ class TracingLLM:
                 attributes["gen_ai.tool.definitions"] = genai.tool_definitions(tools)
         return attributes
 
+    def _check_budget(self, thinking: bool | None, budget: Any) -> bool:
+        """``thinking`` as a budget needs it (on), or a BadRequest saying why it cannot be."""
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise BadRequest(f"thinking_budget must be a positive integer, got {budget!r}")
+        if thinking is False:
+            raise BadRequest("thinking_budget is a budget for reasoning: it needs thinking on")
+        if self.template is None or self.reasoning_format != "think":
+            raise BadRequest(
+                "a thinking budget needs a model that reasons in <think> blocks and a token "
+                f"backend (this model's reasoning format: {self.reasoning_format!r})"
+            )
+        return True
+
     def _thinking_variables(self, thinking: bool | None) -> dict | None:
         """The template variables that honour ``thinking`` (see ``chat``)."""
         if thinking is None:
@@ -325,6 +360,7 @@ class TracingLLM:
         tools: list | None,
         params: dict,
         variables: dict | None = None,
+        budget: int | None = None,
     ) -> tuple[ChatResult, dict[str, AttributeValue]]:
         """The call, and the attributes its span gets from the response."""
         prompt = Prompt([], "", "")
@@ -335,10 +371,12 @@ class TracingLLM:
                 raise BadRequest(f"the chat template refused these messages: {exc}") from exc
             observe_prompt(prompt.build)
         input_ids = prompt.ids
+        opened = prompt.text.rstrip().endswith(THINK_OPEN)
+        rid = f"{self.rid_prefix}-{self._nonce}-call-{index}"
         request = GenerateRequest(
             input_ids=input_ids,
-            sampling=params,
-            rid=f"{self.rid_prefix}-{self._nonce}-call-{index}",
+            sampling=params if budget is None else _capped(params, budget),
+            rid=rid,
             route_key=self.route_key,
             messages=chat,
             tools=tools,
@@ -346,6 +384,27 @@ class TracingLLM:
         start = time.perf_counter()
         result = await self.backend.generate(request)
         latency = time.perf_counter() - start
+        cut = None  # the first request, when the thinking budget cut the reply in two
+        text, output_ids = result.text, list(result.output_ids)
+        forced = self._budget_close(result, params, opened) if budget is not None else None
+        if forced is not None:
+            cut = (request, result, latency)
+            request = GenerateRequest(
+                input_ids=[*input_ids, *output_ids, *forced],
+                sampling={
+                    **params,
+                    "max_new_tokens": params["max_new_tokens"] - len(output_ids) - len(forced),
+                },  # fmt: skip
+                rid=f"{rid}-after-budget",
+                route_key=self.route_key,
+                messages=chat,
+                tools=tools,
+            )
+            start = time.perf_counter()
+            result = await self.backend.generate(request)
+            latency = time.perf_counter() - start
+            text = text + self.template.decode(forced) + result.text  # type: ignore[union-attr]
+            output_ids = [*output_ids, *forced, *result.output_ids]
 
         errors: list[ToolCallError] = []
         reasoning: str | None = None
@@ -353,11 +412,11 @@ class TracingLLM:
             content, tool_calls = result.text, result.tool_calls
         else:  # reasoning off first, then tool calls (when offered) in the rest alone
             reply = parse_reply(
-                result.text,
+                text,
                 tool_format=self.tool_format,
                 reasoning_format=self.reasoning_format,
                 tools=tools,
-                opened=prompt.text.rstrip().endswith(THINK_OPEN),
+                opened=opened,
             )
             content, tool_calls, errors = reply.content, reply.tool_calls, reply.errors
             reasoning = reply.reasoning
@@ -368,29 +427,26 @@ class TracingLLM:
             message["tool_calls"] = tool_calls
         finish = "tool_calls" if tool_calls else result.finish_reason
 
-        call = LLMCall(
-            prompt_ids=list(input_ids),
-            response_ids=list(result.output_ids),
-            response_logprobs=list(result.output_logprobs),
-            finish_reason=finish,
-            weight_version=result.weight_version,
-            weight_spans=list(result.weight_spans),
-            temperature=float(params["temperature"]),
-            top_p=float(params["top_p"]),
-            top_k=int(params.get("top_k", -1)),
-            latency_s=latency,
-            backend=result.backend,
-            model=result.model or self.model_name,
-            policy=result.policy,
-            cached_tokens=result.cached_tokens,
-            messages=[*chat, message] if self.record_messages else None,
-            prompt_build=prompt.build,
+        if cut is not None:  # the reply up to the budget: a call of its own, no messages
+            first_request, first, first_latency = cut
+            self.calls.append(
+                self._call_of(first_request, first, params, first_latency, None, prompt.build)
+            )
+            observe_llm_call(self.calls[-1], len(input_ids), len(first.output_ids))
+        call = self._call_of(
+            request,
+            result,
+            params,
+            latency,
+            [*chat, message] if self.record_messages else None,
+            prompt.build if cut is None else "after_budget",
+            finish,
         )
         self.calls.append(call)
         if self.chain is not None:
-            self.chain.record(chat, tools, prompt, message, result.output_ids, variables)
+            self.chain.record(chat, tools, prompt, message, output_ids, variables)
 
-        prompt_tokens = len(input_ids) or result.prompt_tokens
+        prompt_tokens = len(request.input_ids) or result.prompt_tokens
         output_tokens = len(result.output_ids) or result.completion_tokens
         observe_llm_call(call, prompt_tokens, output_tokens)
         # The model that answered: a cross-sampled call names the second model.
@@ -426,6 +482,52 @@ class TracingLLM:
             tool_call_errors=errors,
         )
         return chat_result, attributes
+
+    def _call_of(
+        self,
+        request: GenerateRequest,
+        result: GenerateResult,
+        params: dict,
+        latency: float,
+        messages: list[dict] | None,
+        build: str,
+        finish: str | None = None,
+    ) -> LLMCall:
+        return LLMCall(
+            prompt_ids=list(request.input_ids),
+            response_ids=list(result.output_ids),
+            response_logprobs=list(result.output_logprobs),
+            finish_reason=finish or result.finish_reason,
+            weight_version=result.weight_version,
+            weight_spans=list(result.weight_spans),
+            temperature=float(params["temperature"]),
+            top_p=float(params["top_p"]),
+            top_k=int(params.get("top_k", -1)),
+            latency_s=latency,
+            backend=result.backend,
+            model=result.model or self.model_name,
+            policy=result.policy,
+            cached_tokens=result.cached_tokens,
+            messages=messages,
+            prompt_build=build,
+        )
+
+    def _budget_close(self, first: GenerateResult, params: dict, opened: bool) -> list[int] | None:
+        """What follows a reply cut at the thinking budget (``_capped``): None when it was
+        not cut there (it ended, or the call's own limit was reached), else the tokens to
+        append before the rest is generated: the reasoning's close when the cut fell inside
+        it (the template's way of closing the block), nothing when it had closed already."""
+        used = len(first.output_ids)
+        if first.finish_reason != "length" or used >= params["max_new_tokens"]:
+            return None
+        text = first.text
+        start = text.find(THINK_OPEN)
+        inside = (opened or start != -1) and THINK_CLOSE not in text[max(start, 0) :]
+        assert self.template is not None  # _check_budget
+        forced = self.template.encode_piece(BUDGET_CLOSE) if inside else []
+        if used + len(forced) >= params["max_new_tokens"]:
+            return None  # no room left for an answer
+        return forced
 
     def __repr__(self) -> str:
         return (

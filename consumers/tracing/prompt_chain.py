@@ -15,10 +15,15 @@ text the conversation's rendering has beyond the rendering without them. Every p
 a rollout starts with the previous prompt and reply: one exact row by construction.
 
 That is the template's own rendering only while the template renders the history the same way
-once messages follow. When it does not (it strips reasoning from earlier turns, renders the
-generation prompt unlike a finished turn, changes the system prompt with the tools), or its
-turn end cannot be found, the prompt is the whole conversation rendered, as before, and
-``Prompt.build`` says why (``BUILDS``).
+once messages follow. One departure is deliberate: a template that drops the reasoning of turns
+before the latest user message (Qwen3's own, DeepSeek-R1's) would show the model a history
+without the reasoning it sampled; the prompt keeps it instead (``reasoning_kept``: the earlier
+ids whole, then the new messages as the template writes them after the reasoning-free history),
+so the rollout stays one row and the trainer trains exactly the context the model saw. When the
+template rewrites the history otherwise (renders the generation prompt unlike a finished turn,
+changes the system prompt with the tools, rewrites earlier content), or its turn end cannot be
+found, the prompt is the whole conversation rendered, as before, and ``Prompt.build`` says why
+(``BUILDS``).
 """
 
 from __future__ import annotations
@@ -36,7 +41,10 @@ from agentarium.formats import ChatTemplate, arguments_as_objects, normalize_mes
 log = structlog.get_logger("agentarium.consumers")
 
 # How a prompt was built. render: the conversation rendered (no earlier call it continues);
-# extend: an earlier call's prompt + sampled ids + the new messages' tokens. The others are
+# extend: an earlier call's prompt + sampled ids + the new messages' tokens; reasoning_kept: the
+# same, where the template would have dropped the earlier turns' reasoning; after_budget: the
+# rest of a reply cut at its thinking budget (the first part's prompt and sampled ids, and the
+# reasoning's close when the cut fell inside it: consumers/tracing/llm.py). The others are
 # rendered because extending was refused: tools_changed (other tools, or other template
 # variables such as thinking on or off, than the call it continues), reply_rerendered (the template renders the finished reply's turn unlike the
 # prompt it was sampled after), history_rewritten (the earlier conversation renders otherwise
@@ -45,6 +53,8 @@ log = structlog.get_logger("agentarium.consumers")
 BUILDS = (
     "render",
     "extend",
+    "reasoning_kept",
+    "after_budget",
     "tools_changed",
     "reply_rerendered",
     "history_rewritten",
@@ -112,7 +122,7 @@ class PromptChain:
         if ids is None:
             _note_refusal(self.template, build)
             return Prompt(self.template.encode(text), text, build)
-        return Prompt(ids, text, "extend")
+        return Prompt(ids, text, build)
 
     def record(
         self,
@@ -174,8 +184,19 @@ class PromptChain:
         )
         if not base.startswith(turn.text):
             return "reply_rerendered", None
+        build, new = "extend", text[len(base) :]
         if not text.startswith(base):
-            return "history_rewritten", None
+            # The template may only have dropped the reasoning of the turns before the new
+            # user message: then the new messages are what follows the history without it.
+            bare = self.template.render_normalized(
+                _without_reasoning(rendered[: len(turn.chat) + 1]),
+                tools,
+                add_generation_prompt=False,
+                variables=turn.variables,
+            )
+            if bare == base or not text.startswith(bare):
+                return "history_rewritten", None
+            build, new = "reasoning_kept", text[len(bare) :]
         close = self.template.turn_close(tools)
         if close is None or not base.endswith(close):
             # This turn ends otherwise than a plain reply's (Llama 3 ends a tool call's turn
@@ -192,11 +213,21 @@ class PromptChain:
             ended = self.template.decode([turn.last])
             if ended and close.startswith(ended):
                 close = close[len(ended) :]
-        return "extend", turn.ids + self.template.encode_piece(close + text[len(base) :])
+        return build, turn.ids + self.template.encode_piece(close + new)
 
 
 # Where a reply's reasoning travels (normalize_messages fills every alias from any of them).
 REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _without_reasoning(messages: list[dict]) -> list[dict]:
+    """``messages`` with every assistant turn's reasoning removed."""
+    return [
+        {k: v for k, v in m.items() if k not in REASONING_KEYS}
+        if m.get("role") == "assistant"
+        else m
+        for m in messages
+    ]
 
 
 def _keys_of(turn: _Turn, incoming: dict) -> tuple[tuple, ...]:

@@ -162,6 +162,11 @@ class EngineModel:
         for file in files:
             state.update(load_file(str(file)))
         current = self.model.state_dict()
+        if set(state) - set(current):
+            # the checkpoint's names are not the module's: a checkpoint format transformers
+            # converts on load (a mixture's experts, one tensor each in the checkpoint, are
+            # fused 3-D parameters in the module): load it as transformers does
+            state = self._converted(path, files)
         unexpected = sorted(set(state) - set(current))
         missing = sorted(set(current) - set(state) - self._derived_keys())
         if unexpected or missing:
@@ -180,6 +185,37 @@ class EngineModel:
                 current[name].copy_(tensor.to(current[name].dtype))
         self.model_path = path
         return f"Succeeded to update model weights from {path} ({len(state)} tensors)."
+
+    def _converted(self, path: Path, files: list[Path]) -> dict[str, torch.Tensor]:
+        """``files``' weights under the module's names, read by transformers' own loader (its
+        checkpoint conversions) into a second model of this architecture (memory for one more
+        copy, for the time of the load); the state as it was read when it refuses them."""
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="agentarium-weights-") as scratch:
+            where = Path(scratch)
+            self.config.save_pretrained(where)
+            for file in [*files, *path.glob("*.safetensors.index.json")]:
+                (where / file.name).symlink_to(file.resolve())
+            try:
+                loaded, info = type(self.model).from_pretrained(
+                    where, dtype=self.model.dtype, output_loading_info=True
+                )
+            except (OSError, ValueError, RuntimeError) as exc:
+                raise WeightLoadError(
+                    f"weights in {str(path)!r} do not fit the served model "
+                    f"({type(self.model).__name__}), nor does transformers convert them: "
+                    f"{str(exc).splitlines()[0][:300]}"
+                ) from exc
+        # transformers fills what a checkpoint lacks with a fresh draw: never serve that
+        missing = sorted(set(info.get("missing_keys") or ()) - self._derived_keys())
+        unfit = sorted(set(info.get("unexpected_keys") or ()) | set(info.get("mismatched_keys") or ()))  # fmt: skip
+        if missing or unfit:
+            raise WeightLoadError(
+                f"weights in {str(path)!r} do not fit the served model "
+                f"({type(self.model).__name__}): missing {missing[:5]}, unexpected {unfit[:5]}"
+            )
+        return loaded.state_dict()
 
     def streamable(self) -> dict[str, torch.Tensor]:
         """The tensors a weight update carries, by state-dict name: every one but those derived

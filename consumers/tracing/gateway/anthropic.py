@@ -14,10 +14,14 @@ connection alive. Usage follows Anthropic's split: ``input_tokens`` excludes the
 the engine had cached, which are ``cache_read_input_tokens``.
 
 ``count_tokens`` renders the prompt with the policy's chat template and counts its tokens.
-Only custom (client) tools are served; ``thinking`` disabled (reasoning off: refused for a
-model that always reasons) or adaptive (the model's default), not enabled with a budget (a
-model's reasoning is on or off, its length bounded by ``max_tokens`` alone); a final
-assistant message (a prefill) is refused: the template starts a new assistant turn.
+Only custom (client) tools are served. ``thinking`` may be disabled (reasoning off: refused for
+a model that always reasons), adaptive (the model's default) or enabled with ``budget_tokens``
+(reasoning on, at most that many tokens of it: a reply still reasoning at the budget has its
+block closed for it, ``TracingLLM.chat``'s ``thinking_budget``; refused for a model that does
+not reason in ``<think>`` blocks). The budget must be a positive integer below ``max_tokens``,
+as Anthropic requires; Anthropic's floor of 1,024 is not applied, since the policies trained
+here often answer in fewer. A final assistant message (a prefill) is refused: the template
+starts a new assistant turn.
 """
 
 from __future__ import annotations
@@ -103,22 +107,33 @@ def parse(body: dict, *, counting: bool = False) -> MessagesRequest:
     if schema is not None:
         sampling["json_schema"] = json.dumps(schema)
     messages = chat_messages(body.get("system"), body["messages"])
-    # disabled: reasoning off; adaptive or unset: the model's default
-    thinking = False if (body.get("thinking") or {}).get("type") == "disabled" else None
-    call = ChatCall(messages, _tools(body), sampling, thinking=thinking)
+    # disabled: reasoning off; enabled: on, within its budget; adaptive or unset: the default
+    kind = (body.get("thinking") or {}).get("type")
+    thinking = {"disabled": False, "enabled": True}.get(kind)
+    budget = body["thinking"]["budget_tokens"] if kind == "enabled" else None
+    call = ChatCall(messages, _tools(body), sampling, thinking=thinking, thinking_budget=budget)
     return MessagesRequest(call, bool(body.get("stream")))
 
 
 def _check_options(body: dict) -> None:
     thinking = body.get("thinking")
-    if thinking is not None and (
-        not isinstance(thinking, dict) or thinking.get("type") not in ("disabled", "adaptive")
-    ):
-        raise GatewayError(
-            "extended thinking with a budget cannot be served: a thinking model's reasoning "
-            "is on or off, its length bounded by max_tokens alone (disable thinking in the "
-            "client, or make it adaptive)"
-        )
+    if thinking is not None:
+        kind = thinking.get("type") if isinstance(thinking, dict) else None
+        if kind not in ("disabled", "adaptive", "enabled"):
+            raise GatewayError(
+                "thinking.type must be 'enabled' (with budget_tokens), 'adaptive' or 'disabled'"
+            )
+        if kind == "enabled":
+            budget, limit = thinking.get("budget_tokens"), body.get("max_tokens")
+            if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+                raise GatewayError(
+                    f"thinking.budget_tokens: a positive integer is required, got {budget!r}"
+                )
+            if isinstance(limit, int) and budget >= limit:
+                raise GatewayError(
+                    f"max_tokens must be greater than thinking.budget_tokens ({budget} >= "
+                    f"{limit}): the budget is part of max_tokens"
+                )
     config = body.get("output_config") or {}
     if not isinstance(config, dict) or config.get("effort") is not None:
         raise GatewayError(

@@ -67,11 +67,16 @@ class ChatCall:
     tools: list[dict] | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
     thinking: bool | None = None  # reasoning on or off, as the API asked; None: the default
+    thinking_budget: int | None = None  # the reasoning's token budget (TracingLLM.chat)
 
     async def run(self, llm: TracingLLM) -> ChatResult:
         try:
             return await llm.chat(
-                self.messages, tools=self.tools, thinking=self.thinking, **self.sampling
+                self.messages,
+                tools=self.tools,
+                thinking=self.thinking,
+                thinking_budget=self.thinking_budget,
+                **self.sampling,
             )
         except (LLMError, TypeError, ValueError) as exc:
             raise from_llm_error(exc) from exc
