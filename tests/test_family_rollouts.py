@@ -517,6 +517,7 @@ async def test_anthropic_extended_thinking_with_a_budget_through_the_sdk(
         else:
             reply = await sdk.messages.create(**options)
         seen["blocks"] = [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in reply.content]  # fmt: skip
+        seen["usage"] = [reply.usage.input_tokens, reply.usage.output_tokens]
         return 1.0
 
     name = f"budget-{int(stream)}"
@@ -528,4 +529,8 @@ async def test_anthropic_extended_thinking_with_a_budget_through_the_sdk(
     cut = qwen3.decode(qwen3.encode(THINKING_REPLY)[:20]).removeprefix("<think>").strip()
     assert seen["blocks"] == [("thinking", cut), ("text", "Sunny.")]
     [trajectory] = await TrajectoryReader(js, topology).read(name)
-    assert [c.prompt_build for c in trajectory.calls] == ["render", "after_budget"]
+    one, two = trajectory.calls
+    assert [one.prompt_build, two.prompt_build] == ["render", "after_budget"]
+    # the turn's usage: the first prompt, and every reply token (the close included)
+    reply_tokens = len(two.prompt_ids) - len(one.prompt_ids) + len(two.response_ids)
+    assert seen["usage"] == [len(one.prompt_ids), reply_tokens]

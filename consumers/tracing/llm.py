@@ -91,6 +91,11 @@ class ChatResult:
     finish_reason: str
     call: LLMCall
     tool_call_errors: list[ToolCallError] = field(default_factory=list)
+    # the turn's usage: its prompt (the first request's, when a thinking budget made it two),
+    # the prompt tokens the engine had cached, and every token of the reply
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
 
     @property
     def tool_calls(self) -> list[dict]:
@@ -475,11 +480,14 @@ class TracingLLM:
         if errors:
             attributes["agentarium.tool_call_errors"] = len(errors)
         chat_result = ChatResult(
-            text=result.text,
+            text=text,
             message=message,
             finish_reason=finish,
             call=call,
             tool_call_errors=errors,
+            prompt_tokens=len(input_ids),
+            cached_tokens=(cut[1] if cut is not None else result).cached_tokens,
+            output_tokens=len(output_ids),
         )
         return chat_result, attributes
 

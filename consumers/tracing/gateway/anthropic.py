@@ -380,10 +380,10 @@ class MessageShape(StreamShape):
 
 
 def _usage(result: ChatResult) -> dict:
-    cached = result.call.cached_tokens
+    cached = result.cached_tokens
     return {
-        "input_tokens": len(result.call.prompt_ids) - cached,
+        "input_tokens": result.prompt_tokens - cached,
         "cache_creation_input_tokens": 0,
         "cache_read_input_tokens": cached,
-        "output_tokens": len(result.call.response_ids),
+        "output_tokens": result.output_tokens,
     }

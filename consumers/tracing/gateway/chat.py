@@ -189,12 +189,12 @@ async def serve(request: web.Request, body: dict, route: Route) -> web.StreamRes
 
 
 def usage(result: ChatResult) -> dict:
-    prompt, completion_tokens = len(result.call.prompt_ids), len(result.call.response_ids)
+    prompt, completion_tokens = result.prompt_tokens, result.output_tokens
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": result.call.cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
     }
 
 

@@ -451,10 +451,10 @@ class ResponseShape(StreamShape):
 
 
 def _usage(result: ChatResult) -> dict:
-    prompt, output = len(result.call.prompt_ids), len(result.call.response_ids)
+    prompt, output = result.prompt_tokens, result.output_tokens
     return {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": result.call.cached_tokens},
+        "input_tokens_details": {"cached_tokens": result.cached_tokens},
         "output_tokens": output,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt + output,
