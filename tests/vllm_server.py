@@ -90,7 +90,10 @@ async def start_vllm(
 ) -> AsyncIterator[VllmServer]:
     """vLLM serving ``model_dir`` as ``served_name``; with ``otlp_traces_endpoint`` (an
     OTLP/HTTP URL ending in /v1/traces) it exports its spans there, its request spans joining
-    the caller's trace through the ``traceparent`` header."""
+    the caller's trace through the ``traceparent`` header. It serves the token-in/token-out
+    route (``--enable-scale-out``) and the control routes (``VLLM_SERVER_DEV_MODE=1``), its
+    log-probs temperature-scaled as the trainer computes them (``--logprobs-mode
+    processed_logprobs``), as docs/operations.md starts vLLM for ``--llm-engine vllm``."""
     python = vllm_python()
     port = free_port()
     argv = [
@@ -98,6 +101,7 @@ async def start_vllm(
         "--model", str(model_dir), "--served-model-name", served_name,
         "--host", "127.0.0.1", "--port", str(port),
         "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
+        "--enable-scale-out", "--logprobs-mode", "processed_logprobs",
     ]  # fmt: skip
     # not --disable-log-stats: vLLM 0.32's request span is made from the request's stats, and
     # without them its output handler fails an assertion and the span is never sent
@@ -106,6 +110,7 @@ async def start_vllm(
         "VLLM_TARGET_DEVICE": "cpu",
         "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB: SmolLM2's 2048-token contexts need far less
         "HF_HUB_OFFLINE": "1",  # the model is a local directory; nothing to download
+        "VLLM_SERVER_DEV_MODE": "1",  # the control routes (weight version, pause, checker)
         **(env or {}),
     }
     if otlp_traces_endpoint:

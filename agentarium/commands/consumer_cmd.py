@@ -65,12 +65,14 @@ async def consume(args: argparse.Namespace, config: ConsumerProcess, source: dic
     if config.openai_base:  # text in, text out: the server applies its own chat template
         target = LLMTarget(openai_base=config.openai_base.rstrip("/"), openai_model=name_of_model)
     else:
-        target = LLMTarget(urls=tuple(normalize_urls(config.llm)), lora=config.lora)
+        target = LLMTarget(
+            urls=tuple(normalize_urls(config.llm)), lora=config.lora, engine=config.llm_engine
+        )
     spec = ConsumerSpec(
         agent=name,
         fn=fn,
         target=target,
-        cross=rollout.cross(openai=bool(config.openai_base)),
+        cross=rollout.cross(openai=bool(config.openai_base), engine=config.llm_engine),
         model_dir=str(model_dir),
         model_name=name_of_model,
         reward_fn=reward_fn,

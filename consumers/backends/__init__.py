@@ -5,6 +5,7 @@ from .base import Backend, BackendRetry, FinishReason, GenerateRequest, Generate
 from .cross_sampling import CrossSamplingBackend, model_of_call
 from .openai_compat import OpenAICompatBackend
 from .sglang import SGLangBackend, parse_generate_response
+from .vllm import VLLMBackend, parse_vllm_response
 
 __all__ = [
     "Backend",
@@ -16,6 +17,8 @@ __all__ = [
     "OpenAICompatBackend",
     "SGLangBackend",
     "StickyBalancer",
+    "VLLMBackend",
     "model_of_call",
     "parse_generate_response",
+    "parse_vllm_response",
 ]

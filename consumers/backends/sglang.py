@@ -132,6 +132,8 @@ class SGLangBackend:
 
     # gen_ai.provider.name on chat spans: no well-known value names SGLang, so a custom one.
     provider_name = "sglang"
+    engine_name = "SGLang"  # in errors
+    generate_path = "/generate"
 
     def __init__(
         self,
@@ -200,7 +202,7 @@ class SGLangBackend:
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         if not request.input_ids:
             raise BadRequest(
-                "SGLangBackend needs input_ids: give the tracing client the model's ChatTemplate"
+                f"{type(self).__name__} needs input_ids: give the tracing client the model's ChatTemplate"
             )
         errors: dict[str, str] = {}
         failed: set[str] = set()
@@ -213,7 +215,7 @@ class SGLangBackend:
                     if self.balancer.is_held(held) and held not in errors:
                         errors[held] = "skipped: its breaker is open (health probe failed)"
                 raise BackendUnavailable(
-                    f"all {len(self.urls)} SGLang server(s) failed after retries: "
+                    f"all {len(self.urls)} {self.engine_name} server(s) failed after retries: "
                     + "; ".join(f"{u}: {e}" for u, e in errors.items()),
                     errors=errors,
                 )
@@ -259,6 +261,9 @@ class SGLangBackend:
             body["lora_path"] = self.lora
         return body
 
+    def _parse(self, data: Any, url: str, latency: float) -> GenerateResult:
+        return parse_generate_response(data, url=url, latency_s=latency)
+
     async def _post(self, url: str, request: GenerateRequest, attempt: int) -> GenerateResult:
         body = orjson.dumps(
             self._body(request, attempt), default=_plain, option=orjson.OPT_SERIALIZE_NUMPY
@@ -266,7 +271,7 @@ class SGLangBackend:
         self.balancer.started(url)
         start = time.perf_counter()
         try:
-            response = await self.http.request("POST", f"{url}/generate", body)
+            response = await self.http.request("POST", url + self.generate_path, body)
         except (HttpError, TimeoutError, OSError) as exc:
             if self.balancer.is_held(url):
                 raise _ServerFailed(
@@ -284,13 +289,13 @@ class SGLangBackend:
             if retryable_status(status):
                 raise _ServerFailed(f"HTTP {status}: {text[:300]}")
             raise BadRequest(
-                f"{url}/generate refused the request (HTTP {status}): {text[:500]}",
+                f"{url}{self.generate_path} refused the request (HTTP {status}): {text[:500]}",
                 status=status,
                 url=url,
                 body=text,
             )
         try:
-            result = parse_generate_response(response.json(), url=url, latency_s=latency)
+            result = self._parse(response.json(), url, latency)
         except (ValueError, TypeError, KeyError, IndexError) as exc:
             raise _ServerFailed(f"unusable response: {exc}") from exc
         finish = result.meta_info.get("finish_reason")

@@ -1,0 +1,211 @@
+"""VLLMBackend: vLLM's token-in/token-out ``/inference/v1/generate`` (VLLM_API.md), read as the
+tracing client reads SGLang's ``/generate``: the ids with their log-probs checked one by one,
+the version spans, the text decoded with the consumer's tokenizer and trimmed as the engines
+trim theirs. Against a stand-in that answers in vLLM's documented shapes; tests/test_vllm_trace.py
+runs the backend against the real vLLM."""
+
+from __future__ import annotations
+
+import pytest
+from aiohttp import web
+
+from agentarium.consumers.backends import VLLMBackend, parse_vllm_response
+from agentarium.consumers.backends.base import GenerateRequest
+from agentarium.consumers.backends.vllm import reply_text, vllm_sampling
+
+# VLLM_API.md's response, one choice, its log-prob entries in tokens mode
+DOCUMENTED = {
+    "request_id": "generate-tokens-1",
+    "model": "smol",
+    "output_mode": "tokens",
+    "usage": {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8},
+    "choices": [
+        {
+            "index": 0,
+            "finish_reason": "length",
+            "stop_reason": None,
+            "token_ids": [2316, 354, 5646, 11173],
+            "weight_versions": [{"version": "default", "start": 0, "end": 4}],
+            "logprobs": {
+                "content": [
+                    {"token_id": t, "logprob": lp, "rank": 1, "top_logprobs": []}
+                    for t, lp in ((2316, -0.9777), (354, -0.5), (5646, -1.25), (11173, -0.01))
+                ]
+            },
+        }
+    ],
+}
+
+
+def with_choice(**changes) -> dict:
+    return {**DOCUMENTED, "choices": [{**DOCUMENTED["choices"][0], **changes}]}
+
+
+def test_the_documented_response_parses():
+    result = parse_vllm_response(DOCUMENTED, url="http://v:1")
+    assert result.output_ids == [2316, 354, 5646, 11173]
+    assert result.output_logprobs == [-0.9777, -0.5, -1.25, -0.01]
+    assert (result.finish_reason, result.weight_version, result.weight_spans) == ("length", "default", [])  # fmt: skip
+    assert (result.prompt_tokens, result.completion_tokens, result.backend) == (4, 4, "http://v:1")
+    # the weights changed twice during the call: each version from its first token
+    spans = [
+        {"version": "runA:3:abc", "start": 0, "end": 1},
+        {"version": "runA:4:def", "start": 1, "end": 3},
+        {"version": "runA:5:ghi", "start": 3, "end": 4},
+    ]
+    changed = parse_vllm_response(with_choice(weight_versions=spans))
+    assert changed.weight_version == "runA:5:ghi"
+    assert changed.weight_spans == [("runA:3:abc", 0), ("runA:4:def", 1), ("runA:5:ghi", 3)]
+    unnamed = parse_vllm_response(with_choice(weight_versions=[{"version": None, "start": 0, "end": 4}]))  # fmt: skip
+    assert unnamed.weight_version == "default"
+    empty = with_choice(token_ids=[], logprobs={"content": []}, weight_versions=[], finish_reason="abort")  # fmt: skip
+    assert parse_vllm_response(empty).finish_reason == "abort"
+
+    entries = DOCUMENTED["choices"][0]["logprobs"]["content"]
+    for broken, why in (
+        (with_choice(logprobs={"content": entries[:3]}), "3 log-probs for 4 token_ids"),
+        (with_choice(logprobs=None), "no log-probs for 4 token_ids"),
+        (with_choice(token_ids=[2316, 354, 5646, 1]), r"does not match 1"),
+        (with_choice(finish_reason="eos"), "unknown finish_reason"),
+        (with_choice(weight_versions=[{"version": "a", "start": 1, "end": 4}]), "weight_versions"),
+        ({**DOCUMENTED, "choices": []}, "not exactly one choice"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            parse_vllm_response(broken)
+
+
+def test_sampling_goes_in_vllms_names():
+    sglang = {
+        "max_new_tokens": 32,
+        "min_new_tokens": 2,
+        "sampling_seed": 7,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 20,
+        "stop": ["\n\n"],
+        "stop_token_ids": [2],
+        "no_stop_trim": True,
+        "json_schema": '{"type": "object"}',
+    }
+    assert vllm_sampling(sglang) == {
+        "max_tokens": 32,
+        "min_tokens": 2,
+        "seed": 7,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 20,
+        "stop": ["\n\n"],
+        "stop_token_ids": [2],
+        "include_stop_str_in_output": True,
+        "structured_outputs": {"json": '{"type": "object"}'},
+        "skip_special_tokens": False,  # markers that are special tokens stay in the text
+        "logprobs": 0,  # the sampled token's
+    }
+
+
+def test_the_text_is_trimmed_as_the_engines_trim_theirs():
+    def decode(ids):
+        return "".join(chr(i) for i in ids)
+
+    text = [ord(c) for c in "Paris. Rome."]
+    eos = 2
+
+    def result(ids, finish, stop_reason=None):
+        n = len(ids)
+        return parse_vllm_response(
+            with_choice(
+                token_ids=ids,
+                logprobs={"content": [{"token_id": t, "logprob": -0.1} for t in ids]},
+                finish_reason=finish,
+                stop_reason=stop_reason,
+                weight_versions=[{"version": "v", "start": 0, "end": n}],
+            )
+        )
+
+    assert reply_text(result([*text, eos], "stop"), decode) == "Paris. Rome."  # the EOS
+    assert reply_text(result([*text, 7], "stop", 7), decode) == "Paris. Rome."  # a stop id
+    assert reply_text(result(text, "stop", " Rome"), decode) == "Paris."  # a stop string
+    assert reply_text(result(text, "stop", " Rome"), decode, keep_stop=True) == "Paris. Rome."
+    assert reply_text(result(text[:3], "length"), decode) == "Par"
+
+
+class VllmStandIn:
+    """``/inference/v1/generate`` answering in vLLM's shapes: ``reply`` ids, the first
+    ``aborts`` requests aborted before any token."""
+
+    def __init__(self, reply: list[int], aborts: int = 0) -> None:
+        self.reply, self.aborts, self.requests = reply, aborts, []
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def generate(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.requests.append(body)
+        ids = [] if self.aborts else self.reply
+        self.aborts = max(0, self.aborts - 1)
+        choice = {
+            "index": 0,
+            "finish_reason": "stop" if ids else "abort",
+            "stop_reason": None,
+            "token_ids": ids,
+            "weight_versions": [{"version": "run:1:abc", "start": 0, "end": len(ids)}]
+            if ids
+            else [],  # fmt: skip
+            "logprobs": {"content": [{"token_id": t, "logprob": -0.5, "rank": 1} for t in ids]},
+        }
+        usage = {"prompt_tokens": len(body["token_ids"]), "completion_tokens": len(ids)}
+        return web.json_response({"request_id": body.get("request_id"), "usage": usage, "choices": [choice]})  # fmt: skip
+
+    async def __aenter__(self) -> VllmStandIn:
+        app = web.Application()
+        app.router.add_post("/inference/v1/generate", self.generate)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        assert self.runner is not None
+        await self.runner.cleanup()
+
+
+async def test_a_request_is_what_vllm_takes_and_an_empty_abort_is_sent_again(template):
+    reply = template.encode("Paris.") + template.eos_token_ids[:1]
+    async with VllmStandIn(reply, aborts=1) as server:
+        backend = VLLMBackend([server.url], decode=template.decode, backoff=0.0, lora="run")
+        try:
+            result = await backend.generate(
+                GenerateRequest(
+                    input_ids=[1, 2, 3],
+                    sampling={"max_new_tokens": 8, "temperature": 1.0},
+                    rid="job-call-0",
+                )
+            )
+        finally:
+            await backend.aclose()
+    first, second = server.requests
+    assert first == {
+        "token_ids": [1, 2, 3],
+        "sampling_params": {
+            "max_tokens": 8,
+            "temperature": 1.0,
+            "skip_special_tokens": False,
+            "logprobs": 0,
+        },  # fmt: skip
+        "request_id": "job-call-0",
+        "model": "run",  # the LoRA adapter vLLM answers with
+    }
+    assert second["request_id"] == "job-call-0-r1"  # a fresh id: vLLM may hold the first
+    assert (result.output_ids, result.text, result.weight_version) == (reply, "Paris.", "run:1:abc")
+    assert result.output_logprobs == [-0.5] * len(reply)
+
+
+def test_a_vllm_fleet_needs_the_models_template():
+    from agentarium.consumers.service import LLMTarget
+
+    target = LLMTarget(urls=("http://v:1",), engine="vllm")
+    with pytest.raises(ValueError, match="needs the model's chat template"):
+        target.backend()
