@@ -1,14 +1,23 @@
-"""Trainer memory: how much of a step's RSS is glibc's heap rather than live tensors.
+"""Trainer memory: how much of a step's RSS is glibc's heap rather than live tensors, and what
+``--heap release`` (trainer/heap.py) gives back.
 
-Runs three steps of the trainer's single-process updater (``trainer.step.LocalUpdater``) on
-bench/trainer_memory.py's seeded batch, in a worker thread as the trainer runs its steps, once
-per configuration, each in a fresh process. It prints the RSS after each step, the peak RSS and
-the step times. A configuration is a trainer setting set, optionally with ``+mmap``: glibc's
-``MALLOC_MMAP_THRESHOLD_`` fixed at 1 MiB, so every large tensor is mapped and returned to the
-system when freed.
+Runs ``--steps`` steps of the trainer's single-process updater (``trainer.step.LocalUpdater``)
+on bench/trainer_memory.py's seeded batch, in a worker thread as the trainer runs its steps,
+once per configuration, each in a fresh process, the configurations alternated over
+``--rounds`` rounds (the order reversed every other round). It prints the RSS after each step,
+the peak RSS and the step times, one JSON line per run, then each configuration's median and
+range. A configuration is a trainer setting set and a heap mode after ``+``:
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 python bench/trainer_allocator.py \\
-        --prompt 250 --response 150:350 lora-4096 lora-4096+mmap
+- ``release``: ``--heap release``, the trainer's default (a fixed 8 MiB mmap threshold and
+  ``malloc_trim`` after each pass and step);
+- ``glibc``: ``--heap default``, glibc as it is;
+- ``mmap``: ``--heap default`` with ``MALLOC_MMAP_THRESHOLD_`` at 1 MiB (every tensor over
+  1 MiB mapped: page faults on each);
+- ``mmap-thp``: the same with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` (glibc asks for
+  transparent huge pages: 512 times fewer faults), which only the process's environment can set.
+
+    PYTHONPATH=. OMP_NUM_THREADS=1 python bench/trainer_allocator.py --rounds 5 --steps 2 \\
+        lora-4096+glibc lora-4096+release
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ import argparse
 import concurrent.futures
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -34,7 +44,15 @@ CONFIGS = {
         "activation_checkpointing": True,
     },
 }
-ENVS = {"": {}, "mmap": {"MALLOC_MMAP_THRESHOLD_": "1048576"}}
+HEAPS = {  # mode -> (--heap, the process's environment)
+    "release": ("release", {}),
+    "glibc": ("default", {}),
+    "mmap": ("default", {"MALLOC_MMAP_THRESHOLD_": "1048576"}),
+    "mmap-thp": (
+        "default",
+        {"MALLOC_MMAP_THRESHOLD_": "1048576", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"},
+    ),
+}
 
 
 def rss_mb() -> int:
@@ -57,7 +75,8 @@ def child(args: argparse.Namespace) -> None:
     vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
     low, high = (int(x) for x in args.response.split(":"))
     batch = bench_batch(args.rows, args.prompt, (low, high), vocab)
-    settings = CONFIGS[args.child.split("+")[0]]
+    name, _, mode = args.child.partition("+")
+    settings = {**CONFIGS[name], "heap": HEAPS[mode][0]}
     config = TrainerConfig(run="bench", agent="a", model_dir=str(model_dir), lr=1e-5, **settings)
     pool = concurrent.futures.ThreadPoolExecutor(4)  # off the main thread, as asyncio.to_thread
     updater = pool.submit(LocalUpdater, config).result()
@@ -73,30 +92,48 @@ def child(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("configs", nargs="*", default=["lora-4096", "lora-4096+mmap"])
+    parser.add_argument("configs", nargs="*", default=["lora-4096+glibc", "lora-4096+release"])
     parser.add_argument("--model", default="smol", help="smol, tiny or a model directory")
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--prompt", type=int, default=250)
     parser.add_argument("--response", default="150:350", metavar="MIN:MAX")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args)
         return
     for name in args.configs:
-        base, _, env = name.partition("+")
-        if base not in CONFIGS or env not in ENVS:
-            sys.exit(f"unknown configuration {name!r}: {sorted(CONFIGS)}, each optionally +mmap")
-        command = [sys.executable, __file__, "--child", name, "--model", args.model]
-        for flag in ("rows", "prompt", "response", "steps"):
-            command += [f"--{flag}", str(getattr(args, flag))]
-        done = subprocess.run(
-            command, capture_output=True, text=True, env={**os.environ, **ENVS[env]}, check=False
-        )
-        if done.returncode != 0:
-            sys.exit(f"{name}: exit {done.returncode}\n{done.stderr[-4000:]}")
-        print(done.stdout.strip().splitlines()[-1], flush=True)
+        base, _, mode = name.partition("+")
+        if base not in CONFIGS or mode not in HEAPS:
+            sys.exit(f"unknown configuration {name!r}: {sorted(CONFIGS)}, each +{'|'.join(HEAPS)}")
+    runs: dict[str, list[dict]] = {name: [] for name in args.configs}
+    for r in range(args.rounds):
+        for name in args.configs if r % 2 == 0 else list(reversed(args.configs)):
+            mode = name.partition("+")[2]
+            command = [sys.executable, __file__, "--child", name, "--model", args.model]
+            for flag in ("rows", "prompt", "response", "steps"):
+                command += [f"--{flag}", str(getattr(args, flag))]
+            env = {**os.environ, **HEAPS[mode][1]}
+            done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+            if done.returncode != 0:
+                sys.exit(f"{name}: exit {done.returncode}\n{done.stderr[-4000:]}")
+            line = done.stdout.strip().splitlines()[-1]
+            runs[name].append(json.loads(line))
+            print(line, flush=True)
+    print(f"medians (range) over {args.rounds} rounds:")
+    for name, results in runs.items():
+        row = []
+        for key in ("step_s", "rss_after_last_step", "peak_rss"):
+            if key == "step_s":
+                values = [v for res in results for k, v in res.items() if k.endswith("_s")]
+            elif key == "rss_after_last_step":
+                values = [res[f"rss_after_step{args.steps}"] for res in results]
+            else:
+                values = [res[key] for res in results]
+            row.append(f"{key} {statistics.median(values):g} ({min(values):g}-{max(values):g})")
+        print(f"  {name}: " + ", ".join(row), flush=True)
 
 
 if __name__ == "__main__":

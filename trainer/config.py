@@ -16,6 +16,7 @@ from typing import Any
 from agentarium.schemas import SettingError, check_name, check_settings, setting
 
 from .errors import TrainerConfigError
+from .heap import HEAP_MODES
 from .mix import TaskMix
 from .rows import MULTI_TURN
 from .trackers import TRACKERS, check_installed, parse_report_to
@@ -423,6 +424,15 @@ class TrainerConfig:
         group=COMPUTE,
         help="recompute each decoder layer's activations in the backward pass instead of "
         "keeping them (less memory, about a third more compute), in every --parallel mode",
+    )
+    heap: str = setting(
+        "release",
+        choices=HEAP_MODES,
+        group=COMPUTE,
+        help="release (the default): give the memory each pass and each step free back to the "
+        "system (glibc: a fixed 8 MiB mmap threshold, malloc_trim after each pass: trainer/"
+        "heap.py); default: leave glibc's allocator as it is, which keeps many times what a "
+        "step's tensors need",
     )
     pack_rows: bool = setting(
         True,

@@ -177,7 +177,12 @@ class _FsdpWorker(_Worker):
             self.device,
             micro_batches=micro,
         )
-        grad_norm = apply_update(self.model, self.optimizer, self.settings.grad_clip)
+        grad_norm = apply_update(
+            self.model,
+            self.optimizer,
+            self.settings.grad_clip,
+            release_heap=self.settings.heap == "release",
+        )
         return loss, sums, grad_norm
 
     def gather(self, name: str) -> torch.Tensor | None:

@@ -99,7 +99,12 @@ class _Worker:
             n = p.numel()
             p.grad = flat[offset : offset + n].view_as(p).clone()
             offset += n
-        grad_norm = apply_update(self.model, self.optimizer, self.settings.grad_clip)
+        grad_norm = apply_update(
+            self.model,
+            self.optimizer,
+            self.settings.grad_clip,
+            release_heap=self.settings.heap == "release",
+        )
         return loss, sums, grad_norm
 
     def state(self) -> tuple[dict, dict]:

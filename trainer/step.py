@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from . import packing
+from . import heap, packing
 from .batch import Batch
 from .checkpoint import Loaded, write_full
 from .config import TrainerConfig
@@ -58,6 +58,7 @@ class StepSettings:
     lora_rank: int = _default("lora_rank")
     lora_alpha: float = _default("lora_alpha")
     lora_target_modules: tuple[str, ...] = _default("lora_target_modules")
+    heap: str = _default("heap")
 
     @classmethod
     def from_config(cls, config: TrainerConfig) -> StepSettings:
@@ -167,7 +168,10 @@ def load_reference(model_dir: str | Path, device: str | torch.device, settings: 
 def load_policy(model_dir: str | Path, device: str | torch.device, settings: StepSettings):
     """The model trained: the base, set up for packed rows (``pack_rows``) and activation
     checkpointing (``activation_checkpointing``), wrapped with LoRA adapters when
-    ``lora_rank`` > 0."""
+    ``lora_rank`` > 0. With ``heap`` release, glibc's mmap threshold is fixed first (trainer/
+    heap.py: this process trains)."""
+    if settings.heap == "release":
+        heap.configure()
     model = _packing(load_model(model_dir, device, dtype=settings.dtype), settings)
     if settings.activation_checkpointing:
         non_reentrant = {"use_reentrant": False}
@@ -274,6 +278,9 @@ def forward_backward(
         loss.backward()
         loss_total += float(loss.detach())
         sums += part
+        del stats, logprobs, loss, ref, entropy, mb
+        if settings.heap == "release":
+            heap.release()  # this pass's activations, back to the system (trainer/heap.py)
     return loss_total, sums
 
 
@@ -286,8 +293,11 @@ def make_optimizer(model, settings: StepSettings) -> torch.optim.Optimizer:
     )
 
 
-def apply_update(model, optimizer: torch.optim.Optimizer, grad_clip: float) -> float:
-    """Clip the accumulated gradient (if grad_clip > 0), step, zero; returns the grad norm."""
+def apply_update(
+    model, optimizer: torch.optim.Optimizer, grad_clip: float, *, release_heap: bool = False
+) -> float:
+    """Clip the accumulated gradient (if grad_clip > 0), step, zero; returns the grad norm.
+    ``release_heap``: the freed gradients' memory back to the system (trainer/heap.py)."""
     params = [p for p in model.parameters() if p.grad is not None]
     if grad_clip > 0:
         norm = _scalar(torch.nn.utils.clip_grad_norm_(params, grad_clip))
@@ -297,6 +307,8 @@ def apply_update(model, optimizer: torch.optim.Optimizer, grad_clip: float) -> f
         norm = math.sqrt(sum(float(p.grad.detach().pow(2).sum()) for p in params))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    if release_heap:
+        heap.release()
     return norm
 
 
@@ -346,7 +358,12 @@ class LocalUpdater:
         loss, sums = forward_backward(
             self.model, self.ref_model, batch, self.settings, Totals.of(batch), self.device
         )
-        grad_norm = apply_update(self.model, self.optimizer, self.settings.grad_clip)
+        grad_norm = apply_update(
+            self.model,
+            self.optimizer,
+            self.settings.grad_clip,
+            release_heap=self.settings.heap == "release",
+        )
         return StepStats.from_sums(loss, sums, grad_norm, batch)
 
     def state(self) -> tuple[dict, dict]:
