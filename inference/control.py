@@ -31,6 +31,8 @@ from agentarium.broker import BrokerError, propagating_trace_config
 PAUSE_MODES = ("in_place", "retract", "abort")  # SGLang's /pause_generation modes
 CONTROL_TIMEOUT_S = 30.0  # a control call that moves no weights: info, pause, continue
 MODEL_INFO_PATHS = ("/model_info", "/get_model_info")  # older SGLang serves only the second
+# SGLang's pause modes as vLLM's /pause?mode= names them
+VLLM_PAUSE_MODES = {"in_place": "keep", "retract": "wait", "abort": "abort"}
 SERVER_INFO_PATHS = ("/server_info", "/get_server_info")
 
 
@@ -58,6 +60,7 @@ class EngineControl:
     def __init__(self, *, timeout_s: float = CONTROL_TIMEOUT_S) -> None:
         self.timeout_s = timeout_s
         self._http: aiohttp.ClientSession | None = None
+        self._kinds: dict[str, str] = {}  # url -> "sglang" or "vllm", as first seen
 
     def __repr__(self) -> str:
         return f"<EngineControl timeout_s={self.timeout_s}>"
@@ -79,13 +82,17 @@ class EngineControl:
         """``GET /model_info``, or ``/get_model_info`` where the first is not served; for a
         server with neither (vLLM), what its ``GET /v1/models`` says of the one model it
         serves: ``model_path`` and ``tokenizer_path`` its ``root`` (the directory it loaded),
-        ``served_model_name`` its ``id``."""
+        ``served_model_name`` its ``id``, and ``weight_version`` from ``GET /weight_info``
+        (vLLM's development mode)."""
         for path in MODEL_INFO_PATHS:
             try:
-                return await self.get(url, path)
+                info = await self.get(url, path)
             except EngineControlError as exc:
                 if exc.status != 404:
                     raise
+            else:
+                self._kinds.setdefault(url, "sglang")
+                return info
         try:
             models = (await self.get(url, "/v1/models")).get("data")
         except EngineControlError as exc:
@@ -94,14 +101,36 @@ class EngineControl:
             models = None
         if isinstance(models, list) and models and isinstance(models[0], dict):
             root = models[0].get("root") or models[0].get("id")
-            return {
+            info = {
                 "model_path": root,
                 "tokenizer_path": root,
                 "served_model_name": models[0].get("id"),
             }
+            if models[0].get("owned_by") == "vllm":
+                self._kinds[url] = "vllm"
+                try:
+                    info["weight_version"] = (await self.get(url, "/weight_info")).get(
+                        "weight_version"
+                    )
+                except EngineControlError as exc:
+                    if exc.status != 404:
+                        raise
+            return info
         raise EngineControlError(
             url, MODEL_INFO_PATHS[0], "not served (nor the older path, nor /v1/models)"
         )
+
+    async def kind(self, url: str) -> str:
+        """What serves ``url``: "vllm" (its ``/v1/models`` says it owns the model, and it
+        serves no ``/model_info``) or "sglang" (SGLang, the local engine), asked once."""
+        if url not in self._kinds:
+            try:
+                await self.model_info(url)
+            except EngineControlError as exc:
+                if exc.status is None:
+                    raise  # not reached: ask again next time
+            self._kinds.setdefault(url, "sglang")
+        return self._kinds[url]
 
     async def weight_version(self, url: str) -> str | None:
         """The ``weight_version`` the engine serves (None: it reports none)."""
@@ -128,12 +157,18 @@ class EngineControl:
     # ---- generation ----------------------------------------------------------------------------
 
     async def pause(self, url: str, mode: str = "in_place") -> None:
-        """``POST /pause_generation``: hold requests (``mode``) until ``resume``."""
+        """``POST /pause_generation``: hold requests (``mode``) until ``resume``; vLLM's
+        ``POST /pause?mode=`` (``in_place`` is its ``keep``, ``retract`` its ``wait``)."""
+        if await self.kind(url) == "vllm":
+            vllm_mode = VLLM_PAUSE_MODES.get(mode, mode)
+            await self.post(url, f"/pause?mode={vllm_mode}", {}, self.timeout_s)
+            return
         await self.post(url, "/pause_generation", {"mode": mode}, self.timeout_s)
 
     async def resume(self, url: str) -> None:
-        """``POST /continue_generation``."""
-        await self.post(url, "/continue_generation", {}, self.timeout_s)
+        """``POST /continue_generation`` (vLLM's ``/resume``)."""
+        path = "/resume" if await self.kind(url) == "vllm" else "/continue_generation"
+        await self.post(url, path, {}, self.timeout_s)
 
     # ---- weights -------------------------------------------------------------------------------
 
@@ -141,7 +176,14 @@ class EngineControl:
         self, url: str, *, model_path: str, weight_version: str, timeout_s: float | None
     ) -> str:
         """Reload from ``model_path`` (the engine's own disk); the server's message. Without a
-        pause first, it waits for the requests in flight."""
+        pause first, it waits for the requests in flight. vLLM: ``POST /collective_rpc``
+        running its workers' ``reload_weights`` on the directory, then ``weight_version``
+        set with ``/update_weight_version``."""
+        if await self.kind(url) == "vllm":
+            rpc = {"method": "reload_weights", "kwargs": {"weights_path": model_path}}
+            await self.post(url, "/collective_rpc", rpc, timeout_s)
+            await self.update_weight_version(url, weight_version)
+            return f"reloaded {model_path} (vLLM reload_weights)"
         body = {
             "model_path": model_path,
             "load_format": None,
@@ -227,20 +269,33 @@ class EngineControl:
     async def load_lora_adapter(
         self, url: str, *, name: str, path: str, timeout_s: float | None
     ) -> str:
-        """``POST /load_lora_adapter``: the PEFT adapter directory ``path`` (on the engine's
-        disk) served as ``name``; the server's message."""
+        """``POST /load_lora_adapter`` (vLLM's ``/v1/load_lora_adapter``): the PEFT adapter
+        directory ``path`` (on the engine's disk) served as ``name``; the server's message."""
         body = {"lora_name": name, "lora_path": path}
-        return _message(await self.post(url, "/load_lora_adapter", body, timeout_s))
+        prefix = "/v1" if await self.kind(url) == "vllm" else ""
+        return _message(await self.post(url, f"{prefix}/load_lora_adapter", body, timeout_s))
 
     async def unload_lora_adapter(self, url: str, *, name: str) -> str:
         body = {"lora_name": name}
-        return _message(await self.post(url, "/unload_lora_adapter", body, self.timeout_s))
+        prefix = "/v1" if await self.kind(url) == "vllm" else ""
+        return _message(await self.post(url, f"{prefix}/unload_lora_adapter", body, self.timeout_s))
 
     async def update_weight_version(self, url: str, version: str) -> str:
         """``POST /update_weight_version``: what generations report as ``weight_version``
         from now on (requests in flight are not aborted)."""
-        body = {"new_version": version, "abort_all_requests": False}
+        body: dict[str, Any] = {"new_version": version}
+        if await self.kind(url) != "vllm":
+            body["abort_all_requests"] = False
         return _message(await self.post(url, "/update_weight_version", body, self.timeout_s))
+
+    async def weight_checksums(self, url: str) -> dict[str, str]:
+        """vLLM's ``POST /weight_checker {"action": "checksum"}``: parameter name (its
+        ``dp0:pp0:...:`` prefix removed) -> SHA-256 of the served tensor's bytes."""
+        data = await self.post(url, "/weight_checker", {"action": "checksum"}, self.timeout_s)
+        sums = data.get("checksums")
+        if not isinstance(sums, dict):
+            raise EngineControlError(url, "/weight_checker", "answered no checksums", status=200)
+        return {str(k).rsplit(":", 1)[-1]: str(v) for k, v in sums.items()}
 
     # ---- the one request path ------------------------------------------------------------------
 

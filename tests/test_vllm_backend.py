@@ -133,10 +133,19 @@ class VllmStandIn:
     """``/inference/v1/generate`` answering in vLLM's shapes: ``reply`` ids, the first
     ``aborts`` requests aborted before any token."""
 
-    def __init__(self, reply: list[int], aborts: int = 0) -> None:
+    def __init__(self, reply: list[int], aborts: int = 0, checksums: dict | None = None) -> None:
         self.reply, self.aborts, self.requests = reply, aborts, []
+        self.checksums = checksums or {}  # /weight_checker's, names with vLLM's prefix
         self.runner: web.AppRunner | None = None
         self.url = ""
+
+    async def models(self, request: web.Request) -> web.Response:
+        model = {"id": "smol", "object": "model", "owned_by": "vllm", "root": "/models/smol"}
+        return web.json_response({"object": "list", "data": [model]})
+
+    async def checker(self, request: web.Request) -> web.Response:
+        assert (await request.json()) == {"action": "checksum"}
+        return web.json_response({"checksums": self.checksums})
 
     async def generate(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -159,6 +168,8 @@ class VllmStandIn:
     async def __aenter__(self) -> VllmStandIn:
         app = web.Application()
         app.router.add_post("/inference/v1/generate", self.generate)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/weight_checker", self.checker)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
@@ -209,3 +220,38 @@ def test_a_vllm_fleet_needs_the_models_template():
     target = LLMTarget(urls=("http://v:1",), engine="vllm")
     with pytest.raises(ValueError, match="needs the model's chat template"):
         target.backend()
+
+
+async def test_the_syncer_checks_vllms_digests_against_the_file(tmp_path):
+    """vLLM's ``/weight_checker`` digests each served parameter's bytes; the syncer compares
+    the ones the file holds under the same name (the CPU build's repacked linear layers digest
+    empty: not compared). A tensor served in bf16 from an fp32 file matches its bf16 bytes."""
+    import hashlib
+
+    import torch
+    from safetensors.torch import save_file
+
+    from agentarium.inference import EngineControl
+    from agentarium.inference.sync.verify import EMPTY_SHA256, checksum_mismatch
+    from agentarium.schemas import WeightIdentity
+
+    def digest(t: torch.Tensor) -> str:
+        return hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()  # fmt: skip
+
+    norm, embed = torch.rand(8), torch.rand(4, 8)
+    save_file({"model.norm.weight": norm, "model.embed_tokens.weight": embed}, tmp_path / "model.safetensors")  # fmt: skip
+    target = WeightIdentity.parse("run@1:abcdef0123456789")
+    assert target is not None
+    prefix = "dp0:pp0:pcp0:tp0:"
+    served = {
+        prefix + "model.norm.weight": digest(norm),
+        prefix + "model.embed_tokens.weight": digest(embed.to(torch.bfloat16)),
+        prefix + "model.layers.0.self_attn.qkv_proj.weight": EMPTY_SHA256,  # repacked
+    }
+    async with EngineControl() as control:
+        async with VllmStandIn([], checksums=served) as server:
+            assert await control.kind(server.url) == "vllm"
+            assert await checksum_mismatch(control, server.url, tmp_path, target) == ""
+            server.checksums[prefix + "model.norm.weight"] = digest(norm * 2)
+            problem = await checksum_mismatch(control, server.url, tmp_path, target)
+    assert problem == f"reports {str(target)!r} but does not serve its weights: model.norm.weight differs"  # fmt: skip

@@ -9,8 +9,10 @@ receiver holds one trace with the producer's, the consumer's and vLLM's spans, e
 present, vLLM's ``llm_request`` span a child of the consumer's ``chat smol`` span. Then
 ``agentarium consumer --llm URL --llm-engine vllm`` runs a batch on vLLM's token-in/token-out
 route: each trajectory holds the prompt the consumer rendered, vLLM's ids and log-probs (the
-trainer's own log-probs of them agree) and vLLM's weight version. One server for both (a vLLM
-start costs 30-120 s).
+trainer's own log-probs of them agree) and vLLM's weight version. Then a weight update goes
+through the object store and ``WeightSyncer`` into vLLM (pause, ``reload_weights``, its version
+set, resume, checked against ``/weight_checker``), and vLLM serves the new weights. One server
+for all three (a vLLM start costs 30-120 s).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def _attributes(span: ProtoSpan) -> dict:
 @pytest.mark.vllm
 @pytest.mark.long(65)
 @pytest.mark.timeout(900)  # on a machine without the venv, building it comes first (about 3 min)
-async def test_one_trace_to_vllm_and_token_exact_rollouts_from_it(
+async def test_vllm_one_trace_token_exact_rollouts_and_a_verified_weight_update(
     nats_url, js, topology, smol_dir, tmp_path
 ):
     vllm_python()  # skipped (failed under CI=true) here, before anything starts, without vLLM
@@ -96,6 +98,10 @@ async def test_one_trace_to_vllm_and_token_exact_rollouts_from_it(
                 "--nats-url", nats_url,
                 env=env,
             )  # fmt: skip
+
+            # a weight update: published, synced into vLLM (pause, reload, version, resume),
+            # verified, then served
+            updated = await sync_a_trained_policy(js, topology, vllm.url, smol_dir, tmp_path)
     finally:
         await receiver.close()
 
@@ -154,3 +160,61 @@ async def test_one_trace_to_vllm_and_token_exact_rollouts_from_it(
     # (log-probs at another temperature, a token shifted by one, other weights) moves them by
     # 0.1 or more.
     assert worst <= 1e-3, worst
+
+    # the update: vLLM reports the identity the syncer set, and serves the trained weights
+    identity, trained_model, result = updated
+    assert result.weight_version == identity
+    ids = PROBE_IDS + result.output_ids
+    with torch.no_grad():
+        logits = trained_model(input_ids=torch.tensor([ids])).logits[0].float()
+    picked = torch.log_softmax(logits, -1)[len(PROBE_IDS) - 1 : -1]
+    want = picked.gather(1, torch.tensor(result.output_ids)[:, None])[:, 0]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+    base = torch.log_softmax(logits, -1)[len(PROBE_IDS) - 1 : -1]
+    before = base.gather(1, torch.tensor(result.output_ids)[:, None])[:, 0]
+    got = torch.tensor(result.output_logprobs)
+    assert float((got - want).abs().max()) <= 1e-3  # the bound above
+    assert float((got - before).abs().max()) > 0.1  # not the base weights any more
+
+
+PROBE_IDS = [1, 9690, 198, 2683, 314, 253, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
+
+
+async def sync_a_trained_policy(js, topology, url: str, smol_dir, tmp_path):
+    """Publish SmolLM2 with every MLP down projection scaled by 1.1 (as a trainer's step
+    changes the linear layers, which vLLM's CPU build repacks), sync it into vLLM with
+    ``WeightSyncer`` and generate from it: (the identity, the published model, the result)."""
+    from agentarium.consumers.backends import VLLMBackend
+    from agentarium.consumers.backends.base import GenerateRequest
+    from agentarium.inference.sync import SyncConfig, WeightSyncer
+    from agentarium.schemas import WeightIdentity
+    from agentarium.trainer.weights import WeightStore
+
+    trained = load_model(smol_dir, "cpu", trainable=False, dtype="float32")
+    with torch.no_grad():
+        for name, param in trained.named_parameters():
+            if name.endswith("down_proj.weight") or name == "model.norm.weight":
+                param.mul_(1.1)  # the final norm too: a tensor vLLM's checksums see
+    update = await WeightStore(js, topology).publish(trained, run="vl", version=1, step=1)
+    config = SyncConfig(run="vl", engines=(url,), weights_dir=tmp_path / "sync")
+    syncer = WeightSyncer(js, config, topology=topology)
+    try:
+        outcome = await syncer.sync_once()
+    finally:
+        await syncer.close()
+    (engine,) = outcome.engines
+    assert outcome.ok and engine.status == "updated", outcome
+    assert outcome.identity == str(WeightIdentity.of(update))
+    template = ChatTemplate.from_model_dir(str(smol_dir))
+    backend = VLLMBackend([url], decode=template.decode)
+    try:
+        result = await backend.generate(
+            GenerateRequest(
+                input_ids=PROBE_IDS,
+                sampling={"max_new_tokens": 12, "temperature": 1.0, "sampling_seed": 1},
+            )
+        )
+    finally:
+        await backend.aclose()
+    return outcome.identity, trained, result

@@ -80,7 +80,7 @@ from ..weights import (
 )
 from .config import SyncConfig
 from .metrics import SYNC_SEEN, record_sync_round
-from .verify import read_back_mismatch
+from .verify import checksum_mismatch, read_back_mismatch
 
 log = structlog.get_logger("agentarium.sync")
 
@@ -579,6 +579,8 @@ class WeightSyncer:
             return f"serves {served!r} after loading {str(target)!r}"
         if model_dir is None:
             return ""
+        if await self.control.kind(url) == "vllm":
+            return await checksum_mismatch(self.control, url, model_dir, target)
         return await read_back_mismatch(self.control, url, model_dir, target)
 
     def _base_directory(self, info: dict | None) -> Path | None:
