@@ -320,29 +320,41 @@ def test_each_api_asks_for_reasoning_on_or_off_in_its_own_terms():
             anthropic.parse({**enabled, "thinking": thinking})
 
 
-async def test_a_reply_sent_back_without_its_reasoning_still_extends(replying, template):
-    """Most agent loops keep a reply's content and tool calls and drop the reasoning field:
-    the next call still continues the recorded ids (one row)."""
+def qwen3_of(template: ChatTemplate, source: str | None = None) -> ChatTemplate:
+    """The tiny tokenizer with Qwen3's template (``source``: another Qwen3 template)."""
+    return ChatTemplate(
+        template.tokenizer,
+        {"default": source or FAMILIES["qwen3"].template},
+        name="q3",
+        eos_token_ids=template.eos_token_ids,
+    )
+
+
+async def asked_again(replying, chat: ChatTemplate, *, whole: bool):
+    """A reply that reasons ("Hmm.") and answers ("Sunny."), sent back whole or without its
+    reasoning, then a new user message: the tracing client and the second call's messages."""
     from agentarium.consumers.backends import SGLangBackend
     from agentarium.consumers.tracing.llm import TracingLLM
     from agentarium.schemas import Sampling
 
-    qwen3 = ChatTemplate(
-        template.tokenizer,
-        {"default": FAMILIES["qwen3"].template},
-        name="q3",
-        eos_token_ids=template.eos_token_ids,
-    )
     fake = await replying("<think>\nHmm.\n</think>\n\nSunny.")
     backend = SGLangBackend([fake.url], backoff=0.0)
     try:
-        llm = TracingLLM(backend, qwen3, Sampling(max_new_tokens=64), model_name="tiny")
+        llm = TracingLLM(backend, chat, Sampling(max_new_tokens=64), model_name="tiny")
         first = await llm.chat(QUESTION)
         assert first.reasoning == "Hmm." and first.content == "Sunny."
-        echoed = {"role": "assistant", "content": first.content}  # no reasoning_content
-        await llm.chat([*QUESTION, echoed, {"role": "user", "content": "And Rome?"}])
+        reply = dict(first.message) if whole else {"role": "assistant", "content": first.content}
+        messages = [*QUESTION, reply, {"role": "user", "content": "And Rome?"}]
+        await llm.chat(messages)
     finally:
         await backend.aclose()
+    return llm, messages
+
+
+async def test_a_reply_sent_back_without_its_reasoning_still_extends(replying, template):
+    """Most agent loops keep a reply's content and tool calls and drop the reasoning field:
+    the next call still continues the recorded ids (one row)."""
+    llm, _ = await asked_again(replying, qwen3_of(template), whole=False)
     assert llm.calls[1].prompt_build == "extend"
     assert llm.calls[1].prompt_ids[: len(llm.calls[0].prompt_ids)] == llm.calls[0].prompt_ids
 
@@ -355,29 +367,12 @@ async def test_a_template_that_drops_earlier_reasoning_keeps_the_rollout_one_row
     second call's prompt keeps the first reply's sampled ids, reasoning included, and adds the
     new message as the template writes it after the reasoning-free history: one row, its
     tokens what the model saw, the reply's tokens trained, the new message's masked."""
-    from agentarium.consumers.backends import SGLangBackend
-    from agentarium.consumers.tracing.llm import TracingLLM
     from agentarium.formats.families import QWEN3_LATEST_REASONING
-    from agentarium.schemas import Sampling, Trajectory
+    from agentarium.schemas import Trajectory
     from agentarium.trainer.batch import Sample, build_rows
 
-    qwen3 = ChatTemplate(
-        template.tokenizer,
-        {"default": QWEN3_LATEST_REASONING},
-        name="q3-own",
-        eos_token_ids=template.eos_token_ids,
-    )
-    fake = await replying("<think>\nHmm.\n</think>\n\nSunny.")
-    backend = SGLangBackend([fake.url], backoff=0.0)
-    try:
-        llm = TracingLLM(backend, qwen3, Sampling(max_new_tokens=64), model_name="tiny")
-        first = await llm.chat(QUESTION)
-        assert first.reasoning == "Hmm." and first.content == "Sunny."
-        reply = dict(first.message) if echo == "whole" else {"role": "assistant", "content": "Sunny."}  # fmt: skip
-        chat = [*QUESTION, reply, {"role": "user", "content": "And Rome?"}]
-        await llm.chat(chat)
-    finally:
-        await backend.aclose()
+    qwen3 = qwen3_of(template, QWEN3_LATEST_REASONING)
+    llm, chat = await asked_again(replying, qwen3, whole=echo == "whole")
     one, two = llm.calls
     rendered = qwen3.render(chat)
     assert "Hmm." not in rendered  # the template would drop it
@@ -419,15 +414,6 @@ def budgeted(chat: ChatTemplate):
         return ids, chat.decode([i for i in kept if i not in chat.eos_token_ids])
 
     return reply
-
-
-def qwen3_of(template: ChatTemplate) -> ChatTemplate:
-    return ChatTemplate(
-        template.tokenizer,
-        {"default": FAMILIES["qwen3"].template},
-        name="q3",
-        eos_token_ids=template.eos_token_ids,
-    )
 
 
 async def test_a_thinking_budget_closes_the_reasoning_and_the_answer_follows(template):

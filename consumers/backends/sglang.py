@@ -247,8 +247,14 @@ class SGLangBackend:
                 continue
             return result
 
+    @staticmethod
+    def _rid(request: GenerateRequest, attempt: int) -> str:
+        """The request id of ``attempt``: a resubmission's is fresh (``<rid>-r<n>``), since the
+        server may still hold the first and refuses a duplicate id."""
+        return request.rid if attempt == 0 or not request.rid else f"{request.rid}-r{attempt}"
+
     def _body(self, request: GenerateRequest, attempt: int) -> dict[str, Any]:
-        rid = request.rid if attempt == 0 or not request.rid else f"{request.rid}-r{attempt}"
+        rid = self._rid(request, attempt)
         body: dict[str, Any] = {
             "input_ids": list(request.input_ids),
             "sampling_params": dict(request.sampling),

@@ -158,11 +158,11 @@ class VLLMBackend(SGLangBackend):
         return replace(result, text=reply_text(result, self.decode, keep_stop=keep))
 
     def _body(self, request: GenerateRequest, attempt: int) -> dict[str, Any]:
-        rid = request.rid if attempt == 0 or not request.rid else f"{request.rid}-r{attempt}"
         body: dict[str, Any] = {
             "token_ids": list(request.input_ids),
             "sampling_params": vllm_sampling(dict(request.sampling)),
         }
+        rid = self._rid(request, attempt)
         if rid:
             body["request_id"] = rid
         if self.lora:

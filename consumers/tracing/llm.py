@@ -378,14 +378,18 @@ class TracingLLM:
         input_ids = prompt.ids
         opened = prompt.text.rstrip().endswith(THINK_OPEN)
         rid = f"{self.rid_prefix}-{self._nonce}-call-{index}"
-        request = GenerateRequest(
-            input_ids=input_ids,
-            sampling=params if budget is None else _capped(params, budget),
-            rid=rid,
-            route_key=self.route_key,
-            messages=chat,
-            tools=tools,
-        )
+
+        def request_of(ids: list[int], sampling: dict, suffix: str = "") -> GenerateRequest:
+            return GenerateRequest(
+                input_ids=ids,
+                sampling=sampling,
+                rid=rid + suffix,
+                route_key=self.route_key,
+                messages=chat,
+                tools=tools,
+            )
+
+        request = request_of(input_ids, params if budget is None else _capped(params, budget))
         start = time.perf_counter()
         result = await self.backend.generate(request)
         latency = time.perf_counter() - start
@@ -394,16 +398,11 @@ class TracingLLM:
         forced = self._budget_close(result, params, opened) if budget is not None else None
         if forced is not None:
             cut = (request, result, latency)
-            request = GenerateRequest(
-                input_ids=[*input_ids, *output_ids, *forced],
-                sampling={
-                    **params,
-                    "max_new_tokens": params["max_new_tokens"] - len(output_ids) - len(forced),
-                },  # fmt: skip
-                rid=f"{rid}-after-budget",
-                route_key=self.route_key,
-                messages=chat,
-                tools=tools,
+            left = params["max_new_tokens"] - len(output_ids) - len(forced)
+            request = request_of(
+                [*input_ids, *output_ids, *forced],
+                {**params, "max_new_tokens": left},
+                "-after-budget",
             )
             start = time.perf_counter()
             result = await self.backend.generate(request)
