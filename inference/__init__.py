@@ -6,7 +6,9 @@
 - ``weights.py``: published weight files: fetching, checksums, verification, local versions;
 - ``engine/``: the local CPU engine (``agentarium engine``), SGLang's HTTP API on torch;
 - ``sync/``: the weight syncer (``agentarium sync``), which keeps every engine on the latest
-  policy version.
+  policy version;
+- ``vllm.py``: vLLM as an engine (its virtualenv, the command line that serves a model the way
+  the consumers and the syncer speak to it: ``agentarium engine --backend vllm``).
 
 The weight flow reads here: the trainer publishes a version (``weights.py``'s files, a
 ``WeightUpdate`` on NATS), the syncer fetches and verifies it and reloads each engine through
@@ -24,6 +26,7 @@ from .engines import (
     served_version,
     wait_served,
 )
+from .vllm import VllmUnavailable, vllm_command, vllm_python
 from .weights import (
     LORA_CONFIG_KEY,
     STALL_TIMEOUT_S,
@@ -66,6 +69,9 @@ __all__ = [
     "served_version",
     "sha256_file",
     "verify_file",
+    "vllm_command",
+    "vllm_python",
+    "VllmUnavailable",
     "wait_served",
     "weights_checksum",
 ]

@@ -255,3 +255,35 @@ async def test_the_syncer_checks_vllms_digests_against_the_file(tmp_path):
             server.checksums[prefix + "model.norm.weight"] = digest(norm * 2)
             problem = await checksum_mismatch(control, server.url, tmp_path, target)
     assert problem == f"reports {str(target)!r} but does not serve its weights: model.norm.weight differs"  # fmt: skip
+
+
+def test_the_vllm_command_serves_what_the_fleet_speaks(tmp_path, monkeypatch):
+    """``agentarium engine --backend vllm``'s command line: the token route, the control
+    routes, temperature-scaled log-probs; the CPU build's settings without a GPU; a virtualenv
+    that is not built is an error saying how to build it."""
+    from agentarium.inference import VllmUnavailable, vllm_command, vllm_python
+
+    argv, env = vllm_command(
+        "/v/bin/python", "/models/smol", served_name="smol", host="127.0.0.1", port=8000, gpu=False
+    )
+    assert argv[:3] == ["/v/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    flags = " ".join(argv[3:])
+    for wanted in (
+        "--model /models/smol",
+        "--served-model-name smol",
+        "--port 8000",
+        "--enable-scale-out",
+        "--logprobs-mode processed_logprobs",
+        "--dtype float32 --enforce-eager",
+    ):
+        assert wanted in flags
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_TARGET_DEVICE"] == "cpu"
+    argv, env = vllm_command(
+        "py", "m", served_name="m", host="h", port=1, gpu=True, extra=["--enable-lora"]
+    )
+    assert "--enforce-eager" not in argv and "VLLM_TARGET_DEVICE" not in env
+    assert argv[-1] == "--enable-lora"
+
+    monkeypatch.setenv("AGENTARIUM_VLLM_VENV", str(tmp_path / "none"))
+    with pytest.raises(VllmUnavailable, match="is not built: build it with .*vllm_venv.sh"):
+        vllm_python(build=False)

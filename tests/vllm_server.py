@@ -4,9 +4,10 @@ vLLM lives in its own virtualenv (``ops/vllm_venv.sh``, ``$AGENTARIUM_VLLM_VENV`
 ``~/.cache/agentarium/vllm-venv``). ``vllm_python()`` finds it; one not built yet is built on
 demand under ``AGENTARIUM_TEST_VLLM=1`` or ``CI=true`` (2 min 39 s with a warm pip cache,
 3.5 GB), and otherwise the test is skipped, saying how to build it. ``start_vllm()`` starts
-``python -m vllm.entrypoints.openai.api_server`` on a model directory (fp32,
-``--enforce-eager``, a free loopback port), waits for ``/health``, and stops it at the end:
-SIGTERM to its process group (the API server and its engine-core process), SIGKILL after 30 s.
+``agentarium engine --backend vllm`` on a built-in model (vLLM's server in fp32,
+``--enforce-eager``, on a free loopback port, as inference/vllm.py starts it), waits for
+``/health``, and stops it at the end: SIGTERM to its process group (the command, vLLM's API
+server and its engine-core process), SIGKILL after 30 s.
 A server that exits before it is healthy is an error carrying its log's tail.
 """
 
@@ -16,6 +17,7 @@ import asyncio
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -26,6 +28,7 @@ import aiohttp
 import pytest
 
 from agentarium.broker import free_port
+from agentarium.models import model_name
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -94,27 +97,24 @@ async def start_vllm(
     route (``--enable-scale-out``) and the control routes (``VLLM_SERVER_DEV_MODE=1``), its
     log-probs temperature-scaled as the trainer computes them (``--logprobs-mode
     processed_logprobs``), as docs/operations.md starts vLLM for ``--llm-engine vllm``."""
-    python = vllm_python()
+    vllm_python()  # built, or the test is skipped (failed under CI=true)
     port = free_port()
+    # `agentarium engine --backend vllm` (inference/vllm.py: the flags and environment the
+    # fleet needs), on a fixed port, named as the consumers call it
+    assert served_name == model_name(served_name, model_dir), "a built-in model's name"
     argv = [
-        str(python), "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_dir), "--served-model-name", served_name,
-        "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
-        "--enable-scale-out", "--logprobs-mode", "processed_logprobs",
+        sys.executable, "-m", "agentarium", "engine", "--backend", "vllm",
+        "--model", served_name, "--host", "127.0.0.1", "--port", str(port),
     ]  # fmt: skip
     # not --disable-log-stats: vLLM 0.32's request span is made from the request's stats, and
     # without them its output handler fails an assertion and the span is never sent
     full_env = {
         **os.environ,
-        "VLLM_TARGET_DEVICE": "cpu",
         "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB: SmolLM2's 2048-token contexts need far less
-        "HF_HUB_OFFLINE": "1",  # the model is a local directory; nothing to download
-        "VLLM_SERVER_DEV_MODE": "1",  # the control routes (weight version, pause, checker)
         **(env or {}),
     }
     if otlp_traces_endpoint:
-        argv += ["--otlp-traces-endpoint", otlp_traces_endpoint]
+        argv.append(f"--vllm-arg=--otlp-traces-endpoint={otlp_traces_endpoint}")
         # vLLM's exporter speaks gRPC unless told otherwise (vllm/tracing/otel.py)
         full_env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"
     server = VllmServer(f"http://127.0.0.1:{port}", served_name, log, 0.0)

@@ -1,22 +1,25 @@
-"""``agentarium engine``: the local CPU engine speaking SGLang's HTTP API.
+"""``agentarium engine``: the local CPU engine speaking SGLang's HTTP API, or vLLM
+(``--backend vllm``) started from its own virtualenv as the fleet speaks to it.
 
-Its settings are ``EngineCommand``'s fields: the model to serve, then the engine's own
-``EngineSettings``, each one a flag."""
+Its settings are ``EngineCommand``'s fields: the model to serve and the backend, then the
+engine's own ``EngineSettings``, each one a flag (vLLM takes ``--host`` and ``--port``)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import os
 from dataclasses import dataclass
 
-from agentarium.broker import setup_logging, setup_tracing, shutdown_tracing
+from agentarium.broker import free_port, setup_logging, setup_tracing, shutdown_tracing
 from agentarium.inference.engine import (
     EngineSettings,  # torch-free: the engine itself loads in cmd_engine
 )
 from agentarium.schemas import section, setting
 
 from ..config import ConfigKeys, add_settings, resolve
-from ..models import resolve_model
+from ..models import model_name, resolve_model
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,6 +32,21 @@ class EngineCommand:
         help="'tiny' (the built-in random model), 'smol' (SmolLM2-135M-Instruct, the built-in "
         "real model: the smol extra), each created once under $AGENTARIUM_HOME, or a "
         "transformers model directory",
+    )
+    backend: str = setting(
+        "local",
+        choices=("local", "vllm"),
+        help="local: the CPU engine of this package (SGLang's API); vllm: vLLM from its own "
+        "virtualenv (ops/vllm_venv.sh builds it on first use: about 3 minutes and 3.5 GB), "
+        "serving the token-in/token-out route, the weight-update routes and temperature-scaled "
+        "log-probs (consumers: --llm-engine vllm); only --host and --port apply to it",
+    )
+    vllm_arg: tuple[str, ...] = setting(
+        (),
+        metavar="ARG",
+        help="with --backend vllm: one more argument for vLLM's server, repeatable, written "
+        "with '=' when it starts with '-' (--vllm-arg=--enable-lora, "
+        "--vllm-arg=--otlp-traces-endpoint=http://127.0.0.1:4318/v1/traces)",
     )
     engine: EngineSettings = section(EngineSettings)
 
@@ -43,6 +61,8 @@ def cmd_engine(args: argparse.Namespace) -> int:
     command: EngineCommand = resolve(args, KEYS).build(EngineCommand)
     setup_logging()
     model_dir = resolve_model(command.model)
+    if command.backend == "vllm":
+        return serve_vllm(model_dir, command)
     setup_tracing("agentarium-engine")  # spans over OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set
     try:
         asyncio.run(serve(model_dir, command.engine))
@@ -54,6 +74,58 @@ def cmd_engine(args: argparse.Namespace) -> int:
     finally:
         shutdown_tracing()  # the last spans leave before the process does
     return 0
+
+
+def serve_vllm(model_dir, command: EngineCommand) -> int:
+    """vLLM on ``model_dir`` (served under the model's name: ``smol``, or the directory's)
+    until it exits or this process is told to stop (SIGINT, SIGTERM: passed on to it). Prints
+    'engine ready on URL' once its /health answers; returns 0 after a stop, else its exit
+    status, 1 when it ended by itself with 0 (a server should not end)."""
+    import signal
+    import subprocess
+    import time
+    import urllib.request
+
+    from agentarium.inference import VllmUnavailable, vllm_command, vllm_python
+
+    settings = command.engine
+    try:
+        python = vllm_python()
+    except VllmUnavailable as exc:
+        raise ValueError(str(exc)) from None
+    port = settings.port or free_port()
+    argv, env = vllm_command(
+        python,
+        model_dir,
+        served_name=model_name(command.model, model_dir),
+        host=settings.host,
+        port=port,
+        extra=list(command.vllm_arg),
+    )
+    proc = subprocess.Popen(argv, env={**os.environ, **env})  # in this process group
+    stopping = False
+
+    def stop(signum, _frame) -> None:
+        nonlocal stopping
+        stopping = True
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)  # its API server stops its engine core
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, stop)
+    url = f"http://{settings.host}:{port}"
+    while proc.poll() is None and not stopping:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as resp:
+                if resp.status == 200:
+                    print(f"engine ready on {url}", flush=True)
+                    break
+        except OSError:
+            time.sleep(0.5)
+    code = proc.wait()
+    if stopping:
+        return 0
+    return code or 1
 
 
 def register(sub: argparse._SubParsersAction) -> None:
