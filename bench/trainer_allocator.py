@@ -8,16 +8,15 @@ once per configuration, each in a fresh process, the configurations alternated o
 the peak RSS and the step times, one JSON line per run, then each configuration's median and
 range. A configuration is a trainer setting set and a heap mode after ``+``:
 
-- ``release``: ``--heap release``, the trainer's default (a fixed 8 MiB mmap threshold and
-  ``malloc_trim`` after each pass and step);
+- ``release``: ``--heap release``, the trainer's default (``malloc_trim`` after each pass and
+  each step);
 - ``glibc``: ``--heap default``, glibc as it is;
-- ``mmap``: ``--heap default`` with ``MALLOC_MMAP_THRESHOLD_`` at 1 MiB (every tensor over
-  1 MiB mapped: page faults on each);
-- ``mmap-thp``: the same with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` (glibc asks for
-  transparent huge pages: 512 times fewer faults), which only the process's environment can set.
+- ``release-env``: ``release`` in a process started with trainer/heap.py's
+  ``TRAINER_MALLOC_ENV`` (the mmap threshold fixed at 1 MiB, transparent huge pages asked
+  for), as the demo starts its trainer.
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python bench/trainer_allocator.py --rounds 5 --steps 2 \\
-        lora-4096+glibc lora-4096+release
+        lora-4096+glibc lora-4096+release lora-4096+release-env
 """
 
 from __future__ import annotations
@@ -34,6 +33,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from agentarium.trainer import TRAINER_MALLOC_ENV  # noqa: E402 - light: no torch
+
 CONFIGS = {
     "full-4096": {"max_tokens_per_micro_batch": 4096},
     "lora-4096": {"lora_rank": 16, "max_tokens_per_micro_batch": 4096},
@@ -47,11 +48,7 @@ CONFIGS = {
 HEAPS = {  # mode -> (--heap, the process's environment)
     "release": ("release", {}),
     "glibc": ("default", {}),
-    "mmap": ("default", {"MALLOC_MMAP_THRESHOLD_": "1048576"}),
-    "mmap-thp": (
-        "default",
-        {"MALLOC_MMAP_THRESHOLD_": "1048576", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"},
-    ),
+    "release-env": ("release", TRAINER_MALLOC_ENV),
 }
 
 
@@ -92,7 +89,11 @@ def child(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("configs", nargs="*", default=["lora-4096+glibc", "lora-4096+release"])
+    parser.add_argument(
+        "configs",
+        nargs="*",
+        default=["lora-4096+glibc", "lora-4096+release", "lora-4096+release-env"],
+    )
     parser.add_argument("--model", default="smol", help="smol, tiny or a model directory")
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--prompt", type=int, default=250)

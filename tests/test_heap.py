@@ -21,10 +21,10 @@ pytestmark = pytest.mark.skipif(
     heap._libc() is None, reason="glibc only: nothing is done elsewhere"
 )
 
-# In a process of its own (the allocator's state is the process's): 4 MiB tensors, under the
-# fixed 8 MiB threshold, so they come from the heap; 600 of them (2.4 GiB) freed while one
-# allocated last stays, so the heap's top cannot shrink past it. What glibc keeps of them, and
-# what is left after release(), in MiB of RSS over the start.
+# In a process of its own (the allocator's state is the process's): one 4 MiB tensor mapped and
+# freed raises glibc's mmap threshold past its size, so the next 600 (2.4 GiB) come from the
+# heap; they are freed while one allocated last stays, so the heap's top cannot shrink past it.
+# What glibc keeps of them, and what is left after release(), in MiB of RSS over the start.
 PROBE = textwrap.dedent(
     """
     import json, torch
@@ -35,8 +35,9 @@ PROBE = textwrap.dedent(
             if line.startswith("VmRSS"):
                 return int(line.split()[1]) // 1024
 
-    assert heap.configure()
     start = rss()
+    warm = torch.ones(1 << 20)
+    del warm
     blocks = [torch.ones(1 << 20) for _ in range(600)]  # 600 x 4 MiB, touched
     pin = torch.ones(1 << 20)
     del blocks

@@ -21,6 +21,7 @@ from .errors import (
     TrainerConfigError,
     TrainerError,
 )
+from .heap import TRAINER_MALLOC_ENV
 from .metrics import plot_metrics, read_metrics
 from .process import TrainerProcess, publisher_for
 from .rows import (
@@ -44,6 +45,7 @@ _LAZY = {  # torch + transformers
 }
 
 __all__ = [
+    "TRAINER_MALLOC_ENV",
     "DEVICES",
     "HOW",
     "LOSS_AGGS",

@@ -430,9 +430,8 @@ class TrainerConfig:
         choices=HEAP_MODES,
         group=COMPUTE,
         help="release (the default): give the memory each pass and each step free back to the "
-        "system (glibc: a fixed 8 MiB mmap threshold, malloc_trim after each pass: trainer/"
-        "heap.py); default: leave glibc's allocator as it is, which keeps many times what a "
-        "step's tensors need",
+        "system (glibc's malloc_trim after each pass and step: trainer/heap.py); default: "
+        "leave glibc's allocator as it is, which keeps many times what a step's tensors need",
     )
     pack_rows: bool = setting(
         True,

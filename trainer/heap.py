@@ -5,18 +5,19 @@ separate ``malloc``. glibc serves a large request with its own ``mmap`` (returne
 by ``free``) only above its mmap threshold, and raises that threshold to the size of every
 mapped block freed, up to 32 MiB: after the first pass, a pass's activations (a 4,096-token
 pass on SmolLM2: 9-25 MB each) come from the heap, and what the heap frees mostly stays with
-the process. The calculator recipe's trainer held 15 GB between steps that way, against the
-1.8 GB its tensors took (docs/benchmarks.md, "Trainer memory held by the allocator").
+the process. The calculator recipe's trainer held 14-15 GB between steps that way, against the
+1.8 GB its tensors take (docs/benchmarks.md, "Trainer memory held by the allocator").
 
-``release_heap`` (``--heap release``, the default):
-
-- ``configure()``, once per process: the mmap threshold fixed at ``MMAP_THRESHOLD`` (8 MiB),
-  so it no longer rises and the largest tensors are mapped and unmapped as they come and go;
-- ``release()``, after each pass's backward and after the optimizer step: ``malloc_trim(0)``,
-  which hands the free pages inside every arena back to the system.
-
-Smaller blocks keep coming from the heap (the cost of mapping every tensor: page faults on
-each; a 1 MiB threshold made steps 24-38 % slower). ``--heap default`` leaves glibc as it is.
+``--heap release`` (the default): ``release()`` after each pass's backward and after each
+optimizer step, ``malloc_trim(0)``, which hands the free pages inside every arena back to the
+system. It costs no measurable step time and leaves about what the tensors hold between steps;
+within a pass the heap still grows past what the pass needs (a peak of 12 GB where 7 GB are
+live). Fixing the mmap threshold from inside the process (``mallopt``) would bring the peak
+down too, but costs 15-25 % of the step in page faults; set in the process's environment
+before it starts, with glibc asked for transparent huge pages
+(``MALLOC_MMAP_THRESHOLD_=1048576 GLIBC_TUNABLES=glibc.malloc.hugetlb=1``:
+``TRAINER_MALLOC_ENV``), the same threshold costs nothing measurable: the demo starts its
+trainer that way. ``--heap default`` leaves glibc as it is.
 """
 
 from __future__ import annotations
@@ -26,9 +27,12 @@ import ctypes.util
 import functools
 import sys
 
-M_MMAP_THRESHOLD = -3  # mallopt's parameter number (glibc's malloc.h)
-MMAP_THRESHOLD = 8 * 1024 * 1024
 HEAP_MODES = ("release", "default")
+# glibc's settings for a trainer process's environment (read at its start: the module docstring)
+TRAINER_MALLOC_ENV = {
+    "MALLOC_MMAP_THRESHOLD_": "1048576",
+    "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1",
+}
 
 
 @functools.cache
@@ -40,17 +44,9 @@ def _libc() -> ctypes.CDLL | None:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         libc.gnu_get_libc_version  # noqa: B018 - only glibc has it
         libc.malloc_trim  # noqa: B018
-        libc.mallopt  # noqa: B018
     except (OSError, AttributeError):
         return None
     return libc
-
-
-@functools.cache
-def configure() -> bool:
-    """Fix glibc's mmap threshold (once per process); False where that is not glibc."""
-    libc = _libc()
-    return libc is not None and bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
 
 
 def release() -> bool:

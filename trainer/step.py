@@ -168,10 +168,7 @@ def load_reference(model_dir: str | Path, device: str | torch.device, settings: 
 def load_policy(model_dir: str | Path, device: str | torch.device, settings: StepSettings):
     """The model trained: the base, set up for packed rows (``pack_rows``) and activation
     checkpointing (``activation_checkpointing``), wrapped with LoRA adapters when
-    ``lora_rank`` > 0. With ``heap`` release, glibc's mmap threshold is fixed first (trainer/
-    heap.py: this process trains)."""
-    if settings.heap == "release":
-        heap.configure()
+    ``lora_rank`` > 0."""
     model = _packing(load_model(model_dir, device, dtype=settings.dtype), settings)
     if settings.activation_checkpointing:
         non_reentrant = {"use_reentrant": False}
