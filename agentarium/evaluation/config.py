@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from agentarium.consumers import ConsumerSettings, RolloutSettings
+from agentarium.consumers import ConsumerProcess, ConsumerSettings, RolloutSettings
 from agentarium.producers import JobOptions
 from agentarium.schemas import (
     Sampling,
@@ -62,8 +62,10 @@ class EvalConfig:
         (),
         metavar="URL",
         group=LLM,
-        help="SGLang-compatible server (or `agentarium engine`); repeat for a fleet",
+        help="SGLang-compatible server (or `agentarium engine`), or a vLLM server with "
+        "--llm-engine vllm; repeat for a fleet",
     )
+    llm_engine: str = settings.shared(ConsumerProcess, "llm_engine")
     openai_base: str | None = setting(
         None,
         metavar="URL",

@@ -319,11 +319,16 @@ class EvalRun:
             )
             template, model_dir = None, None
         else:
-            target = LLMTarget(urls=tuple(normalize_urls(list(cfg.llm))))
+            target = LLMTarget(urls=tuple(normalize_urls(list(cfg.llm))), engine=cfg.llm_engine)
             model_dir = str(resolve_model(rollout.model))
             template = ChatTemplate.from_model_dir(model_dir, tool_fallback=cfg.tool_fallback)
         try:
-            cross = rollout.cross(openai=bool(cfg.openai_base), api_key=cfg.api_key, seed=cfg.seed)
+            cross = rollout.cross(
+                openai=bool(cfg.openai_base),
+                api_key=cfg.api_key,
+                seed=cfg.seed,
+                engine=cfg.llm_engine,
+            )
         except ValueError as exc:
             raise EvalError(str(exc)) from None
         spec = ConsumerSpec(
