@@ -6,7 +6,7 @@ by ``free``) only above its mmap threshold, and raises that threshold to the siz
 mapped block freed, up to 32 MiB: after the first pass, a pass's activations (a 4,096-token
 pass on SmolLM2: 9-25 MB each) come from the heap, and what the heap frees mostly stays with
 the process. The calculator recipe's trainer held 14-15 GB between steps that way, against the
-1.8 GB its tensors take (docs/benchmarks.md, "Trainer memory held by the allocator").
+1.1 GB its tensors take (docs/benchmarks.md, "Trainer memory held by the allocator").
 
 ``--heap release`` (the default): ``release()`` after each pass's backward and after each
 optimizer step, ``malloc_trim(0)``, which hands the free pages inside every arena back to the
