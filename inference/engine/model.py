@@ -11,6 +11,7 @@ import contextlib
 import inspect
 import json
 from pathlib import Path
+from typing import Any
 
 import structlog
 import torch
@@ -198,9 +199,10 @@ class EngineModel:
             for file in [*files, *path.glob("*.safetensors.index.json")]:
                 (where / file.name).symlink_to(file.resolve())
             try:
-                loaded, info = type(self.model).from_pretrained(
+                out: Any = type(self.model).from_pretrained(
                     where, dtype=self.model.dtype, output_loading_info=True
                 )
+                loaded, info = out  # the model and what it found and missed
             except (OSError, ValueError, RuntimeError) as exc:
                 raise WeightLoadError(
                     f"weights in {str(path)!r} do not fit the served model "

@@ -108,7 +108,7 @@ def parse(body: dict, *, counting: bool = False) -> MessagesRequest:
         sampling["json_schema"] = json.dumps(schema)
     messages = chat_messages(body.get("system"), body["messages"])
     # disabled: reasoning off; enabled: on, within its budget; adaptive or unset: the default
-    kind = (body.get("thinking") or {}).get("type")
+    kind = str((body.get("thinking") or {}).get("type"))
     thinking = {"disabled": False, "enabled": True}.get(kind)
     budget = body["thinking"]["budget_tokens"] if kind == "enabled" else None
     call = ChatCall(messages, _tools(body), sampling, thinking=thinking, thinking_budget=budget)
