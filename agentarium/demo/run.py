@@ -60,20 +60,12 @@ from agentarium.broker import (
 from agentarium.inference import EngineControl, EngineControlError, wait_served
 from agentarium.producers import GroupRefill, RunSession, expand_tasks, read_task_file
 from agentarium.schemas import check_settings, setting
-from agentarium.trainer import DEVICES, TASK_ADV_NORMS, TRAINER_MALLOC_ENV
+from agentarium.trainer import DEVICES, TASK_ADV_NORMS
 
 from ..models import resolve_model
 from ..progress import ProgressBar, StatusLine
 from .interrupt import STOP
-from .processes import (
-    Child,
-    ChildExited,
-    check_alive,
-    child_env,
-    consumer_argv,
-    start_child,
-    stop_all,
-)
+from .processes import Child, ChildExited, check_alive, consumer_argv, start_child, stop_all
 from .real import HeldOutEval, Preset, preset_of
 from .report import report, task_column
 from .tasks import FAMILIES, digit_tasks, parse_task_set, split_groups
@@ -481,14 +473,7 @@ def run_demo(args: DemoConfig) -> int:
             )
             children.append(engine)
         if not args.rollouts_only:
-            # glibc's mmap threshold and huge pages, read at the process's start (trainer/heap.py)
-            malloc = {k: v for k, v in TRAINER_MALLOC_ENV.items() if k not in os.environ}
-            trainer = start_child(
-                "trainer",
-                trainer_argv(args, model_dir, out, server.url),
-                logs,
-                env=child_env(**malloc),
-            )
+            trainer = start_child("trainer", trainer_argv(args, model_dir, out, server.url), logs)
             children.append(trainer)
         if engine is not None:
             with STOP.interruptible():
