@@ -115,6 +115,15 @@ def test_the_engine_refuses_a_taken_port_and_a_bad_host_in_one_line():
     assert f"--port {port}" in line and "address already in use" in line
     assert "--port must be <= 65535" in _refused("engine", "--model", "tiny", "--port", "70000")
     assert "--host 256.1.1.1" in _refused("engine", "--model", "tiny", "--host", "256.1.1.1")
+    # --backend vllm checks the port before it builds or starts anything
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        line = _refused("engine", "--backend", "vllm", "--model", "tiny", "--port", str(port))
+    assert f"--port {port}" in line and "address already in use" in line.lower()
+    line = _refused("engine", "--model", "tiny", "--vllm-arg=--enable-lora")
+    assert "--vllm-arg is for --backend vllm" in line
 
 
 def test_an_unexpected_error_is_one_line_and_debug_shows_the_traceback(monkeypatch, capsys):

@@ -63,6 +63,8 @@ def cmd_engine(args: argparse.Namespace) -> int:
     model_dir = resolve_model(command.model)
     if command.backend == "vllm":
         return serve_vllm(model_dir, command)
+    if command.vllm_arg:
+        raise ValueError("--vllm-arg is for --backend vllm; the local engine takes none")
     setup_tracing("agentarium-engine")  # spans over OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set
     try:
         asyncio.run(serve(model_dir, command.engine))
@@ -82,6 +84,7 @@ def serve_vllm(model_dir, command: EngineCommand) -> int:
     'engine ready on URL' once its /health answers; returns 0 after a stop, else its exit
     status, 1 when it ended by itself with 0 (a server should not end)."""
     import signal
+    import socket
     import subprocess
     import time
     import urllib.request
@@ -89,11 +92,16 @@ def serve_vllm(model_dir, command: EngineCommand) -> int:
     from agentarium.inference import VllmUnavailable, vllm_command, vllm_python
 
     settings = command.engine
+    port = settings.port or free_port(settings.host)
+    try:  # a port another server holds is an error, never that server adopted as ours
+        with socket.create_server((settings.host, port)):
+            pass
+    except OSError as exc:
+        raise ValueError(f"--host {settings.host} --port {port}: {exc}") from None
     try:
         python = vllm_python()
     except VllmUnavailable as exc:
         raise ValueError(str(exc)) from None
-    port = settings.port or free_port()
     argv, env = vllm_command(
         python,
         model_dir,
