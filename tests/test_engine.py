@@ -149,6 +149,41 @@ async def test_logprobs_match_transformers_at_temperature_1(server, tiny):
     assert [lp for lp, _, _ in prompt_lps[1:]] == pytest.approx(want_prompt, abs=1e-3)  # as above
 
 
+async def test_long_replies_in_a_changing_batch_keep_exact_logprobs(server, tiny):
+    """Rows of 10 to 200 new tokens, started together and apart: the batch's KV cache grows
+    in place 64 columns at a time (kv.ROOM) and is rebuilt as rows leave and join; every reply's
+    log-probs still equal transformers' over the whole sequence (the bound of the test above,
+    whose derivation does not depend on the length: attention's sums over <= 213 positions add
+    sqrt(213) u at most to a matmul's sqrt(256) u)."""
+    engine, http = server
+    ignore = {"temperature": 1.0, "ignore_eos": True}
+    first = [
+        generate(
+            http,
+            input_ids=PROMPT[: 5 + i],
+            sampling_params={"max_new_tokens": n, "sampling_seed": i, **ignore},
+            return_logprob=True,
+        )
+        for i, n in enumerate((200, 10, 70, 130))
+    ]
+    started = [asyncio.ensure_future(call) for call in first]
+    await engine.scheduler.wait_for(lambda: engine.scheduler.tokens_generated >= 4 * 80)
+    later = await generate(
+        http,
+        input_ids=PROMPT,
+        sampling_params={"max_new_tokens": 90, "sampling_seed": 9, **ignore},
+        return_logprob=True,
+    )
+    outs = [*await asyncio.gather(*started), later]
+    prompts = [PROMPT[: 5 + i] for i in range(4)] + [PROMPT]
+    for prompt, out, n in zip(prompts, outs, (200, 10, 70, 130, 90), strict=True):
+        assert len(out["output_ids"]) == n
+        ref = reference_logprobs(tiny, prompt + out["output_ids"])
+        got = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
+        want = torch.stack([ref[len(prompt) - 1 + i, t] for i, t in enumerate(out["output_ids"])])
+        assert torch.allclose(got, want, rtol=0, atol=1e-3), (got - want).abs().max()
+
+
 async def test_outputs_do_not_depend_on_the_batch(server):
     """Deterministic: greedy and seeded draws (``sampling_seed`` 11, one generator a request).
     Batched and alone, the logits differ by rounding only (~1e-6; log-probs against

@@ -61,6 +61,7 @@ async def test_vllm_one_trace_token_exact_rollouts_and_a_verified_weight_update(
             log=tmp_path / "vllm.log",
             otlp_traces_endpoint=f"{receiver.url}/v1/traces",
             env={"OTEL_SERVICE_NAME": "vllm-under-test", "OTEL_BSP_SCHEDULE_DELAY": "100"},
+            extra=("--enable-lora", "--max-lora-rank=8"),  # the LoRA update below
         ) as vllm:
             print(f"vLLM healthy after {vllm.started_s:.1f} s")
             tasks = tmp_path / "tasks.jsonl"
@@ -102,6 +103,8 @@ async def test_vllm_one_trace_token_exact_rollouts_and_a_verified_weight_update(
             # a weight update: published, synced into vLLM (pause, reload, version, resume),
             # verified, then served
             updated = await sync_a_trained_policy(js, topology, vllm.url, smol_dir, tmp_path)
+            # and a LoRA adapter, as `demo --engine vllm --lora-rank R` trains one
+            adapted = await sync_a_lora_adapter(js, topology, vllm.url, smol_dir, tmp_path)
     finally:
         await receiver.close()
 
@@ -177,8 +180,72 @@ async def test_vllm_one_trace_token_exact_rollouts_and_a_verified_weight_update(
     assert float((got - want).abs().max()) <= 1e-3  # the bound above
     assert float((got - before).abs().max()) > 0.1  # not the base weights any more
 
+    # the adapter: vLLM reports its identity on the calls that name it, and serves the adapted
+    # model's log-probs (the same bound: vLLM adds B A x to its own products, as peft does)
+    identity, peft_model, result = adapted
+    assert result.weight_version == identity and identity.startswith("vla@1:")
+    ids = PROBE_IDS + result.output_ids
+    got = torch.tensor(result.output_logprobs)
+    assert float((got - log_probs(peft_model, ids)).abs().max()) <= 1e-3
+    assert float((got - log_probs(model, ids)).abs().max()) > 0.1  # the adapter is applied
+
 
 PROBE_IDS = [1, 9690, 198, 2683, 314, 253, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
+
+
+def log_probs(model, ids: list[int]) -> torch.Tensor:
+    """The model's log-probs of the tokens after PROBE_IDS in ``ids``."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+    picked = torch.log_softmax(logits, -1)[len(PROBE_IDS) - 1 : -1]
+    return picked.gather(1, torch.tensor(ids[len(PROBE_IDS) :])[:, None])[:, 0]
+
+
+async def sync_a_lora_adapter(js, topology, url: str, smol_dir, tmp_path):
+    """A rank-8 adapter on the demo's LoRA targets (every linear layer and the tied output head),
+    its B matrices drawn at random (a fresh adapter's are zero: it would change nothing),
+    published as the trainer publishes it, synced into vLLM (``/v1/load_lora_adapter``) and
+    asked for by name as ``consumer --lora vla`` asks: (the identity, the adapted model, the
+    result)."""
+    from agentarium.consumers.backends import VLLMBackend
+    from agentarium.consumers.backends.base import GenerateRequest
+    from agentarium.demo.run import LORA_TARGETS
+    from agentarium.inference.sync import SyncConfig, WeightSyncer
+    from agentarium.trainer.config import TrainerConfig
+    from agentarium.trainer.step import LocalUpdater
+    from agentarium.trainer.weights import WeightStore
+
+    config = TrainerConfig(
+        run="vla", agent="a", model_dir=str(smol_dir), group_size=2, groups_per_step=1,
+        lora_rank=8, lora_alpha=32, lora_target_modules=LORA_TARGETS, dtype="float32",
+    )  # fmt: skip
+    local = LocalUpdater(config)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in local.model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+    await WeightStore(js, topology).publish(local.publishable_model(), run="vla", version=1)
+    sync = SyncConfig(run="vla", engines=(url,), weights_dir=tmp_path / "sync-lora")
+    syncer = WeightSyncer(js, sync, topology=topology)
+    try:
+        outcome = await syncer.sync_once()
+    finally:
+        await syncer.close()
+    (engine,) = outcome.engines
+    assert outcome.ok and engine.status == "updated", outcome
+    template = ChatTemplate.from_model_dir(str(smol_dir))
+    backend = VLLMBackend([url], decode=template.decode, lora="vla")
+    try:
+        result = await backend.generate(
+            GenerateRequest(
+                input_ids=PROBE_IDS,
+                sampling={"max_new_tokens": 12, "temperature": 1.0, "sampling_seed": 1},
+            )
+        )
+    finally:
+        await backend.aclose()
+    return outcome.identity, local.model.eval(), result
 
 
 async def sync_a_trained_policy(js, topology, url: str, smol_dir, tmp_path):

@@ -89,6 +89,7 @@ async def start_vllm(
     log: Path,
     otlp_traces_endpoint: str | None = None,
     env: dict[str, str] | None = None,
+    extra: tuple[str, ...] = (),
     timeout_s: float = 300,
 ) -> AsyncIterator[VllmServer]:
     """vLLM serving ``model_dir`` as ``served_name``; with ``otlp_traces_endpoint`` (an
@@ -96,7 +97,8 @@ async def start_vllm(
     the caller's trace through the ``traceparent`` header. It serves the token-in/token-out
     route (``--enable-scale-out``) and the control routes (``VLLM_SERVER_DEV_MODE=1``), its
     log-probs temperature-scaled as the trainer computes them (``--logprobs-mode
-    processed_logprobs``), as docs/operations.md starts vLLM for ``--llm-engine vllm``."""
+    processed_logprobs``), as docs/operations.md starts vLLM for ``--llm-engine vllm``;
+    ``extra``: more of vLLM's arguments (``--vllm-arg``)."""
     vllm_python()  # built, or the test is skipped (failed under CI=true)
     port = free_port()
     # `agentarium engine --backend vllm` (inference/vllm.py: the flags and environment the
@@ -106,6 +108,7 @@ async def start_vllm(
         sys.executable, "-m", "agentarium", "engine", "--backend", "vllm",
         "--model", served_name, "--host", "127.0.0.1", "--port", str(port),
     ]  # fmt: skip
+    argv += [f"--vllm-arg={arg}" for arg in extra]
     # not --disable-log-stats: vLLM 0.32's request span is made from the request's stats, and
     # without them its output handler fails an assertion and the span is never sent
     full_env = {

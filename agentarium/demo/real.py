@@ -138,6 +138,7 @@ async def evaluate(
     out: Path,
     k: int,
     tool_fallback: bool = False,
+    llm_engine: str = "sglang",
 ) -> dict:
     """One eval of what the engine serves now; returns its summary (eval.json's figures)."""
     cfg = EvalConfig.of(
@@ -149,6 +150,7 @@ async def evaluate(
         out_dir=str(out),
         concurrency=32,
         tool_fallback=tool_fallback,
+        llm_engine=llm_engine,
     )
     run = EvalRun(cfg, NatsSettings(url=nats_url), out=io.StringIO(), err=io.StringIO())
     await run.run()
@@ -186,8 +188,11 @@ class HeldOutEval:
     after the last step) and their report. Its agent is the demo's under another name
     (``<agent>-eval``), so the demo's consumers never take its jobs, nor it theirs."""
 
-    def __init__(self, args: Any, nats_url: str, model_dir: Path, out: Path) -> None:
+    def __init__(
+        self, args: Any, nats_url: str, model_dir: Path, out: Path, *, engine_kind: str = "sglang"
+    ) -> None:
         self.args = args
+        self.engine_kind = engine_kind
         self.nats_url = nats_url
         self.model_dir = model_dir
         self.out = out
@@ -210,6 +215,7 @@ class HeldOutEval:
                 out=self.out / f"eval-{label}",
                 k=self.args.eval_k,
                 tool_fallback=self.args.preset.tool_fallback,
+                llm_engine=self.engine_kind,
             )
         )
         summary["seconds"] = round(time.monotonic() - started, 1)

@@ -201,11 +201,13 @@ class DemoConfig:
     )
     engine: str | None = setting(
         None,
-        metavar="URL",
-        help="a running SGLang server (or `agentarium engine`) serving --model's directory, "
-        "used instead of starting the local CPU engine (e.g. SGLang on a GPU: "
-        "bench/gpu_real_model.py); the syncer loads each version into it from --out's "
-        "weights/ directory, which it must be able to read",
+        metavar="URL|vllm",
+        help="vllm: start vLLM's CPU build (`agentarium engine --backend vllm`, from its own "
+        "virtualenv, built on first use: about 3 minutes) instead of the local CPU engine; "
+        "or a running SGLang or vLLM server (or `agentarium engine`) serving --model's "
+        "directory (e.g. SGLang on a GPU: bench/gpu_real_model.py), whose kind is asked; the "
+        "syncer loads each version into it from --out's weights/ directory, which it must be "
+        "able to read",
     )
     trainer_device: str = setting(
         "cpu", choices=DEVICES, help="where the trainer trains (the trainer's --device)"
@@ -238,8 +240,10 @@ class DemoConfig:
             raise ValueError("--rollouts-only publishes --tasks to one agent: drop --task-set")
         if self.rollouts_only and self.sync_rollouts:
             raise ValueError("--rollouts-only trains nothing: drop --sync-rollouts")
-        if self.engine is not None and not self.engine.startswith(("http://", "https://")):
-            raise ValueError(f"--engine takes an http(s) URL, got {self.engine!r}")
+        if self.engine not in (None, "vllm") and not self.engine.startswith(
+            ("http://", "https://")
+        ):
+            raise ValueError(f"--engine takes vllm or an http(s) URL, got {self.engine!r}")
         if self.task_set and self.model == "smol":
             raise ValueError("--task-set trains tiny's digit tasks: drop it with --model smol")
 
@@ -449,7 +453,14 @@ def run_demo(args: DemoConfig) -> int:
         with STOP.interruptible():
             model_dir = resolve_model(args.model)  # smol: converted once, about a minute
         print(f"model {args.model}: {model_dir}")
-        external = _reachable(args.engine) if args.engine is not None else None  # before starting
+        # before starting anything: a server to use, or vLLM's virtualenv to build (minutes)
+        external = kind = None
+        if args.engine == "vllm":
+            kind = "vllm"
+            with STOP.interruptible():
+                _vllm_ready()
+        elif args.engine is not None:
+            external, kind = _reachable(args.engine)
         server.start()  # a Ctrl-C meanwhile acts once it is there to stop (15 s at most)
         started = time.monotonic()
         print(f"nats-server (JetStream) at {server.url}, store {out / 'nats'}")
@@ -457,7 +468,11 @@ def run_demo(args: DemoConfig) -> int:
             f"watch it live: agentarium dashboard --nats-url {server.url}, then open http://127.0.0.1:8266/"
         )
         nats = ["--nats-url", server.url]
-        evals = HeldOutEval(args, server.url, model_dir, out) if args.preset.held_out_eval else None
+        evals = (
+            HeldOutEval(args, server.url, model_dir, out, engine_kind=kind or "sglang")
+            if args.preset.held_out_eval
+            else None
+        )
         provisioned = (*args.agents(), *([evals.agent] if evals else []))
         STOP.run(lambda: _provision(server.url, provisioned))
         # The engine and the trainer load torch and the model at the same time (the trainer
@@ -465,19 +480,15 @@ def run_demo(args: DemoConfig) -> int:
         # A Ctrl-C while a child starts acts once it is in `children` (interrupt.py).
         engine = trainer = None
         if external is None:
-            engine = start_child(
-                "engine",
-                ["engine", "--model", str(model_dir), "--port", "0"],
-                logs,
-                watch_ready=True,
-            )
+            engine = start_child("engine", engine_argv(args, model_dir), logs, watch_ready=True)
             children.append(engine)
         if not args.rollouts_only:
             trainer = start_child("trainer", trainer_argv(args, model_dir, out, server.url), logs)
             children.append(trainer)
         if engine is not None:
-            with STOP.interruptible():
-                engine_url, where = engine.wait_ready(), "local engine"
+            with STOP.interruptible():  # vLLM: 30-40 s to load and warm up on 2 cores
+                engine_url = engine.wait_ready(timeout_s=600.0 if kind == "vllm" else 120.0)
+            where = "vLLM" if kind == "vllm" else "local engine"
         else:
             assert external is not None  # --engine was given
             engine_url, where = external, "engine"
@@ -496,6 +507,7 @@ def run_demo(args: DemoConfig) -> int:
                 "5",
                 *(["--lora", args.run] if args.lora_rank else []),
                 *(["--tool-fallback"] if args.preset.tool_fallback else []),
+                *(["--llm-engine", "vllm"] if kind == "vllm" else []),
             )
             name_i = f"consumer-{i}" if not args.task_set else f"consumer-{name}-{i}"
             children.append(start_child(name_i, argv, logs))
@@ -574,26 +586,54 @@ def run_demo(args: DemoConfig) -> int:
     return 130 if interrupted else 1 if failed is not None else code
 
 
-def _reachable(url: str) -> str:
+def _reachable(url: str) -> tuple[str, str]:
     """``url`` once its engine answers ``/model_info`` (within a minute: it may still be
-    loading), else an error naming it."""
+    loading), and what it is ("sglang": SGLang or the local engine; "vllm"), else an error
+    naming it."""
 
-    async def ask() -> dict:
+    async def ask() -> tuple[dict, str]:
         async with EngineControl() as control:
             deadline = time.monotonic() + 60
             while True:
                 try:
-                    return await control.model_info(url)
+                    return await control.model_info(url), await control.kind(url)
                 except EngineControlError as exc:
                     if exc.status is not None or time.monotonic() > deadline:
                         raise ValueError(
-                            f"--engine {url}: no SGLang-compatible server answers there ({exc})"
+                            f"--engine {url}: no SGLang or vLLM server answers there ({exc})"
                         ) from None
                 await asyncio.sleep(1.0)
 
-    info = STOP.run(ask)
-    print(f"engine at {url} serves {info.get('model_path', '?')}")
-    return url.rstrip("/")
+    info, kind = STOP.run(ask)
+    print(f"engine at {url} ({kind}) serves {info.get('model_path', '?')}")
+    return url.rstrip("/"), kind
+
+
+def _vllm_ready() -> None:
+    """vLLM's virtualenv, built here when it is not (ops/vllm_venv.sh, minutes): before the
+    broker starts, so that a build that fails stops nothing."""
+    from agentarium.inference import VllmUnavailable, vllm_python
+
+    try:
+        vllm_python(build=False)
+    except VllmUnavailable:
+        print("building vLLM's virtualenv (ops/vllm_venv.sh: about 3 minutes, 3.5 GB)", flush=True)
+        try:
+            vllm_python()
+        except VllmUnavailable as exc:
+            raise ValueError(f"--engine vllm: {exc}") from None
+
+
+def engine_argv(args: DemoConfig, model_dir: Path) -> list[str]:
+    """``agentarium engine``'s arguments for the engine the demo starts: the local one, or
+    vLLM (``--engine vllm``), which loads LoRA adapters only when started with them."""
+    argv = ["engine", "--model", str(model_dir), "--port", "0"]
+    if args.engine != "vllm":
+        return argv
+    argv += ["--backend", "vllm"]
+    if args.lora_rank:
+        argv += ["--vllm-arg=--enable-lora", f"--vllm-arg=--max-lora-rank={args.lora_rank}"]
+    return argv
 
 
 async def _provision(url: str, agents: tuple[str, ...]) -> None:

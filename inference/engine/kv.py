@@ -9,9 +9,13 @@ filled from these tensors for the length of one forward pass.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+# Columns a decode step's buffers grow by at a time (``make_room``): a copy of the cache every
+# ROOM steps instead of two a step (transformers' DynamicCache rebuilds and concatenates).
+ROOM = 64
 
 
 @dataclass
@@ -19,6 +23,10 @@ class PaddedKV:
     keys: list[torch.Tensor]  # per layer (B, H_kv, L, D)
     values: list[torch.Tensor]  # per layer (B, H_kv, L, D)
     mask: torch.Tensor  # (B, L) int64, 1 = real token
+    # per layer (B, H_kv, L + room, D): keys/values are views of their first L columns, so a
+    # decode step writes its column in place (make_room); None until a decode step needs it,
+    # and every new PaddedKV (select, concat, left_pad) starts without
+    buffers: tuple[list[torch.Tensor], list[torch.Tensor]] | None = field(default=None, repr=False)
 
     @property
     def batch(self) -> int:
@@ -44,6 +52,25 @@ class PaddedKV:
         columns = self.mask[i].nonzero().squeeze(1)
         keys = [k[i].index_select(1, columns) for k in self.keys]
         return keys, [v[i].index_select(1, columns) for v in self.values]
+
+    def make_room(self, columns: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Buffers per layer whose first L columns are the keys and values (which become views
+        of them) with at least ``columns`` free after them, for a decode step to write into
+        (model.InPlaceLayer). Grown ``ROOM`` columns at a time: one copy of the cache then."""
+        width = self.keys[0].shape[2]
+        if self.buffers is not None and self.buffers[0][0].shape[2] - width >= columns:
+            return self.buffers
+        grown: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        for source, target in ((self.keys, grown[0]), (self.values, grown[1])):
+            for tensor in source:
+                b, h, _, d = tensor.shape
+                buffer = tensor.new_zeros((b, h, width + max(columns, ROOM), d))
+                buffer[:, :, :width] = tensor
+                target.append(buffer)
+        self.buffers = grown
+        self.keys = [buffer[:, :, :width] for buffer in grown[0]]
+        self.values = [buffer[:, :, :width] for buffer in grown[1]]
+        return grown
 
     def append_column(self) -> None:
         """Account for one new real token per row (the decode step wrote its K/V)."""

@@ -8,6 +8,7 @@ sure a forward pass and a weight reload never overlap.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import json
 from pathlib import Path
@@ -131,8 +132,12 @@ class EngineModel:
         """
         ids = torch.tensor(tokens, dtype=torch.long)[:, None]  # (B, 1)
         pos = torch.tensor(positions, dtype=torch.long)[:, None]  # (B, 1)
+        keys, values = kv.make_room(1)
+        width = kv.keys[0].shape[2]
         kv.append_column()
-        cache = self._cache_cls(list(zip(kv.keys, kv.values, strict=True)))
+        cache = self._cache_cls()  # its layers write the new column into kv's buffers
+        layer = in_place_layer()
+        cache.layers = [layer(k, v, width) for k, v in zip(keys, values, strict=True)]
         out = self.model(
             input_ids=ids,
             attention_mask=kv.mask,
@@ -295,6 +300,38 @@ def _quiet_progress_bars():
     finally:
         if were_on:
             hf_logging.enable_progress_bar()
+
+
+@functools.cache
+def in_place_layer() -> type:
+    """``InPlaceLayer``: a subclass of transformers' ``DynamicLayer``, made on first use (this
+    module is imported without transformers)."""
+    from transformers.cache_utils import DynamicLayer
+
+    class InPlaceLayer(DynamicLayer):
+        """A decode step's cache layer over a buffer with room (``PaddedKV.make_room``):
+        ``update`` writes the step's keys and values into the next columns and returns views
+        of the buffer, where ``DynamicLayer`` concatenates (a copy of the whole layer a step,
+        and one more to build the cache from the tensors)."""
+
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor, width: int) -> None:
+            super().__init__()
+            self._buffers = (keys, values)
+            self.keys, self.values = keys[:, :, :width], values[:, :, :width]
+            self.device, self.is_initialized = keys.device, True
+
+        def update(
+            self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            start = self.keys.shape[2]
+            end = start + key_states.shape[2]
+            keys, values = self._buffers
+            keys[:, :, start:end] = key_states
+            values[:, :, start:end] = value_states
+            self.keys, self.values = keys[:, :, :end], values[:, :, :end]
+            return self.keys, self.values
+
+    return InPlaceLayer
 
 
 def _past_kv(prefixes: list[CachedPrefix | None], lengths: list[int]) -> PaddedKV:
