@@ -39,12 +39,16 @@ def vllm_venv() -> Path:
 
 
 def vllm_python(*, build: bool = True) -> Path:
-    """The vLLM virtualenv's python; with ``build``, ``ops/vllm_venv.sh`` builds one that is not
-    there yet (about 3 minutes and 3.5 GB), else ``VllmUnavailable``."""
+    """The vLLM virtualenv's python: the one ``ops/vllm_venv.sh`` built (its stamp file), or one
+    of the user's own with a ``vllm`` package in it (``AGENTARIUM_VLLM_VENV``: vLLM's GPU build,
+    say); with ``build``, ``ops/vllm_venv.sh`` builds one that is not there yet (about 3 minutes
+    and 3.5 GB), else ``VllmUnavailable``."""
     venv = vllm_venv()
     python = venv / "bin" / "python"
     if (venv / STAMP).is_file() and python.is_file():
         return python
+    if python.is_file() and any(venv.glob("lib/python3*/site-packages/vllm/__init__.py")):
+        return python  # a virtualenv of the user's own (vLLM's GPU build): used, never built over
     how = f"build it with {BUILD_SCRIPT} (about 3 minutes and 3.5 GB) into {venv}"
     if not build:
         raise VllmUnavailable(f"vLLM's virtualenv {venv} is not built: {how}")

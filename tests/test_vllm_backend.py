@@ -287,3 +287,15 @@ def test_the_vllm_command_serves_what_the_fleet_speaks(tmp_path, monkeypatch):
     monkeypatch.setenv("AGENTARIUM_VLLM_VENV", str(tmp_path / "none"))
     with pytest.raises(VllmUnavailable, match="is not built: build it with .*vllm_venv.sh"):
         vllm_python(build=False)
+    # a virtualenv of the user's own that holds vllm (the GPU build, say) is used as it is:
+    # no stamp, and never built over with the CPU build
+    own = tmp_path / "own"
+    (own / "bin").mkdir(parents=True)
+    (own / "bin" / "python").write_text("")
+    monkeypatch.setenv("AGENTARIUM_VLLM_VENV", str(own))
+    with pytest.raises(VllmUnavailable, match="is not built"):
+        vllm_python(build=False)  # a python and no vllm: not vLLM's
+    package = own / "lib" / "python3.12" / "site-packages" / "vllm"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    assert vllm_python(build=False) == own / "bin" / "python"
