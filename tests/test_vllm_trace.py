@@ -9,16 +9,19 @@ receiver holds one trace with the producer's, the consumer's and vLLM's spans, e
 present, vLLM's ``llm_request`` span a child of the consumer's ``chat smol`` span. Then
 ``agentarium consumer --llm URL --llm-engine vllm`` runs a batch on vLLM's token-in/token-out
 route: each trajectory holds the prompt the consumer rendered, vLLM's ids and log-probs (the
-trainer's own log-probs of them agree) and vLLM's weight version. Then a weight update goes
+trainer's own log-probs of them agree) and vLLM's weight version; the LangChain calculator agent's
+multi-turn tool rollouts through the gateway are one row each, token-exact. Then a weight update goes
 through the object store and ``WeightSyncer`` into vLLM (pause, ``reload_weights``, its version
-set, resume, checked against ``/weight_checker``), and vLLM serves the new weights. One server
-for all three (a vLLM start costs 30-120 s).
+set, resume, checked against ``/weight_checker``), and vLLM serves the new weights; then a LoRA
+adapter (``/v1/load_lora_adapter``), whose log-probs vLLM serves as peft computes them. One
+server for all (a vLLM start costs 30-120 s).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 
 import pytest
 import torch
@@ -26,8 +29,10 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span as ProtoSpan
 from test_one_trace import OtlpReceiver, _run, one_job_trace
 from vllm_server import start_vllm, vllm_python
 
+from agentarium.examples.calculator_agent import calc_tasks
 from agentarium.formats import ChatTemplate
 from agentarium.producers import TrajectoryReader
+from agentarium.trainer.rows import rows_of
 from agentarium.trainer.step import load_model
 
 
@@ -40,7 +45,7 @@ def _attributes(span: ProtoSpan) -> dict:
 
 
 @pytest.mark.vllm
-@pytest.mark.long(95)  # 85-103 s in the first pass at f045cae
+@pytest.mark.long(115)  # 85-103 s in the first pass at f045cae; 102 s alone with the calculator and LoRA parts
 @pytest.mark.timeout(900)  # on a machine without the venv, building it comes first (about 3 min)
 async def test_vllm_one_trace_token_exact_rollouts_and_a_verified_weight_update(
     nats_url, js, topology, smol_dir, tmp_path
@@ -97,6 +102,19 @@ async def test_vllm_one_trace_token_exact_rollouts_and_a_verified_weight_update(
                 "consumer", "--agent", "toyv=agentarium.examples.toy:rollout",
                 "--llm", vllm.url, "--llm-engine", "vllm", "--model", "smol", "--burst",
                 "--nats-url", nats_url,
+                env=env,
+            )  # fmt: skip
+
+            # multi-turn tool rollouts through the gateway: the LangChain calculator agent on
+            # SmolLM2's tool fallback, 12 problems (a fixed draw) at temperature 1
+            problems = calc_tasks(random.Random(7), 12, "c")
+            calc = tmp_path / "calc.jsonl"
+            calc.write_text("".join(json.dumps(row) + "\n" for row in problems))
+            await _run("produce", "--agent", "calc", "--run", "calcv", "--file", str(calc), "--nats-url", nats_url, env=env)  # fmt: skip
+            await _run(
+                "consumer", "--agent", "calc=agentarium.examples.calculator_agent:rollout",
+                "--llm", vllm.url, "--llm-engine", "vllm", "--model", "smol", "--tool-fallback",
+                "--burst", "--nats-url", nats_url,
                 env=env,
             )  # fmt: skip
 
@@ -163,6 +181,31 @@ async def test_vllm_one_trace_token_exact_rollouts_and_a_verified_weight_update(
     # (log-probs at another temperature, a token shifted by one, other weights) moves them by
     # 0.1 or more.
     assert worst <= 1e-3, worst
+
+    # The calculator rollouts: each that called the tool made two calls or more, and is one
+    # row, its calls chained token for token, the tool's result masked, vLLM's log-probs those
+    # of the trainer's model over the whole row. At the base weights the agent calls the tool
+    # in 0.52 of its rollouts (83 of 160, docs/benchmarks.md): all 12 without a call has
+    # probability 0.48^12 = 1.5e-4.
+    calc_runs = await TrajectoryReader(js, topology).read("calcv")
+    assert sorted(t.task_id for t in calc_runs) == sorted(p["task_id"] for p in problems)
+    chained = [t for t in calc_runs if len(t.calls) >= 2]
+    assert chained, [t.reward for t in calc_runs]
+    for trajectory in chained:
+        assert trajectory.status == "ok", trajectory.error
+        rows, how = rows_of(trajectory)
+        assert how == "concat" and len(rows) == 1, how
+        (row,) = rows
+        generated = sum(len(c.response_ids) for c in trajectory.calls)
+        assert sum(row.response_mask) == generated < len(row.response_ids)  # results masked
+        ids = row.prompt_ids + row.response_ids
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+        picked = torch.log_softmax(logits, -1)[len(row.prompt_ids) - 1 : -1]
+        mine = picked.gather(1, torch.tensor(row.response_ids)[:, None])[:, 0]
+        mask = torch.tensor(row.response_mask, dtype=torch.bool)
+        served = torch.tensor(row.response_logprobs)
+        assert float((mine - served)[mask].abs().max()) <= 1e-3  # the bound above
 
     # the update: vLLM reports the identity the syncer set, and serves the trained weights
     identity, trained_model, result = updated
