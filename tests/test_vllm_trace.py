@@ -45,7 +45,7 @@ def _attributes(span: ProtoSpan) -> dict:
 
 
 @pytest.mark.vllm
-@pytest.mark.long(115)  # 85-103 s in the first pass at f045cae; 102 s alone with the calculator and LoRA parts
+@pytest.mark.long(115)  # 102 s alone with the calculator and LoRA parts (85-103 before)
 @pytest.mark.timeout(900)  # on a machine without the venv, building it comes first (about 3 min)
 async def test_vllm_one_trace_token_exact_rollouts_and_a_verified_weight_update(
     nats_url, js, topology, smol_dir, tmp_path
