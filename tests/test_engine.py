@@ -87,8 +87,9 @@ def reference_logprobs(tiny: Path, ids: list[int]) -> torch.Tensor:
 async def test_generate_response_shape(server):
     """Seeded (``sampling_seed`` 7): the same 12 tokens every run on one CPU. On other kernels
     the probabilities move by rounding (~1e-7) and a draw changes only if the seeded uniform
-    falls that close to a boundary of the cumulative distribution (torch.multinomial inverts
-    it): ~12 x 2e-7 a run, and then EOS (1/263) must be drawn early for the length to differ."""
+    falls that close to a boundary of the cumulative distribution (the sampler inverts it at
+    one uniform a token): ~12 x 2e-7 a run, and then EOS (1/263) must be drawn early for the
+    length to differ."""
     _, http = server
     out = await generate(
         http,
