@@ -30,6 +30,7 @@ import re
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -60,6 +61,8 @@ def start(
     for line in proc.stdout:
         found = READY.search(line)
         if found:
+            # keep reading: a server whose stdout pipe fills (vLLM's access log) blocks on it
+            threading.Thread(target=_drain, args=(proc.stdout, log), daemon=True).start()
             return proc, found.group(1)
         if time.monotonic() > deadline:
             break
@@ -67,12 +70,21 @@ def start(
     raise SystemExit(f"{' '.join(argv)} did not start; its log: {log}")
 
 
+def _drain(stream, log: Path) -> None:
+    with log.open("a") as sink:
+        for line in stream:
+            sink.write(line)
+
+
 async def timed(backend, batch: list[list[int]], tokens: int) -> float:
     """Seconds from sending ``batch`` at once to the last reply; every reply checked."""
     sampling = {"max_new_tokens": tokens, "temperature": 1.0, "ignore_eos": True}
     started = time.perf_counter()
     results = await asyncio.gather(
-        *(backend.generate(GenerateRequest(list(ids), dict(sampling))) for ids in batch)
+        *(
+            backend.generate(GenerateRequest(input_ids=list(ids), sampling=dict(sampling)))
+            for ids in batch
+        )
     )
     seconds = time.perf_counter() - started
     for result in results:

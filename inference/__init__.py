@@ -26,7 +26,7 @@ from .engines import (
     served_version,
     wait_served,
 )
-from .vllm import VllmUnavailable, vllm_command, vllm_python
+from .vllm import VllmUnavailable, has_gpu, vllm_command, vllm_python
 from .weights import (
     LORA_CONFIG_KEY,
     STALL_TIMEOUT_S,
@@ -61,6 +61,7 @@ __all__ = [
     "engine_key",
     "engine_versions",
     "FRESH_S",
+    "has_gpu",
     "is_shared_path",
     "local_versions",
     "lora_config_of",

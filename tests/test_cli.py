@@ -124,6 +124,23 @@ def test_the_engine_refuses_a_taken_port_and_a_bad_host_in_one_line():
     assert f"--port {port}" in line and "address already in use" in line.lower()
     line = _refused("engine", "--model", "tiny", "--vllm-arg=--enable-lora")
     assert "--vllm-arg is for --backend vllm" in line
+    # a local engine's setting vLLM has no counterpart for is refused, never dropped
+    line = _refused("engine", "--backend", "vllm", "--prefix-cache-tokens", "4096")
+    assert "--prefix-cache-tokens" in line and "0 turns it off" in line
+
+
+def test_the_local_engines_settings_given_to_vllm_become_its_own():
+    from agentarium.commands.engine_cmd import EngineCommand, vllm_settings
+    from agentarium.inference.engine import EngineSettings
+
+    command = EngineCommand(backend="vllm")
+    assert vllm_settings(command) == ([], {})  # the local engine's defaults: vLLM's own
+    given = EngineCommand(
+        backend="vllm", engine=EngineSettings(threads=2, max_batch=32, prefix_cache_tokens=0)
+    )
+    argv, env = vllm_settings(given)
+    assert argv == ["--max-num-seqs=32", "--no-enable-prefix-caching"]
+    assert env == {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}
 
 
 def test_an_unexpected_error_is_one_line_and_debug_shows_the_traceback(monkeypatch, capsys):

@@ -39,7 +39,8 @@ class EngineCommand:
         help="local: the CPU engine of this package (SGLang's API); vllm: vLLM from its own "
         "virtualenv (ops/vllm_venv.sh builds it on first use: about 3 minutes and 3.5 GB), "
         "serving the token-in/token-out route, the weight-update routes and temperature-scaled "
-        "log-probs (consumers: --llm-engine vllm); only --host and --port apply to it",
+        "log-probs (consumers: --llm-engine vllm); --threads, --max-batch and "
+        "--prefix-cache-tokens 0 become vLLM's own settings when set away from their defaults",
     )
     vllm_arg: tuple[str, ...] = setting(
         (),
@@ -60,9 +61,10 @@ def cmd_engine(args: argparse.Namespace) -> int:
 
     command: EngineCommand = resolve(args, KEYS).build(EngineCommand)
     setup_logging()
-    model_dir = resolve_model(command.model)
     if command.backend == "vllm":
-        return serve_vllm(model_dir, command)
+        extra = vllm_settings(command)  # refused before a model loads
+        return serve_vllm(resolve_model(command.model), command, extra)
+    model_dir = resolve_model(command.model)
     if command.vllm_arg:
         raise ValueError("--vllm-arg is for --backend vllm; the local engine takes none")
     setup_tracing("agentarium-engine")  # spans over OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set
@@ -78,7 +80,43 @@ def cmd_engine(args: argparse.Namespace) -> int:
     return 0
 
 
-def serve_vllm(model_dir, command: EngineCommand) -> int:
+def vllm_settings(command: EngineCommand) -> tuple[list[str], dict[str, str]]:
+    """The local engine's settings set away from its defaults, as vLLM's arguments and
+    environment (at their defaults vLLM keeps its own):
+    ``--threads N`` binds vLLM's CPU build to cores 0..N-1 (``VLLM_CPU_OMP_THREADS_BIND``),
+    ``--max-batch N`` is ``--max-num-seqs N``, ``--prefix-cache-tokens 0`` turns its prefix
+    cache off; what has no vLLM counterpart is refused, never dropped."""
+    from agentarium.inference import has_gpu
+
+    settings, defaults = command.engine, EngineSettings()
+    given = {
+        name
+        for name in ("threads", "max_batch", "prefix_cache_tokens")
+        if getattr(settings, name) != getattr(defaults, name)
+    }
+    argv: list[str] = []
+    env: dict[str, str] = {}
+    if "threads" in given:
+        if has_gpu():
+            raise ValueError(
+                "--threads sets the CPU build's compute threads; vLLM here runs on a GPU"
+            )
+        env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{settings.threads - 1}"
+    if "max_batch" in given:
+        argv.append(f"--max-num-seqs={settings.max_batch}")
+    if "prefix_cache_tokens" in given:
+        if settings.prefix_cache_tokens:
+            raise ValueError(
+                "--prefix-cache-tokens: vLLM's prefix cache lives in its KV cache "
+                "(VLLM_CPU_KVCACHE_SPACE GiB on a CPU) and takes no size; 0 turns it off"
+            )
+        argv.append("--no-enable-prefix-caching")
+    return argv, env
+
+
+def serve_vllm(
+    model_dir, command: EngineCommand, extra: tuple[list[str], dict[str, str]] = ([], {})
+) -> int:
     """vLLM on ``model_dir`` (served under the model's name: ``smol``, or the directory's)
     until it exits or this process is told to stop (SIGINT, SIGTERM: passed on to it). Prints
     'engine ready on URL' once its /health answers; returns 0 after a stop, else its exit
@@ -108,8 +146,9 @@ def serve_vllm(model_dir, command: EngineCommand) -> int:
         served_name=model_name(command.model, model_dir),
         host=settings.host,
         port=port,
-        extra=list(command.vllm_arg),
+        extra=[*extra[0], *command.vllm_arg],
     )
+    env = {**env, **extra[1]}
     proc = subprocess.Popen(argv, env={**os.environ, **env})  # in this process group
     stopping = False
 

@@ -28,6 +28,7 @@ until the running ones finish, as SGLang's does.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import time
 from collections import deque
@@ -80,6 +81,10 @@ class Scheduler:
         self._changed = asyncio.Condition()
         self._task: asyncio.Task | None = None
         self._rng = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+        # Every forward pass on one thread: each thread that runs torch ops leads a team of
+        # OpenMP threads of its own, and asyncio.to_thread's pool would hand steps to several,
+        # whose idle teams spin on the cores the working one needs
+        self._forward = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-step")
 
     def __repr__(self) -> str:
         return (
@@ -134,6 +139,7 @@ class Scheduler:
                 await task
             except asyncio.CancelledError:
                 pass
+        self._forward.shutdown(wait=False)
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -247,7 +253,9 @@ class Scheduler:
                     if not drained():
                         continue
                     try:
-                        message = await asyncio.to_thread(load)
+                        message = await asyncio.get_running_loop().run_in_executor(
+                            self._forward, load
+                        )
                     except WeightLoadError as exc:
                         log.warning("weight update failed", source=what, error=str(exc))
                         span.set_status(Status(StatusCode.ERROR, str(exc)))
@@ -294,7 +302,9 @@ class Scheduler:
                     continue
                 joiners = self._admit()
                 try:
-                    finished = await asyncio.to_thread(self._step, joiners)
+                    finished = await asyncio.get_running_loop().run_in_executor(
+                        self._forward, self._step, joiners
+                    )
                 except Exception as exc:  # a bug or OOM: fail these requests, keep serving
                     log.exception("engine step failed")
                     finished = list({id(s): s for s in [*self._running, *joiners]}.values())
