@@ -13,8 +13,9 @@ every row costs the same on both sides; generated tokens/s = B x tokens / the ti
 send to the last reply. Time to first token: the same B prompts asking for one token each, the
 time until the last of them answered (neither server streams to these clients yet, so the first
 token of a request is the whole of a one-token request: queueing, prefill and one sample). The two
-servers take turns, the order flipped every round, ``--repeat`` rounds after a warm-up of each;
-both stay up the whole run, the idle one waiting on its socket. Prints the median and range of
+servers take turns, the order flipped every round, ``--repeat`` rounds after a warm-up of each,
+``--settle`` seconds between turns (a server that just finished can keep threads spinning
+for a while on the cores the other needs); both stay up the whole run. Prints the median and range of
 each figure side by side, and local / vLLM.
 
     PYTHONPATH=. python bench/engine_vs_vllm.py [--model smol|tiny|DIR] [--batches 1,8,32,64]
@@ -129,6 +130,7 @@ async def main(args: argparse.Namespace) -> None:
             for b in sizes:
                 batch = all_prompts[:b]
                 for side in order:
+                    await asyncio.sleep(args.settle)  # the other server's idle threads stop
                     seconds = await timed(sides[side], batch, args.tokens)
                     rate[side, b].append(b * args.tokens / seconds)
                     first[side, b].append(await timed(sides[side], batch, 1))
@@ -166,4 +168,11 @@ if __name__ == "__main__":
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2, help="compute threads of each server")
     parser.add_argument("--logs", default="/tmp/engine_vs_vllm", help="the servers' logs")
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=2.0,
+        help="seconds between one side's run and the other's: a server that just finished may "
+        "keep its threads spinning a while, on the cores the other one needs",
+    )
     asyncio.run(main(parser.parse_args()))

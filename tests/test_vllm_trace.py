@@ -250,10 +250,7 @@ async def sync_a_lora_adapter(js, topology, url: str, smol_dir, tmp_path):
     published as the trainer publishes it, synced into vLLM (``/v1/load_lora_adapter``) and
     asked for by name as ``consumer --lora vla`` asks: (the identity, the adapted model, the
     result)."""
-    from agentarium.consumers.backends import VLLMBackend
-    from agentarium.consumers.backends.base import GenerateRequest
     from agentarium.demo.run import LORA_TARGETS
-    from agentarium.inference.sync import SyncConfig, WeightSyncer
     from agentarium.trainer.config import TrainerConfig
     from agentarium.trainer.step import LocalUpdater
     from agentarium.trainer.weights import WeightStore
@@ -269,8 +266,22 @@ async def sync_a_lora_adapter(js, topology, url: str, smol_dir, tmp_path):
             if "lora_B" in name:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
     await WeightStore(js, topology).publish(local.publishable_model(), run="vla", version=1)
-    sync = SyncConfig(run="vla", engines=(url,), weights_dir=tmp_path / "sync-lora")
-    syncer = WeightSyncer(js, sync, topology=topology)
+    identity, result = await sync_and_probe(
+        js, topology, url, smol_dir, "vla", tmp_path / "sync-lora", lora="vla"
+    )
+    return identity, local.model.eval(), result
+
+
+async def sync_and_probe(js, topology, url, smol_dir, run, directory, *, lora=None):
+    """``run``'s last version synced into vLLM by ``WeightSyncer`` (updated, or the test
+    fails), then 12 tokens sampled after PROBE_IDS, naming the adapter ``lora`` as a consumer's
+    ``--lora`` does: (the identity, the result)."""
+    from agentarium.consumers.backends import VLLMBackend
+    from agentarium.consumers.backends.base import GenerateRequest
+    from agentarium.inference.sync import SyncConfig, WeightSyncer
+
+    config = SyncConfig(run=run, engines=(url,), weights_dir=directory)
+    syncer = WeightSyncer(js, config, topology=topology)
     try:
         outcome = await syncer.sync_once()
     finally:
@@ -278,7 +289,7 @@ async def sync_a_lora_adapter(js, topology, url: str, smol_dir, tmp_path):
     (engine,) = outcome.engines
     assert outcome.ok and engine.status == "updated", outcome
     template = ChatTemplate.from_model_dir(str(smol_dir))
-    backend = VLLMBackend([url], decode=template.decode, lora="vla")
+    backend = VLLMBackend([url], decode=template.decode, lora=lora)
     try:
         result = await backend.generate(
             GenerateRequest(
@@ -288,16 +299,13 @@ async def sync_a_lora_adapter(js, topology, url: str, smol_dir, tmp_path):
         )
     finally:
         await backend.aclose()
-    return outcome.identity, local.model.eval(), result
+    return outcome.identity, result
 
 
 async def sync_a_trained_policy(js, topology, url: str, smol_dir, tmp_path):
     """Publish SmolLM2 with every MLP down projection scaled by 1.1 (as a trainer's step
     changes the linear layers, which vLLM's CPU build repacks), sync it into vLLM with
     ``WeightSyncer`` and generate from it: (the identity, the published model, the result)."""
-    from agentarium.consumers.backends import VLLMBackend
-    from agentarium.consumers.backends.base import GenerateRequest
-    from agentarium.inference.sync import SyncConfig, WeightSyncer
     from agentarium.schemas import WeightIdentity
     from agentarium.trainer.weights import WeightStore
 
@@ -307,24 +315,6 @@ async def sync_a_trained_policy(js, topology, url: str, smol_dir, tmp_path):
             if name.endswith("down_proj.weight") or name == "model.norm.weight":
                 param.mul_(1.1)  # the final norm too: a tensor vLLM's checksums see
     update = await WeightStore(js, topology).publish(trained, run="vl", version=1, step=1)
-    config = SyncConfig(run="vl", engines=(url,), weights_dir=tmp_path / "sync")
-    syncer = WeightSyncer(js, config, topology=topology)
-    try:
-        outcome = await syncer.sync_once()
-    finally:
-        await syncer.close()
-    (engine,) = outcome.engines
-    assert outcome.ok and engine.status == "updated", outcome
-    assert outcome.identity == str(WeightIdentity.of(update))
-    template = ChatTemplate.from_model_dir(str(smol_dir))
-    backend = VLLMBackend([url], decode=template.decode)
-    try:
-        result = await backend.generate(
-            GenerateRequest(
-                input_ids=PROBE_IDS,
-                sampling={"max_new_tokens": 12, "temperature": 1.0, "sampling_seed": 1},
-            )
-        )
-    finally:
-        await backend.aclose()
-    return outcome.identity, trained, result
+    identity, result = await sync_and_probe(js, topology, url, smol_dir, "vl", tmp_path / "sync")
+    assert identity == str(WeightIdentity.of(update))
+    return identity, trained, result
