@@ -317,14 +317,15 @@ def in_place_layer() -> type:
         def __init__(self, keys: torch.Tensor, values: torch.Tensor, width: int) -> None:
             super().__init__()
             self._buffers = (keys, values)
+            self._width = width
             self.keys, self.values = keys[:, :, :width], values[:, :, :width]
             self.device, self.is_initialized = keys.device, True
 
         def update(
             self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
         ) -> tuple[torch.Tensor, torch.Tensor]:
-            start = self.keys.shape[2]
-            end = start + key_states.shape[2]
+            start = self._width
+            end = self._width = start + key_states.shape[2]
             keys, values = self._buffers
             keys[:, :, start:end] = key_states
             values[:, :, start:end] = value_states
