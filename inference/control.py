@@ -297,6 +297,27 @@ class EngineControl:
             raise EngineControlError(url, "/weight_checker", "answered no checksums", status=200)
         return {str(k).rsplit(":", 1)[-1]: str(v) for k, v in sums.items()}
 
+    async def prompt_logprobs(self, url: str, ids: list[int]) -> list[float]:
+        """vLLM's log-probs of each of ``ids`` after the ones before it (the first has none), at
+        temperature 1: ``/inference/v1/generate`` with ``prompt_logprobs: 0``, one token made."""
+        path = "/inference/v1/generate"
+        body = {
+            "token_ids": list(ids),
+            "sampling_params": {"max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0},
+        }
+        data = await self.post(url, path, body, self.timeout_s)
+        rows = data.get("prompt_logprobs")
+        if not isinstance(rows, list) or len(rows) != len(ids):
+            raise EngineControlError(url, path, "answered no prompt_logprobs", status=200)
+        out: list[float] = []
+        for token, row in zip(ids[1:], rows[1:], strict=True):
+            entry = row.get(str(token)) if isinstance(row, dict) else None
+            value = entry.get("logprob") if isinstance(entry, dict) else None
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise EngineControlError(url, path, f"no log-prob for token {token}", status=200)
+            out.append(float(value))
+        return out
+
     # ---- the one request path ------------------------------------------------------------------
 
     async def get(self, url: str, path: str, timeout_s: float | None = None) -> dict[str, Any]:

@@ -136,6 +136,7 @@ class VllmStandIn:
     def __init__(self, reply: list[int], aborts: int = 0, checksums: dict | None = None) -> None:
         self.reply, self.aborts, self.requests = reply, aborts, []
         self.checksums = checksums or {}  # /weight_checker's, names with vLLM's prefix
+        self.prompt_logprobs: list[float] = []  # what prompt_logprobs: 0 reports, after the first
         self.runner: web.AppRunner | None = None
         self.url = ""
 
@@ -163,7 +164,14 @@ class VllmStandIn:
             "logprobs": {"content": [{"token_id": t, "logprob": -0.5, "rank": 1} for t in ids]},
         }
         usage = {"prompt_tokens": len(body["token_ids"]), "completion_tokens": len(ids)}
-        return web.json_response({"request_id": body.get("request_id"), "usage": usage, "choices": [choice]})  # fmt: skip
+        reply = {"request_id": body.get("request_id"), "usage": usage, "choices": [choice]}
+        if body["sampling_params"].get("prompt_logprobs") == 0:  # vLLM's shape: id -> Logprob
+            prompt = body["token_ids"]
+            reply["prompt_logprobs"] = [None] + [
+                {str(t): {"logprob": lp, "rank": 1, "decoded_token": "x"}}
+                for t, lp in zip(prompt[1:], self.prompt_logprobs, strict=True)
+            ]
+        return web.json_response(reply)
 
     async def __aenter__(self) -> VllmStandIn:
         app = web.Application()
@@ -255,6 +263,30 @@ async def test_the_syncer_checks_vllms_digests_against_the_file(tmp_path):
             server.checksums[prefix + "model.norm.weight"] = digest(norm * 2)
             problem = await checksum_mismatch(control, server.url, tmp_path, target)
     assert problem == f"reports {str(target)!r} but does not serve its weights: model.norm.weight differs"  # fmt: skip
+
+
+async def test_the_syncer_probes_what_vllms_digests_cannot_see(tiny_dir, tmp_path):
+    """Where vLLM digests its linear layers empty (the CPU build), the syncer compares vLLM's
+    log-probs of a fixed text with the file's own: equal within 1e-3 passes, a served model
+    whose log-probs are off by more is reported, naming by how much."""
+    from agentarium.inference import EngineControl
+    from agentarium.inference.sync.verify import PROBE_TOLERANCE, probe_expected, probe_mismatch
+    from agentarium.schemas import WeightIdentity
+
+    target = WeightIdentity.parse("run@1:abcdef0123456789")
+    assert target is not None
+    ids, expected = probe_expected(tiny_dir, tiny_dir)
+    assert len(ids) > 10 and len(expected) == len(ids) - 1
+    async with EngineControl() as control:
+        async with VllmStandIn([5]) as server:
+            server.prompt_logprobs = [lp + PROBE_TOLERANCE / 2 for lp in expected]
+            assert await probe_mismatch(control, server.url, tiny_dir, tiny_dir, target) == ""
+            server.prompt_logprobs[3] += 0.01  # linear layers left as they were
+            problem = await probe_mismatch(control, server.url, tiny_dir, tiny_dir, target)
+            assert problem.startswith(f"reports {str(target)!r} but does not serve its weights")
+            assert "differ from the file's by up to 0.0105" in problem
+            # no configuration to build the model from: the digests were the one check
+            assert await probe_mismatch(control, server.url, tiny_dir, None, target) == ""
 
 
 def test_the_vllm_command_serves_what_the_fleet_speaks(tmp_path, monkeypatch):

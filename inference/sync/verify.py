@@ -14,7 +14,12 @@ rate, read back from a 16-bit engine): the ``weight_version`` check is the one g
 vLLM serves no such read: its ``/weight_checker`` digests every served parameter instead, and
 ``checksum_mismatch`` compares those digests with the file's bytes (in the file's dtype or a
 16-bit one) for the parameters both name alike. vLLM's CPU build repacks its linear layers and
-digests them empty, so there only the embeddings and norms are compared.
+digests them empty, so there only the embeddings and norms are compared, and
+``probe_mismatch`` vouches for the rest: vLLM's log-probs of a fixed text (PROBE_TEXT) against
+the file's own, computed here in fp32 with the engine's model configuration. They agree within
+PROBE_TOLERANCE (the suite's vLLM tier bounds fp32 vLLM against transformers by 1e-3 and
+measured 3.1e-5); linear layers left as they were move them by more unless the update itself
+moved the probe by less than that (a tiny learning rate), which this check cannot see.
 """
 
 from __future__ import annotations
@@ -142,4 +147,53 @@ async def checksum_mismatch(
     for name, digests in expected.items():
         if served[name] not in digests:
             return f"reports {str(target)!r} but does not serve its weights: {name} differs"
+    return ""
+
+
+PROBE_TEXT = (
+    "The weights of a policy change with every step of training. What is 12 + 35? The answer is 47."
+)
+PROBE_TOLERANCE = 1e-3  # module docstring
+
+
+def probe_expected(model_dir: Path, base: Path) -> tuple[list[int], list[float]]:
+    """PROBE_TEXT's ids (``base``'s tokenizer) and their log-probs under ``model_dir``'s
+    weights in ``base``'s architecture, fp32, each after the ones before it."""
+    import tempfile
+
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    ids = Tokenizer.from_file(str(base / "tokenizer.json")).encode(PROBE_TEXT).ids
+    with tempfile.TemporaryDirectory() as tmp:  # the file beside the engine's config
+        (Path(tmp) / "config.json").symlink_to(base / "config.json")
+        for file in model_dir.glob("*.safetensors"):
+            (Path(tmp) / file.name).symlink_to(file.resolve())
+        model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+    picked = torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    return ids, picked.tolist()
+
+
+async def probe_mismatch(
+    control: EngineControl, url: str, model_dir: Path, base: Path | None, target: WeightIdentity
+) -> str:
+    """ "" when vLLM's log-probs of PROBE_TEXT are the file's within PROBE_TOLERANCE, else what
+    differs (module docstring); "" with a note-free pass when there is no ``base`` directory
+    to read the architecture from (the digests were the one check)."""
+    if base is None or not (base / "tokenizer.json").is_file():
+        return ""
+    ids, expected = await asyncio.to_thread(probe_expected, model_dir, base)
+    try:
+        served = await control.prompt_logprobs(url, ids)
+    except EngineControlError as exc:
+        return f"serves {str(target)!r} but its weights could not be probed: {exc}"
+    worst = max(abs(a - b) for a, b in zip(served, expected, strict=True))
+    if worst > PROBE_TOLERANCE:
+        return (
+            f"reports {str(target)!r} but does not serve its weights: its log-probs of the probe "
+            f"differ from the file's by up to {worst:.3g} (tolerance {PROBE_TOLERANCE:g})"
+        )
     return ""
