@@ -222,3 +222,20 @@ def test_vllm_loads_adapters_at_run_time_only_when_started_with_lora():
         "py", "/m", served_name="m", host="h", port=1, gpu=False, extra=["--enable-lora"]
     )
     assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1" and argv[-1] == "--enable-lora"
+
+
+def test_with_vllm_an_untied_output_head_gets_no_adapter(tiny_dir, tmp_path):
+    """vLLM refuses a LoRA adapter on an output head of its own (the tiny model's), so the demo
+    leaves ``lm_head`` out there, and keeps it on a tied head and on the local engine."""
+    import json
+
+    from agentarium.demo.run import LORA_TARGETS, lora_targets
+
+    with_vllm = DemoConfig(run="r", engine="vllm", lora_rank=8)
+    assert json.loads((tiny_dir / "config.json").read_text())["tie_word_embeddings"] is False
+    assert lora_targets(with_vllm, tiny_dir) == tuple(t for t in LORA_TARGETS if t != "lm_head")
+    assert lora_targets(DemoConfig(run="r", lora_rank=8), tiny_dir) == LORA_TARGETS
+    (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
+    assert lora_targets(with_vllm, tmp_path) == LORA_TARGETS
+    argv = trainer_argv(with_vllm, tiny_dir, Path("/o"), "nats://x")
+    assert "lm_head" not in argv and "q_proj" in argv

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -90,12 +91,8 @@ async def test_vllm_one_trace_token_exact_rollouts_and_a_verified_weight_update(
             await receiver.wait_for(lambda: wanted <= names())
 
             # the token-in/token-out route: 6 jobs of 24 tokens, sampled at temperature 1
-            rows = [
-                {"task_id": f"v{i}", "prompt": f"repeat {i}", "answer": str(i), "max_new_tokens": 24}
-                for i in range(6)
-            ]  # fmt: skip
             tokens = tmp_path / "tokens.jsonl"
-            tokens.write_text("".join(json.dumps(row) + "\n" for row in rows))
+            tokens.write_text("".join(json.dumps(row) + "\n" for row in TOY_ROWS))
             env = {k: v for k, v in env.items() if not k.startswith("OTEL_")}  # one trace above
             await _run("produce", "--agent", "toyv", "--run", "toyv", "--file", str(tokens), "--nats-url", nats_url, env=env)  # fmt: skip
             await _run(
@@ -155,32 +152,8 @@ async def test_vllm_one_trace_token_exact_rollouts_and_a_verified_weight_update(
     assert 1 <= served["gen_ai.usage.completion_tokens"] <= 4, served  # toy's max_new_tokens
     assert served["gen_ai.usage.prompt_tokens"] > 0, served
 
-    trajectories = await TrajectoryReader(js, topology).read("toyv")
-    assert sorted(t.task_id for t in trajectories) == [f"v{i}" for i in range(6)]
-    template = ChatTemplate.from_model_dir(str(smol_dir))
     model = load_model(smol_dir, "cpu", trainable=False, dtype="float32")
-    worst = 0.0
-    for trajectory in trajectories:
-        assert trajectory.status == "ok", trajectory.error
-        (call,) = trajectory.calls
-        prompt = [{"role": "user", "content": f"repeat {trajectory.task_id[1:]}"}]
-        assert call.prompt_ids == template.encode(template.render(prompt))
-        assert 1 <= len(call.response_ids) <= 24 and call.weight_version == "default"
-        assert call.backend == vllm.url and call.finish_reason in ("stop", "length")
-        ids = call.prompt_ids + call.response_ids
-        with torch.no_grad():
-            logits = model(input_ids=torch.tensor([ids])).logits[0].float()
-        picked = torch.log_softmax(logits, -1)[len(call.prompt_ids) - 1 : -1]
-        trained = picked.gather(1, torch.tensor(call.response_ids)[:, None])[:, 0]
-        worst = max(worst, float((trained - torch.tensor(call.response_logprobs)).abs().max()))
-    # fp32 both sides, vLLM's CPU kernels (its own packed linear layers and attention) against
-    # transformers': the same products summed in other orders. Through SmolLM2's 30 layers
-    # (~210 matmuls on a token's path, K <= 1536) at sqrt(K) u per matmul the bound is
-    # 210 x 39 x 6e-8 ~ 5e-4 of the logits' size (|logit| <= ~20): ~1e-2 at worst; measured
-    # 3.1e-5 over 120 sampled tokens (4 prompts). 1e-3 is 32x the measured, and what it guards
-    # (log-probs at another temperature, a token shifted by one, other weights) moves them by
-    # 0.1 or more.
-    assert worst <= 1e-3, worst
+    await check_toy_rollouts(js, topology, "toyv", model, smol_dir, vllm.url)
 
     # The calculator rollouts: each that called the tool made two calls or more, and is one
     # row, its calls chained token for token, the tool's result masked, vLLM's log-probs those
@@ -207,57 +180,128 @@ async def test_vllm_one_trace_token_exact_rollouts_and_a_verified_weight_update(
         served = torch.tensor(row.response_logprobs)
         assert float((mine - served)[mask].abs().max()) <= 1e-3  # the bound above
 
-    # the update: vLLM reports the identity the syncer set, and serves the trained weights
+    check_updates_served(model, updated, adapted, PROBE_IDS)
+
+
+async def check_toy_rollouts(js, topology, run: str, model, model_dir, url: str) -> None:
+    """The run's 6 toy trajectories from vLLM: each the prompt the consumer rendered, vLLM's
+    ids and log-probs, the trainer's log-probs of them within 1e-3 (the derivation below)."""
+    trajectories = await TrajectoryReader(js, topology).read(run)
+    assert sorted(t.task_id for t in trajectories) == [f"v{i}" for i in range(6)]
+    template = ChatTemplate.from_model_dir(str(model_dir))
+    worst = 0.0
+    for trajectory in trajectories:
+        assert trajectory.status == "ok", trajectory.error
+        (call,) = trajectory.calls
+        prompt = [{"role": "user", "content": f"repeat {trajectory.task_id[1:]}"}]
+        assert call.prompt_ids == template.encode(template.render(prompt))
+        assert 1 <= len(call.response_ids) <= 24 and call.weight_version == "default"
+        assert call.backend == url and call.finish_reason in ("stop", "length")
+        ids = call.prompt_ids + call.response_ids
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+        picked = torch.log_softmax(logits, -1)[len(call.prompt_ids) - 1 : -1]
+        trained = picked.gather(1, torch.tensor(call.response_ids)[:, None])[:, 0]
+        worst = max(worst, float((trained - torch.tensor(call.response_logprobs)).abs().max()))
+    # fp32 both sides, vLLM's CPU kernels (its own packed linear layers and attention) against
+    # transformers': the same products summed in other orders. Through SmolLM2's 30 layers
+    # (~210 matmuls on a token's path, K <= 1536) at sqrt(K) u per matmul the bound is
+    # 210 x 39 x 6e-8 ~ 5e-4 of the logits' size (|logit| <= ~20): ~1e-2 at worst; measured
+    # 3.1e-5 over 120 sampled tokens (4 prompts). 1e-3 is 32x the measured, and what it guards
+    # (log-probs at another temperature, a token shifted by one, other weights) moves them by
+    # 0.1 or more. The tiny model (2 layers, K <= 256) sits far inside the same bound.
+    assert worst <= 1e-3, worst
+
+
+TOY_ROWS = [
+    {"task_id": f"v{i}", "prompt": f"repeat {i}", "answer": str(i), "max_new_tokens": 24}
+    for i in range(6)
+]
+TINY_PROBE = [72, 101, 108, 108, 111, 44, 32, 49, 50, 43, 51, 52, 61]  # "Hello, 12+34=", bytes
+
+
+@pytest.mark.vllm
+@pytest.mark.long(60)  # 49 s alone
+@pytest.mark.timeout(900)  # on a machine without the venv, building it comes first (about 3 min)
+async def test_vllm_serves_the_tiny_model_token_exact_and_takes_its_updates(
+    nats_url, js, topology, tiny_dir, tmp_path
+):
+    """The built-in tiny model (random weights, byte tokens) on vLLM: a toy rollout batch through
+    ``--llm-engine vllm``, token-exact against the trainer's model; then a full update (checked
+    by vLLM's digests and the syncer's probe) and a LoRA adapter, each served as the published
+    model computes it."""
+    vllm_python()  # skipped (failed under CI=true) here, before anything starts, without vLLM
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    async with start_vllm(
+        tiny_dir, served_name="tiny", log=tmp_path / "vllm.log",
+        extra=("--enable-lora", "--max-lora-rank=8"),
+    ) as vllm:  # fmt: skip
+        tokens = tmp_path / "tokens.jsonl"
+        tokens.write_text("".join(json.dumps(row) + "\n" for row in TOY_ROWS))
+        await _run("produce", "--agent", "toyt", "--run", "toyt", "--file", str(tokens), "--nats-url", nats_url, env=env)  # fmt: skip
+        await _run(
+            "consumer", "--agent", "toyt=agentarium.examples.toy:rollout", "--llm", vllm.url,
+            "--llm-engine", "vllm", "--model", "tiny", "--burst", "--nats-url", nats_url,
+            env=env,
+        )  # fmt: skip
+        updated = await sync_a_trained_policy(
+            js, topology, vllm.url, tiny_dir, tmp_path, TINY_PROBE
+        )
+        adapted = await sync_a_lora_adapter(js, topology, vllm.url, tiny_dir, tmp_path, TINY_PROBE)
+    model = load_model(tiny_dir, "cpu", trainable=False, dtype="float32")
+    await check_toy_rollouts(js, topology, "toyt", model, tiny_dir, vllm.url)
+    check_updates_served(model, updated, adapted, TINY_PROBE)
+
+
+def check_updates_served(model, updated, adapted, probe: list[int]) -> None:
+    """The update: vLLM reports the identity the syncer set, and serves the trained weights'
+    log-probs; the adapter: vLLM reports its identity on the calls that name it, and serves the
+    adapted model's log-probs (vLLM adds B A x to its own products, as peft does). The bound
+    is the rollouts' (1e-3); the update and the adapter must each move them by 10x that, so
+    that serving the base weights could not pass (measured: over 0.1 on SmolLM2, 0.046 on the
+    random tiny model, whose near-uniform distribution moves least)."""
     identity, trained_model, result = updated
     assert result.weight_version == identity
-    ids = PROBE_IDS + result.output_ids
-    with torch.no_grad():
-        logits = trained_model(input_ids=torch.tensor([ids])).logits[0].float()
-    picked = torch.log_softmax(logits, -1)[len(PROBE_IDS) - 1 : -1]
-    want = picked.gather(1, torch.tensor(result.output_ids)[:, None])[:, 0]
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
-    base = torch.log_softmax(logits, -1)[len(PROBE_IDS) - 1 : -1]
-    before = base.gather(1, torch.tensor(result.output_ids)[:, None])[:, 0]
+    ids = probe + result.output_ids
     got = torch.tensor(result.output_logprobs)
-    assert float((got - want).abs().max()) <= 1e-3  # the bound above
-    assert float((got - before).abs().max()) > 0.1  # not the base weights any more
-
-    # the adapter: vLLM reports its identity on the calls that name it, and serves the adapted
-    # model's log-probs (the same bound: vLLM adds B A x to its own products, as peft does)
+    assert float((got - log_probs(trained_model, ids, probe)).abs().max()) <= 1e-3
+    assert float((got - log_probs(model, ids, probe)).abs().max()) > 1e-2  # not the base
     identity, peft_model, result = adapted
     assert result.weight_version == identity and identity.startswith("vla@1:")
-    ids = PROBE_IDS + result.output_ids
+    ids = probe + result.output_ids
     got = torch.tensor(result.output_logprobs)
-    assert float((got - log_probs(peft_model, ids)).abs().max()) <= 1e-3
-    assert float((got - log_probs(model, ids)).abs().max()) > 0.1  # the adapter is applied
+    assert float((got - log_probs(peft_model, ids, probe)).abs().max()) <= 1e-3
+    assert float((got - log_probs(model, ids, probe)).abs().max()) > 1e-2  # the adapter applied
 
 
 PROBE_IDS = [1, 9690, 198, 2683, 314, 253, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
 
 
-def log_probs(model, ids: list[int]) -> torch.Tensor:
-    """The model's log-probs of the tokens after PROBE_IDS in ``ids``."""
+def log_probs(model, ids: list[int], probe: list[int]) -> torch.Tensor:
+    """The model's log-probs of the tokens after ``probe`` in ``ids``."""
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([ids])).logits[0].float()
-    picked = torch.log_softmax(logits, -1)[len(PROBE_IDS) - 1 : -1]
-    return picked.gather(1, torch.tensor(ids[len(PROBE_IDS) :])[:, None])[:, 0]
+    picked = torch.log_softmax(logits, -1)[len(probe) - 1 : -1]
+    return picked.gather(1, torch.tensor(ids[len(probe) :])[:, None])[:, 0]
 
 
-async def sync_a_lora_adapter(js, topology, url: str, smol_dir, tmp_path):
-    """A rank-8 adapter on the demo's LoRA targets (every linear layer and the tied output head),
+async def sync_a_lora_adapter(js, topology, url: str, model_dir, tmp_path, probe=None):
+    """A rank-8 adapter on the demo's LoRA targets with vLLM (every linear layer, and the output
+    head when it is tied: ``demo.run.lora_targets``),
     its B matrices drawn at random (a fresh adapter's are zero: it would change nothing),
     published as the trainer publishes it, synced into vLLM (``/v1/load_lora_adapter``) and
     asked for by name as ``consumer --lora vla`` asks: (the identity, the adapted model, the
     result)."""
-    from agentarium.demo.run import LORA_TARGETS
+    from agentarium.demo import DemoConfig
+    from agentarium.demo.run import lora_targets
     from agentarium.trainer.config import TrainerConfig
     from agentarium.trainer.step import LocalUpdater
     from agentarium.trainer.weights import WeightStore
 
     config = TrainerConfig(
-        run="vla", agent="a", model_dir=str(smol_dir), group_size=2, groups_per_step=1,
-        lora_rank=8, lora_alpha=32, lora_target_modules=LORA_TARGETS, dtype="float32",
+        run="vla", agent="a", model_dir=str(model_dir), group_size=2, groups_per_step=1,
+        lora_rank=8, lora_alpha=32, dtype="float32",
+        lora_target_modules=lora_targets(DemoConfig(run="r", engine="vllm"), Path(model_dir)),
     )  # fmt: skip
     local = LocalUpdater(config)
     generator = torch.Generator().manual_seed(0)
@@ -267,15 +311,15 @@ async def sync_a_lora_adapter(js, topology, url: str, smol_dir, tmp_path):
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
     await WeightStore(js, topology).publish(local.publishable_model(), run="vla", version=1)
     identity, result = await sync_and_probe(
-        js, topology, url, smol_dir, "vla", tmp_path / "sync-lora", lora="vla"
+        js, topology, url, model_dir, "vla", tmp_path / "sync-lora", lora="vla", probe=probe
     )
     return identity, local.model.eval(), result
 
 
-async def sync_and_probe(js, topology, url, smol_dir, run, directory, *, lora=None):
+async def sync_and_probe(js, topology, url, model_dir, run, directory, *, lora=None, probe=None):
     """``run``'s last version synced into vLLM by ``WeightSyncer`` (updated, or the test
-    fails), then 12 tokens sampled after PROBE_IDS, naming the adapter ``lora`` as a consumer's
-    ``--lora`` does: (the identity, the result)."""
+    fails), then 12 tokens sampled after ``probe`` (PROBE_IDS), naming the adapter ``lora`` as
+    a consumer's ``--lora`` does: (the identity, the result)."""
     from agentarium.consumers.backends import VLLMBackend
     from agentarium.consumers.backends.base import GenerateRequest
     from agentarium.inference.sync import SyncConfig, WeightSyncer
@@ -288,12 +332,12 @@ async def sync_and_probe(js, topology, url, smol_dir, run, directory, *, lora=No
         await syncer.close()
     (engine,) = outcome.engines
     assert outcome.ok and engine.status == "updated", outcome
-    template = ChatTemplate.from_model_dir(str(smol_dir))
+    template = ChatTemplate.from_model_dir(str(model_dir))
     backend = VLLMBackend([url], decode=template.decode, lora=lora)
     try:
         result = await backend.generate(
             GenerateRequest(
-                input_ids=PROBE_IDS,
+                input_ids=probe or PROBE_IDS,
                 sampling={"max_new_tokens": 12, "temperature": 1.0, "sampling_seed": 1},
             )
         )
@@ -302,19 +346,21 @@ async def sync_and_probe(js, topology, url, smol_dir, run, directory, *, lora=No
     return outcome.identity, result
 
 
-async def sync_a_trained_policy(js, topology, url: str, smol_dir, tmp_path):
-    """Publish SmolLM2 with every MLP down projection scaled by 1.1 (as a trainer's step
+async def sync_a_trained_policy(js, topology, url: str, model_dir, tmp_path, probe=None):
+    """Publish the model with every MLP down projection scaled by 1.1 (as a trainer's step
     changes the linear layers, which vLLM's CPU build repacks), sync it into vLLM with
     ``WeightSyncer`` and generate from it: (the identity, the published model, the result)."""
     from agentarium.schemas import WeightIdentity
     from agentarium.trainer.weights import WeightStore
 
-    trained = load_model(smol_dir, "cpu", trainable=False, dtype="float32")
+    trained = load_model(model_dir, "cpu", trainable=False, dtype="float32")
     with torch.no_grad():
         for name, param in trained.named_parameters():
             if name.endswith("down_proj.weight") or name == "model.norm.weight":
                 param.mul_(1.1)  # the final norm too: a tensor vLLM's checksums see
     update = await WeightStore(js, topology).publish(trained, run="vl", version=1, step=1)
-    identity, result = await sync_and_probe(js, topology, url, smol_dir, "vl", tmp_path / "sync")
+    identity, result = await sync_and_probe(
+        js, topology, url, model_dir, "vl", tmp_path / "sync", probe=probe
+    )
     assert identity == str(WeightIdentity.of(update))
     return identity, trained, result

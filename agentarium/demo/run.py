@@ -644,6 +644,18 @@ async def _provision(url: str, agents: tuple[str, ...]) -> None:
         await nc.close()
 
 
+def lora_targets(args: DemoConfig, model_dir: Path) -> tuple[str, ...]:
+    """The demo's LoRA targets; without ``lm_head`` when vLLM serves a model whose output head
+    is its own (not tied to the embedding): vLLM 0.32 refuses such an adapter ("expected target
+    modules in {...} but received ['lm_head']"), found by the suite's tiny-model vLLM test."""
+    if args.engine != "vllm":
+        return LORA_TARGETS
+    config = json.loads((model_dir / "config.json").read_text())
+    if config.get("tie_word_embeddings", True):
+        return LORA_TARGETS
+    return tuple(m for m in LORA_TARGETS if m != "lm_head")
+
+
 def trainer_argv(
     args: DemoConfig, model_dir: Path, out: Path, nats_url: str, *, checkpoints: bool = True
 ) -> list[str]:
@@ -680,7 +692,7 @@ def trainer_argv(
         ),
         *[
             w
-            for m in (LORA_TARGETS if args.lora_rank else ())
+            for m in (lora_targets(args, model_dir) if args.lora_rank else ())
             for w in ("--lora-target-modules", m)
         ],
         "--metrics",

@@ -100,10 +100,15 @@ async def read_back_mismatch(
 EMPTY_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 
 
+VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE: rows of its vocabulary tensors
+
+
 def file_digests(file: Path, names: set[str]) -> dict[str, set[str]]:
     """SHA-256 of the raw bytes of ``names`` in a safetensors file, in the file's dtype and in
     each dtype an engine may serve it in (fp32, bf16, fp16): a served tensor matches when its
-    digest is one of them."""
+    digest is one of them. A 2-D tensor whose rows are not a multiple of VOCAB_PADDING also
+    matches zero-padded to the next multiple: vLLM pads its embedding and output head to that
+    many rows and zero-fills the rest (a 263-token vocabulary is served as 320 rows)."""
     import hashlib
 
     import torch
@@ -113,15 +118,15 @@ def file_digests(file: Path, names: set[str]) -> dict[str, set[str]]:
     with safe_open(str(file), framework="pt") as f:
         for name in sorted(names & set(f.keys())):
             tensor = f.get_tensor(name)
+            forms = [tensor]
+            if tensor.dim() == 2 and tensor.shape[0] % VOCAB_PADDING:
+                pad = VOCAB_PADDING - tensor.shape[0] % VOCAB_PADDING
+                forms.append(torch.cat([tensor, tensor.new_zeros((pad, tensor.shape[1]))]))
             out[name] = {
-                hashlib.sha256(
-                    t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-                ).hexdigest()
-                for t in {
-                    tensor,
-                    *(tensor.to(d) for d in (torch.float32, torch.bfloat16, torch.float16)),
-                }  # fmt: skip
-            }
+                hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+                for form in forms
+                for t in (form, *(form.to(d) for d in (torch.float32, torch.bfloat16, torch.float16)))
+            }  # fmt: skip
     return out
 
 
