@@ -260,6 +260,15 @@ async def test_the_syncer_checks_vllms_digests_against_the_file(tmp_path):
         async with VllmStandIn([], checksums=served) as server:
             assert await control.kind(server.url) == "vllm"
             assert await checksum_mismatch(control, server.url, tmp_path, target) == ""
+            # vLLM's vocabulary tensors padded to 64 rows, zero-filled: the same weights
+            padded = torch.cat([embed, torch.zeros(60, 8)])
+            server.checksums[prefix + "model.embed_tokens.weight"] = digest(padded)
+            assert await checksum_mismatch(control, server.url, tmp_path, target) == ""
+            server.checksums[prefix + "model.embed_tokens.weight"] = digest(padded + 1)
+            assert "embed_tokens.weight differs" in await checksum_mismatch(
+                control, server.url, tmp_path, target
+            )
+            server.checksums[prefix + "model.embed_tokens.weight"] = digest(embed)
             server.checksums[prefix + "model.norm.weight"] = digest(norm * 2)
             problem = await checksum_mismatch(control, server.url, tmp_path, target)
     assert problem == f"reports {str(target)!r} but does not serve its weights: model.norm.weight differs"  # fmt: skip
