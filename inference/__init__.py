@@ -26,7 +26,7 @@ from .engines import (
     served_version,
     wait_served,
 )
-from .vllm import VllmUnavailable, has_gpu, vllm_command, vllm_python
+from .vllm import VllmUnavailable, has_gpu, max_lora_rank, vllm_command, vllm_python
 from .weights import (
     LORA_CONFIG_KEY,
     STALL_TIMEOUT_S,
@@ -65,6 +65,7 @@ __all__ = [
     "is_shared_path",
     "local_versions",
     "lora_config_of",
+    "max_lora_rank",
     "object_name",
     "record_engine",
     "served_version",

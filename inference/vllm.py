@@ -71,6 +71,18 @@ def vllm_python(*, build: bool = True) -> Path:
     return python
 
 
+# the ranks vLLM's --max-lora-rank takes (vllm/config/lora.py, MaxLoRARanks, 0.32.0)
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def max_lora_rank(rank: int) -> int:
+    """The smallest ``--max-lora-rank`` vLLM takes that holds adapters of ``rank``."""
+    fits = [r for r in MAX_LORA_RANKS if r >= rank]
+    if not fits:
+        raise ValueError(f"vLLM serves LoRA ranks up to {MAX_LORA_RANKS[-1]}, not {rank}")
+    return fits[0]
+
+
 def has_gpu() -> bool:
     """Whether vLLM should use its GPU build's device (an NVIDIA device node is present)."""
     return Path("/dev/nvidiactl").exists()

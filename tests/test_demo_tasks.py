@@ -206,6 +206,11 @@ def test_engine_vllm_starts_vllm_with_lora_when_the_demo_trains_adapters():
     assert full == [*local, "--backend", "vllm"]
     lora = engine_argv(DemoConfig(run="r", model="smol", engine="vllm", lora_rank=8), Path("/m"))
     assert lora == [*full, "--vllm-arg=--enable-lora", "--vllm-arg=--max-lora-rank=8"]
+    # vLLM takes only some ranks (1, 8, 16, 32, ...): the next one up holds the adapter
+    odd = engine_argv(DemoConfig(run="r", model="smol", engine="vllm", lora_rank=12), Path("/m"))
+    assert odd[-1] == "--vllm-arg=--max-lora-rank=16"
+    with pytest.raises(ValueError, match="LoRA ranks up to 512, not 600"):
+        DemoConfig(run="r", model="smol", engine="vllm", lora_rank=600)
     for bad in ("vLLM", "127.0.0.1:8000", "sglang"):
         with pytest.raises(ValueError, match="--engine takes vllm or an http"):
             DemoConfig(run="r", engine=bad)

@@ -115,7 +115,7 @@ def vllm_settings(command: EngineCommand) -> tuple[list[str], dict[str, str]]:
 
 
 def serve_vllm(
-    model_dir, command: EngineCommand, extra: tuple[list[str], dict[str, str]] = ([], {})
+    model_dir, command: EngineCommand, extra: tuple[list[str], dict[str, str]] | None = None
 ) -> int:
     """vLLM on ``model_dir`` (served under the model's name: ``smol``, or the directory's)
     until it exits or this process is told to stop (SIGINT, SIGTERM: passed on to it). Prints
@@ -146,9 +146,9 @@ def serve_vllm(
         served_name=model_name(command.model, model_dir),
         host=settings.host,
         port=port,
-        extra=[*extra[0], *command.vllm_arg],
+        extra=[*(extra[0] if extra else ()), *command.vllm_arg],
     )
-    env = {**env, **extra[1]}
+    env = {**env, **(extra[1] if extra else {})}
     proc = subprocess.Popen(argv, env={**os.environ, **env})  # in this process group
     stopping = False
 

@@ -57,7 +57,7 @@ from agentarium.broker import (
     provision,
     setup_logging,
 )
-from agentarium.inference import EngineControl, EngineControlError, wait_served
+from agentarium.inference import EngineControl, EngineControlError, max_lora_rank, wait_served
 from agentarium.producers import GroupRefill, RunSession, expand_tasks, read_task_file
 from agentarium.schemas import check_settings, setting
 from agentarium.trainer import DEVICES, TASK_ADV_NORMS
@@ -244,6 +244,8 @@ class DemoConfig:
             ("http://", "https://")
         ):
             raise ValueError(f"--engine takes vllm or an http(s) URL, got {self.engine!r}")
+        if self.engine == "vllm" and self.lora_rank:
+            max_lora_rank(self.lora_rank)  # above vLLM's largest: refused before anything starts
         if self.task_set and self.model == "smol":
             raise ValueError("--task-set trains tiny's digit tasks: drop it with --model smol")
 
@@ -632,7 +634,8 @@ def engine_argv(args: DemoConfig, model_dir: Path) -> list[str]:
         return argv
     argv += ["--backend", "vllm"]
     if args.lora_rank:
-        argv += ["--vllm-arg=--enable-lora", f"--vllm-arg=--max-lora-rank={args.lora_rank}"]
+        rank = max_lora_rank(args.lora_rank)  # vLLM takes 8 or 16, not 12
+        argv += ["--vllm-arg=--enable-lora", f"--vllm-arg=--max-lora-rank={rank}"]
     return argv
 
 

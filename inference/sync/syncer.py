@@ -80,7 +80,7 @@ from ..weights import (
 )
 from .config import SyncConfig
 from .metrics import SYNC_SEEN, record_sync_round
-from .verify import EMPTY_SHA256, checksum_mismatch, probe_mismatch, read_back_mismatch
+from .verify import read_back_mismatch, vllm_mismatch
 
 log = structlog.get_logger("agentarium.sync")
 
@@ -580,20 +580,9 @@ class WeightSyncer:
         if model_dir is None:
             return ""
         if await self.control.kind(url) == "vllm":
-            problem = await checksum_mismatch(self.control, url, model_dir, target)
-            if problem or not await self._blind_digests(url):
-                return problem
-            # the CPU build's linear layers digest empty: its log-probs vouch for them
-            base = self._base_directory(await self._engine_info(url))
-            return await probe_mismatch(self.control, url, model_dir, base, target)
+            base = self._base_directory(await self._engine_info(url))  # the probe's model
+            return await vllm_mismatch(self.control, url, model_dir, base, target)
         return await read_back_mismatch(self.control, url, model_dir, target)
-
-    async def _blind_digests(self, url: str) -> bool:
-        """Whether vLLM digests some served parameter empty (its CPU build's linear layers)."""
-        try:
-            return EMPTY_SHA256 in (await self.control.weight_checksums(url)).values()
-        except EngineControlError:
-            return True
 
     def _base_directory(self, info: dict | None) -> Path | None:
         """The engine's original weights on this disk: ``--base-model``, else its

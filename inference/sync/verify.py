@@ -138,13 +138,33 @@ async def checksum_mismatch(
     Names vLLM fuses (``qkv_proj``, ``gate_up_proj``) are not in the file and are not
     compared; on the CPU build the linear layers' digests are empty, so what is compared is
     the embeddings and the norms."""
-    files = sorted(model_dir.glob("*.safetensors"))
-    if len(files) != 1:
-        return ""
     try:
         served = await control.weight_checksums(url)
     except EngineControlError as exc:
         return f"serves {str(target)!r} but its weights could not be checked: {exc}"
+    return await _digest_mismatch(served, model_dir, target)
+
+
+async def vllm_mismatch(
+    control: EngineControl, url: str, model_dir: Path, base: Path | None, target: WeightIdentity
+) -> str:
+    """The syncer's check of vLLM: its digests (as ``checksum_mismatch``, one
+    ``/weight_checker`` call), then, where it digests some parameter empty (the CPU build's
+    linear layers), the probe (``probe_mismatch``) for what the digests cannot see."""
+    try:
+        served = await control.weight_checksums(url)
+    except EngineControlError as exc:
+        return f"serves {str(target)!r} but its weights could not be checked: {exc}"
+    problem = await _digest_mismatch(served, model_dir, target)
+    if problem or EMPTY_SHA256 not in served.values():
+        return problem
+    return await probe_mismatch(control, url, model_dir, base, target)
+
+
+async def _digest_mismatch(served: dict[str, str], model_dir: Path, target: WeightIdentity) -> str:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if len(files) != 1:
+        return ""
     digested = {n for n, d in served.items() if d != EMPTY_SHA256}
     expected = await asyncio.to_thread(file_digests, files[0], digested)
     if not expected:
@@ -186,8 +206,8 @@ async def probe_mismatch(
     control: EngineControl, url: str, model_dir: Path, base: Path | None, target: WeightIdentity
 ) -> str:
     """ "" when vLLM's log-probs of PROBE_TEXT are the file's within PROBE_TOLERANCE, else what
-    differs (module docstring); "" with a note-free pass when there is no ``base`` directory
-    to read the architecture from (the digests were the one check)."""
+    differs (module docstring). Also "" when there is no ``base`` directory with a tokenizer
+    and a configuration to build the model from: the digests are then the one check."""
     if base is None or not (base / "tokenizer.json").is_file():
         return ""
     ids, expected = await asyncio.to_thread(probe_expected, model_dir, base)
