@@ -3,8 +3,9 @@
 Row i of every layer's keys/values holds sequence i's cached tokens right-aligned; `mask`
 marks which columns are real (a row that reused a cached prefix may have padding between its
 prefix and the rest of its prompt). Rows leave (`select`) and join (`concat`) between decode steps,
-which is all continuous batching needs from the cache. transformers only sees a `DynamicCache`
-filled from these tensors for the length of one forward pass.
+which is all continuous batching needs from the cache. transformers only sees a cache built on
+these tensors for the length of one forward pass: a prefill's `DynamicCache`, or a decode step's
+layers (`model.in_place_layer`) writing into the room `make_room` keeps after them.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class PaddedKV:
     def make_room(self, columns: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Buffers per layer whose first L columns are the keys and values (which become views
         of them) with at least ``columns`` free after them, for a decode step to write into
-        (model.InPlaceLayer). Grown ``ROOM`` columns at a time: one copy of the cache then."""
+        (``model.in_place_layer``). Grown ``ROOM`` columns at a time: one copy of the cache then."""
         width = self.keys[0].shape[2]
         if self.buffers is not None and self.buffers[0][0].shape[2] - width >= columns:
             return self.buffers
