@@ -76,6 +76,12 @@ LLM_FAILURES = Counter(
     "LLM calls that failed for good: BackendUnavailable (every server failed) or BadRequest",
     ["error"],
 )
+STREAMED_REPLIES = Counter(
+    "agentarium_llm_streamed_replies",
+    "Replies streamed to a client as they were generated; diverged: what was sent before the "
+    "end was not where the final text begins (a tokenizer whose decoding is not prefix-stable)",
+    ["diverged"],
+)
 PROMPT_TOKENS = Counter(
     "agentarium_llm_prompt_tokens", "Prompt tokens sent to LLM servers", ["backend"]
 )
@@ -195,3 +201,7 @@ def observe_prompt(build: str) -> None:
 
 def observe_llm_failure(error: Exception) -> None:
     LLM_FAILURES.labels(type(error).__name__).inc()
+
+
+def observe_stream(*, diverged: bool) -> None:
+    STREAMED_REPLIES.labels("true" if diverged else "false").inc()

@@ -7,6 +7,7 @@ a reply (the tracing client and gateway, the local engine, the trainer's tokeniz
   Qwen3-Coder, Llama 3 JSON, Mistral, DeepSeek-V3, gpt-oss harmony);
 - ``reasoning.py``: reasoning split off (``<think>`` blocks; ``harmony.py``: gpt-oss's channels);
 - ``reply.py``: a reply split into reasoning, content and tool calls by the model's formats;
+  ``reply_stream.py``: the same while it is generated (the deltas that are already sure);
 - ``families.py``: chat templates of the families (Qwen3, Qwen3-Coder, Llama 3, Mistral,
   DeepSeek-V3, gpt-oss), written here in each family's format.
 
@@ -34,6 +35,7 @@ from .reasoning import (
     split_reasoning,
 )
 from .reply import ParsedReply, parse_reply
+from .reply_stream import ReplyStream, TextDelta
 from .toolcalls import (
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
@@ -60,7 +62,9 @@ __all__ = [
     "ParsedReply",
     "ParsedToolCalls",
     "Reasoned",
+    "ReplyStream",
     "SegmentEncoder",
+    "TextDelta",
     "ToolCallError",
     "ToolsNotRendered",
     "arguments_as_objects",

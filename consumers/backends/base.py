@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -58,11 +59,45 @@ class GenerateResult:
     meta_info: dict = field(default_factory=dict, repr=False)
 
 
+@dataclass(frozen=True, slots=True)
+class GenerateChunk:
+    """Tokens a streaming backend received while the generation ran (every chunk but the
+    last: the call's result carries all of them, and the final text, stop trimmed).
+
+    ``text`` is the text these tokens add ("" while a character's bytes are not all there, and
+    never a proper prefix of a stop string that could still match: the chunks' texts add up
+    to a prefix of the result's text). ``weight_version``: the weights of the chunk's last
+    token, as the server reported it.
+    """
+
+    output_ids: list[int]
+    output_logprobs: list[float]
+    text: str
+    weight_version: str = "default"
+
+
+OnChunk = Callable[[GenerateChunk], None]
+
+
 @runtime_checkable
 class Backend(Protocol):
-    """Anything that can serve a ``GenerateRequest``; the tracing client needs nothing else."""
+    """Anything that can serve a ``GenerateRequest``; the tracing client needs nothing else.
+
+    A backend that can stream says so with ``streams = True`` and then takes ``on_chunk``:
+    ``generate(request, on_chunk=...)`` streams the request from the server and calls
+    ``on_chunk`` with each chunk as it arrives, still returning the whole result (the same
+    record as unstreamed). Once a chunk has been handed on, a failure is not retried (the
+    caller has acted on those tokens): it raises. Cancelling ``generate`` aborts the
+    server's request (``/abort_request`` by rid on SGLang and the local engine, vLLM's
+    ``/inference/v1/abort_requests``).
+    """
 
     async def generate(self, request: GenerateRequest) -> GenerateResult: ...
+
+
+def streams(backend: Any) -> bool:
+    """Whether ``backend.generate`` takes ``on_chunk`` (see ``Backend``)."""
+    return bool(getattr(backend, "streams", False))
 
 
 @dataclass(frozen=True, kw_only=True)

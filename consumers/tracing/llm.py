@@ -11,11 +11,12 @@ never re-encoded either. Tool calls are parsed from the generated text into Open
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -31,6 +32,8 @@ from agentarium.formats import (
     THINK_CLOSE,
     THINK_OPEN,
     ChatTemplate,
+    ReplyStream,
+    TextDelta,
     ToolCallError,
     normalize_messages,
     parse_reply,
@@ -38,10 +41,10 @@ from agentarium.formats import (
 )
 from agentarium.schemas import LLMCall, Sampling
 
-from ..backends.base import Backend, GenerateRequest, GenerateResult
+from ..backends.base import Backend, GenerateChunk, GenerateRequest, GenerateResult, streams
 from ..backends.cross_sampling import model_of_call
 from ..errors import BadRequest, LLMError
-from ..metrics import observe_llm_call, observe_llm_failure, observe_prompt
+from ..metrics import observe_llm_call, observe_llm_failure, observe_prompt, observe_stream
 from . import genai
 from .prompt_chain import Prompt, PromptChain
 
@@ -183,6 +186,35 @@ def _number(key: str, value: Any, *, integer: bool) -> float | int:
     return value
 
 
+OnDelta = Callable[[TextDelta], None]
+
+
+class _LiveCall:
+    """A streamed call's tokens so far, and its reply's sure deltas handed to ``on_delta``."""
+
+    def __init__(self, reply: ReplyStream, on_delta: OnDelta) -> None:
+        self.reply = reply
+        self.on_delta = on_delta
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[tuple[str, int]] = []  # (version, first output index)
+
+    def chunk(self, chunk: GenerateChunk) -> None:
+        if chunk.output_ids and (not self.versions or self.versions[-1][0] != chunk.weight_version):
+            self.versions.append((chunk.weight_version, len(self.ids)))
+        self.ids.extend(chunk.output_ids)
+        self.logprobs.extend(chunk.output_logprobs)
+        self.text(chunk.text)
+
+    def text(self, piece: str) -> None:
+        for delta in self.reply.feed(piece):
+            self.on_delta(delta)
+
+    def restart(self) -> None:
+        """A second request continues the reply (the thinking budget's): its tokens are new."""
+        self.ids, self.logprobs, self.versions = [], [], []
+
+
 class TracingLLM:
     """Renders, generates, records and traces every LLM call of one rollout.
 
@@ -244,6 +276,7 @@ class TracingLLM:
         *,
         thinking: bool | None = None,
         thinking_budget: int | None = None,
+        on_delta: OnDelta | None = None,
         **sampling: Any,
     ) -> ChatResult:
         """Generate the assistant's next message; per-call sampling overrides the job's.
@@ -255,7 +288,14 @@ class TracingLLM:
         model's; it turns reasoning on): a reply still reasoning at the budget has its block
         closed for it (``</think>``, tokens the policy did not sample: recorded as context,
         never trained) and the answer generated after it, within the call's max tokens. The
-        reply is then two engine requests, recorded as two calls that make one row."""
+        reply is then two engine requests, recorded as two calls that make one row.
+
+        ``on_delta`` streams the reply: it is called with each piece of reasoning or content
+        text (``TextDelta``) that is sure (``formats.ReplyStream``), as the backend generates
+        it when the backend streams, and with the rest before ``chat`` returns; the pieces add
+        up to the message's ``reasoning_content`` and ``content`` exactly. A streamed call that
+        is cancelled (its client went away) is recorded with the tokens it had, finish_reason
+        ``abort``, and the backend aborts the server's request."""
         if thinking_budget is not None:
             thinking = self._check_budget(thinking, thinking_budget)
         variables = self._thinking_variables(thinking)
@@ -276,7 +316,7 @@ class TracingLLM:
         token = otel_context.attach(trace.set_span_in_context(span))
         try:
             result, response = await self._chat(
-                index, chat, tool_list, params, variables, thinking_budget
+                index, chat, tool_list, params, variables, thinking_budget, on_delta
             )
         except BaseException as exc:  # CancelledError too: a deadline cut the call
             if span.is_recording():
@@ -366,6 +406,7 @@ class TracingLLM:
         params: dict,
         variables: dict | None = None,
         budget: int | None = None,
+        on_delta: OnDelta | None = None,
     ) -> tuple[ChatResult, dict[str, AttributeValue]]:
         """The call, and the attributes its span gets from the response."""
         prompt = Prompt([], "", "")
@@ -389,9 +430,18 @@ class TracingLLM:
                 tools=tools,
             )
 
+        live = None
+        if on_delta is not None:
+            reply = ReplyStream(
+                tool_format=self.tool_format,
+                reasoning_format=self.reasoning_format,
+                tools=bool(tools),
+                opened=opened,
+            )
+            live = _LiveCall(reply, on_delta)
         request = request_of(input_ids, params if budget is None else _capped(params, budget))
         start = time.perf_counter()
-        result = await self.backend.generate(request)
+        result = await self._generate(request, live, params, prompt.build)
         latency = time.perf_counter() - start
         cut = None  # the first request, when the thinking budget cut the reply in two
         text, output_ids = result.text, list(result.output_ids)
@@ -404,10 +454,14 @@ class TracingLLM:
                 {**params, "max_new_tokens": left},
                 "-after-budget",
             )
+            forced_text = self.template.decode(forced)  # type: ignore[union-attr]
+            if live is not None:
+                live.restart()
+                live.text(forced_text)
             start = time.perf_counter()
-            result = await self.backend.generate(request)
+            result = await self._generate(request, live, params, "after_budget")
             latency = time.perf_counter() - start
-            text = text + self.template.decode(forced) + result.text  # type: ignore[union-attr]
+            text = text + forced_text + result.text
             output_ids = [*output_ids, *forced, *result.output_ids]
 
         errors: list[ToolCallError] = []
@@ -424,6 +478,10 @@ class TracingLLM:
             )
             content, tool_calls, errors = reply.content, reply.tool_calls, reply.errors
             reasoning = reply.reasoning
+        if live is not None:
+            for delta in live.reply.finish(reasoning, content):
+                live.on_delta(delta)
+            observe_stream(diverged=live.reply.diverged)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if reasoning is not None:  # where thinking models' APIs put it (vLLM, SGLang, DeepSeek)
             message["reasoning_content"] = reasoning
@@ -489,6 +547,30 @@ class TracingLLM:
             output_tokens=len(output_ids),
         )
         return chat_result, attributes
+
+    async def _generate(
+        self, request: GenerateRequest, live: _LiveCall | None, params: dict, build: str
+    ) -> GenerateResult:
+        """The backend's result for ``request``: streamed into ``live`` when there is one and
+        the backend streams. Cancelled mid-stream, the call is recorded as aborted."""
+        if live is None or not streams(self.backend):
+            return await self.backend.generate(request)
+        started = time.perf_counter()
+        try:
+            return await self.backend.generate(request, on_chunk=live.chunk)  # type: ignore[call-arg]
+        except asyncio.CancelledError:
+            versions = live.versions
+            aborted = GenerateResult(
+                output_ids=list(live.ids),
+                output_logprobs=list(live.logprobs),
+                text="",
+                finish_reason="abort",
+                weight_version=versions[-1][0] if versions else "default",
+                weight_spans=list(versions) if len(versions) > 1 else [],
+            )
+            latency = time.perf_counter() - started
+            self.calls.append(self._call_of(request, aborted, params, latency, None, build))
+            raise
 
     def _call_of(
         self,

@@ -119,7 +119,9 @@ class TracingProxy:
         return app
 
     async def start(self) -> None:
-        self._runner = web.AppRunner(self._app(), access_log=None)
+        # handler_cancellation: a client that goes away cancels its call, which aborts the
+        # engine's request (aiohttp leaves handlers running by default)
+        self._runner = web.AppRunner(self._app(), access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()

@@ -9,8 +9,9 @@ recorded call's id, after a ``thinking`` block when a thinking model reasoned (i
 empty: the text is the model's own; sent back, it is the turn's ``reasoning_content``); ``stop_reason`` is ``tool_use``, ``max_tokens`` or ``end_turn``. Streamed,
 it is Anthropic's event sequence: ``message_start``, per block ``content_block_start``, its
 ``thinking_delta``, ``text_delta`` or ``input_json_delta`` deltas and ``content_block_stop``, then
-``message_delta`` (stop reason and usage) and ``message_stop``; ``ping`` keeps a long call's
-connection alive. Usage follows Anthropic's split: ``input_tokens`` excludes the prompt tokens
+``message_delta`` (stop reason and usage) and ``message_stop``, written as the reply is
+generated (sse.py; ``message_start``'s usage is zero then, ``message_delta`` has it whole);
+``ping`` keeps a long call's connection alive. Usage follows Anthropic's split: ``input_tokens`` excludes the prompt tokens
 the engine had cached, which are ``cache_read_input_tokens``.
 
 ``count_tokens`` renders the prompt with the policy's chat template and counts its tokens.
@@ -40,7 +41,7 @@ from agentarium.formats import arguments_as_objects, normalize_messages, plain_d
 from ..llm import ChatResult
 from .errors import GatewayError, anthropic_error, refuse_set, refuse_unknown
 from .route import ChatCall, Route, list_field, stop_list, text_of
-from .sse import StreamShape, deltas, event, serve_stream
+from .sse import Block, StreamShape, event, serve_stream
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k")
 IGNORED = frozenset(
@@ -275,7 +276,7 @@ async def serve(request: web.Request, body: dict, route: Route) -> web.StreamRes
     shape = MessageShape(str(body.get("model") or route.llm.model_name))
     if not parsed.stream:
         return web.json_response(shape.message(await parsed.call.run(route.llm)))
-    return await serve_stream(request, lambda: parsed.call.run(route.llm), shape)
+    return await serve_stream(request, lambda on_delta: parsed.call.run(route.llm, on_delta), shape)
 
 
 async def count_tokens(request: web.Request, body: dict, route: Route) -> web.StreamResponse:
@@ -342,48 +343,73 @@ class MessageShape(StreamShape):
             "usage": _usage(result),
         }
 
-    def events(self, result: ChatResult) -> Iterable[bytes]:
-        blocks = self.blocks(result)
-        whole = self.message(result, blocks)
-        usage = whole["usage"]
+    def head(self, result: ChatResult | None) -> Iterable[bytes]:
+        # live, the usage is not known yet: message_delta carries it whole
+        usage = _usage(result)
         start = {
-            **whole,
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
             "content": [],
             "stop_reason": None,
+            "stop_sequence": None,
             "usage": {**usage, "output_tokens": 0},
         }
         yield event({"type": "message_start", "message": start}, "message_start")
-        for index, (block, text) in enumerate(blocks):
-            opened: dict[str, Any]
-            if block["type"] == "text":
-                opened, kind, key = {"type": "text", "text": ""}, "text_delta", "text"
-            elif block["type"] == "thinking":
-                opened = {"type": "thinking", "thinking": "", "signature": ""}
-                kind, key = "thinking_delta", "thinking"
-            else:
-                opened, kind, key = {**block, "input": {}}, "input_json_delta", "partial_json"
-            started = {"type": "content_block_start", "index": index, "content_block": opened}
-            yield event(started, "content_block_start")
-            for piece in deltas(text):
-                piece_delta = {"type": kind, key: piece}
-                yield event(
-                    {"type": "content_block_delta", "index": index, "delta": piece_delta},
-                    "content_block_delta",
-                )
-            yield event({"type": "content_block_stop", "index": index}, "content_block_stop")
-        stop = {"stop_reason": whole["stop_reason"], "stop_sequence": None}
-        yield event({"type": "message_delta", "delta": stop, "usage": usage}, "message_delta")
+
+    def open(self, block: Block) -> Iterable[bytes]:
+        opened: dict[str, Any]
+        if block.kind == "text":
+            opened = {"type": "text", "text": ""}
+        elif block.kind == "reasoning":
+            opened = {"type": "thinking", "thinking": "", "signature": ""}
+        else:
+            assert block.call is not None
+            opened = {
+                "type": "tool_use",
+                "id": block.call["id"],
+                "name": block.call["function"]["name"],
+                "input": {},
+            }
+        started = {"type": "content_block_start", "index": block.index, "content_block": opened}
+        yield event(started, "content_block_start")
+
+    def delta(self, block: Block, piece: str) -> Iterable[bytes]:
+        kind, key = _DELTA_KEYS[block.kind]
+        piece_delta = {"type": kind, key: piece}
+        data = {"type": "content_block_delta", "index": block.index, "delta": piece_delta}
+        yield event(data, "content_block_delta")
+
+    def close(self, block: Block) -> Iterable[bytes]:
+        yield event({"type": "content_block_stop", "index": block.index}, "content_block_stop")
+
+    def tail(self, result: ChatResult, blocks: list[Block]) -> Iterable[bytes]:
+        stop = {
+            "stop_reason": STOP_REASONS.get(result.finish_reason, "end_turn"),
+            "stop_sequence": None,
+        }
+        data = {"type": "message_delta", "delta": stop, "usage": _usage(result)}
+        yield event(data, "message_delta")
         yield event({"type": "message_stop"}, "message_stop")
 
-    def failure(self, error: GatewayError) -> Iterable[bytes]:
+    def failure(self, error: GatewayError, *, started: bool) -> Iterable[bytes]:
         yield event(error.anthropic_body(), "error")
 
 
-def _usage(result: ChatResult) -> dict:
-    cached = result.cached_tokens
+_DELTA_KEYS = {
+    "text": ("text_delta", "text"),
+    "reasoning": ("thinking_delta", "thinking"),
+    "tool_call": ("input_json_delta", "partial_json"),
+}
+
+
+def _usage(result: ChatResult | None) -> dict:
+    """Anthropic's usage of ``result`` (None: a reply still streaming, all zeros so far)."""
+    cached = result.cached_tokens if result is not None else 0
     return {
-        "input_tokens": result.prompt_tokens - cached,
+        "input_tokens": result.prompt_tokens - cached if result is not None else 0,
         "cache_creation_input_tokens": 0,
         "cache_read_input_tokens": cached,
-        "output_tokens": result.output_tokens,
+        "output_tokens": result.output_tokens if result is not None else 0,
     }

@@ -6,7 +6,8 @@ reasoning in ``reasoning_content`` deltas (in the message too: vLLM's and SGLang
 content in deltas,
 each tool call as its index, id, type and name then its arguments in deltas, the finish reason,
 with ``stream_options.include_usage`` a last chunk with no choices and the usage, then
-``data: [DONE]``. The deltas add up to the recorded message exactly.
+``data: [DONE]``, written as the reply is generated (sse.py). The deltas add up to the
+recorded message exactly.
 
 Fields are served, ignored (they do not change the tokens generated: ``user``, ``store``,
 ``parallel_tool_calls``...) or refused with the reason; a field the gateway does not know is
@@ -27,7 +28,7 @@ from aiohttp import web
 from ..llm import ChatResult
 from .errors import GatewayError, openai_error, refuse_set, refuse_unknown
 from .route import ChatCall, Route, stop_list, text_of, thinking_of_effort
-from .sse import StreamShape, deltas, event, serve_stream
+from .sse import Block, StreamShape, event, serve_stream
 
 FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "abort": "stop"}
 # Request fields passed to llm.chat as sampling options under the same name (OpenAI's, plus the
@@ -185,7 +186,7 @@ async def serve(request: web.Request, body: dict, route: Route) -> web.StreamRes
     if not parsed.stream:
         return web.json_response(completion(await parsed.call.run(route.llm), model))
     shape = ChatStream(model, parsed.include_usage)
-    return await serve_stream(request, lambda: parsed.call.run(route.llm), shape)
+    return await serve_stream(request, lambda on_delta: parsed.call.run(route.llm, on_delta), shape)
 
 
 def usage(result: ChatResult) -> dict:
@@ -248,28 +249,31 @@ class ChatStream(StreamShape):
             chunk["usage"] = None
         return event(chunk)
 
-    def events(self, result: ChatResult) -> Iterable[bytes]:
-        yield self._chunk(
-            {"role": "assistant", "content": "" if _content(result) is not None else None}
-        )
-        for piece in deltas(result.reasoning or ""):
+    def head(self, result: ChatResult | None) -> Iterable[bytes]:
+        # content null only for a reply known to be tool calls alone (OpenAI's shape)
+        content = "" if result is None or _content(result) is not None else None
+        yield self._chunk({"role": "assistant", "content": content})
+
+    def open(self, block: Block) -> Iterable[bytes]:
+        if block.kind == "tool_call":
+            assert block.call is not None
+            head = {"name": block.call["function"]["name"], "arguments": ""}
+            call = {"index": block.ordinal, "id": block.call["id"], "type": "function"}
+            yield self._chunk({"tool_calls": [{**call, "function": head}]})
+
+    def delta(self, block: Block, piece: str) -> Iterable[bytes]:
+        if block.kind == "reasoning":
             yield self._chunk({"reasoning_content": piece})
-        for piece in deltas(result.content):
+        elif block.kind == "text":
             yield self._chunk({"content": piece})
-        for index, call in enumerate(result.tool_calls):
-            function = call["function"]
-            head = {"name": function["name"], "arguments": ""}
-            yield self._chunk(
-                {
-                    "tool_calls": [
-                        {"index": index, "id": call["id"], "type": "function", "function": head}
-                    ]
-                }
-            )
-            for piece in deltas(function["arguments"]):
-                yield self._chunk(
-                    {"tool_calls": [{"index": index, "function": {"arguments": piece}}]}
-                )
+        else:
+            call = {"index": block.ordinal, "function": {"arguments": piece}}
+            yield self._chunk({"tool_calls": [call]})
+
+    def close(self, block: Block) -> Iterable[bytes]:
+        return ()
+
+    def tail(self, result: ChatResult, blocks: list[Block]) -> Iterable[bytes]:
         yield self._chunk({}, FINISH.get(result.finish_reason, "stop"))
         if self.include_usage:
             tail = {
@@ -283,7 +287,7 @@ class ChatStream(StreamShape):
             yield event(tail)
         yield b"data: [DONE]\n\n"
 
-    def failure(self, error: GatewayError) -> Iterable[bytes]:
+    def failure(self, error: GatewayError, *, started: bool) -> Iterable[bytes]:
         # The OpenAI SDK raises an APIError for a chunk holding "error".
         yield event({"error": error.openai_body()})
         yield b"data: [DONE]\n\n"

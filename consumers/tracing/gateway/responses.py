@@ -11,7 +11,8 @@ then one ``function_call`` item per tool call, its ``call_id`` the recorded call
 it is OpenAI's event sequence (``response.created``, ``response.in_progress``, per item
 ``response.output_item.added``, the reasoning, text or arguments deltas and their ``done``,
 ``response.output_item.done``, then ``response.completed``, or ``response.incomplete`` when the
-reply hit ``max_output_tokens``), each event numbered by ``sequence_number``.
+reply hit ``max_output_tokens``), each event numbered by ``sequence_number``, written as the reply
+is generated (sse.py).
 
 ``previous_response_id`` continues a response of the same rollout: the rollout's ``Route``
 keeps each conversation (unless ``store: false``), its instructions aside, as OpenAI does not
@@ -32,7 +33,7 @@ from aiohttp import web
 from ..llm import ChatResult
 from .errors import GatewayError, openai_error, refuse_set, refuse_unknown
 from .route import ChatCall, Route, list_field, text_of, thinking_of_effort
-from .sse import StreamShape, deltas, event, serve_stream
+from .sse import Block, OnDelta, StreamShape, event, serve_stream
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
 IGNORED = frozenset(
@@ -273,8 +274,8 @@ async def serve(request: web.Request, body: dict, route: Route) -> web.StreamRes
     parsed = parse(body, route)
     shape = ResponseShape(body, str(body.get("model") or route.llm.model_name))
 
-    async def call() -> ChatResult:
-        result = await parsed.call.run(route.llm)
+    async def call(on_delta: OnDelta | None = None) -> ChatResult:
+        result = await parsed.call.run(route.llm, on_delta)
         if parsed.store:
             route.responses.put(shape.id, [*parsed.conversation, result.message])
         return result
@@ -302,8 +303,11 @@ class ResponseShape(StreamShape):
     def refusal(self, error: GatewayError) -> web.StreamResponse:
         return openai_error(error)
 
-    def response(self, result: ChatResult | None, **override: Any) -> dict:
-        """The response object: finished with ``result``, in progress without."""
+    def response(
+        self, result: ChatResult | None, items: list[dict] | None = None, **override: Any
+    ) -> dict:
+        """The response object: finished with ``result`` (its output ``items``, or made from
+        the result), in progress without."""
         body = self.body
         response: dict[str, Any] = {
             "id": self.id,
@@ -335,7 +339,7 @@ class ResponseShape(StreamShape):
             response["status"] = "incomplete" if length else "completed"
             if length:
                 response["incomplete_details"] = {"reason": "max_output_tokens"}
-            response["output"] = self.items(result)
+            response["output"] = items if items is not None else self.items(result)
             response["usage"] = _usage(result)
         response.update(override)
         return response
@@ -390,64 +394,104 @@ class ResponseShape(StreamShape):
         self._sequence += 1
         return event(data, kind)
 
-    def events(self, result: ChatResult) -> Iterable[bytes]:
+    def head(self, result: ChatResult | None) -> Iterable[bytes]:
         yield self._event("response.created", response=self.response(None))
         yield self._event("response.in_progress", response=self.response(None))
-        for index, item in enumerate(self.items(result)):
-            if item["type"] == "message":
-                yield from self._message_events(index, item)
-            elif item["type"] == "reasoning":
-                yield from self._reasoning_events(index, item)
-            else:
-                yield from self._call_events(index, item)
-        final = self.response(result)
+
+    def open(self, block: Block) -> Iterable[bytes]:
+        block.id = f"{_ID_PREFIXES[block.kind]}_{_hex()}"
+        item = self._item(block)
+        index = block.index
+        if block.kind == "text":
+            opened = {**item, "status": "in_progress", "content": []}
+            yield self._event("response.output_item.added", output_index=index, item=opened)
+            empty = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            yield self._event("response.content_part.added", **_ids(block), part=empty)
+        elif block.kind == "reasoning":
+            opened = {**item, "status": "in_progress", "content": []}
+            yield self._event("response.output_item.added", output_index=index, item=opened)
+        else:
+            opened = {**item, "status": "in_progress", "arguments": ""}
+            yield self._event("response.output_item.added", output_index=index, item=opened)
+
+    def delta(self, block: Block, piece: str) -> Iterable[bytes]:
+        if block.kind == "text":
+            yield self._event("response.output_text.delta", **_ids(block), delta=piece, logprobs=[])
+        elif block.kind == "reasoning":
+            yield self._event("response.reasoning_text.delta", **_ids(block), delta=piece)
+        else:
+            ids = {"item_id": block.id, "output_index": block.index}
+            yield self._event("response.function_call_arguments.delta", **ids, delta=piece)
+
+    def close(self, block: Block) -> Iterable[bytes]:
+        item = self._item(block)
+        if block.kind == "text":
+            ids = _ids(block)
+            yield self._event("response.output_text.done", **ids, text=block.text, logprobs=[])
+            yield self._event("response.content_part.done", **ids, part=item["content"][0])
+        elif block.kind == "reasoning":
+            yield self._event("response.reasoning_text.done", **_ids(block), text=block.text)
+        else:
+            yield self._event(
+                "response.function_call_arguments.done",
+                item_id=block.id,
+                output_index=block.index,
+                name=item["name"],
+                arguments=item["arguments"],
+            )
+        yield self._event("response.output_item.done", output_index=block.index, item=item)
+
+    def tail(self, result: ChatResult, blocks: list[Block]) -> Iterable[bytes]:
+        final = self.response(result, [self._item(block) for block in blocks])
         done = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
         yield self._event(done, response=final)
 
-    def _message_events(self, index: int, item: dict) -> Iterable[bytes]:
-        text = item["content"][0]["text"]
-        ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
-        empty = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        opened = {**item, "status": "in_progress", "content": []}
-        yield self._event("response.output_item.added", output_index=index, item=opened)
-        yield self._event("response.content_part.added", **ids, part=empty)
-        for piece in deltas(text):
-            yield self._event("response.output_text.delta", **ids, delta=piece, logprobs=[])
-        yield self._event("response.output_text.done", **ids, text=text, logprobs=[])
-        yield self._event("response.content_part.done", **ids, part=item["content"][0])
-        yield self._event("response.output_item.done", output_index=index, item=item)
+    @staticmethod
+    def _item(block: Block) -> dict:
+        """The output item a block makes (as ``items`` makes it from a whole result)."""
+        if block.kind == "reasoning":
+            return {
+                "id": block.id,
+                "type": "reasoning",
+                "summary": [],
+                "content": [{"type": "reasoning_text", "text": block.text}],
+                "encrypted_content": None,
+                "status": "completed",
+            }
+        if block.kind == "text":
+            text = {"type": "output_text", "text": block.text, "annotations": [], "logprobs": []}
+            return {
+                "id": block.id,
+                "type": "message",
+                "status": "completed",
+                "role": "assistant",
+                "content": [text],
+            }
+        assert block.call is not None
+        return {
+            "id": block.id,
+            "type": "function_call",
+            "status": "completed",
+            "call_id": block.call["id"],
+            "name": block.call["function"]["name"],
+            "arguments": block.text,
+        }
 
-    def _reasoning_events(self, index: int, item: dict) -> Iterable[bytes]:
-        text = item["content"][0]["text"]
-        ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
-        opened = {**item, "status": "in_progress", "content": []}
-        yield self._event("response.output_item.added", output_index=index, item=opened)
-        for piece in deltas(text):
-            yield self._event("response.reasoning_text.delta", **ids, delta=piece)
-        yield self._event("response.reasoning_text.done", **ids, text=text)
-        yield self._event("response.output_item.done", output_index=index, item=item)
-
-    def _call_events(self, index: int, item: dict) -> Iterable[bytes]:
-        ids = {"item_id": item["id"], "output_index": index}
-        opened = {**item, "status": "in_progress", "arguments": ""}
-        yield self._event("response.output_item.added", output_index=index, item=opened)
-        for piece in deltas(item["arguments"]):
-            yield self._event("response.function_call_arguments.delta", **ids, delta=piece)
-        yield self._event(
-            "response.function_call_arguments.done",
-            **ids,
-            name=item["name"],
-            arguments=item["arguments"],
-        )
-        yield self._event("response.output_item.done", output_index=index, item=item)
-
-    def failure(self, error: GatewayError) -> Iterable[bytes]:
+    def failure(self, error: GatewayError, *, started: bool) -> Iterable[bytes]:
         code = "invalid_prompt" if error.kind == "invalid_request" else "server_error"
-        yield self._event("response.created", response=self.response(None))
+        if not started:
+            yield self._event("response.created", response=self.response(None))
         failed = self.response(
             None, status="failed", error={"code": code, "message": error.message}
         )
         yield self._event("response.failed", response=failed)
+
+
+_ID_PREFIXES = {"reasoning": "rs", "text": "msg", "tool_call": "fc"}
+
+
+def _ids(block: Block) -> dict:
+    return {"item_id": block.id, "output_index": block.index, "content_index": 0}
 
 
 def _usage(result: ChatResult) -> dict:

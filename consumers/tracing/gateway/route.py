@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import LLMError
-from ..llm import ChatResult, TracingLLM
+from ..llm import ChatResult, OnDelta, TracingLLM
 from .errors import GatewayError, from_llm_error
 
 STORED_RESPONSES = 512  # per rollout; the oldest is forgotten first
@@ -69,13 +69,15 @@ class ChatCall:
     thinking: bool | None = None  # reasoning on or off, as the API asked; None: the default
     thinking_budget: int | None = None  # the reasoning's token budget (TracingLLM.chat)
 
-    async def run(self, llm: TracingLLM) -> ChatResult:
+    async def run(self, llm: TracingLLM, on_delta: OnDelta | None = None) -> ChatResult:
+        """The call; ``on_delta`` streams its reply's text (``TracingLLM.chat``)."""
         try:
             return await llm.chat(
                 self.messages,
                 tools=self.tools,
                 thinking=self.thinking,
                 thinking_budget=self.thinking_budget,
+                on_delta=on_delta,
                 **self.sampling,
             )
         except (LLMError, TypeError, ValueError) as exc:
