@@ -415,7 +415,7 @@ async def test_health_info_and_flush(server, tiny):
         ({"input_ids": PROMPT, "sampling_params": {"top_p": 0}}, "top_p"),
         ({"input_ids": PROMPT, "sampling_params": {"n": 2}}, "not supported"),
         ({"input_ids": PROMPT, "sampling_params": {"max_tokens": 2}}, "unknown"),
-        ({"input_ids": PROMPT, "stream": True}, "not supported"),
+        ({"input_ids": PROMPT, "stream": "yes"}, "stream must be true or false"),
         ({"input_ids": PROMPT, "bogus": 1}, "unknown"),
     ],
 )

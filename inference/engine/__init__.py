@@ -1,9 +1,10 @@
 """The local inference engine: SGLang's native HTTP API on torch + transformers, on the CPU.
 
 It serves any local transformers model directory (the built-in tiny model included) with
-continuous batching, token-level logprobs, pause/continue, in-place weight reloads from disk and
-weights received over torch.distributed (SGLang's distributed weight update, gloo), so the
-weight syncer and the tracing client have one code path for it and for SGLang.
+continuous batching, token-level logprobs, streamed responses (SGLang's incremental chunks),
+pause/continue, in-place weight reloads from disk and weights received over torch.distributed
+(SGLang's distributed weight update, gloo), so the weight syncer and the tracing client have
+one code path for it and for SGLang.
 
 Reported logprobs are log_softmax(logits / temperature) of each sampled token, before any
 top_p/top_k/min_p truncation (SGLang's default); greedy requests report temperature 1. At

@@ -1,12 +1,15 @@
 """`LocalEngine`: the model and its scheduler behind SGLang's request and response shapes,
-usable in-process (`await engine.generate({...})`) or behind the HTTP server in server.py.
+usable in-process (`await engine.generate({...})`, `async for chunk in
+engine.generate_stream({...})`) or behind the HTTP server in server.py.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import uuid
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +26,7 @@ from .model import EngineModel
 from .request import parse_generate
 from .scheduler import PAUSE_MODES, Scheduler
 from .sequence import Sequence
+from .stream import RequestStream
 from .tracing import record_request
 
 log = structlog.get_logger("agentarium.engine")
@@ -97,6 +101,45 @@ class LocalEngine:
 
     async def generate(self, body: dict[str, Any]) -> dict[str, Any]:
         """Run one `/generate` request; raises InvalidRequest (HTTP 400) for a bad one."""
+        seq = self._sequence(body)
+        if seq.request.stream:
+            raise InvalidRequest(
+                "stream: true answers a stream of chunks: call generate_stream(body) (over HTTP, "
+                "POST /generate answers it as server-sent events)"
+            )
+        await self.scheduler.submit(seq)
+        try:
+            out = await seq.future
+        except asyncio.CancelledError:
+            seq.cancelled = True  # the client went away: free its row at the next step
+            raise
+        record_request(seq, out)  # its phases as spans under the current (server) span
+        return out
+
+    def generate_stream(self, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
+        """Run one `/generate` request as SGLang's incremental stream: an async iterator of
+        chunks, one per step that added tokens, the last with its finish_reason (stream.py).
+
+        The body is checked here, before anything runs: a bad one raises InvalidRequest at
+        once. Closing the iterator early (a client that went away) drops the request's row
+        at the next step, and nothing of it is kept in the prefix cache.
+        """
+        return self._stream(self._sequence(body))
+
+    async def _stream(self, seq: Sequence) -> AsyncGenerator[dict[str, Any], None]:
+        stream = RequestStream(seq)
+        await self.scheduler.submit(seq)
+        try:
+            async with contextlib.aclosing(stream.chunks()) as chunks:
+                async for chunk in chunks:
+                    if chunk["meta_info"]["finish_reason"] is not None:
+                        record_request(seq, chunk)  # the last chunk: as a response's meta_info
+                    yield chunk
+        finally:
+            if not seq.future.done():
+                seq.cancelled = True  # closed early: free its row at the next step
+
+    def _sequence(self, body: dict[str, Any]) -> Sequence:
         request = parse_generate(
             body,
             encode=lambda text: self.model.tokenizer.encode(text).ids,
@@ -108,22 +151,13 @@ class LocalEngine:
                 f"lora_path: LoRA adapter {request.lora_path!r} is not loaded (loaded: "
                 f"{self._lora.name!r}): POST /load_lora_adapter first"
             )
-        future: asyncio.Future = asyncio.get_running_loop().create_future()
-        seq = Sequence(
+        return Sequence(
             request,
             tokenizer=self.model.tokenizer,
             eos_token_ids=self.model.eos_token_ids,
             generator=self.scheduler.generator_for(request.sampling.sampling_seed),
-            future=future,
+            future=asyncio.get_running_loop().create_future(),
         )
-        await self.scheduler.submit(seq)
-        try:
-            out = await future
-        except asyncio.CancelledError:
-            seq.cancelled = True  # the client went away: free its row at the next step
-            raise
-        record_request(seq, out)  # its phases as spans under the current (server) span
-        return out
 
     async def abort_request(self, body: dict[str, Any]) -> int:
         rid, abort_all = body.get("rid"), bool(body.get("abort_all", False))

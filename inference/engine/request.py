@@ -1,9 +1,10 @@
 """A `/generate` request, parsed and validated the way SGLang does, with the same defaults.
 
 The engine supports the sampling that the trainer can reproduce (temperature, top_p, top_k,
-min_p, stop strings and ids, seeds). SGLang options that would change the logits (penalties,
-grammars, logit bias) or the response's shape (n > 1, streaming, batches) are refused with a
-400 that says so, never silently ignored.
+min_p, stop strings and ids, seeds), and `stream: true` (answered in SGLang's incremental
+chunks: stream.py). SGLang options that would change the logits (penalties, grammars, logit
+bias) or the response's shape (n > 1, batches) are refused with a 400 that says so, never
+silently ignored.
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ _SAMPLING = {
     "no_stop_trim",
 }
 _UNSUPPORTED_TOP = {
-    "stream": False,
     "image_data": None,
     "video_data": None,
     "audio_data": None,
@@ -67,6 +67,7 @@ _TOP = {
     "top_logprobs_num",
     "return_text_in_logprobs",
     "rid",
+    "stream",  # chunks as SGLang's --incremental-streaming-output writes them (stream.py)
     "lora_path",  # the adapter to answer with (inference/engine/lora.py)
 }
 
@@ -104,6 +105,7 @@ class GenerateRequest:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
+    stream: bool = False  # answered chunk by chunk: LocalEngine.generate_stream
     lora_path: str | None = None  # a LoRA adapter's name, as loaded by /load_lora_adapter
 
 
@@ -155,6 +157,7 @@ def parse_generate(
         return_text_in_logprobs=_bool(
             data.get("return_text_in_logprobs", False), "return_text_in_logprobs"
         ),
+        stream=_bool(False if data.get("stream") is None else data["stream"], "stream"),
         lora_path=lora_path,
     )
 

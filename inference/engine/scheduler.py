@@ -7,6 +7,10 @@ left-padded KV cache; finished rows leave it. A request arriving at an idle engi
 depend on its companions: padding is masked, positions are per row, every row samples with
 its own generator.
 
+After each step a streamed request's `Sequence.on_step` runs on the event loop (stream.py),
+before the next step begins; a cancelled row (its client went away) leaves the batch at the
+start of the next step.
+
 Prefix cache (prefix_cache.py): a joining request whose prompt starts with a finished
 sequence's tokens (its previous turn) takes that KV and computes only the rest; each sequence
 that finishes (not aborted) leaves its KV there. A weight change flushes it.
@@ -301,16 +305,22 @@ class Scheduler:
                 if not self._has_work():
                     continue
                 joiners = self._admit()
+                stepped = [*self._running, *joiners]
                 try:
                     finished = await asyncio.get_running_loop().run_in_executor(
                         self._forward, self._step, joiners
                     )
                 except Exception as exc:  # a bug or OOM: fail these requests, keep serving
                     log.exception("engine step failed")
-                    finished = list({id(s): s for s in [*self._running, *joiners]}.values())
+                    finished = list(stepped)
                     for seq in finished:
                         seq.abort(f"engine step failed: {exc}", status_code=500)
                     self._running, self._kv = [], None
+                # the step's appends are over and the next step has not begun: a streamed row
+                # notes here what it may read (stream.py)
+                for seq in stepped:
+                    if seq.on_step is not None:
+                        seq.on_step()
             for seq in finished:
                 if not seq.future.done():
                     seq.future.set_result(seq.response(self.weight_version))

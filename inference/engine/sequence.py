@@ -5,12 +5,17 @@ Stop rules follow SGLang's `Req.check_finished`, in its order: max_new_tokens fi
 (`{"type": "stop", "matched": <id>}`), then stop strings (`{"type": "stop", "matched": <str>}`).
 `output_ids` keep the matched token; `text` drops it, and a matched stop string is cut from
 `text` (unless `no_stop_trim`).
+
+The scheduler's step thread appends to `output_ids`, `logprobs` and `top_logprobs` and never
+changes an entry once written, so the event loop may read entries a finished step wrote while the
+next step runs (stream.py does, for a streamed request).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import torch
 from tokenizers import Tokenizer
@@ -47,6 +52,10 @@ class Sequence:
         self.cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
         self.kv_epoch = -1  # the prefix cache's epoch when this row's KV was computed
         self.cancelled = False
+        # A streamed request's hook (stream.py): the scheduler calls it on the event loop after
+        # each step this row took part in, before the next step starts.
+        self.on_step: Callable[[], None] | None = None
+        self._input_meta: dict | None = None  # its prompt logprobs as answered, once computed
         self.started = time.monotonic()
         # Wall-clock stamps of its phases, for its spans (tracing.py): a few per request.
         self.arrived_ns = time.time_ns()
@@ -127,22 +136,23 @@ class Sequence:
             self.finish_reason = {"type": "stop", "matched": last}
             return
         if p.stop:
-            tail = self._decode(self.output_ids[-self._stop_tail :])
+            tail = self.decode(self.output_ids[-self._stop_tail :])
             for stop in p.stop:
                 if stop in tail:
                     self.finish_reason = {"type": "stop", "matched": stop}
                     return
 
-    def _decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int]) -> str:
+        """Output ids as text, the way this request's `text` is decoded."""
         return self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
 
     def text(self) -> str:
         ids, matched = self.output_ids, (self.finish_reason or {}).get("matched")
         if self.params.no_stop_trim:
-            return self._decode(ids)
+            return self.decode(ids)
         if isinstance(matched, int):
-            return self._decode(ids[:-1])
-        text = self._decode(ids)
+            return self.decode(ids[:-1])
+        text = self.decode(ids)
         if isinstance(matched, str) and matched in text:
             text = text[: text.find(matched)]
         return text
@@ -167,31 +177,51 @@ class Sequence:
                 for (v, start), end in zip(self.versions, ends, strict=True)
             ]
         if r.return_logprob:
-            meta["output_token_logprobs"] = [
-                [lp, tid, self._token_text(tid)]
-                for lp, tid in zip(self.logprobs, self.output_ids, strict=True)
-            ]
-            if r.logprob_start_len >= 0:
-                meta["input_token_logprobs"] = [
-                    [lp, tid, self._token_text(tid)]
-                    for lp, tid in zip(
-                        self.input_logprobs or [],
-                        r.input_ids[r.logprob_start_len :],
-                        strict=False,
-                    )
-                ]
-            if r.top_logprobs_num:
-                meta["output_top_logprobs"] = [
-                    [[lp, tid, self._token_text(tid)] for lp, tid in top]
-                    for top in self.top_logprobs
-                ]
-                if r.logprob_start_len >= 0:
-                    meta["input_top_logprobs"] = [
-                        None if top is None else [[lp, t, self._token_text(t)] for lp, t in top]
-                        for top in (self.input_top_logprobs or [])
-                    ]
+            meta.update(self.logprob_meta(0, len(self.output_ids)))
         meta["e2e_latency"] = time.monotonic() - self.started
         return {"text": self.text(), "output_ids": list(self.output_ids), "meta_info": meta}
+
+    def logprob_meta(self, start: int, end: int) -> dict:
+        """The logprob fields of `meta_info` for output tokens [start, end): a streamed chunk
+        carries its own tokens' (stream.py), the response all of them; both carry the prompt's."""
+        meta: dict = {
+            "output_token_logprobs": [
+                [lp, tid, self._token_text(tid)]
+                for lp, tid in zip(
+                    self.logprobs[start:end], self.output_ids[start:end], strict=True
+                )
+            ]
+        }
+        meta.update(self._input_logprob_meta())
+        if self.request.top_logprobs_num:
+            meta["output_top_logprobs"] = [
+                [[lp, tid, self._token_text(tid)] for lp, tid in top]
+                for top in self.top_logprobs[start:end]
+            ]
+        return meta
+
+    def _input_logprob_meta(self) -> dict:
+        if self._input_meta is not None:
+            return self._input_meta
+        r = self.request
+        if r.logprob_start_len < 0:
+            return {}
+        meta: dict = {
+            "input_token_logprobs": [
+                [lp, tid, self._token_text(tid)]
+                for lp, tid in zip(
+                    self.input_logprobs or [], r.input_ids[r.logprob_start_len :], strict=False
+                )
+            ]
+        }
+        if r.top_logprobs_num:
+            meta["input_top_logprobs"] = [
+                None if top is None else [[lp, t, self._token_text(t)] for lp, t in top]
+                for top in (self.input_top_logprobs or [])
+            ]
+        if self.input_logprobs is not None:  # computed once, at its prefill: answered alike after
+            self._input_meta = meta
+        return meta
 
     def _token_text(self, token_id: int) -> str | None:
         if not self.request.return_text_in_logprobs:

@@ -6,13 +6,19 @@ Every POST is a SERVER span continuing the caller's W3C ``traceparent``, with th
 queue wait, prefill and decode (and the weight updates it waited through) as children
 (tracing.py).
 
-Bad requests answer 400 with `{"error": {"message": ...}}`, as SGLang's /generate does; a
-failed weight update or weight-group call answers 400 with `{"success": false, "message": ...}`.
+`POST /generate` with `"stream": true` answers `text/event-stream`: one `data: <chunk>` event
+per engine step that added tokens (SGLang's `--incremental-streaming-output` chunks, stream.py),
+then `data: [DONE]`. A client that disconnects mid-stream frees its row within a step.
+
+Bad requests answer 400 with `{"error": {"message": ...}}`, as SGLang's /generate does (a
+streamed one too: it is checked before the stream opens); a failed weight update or
+weight-group call answers 400 with `{"success": false, "message": ...}`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import threading
@@ -73,12 +79,48 @@ async def _invalid_to_400(request: web.Request, handler) -> web.StreamResponse:
         return _error(str(exc))
 
 
-async def _generate(request: web.Request) -> web.Response:
+async def _generate(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
     started = time.monotonic()
-    out = await engine.generate(await _body(request))
+    body = await _body(request)
+    if body.get("stream"):
+        return await _generate_stream(request, body, started)
+    out = await engine.generate(body)
     request.app[METRICS_KEY].observe(out, time.monotonic() - started)
     return web.json_response(out)
+
+
+async def _generate_stream(
+    request: web.Request, body: dict[str, Any], started: float
+) -> web.StreamResponse:
+    """SGLang's stream: a ``data: <chunk>`` event per chunk, then ``data: [DONE]``. A client
+    that goes away (a write fails, or its transport is closing) closes the chunk iterator,
+    which frees the request's row at the next step."""
+    chunks = request.app[ENGINE_KEY].generate_stream(body)  # a bad body raises: a 400, no stream
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await response.prepare(request)
+    rid = None
+    async with contextlib.aclosing(chunks):
+        try:
+            async for chunk in chunks:
+                rid = chunk["meta_info"]["id"]
+                if chunk["meta_info"]["finish_reason"] is not None:
+                    request.app[METRICS_KEY].observe(chunk, time.monotonic() - started)
+                await _send(request, response, b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            await _send(request, response, b"data: [DONE]\n\n")
+        except ConnectionResetError:  # aiohttp's ClientConnectionResetError is one
+            log.info("stream client went away", rid=rid)
+    return response
+
+
+async def _send(request: web.Request, response: web.StreamResponse, data: bytes) -> None:
+    # a write into a transport that is closing may still succeed (buffered): ask it first
+    transport = request.transport
+    if transport is None or transport.is_closing():
+        raise ConnectionResetError("the client closed the connection")
+    await response.write(data)
 
 
 async def _metrics(request: web.Request) -> web.Response:

@@ -994,7 +994,6 @@ def generate_requests(draw_: Callable, kind: str) -> Request:
         where, field, value = draw_(
             st.sampled_from(
                 [
-                    ("top", "stream", True),
                     ("top", "image_data", "x"),
                     ("top", "lora_path", "/x"),
                     ("sampling", "n", 2),
