@@ -89,8 +89,9 @@ async def test_the_anthropic_sdk_gets_deltas_while_the_engine_generates(stack):
     engine, llm, endpoint = stack
     sdk = anthropic.AsyncAnthropic(base_url=endpoint.removesuffix("/v1"), api_key="unused")
     generating_at_first = None
+    # this SDK has no temperature parameter (Anthropic's newer models take none): the body has
     async with sdk.messages.stream(
-        model="tiny", messages=QUESTION, max_tokens=200, temperature=0
+        model="tiny", messages=QUESTION, max_tokens=200, extra_body={"temperature": 0}
     ) as stream:
         async for text in stream.text_stream:
             if text and generating_at_first is None:
