@@ -33,7 +33,7 @@ import structlog
 from agentarium.broker import Backoff, cancel_and_wait
 from agentarium.schemas import check_settings, setting
 
-from .backends.base import GenerateRequest, GenerateResult
+from .backends.base import GenerateChunk, GenerateRequest, GenerateResult, OnChunk, streams
 from .errors import BackendUnavailable
 from .metrics import FLEET_DOWN_SECONDS, FLEET_OUTAGES, FLEET_UP, SERVER_UP, backend_label
 from .redact import log_safe
@@ -165,15 +165,30 @@ class Fleet:
     def provider_name(self) -> str:
         return str(getattr(self.backend, "provider_name", "") or "unknown")
 
-    async def generate(self, request: GenerateRequest) -> GenerateResult:
+    @property
+    def streams(self) -> bool:
+        return streams(self.backend)
+
+    async def generate(
+        self, request: GenerateRequest, on_chunk: OnChunk | None = None
+    ) -> GenerateResult:
+        handed = False  # a chunk went on: the caller acted on it, so never call again
+
+        def relay(chunk: GenerateChunk) -> None:
+            nonlocal handed
+            handed = True
+            on_chunk(chunk)  # type: ignore[misc]
+
         while True:
             if self.holding:
                 await self._serving.wait()
             outages = self.outages
             try:
-                return await self.backend.generate(request)
+                if on_chunk is None or not self.streams:
+                    return await self.backend.generate(request)
+                return await self.backend.generate(request, on_chunk=relay)
             except BackendUnavailable:
-                if not self.policy.holds or self.past_limit:
+                if not self.policy.holds or self.past_limit or handed:
                     raise
                 # The fleet went down during the call (it may be back already), or a probe of
                 # every server now finds it down: wait for it and call again. Otherwise a

@@ -13,6 +13,23 @@ answer says so as SGLANG_API.md and the local engine do, ``meta_info.weight_vers
 SGLang does not define, so a client sending extra fields fails its tests. Outages: ``stop()``
 closes it (connections refused) and ``start()`` brings it back on the same port; ``hang()``
 makes it accept every request, ``/health`` included, and never answer until ``unhang()``.
+
+Streaming (``"stream": true``): SGLang's server-sent events, ``data: {...}`` chunks of
+``stream_interval`` tokens each, then ``data: [DONE]``; each chunk's ``meta_info`` names the
+weights at the time it is written (``weight_version``: change it while a stream is held to
+see a stream span two versions) and, as SGLang's own server, no ``weight_versions``. By
+default every chunk holds the whole output so far; ``incremental=True`` is SGLang's
+``--incremental-streaming-output`` (each chunk only what is new; its text cut as SGLang's
+detokenizer cuts it, so that a stop string begun in one chunk stays in it). ``decode`` (ids to
+text, e.g. a ``ChatTemplate``'s) makes the chunks' text the decoded output so far, with a
+trailing incomplete character held back as SGLang's detokenizer holds it, and applies the
+request's stop strings as SGLang does (the output ends at the token that completes one,
+``matched`` the string, the text cut before it); without it a chunk's text is the reply's in
+proportion. ``hold_streams`` stops every stream after ``hold_after`` chunks until
+``release_streams()`` or an ``/abort_request`` of its rid (which ends it with an abort, as
+SGLang does); ``break_streams`` drops the next streams' connections there instead, and
+``stream_errors`` answers the next streams with an in-stream error chunk. ``/abort_request``
+calls are recorded in ``control``, and ``dropped`` counts streams whose client left first.
 """
 
 from __future__ import annotations
@@ -25,6 +42,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import orjson
 from aiohttp import web
 
 from agentarium.broker import free_port
@@ -68,6 +86,7 @@ SAMPLING_FIELDS = frozenset(
     }
 )
 
+ABORT_FIELDS = frozenset({"rid", "abort_all"})  # AbortReq's that a client sends
 # UpdateWeightFromDiskReqInput fields as SGLANG_API.md lists them; pause modes.
 UPDATE_WEIGHTS_FIELDS = frozenset(
     {"model_path", "load_format", "weight_version", "flush_cache", "abort_all_requests"}
@@ -162,6 +181,9 @@ class FakeSGLang:
         tokenizer_path: str = "/models/fake",
         tokenizer_fingerprint: str | None = None,
         context_len: int | None = None,
+        incremental: bool = False,
+        decode: Callable[[list[int]], str] | None = None,
+        stream_interval: int = 1,
     ) -> None:
         self.output_ids = list(output_ids) if output_ids is not None else [11, 12, 13]
         self.text = text
@@ -190,6 +212,17 @@ class FakeSGLang:
         self.ignore_weights = False
         self.ignore_updates = False  # answer an update's success and change nothing at all
         self.hung: list[str] = []  # paths of the requests that arrived while hung
+        # streaming (the module docstring)
+        self.incremental = incremental
+        self.decode = decode
+        self.stream_interval = stream_interval
+        self.hold_streams = False
+        self.hold_after = 1
+        self.break_streams = 0
+        self.stream_errors = 0
+        self.dropped = 0
+        self.aborted: set[str] = set()  # rids named by /abort_request
+        self._held: dict[str, asyncio.Event] = {}  # rid -> its stream's release
         self._answering = asyncio.Event()
         self._answering.set()
         self._arrived = asyncio.Condition()
@@ -214,6 +247,7 @@ class FakeSGLang:
         app.router.add_post("/unload_lora_adapter", self._unload_lora)
         app.router.add_post("/update_weight_version", self._update_weight_version)
         app.router.add_post("/get_weights_by_name", self._get_weights_by_name)
+        app.router.add_post("/abort_request", self._abort_request)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", self.port)
@@ -247,6 +281,17 @@ class FakeSGLang:
         if self.gate is not None:
             self.gate.set()
         await self.stop()
+
+    def release_streams(self) -> None:
+        """Let every held stream go on, and hold no more."""
+        self.hold_streams = False
+        for release in self._held.values():
+            release.set()
+
+    async def wait_for_held(self, n: int) -> None:
+        """Return once ``n`` streams are held (``hold_streams``)."""
+        async with self._arrived:
+            await self._arrived.wait_for(lambda: len(self._held) >= n)
 
     async def wait_for_requests(self, n: int) -> None:
         """Return once ``n`` requests have arrived (in flight or done)."""
@@ -343,13 +388,28 @@ class FakeSGLang:
         error = {"object": "error", "message": "Get parameter by name failed", "code": 400}
         return web.json_response(error, status=400)
 
+    async def _abort_request(self, request: web.Request) -> web.Response:
+        """SGLang's AbortReq: ``rid`` (or ``abort_all``); 200 and an empty body."""
+        body = await request.json()
+        self.control.append(("/abort_request", body))
+        if set(body) - ABORT_FIELDS or not (body.get("rid") or body.get("abort_all")):
+            return web.json_response(
+                {"error": {"message": f"bad abort_request {body}"}}, status=400
+            )
+        rids = list(self._held) if body.get("abort_all") else [str(body["rid"])]
+        for rid in rids:
+            self.aborted.add(rid)
+            if rid in self._held:
+                self._held[rid].set()
+        return web.Response()
+
     async def _update_weight_version(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.control.append(("/update_weight_version", body))
         self.weight_version = str(body["new_version"])
         return web.json_response({"success": True, "new_version": self.weight_version})
 
-    async def _generate(self, request: web.Request) -> web.Response:
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         async with self._arrived:
             self.requests.append(body)
@@ -376,8 +436,14 @@ class FakeSGLang:
                 f"{self.context_len} tokens. You requested a total of {asked} tokens."
             )
             return web.json_response({"error": {"message": message}}, status=400)
+        stream = bool(body.get("stream"))
+        if stream and self.stream_errors:
+            self.stream_errors -= 1
+            return await self._stream(request, body, [], [], "", _abort(), error="scripted error")
         if self.aborts:
             self.aborts -= 1
+            if stream:
+                return await self._stream(request, body, prompt, [], "", _abort())
             return web.json_response(self._response(body, prompt, [], "", _abort()))
         if self.reply is not None:
             output_ids, text = self.reply(body)
@@ -385,13 +451,20 @@ class FakeSGLang:
             output_ids, text = list(self.output_ids), self.text
         if self.partial_aborts:
             self.partial_aborts -= 1
+            if stream:
+                return await self._stream(request, body, prompt, output_ids[:1], "", _abort())
             return web.json_response(self._response(body, prompt, output_ids[:1], "", _abort()))
         max_new = body.get("sampling_params", {}).get("max_new_tokens", 1 << 30)
-        if len(output_ids) > max_new:
+        stopped = self._stop_string(body, output_ids[:max_new])
+        if stopped is not None:
+            output_ids, text, finish = stopped
+        elif len(output_ids) > max_new:
             output_ids = output_ids[:max_new]
             finish: dict[str, Any] = {"type": "length", "length": max_new}
         else:
             finish = {"type": "stop", "matched": output_ids[-1] if output_ids else None}
+        if stream:
+            return await self._stream(request, body, prompt, output_ids, text, finish)
         response = self._response(body, prompt, output_ids, text, finish)
         split = len(output_ids) // 2
         if started_on != self.weight_version and split > 0:  # updated in place mid-request
@@ -401,8 +474,106 @@ class FakeSGLang:
             ]
         return web.json_response(response)
 
+    def _stop_string(self, body: dict, ids: list[int]) -> tuple[list[int], str, dict] | None:
+        """With ``decode``: the output up to the token that completes one of the request's stop
+        strings, its text cut before it, and the finish naming it (None: no stop string)."""
+        stops = body.get("sampling_params", {}).get("stop") or []
+        stops = [stops] if isinstance(stops, str) else stops
+        if self.decode is None or not stops:
+            return None
+        for end in range(1, len(ids) + 1):
+            text = self.decode(ids[:end])
+            found = [(text.find(s), s) for s in stops if s in text]
+            if found:
+                at, stop = min(found)
+                return ids[:end], text[:at], {"type": "stop", "matched": stop}
+        return None
+
+    def _text_so_far(self, output_ids: list[int], end: int, text: str) -> str:
+        """A chunk's whole text after ``end`` of the output's tokens (the last chunk's is
+        ``text``)."""
+        if end >= len(output_ids):
+            return text
+        if self.decode is None:
+            return text[: len(text) * end // max(1, len(output_ids))]
+        return self.decode(output_ids[:end]).rstrip("\ufffd")  # SGLang's detokenizer waits
+
+    async def _stream(
+        self,
+        request: web.Request,
+        body: dict,
+        prompt: list[int],
+        output_ids: list[int],
+        text: str,
+        finish: dict,
+        *,
+        error: str = "",
+    ) -> web.StreamResponse:
+        """SGLang's streamed answer (the module docstring)."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        rid = str(body.get("rid", ""))
+        breaking = self.break_streams > 0
+        self.break_streams -= breaking
+        step = max(1, self.stream_interval)
+        ends = list(range(step, len(output_ids), step)) + [len(output_ids)]
+        sent, start = 0, 0  # text and tokens written (SGLang's sent offsets)
+        try:
+            if error:
+                await response.write(
+                    b"data: " + orjson.dumps({"error": {"message": error}}) + b"\n\n"
+                )
+                ends = []
+            for i, end in enumerate(ends):
+                last = i == len(ends) - 1
+                if i == self.hold_after and not last:
+                    if breaking:
+                        assert request.transport is not None
+                        request.transport.abort()  # as a crashed server
+                        return response
+                    if self.hold_streams and await self._hold(rid):
+                        end, last, finish = start, True, _abort()  # the tokens so far
+                whole = self._text_so_far(output_ids, end, text)
+                chunk = self._response(
+                    body, prompt, output_ids[:end], whole, finish if last else None
+                )
+                meta = chunk["meta_info"]
+                if not last:
+                    del meta["e2e_latency"]
+                if self.incremental:
+                    chunk["text"], sent = whole[sent:], len(whole)
+                    chunk["output_ids"] = output_ids[start:end]
+                    meta["output_token_logprobs"] = meta["output_token_logprobs"][start:]
+                start = end
+                await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+                if last:
+                    break
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except (ConnectionError, RuntimeError):  # the client left (aiohttp's reset is one)
+            self.dropped += 1
+        return response
+
+    async def _hold(self, rid: str) -> bool:
+        """Wait until released; True when the wait ended by an /abort_request of ``rid``."""
+        release = self._held[rid] = asyncio.Event()
+        async with self._arrived:
+            self._arrived.notify_all()
+        try:
+            if rid in self.aborted:
+                return True
+            await release.wait()
+            return rid in self.aborted
+        finally:
+            del self._held[rid]
+
     def _response(
-        self, body: dict, prompt: list[int], output_ids: list[int], text: str, finish: dict
+        self,
+        body: dict,
+        prompt: list[int],
+        output_ids: list[int],
+        text: str,
+        finish: dict | None,
     ) -> dict:
         logprobs = [[-0.1 * (i + 1), tid, None] for i, tid in enumerate(output_ids)]
         if self.misaligned and logprobs:

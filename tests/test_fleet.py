@@ -290,3 +290,37 @@ def test_fleet_policy_is_checked():
     for bad in (dict(outage_limit_s=-1), dict(probe_timeout_s=0), dict(probe_failures=0)):
         with pytest.raises(ValueError):
             FleetPolicy(**bad)
+
+
+async def test_a_stream_cut_after_its_first_chunk_is_not_held_and_called_again():
+    """A streamed call whose tokens were handed on (the client acted on them) fails at once
+    when its server goes, even while the fleet holds calls: calling again would generate the
+    reply a second time under the tokens already sent."""
+    fake = FakeSGLang()
+    await fake.start()
+    fake.hold_streams = True  # the stream stops after its first chunk
+    fleet = Fleet(
+        SGLangBackend([fake.url], retries=0, backoff=0.0), agent="unit", policy=FleetPolicy(**FAST)
+    )
+    chunks: list = []
+    handed = asyncio.Event()
+
+    def on_chunk(chunk) -> None:
+        chunks.append(chunk)
+        handed.set()
+
+    try:
+        await fleet.start()
+        request = GenerateRequest(input_ids=[1, 2], sampling={"max_new_tokens": 8}, rid="s")
+        call = asyncio.ensure_future(fleet.generate(request, on_chunk=on_chunk))
+        await asyncio.wait_for(handed.wait(), 5.0)  # the server then holds the rest
+        fake.hang()  # the fleet's probes now find it down: an unstreamed call would be held
+        fleet.backend.open_breaker(fake.url)  # ... and the stream in flight is cut
+        with pytest.raises(BackendUnavailable):
+            await asyncio.wait_for(call, 5.0)
+        assert chunks and fake.count == 1
+    finally:
+        fake.unhang()
+        fake.release_streams()
+        await fleet.aclose()
+        await fake.close()

@@ -18,7 +18,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..errors import CrossSamplingError, LLMError
-from .base import GenerateRequest, GenerateResult
+from .base import GenerateRequest, GenerateResult, OnChunk, streams
 from .vocab import FINGERPRINT, server_fingerprint
 
 # Trajectories recorded before LLMCall.model named the answering model carried it here, in the
@@ -68,11 +68,22 @@ class CrossSamplingBackend:
         """The API both models speak; the primary's when they differ (known before a call)."""
         return str(getattr(self.primary, "provider_name", "") or "unknown")
 
-    async def generate(self, request: GenerateRequest) -> GenerateResult:
+    @property
+    def streams(self) -> bool:
+        """Takes ``on_chunk`` when either model's backend streams: a call served by one that
+        does not answers in one piece (its result, no chunk)."""
+        return streams(self.primary) or streams(self.secondary)
+
+    async def generate(
+        self, request: GenerateRequest, on_chunk: OnChunk | None = None
+    ) -> GenerateResult:
         second = self._rng.random() < self.ratio
         backend = self.secondary if second else self.primary
         name = self.names[1 if second else 0]
-        result = await backend.generate(request)
+        if on_chunk is not None and streams(backend):
+            result = await backend.generate(request, on_chunk)
+        else:
+            result = await backend.generate(request)
         self.served[name] += 1
         return replace(result, model=name, policy=not second)
 

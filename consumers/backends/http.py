@@ -7,7 +7,14 @@ cookie jar, multidicts, a stream reader per response), as much as everything els
 rollout does; this client does the few things a ``POST /generate`` needs in a fraction of
 that (docs/benchmarks.md, "Where a rollout's time goes"). What it leaves out on purpose:
 pipelining, redirects, cookies, proxies from the environment (aiohttp ignores those by
-default too), compression (it never asks for it), streaming, HTTP/2.
+default too), compression (it never asks for it), HTTP/2.
+
+Streaming (``stream``): the head first, then the body as it arrives (chunked, a
+content-length, or until the server closes), and ``events()`` reads it as server-sent events,
+as SGLang and vLLM stream a generation. It takes the same connections; leaving the stream
+before its end (cancelled, an exception, or the caller done with it) drops the connection,
+since what is still on the way would be read as the next answer; a stream read to its end
+leaves it reusable as a whole response does.
 
 Connections: a request takes an idle connection to its host, or opens one while fewer than
 ``max_connections`` are open (beyond that it waits for one to come back). A connection idle
@@ -25,9 +32,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import resource
 import ssl
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -39,6 +48,8 @@ from agentarium.broker import current_traceparent
 # Sockets kept free for everything else a consumer holds open (NATS, its proxy, files).
 FD_RESERVE = 512
 _MAX_HEAD = 64 * 1024
+# A stream's body waiting to be read, past which the socket is not read (TCP pushes back).
+_STREAM_HIGH_WATER = 1 << 20
 
 
 class HttpError(Exception):
@@ -82,12 +93,14 @@ class _Connection(asyncio.Protocol):
         "closed",
         "idle_since",
         "key",
+        "stream",
     )
 
     def __init__(self, key: tuple[str, str, int]) -> None:
         self.key = key
         self.transport: asyncio.Transport | None = None
         self.waiter: asyncio.Future[Response] | None = None
+        self.stream: StreamResponse | None = None  # while a stream reads this connection
         self.closed = False
         self.idle_since = 0.0
         self._reset()
@@ -106,6 +119,8 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self.stream is not None:
+            self.stream.lost(exc)
         waiter = self.waiter
         if waiter is not None and not waiter.done():
             if self.head and self.length < 0 and not self.chunked:
@@ -123,6 +138,9 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         waiter = self.waiter
         if waiter is None or waiter.done():
+            if self.stream is not None:  # a stream reads it (HttpPool.stream)
+                self.stream.feed(data)
+                return
             self._close()  # bytes nobody asked for: this connection cannot be trusted again
             return
         self.buffer += data
@@ -214,11 +232,251 @@ class _Connection(asyncio.Protocol):
             self.transport.abort()
 
     def cut(self, why: str) -> None:
-        """End the request waiting here at once (``HttpError``) and drop the connection."""
+        """End the request (or stream) waiting here at once (``HttpError``) and drop the
+        connection."""
         waiter = self.waiter
         if waiter is not None and not waiter.done():
             waiter.set_exception(HttpError(why))
+        if self.stream is not None:
+            self.stream.fail(HttpError(why))
         self.abort()
+
+
+class SseParser:
+    """Server-sent events (the WHATWG format) from bytes as they arrive: ``feed`` returns the
+    ``data`` of each event its bytes complete (several ``data:`` lines joined by a newline).
+    Lines end with ``\n`` or ``\r\n`` (not a lone ``\r``, which no engine writes); a blank line
+    ends an event; comment lines (``:``) and the other fields (``event``, ``id``, ``retry``)
+    are skipped; an event without data is none; a last event without its blank line is lost,
+    as the format says."""
+
+    __slots__ = ("_buffer", "_data")
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+        self._data: list[bytes] | None = None
+
+    def feed(self, data: bytes) -> list[bytes]:
+        buffer = self._buffer
+        buffer += data
+        events: list[bytes] = []
+        start = 0
+        while True:
+            end = buffer.find(b"\n", start)
+            if end < 0:
+                break
+            line = bytes(buffer[start : end - 1 if end > start and buffer[end - 1] == 13 else end])
+            start = end + 1
+            if not line:
+                if self._data is not None:
+                    events.append(b"\n".join(self._data))
+                    self._data = None
+                continue
+            if line[0] == 58:  # ":" a comment
+                continue
+            name, colon, value = line.partition(b":")
+            if name != b"data":
+                continue
+            if colon and value[:1] == b" ":
+                value = value[1:]
+            if self._data is None:
+                self._data = [value]
+            else:
+                self._data.append(value)
+        del buffer[:start]
+        return events
+
+
+# How a streamed body ends, and where its chunked decoding stands.
+_UNTIL_CLOSE, _LENGTH, _CHUNKED = range(3)
+_CHUNK_SIZE, _CHUNK_DATA, _CHUNK_END, _TRAILER = range(4)
+
+
+class StreamResponse:
+    """A response read as it arrives (``HttpPool.stream``): ``status`` and ``headers`` once its
+    head is in, then the body as ``read()`` pieces (b"" at its end), ``body()`` (the rest,
+    whole) or ``events()`` (its server-sent events' data). A connection that fails raises
+    ``HttpError`` (``TimeoutError`` past the pool's timeout) from the read that meets it, after
+    the bytes that came before. ``complete``: the whole body has arrived."""
+
+    def __init__(self, conn: _Connection, loop: asyncio.AbstractEventLoop) -> None:
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self.complete = False
+        self._conn = conn
+        self._loop = loop
+        self._head: asyncio.Future[None] = loop.create_future()
+        self._pieces: list[bytes] = []
+        self._pending = 0
+        self._paused = False
+        self._waiter: asyncio.Future[None] | None = None
+        self._error: BaseException | None = None
+        self._framing = _UNTIL_CLOSE
+        self._left = 0  # of the content-length, or of the chunk being read
+        self._raw = bytearray()  # chunked bytes not decoded yet
+        self._chunk = _CHUNK_SIZE
+
+    async def read(self) -> bytes:
+        """The body's bytes that arrived since the last read (waiting for some), b"" at its end."""
+        while True:
+            if self._pieces:
+                pieces = self._pieces
+                data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+                pieces.clear()
+                self._pending = 0
+                self._resume()
+                return data
+            if self._error is not None:
+                raise self._error
+            if self.complete:
+                return b""
+            waiter = self._waiter = self._loop.create_future()
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+
+    async def body(self) -> bytes:
+        """The rest of the body, whole."""
+        parts = []
+        while data := await self.read():
+            parts.append(data)
+        return b"".join(parts)
+
+    async def events(self) -> AsyncIterator[bytes]:
+        """The ``data`` of each server-sent event of the body (``SseParser``), as it arrives."""
+        parser = SseParser()
+        while data := await self.read():
+            for event in parser.feed(data):
+                yield event
+
+    # ---- the connection's side ---------------------------------------------------------
+    def feed(self, data: bytes) -> None:
+        if self._error is not None:
+            return
+        conn = self._conn
+        if self.complete:
+            conn.keep_alive = False  # bytes past the body: the connection cannot be reused
+            return
+        try:
+            if not self._head.done():
+                conn.buffer += data
+                if not conn._parse_head():
+                    return
+                self._start_body()
+                data = bytes(conn.buffer)
+                conn.buffer.clear()
+            if self._framing == _CHUNKED:
+                self._raw += data
+                self._dechunk()
+            elif self._framing == _LENGTH:
+                if len(data) > self._left:
+                    conn.keep_alive = False  # more than was announced: do not reuse
+                    data = data[: self._left]
+                self._left -= len(data)
+                self._add(data)
+                self.complete = self._left == 0
+            else:
+                self._add(data)
+        except (ValueError, IndexError) as exc:
+            self.fail(HttpError(f"unreadable HTTP response: {exc}"))
+            conn.abort()
+            return
+        self._wake()
+        if self._pending > _STREAM_HIGH_WATER and not self._paused and conn.transport:
+            self._paused = True
+            conn.transport.pause_reading()
+
+    def _start_body(self) -> None:
+        conn = self._conn
+        self.status, self.headers = conn.status, conn.headers
+        if conn.chunked:
+            self._framing = _CHUNKED
+        elif conn.length >= 0:
+            self._framing, self._left = _LENGTH, conn.length
+            self.complete = conn.length == 0
+        self._head.set_result(None)
+
+    def _add(self, data: bytes) -> None:
+        if data:
+            self._pieces.append(data)
+            self._pending += len(data)
+
+    def _dechunk(self) -> None:
+        raw = self._raw
+        at = 0
+        while not self.complete:
+            if self._chunk == _CHUNK_DATA:
+                take = min(self._left, len(raw) - at)
+                if take == 0:
+                    break
+                self._add(bytes(raw[at : at + take]))
+                at += take
+                self._left -= take
+                if self._left == 0:
+                    self._chunk = _CHUNK_END
+                continue
+            end = raw.find(b"\r\n", at)
+            if self._chunk == _CHUNK_END:
+                if len(raw) - at < 2:
+                    break
+                if raw[at : at + 2] != b"\r\n":
+                    raise ValueError("a chunk runs past its announced size")
+                at += 2
+                self._chunk = _CHUNK_SIZE
+            elif end < 0:
+                if len(raw) - at > _MAX_HEAD:
+                    raise ValueError("a chunk-size line or trailer over 64 KiB")
+                break
+            elif self._chunk == _CHUNK_SIZE:
+                size = int(bytes(raw[at:end]).split(b";", 1)[0], 16)
+                at = end + 2
+                self._chunk, self._left = (_CHUNK_DATA, size) if size else (_TRAILER, 0)
+            else:  # trailer lines, up to an empty one
+                self.complete = end == at
+                at = end + 2
+        if self.complete and at < len(raw):
+            self._conn.keep_alive = False
+        del raw[:at]
+
+    def lost(self, exc: Exception | None) -> None:
+        """The connection closed: the end of a body that runs until then, else a failure."""
+        if self.complete or self._error is not None:
+            return
+        if self._head.done() and self._framing == _UNTIL_CLOSE:
+            self.complete = True
+            self._wake()
+            return
+        reason = f": {exc}" if exc else ""
+        self.fail(HttpError(f"connection closed before the whole response{reason}"))
+
+    def fail(self, error: BaseException) -> None:
+        if self._error is not None:
+            return
+        self._error = error
+        if not self._head.done():
+            self._head.set_exception(error)
+        self._wake()
+
+    def expire(self) -> None:
+        if not self.complete:
+            self.fail(TimeoutError("no whole HTTP response within the timeout"))
+            self._conn.abort()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _resume(self) -> None:
+        if self._paused:
+            self._paused = False
+            if self._conn.transport is not None:
+                self._conn.transport.resume_reading()
+
+    def __repr__(self) -> str:
+        state = "complete" if self.complete else "failed" if self._error else "reading"
+        return f"<StreamResponse {self.status} {state}>"
 
 
 class HttpPool:
@@ -296,9 +554,61 @@ class HttpPool:
         self._release(conn, reuse=conn.keep_alive and not conn.closed)
         return response
 
+    @contextlib.asynccontextmanager
+    async def stream(
+        self,
+        method: str,
+        url: str,
+        body: bytes = b"",
+        *,
+        content_type: str = "application/json",
+        accept: str = "text/event-stream",
+        timeout_s: float | None = None,
+    ) -> AsyncIterator[StreamResponse]:
+        """``async with pool.stream("POST", url, body) as response:`` sends one request and
+        enters once the response's head is in (``HttpError``/``TimeoutError`` when the
+        connection fails first); the body is read from ``response`` as it arrives
+        (``StreamResponse``). ``timeout_s`` (the pool's by default) bounds the whole exchange,
+        the body's last byte included. Leaving before the whole body has arrived drops the
+        connection; after, it is reused under the keep-alive rules of ``request``."""
+        if self._closed:
+            raise HttpError("the HTTP client is closed")
+        key, path, host = self._target(url)
+        traceparent = current_traceparent()
+        trace_line = f"traceparent: {traceparent}\r\n" if traceparent else ""
+        head = (
+            f"{method} {path} HTTP/1.1\r\nHost: {host}\r\n"
+            f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
+            f"Accept: {accept}\r\n{trace_line}\r\n"
+        ).encode("latin-1")
+        loop = asyncio.get_running_loop()
+        conn = await self._acquire(key, loop)
+        response = StreamResponse(conn, loop)
+        conn._reset()
+        conn.waiter = None
+        conn.stream = response
+        timer = loop.call_later(self.timeout_s if timeout_s is None else timeout_s, response.expire)
+        busy = self._busy.get(key)
+        if busy is None:
+            busy = self._busy[key] = set()
+        busy.add(conn)
+        reuse = False
+        try:
+            assert conn.transport is not None
+            conn.transport.write(head + body)
+            await response._head
+            yield response
+            reuse = response.complete and conn.keep_alive and not conn.closed
+        finally:
+            timer.cancel()
+            busy.discard(conn)
+            conn.stream = None
+            response._resume()
+            self._release(conn, reuse=reuse)
+
     def cut(self, url: str) -> int:
-        """End every request in flight to ``url``'s host at once, each raising ``HttpError``
-        where it waits (a server found dead by its health probe: consumers/fleet.py); returns
+        """End every request (or stream) in flight to ``url``'s host at once, each raising
+        ``HttpError`` where it waits (a server found dead by its health probe: consumers/fleet.py); returns
         how many there were."""
         key = self._target(url)[0]
         busy = list(self._busy.get(key, ()))

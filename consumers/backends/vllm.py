@@ -22,6 +22,18 @@ some families are special tokens) and trimmed as SGLang's and vLLM's own text ar
 stop token that ended it (``stop_reason`` a token id, or None for the end-of-sequence token),
 and cut where a matched stop string (``stop_reason`` a string) begins, unless
 ``no_stop_trim``.
+
+Streaming (``generate(request, on_chunk=...)``, ``VLLMStream``): ``"stream": true`` with
+``stream_options.include_usage`` (so the token counts come as in the unstreamed answer, on a
+last chunk of no choice). Each chunk's choice holds that step's ``token_ids`` and log-probs;
+``weight_versions`` is null on every chunk but the one with a ``finish_reason``, which lists
+the whole call's spans, so a chunk handed on names no version (``GenerateChunk``'s
+``"default"``). The chunks' text is decoded here as the ids arrive (``IncrementalDecode``),
+held back as ``streaming.HeldText`` says; the result's text is the whole reply's
+(``reply_text``). A stream left early is aborted with ``POST /inference/v1/abort_requests
+{"request_ids": ["generate-tokens-<rid>"]}``: vLLM's route (``--enable-scale-out``) takes the
+ids the engine was given, and its token route gives the engine ``generate-tokens-`` and the
+call's ``request_id`` (the id each chunk reports).
 """
 
 from __future__ import annotations
@@ -31,8 +43,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from .base import GenerateRequest, GenerateResult
-from .sglang import SGLangBackend, weight_spans
+from .base import GenerateChunk, GenerateRequest, GenerateResult, OnChunk
+from .sglang import ErrorChunk, SGLangBackend, weight_spans
+from .streaming import HeldText, IncrementalDecode, stop_strings
 
 # SGLang's sampling keys (what the tracing client sends) -> vLLM's SamplingParams names
 RENAMED = {
@@ -42,6 +55,8 @@ RENAMED = {
     "no_stop_trim": "include_stop_str_in_output",
 }
 _FINISH = ("stop", "length", "abort")
+# vLLM's token route names the engine's request "generate-tokens-<request_id>" (serving.py)
+ENGINE_ID_PREFIX = "generate-tokens-"
 
 
 def vllm_sampling(sampling: dict[str, Any]) -> dict[str, Any]:
@@ -69,22 +84,7 @@ def parse_vllm_response(data: Any, *, url: str = "", latency_s: float = 0.0) -> 
     ids = choice.get("token_ids")
     if not isinstance(ids, list):
         raise ValueError("choices[0].token_ids is missing")
-    entries = (choice.get("logprobs") or {}).get("content")
-    if not isinstance(entries, list) or len(entries) != len(ids):
-        got = len(entries) if isinstance(entries, list) else "no"
-        raise ValueError(f"{got} log-probs for {len(ids)} token_ids: was logprobs 0 sent?")
-    logprobs: list[float] = []
-    for i, (entry, token) in enumerate(zip(entries, ids, strict=True)):
-        value = entry.get("logprob") if isinstance(entry, dict) else None
-        if (
-            not isinstance(entry, dict)
-            or entry.get("token_id") != token
-            or isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or math.isnan(value)
-        ):
-            raise ValueError(f"logprobs.content[{i}] = {str(entry)[:120]} does not match {token}")
-        logprobs.append(float(value))
+    logprobs = checked_entries(choice, ids)
     finish = choice.get("finish_reason")
     if finish not in _FINISH:
         raise ValueError(f"unknown finish_reason {finish!r}")
@@ -115,6 +115,84 @@ def parse_vllm_response(data: Any, *, url: str = "", latency_s: float = 0.0) -> 
         latency_s=latency_s,
         meta_info={"id": data.get("request_id", ""), "stop_reason": choice.get("stop_reason")},
     )
+
+
+def checked_entries(choice: dict, ids: list, offset: int = 0) -> list[float]:
+    """A choice's log-probs (``logprobs.content``), checked one by one against ``ids``
+    (``offset``: the index of the first, for the message); ValueError when they differ."""
+    entries = (choice.get("logprobs") or {}).get("content")
+    if not isinstance(entries, list) or len(entries) != len(ids):
+        got = len(entries) if isinstance(entries, list) else "no"
+        raise ValueError(f"{got} log-probs for {len(ids)} token_ids: was logprobs 0 sent?")
+    logprobs: list[float] = []
+    for i, (entry, token) in enumerate(zip(entries, ids, strict=True), offset):
+        value = entry.get("logprob") if isinstance(entry, dict) else None
+        if (
+            not isinstance(entry, dict)
+            or entry.get("token_id") != token
+            or isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or math.isnan(value)
+        ):
+            raise ValueError(f"logprobs.content[{i}] = {str(entry)[:120]} does not match {token}")
+        logprobs.append(float(value))
+    return logprobs
+
+
+class VLLMStream:
+    """vLLM's streamed ``/inference/v1/generate`` chunks (the module docstring) put together
+    into its unstreamed answer (``response()``); ``feed`` returns each chunk but the last as
+    the ``GenerateChunk`` to hand on, its text decoded here."""
+
+    def __init__(self, decode: Callable[[Sequence[int]], str], *, stops: Sequence[str] = ()):
+        self.decoded = IncrementalDecode(decode)
+        self.held = HeldText(stops)
+        self.ids: list[int] = []
+        self.entries: list[Any] = []
+        self.handed = 0  # tokens handed on
+        self.rid = ""  # the chunks' request_id: the engine's name for the request
+        self.usage: dict[str, Any] | None = None
+        self.last: dict[str, Any] | None = None  # the choice with a finish_reason
+
+    @property
+    def finished(self) -> bool:
+        return self.last is not None
+
+    def feed(self, data: Any) -> GenerateChunk | None:
+        if not isinstance(data, dict):
+            raise ValueError(f"a chunk that is not an object: {str(data)[:200]}")
+        if "error" in data:
+            raise ErrorChunk(data["error"])
+        self.rid = str(data.get("request_id") or self.rid)
+        if data.get("usage"):
+            self.usage = data["usage"]
+        choices = data.get("choices")
+        if not choices:
+            return None  # the counts' chunk (include_usage)
+        if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+            raise ValueError(f"a chunk has not exactly one choice: {str(data)[:200]}")
+        choice = choices[0]
+        ids = choice.get("token_ids")
+        if not isinstance(ids, list):
+            raise ValueError("a chunk's choices[0].token_ids is missing")
+        logprobs = checked_entries(choice, ids, len(self.ids))
+        self.ids += ids
+        self.entries += choice["logprobs"]["content"]
+        if choice.get("finish_reason") is not None:
+            self.last = choice
+            return None
+        if not ids:
+            return None
+        piece = self.held.release(self.decoded.add(ids))
+        self.handed += len(ids)
+        return GenerateChunk([int(t) for t in ids], logprobs, piece)
+
+    def response(self) -> dict[str, Any]:
+        """The unstreamed answer, put together (for ``parse_vllm_response``)."""
+        if self.last is None:
+            raise ValueError("the stream ended before its last chunk (one with a finish_reason)")
+        choice = {**self.last, "token_ids": self.ids, "logprobs": {"content": self.entries}}
+        return {"request_id": self.rid, "usage": self.usage or {}, "choices": [choice]}
 
 
 def reply_text(
@@ -152,8 +230,10 @@ class VLLMBackend(SGLangBackend):
         super().__init__(urls, **kwargs)
         self.decode = decode
 
-    async def generate(self, request: GenerateRequest) -> GenerateResult:
-        result = await super().generate(request)
+    async def generate(
+        self, request: GenerateRequest, on_chunk: OnChunk | None = None
+    ) -> GenerateResult:
+        result = await super().generate(request, on_chunk)
         keep = bool(request.sampling.get("no_stop_trim"))
         return replace(result, text=reply_text(result, self.decode, keep_stop=keep))
 
@@ -171,6 +251,19 @@ class VLLMBackend(SGLangBackend):
 
     def _parse(self, data: Any, url: str, latency: float) -> GenerateResult:
         return parse_vllm_response(data, url=url, latency_s=latency)
+
+    abort_path = "/inference/v1/abort_requests"
+
+    def _stream_body(self, request: GenerateRequest, attempt: int) -> dict[str, Any]:
+        body = self._body(request, attempt)
+        return {**body, "stream": True, "stream_options": {"include_usage": True}}
+
+    def _chunks(self, request: GenerateRequest) -> VLLMStream:
+        return VLLMStream(self.decode, stops=stop_strings(request.sampling))
+
+    def _abort_body(self, rid: str, chunks: Any) -> dict[str, Any] | None:
+        engine_id = chunks.rid or (ENGINE_ID_PREFIX + rid if rid else "")
+        return {"request_ids": [engine_id]} if engine_id else None
 
     def __repr__(self) -> str:
         return f"VLLMBackend({self.balancer!r})"

@@ -198,21 +198,28 @@ class _LiveCall:
         self.ids: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[tuple[str, int]] = []  # (version, first output index)
+        self.fed = ""  # the request's text fed so far
 
     def chunk(self, chunk: GenerateChunk) -> None:
         if chunk.output_ids and (not self.versions or self.versions[-1][0] != chunk.weight_version):
             self.versions.append((chunk.weight_version, len(self.ids)))
         self.ids.extend(chunk.output_ids)
         self.logprobs.extend(chunk.output_logprobs)
+        self.fed += chunk.text
         self.text(chunk.text)
 
     def text(self, piece: str) -> None:
         for delta in self.reply.feed(piece):
             self.on_delta(delta)
 
+    def ended(self, result: GenerateResult) -> None:
+        """The request's text the chunks did not carry (its last chunk's), as the reply's."""
+        if result.text.startswith(self.fed):
+            self.text(result.text[len(self.fed) :])
+
     def restart(self) -> None:
         """A second request continues the reply (the thinking budget's): its tokens are new."""
-        self.ids, self.logprobs, self.versions = [], [], []
+        self.ids, self.logprobs, self.versions, self.fed = [], [], [], ""
 
 
 class TracingLLM:
@@ -557,7 +564,9 @@ class TracingLLM:
             return await self.backend.generate(request)
         started = time.perf_counter()
         try:
-            return await self.backend.generate(request, on_chunk=live.chunk)  # type: ignore[call-arg]
+            result = await self.backend.generate(request, on_chunk=live.chunk)  # type: ignore[call-arg]
+            live.ended(result)
+            return result
         except asyncio.CancelledError:
             versions = live.versions
             aborted = GenerateResult(
