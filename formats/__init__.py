@@ -8,6 +8,8 @@ a reply (the tracing client and gateway, the local engine, the trainer's tokeniz
 - ``reasoning.py``: reasoning split off (``<think>`` blocks; ``harmony.py``: gpt-oss's channels);
 - ``reply.py``: a reply split into reasoning, content and tool calls by the model's formats;
   ``reply_stream.py``: the same while it is generated (the deltas that are already sure);
+- ``incremental.py``: a reply's text while it is generated (decoded a window at a time, the
+  tail a stop string may still cut held back);
 - ``families.py``: chat templates of the families (Qwen3, Qwen3-Coder, Llama 3, Mistral,
   DeepSeek-V3, gpt-oss), written here in each family's format.
 
@@ -26,6 +28,7 @@ from .chat_template import (
 from .errors import ToolsNotRendered
 from .families import FAMILIES, Family
 from .harmony import HarmonyReply, split_harmony
+from .incremental import HeldText, IncrementalDecode, partial_suffix
 from .reasoning import (
     REASONING_FORMATS,
     THINK_CLOSE,
@@ -59,6 +62,8 @@ __all__ = [
     "ChatTemplate",
     "Family",
     "HarmonyReply",
+    "HeldText",
+    "IncrementalDecode",
     "ParsedReply",
     "ParsedToolCalls",
     "Reasoned",
@@ -75,6 +80,7 @@ __all__ = [
     "new_call_id",
     "normalize_messages",
     "parse_reply",
+    "partial_suffix",
     "parse_tool_calls",
     "plain_data",
     "split_harmony",

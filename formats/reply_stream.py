@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .incremental import partial_suffix
 from .reasoning import THINK_CLOSE, THINK_OPEN, split_reasoning
 from .toolcalls import DS_CALLS_BEGIN, MISTRAL_CALLS, PYTHON_TAG, TOOL_CALL_OPEN
 
@@ -112,7 +113,7 @@ class ReplyStream:
             at = text.find(marker)
             if at != -1:
                 end = min(end, at)
-        held = _marker_prefix(text[:end], self.markers)
+        held = partial_suffix(text, self.markers, 0, end)
         return end - held
 
     def _held_content(self, content: str) -> bool:
@@ -121,14 +122,3 @@ class ReplyStream:
             return False
         start = content.lstrip()
         return start.startswith("{") or PYTHON_TAG.startswith(start[: len(PYTHON_TAG)])
-
-
-def _marker_prefix(text: str, markers: tuple[str, ...]) -> int:
-    """The length of the longest suffix of ``text`` that is a proper prefix of a marker."""
-    longest = 0
-    for marker in markers:
-        for size in range(min(len(marker) - 1, len(text)), longest, -1):
-            if text.endswith(marker[:size]):
-                longest = size
-                break
-    return longest

@@ -24,8 +24,8 @@ from agentarium.consumers.backends import CrossSamplingBackend, SGLangBackend, V
 from agentarium.consumers.backends.base import GenerateChunk, GenerateRequest, streams
 from agentarium.consumers.backends.http import HttpError, HttpPool, SseParser
 from agentarium.consumers.backends.sglang import SGLangStream
-from agentarium.consumers.backends.streaming import HeldText, IncrementalDecode
 from agentarium.consumers.errors import BackendUnavailable, BadRequest
+from agentarium.formats import HeldText, IncrementalDecode
 
 # ---- the HTTP client's streams ---------------------------------------------------------------
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from agentarium.formats import HeldText, IncrementalDecode
 from agentarium.inference.engine import InvalidRequest, LocalEngine, start_server
-from agentarium.inference.engine.detokenize import IncrementalText
 from agentarium.inference.engine.request import GenerateRequest, SamplingParams
 from agentarium.inference.engine.sampling import Draw
 from agentarium.inference.engine.sequence import Sequence
@@ -288,9 +288,8 @@ def test_windows_stay_short_and_add_up_on_multibyte_text(tiny_dir):
         widths.append(len(window))
         return tok.decode(window)
 
-    inc = IncrementalText(decode)
-    deltas = [inc.advance(ids, n) for n in range(1, len(ids) + 1)]
-    assert "".join(deltas) + inc.finish(text) == text and not inc.diverged
+    decoded, held = IncrementalDecode(decode), HeldText()
+    deltas = [held.release(decoded.add([token])) for token in ids]
     assert "".join(deltas) == text
     assert max(widths) <= 8  # two 4-byte characters at most
     assert all("\ufffd" not in d for d in deltas)  # no half character ever went out

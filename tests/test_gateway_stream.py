@@ -85,6 +85,26 @@ async def test_the_openai_sdk_gets_deltas_while_the_engine_generates(stack):
     assert whole.choices[0].message.content == content
 
 
+async def test_the_openai_sdk_gets_response_deltas_while_the_engine_generates(stack):
+    engine, llm, endpoint = stack
+    sdk = openai.AsyncOpenAI(base_url=endpoint, api_key="unused", max_retries=0)
+    stream = await sdk.responses.create(
+        model="tiny", input=QUESTION, max_output_tokens=200, temperature=0, stream=True
+    )
+    text, generating_at_first, final = "", None, None
+    async for event in stream:
+        if event.type == "response.output_text.delta":
+            if generating_at_first is None:
+                generating_at_first = running_rows(engine) == 1
+            text += event.delta
+        elif event.type in ("response.completed", "response.incomplete"):
+            final = event.response
+    assert generating_at_first is True
+    (call,) = llm.calls
+    assert final is not None and final.output_text == text == call.messages[-1]["content"]
+    assert final.status == "incomplete"  # cut at max_output_tokens
+
+
 async def test_the_anthropic_sdk_gets_deltas_while_the_engine_generates(stack):
     engine, llm, endpoint = stack
     sdk = anthropic.AsyncAnthropic(base_url=endpoint.removesuffix("/v1"), api_key="unused")

@@ -521,16 +521,7 @@ class HttpPool:
     ) -> Response:
         """Send one request and read its whole response; ``HttpError``/``TimeoutError`` when
         the connection fails first."""
-        if self._closed:
-            raise HttpError("the HTTP client is closed")
-        key, path, host = self._target(url)
-        traceparent = current_traceparent()
-        trace_line = f"traceparent: {traceparent}\r\n" if traceparent else ""
-        head = (
-            f"{method} {path} HTTP/1.1\r\nHost: {host}\r\n"
-            f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
-            f"Accept: application/json\r\n{trace_line}\r\n"
-        ).encode("latin-1")
+        key, head = self._head(method, url, len(body), content_type, "application/json")
         loop = asyncio.get_running_loop()
         conn = await self._acquire(key, loop)
         waiter: asyncio.Future[Response] = loop.create_future()
@@ -571,16 +562,7 @@ class HttpPool:
         (``StreamResponse``). ``timeout_s`` (the pool's by default) bounds the whole exchange,
         the body's last byte included. Leaving before the whole body has arrived drops the
         connection; after, it is reused under the keep-alive rules of ``request``."""
-        if self._closed:
-            raise HttpError("the HTTP client is closed")
-        key, path, host = self._target(url)
-        traceparent = current_traceparent()
-        trace_line = f"traceparent: {traceparent}\r\n" if traceparent else ""
-        head = (
-            f"{method} {path} HTTP/1.1\r\nHost: {host}\r\n"
-            f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
-            f"Accept: {accept}\r\n{trace_line}\r\n"
-        ).encode("latin-1")
+        key, head = self._head(method, url, len(body), content_type, accept)
         loop = asyncio.get_running_loop()
         conn = await self._acquire(key, loop)
         response = StreamResponse(conn, loop)
@@ -605,6 +587,23 @@ class HttpPool:
             conn.stream = None
             response._resume()
             self._release(conn, reuse=reuse)
+
+    def _head(
+        self, method: str, url: str, length: int, content_type: str, accept: str
+    ) -> tuple[tuple[str, str, int], bytes]:
+        """The connection key of ``url`` and the request's head, the current span's
+        ``traceparent`` in it."""
+        if self._closed:
+            raise HttpError("the HTTP client is closed")
+        key, path, host = self._target(url)
+        traceparent = current_traceparent()
+        trace_line = f"traceparent: {traceparent}\r\n" if traceparent else ""
+        head = (
+            f"{method} {path} HTTP/1.1\r\nHost: {host}\r\n"
+            f"Content-Type: {content_type}\r\nContent-Length: {length}\r\n"
+            f"Accept: {accept}\r\n{trace_line}\r\n"
+        ).encode("latin-1")
+        return key, head
 
     def cut(self, url: str) -> int:
         """End every request (or stream) in flight to ``url``'s host at once, each raising

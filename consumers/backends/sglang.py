@@ -37,12 +37,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import orjson
 import structlog
 
+from agentarium.formats import HeldText
 from agentarium.inference import EngineControl, EngineControlError
 from agentarium.schemas import spans_problem
 
@@ -58,7 +59,7 @@ from .base import (
     retryable_status,
 )
 from .http import HttpError, HttpPool, StreamResponse
-from .streaming import HeldText, chunk_spans, stop_strings, trim_stop
+from .streaming import chunk_spans, stop_strings, trim_stop
 
 log = structlog.get_logger("agentarium.consumers")
 
@@ -75,6 +76,18 @@ def _plain(value: Any) -> Any:
     if callable(getattr(value, "item", None)):
         return value.item()
     raise TypeError(f"cannot send a {type(value).__name__} to SGLang as JSON")
+
+
+def _refuse_client_abort(result: GenerateResult, url: str, body: Callable[[], str]) -> None:
+    """An abort SGLang tags with a 4xx status (the request's own fault) as ``BadRequest``."""
+    finish = result.meta_info.get("finish_reason")
+    if isinstance(finish, dict) and 400 <= int(finish.get("status_code") or 0) < 500:
+        raise BadRequest(
+            f"{url} aborted the request: {finish.get('message', finish)}",
+            status=int(finish["status_code"]),
+            url=url,
+            body=body(),
+        )
 
 
 class _ServerFailed(Exception):
@@ -489,27 +502,12 @@ class SGLangBackend:
         if status < 500:
             self.answered_at[url] = time.monotonic()
         if status != 200:
-            text = response.text()
-            if retryable_status(status):
-                raise _ServerFailed(f"HTTP {status}: {text[:300]}")
-            raise BadRequest(
-                f"{url}{self.generate_path} refused the request (HTTP {status}): {text[:500]}",
-                status=status,
-                url=url,
-                body=text,
-            )
+            raise self._refused(url, status, response.text())
         try:
             result = self._parse(response.json(), url, latency)
         except (ValueError, TypeError, KeyError, IndexError) as exc:
             raise _ServerFailed(f"unusable response: {exc}") from exc
-        finish = result.meta_info.get("finish_reason")
-        if isinstance(finish, dict) and 400 <= int(finish.get("status_code") or 0) < 500:
-            raise BadRequest(
-                f"{url} aborted the request: {finish.get('message', finish)}",
-                status=int(finish["status_code"]),
-                url=url,
-                body=response.text(),
-            )
+        _refuse_client_abort(result, url, response.text)
         return result
 
     async def _stream(
@@ -573,14 +571,7 @@ class SGLangBackend:
             result = self._parse(chunks.response(), url, time.perf_counter() - start)
         except (ValueError, TypeError, KeyError, IndexError) as exc:
             raise self._broken(url, chunks, f"unusable stream: {exc}") from exc
-        finish = result.meta_info.get("finish_reason")
-        if isinstance(finish, dict) and 400 <= int(finish.get("status_code") or 0) < 500:
-            raise BadRequest(
-                f"{url} aborted the request: {finish.get('message', finish)}",
-                status=int(finish["status_code"]),
-                url=url,
-                body=str(finish),
-            )
+        _refuse_client_abort(result, url, lambda: str(result.meta_info.get("finish_reason")))
         return result
 
     def _refused(self, url: str, status: int, text: str) -> Exception:

@@ -43,9 +43,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
+from agentarium.formats import HeldText, IncrementalDecode
+
 from .base import GenerateChunk, GenerateRequest, GenerateResult, OnChunk
 from .sglang import ErrorChunk, SGLangBackend, weight_spans
-from .streaming import HeldText, IncrementalDecode, stop_strings
+from .streaming import stop_strings
 
 # SGLang's sampling keys (what the tracing client sends) -> vLLM's SamplingParams names
 RENAMED = {

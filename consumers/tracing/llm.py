@@ -439,13 +439,13 @@ class TracingLLM:
 
         live = None
         if on_delta is not None:
-            reply = ReplyStream(
+            sure = ReplyStream(
                 tool_format=self.tool_format,
                 reasoning_format=self.reasoning_format,
                 tools=bool(tools),
                 opened=opened,
             )
-            live = _LiveCall(reply, on_delta)
+            live = _LiveCall(sure, on_delta)
         request = request_of(input_ids, params if budget is None else _capped(params, budget))
         start = time.perf_counter()
         result = await self._generate(request, live, params, prompt.build)

@@ -9,7 +9,8 @@
 
 The last chunk is the unstreamed response cut down to what was not sent yet: its
 `finish_reason`, `e2e_latency` and (when the weights changed mid-request) `weight_versions`
-over the whole output. The chunks' texts add up to the unstreamed `text` (detokenize.py).
+over the whole output. The chunks' texts add up to the unstreamed `text`: each step decodes a
+window of its tokens and holds back what a stop string may still cut (formats/incremental.py).
 
 The step runs on another thread: the scheduler calls `Sequence.on_step` on the event loop once
 a step is over, and the stream notes there how many tokens it may read; entries before that
@@ -21,12 +22,14 @@ future), which the scheduler sets after that step, or an abort between steps set
 from __future__ import annotations
 
 import asyncio
+import os
 from collections import deque
 from collections.abc import AsyncGenerator
 
 import structlog
 
-from .detokenize import IncrementalText
+from agentarium.formats import HeldText, IncrementalDecode
+
 from .sequence import Sequence
 
 log = structlog.get_logger("agentarium.engine")
@@ -42,7 +45,9 @@ class RequestStream:
     def __init__(self, seq: Sequence) -> None:
         self.seq = seq
         params = seq.params
-        self._text = IncrementalText(seq.decode, () if params.no_stop_trim else params.stop)
+        # the text each step adds, a window decoded per step, a stop string's start held back
+        self._decoded = IncrementalDecode(seq.decode)
+        self._held = HeldText(() if params.no_stop_trim else params.stop)
         self._steps: deque[tuple[int, str]] = deque()  # (output length, last token's version)
         self._published = 0
         self._sent = 0  # output tokens already in a chunk
@@ -85,7 +90,7 @@ class RequestStream:
             meta.update(seq.logprob_meta(start, end))
         self._sent = end
         return {
-            "text": self._text.advance(seq.output_ids, end),
+            "text": self._held.release(self._decoded.add(seq.output_ids[start:end])),
             "output_ids": seq.output_ids[start:end],
             "meta_info": meta,
         }
@@ -96,11 +101,14 @@ class RequestStream:
         for key in _SLICED:
             if key in meta:
                 meta[key] = meta[key][start:]
-        text = self._text.finish(response["text"])
-        if self._text.diverged:
+        final, sent = response["text"], self._decoded.text[: self._held.sent]
+        if final.startswith(sent):
+            text = final[len(sent) :]
+        else:  # a decoder whose windows disagree with the whole: what was sent stays sent
             log.error(
                 "streamed text diverged from the decoded text: its chunks do not add up",
                 rid=self.seq.rid,
             )
+            text = final[len(os.path.commonprefix([sent, final])) :]
         self._sent = len(response["output_ids"])
         return {"text": text, "output_ids": response["output_ids"][start:], "meta_info": meta}

@@ -346,7 +346,7 @@ class MessageShape(StreamShape):
     def head(self, result: ChatResult | None) -> Iterable[bytes]:
         # live, the usage is not known yet: message_delta carries it whole
         usage = _usage(result)
-        start = {
+        start: dict[str, Any] = {
             "id": self.id,
             "type": "message",
             "role": "assistant",
