@@ -1,7 +1,8 @@
 """An SGLang-shaped server for benchmarks: ``python bench/fake_fleet.py [--port 0] [--latency 0]``.
 
 Answers ``POST /generate`` with the response the tests' fake builds (tests/fake_sglang.py:
-SGLang's exact shapes), after ``--latency`` seconds (0: at once), plus ``GET /health`` and
+SGLang's exact shapes; with ``"stream": true``, as one chunk, the whole, then ``data: [DONE]``),
+after ``--latency`` seconds (0: at once), plus ``GET /health`` and
 ``GET /model_info`` at once (SGLang answers its health probe without generating). It speaks HTTP/1.1 with keep-alive on a bare asyncio protocol (uvloop when
 installed) instead of aiohttp's server, so that at thousands of requests a second a benchmark
 measures the consumer, not its fake: on the machine of docs/benchmarks.md it costs a few
@@ -58,7 +59,10 @@ class _Server:
                 if len(self.output_ids) > max_new
                 else {"type": "stop", "matched": output_ids[-1]}
             )
-            return 200, dumps(self.shapes._response(request, prompt, output_ids, self.text, finish))
+            answer = dumps(self.shapes._response(request, prompt, output_ids, self.text, finish))
+            if request.get("stream"):  # SGLang's stream of one chunk: the whole, then the end
+                return 200, b"data: " + answer + b"\n\ndata: [DONE]\n\n"
+            return 200, answer
         if path == b"/health":
             return 200, b""
         if path in (b"/model_info", b"/get_model_info"):
