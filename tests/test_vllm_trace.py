@@ -13,23 +13,31 @@ trainer's own log-probs of them agree) and vLLM's weight version; the LangChain 
 multi-turn tool rollouts through the gateway are one row each, token-exact. Then a weight update goes
 through the object store and ``WeightSyncer`` into vLLM (pause, ``reload_weights``, its version
 set, resume, checked against ``/weight_checker``), and vLLM serves the new weights; then a LoRA
-adapter (``/v1/load_lora_adapter``), whose log-probs vLLM serves as peft computes them. One
-server for all (a vLLM start costs 30-120 s).
+adapter (``/v1/load_lora_adapter``), whose log-probs vLLM serves as peft computes them. On the
+tiny model's server, streamed calls too, and a cancelled one stopped. One server per model (a
+vLLM start costs 30-120 s).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
+import time
 from pathlib import Path
 
+import orjson
 import pytest
 import torch
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as ProtoSpan
 from test_one_trace import OtlpReceiver, _run, one_job_trace
 from vllm_server import start_vllm, vllm_python
 
+from agentarium.consumers.backends import VLLMBackend
+from agentarium.consumers.backends.base import GenerateChunk, GenerateRequest
+from agentarium.consumers.backends.http import HttpPool
+from agentarium.consumers.backends.vllm import vllm_sampling
 from agentarium.examples.calculator_agent import calc_tasks
 from agentarium.formats import ChatTemplate
 from agentarium.producers import TrajectoryReader
@@ -221,12 +229,13 @@ TINY_PROBE = [72, 101, 108, 108, 111, 44, 32, 49, 50, 43, 51, 52, 61]  # "Hello,
 
 
 @pytest.mark.vllm
-@pytest.mark.long(60)  # 49 s alone
+@pytest.mark.long(85)  # 85 s alone, its streaming checks included (49 s before them)
 @pytest.mark.timeout(900)  # on a machine without the venv, building it comes first (about 3 min)
 async def test_vllm_serves_the_tiny_model_token_exact_and_takes_its_updates(
     nats_url, js, topology, tiny_dir, tmp_path
 ):
-    """The built-in tiny model (random weights, byte tokens) on vLLM: a toy rollout batch through
+    """The built-in tiny model (random weights, byte tokens) on vLLM: streamed calls
+    (``check_streaming``); a toy rollout batch through
     ``--llm-engine vllm``, token-exact against the trainer's model; then a full update (checked
     by vLLM's digests and the syncer's probe) and a LoRA adapter, each served as the published
     model computes it."""
@@ -236,6 +245,7 @@ async def test_vllm_serves_the_tiny_model_token_exact_and_takes_its_updates(
         tiny_dir, served_name="tiny", log=tmp_path / "vllm.log",
         extra=("--enable-lora", "--max-lora-rank=8"),
     ) as vllm:  # fmt: skip
+        await check_streaming(vllm.url, ChatTemplate.from_model_dir(tiny_dir))
         tokens = tmp_path / "tokens.jsonl"
         tokens.write_text("".join(json.dumps(row) + "\n" for row in TOY_ROWS))
         await _run("produce", "--agent", "toyt", "--run", "toyt", "--file", str(tokens), "--nats-url", nats_url, env=env)  # fmt: skip
@@ -364,3 +374,112 @@ async def sync_a_trained_policy(js, topology, url: str, model_dir, tmp_path, pro
     )
     assert identity == str(WeightIdentity.of(update))
     return identity, trained, result
+
+
+async def check_streaming(url: str, template: ChatTemplate) -> None:
+    """VLLMBackend streaming from vLLM on the tiny model (byte tokens: a character of several
+    bytes is several tokens, so the chunks' text is decoded across token boundaries): a streamed
+    call answers what the unstreamed one does with the same seed, its chunks before the end; a
+    cancelled stream is aborted (``/inference/v1/abort_requests``) and vLLM stops generating it
+    within a second; the abort route takes the id the backend sends."""
+    prompt = template.encode("Hello, 12+34=")
+    backend = VLLMBackend([url], decode=template.decode, retries=0)
+    try:
+        sampling = {"max_new_tokens": 48, "temperature": 1.0, "sampling_seed": 7}
+        plain = await backend.generate(
+            GenerateRequest(input_ids=prompt, sampling=sampling, rid="plain")
+        )
+        chunks: list[GenerateChunk] = []
+        streamed = await backend.generate(
+            GenerateRequest(input_ids=prompt, sampling=sampling, rid="streamed"),
+            on_chunk=chunks.append,
+        )
+        assert streamed.output_ids == plain.output_ids and len(plain.output_ids) > 1
+        assert streamed.output_logprobs == pytest.approx(plain.output_logprobs, abs=1e-5)
+        assert (streamed.text, streamed.finish_reason, streamed.weight_version) == (
+            plain.text,
+            plain.finish_reason,
+            plain.weight_version,
+        )
+        assert (streamed.prompt_tokens, streamed.completion_tokens) == (
+            plain.prompt_tokens,
+            plain.completion_tokens,
+        )
+        assert streamed.meta_info["id"] == "generate-tokens-streamed"
+        assert [t for c in chunks for t in c.output_ids] == streamed.output_ids[:-1]
+        assert streamed.text.startswith("".join(c.text for c in chunks))
+
+        long = {"max_new_tokens": 1900, "temperature": 1.0, "ignore_eos": True}
+        first = asyncio.Event()
+        call = asyncio.create_task(
+            backend.generate(
+                GenerateRequest(input_ids=prompt, sampling=long, rid="cancelled"),
+                on_chunk=lambda c: first.set(),
+            )
+        )
+        await asyncio.wait(
+            [call, asyncio.create_task(first.wait())], timeout=60, return_when="FIRST_COMPLETED"
+        )
+        assert first.is_set() and not call.done()
+        assert await _running(backend, url) == 1
+        call.cancel()
+        cancelled = time.monotonic()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        while running := await _running(backend, url):
+            waited = time.monotonic() - cancelled
+            assert waited < 1.0, f"vLLM still runs {running} request(s) {waited:.2f} s after"
+            await asyncio.sleep(0.02)
+        print(f"vLLM stopped generating {time.monotonic() - cancelled:.3f} s after the cancel")
+        # and it stays stopped: no token generated since
+        tokens = await _generated(backend, url)
+        await asyncio.sleep(0.3)
+        assert await _generated(backend, url) == tokens
+
+        # the abort alone, its client still reading: the route and the id the backend sends
+        body = {
+            "token_ids": prompt,
+            "sampling_params": vllm_sampling(long),
+            "request_id": "held",
+            "stream": True,
+        }
+        pool = HttpPool()
+        async with pool.stream(
+            "POST", url + "/inference/v1/generate", orjson.dumps(body)
+        ) as response:
+            events = response.events()
+            assert orjson.loads(await anext(events))["choices"][0]["finish_reason"] is None
+            abort = {"request_ids": ["generate-tokens-held"]}  # what VLLMBackend sends
+            answer = await pool.request(
+                "POST", url + "/inference/v1/abort_requests", orjson.dumps(abort)
+            )
+            assert answer.status == 200, answer.text()
+            finishes = [
+                orjson.loads(e)["choices"][0]["finish_reason"]
+                async for e in events
+                if e != b"[DONE]" and orjson.loads(e)["choices"]
+            ]
+        await pool.close()
+        assert finishes[-1] == "abort" and len(finishes) < 1000
+    finally:
+        await backend.aclose()
+
+
+async def _metric(backend: VLLMBackend, url: str, name: str) -> float:
+    """The sum of Prometheus ``name``'s samples on vLLM's ``/metrics``."""
+    text = (await backend.control.request("GET", f"{url}/metrics")).text()
+    samples = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    ]
+    assert samples, f"no {name} on vLLM's /metrics"
+    return sum(samples)
+
+
+async def _running(backend: VLLMBackend, url: str) -> int:
+    return int(await _metric(backend, url, "vllm:num_requests_running"))
+
+
+async def _generated(backend: VLLMBackend, url: str) -> float:
+    return await _metric(backend, url, "vllm:generation_tokens_total")
