@@ -179,7 +179,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "engine",
         help="serve a model on the CPU with SGLang's HTTP API (the local engine)",
-        description="The local CPU engine: torch + transformers behind SGLang's /generate, /health, /model_info, "
+        description="The local CPU engine: torch + transformers behind SGLang's /generate (streamed too, as SGLang's --incremental-streaming-output), /abort_request, /health, /model_info, "
         "/init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group, "
         "/update_weights_from_disk, /pause_generation and /continue_generation, batching concurrent requests; "
         "Prometheus metrics on the same port at /metrics (as SGLang's --enable-metrics); spans (each request's "
