@@ -8,9 +8,10 @@ consumer's SGLangBackend and tracing client, to the official openai and anthropi
 - a client that goes away mid-stream stops the engine's work on the call within a second, and
   the call is recorded as aborted with the tokens it had, never as finished.
 
-The tiny model is random; greedy, it writes 1,500 tokens without an end-of-sequence token
-(checked below), about two seconds of work on this machine: long enough that "still generating"
-and "stopped early" are facts about the engine, not about timing.
+The tiny model is random; greedy, it writes 1,500 tokens without an end-of-sequence token, about
+two seconds of work on this machine: long enough that "still generating" and "stopped early"
+are facts about the engine, not about timing (a reply that ended by itself would be recorded
+as finished, not aborted, and fail the disconnect test).
 """
 
 from __future__ import annotations
@@ -172,10 +173,3 @@ async def test_a_client_that_goes_away_stops_the_engine_within_a_second(stack):
         model="tiny", messages=QUESTION, max_tokens=8, temperature=0
     )
     assert reply.choices[0].finish_reason == "length"
-
-
-async def test_the_greedy_tiny_reply_is_as_long_as_these_tests_need(stack):
-    """What makes the tests above about the engine: greedy, the tiny model ends nothing early."""
-    engine, llm, _ = stack
-    result = await llm.chat(QUESTION, temperature=0)
-    assert result.finish_reason == "length" and len(result.call.response_ids) == LONG

@@ -385,7 +385,7 @@ async def check_streaming(url: str, template: ChatTemplate) -> None:
     prompt = template.encode("Hello, 12+34=")
     backend = VLLMBackend([url], decode=template.decode, retries=0)
     try:
-        sampling = {"max_new_tokens": 48, "temperature": 1.0, "sampling_seed": 7}
+        sampling = {"max_new_tokens": 16, "temperature": 1.0, "sampling_seed": 7}
         plain = await backend.generate(
             GenerateRequest(input_ids=prompt, sampling=sampling, rid="plain")
         )
