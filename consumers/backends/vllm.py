@@ -75,17 +75,22 @@ def vllm_sampling(sampling: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _one_choice(choices: Any, data: Any, what: str) -> tuple[dict, list]:
+    """The one choice of a response or chunk, and its ``token_ids``; ValueError otherwise."""
+    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+        raise ValueError(f"the {what} has not exactly one choice: {str(data)[:200]}")
+    ids = choices[0].get("token_ids")
+    if not isinstance(ids, list):
+        raise ValueError(f"the {what}'s choices[0].token_ids is missing")
+    return choices[0], ids
+
+
 def parse_vllm_response(data: Any, *, url: str = "", latency_s: float = 0.0) -> GenerateResult:
     """An ``/inference/v1/generate`` response as a ``GenerateResult`` (its text empty: see
     ``reply_text``); raises ValueError when it cannot be trained on (no single choice,
     log-probs not aligned with the ids, bad spans)."""
     choices = data.get("choices") if isinstance(data, dict) else None
-    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
-        raise ValueError(f"response has not exactly one choice: {str(data)[:200]}")
-    choice = choices[0]
-    ids = choice.get("token_ids")
-    if not isinstance(ids, list):
-        raise ValueError("choices[0].token_ids is missing")
+    choice, ids = _one_choice(choices, data, "response")
     logprobs = checked_entries(choice, ids)
     finish = choice.get("finish_reason")
     if finish not in _FINISH:
@@ -171,12 +176,7 @@ class VLLMStream:
         choices = data.get("choices")
         if not choices:
             return None  # the counts' chunk (include_usage)
-        if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
-            raise ValueError(f"a chunk has not exactly one choice: {str(data)[:200]}")
-        choice = choices[0]
-        ids = choice.get("token_ids")
-        if not isinstance(ids, list):
-            raise ValueError("a chunk's choices[0].token_ids is missing")
+        choice, ids = _one_choice(choices, data, "chunk")
         logprobs = checked_entries(choice, ids, len(self.ids))
         self.ids += ids
         self.entries += choice["logprobs"]["content"]
