@@ -59,7 +59,7 @@ from .base import (
     retryable_status,
 )
 from .http import HttpError, HttpPool, StreamResponse
-from .streaming import chunk_spans, stop_strings, trim_stop
+from .streaming import ChunkReader, ErrorChunk, chunk_spans, stop_strings, trim_stop
 
 log = structlog.get_logger("agentarium.consumers")
 
@@ -92,18 +92,6 @@ def _refuse_client_abort(result: GenerateResult, url: str, body: Callable[[], st
 
 class _ServerFailed(Exception):
     """One attempt on one server failed in a way worth retrying."""
-
-
-class ErrorChunk(Exception):
-    """A stream's ``{"error": {"message", ...}}`` chunk (SGLang's for what its unstreamed
-    call refuses with 400; vLLM's with its ``code``)."""
-
-    def __init__(self, error: Any) -> None:
-        error = error if isinstance(error, dict) else {"message": str(error)}
-        code = error.get("code") or error.get("status_code")
-        self.status = code if isinstance(code, int) and not isinstance(code, bool) else 400
-        self.text = str(error.get("message") or error)[:500]
-        super().__init__(f"HTTP {self.status} in the stream: {self.text}")
 
 
 def checked_logprobs(triples: list, output_ids: list, offset: int = 0) -> list[float]:
@@ -185,7 +173,7 @@ def weight_spans(listed: Any, tokens: int, last_version: str) -> list[tuple[str,
     return spans if len(spans) > 1 else []
 
 
-class SGLangStream:
+class SGLangStream(ChunkReader):
     """SGLang's streamed ``/generate`` chunks put together into the response the unstreamed
     call answers (``response()``); ``feed`` returns each chunk but the last as the
     ``GenerateChunk`` to hand on.
@@ -219,15 +207,8 @@ class SGLangStream:
         self.last_text = ""  # the last chunk's text, incremental
         self.last: dict[str, Any] | None = None  # the last chunk's meta_info
 
-    @property
-    def finished(self) -> bool:
-        return self.last is not None
-
     def feed(self, data: Any) -> GenerateChunk | None:
-        if not isinstance(data, dict):
-            raise ValueError(f"a chunk that is not an object: {str(data)[:200]}")
-        if "error" in data:
-            raise ErrorChunk(data["error"])
+        data = self.chunk_object(data)
         meta = data.get("meta_info")
         if not isinstance(meta, dict):
             raise ValueError(f"a chunk has no meta_info object: {str(data)[:200]}")

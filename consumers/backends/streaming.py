@@ -6,6 +6,8 @@ next token's bytes come), or in the first characters of a stop string that the e
 generation cuts off again (SGLang and vLLM trim a matched stop string only once it is whole).
 ``HeldText`` (formats/incremental.py) holds those back until the next text settles them;
 ``IncrementalDecode`` decodes the ids of vLLM's token route, which answers ids only.
+``ChunkReader`` is what the engines' stream readers share (a chunk is a JSON object, an
+``{"error": ...}`` one is ``ErrorChunk``).
 """
 
 from __future__ import annotations
@@ -41,3 +43,34 @@ def chunk_spans(starts: list[tuple[str, int]], tokens: int) -> list[dict[str, An
         {"version": version, "start": start, "end": end}
         for (version, start), end in zip(starts, ends, strict=True)
     ]
+
+
+class ErrorChunk(Exception):
+    """A stream's ``{"error": {"message", ...}}`` chunk (SGLang's for what its unstreamed
+    call refuses with 400; vLLM's with its ``code``)."""
+
+    def __init__(self, error: Any) -> None:
+        error = error if isinstance(error, dict) else {"message": str(error)}
+        code = error.get("code") or error.get("status_code")
+        self.status = code if isinstance(code, int) and not isinstance(code, bool) else 400
+        self.text = str(error.get("message") or error)[:500]
+        super().__init__(f"HTTP {self.status} in the stream: {self.text}")
+
+
+class ChunkReader:
+    """What every engine's stream reader shares: ``last`` is the last chunk's (set once one
+    with a finish reason came), and each chunk must be a JSON object that is not an error."""
+
+    last: Any = None
+
+    @property
+    def finished(self) -> bool:
+        return self.last is not None
+
+    @staticmethod
+    def chunk_object(data: Any) -> dict[str, Any]:
+        if not isinstance(data, dict):
+            raise ValueError(f"a chunk that is not an object: {str(data)[:200]}")
+        if "error" in data:
+            raise ErrorChunk(data["error"])
+        return data

@@ -46,8 +46,8 @@ from typing import Any
 from agentarium.formats import HeldText, IncrementalDecode
 
 from .base import GenerateChunk, GenerateRequest, GenerateResult, OnChunk
-from .sglang import ErrorChunk, SGLangBackend, weight_spans
-from .streaming import stop_strings
+from .sglang import SGLangBackend, weight_spans
+from .streaming import ChunkReader, stop_strings
 
 # SGLang's sampling keys (what the tracing client sends) -> vLLM's SamplingParams names
 RENAMED = {
@@ -146,7 +146,7 @@ def checked_entries(choice: dict, ids: list, offset: int = 0) -> list[float]:
     return logprobs
 
 
-class VLLMStream:
+class VLLMStream(ChunkReader):
     """vLLM's streamed ``/inference/v1/generate`` chunks (the module docstring) put together
     into its unstreamed answer (``response()``); ``feed`` returns each chunk but the last as
     the ``GenerateChunk`` to hand on, its text decoded here."""
@@ -161,15 +161,8 @@ class VLLMStream:
         self.usage: dict[str, Any] | None = None
         self.last: dict[str, Any] | None = None  # the choice with a finish_reason
 
-    @property
-    def finished(self) -> bool:
-        return self.last is not None
-
     def feed(self, data: Any) -> GenerateChunk | None:
-        if not isinstance(data, dict):
-            raise ValueError(f"a chunk that is not an object: {str(data)[:200]}")
-        if "error" in data:
-            raise ErrorChunk(data["error"])
+        data = self.chunk_object(data)
         self.rid = str(data.get("request_id") or self.rid)
         if data.get("usage"):
             self.usage = data["usage"]
