@@ -11,7 +11,7 @@ For each batch size B (default 1, 8, 32, 64) the same B chat prompts (bench/engi
 are sent at once, each asking for ``--tokens`` new tokens at temperature 1 with EOS ignored, so
 every row costs the same on both sides; generated tokens/s = B x tokens / the time from the first
 send to the last reply. Time to first token: the same B prompts asking for one token each, the
-time until the last of them answered (neither server streams to these clients yet, so the first
+time until the last of them answered (these clients do not stream, so the first
 token of a request is the whole of a one-token request: queueing, prefill and one sample). The two
 servers take turns, the order flipped every round, ``--repeat`` rounds after a warm-up of each,
 ``--settle`` seconds between turns (a server that just finished can keep threads spinning

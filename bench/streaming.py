@@ -68,7 +68,7 @@ def has_text(api: str, data: dict) -> bool:
     """Whether one event carries reply text."""
     if api == "chat":
         choices = data.get("choices") or []
-        return bool(choices and (choices[0]["delta"].get("content") or "").strip("\x00"))
+        return bool(choices and choices[0]["delta"].get("content"))
     if api == "responses":
         return data.get("type") == "response.output_text.delta"
     return data.get("type") == "content_block_delta"

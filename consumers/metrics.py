@@ -78,8 +78,9 @@ LLM_FAILURES = Counter(
 )
 STREAMED_REPLIES = Counter(
     "agentarium_llm_streamed_replies",
-    "Replies streamed to a client as they were generated; diverged: what was sent before the "
-    "end was not where the final text begins (a tokenizer whose decoding is not prefix-stable)",
+    "Replies streamed to a client (as they were generated where the backend streams); diverged: "
+    "what was sent before the end was not where the final text begins (a tokenizer whose "
+    "decoding is not prefix-stable)",
     ["diverged"],
 )
 PROMPT_TOKENS = Counter(

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import orjson
 import pytest
@@ -535,10 +534,7 @@ async def test_vllm_streamed_is_unstreamed_its_text_decoded_here(template):
 
 # ---- the local engine ---------------------------------------------------------------------
 
-ENGINE_STREAMS = (Path(__file__).parent / "test_engine_stream.py").is_file()
 
-
-@pytest.mark.skipif(not ENGINE_STREAMS, reason="the local engine does not stream yet")
 async def test_the_local_engine_streams_as_it_answers_and_stops_when_cancelled(
     engine_url, template
 ):
@@ -554,7 +550,8 @@ async def test_the_local_engine_streams_as_it_answers_and_stops_when_cancelled(
             GenerateRequest(input_ids=prompt, sampling=sampling, rid="b"), on_chunk=chunks.append
         )
         assert streamed.output_ids == plain.output_ids and streamed.text == plain.text
-        assert streamed.output_logprobs == pytest.approx(plain.output_logprobs, abs=1e-6)
+        # the second call's prompt comes from the prefix cache: within 1e-4 (docs/design.md)
+        assert streamed.output_logprobs == pytest.approx(plain.output_logprobs, abs=1e-4)
         assert (streamed.finish_reason, streamed.weight_version) == (plain.finish_reason, plain.weight_version)  # fmt: skip
         assert len(chunks) >= 1 and streamed.text.startswith("".join(c.text for c in chunks))
 

@@ -82,7 +82,9 @@ async def test_the_openai_sdk_gets_deltas_while_the_engine_generates(stack):
     )
     again = llm.calls[1]
     assert again.response_ids == call.response_ids and again.prompt_ids == call.prompt_ids
-    assert again.response_logprobs == pytest.approx(call.response_logprobs, abs=1e-5)
+    # the second call's prompt comes from the prefix cache, whose log-probs are within 1e-4 of
+    # a whole prefill's (docs/design.md, tests/test_prefix_cache.py)
+    assert again.response_logprobs == pytest.approx(call.response_logprobs, abs=1e-4)
     assert whole.choices[0].message.content == content
 
 

@@ -395,7 +395,9 @@ async def check_streaming(url: str, template: ChatTemplate) -> None:
             on_chunk=chunks.append,
         )
         assert streamed.output_ids == plain.output_ids and len(plain.output_ids) > 1
-        assert streamed.output_logprobs == pytest.approx(plain.output_logprobs, abs=1e-5)
+        # the same server and seed; the second call's prompt may come from vLLM's prefix
+        # cache, held to the local engine's bound for a cached prefix (1e-4, docs/design.md)
+        assert streamed.output_logprobs == pytest.approx(plain.output_logprobs, abs=1e-4)
         assert (streamed.text, streamed.finish_reason, streamed.weight_version) == (
             plain.text,
             plain.finish_reason,

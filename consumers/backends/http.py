@@ -1,5 +1,5 @@
 """A small HTTP/1.1 client for the backends' JSON calls: pooled keep-alive connections, one
-request at a time on each, bodies read whole.
+request at a time on each, bodies read whole (or as they arrive: ``stream``, below).
 
 Why not aiohttp's client, which the rest of the project uses: an LLM call of a one-token
 rollout costs the consumer ~165 us of CPU in aiohttp's request machinery (tracing hooks,

@@ -33,7 +33,7 @@ from aiohttp import web
 from ..llm import ChatResult
 from .errors import GatewayError, openai_error, refuse_set, refuse_unknown
 from .route import ChatCall, Route, list_field, text_of, thinking_of_effort
-from .sse import Block, OnDelta, StreamShape, event, serve_stream
+from .sse import Block, OnDelta, StreamShape, blocks_of, event, serve_stream
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
 IGNORED = frozenset(
@@ -298,7 +298,6 @@ class ResponseShape(StreamShape):
         self.id = f"resp_{_hex()}"
         self.created = int(time.time())
         self._sequence = 0
-        self._items: list[dict] | None = None
 
     def refusal(self, error: GatewayError) -> web.StreamResponse:
         return openai_error(error)
@@ -345,49 +344,11 @@ class ResponseShape(StreamShape):
         return response
 
     def items(self, result: ChatResult) -> list[dict]:
-        """The output items, made once: the stream's events and its final response share ids."""
-        if self._items is None:
-            items: list[dict] = []
-            if result.reasoning is not None:  # a thinking model's reasoning, as gpt-oss's
-                items.append(
-                    {
-                        "id": f"rs_{_hex()}",
-                        "type": "reasoning",
-                        "summary": [],
-                        "content": [{"type": "reasoning_text", "text": result.reasoning}],
-                        "encrypted_content": None,
-                        "status": "completed",
-                    }
-                )
-            if result.content or not result.tool_calls:
-                text = {
-                    "type": "output_text",
-                    "text": result.content,
-                    "annotations": [],
-                    "logprobs": [],
-                }
-                items.append(
-                    {
-                        "id": f"msg_{_hex()}",
-                        "type": "message",
-                        "status": "completed",
-                        "role": "assistant",
-                        "content": [text],
-                    }
-                )
-            for call in result.tool_calls:
-                items.append(
-                    {
-                        "id": f"fc_{_hex()}",
-                        "type": "function_call",
-                        "status": "completed",
-                        "call_id": call["id"],
-                        "name": call["function"]["name"],
-                        "arguments": call["function"]["arguments"],
-                    }
-                )
-            self._items = items
-        return self._items
+        """The output items of a finished reply (unstreamed: a stream makes them as it goes)."""
+        blocks = blocks_of(result)
+        for block in blocks:
+            block.id = f"{_ID_PREFIXES[block.kind]}_{_hex()}"
+        return [self._item(block) for block in blocks]
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         data = {"type": kind, "sequence_number": self._sequence, **fields}

@@ -64,6 +64,22 @@ class Block:
     id: str = ""  # the API's id for it, where the API names blocks
 
 
+def blocks_of(result: ChatResult) -> list[Block]:
+    """A finished reply's blocks, as a stream of it ends with them: its reasoning (when the
+    model reasoned), its text (when it wrote some, or nothing else), then its tool calls."""
+    parts: list[tuple[str, str, dict | None]] = []
+    if result.reasoning is not None:
+        parts.append(("reasoning", result.reasoning, None))
+    if result.content or not result.tool_calls:
+        parts.append(("text", result.content, None))
+    parts += [("tool_call", c["function"]["arguments"], c) for c in result.tool_calls]
+    blocks: list[Block] = []
+    for kind, text, call in parts:
+        ordinal = sum(1 for b in blocks if b.kind == kind)
+        blocks.append(Block(kind, len(blocks), ordinal, text=text, call=call))
+    return blocks
+
+
 class StreamShape:
     """What one API writes for a streamed reply; each API module subclasses it."""
 
