@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Idempotent setup: a virtualenv in .venv with the project installed, and a nats-server binary.
-#   ops/setup.sh          runtime packages, with LoRA training (peft) and the built-in real model (--model smol)
+#   ops/setup.sh          runtime packages, with LoRA training (peft), the built-in real model (--model smol)
+#                         and the examples' clients (openai, langchain-openai: the calc recipe's agent)
 #   ops/setup.sh --test   runtime + test packages
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 testing=""
 [ "${1:-}" = "--test" ] && testing=1
-extras="[lora,smol${testing:+,test}]"
+extras="[lora,smol,examples${testing:+,test}]"
 py=${PYTHON:-python3}
 
 if ! "$py" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
