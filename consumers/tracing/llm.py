@@ -198,14 +198,14 @@ class _LiveCall:
         self.ids: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[tuple[str, int]] = []  # (version, first output index)
-        self.fed = ""  # the request's text fed so far
+        self.fed: list[str] = []  # the request's text fed so far, in pieces
 
     def chunk(self, chunk: GenerateChunk) -> None:
         if chunk.output_ids and (not self.versions or self.versions[-1][0] != chunk.weight_version):
             self.versions.append((chunk.weight_version, len(self.ids)))
         self.ids.extend(chunk.output_ids)
         self.logprobs.extend(chunk.output_logprobs)
-        self.fed += chunk.text
+        self.fed.append(chunk.text)
         self.text(chunk.text)
 
     def text(self, piece: str) -> None:
@@ -214,12 +214,13 @@ class _LiveCall:
 
     def ended(self, result: GenerateResult) -> None:
         """The request's text the chunks did not carry (its last chunk's), as the reply's."""
-        if result.text.startswith(self.fed):
-            self.text(result.text[len(self.fed) :])
+        fed = "".join(self.fed)
+        if result.text.startswith(fed):
+            self.text(result.text[len(fed) :])
 
     def restart(self) -> None:
         """A second request continues the reply (the thinking budget's): its tokens are new."""
-        self.ids, self.logprobs, self.versions, self.fed = [], [], [], ""
+        self.ids, self.logprobs, self.versions, self.fed = [], [], [], []
 
 
 class TracingLLM:
