@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 
 def add_tool(description: str = "Add two numbers", params: tuple[str, ...] = ("a", "b")) -> dict:
@@ -29,6 +30,20 @@ async def echo(task: dict, llm) -> dict:
 async def slow(task: dict, llm) -> float:
     await llm.chat([{"role": "user", "content": task.get("prompt", "hi")}], max_new_tokens=2)
     await asyncio.sleep(task.get("sleep", 0.3))
+    return 1.0
+
+
+STALLED_RUNS: dict[int, int] = {}  # task n -> runs started (stalls)
+
+
+async def stalls(task: dict, llm) -> float:
+    """Blocks its worker's event loop for ``block`` seconds (a synchronous call in an async
+    agent), then runs ``after`` seconds more: a process that misses its heartbeats while a job
+    runs. Counts its runs in ``STALLED_RUNS``."""
+    STALLED_RUNS[task["n"]] = STALLED_RUNS.get(task["n"], 0) + 1
+    await llm.chat([{"role": "user", "content": "hi"}], max_new_tokens=2)
+    time.sleep(task["block"])  # noqa: ASYNC251 - the stall is the point
+    await asyncio.sleep(task.get("after", 1.0))
     return 1.0
 
 

@@ -407,6 +407,24 @@ async def test_rollouts_longer_than_ack_wait_are_heartbeated_not_redelivered(js,
 
 
 @pytest.mark.nats_semantics
+async def test_a_job_redelivered_while_it_still_runs_here_is_left_to_that_run(js, topology, fake):
+    """The worker's loop stalls past ack_wait (a blocking call in the agent), so the broker
+    redelivers the job while its first delivery still runs: the redelivery is not run again
+    (that raced the first run for the job's proxy route and counted a failure), and the first
+    run stores the job's one trajectory and acks it."""
+    await TaskProducer(js, topology).submit("stalls", [{"n": 7, "block": 4.5}], run="stall")
+    async with worker_for(js, "stalls", agentlib.stalls, [fake.url], ack_wait=3.0) as w:
+        counters = await w.run()
+    assert counters.redelivered_running >= 1  # the broker did redeliver while the job ran
+    assert (counters.fetched, counters.ok, counters.retried, counters.failed) == (1, 1, 0, 0)
+    assert agentlib.STALLED_RUNS[7] == 1
+    [traj] = await TrajectoryReader(js, topology).read("stall")
+    assert traj.attempts == 1 and traj.status == "ok"
+    info = await js.consumer_info(topology.tasks_stream, "rollout-stalls")
+    assert info.num_ack_pending == 0 and info.num_pending == 0  # acked: not delivered again
+
+
+@pytest.mark.nats_semantics
 async def test_an_oversized_undecodable_job_is_dead_lettered_not_stranded(js, topology, fake):
     garbage = b"\xc1" * 800_000  # its base64 alone would exceed the server's 1 MiB max payload
     await js.publish(topology.tasks_subject("echo"), garbage)

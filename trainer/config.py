@@ -24,6 +24,7 @@ from .trackers import TRACKERS, check_installed, parse_report_to
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 STALE_POLICIES = ("drop", "tis", "mask")
 DEVICES = ("cpu", "cuda")
+OPTIMIZER_STATES = ("fp32", "fp8")  # AdamW's moments (trainer/optim.py)
 PARALLEL = ("replicated", "fsdp")  # data parallel: a full replica per rank, or FSDP2 shards
 TASK_ADV_NORMS = ("none", "token", "trajectory")
 OVERLONG = ("keep", "filter", "reward")  # a response cut at max_new_tokens (trainer/groups.py)
@@ -116,6 +117,14 @@ class TrainerConfig:
     adam_betas: tuple[float, float] = setting(
         (0.9, 0.999),
         flagless="AdamW's (beta1, beta2), rarely changed: adam_betas: [0.9, 0.95]",
+    )
+    optimizer_state: str = setting(
+        "fp32",
+        choices=OPTIMIZER_STATES,
+        group=BATCH,
+        help="how AdamW keeps its two moments: fp32 (8 bytes a trained parameter), or fp8: "
+        "8-bit floats with an fp32 scale per 256 values, rounded stochastically (2.03 bytes: "
+        "trainer/optim.py); fp8 takes --dtype float32 and --parallel replicated",
     )
     grad_clip: float = setting(
         1.0, ge=0, group=BATCH, help="clip the gradient's global norm to this; 0 = off"
@@ -494,6 +503,12 @@ class TrainerConfig:
             object.__setattr__(self, "max_staleness", 0)
         if self.dynamic_sampling:
             object.__setattr__(self, "filter_flat_groups", True)
+        if self.optimizer_state == "fp8" and (self.parallel == "fsdp" or self.dtype != "float32"):
+            raise TrainerConfigError(
+                "--optimizer-state fp8 keeps fp32 weights' moments in a replicated trainer: "
+                f"not with --parallel {self.parallel} --dtype {self.dtype} (use "
+                "--optimizer-state fp32 there)"
+            )
         if self.parallel == "fsdp" and self.ray_workers < 1:
             raise TrainerConfigError(
                 "--parallel fsdp shards the model over --ray-workers N ranks: pass "

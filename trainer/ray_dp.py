@@ -36,6 +36,7 @@ from .step import (
     StepStats,
     Totals,
     apply_update,
+    check_moments,
     forward_backward,
     load_policy,
     load_reference,
@@ -205,6 +206,7 @@ class RayDataParallel:
     def load_state(self, model_state: dict, optimizer_state: dict) -> None:
         import ray
 
+        check_moments(optimizer_state, self.settings)  # here, not as an actor's error
         refs = [a.load_state.remote(model_state, optimizer_state) for a in self.actors]  # type: ignore[attr-defined]
         ray.get(refs)
 

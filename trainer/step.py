@@ -22,6 +22,7 @@ from .config import TrainerConfig
 from .errors import TrainerConfigError
 from .grpo import LossSums, grpo_loss, truncated_is_weights
 from .logprobs import causal_lm, token_stats
+from .optim import Fp8AdamW, moments_of
 
 
 def _default(name: str) -> Any:
@@ -54,6 +55,7 @@ class StepSettings:
     lr: float = _default("lr")
     weight_decay: float = _default("weight_decay")
     adam_betas: tuple[float, float] = _default("adam_betas")
+    optimizer_state: str = _default("optimizer_state")
     activation_checkpointing: bool = _default("activation_checkpointing")
     lora_rank: int = _default("lora_rank")
     lora_alpha: float = _default("lora_alpha")
@@ -282,12 +284,24 @@ def forward_backward(
 
 
 def make_optimizer(model, settings: StepSettings) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(
+    """AdamW over the trained parameters, its moments kept as ``optimizer_state`` says."""
+    kind = Fp8AdamW if settings.optimizer_state == "fp8" else torch.optim.AdamW
+    return kind(
         [p for p in model.parameters() if p.requires_grad],
         lr=settings.lr,
         betas=(settings.adam_betas[0], settings.adam_betas[1]),
         weight_decay=settings.weight_decay,
     )
+
+
+def check_moments(state: dict, settings: StepSettings) -> None:
+    """Refuse, naming the flag, an optimizer state saved with the other ``--optimizer-state``."""
+    saved = moments_of(state)
+    if saved != settings.optimizer_state:
+        raise TrainerConfigError(
+            f"the checkpoint's optimizer state keeps {saved} moments and this trainer keeps "
+            f"{settings.optimizer_state} ones: resume it with --optimizer-state {saved}"
+        )
 
 
 def apply_update(
@@ -367,6 +381,7 @@ class LocalUpdater:
         return self.model.state_dict(), self.optimizer.state_dict()
 
     def load_state(self, model_state: dict, optimizer_state: dict) -> None:
+        check_moments(optimizer_state, self.settings)
         self.model.load_state_dict(model_state)
         self.optimizer.load_state_dict(optimizer_state)
 

@@ -19,6 +19,8 @@ class Counters:
     invalid: int = 0
     # Jobs a drain gave back unfinished, published again for another worker (not failures).
     released: int = 0
+    # Deliveries of a job already running here (the broker missed its heartbeats): not run.
+    redelivered_running: int = 0
     # Jobs that ended here without a usable rollout: stored as status error (the LLM fleet
     # failed) and/or dead-lettered, each job counted once. What a caller checks to report
     # failure (``errors`` misses dead letters; ``dead_lettered`` misses a dead fleet).

@@ -68,6 +68,7 @@ class Intake:
         self.paused = False  # waiting for a fleet that is down
         self._puller: JobPuller | None = None
         self._inflight: dict[asyncio.Task, Msg] = {}
+        self._running: set[int] = set()  # the stream sequences of the jobs in flight
         self._releasing: set[asyncio.Task] = set()  # jobs delivered as the worker stopped
 
     @property
@@ -169,13 +170,31 @@ class Intake:
             self._releasing.add(task)
             task.add_done_callback(self._releasing.discard)
             return
+        sequence = msg.metadata.sequence.stream
+        if sequence in self._running:
+            # Redelivered while its first delivery still runs here: the broker missed the
+            # heartbeats (this process stalled past ack_wait). Running it again would race the
+            # first run for the job's proxy route and count a failure that did not happen; the
+            # first run acks the job (an ack names the stream sequence, whichever delivery).
+            self.counters.redelivered_running += 1
+            log.warning(
+                "redelivered while it runs here; left to its first delivery",
+                stream_seq=sequence,
+                delivery=msg.metadata.num_delivered,
+            )
+            task = asyncio.create_task(_in_progress(msg))
+            self._releasing.add(task)
+            task.add_done_callback(self._releasing.discard)
+            return
         self.counters.fetched += 1
         task = asyncio.create_task(self.handler.handle(msg))
         self._inflight[task] = msg
+        self._running.add(sequence)
         self.metrics.in_flight.inc()
         task.add_done_callback(self._finished)
 
     def _finished(self, task: asyncio.Task) -> None:
+        self._running.discard(self._inflight[task].metadata.sequence.stream)
         del self._inflight[task]
         self.metrics.in_flight.dec()
         if self._puller is not None:
@@ -199,3 +218,11 @@ class Intake:
         except (nats.errors.Error, nats.js.errors.Error):
             return False
         return not info.num_pending and not info.num_ack_pending
+
+
+async def _in_progress(msg: Msg) -> None:
+    """Restart the broker's redelivery timer on a job that runs under an earlier delivery."""
+    try:
+        await msg.in_progress()
+    except Exception as exc:  # noqa: BLE001 - the running delivery's heartbeat does the same
+        log.debug("in-progress on a redelivery failed", error=str(exc))

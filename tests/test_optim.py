@@ -1,0 +1,179 @@
+"""AdamW with 8-bit moments (``--optimizer-state fp8``, trainer/optim.py): its rounding is
+unbiased, its first step is AdamW's, its moments follow fp32 AdamW's where rounding to nearest
+would stick, and a trainer saves, resumes and refuses the other kind by name."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from agentarium.tiny import ensure_tiny_model
+from agentarium.trainer.config import TrainerConfig
+from agentarium.trainer.errors import TrainerConfigError
+from agentarium.trainer.optim import (
+    BLOCK,
+    FP8,
+    Fp8AdamW,
+    bound,
+    decode,
+    draws,
+    encode,
+    stochastic_fp8,
+)
+from agentarium.trainer.step import LocalUpdater, memory_of
+
+N = 1 << 20  # draws a statistical check averages over
+
+
+def fp8_values(codes: torch.Tensor) -> torch.Tensor:
+    return codes.view(FP8).to(torch.float32)
+
+
+@pytest.mark.parametrize("x", [1.1, -1.1, 300.0, 0.0371, -0.0171, 2.0**-8 + 2.0**-11])
+def test_stochastic_rounding_lands_on_a_neighbouring_code_and_is_unbiased(x):
+    """Each result is one of the two codes around x. False-failure rate: the mean of N
+    Bernoulli choices between codes lo and hi has sd at most (hi - lo) / (2 sqrt N); the bound
+    allowed is 6 sd (two-sided P < 2e-9) plus the draws' discreteness, 2^-16 of (hi - lo), and,
+    below 2^-6 where the cast rounds to nearest, half of e4m3's 2^-9 spacing there."""
+    torch.manual_seed(0)
+    values = torch.full((N,), x)
+    codes = fp8_values(stochastic_fp8(values, draws(N, values.device)[0]))
+    lo, hi = sorted({float(v) for v in codes.unique()} | {x})[0], max(codes.unique())
+    assert set(codes.unique().tolist()) <= {lo, float(hi)}, codes.unique()
+    spacing = float(hi) - lo if float(hi) > lo else 0.0
+    allowed = 6 * spacing / (2 * math.sqrt(N)) + spacing * 2.0**-16
+    if abs(x) < 2.0**-6:
+        allowed = 2.0**-10
+    assert abs(float(codes.double().mean()) - x) <= allowed
+
+
+def test_each_of_the_two_draws_is_uniform_and_they_are_independent():
+    """False-failure rate: each check is a mean or a correlation of N uniform draws, allowed 6
+    sd (P < 2e-9 each)."""
+    torch.manual_seed(1)
+    low, high = (d.double() / 2.0**20 for d in draws(N, torch.device("cpu")))
+    for d in (low, high):
+        assert abs(float(d.mean()) - 0.5) < 6 * math.sqrt(1 / 12 / N)
+        assert float(d.min()) >= 0 and float(d.max()) < 1
+    correlation = float(((low - 0.5) * (high - 0.5)).mean()) * 12
+    assert abs(correlation) < 6 / math.sqrt(N)
+
+
+def test_a_block_keeps_its_largest_value_exactly_and_every_other_within_a_code():
+    torch.manual_seed(2)
+    values = torch.randn(64 * BLOCK) * torch.logspace(-3, 3, 64).repeat_interleave(BLOCK)
+    values[5 * BLOCK : 6 * BLOCK] = 0  # an all-zero block decodes to zeros
+    codes = torch.zeros(values.numel(), dtype=torch.uint8)
+    scales = torch.zeros(64)
+    encode(values.clone(), codes, scales, draws(values.numel(), values.device)[0])
+    back = decode(codes, scales)
+    blocks, decoded = values.view(-1, BLOCK), back.view(-1, BLOCK)
+    largest = blocks.abs().argmax(dim=1)
+    rows = torch.arange(64)
+    assert torch.equal(decoded[rows, largest], blocks[rows, largest])
+    # within one code: 2^-3 of the value in e4m3's normal range, 2^-9 of the scale below it
+    scale = scales[:, None]
+    assert bool(((back - values).abs().view(-1, BLOCK) <= 2.0**-3 * blocks.abs() + 2.0**-9 * scale).all())
+    assert not bool(back[5 * BLOCK : 6 * BLOCK].any())
+
+
+def test_the_update_clamp_is_the_largest_ratio_adam_reaches():
+    """``bound`` is reached by the Cauchy-Schwarz extreme (gradients g_(t-k) = (b1/b2)^k) and
+    no random gradient sequence passes it."""
+    b1, b2 = 0.9, 0.999
+    for t in (1, 2, 10, 1000):
+        extreme = torch.tensor([(b1 / b2) ** (t - 1 - i) for i in range(t)], dtype=torch.float64)
+        ratios = [ratio(extreme, b1, b2)]
+        gen = torch.Generator().manual_seed(t)
+        ratios += [ratio(torch.randn(t, generator=gen, dtype=torch.float64), b1, b2) for _ in range(50)]
+        assert max(ratios) == pytest.approx(bound(b1, b2, t), rel=1e-9)
+        assert ratios[0] == pytest.approx(bound(b1, b2, t), rel=1e-9)
+
+
+def ratio(grads: torch.Tensor, b1: float, b2: float) -> float:
+    """|m̂ / sqrt(v̂)| of exact Adam after the gradients ``grads`` (oldest first)."""
+    m = v = 0.0
+    for g in grads.tolist():
+        m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+    t = grads.numel()
+    return abs(m / (1 - b1**t)) / math.sqrt(v / (1 - b2**t))
+
+
+def test_the_first_step_is_adamws_and_the_moments_then_follow_fp32_adamw():
+    """The first step decodes zero moments exactly and steps on the fp32 ones before storing
+    them, so it is AdamW's up to the order of a few fp32 roundings (each 2^-24 of the update,
+    lr at most, plus the weight's own rounding). Over 300 steps of a constant gradient, where
+    v's EMA moves 0.1 % a step and rounding to nearest sticks, the stored root of v stays on
+    sqrt(1 - b2^t) on average. False-failure rate: the mean over N values of unbiased
+    roundings, each within one code spacing (2^-3 relative), has sd below 2^-4 / sqrt(N) per
+    step; the error after 300 steps is a sum of such errors shrunk by b2 each step, so its sd
+    is below 300 x 2^-4 / sqrt(N) = 0.018 relative... allowed 6 times that (P < 2e-9)."""
+    torch.manual_seed(3)
+    start = torch.randn(N)
+    lr, betas, wd = 1e-2, (0.9, 0.999), 0.1
+    ours, theirs = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    grad = torch.randn(N)
+    ours.grad, theirs.grad = grad.clone(), grad.clone()
+    fp8 = Fp8AdamW([ours], lr=lr, betas=betas, weight_decay=wd)
+    exact = torch.optim.AdamW([theirs], lr=lr, betas=betas, weight_decay=wd)
+    fp8.step()
+    exact.step()
+    moved = (start - theirs.detach()).abs()
+    assert float(moved.max()) > 0.9 * lr
+    assert bool(((ours - theirs).abs() <= 8 * 2.0**-24 * lr + 2.0**-23 * start.abs()).all())
+
+    constant = Fp8AdamW([ours], lr=0.0, betas=betas)
+    ours.grad = torch.ones(N)
+    for _ in range(300):
+        constant.step()
+    state = constant.state[ours]
+    root = decode(state["exp_avg_sq_root"], state["exp_avg_sq_root_scale"])[:N]
+    expected = math.sqrt(1 - betas[1] ** 300)
+    assert abs(float(root.double().mean()) / expected - 1) < 6 * 300 * 2.0**-4 / math.sqrt(N)
+    mean = decode(state["exp_avg"], state["exp_avg_scale"])[:N]
+    assert abs(float(mean.double().mean()) / (1 - betas[0] ** 300) - 1) < 6 * 300 * 2.0**-4 / math.sqrt(N)
+
+
+def tiny_config(**extra) -> TrainerConfig:
+    return TrainerConfig(run="r", agent="a", model_dir=str(ensure_tiny_model()), **extra)
+
+
+def test_a_trainer_holds_a_quarter_of_the_state_resumes_it_and_refuses_the_other_kind():
+    from test_ray_dp import batch_of
+
+    fp8 = LocalUpdater(tiny_config(optimizer_state="fp8", lr=1e-3))
+    fp32 = LocalUpdater(tiny_config(lr=1e-3))
+    for updater in (fp8, fp32):
+        updater.step(batch_of(5), seed=1)
+    params = sum(p.numel() for p in fp8.model.parameters())
+    small, full = memory_of(fp8.model, fp8.optimizer), memory_of(fp32.model, fp32.optimizer)
+    assert full["optimizer"] >= 8 * params
+    assert small["optimizer"] <= 2 * params + 2 * BLOCK * 8 + 8 * params / BLOCK + 64
+
+    # saved as a checkpoint keeps it (torch.save, read back with weights_only) and resumed
+    model_state, optimizer_state = fp8.state()
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(optimizer_state, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    resumed = LocalUpdater(tiny_config(optimizer_state="fp8", lr=1e-3))
+    resumed.load_state({k: v.clone() for k, v in model_state.items()}, saved)
+    one, two = fp8.step(batch_of(5), seed=2), resumed.step(batch_of(5), seed=2)
+    assert one.loss == two.loss
+    for a, b in zip(fp8.model.parameters(), resumed.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+    with pytest.raises(TrainerConfigError, match="--optimizer-state fp8"):
+        fp32.load_state(*fp8.state())
+    with pytest.raises(TrainerConfigError, match="--optimizer-state fp32"):
+        fp8.load_state(*fp32.state())
+
+
+@pytest.mark.parametrize("extra", [{"dtype": "float64"}, {"parallel": "fsdp", "ray_workers": 2}])
+def test_fp8_moments_are_refused_where_they_do_not_apply(extra):
+    with pytest.raises(TrainerConfigError, match="--optimizer-state fp8"):
+        tiny_config(optimizer_state="fp8", **extra)
