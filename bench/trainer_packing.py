@@ -16,7 +16,8 @@ table gives median (min-max) over rounds of:
 - GFLOP/s: 6 x trainable parameters x real tokens / step s, the usual count of a step's
   matrix work (attention's own, small at these lengths, is left out), so padding is work that
   earns nothing;
-- peak RSS after the step (model, gradients, AdamW's state, activations, libraries).
+- peak RSS after the step (model, gradients, AdamW's state, activations, libraries), in MiB
+  (``ru_maxrss``).
 
 Before the rounds, the machine's fp32 matmul rate is measured with torch (square 2048
 matrices, median of 5) on one thread and on all, and each configuration's rate is printed as a
@@ -26,6 +27,7 @@ is printed.
 
     PYTHONPATH=. python bench/trainer_packing.py [--model smol|tiny|DIR] [--configs padded,packed,packed-ckpt,trl]
         [--repeat 5] [--rows 16] [--prompt 60] [--response 64:256] [--threads 1] [--json OUT]
+        # the least memory: --configs packed,small,small-mapped,trl (``CONFIGS``, ``CHILD_ENV``)
         [--long-row 8192 --max-tokens 2048]   # one 8,192-token row among short ones
 """
 
@@ -43,6 +45,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trainer_memory import bench_batch, cell, peak_rss_mb  # noqa: E402
 
+from agentarium.trainer.heap import TRAINER_MALLOC_ENV  # noqa: E402
+
 # Our trainer's settings per configuration; "trl" is TRL's GRPOTrainer (trl_child). Every
 # configuration uses the loss TRL's "dapo" computes: the clipped surrogate at ratio clip 0.2
 # either side, summed over the batch's loss tokens and divided by their count, no dual clip,
@@ -52,8 +56,22 @@ CONFIGS = {
     "padded": {"pack_rows": False},
     "packed": {"pack_rows": True},
     "packed-ckpt": {"pack_rows": True, "activation_checkpointing": True},
+    # the least memory: checkpointed, AdamW's moments in 3 bytes a parameter (trainer/optim.py),
+    # passes of at most 1,024 real tokens, log-probs 128 positions at a time
+    "small": {
+        "pack_rows": True,
+        "activation_checkpointing": True,
+        "optimizer_state": "fp8",
+        "max_tokens_per_micro_batch": 1024,
+        "logprob_chunk": 128,
+    },
+    "small-mapped": {},  # "small" in a process started with TRAINER_MALLOC_ENV (CHILD_ENV)
     "trl": {},
 }
+CONFIGS["small-mapped"] = CONFIGS["small"]
+# a configuration's process environment on top of the bench's: glibc's mmap threshold fixed at
+# 1 MiB with huge pages (trainer/heap.py), so a pass's freed tensors leave the process at once
+CHILD_ENV = {"small-mapped": TRAINER_MALLOC_ENV}
 
 
 def trl_child(args: argparse.Namespace, model_dir: Path, batch) -> dict:
@@ -157,9 +175,7 @@ def child(args: argparse.Namespace) -> None:
             agent="a",
             model_dir=str(model_dir),
             lr=1e-5,
-            max_tokens_per_micro_batch=args.max_tokens,
-            **SAME_LOSS,
-            **CONFIGS[args.child],
+            **{"max_tokens_per_micro_batch": args.max_tokens, **SAME_LOSS, **CONFIGS[args.child]},
         )
         updater = LocalUpdater(config)
         params = sum(p.numel() for p in updater.model.parameters() if p.requires_grad)
@@ -196,7 +212,8 @@ def run_child(name: str, args: argparse.Namespace) -> dict:
     for flag in ("model", "rows", "prompt", "response", "threads", "long_row", "max_tokens"):
         command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     load = os.getloadavg()[0]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    env = {**os.environ, **CHILD_ENV.get(name, {})}
+    done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
     if done.returncode != 0:
         sys.exit(f"{name}: exit {done.returncode}\n{done.stderr[-4000:]}")
     return {**json.loads(done.stdout.strip().splitlines()[-1]), "load": round(load, 2)}
@@ -252,7 +269,7 @@ def main() -> None:
         f"tokens, {first['params']:,} parameters, {args.threads} thread(s); {args.repeat} "
         f"round(s), median (min-max); load average {min(loads):.1f}-{max(loads):.1f}"
     )
-    print("| config | step s | GFLOP/s on real tokens | share of 1-thread matmul | peak RSS MB |")
+    print("| config | step s | GFLOP/s on real tokens | share of 1-thread matmul | peak RSS MiB |")
     print("|---|---|---|---|---|")
     for name in names:
         same = [r for r in rows if r["config"] == name]

@@ -1,27 +1,27 @@
-"""AdamW with 8-bit moments (``--optimizer-state fp8``): a quarter of fp32 AdamW's state.
+"""AdamW with smaller moments (``--optimizer-state fp8``): 3 bytes a parameter instead of 8.
 
 fp32 AdamW keeps two fp32 moments a parameter, 8 bytes: for SmolLM2-135M 1.08 GB, more than the
-weights and their gradients together. Here each moment is stored as 8-bit floats
-(``float8_e4m3fn``: 3 mantissa bits, largest 448) with one fp32 scale per block of 256 values,
-the block's largest magnitude mapped to 448: 2 bytes a parameter and 1/32 for the scales.
+weights and their gradients together. Here:
 
-- The first moment ``m`` is stored as it is; the second as its root ``r = sqrt(v)``, which
-  halves the range of magnitudes a block must hold (e4m3's normal range is 2^-6..448, 2^15 of
-  ``r``, 2^30 of ``v``).
-- Each step decodes a chunk of the moments to fp32, takes AdamW's fp32 update on it, and
-  encodes it back with *stochastic rounding*: a value between two codes becomes the upper one
-  with probability proportional to its distance from the lower, so the stored moment equals
-  the fp32 one in expectation. Rounded to nearest, ``v``'s EMA (beta2 = 0.999 moves it 0.1 % a
-  step) would stick at a code and never follow the gradients; stochastically it does, with
-  noise no larger than the code's spacing (at most 12.5 % of the value in e4m3's normal range).
-- Every step's update is clamped to the largest |m̂ / sqrt(v̂)| exact Adam can produce (``bound``):
-  a block whose root decodes to 0 while its first moment does not (values below 2^-9 of the
-  block's largest root) cannot become a step of lr / eps.
+- the first moment ``m`` is kept as 8-bit floats (``float8_e4m3fn``: 3 mantissa bits, largest
+  448) with one fp32 scale per block of 256 values, the block's largest magnitude mapped to 448:
+  1.02 bytes a parameter;
+- the second moment is kept as its root ``r = sqrt(v)`` in bfloat16 (7 mantissa bits, fp32's
+  range): 2 bytes. Its EMA moves 0.1 % a step (beta2 = 0.999), so its rounding error stays in
+  it for about a thousand steps: with e4m3's 3 mantissa bits the stored root drifted 16 % (sd,
+  per value) from fp32's over 3,000 steps of random gradients, with bfloat16's about 1 %.
 
-The update, weight decay included, is ``torch.optim.AdamW``'s; only the moments' storage
-differs, so with the quantization removed the two agree (tests/test_optim.py). Chunks of
-``chunk`` values bound the step's temporary memory to a few times that in fp32. The
-rounding draws from torch's default generator, which the trainer seeds per step.
+Each step decodes a chunk of the moments to fp32, takes AdamW's fp32 update on it, and encodes
+it back with *stochastic rounding*: a value between two codes becomes the upper one with
+probability proportional to its distance from the lower, so the stored moment equals the fp32
+one in expectation. Rounded to nearest, ``v``'s EMA would stick at a code whenever a step moves
+it less than half a code, and stop following the gradients.
+
+Every step's update is clamped to the largest |m̂ / sqrt(v̂)| exact Adam can produce (``bound``),
+so a decoding error cannot become a step of lr / eps. The update, weight decay included, is
+``torch.optim.AdamW``'s, and the first step (moments zero, decoded exactly) is AdamW's to fp32
+rounding (tests/test_optim.py). Chunks of ``chunk`` values bound the step's temporary memory;
+the rounding draws from torch's default generator, which the trainer seeds per step.
 """
 
 from __future__ import annotations
@@ -52,12 +52,21 @@ def stochastic_fp8(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 
 
 def draws(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two independent sets of ``n`` rounding draws (``stochastic_fp8``), the two 16-bit halves
-    of one 32-bit draw each: 16 random bits, shifted to the top of the 20 dropped, plus 8."""
+    """Rounding draws for ``n`` values, from one 32-bit draw each: for e4m3 (``stochastic_fp8``)
+    its high 16 bits shifted to the top of the 20 bits e4m3 drops, plus 8 (the middle of the
+    16 values they stand for); for bfloat16 (``stochastic_bf16``) its low 16 bits, exactly the
+    bits bfloat16 drops."""
     bits = torch.randint(-(1 << 31), 1 << 31, (n,), dtype=torch.int32, device=device)
-    low = (bits & 0xFFFF).bitwise_left_shift_(4).add_(8)
-    high = (bits >> 16).bitwise_and_(0xFFFF).bitwise_left_shift_(4).add_(8)
-    return low, high
+    fp8 = (bits >> 16).bitwise_and_(0xFFFF).bitwise_left_shift_(4).add_(8)
+    return fp8, bits.bitwise_and_(0xFFFF)
+
+
+def stochastic_bf16(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """``x`` (fp32, finite) as bfloat16, rounded stochastically (``noise``: uniform in
+    [0, 2^16)): the draw added to the fp32 bits, the 16 bits bfloat16 drops cleared; exactly
+    unbiased (the magnitude rounds up with probability the dropped fraction)."""
+    rounded = ((x.view(torch.int32) + noise) & -(1 << 16)).view(torch.float32)
+    return rounded.to(torch.bfloat16)
 
 
 def encode(values: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, noise) -> None:  # type: ignore[no-untyped-def]
@@ -103,8 +112,9 @@ def bound(beta1: float, beta2: float, step: int) -> float:
 
 
 class Fp8AdamW(torch.optim.Optimizer):
-    """``torch.optim.AdamW`` (decoupled weight decay, bias-corrected) with its two moments kept
-    as block-scaled 8-bit floats (module docstring). Dense fp32 parameters only."""
+    """``torch.optim.AdamW`` (decoupled weight decay, bias-corrected) with its first moment
+    kept as block-scaled 8-bit floats and its second moment's root as bfloat16 (module
+    docstring). Dense fp32 parameters only."""
 
     def __init__(
         self,
@@ -135,9 +145,9 @@ class Fp8AdamW(torch.optim.Optimizer):
         state = self.state[p]
         if not state:
             padded = -(-p.numel() // BLOCK) * BLOCK
-            for name in ("exp_avg", "exp_avg_sq_root"):
-                state[name] = torch.zeros(padded, dtype=torch.uint8, device=p.device)
-                state[name + "_scale"] = torch.ones(padded // BLOCK, device=p.device)
+            state["exp_avg"] = torch.zeros(padded, dtype=torch.uint8, device=p.device)
+            state["exp_avg_scale"] = torch.ones(padded // BLOCK, device=p.device)
+            state["exp_avg_sq_root"] = torch.zeros(padded, dtype=torch.bfloat16, device=p.device)
             state["step"] = torch.zeros((), dtype=torch.float32)
         return state
 
@@ -178,7 +188,7 @@ class Fp8AdamW(torch.optim.Optimizer):
         g = torch.zeros(codes.stop - codes.start, dtype=torch.float32, device=flat.device)
         g[:n] = grad[start:end]
         m = decode(state["exp_avg"][codes], state["exp_avg_scale"][blocks])
-        v = decode(state["exp_avg_sq_root"][codes], state["exp_avg_sq_root_scale"][blocks])
+        v = state["exp_avg_sq_root"][codes].to(torch.float32)
         m.mul_(beta1).add_(g, alpha=1 - beta1)
         v.square_().mul_(beta2).addcmul_(g, g, value=1 - beta2).sqrt_()  # the new root
         # g's buffer takes the step: lr * m / (1 - b1^t) / (r / sqrt(1 - b2^t) + eps), clamped
@@ -187,7 +197,7 @@ class Fp8AdamW(torch.optim.Optimizer):
         flat[start:end].add_(g[:n], alpha=-lr)
         noise_m, noise_r = draws(g.numel(), g.device)
         encode(m, state["exp_avg"][codes], state["exp_avg_scale"][blocks], noise_m)
-        encode(v, state["exp_avg_sq_root"][codes], state["exp_avg_sq_root_scale"][blocks], noise_r)
+        state["exp_avg_sq_root"][codes] = stochastic_bf16(v, noise_r)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """A state this optimizer wrote (an fp32 AdamW's is refused, naming the flag)."""
@@ -196,7 +206,9 @@ class Fp8AdamW(torch.optim.Optimizer):
                 "the saved optimizer state has fp32 AdamW moments, this trainer keeps fp8 "
                 "moments: resume it with --optimizer-state fp32"
             )
-        super().load_state_dict(state_dict)  # the codes are uint8: not cast
+        super().load_state_dict(state_dict)  # casts the bfloat16 roots to fp32: back, exactly
+        for state in self.state.values():
+            state["exp_avg_sq_root"] = state["exp_avg_sq_root"].to(torch.bfloat16)
 
 
 def moments_of(state_dict: dict) -> str:
