@@ -13,7 +13,14 @@ import importlib
 from typing import Any
 
 from .app import PublisherFactory, run_trainer, store_publisher
-from .config import DEVICES, LOSS_AGGS, STALE_POLICIES, TASK_ADV_NORMS, TrainerConfig
+from .config import (
+    DEVICES,
+    LOSS_AGGS,
+    OPTIMIZER_STATES,
+    STALE_POLICIES,
+    TASK_ADV_NORMS,
+    TrainerConfig,
+)
 from .errors import (
     CheckpointError,
     DistributedError,
@@ -47,6 +54,7 @@ _LAZY = {  # torch + transformers
 __all__ = [
     "TRAINER_MALLOC_ENV",
     "DEVICES",
+    "OPTIMIZER_STATES",
     "HOW",
     "LOSS_AGGS",
     "MULTI_TURN",

@@ -60,7 +60,7 @@ from agentarium.broker import (
 from agentarium.inference import EngineControl, EngineControlError, max_lora_rank, wait_served
 from agentarium.producers import GroupRefill, RunSession, expand_tasks, read_task_file
 from agentarium.schemas import check_settings, setting
-from agentarium.trainer import DEVICES, TASK_ADV_NORMS
+from agentarium.trainer import DEVICES, OPTIMIZER_STATES, TASK_ADV_NORMS
 
 from ..models import resolve_model
 from ..progress import ProgressBar, StatusLine
@@ -198,6 +198,12 @@ class DemoConfig:
         help="train LoRA adapters of this rank instead of every weight (the trainer's "
         "--lora-rank): the syncer loads each adapter into the engine and the consumers ask for "
         "it; 0 = full fine-tuning",
+    )
+    optimizer_state: str = setting(
+        "fp32",
+        choices=OPTIMIZER_STATES,
+        help="how the trainer keeps AdamW's moments (the trainer's --optimizer-state): fp32, "
+        "or fp8 (3 bytes a parameter instead of 8: trainer/optim.py)",
     )
     engine: str | None = setting(
         None,
@@ -688,6 +694,7 @@ def trainer_argv(
         *(["--sync-rollouts"] if args.sync_rollouts else []),
         *(["--dynamic-sampling"] if args.dynamic_sampling else []),
         *(["--lora-rank", str(args.lora_rank)] if args.lora_rank else []),
+        *(["--optimizer-state", args.optimizer_state] if args.optimizer_state != "fp32" else []),
         *(
             ["--max-tokens-per-micro-batch", str(args.preset.max_tokens_per_micro_batch)]
             if args.preset.max_tokens_per_micro_batch
