@@ -172,6 +172,26 @@ def test_the_moments_follow_a_constant_gradient_where_rounding_to_nearest_sticks
     assert stuck < 0.8  # what the test tells apart: to nearest, the root stopped growing
 
 
+def test_the_rounding_depends_on_the_steps_seed_not_on_what_was_drawn_before():
+    """Data-parallel ranks seed each step alike but draw differently in their forward passes:
+    their moments must round alike, or their replicas drift apart."""
+    params = []
+    for drawn_before in (0, 12345):
+        torch.manual_seed(11)  # the trainer's per-step seed
+        torch.rand(drawn_before)  # a forward pass's draws (dropout, sampling)
+        p = torch.nn.Parameter(torch.linspace(-1, 1, 4 * BLOCK))
+        p.grad = torch.linspace(0.3, -0.7, 4 * BLOCK)
+        Fp8AdamW([p], lr=1e-2).step()
+        p.grad = torch.linspace(-0.2, 0.9, 4 * BLOCK)
+        torch.manual_seed(12)
+        torch.rand(drawn_before)
+        optimizer = Fp8AdamW([p], lr=1e-2)
+        optimizer.step()
+        optimizer.step()
+        params.append(p.detach().clone())
+    assert torch.equal(params[0], params[1])
+
+
 def tiny_config(**extra) -> TrainerConfig:
     return TrainerConfig(run="r", agent="a", model_dir=str(ensure_tiny_model()), **extra)
 

@@ -406,7 +406,6 @@ async def test_rollouts_longer_than_ack_wait_are_heartbeated_not_redelivered(js,
     assert info.num_redelivered == 0
 
 
-@pytest.mark.nats_semantics
 async def test_a_job_redelivered_while_it_still_runs_here_is_left_to_that_run(js, topology, fake):
     """The worker's loop stalls past ack_wait (a blocking call in the agent), so the broker
     redelivers the job while its first delivery still runs: the redelivery is not run again

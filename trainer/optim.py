@@ -20,8 +20,9 @@ it less than half a code, and stop following the gradients.
 Every step's update is clamped to the largest |m̂ / sqrt(v̂)| exact Adam can produce (``bound``),
 so a decoding error cannot become a step of lr / eps. The update, weight decay included, is
 ``torch.optim.AdamW``'s, and the first step (moments zero, decoded exactly) is AdamW's to fp32
-rounding (tests/test_optim.py). Chunks of ``chunk`` values bound the step's temporary memory;
-the rounding draws from torch's default generator, which the trainer seeds per step.
+rounding (tests/test_optim.py). Chunks of ``chunk`` values bound the step's temporary memory.
+The rounding draws come from a generator seeded by the trainer's seed, the step and the
+parameter (``_generator``).
 """
 
 from __future__ import annotations
@@ -51,12 +52,16 @@ def stochastic_fp8(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return rounded.to(FP8).view(torch.uint8)
 
 
-def draws(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def draws(
+    n: int, device: torch.device, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rounding draws for ``n`` values, from one 32-bit draw each: for e4m3 (``stochastic_fp8``)
     its high 16 bits shifted to the top of the 20 bits e4m3 drops, plus 8 (the middle of the
     16 values they stand for); for bfloat16 (``stochastic_bf16``) its low 16 bits, exactly the
     bits bfloat16 drops."""
-    bits = torch.randint(-(1 << 31), 1 << 31, (n,), dtype=torch.int32, device=device)
+    bits = torch.randint(
+        -(1 << 31), 1 << 31, (n,), dtype=torch.int32, device=device, generator=generator
+    )
     fp8 = (bits >> 16).bitwise_and_(0xFFFF).bitwise_left_shift_(4).add_(8)
     return fp8, bits.bitwise_and_(0xFFFF)
 
@@ -157,6 +162,7 @@ class Fp8AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        index = 0  # the parameter's place, in the draws' seed
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             lr, eps, chunk = group["lr"], group["eps"], group["chunk"]
@@ -173,14 +179,17 @@ class Fp8AdamW(torch.optim.Optimizer):
                 limit = bound(beta1, beta2, t)
                 if group["weight_decay"]:
                     p.mul_(1 - lr * group["weight_decay"])
+                index += 1
+                generator = _generator(p.device, t, index)
                 flat, grad = p.view(-1), p.grad.reshape(-1)
                 for start in range(0, flat.numel(), chunk):
                     self._update(state, flat, grad, start, min(start + chunk, flat.numel()),
-                                 (beta1, beta2), (lr, eps), (correction1, root2), limit)  # fmt: skip
+                                 (beta1, beta2), (lr, eps), (correction1, root2), limit,
+                                 generator)  # fmt: skip
         return loss
 
     @staticmethod
-    def _update(state, flat, grad, start, end, betas, lr_eps, corrections, limit):  # type: ignore[no-untyped-def]
+    def _update(state, flat, grad, start, end, betas, lr_eps, corrections, limit, generator):  # type: ignore[no-untyped-def]
         """AdamW on values [start, end) of one parameter (``start`` on a block boundary)."""
         (beta1, beta2), (lr, eps), (correction1, root2) = betas, lr_eps, corrections
         n, blocks = end - start, slice(start // BLOCK, -(-end // BLOCK))
@@ -195,7 +204,7 @@ class Fp8AdamW(torch.optim.Optimizer):
         torch.div(v, root2, out=g).add_(eps)
         torch.div(m, g, out=g).mul_(1 / correction1).clamp_(-limit, limit)
         flat[start:end].add_(g[:n], alpha=-lr)
-        noise_m, noise_r = draws(g.numel(), g.device)
+        noise_m, noise_r = draws(g.numel(), g.device, generator)
         encode(m, state["exp_avg"][codes], state["exp_avg_scale"][blocks], noise_m)
         state["exp_avg_sq_root"][codes] = stochastic_bf16(v, noise_r)
 
@@ -209,6 +218,17 @@ class Fp8AdamW(torch.optim.Optimizer):
         super().load_state_dict(state_dict)  # casts the bfloat16 roots to fp32: back, exactly
         for state in self.state.values():
             state["exp_avg_sq_root"] = state["exp_avg_sq_root"].to(torch.bfloat16)
+
+
+def _generator(device: torch.device, step: int, index: int) -> torch.Generator:
+    """The rounding draws of parameter ``index`` at its ``step``: a generator seeded from the
+    seed the trainer set (``torch.initial_seed()``), the step and the parameter, so every step
+    and parameter draws afresh, and data-parallel ranks, which draw different amounts in their
+    forward passes, round alike and their replicas stay equal."""
+    generator = torch.Generator(device=device)
+    seed = (torch.initial_seed() * 1_000_003 + step * 7_919 + index) % (1 << 63)
+    generator.manual_seed(seed)
+    return generator
 
 
 def moments_of(state_dict: dict) -> str:
