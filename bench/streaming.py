@@ -173,6 +173,14 @@ if __name__ == "__main__":
     parser.add_argument("--model", default="smol", help="smol, tiny or a model directory")
     parser.add_argument("--tokens", type=int, default=64, help="tokens per reply")
     parser.add_argument("--batch", type=int, default=16, help="requests at once (throughput)")
-    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--repeat", type=int, default=5, help="alternating rounds (>= 1)")
     parser.add_argument("--threads", type=int, default=2, help="the engine's compute threads")
-    sys.exit(asyncio.run(main(parser.parse_args())))
+    args = parser.parse_args()
+    for name in ("tokens", "batch", "repeat", "threads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    try:
+        resolve_model(args.model)  # a wrong name, before the engine starts
+    except Exception as exc:  # noqa: BLE001 - whatever it says, it is the user's to fix
+        parser.error(f"--model {args.model!r}: {exc}")
+    sys.exit(asyncio.run(main(args)))
