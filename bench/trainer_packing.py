@@ -65,10 +65,9 @@ CONFIGS = {
         "max_tokens_per_micro_batch": 1024,
         "logprob_chunk": 128,
     },
-    "small-mapped": {},  # "small" in a process started with TRAINER_MALLOC_ENV (CHILD_ENV)
     "trl": {},
 }
-CONFIGS["small-mapped"] = CONFIGS["small"]
+CONFIGS["small-mapped"] = CONFIGS["small"]  # in a process started with TRAINER_MALLOC_ENV
 # a configuration's process environment on top of the bench's: glibc's mmap threshold fixed at
 # 1 MiB with huge pages (trainer/heap.py), so a pass's freed tensors leave the process at once
 CHILD_ENV = {"small-mapped": TRAINER_MALLOC_ENV}
@@ -250,6 +249,11 @@ def main() -> None:
     if args.child is not None:
         child(args)
         return
+    for name in ("repeat", "rows", "prompt", "threads"):
+        if getattr(args, name) < 1:
+            parser.error(
+                f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}"
+            )
     names = [c for c in args.configs.split(",") if c]
     unknown = [c for c in names if c not in CONFIGS]
     if unknown:
