@@ -15,6 +15,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+# the first pass's order, after -m has deselected (tests/suite_order.py)
+from suite_order import pytest_collection_modifyitems  # noqa: F401
+
 from agentarium.broker import NatsServer, NatsSettings, Topology, find_nats_server, provision
 from agentarium.broker.errors import ServerLaunchError
 from agentarium.broker.server import ENV_BINARY
@@ -36,12 +39,6 @@ def _nats_server_line() -> str:
     except ServerLaunchError as exc:
         return f"nats-server: none ({exc})"
     return f"nats-server: {binary} (v{format_version(binary_version(binary))}, {how})"
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    from suite_order import spread_long_tests
-
-    items[:] = spread_long_tests(items, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")))
 
 
 def pytest_report_header(config) -> str:

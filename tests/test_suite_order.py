@@ -49,3 +49,35 @@ def test_one_process_or_no_long_tests_keep_the_collection_order():
     assert spread_long_tests(items, 1) == items
     plain = [Item(f"t{i}") for i in range(9)]
     assert spread_long_tests(plain, 4) == plain
+
+
+def test_the_runs_are_cut_after_m_has_deselected(tmp_path):
+    """A real collection under ``-m "not chaos"``: the long tests head the runs worksteal cuts
+    from what is left, however many deselected tests came before them."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    (tmp_path / "conftest.py").write_text(
+        f"import sys\nsys.path.insert(0, {str(here)!r})\n"
+        "from suite_order import pytest_collection_modifyitems  # noqa: F401\n"
+    )
+    deselected = "".join(f"@pytest.mark.chaos\ndef test_a{i}():\n    pass\n\n" for i in range(6))
+    plain = "".join(f"def test_p{i}():\n    pass\n\n" for i in range(6))
+    (tmp_path / "test_order.py").write_text(
+        "import pytest\n\n" + deselected + plain
+        + "@pytest.mark.long(50)\ndef test_long1():\n    pass\n\n"
+        + "@pytest.mark.long(60)\ndef test_long2():\n    pass\n"
+    )  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+         "-m", "not chaos", "-W", "ignore::pytest.PytestUnknownMarkWarning"],
+        cwd=tmp_path, capture_output=True, text=True,
+        env={**os.environ, "PYTEST_XDIST_WORKER_COUNT": "2"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    names = [line.split("::")[1] for line in result.stdout.splitlines() if "::" in line]
+    assert len(names) == 8, names
+    assert [names[0], names[4]] == ["test_long2", "test_long1"], names
