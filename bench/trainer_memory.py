@@ -53,20 +53,26 @@ def bench_batch(
     vocab: int,
     seed: int = 0,
     long_row: int = 0,
+    group_prompt: bool = False,
 ):
     """The batch; ``long_row`` > 0 makes the first row that many tokens long (prompt
-    included), as one long agentic trajectory among short ones."""
+    included), as one long agentic trajectory among short ones; ``group_prompt``: the rows of
+    each group of 8 share one prompt, as a GRPO group's samples do (else every row draws its
+    own)."""
     from agentarium.schemas import LLMCall, Trajectory
     from agentarium.trainer.batch import Sample, build_rows, collate
 
     rng = random.Random(seed)
     samples = []
+    prompts: dict[int, list[int]] = {}
     for i in range(rows):
         length = rng.randint(*response)
         if i == 0 and long_row:
             length = long_row - prompt
         call = LLMCall(
-            prompt_ids=[rng.randrange(vocab) for _ in range(prompt)],
+            prompt_ids=prompts.setdefault(
+                i // 8 if group_prompt else i, [rng.randrange(vocab) for _ in range(prompt)]
+            ),
             response_ids=[rng.randrange(vocab) for _ in range(length)],
             response_logprobs=[round(rng.uniform(-8.0, -0.1), 3) for _ in range(length)],
             finish_reason="stop",

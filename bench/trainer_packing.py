@@ -29,6 +29,8 @@ is printed.
         [--repeat 5] [--rows 16] [--prompt 60] [--response 64:256] [--threads 1] [--json OUT]
         # the least memory: --configs packed,small,small-mapped,trl (``CONFIGS``, ``CHILD_ENV``)
         [--long-row 8192 --max-tokens 2048]   # one 8,192-token row among short ones
+        [--group-prompt]   # each group of 8 rows shares its prompt, as GRPO's do
+        # (then "packed" runs a pass's common prompt once; "packed-unshared" does not)
 """
 
 from __future__ import annotations
@@ -55,6 +57,10 @@ SAME_LOSS = {"clip_low": 0.2, "clip_high": 0.2, "dual_clip": None, "loss_agg": "
 CONFIGS = {
     "padded": {"pack_rows": False},
     "packed": {"pack_rows": True},
+    # packed, a prompt every row of a pass begins with packed with each row (a shared prefix
+    # runs once a pass by default: trainer/packing.py); the same as "packed" without
+    # --group-prompt, whose rows share nothing
+    "packed-unshared": {"pack_rows": True, "share_prefix": False},
     "packed-ckpt": {"pack_rows": True, "activation_checkpointing": True},
     # the least memory: checkpointed, AdamW's moments in 3 bytes a parameter (trainer/optim.py),
     # passes of at most 1,024 real tokens, log-probs 128 positions at a time
@@ -165,7 +171,10 @@ def child(args: argparse.Namespace) -> None:
     model_dir = resolve_model(args.model)
     vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
     low, high = (int(x) for x in args.response.split(":"))
-    batch = bench_batch(args.rows, args.prompt, (low, high), vocab, long_row=args.long_row)
+    batch = bench_batch(
+        args.rows, args.prompt, (low, high), vocab, long_row=args.long_row,
+        group_prompt=args.group_prompt,
+    )  # fmt: skip
     if args.child == "trl":
         step = trl_child(args, model_dir, batch)
     else:
@@ -210,6 +219,7 @@ def run_child(name: str, args: argparse.Namespace) -> dict:
     command = [sys.executable, __file__, "--child", name]
     for flag in ("model", "rows", "prompt", "response", "threads", "long_row", "max_tokens"):
         command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    command += ["--group-prompt"] if args.group_prompt else []
     load = os.getloadavg()[0]
     env = {**os.environ, **CHILD_ENV.get(name, {})}
     done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
@@ -242,6 +252,12 @@ def main() -> None:
         default=0,
         metavar="TOKENS",
         help="our configurations' --max-tokens-per-micro-batch (0: the batch in one pass)",
+    )
+    parser.add_argument(
+        "--group-prompt",
+        action="store_true",
+        help="the rows of each group of 8 share one prompt, as a GRPO group's samples do "
+        "(default: every row its own)",
     )
     parser.add_argument("--json", default="", help="also write the rows here")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)

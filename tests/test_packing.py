@@ -12,7 +12,7 @@ from test_logprob_chunks import TOL, V, assert_same_update, batch, update
 
 from agentarium.tiny import ensure_tiny_model
 from agentarium.trainer import packing
-from agentarium.trainer.batch import Row, collate
+from agentarium.trainer.batch import Batch, Row, collate
 from agentarium.trainer.logprobs import token_stats
 from agentarium.trainer.step import StepSettings, load_model, load_policy, load_reference
 
@@ -118,6 +118,165 @@ def test_activation_checkpointing_and_lora_train_the_same_packed(tiny):
     assert_same_update(*results)
 
 
+def group_batch(shared_response: int = 0) -> Batch:
+    """A GRPO group's shape: five rows with one 20-token prompt and different responses (the
+    first ``shared_response`` response tokens the same in every row, loss tokens in the
+    shared prefix then), per-call temperatures, an observation, stale tokens, as ``batch``."""
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, 256, (20,), generator=g).tolist()
+    common = torch.randint(0, 256, (shared_response,), generator=g).tolist()
+    rows = []
+    for i in range(5):
+        response = common + torch.randint(0, 256, (3 + 2 * i,), generator=g).tolist()
+        mask = [0] * len(prompt) + [1] * len(response)
+        if i == 3:
+            mask[-3:-1] = [0, 0]  # an observation inside the response
+        temperature = [1.0] * len(prompt) + [(0.6, 1.0, 1.3, 0.8, 1.0)[i]] * len(response)
+        old = [0.0] * len(prompt) + [-5.0 + 0.3 * j for j in range(len(response))]
+        rows.append(
+            Row(
+                input_ids=prompt + response,
+                loss_mask=mask,
+                old_logprobs=[o if m else 0.0 for o, m in zip(old, mask, strict=True)],
+                temperature=temperature,
+                advantage=(-1) ** i * 0.4 * (i + 1),
+                tis=[0] * len(prompt) + [int(i == 4 and j < 2) for j in range(len(response))],
+                job_id=f"g{i}",
+            )
+        )
+    return collate(rows, pad_id=256)
+
+
+def assert_same_to_fp32_rounding(padded, shared, tol: float = TOL) -> None:
+    """The loss and statistics within ``tol`` (the forward passes are the same sums), each
+    gradient within 1e-5 of its norm. transformers' RMSNorm computes in fp32 even in an fp64
+    model; the shared prefix's gradient is the rows' sum before it goes back through the norms,
+    where the padded path takes each row's back alone and sums after, so the two round
+    differently there: fp32's u = 6e-8 per operation, on contributions as large as the sum
+    (measured: 9e-8 of the largest gradient; 1e-5 is the fp32 test's bound above). A parameter
+    with no gradient in exact arithmetic (a key bias) is compared against the largest norm."""
+    assert shared[0] == pytest.approx(padded[0], rel=tol, abs=tol)
+    for name in ("tokens", "clipped", "kl", "entropy", "ratio"):
+        assert getattr(shared[1], name) == pytest.approx(getattr(padded[1], name), rel=tol), name
+    assert shared[2].keys() == padded[2].keys() and padded[2]
+    scale = max(float(g.norm()) for g in padded[2].values())
+    for name, grad in padded[2].items():
+        floor = scale if "k_proj.bias" in name else float(grad.norm())
+        assert float((shared[2][name] - grad).norm()) <= 1e-5 * floor, name
+
+
+@pytest.mark.parametrize("shared_response", [0, 3])
+@pytest.mark.parametrize("chunk", [0, 7])
+def test_a_shared_prefix_runs_once_and_trains_as_the_padded_rows(tiny, chunk, shared_response):
+    """fp64: the prompt every row begins with (and, with ``shared_response``, loss tokens every
+    row shares too) runs once a pass; the loss and statistics are the padded path's to fp64's
+    tolerance (above), the gradients to fp32 rounding (``assert_same_to_fp32_rounding``); the
+    unshared packed path stays fp64-exact, and a token budget's passes share too."""
+    data = group_batch(shared_response)
+    prefix = 20 + shared_response
+    assert (
+        packing.pack(data.input_ids, data.attention_mask, share_prefix=True).prefix_of
+        == [prefix] * 5
+    )
+    settings = StepSettings(logprob_chunk=chunk, **BASE)
+    padded = update(*models(tiny, pack=False), data, settings)
+    model, ref = models(tiny, pack=True)
+    seen = []
+    hook = model.get_input_embeddings().register_forward_hook(
+        lambda _m, args, _out: seen.append(tuple(args[0].shape))
+    )
+    shared = update(model, ref, data, settings)
+    hook.remove()
+    assert seen == [(1, data.tokens - 4 * prefix)]  # the prefix once, not five times
+    assert_same_to_fp32_rounding(padded, shared)
+    unshared = StepSettings(logprob_chunk=chunk, share_prefix=False, **BASE)
+    assert_same_update(padded, update(model, ref, data, unshared))
+    budget = StepSettings(logprob_chunk=chunk, max_tokens_per_micro_batch=40, **BASE)
+    passes = list(data.micro_batches(0, max_tokens=40, packed=True, share_prefix=True))
+    assert 1 < len(passes) < data.rows  # the budget splits the rows, each pass shares
+    assert_same_to_fp32_rounding(padded, update(model, ref, data, budget))
+
+
+def test_fp32_shared_prefix_gradients_match_within_rounding(tiny):
+    """fp32, as the trainer runs, with the bounds of the fp32 packed test above."""
+    data = group_batch(3)
+    padded = update(*models(tiny, pack=False, dtype="float32"), data, StepSettings(**BASE))
+    shared = update(*models(tiny, pack=True, dtype="float32"), data, StepSettings(**BASE))
+    assert_same_to_fp32_rounding(padded, shared, tol=1e-5)
+
+
+def test_a_short_common_prefix_is_not_shared():
+    data = rows_of([20, 20, 20])  # every token the same: 20 in common
+    assert (
+        packing.pack(data.input_ids, data.attention_mask, share_prefix=True).prefix_of == [20] * 3
+    )
+    ids = data.input_ids.clone()
+    ids[1, packing.MIN_SHARED_PREFIX - 1] = 2  # one token short of the minimum
+    short = packing.pack(ids, data.attention_mask, share_prefix=True)
+    assert short.prefix_of == [0, 0, 0] and short.tokens == 60  # row 1 parts at 15 from both
+    assert packing.pack(data.input_ids, data.attention_mask).prefix_of == [0, 0, 0]  # not asked
+    one = rows_of([20])
+    assert packing.pack(one.input_ids, one.attention_mask, share_prefix=True).prefix_of == [0]
+
+
+def two_groups(system: int, prompt: int) -> Batch:
+    """Two groups of three rows: a ``system``-token start every row has, then each group's own
+    ``prompt`` tokens, then each row's own 4 response tokens."""
+    lengths = [system + prompt + 4] * 6
+    data = rows_of(lengths)
+    g = torch.Generator().manual_seed(7)
+    data.input_ids[:, :system] = torch.randint(0, 256, (system,), generator=g)
+    for group in range(2):
+        data.input_ids[3 * group : 3 * group + 3, system : system + prompt] = torch.randint(
+            0, 256, (prompt,), generator=g
+        )
+    data.input_ids[:, system + prompt :] = torch.randint(0, 256, (6, 4), generator=g)
+    return data
+
+
+def test_each_group_shares_its_own_prompt_in_one_pass(tiny):
+    """Two groups in one pass, each a run with its prompt; a start every row has (a system
+    prompt) is not worth merging the runs for; the log-probs are the padded path's."""
+    data = two_groups(20, 30)
+    packed = packing.pack(data.input_ids, data.attention_mask, share_prefix=True)
+    assert packed.prefix_of == [50] * 6  # each group's 50, not every row's 20
+    assert packed.tokens == 2 * 50 + 6 * 4
+    assert [mb.rows for mb in data.micro_batches(0, max_tokens=75, packed=True, share_prefix=True)] == [3, 3]  # fmt: skip
+    padded_model = load_model(tiny, "cpu", dtype="float64")
+    model = load_model(tiny, "cpu", dtype="float64")
+    packing.enable(model)
+    mask = data.loss_mask[:, 1:]
+    with torch.no_grad():
+        for chunk in (0, 5):
+            want = token_stats(padded_model, data, chunk=chunk).logprobs[mask]
+            got = token_stats(model, data, chunk=chunk).logprobs[mask]
+            torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
+    # groups whose prompts share most of their tokens (few-shot examples, then the question)
+    # make one run: 8 rows sharing 45 save more than each group's 48
+    close = two_groups(45, 3)
+    assert (
+        packing.pack(close.input_ids, close.attention_mask, share_prefix=True).prefix_of == [45] * 6
+    )
+
+
+@pytest.mark.parametrize(
+    ("max_tokens", "share", "passes"),
+    [
+        (60, False, [[30, 30], [40]]),  # 100 real tokens: 60 hold two rows
+        (60, True, [[30, 30, 40]]),  # 25 shared: 25 + 5 + 5 + 15 = 50
+        (45, True, [[30, 30], [40]]),  # 25 + 5 + 5 = 35; the third would make 50
+    ],
+)
+def test_a_token_budget_counts_a_shared_prefix_once(max_tokens, share, passes):
+    data = rows_of([30, 30, 40])
+    data.input_ids[:, 25:] = torch.arange(3)[:, None] + 2  # the rows part at token 25
+    got = [
+        mb.attention_mask.sum(-1).tolist()
+        for mb in data.micro_batches(0, max_tokens=max_tokens, packed=True, share_prefix=share)
+    ]
+    assert got == passes
+
+
 def rows_of(lengths: list[int]):
     return collate(
         [
@@ -179,7 +338,9 @@ def test_the_trainer_command_packs_by_default_and_takes_the_flags():
         return trainer_cmd.resolve_args(args)[0]
 
     default = resolved()
-    assert default.pack_rows and not default.activation_checkpointing
+    assert default.pack_rows and default.share_prefix and not default.activation_checkpointing
+    assert not resolved("--no-share-prefix").share_prefix
+    assert not resolved("share_prefix=false").share_prefix
     assert default.max_tokens_per_micro_batch == 0
     off = resolved("--no-pack-rows", "--activation-checkpointing")
     assert not off.pack_rows and off.activation_checkpointing  # no --parallel fsdp needed now

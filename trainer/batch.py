@@ -243,20 +243,34 @@ class Batch:
         return [self.select(bounds[i], bounds[i + 1]) for i in range(n)]
 
     def micro_batches(
-        self, size: int, *, max_tokens: int = 0, packed: bool = False
+        self, size: int, *, max_tokens: int = 0, packed: bool = False, share_prefix: bool = False
     ) -> Iterator[Batch]:
         """Consecutive rows, at most ``size`` of them (0: no limit) costing at most
-        ``max_tokens`` (0: no limit) in a pass: the rows' real tokens when ``packed``, rows x
-        the longest row when padded. A row over ``max_tokens`` alone is a pass of its own."""
-        lengths = self.attention_mask.sum(-1).tolist()
+        ``max_tokens`` (0: no limit) in a pass: the rows' real tokens when ``packed`` (with
+        ``share_prefix``, the tokens they all begin with counted once, as the pass will run
+        them: trainer/packing.py), rows x the longest row when padded. A row over
+        ``max_tokens`` alone is a pass of its own."""
+        from .packing import PrefixRuns
+
+        lengths = [int(n) for n in self.attention_mask.sum(-1).tolist()]
         start = 0
         while start < self.rows:
             stop, longest, total = start, 0, 0
+            runs = PrefixRuns()
             while stop < self.rows and (not size or stop - start < size):
-                n = int(lengths[stop])
-                cost = total + n if packed else (stop - start + 1) * max(longest, n)
+                n = lengths[stop]
+                if not packed:
+                    cost = (stop - start + 1) * max(longest, n)
+                elif share_prefix:  # each run's prefix once (runs are greedy: adding a row
+                    grown = runs.copy()  # changes the last run alone)
+                    grown.add(self.input_ids[stop], n)
+                    cost = total + n - grown.saved
+                else:
+                    cost = total + n
                 if max_tokens and stop > start and cost > max_tokens:
                     break
+                if packed and share_prefix:
+                    runs = grown
                 longest, total, stop = max(longest, n), total + n, stop + 1
             yield self.select(start, stop)
             start = stop

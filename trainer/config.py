@@ -450,6 +450,15 @@ class TrainerConfig:
         "pass runs its rows' real tokens as one sequence, attention kept within each row: "
         "trainer/packing.py)",
     )
+    share_prefix: bool = setting(
+        True,
+        negate=True,
+        group=COMPUTE,
+        help="pack each row's whole prompt even where every row of a pass begins with the "
+        "same tokens (by default, packed rows that share 16 tokens or more at their start run "
+        "them once, as a prefix each row attends to: a group's prompt, few-shot examples; "
+        "the log-probs and gradients are the same: trainer/packing.py)",
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "report_to", parse_report_to(self.report_to))

@@ -108,6 +108,7 @@ def passes_of(shard: Batch, settings: StepSettings) -> list[Batch]:
             settings.micro_batch_size,
             max_tokens=settings.max_tokens_per_micro_batch,
             packed=settings.pack_rows,
+            share_prefix=settings.share_prefix,
         )
     )
 

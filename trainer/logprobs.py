@@ -76,15 +76,21 @@ def token_stats(
     entropy: bool = True,
     entropy_grad: bool = False,
     bf16_autocast: bool = False,
+    share_prefix: bool = True,
 ) -> TokenStats:
     """Log-probs of ``mb``'s next tokens at each call's temperature, and their entropy (when
     ``entropy``; differentiable when ``entropy_grad``): chunked at the loss mask's positions
     (``chunk`` > 0), or at every position over the whole vocabulary (``chunk`` = 0). A model
     set up for packed rows (trainer/packing.py) runs ``mb``'s rows as one sequence without
-    their padding; the results are laid out as ``mb``'s either way."""
+    their padding, and with ``share_prefix`` the tokens all its rows begin with once
+    (``packing.pack``); the results are laid out as ``mb``'s either way."""
     device_type = mb.input_ids.device.type
     autocast = torch.autocast(device_type=device_type, dtype=torch.bfloat16, enabled=bf16_autocast)
-    packed = pack(mb.input_ids, mb.attention_mask) if packing.enabled(causal_lm(model)) else None
+    packed = (
+        pack(mb.input_ids, mb.attention_mask, share_prefix=share_prefix)
+        if packing.enabled(causal_lm(model))
+        else None
+    )
     inputs = (
         packed.forward_kwargs()
         if packed is not None

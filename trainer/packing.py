@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -83,18 +83,32 @@ def packed_attention(
     if bounds is not None:
         # the edges on the host (no device sync per layer), as the packed forward passes them
         edges = kwargs.get("packed_row_edges") or bounds.tolist()
-        parts = [
-            sdpa(
-                query[:, :, start:stop],
-                key[:, :, start:stop],
-                value[:, :, start:stop],
-                dropout_p=dropout,
-                is_causal=True,
-                scale=scaling,
-            )
-            for start, stop in zip(edges[:-1], edges[1:], strict=False)
-            if stop > start
-        ]
+        # with shared prefixes, each segment's (prefix start, prefix length): 0 for a prefix or
+        # a row on its own, causal within itself
+        prefixes = kwargs.get("packed_prefixes") or [(0, 0)] * (len(edges) - 1)
+        parts = []
+        for (start, stop), (at, shared) in zip(
+            zip(edges[:-1], edges[1:], strict=True), prefixes, strict=True
+        ):
+            if stop <= start:
+                continue
+            own = slice(start, stop)
+            if not shared:
+                parts.append(
+                    sdpa(query[:, :, own], key[:, :, own], value[:, :, own],
+                         dropout_p=dropout, is_causal=True, scale=scaling)
+                )  # fmt: skip
+                continue
+            # a row after its shared prefix: every prefix key, then causal over its own tokens
+            n, seen = stop - start, slice(at, at + shared)
+            keep = torch.ones(n, shared + n, dtype=torch.bool, device=query.device)
+            keep[:, shared:] = torch.ones(n, n, dtype=torch.bool, device=query.device).tril()
+            keys = torch.cat([key[:, :, seen], key[:, :, own]], dim=2)
+            values = torch.cat([value[:, :, seen], value[:, :, own]], dim=2)
+            parts.append(
+                sdpa(query[:, :, own], keys, values, attn_mask=keep, dropout_p=dropout,
+                     scale=scaling)
+            )  # fmt: skip
         out = torch.cat(parts, dim=2) if parts else torch.zeros_like(query)
     elif attention_mask is None:
         out = sdpa(query, key, value, dropout_p=dropout, is_causal=True, scale=scaling)
@@ -158,27 +172,95 @@ def enabled(model) -> bool:
     return getattr(config, "_attn_implementation", None) == PACKED_ATTENTION
 
 
+# A common prefix shorter than this is packed with each row as before: it would save little
+# and take the rows after it off the plain causal kernel.
+MIN_SHARED_PREFIX = 16
+
+
+def _common(a: torch.Tensor, b: torch.Tensor, limit: int) -> int:
+    """How many of their first ``limit`` tokens the 1-D ``a`` and ``b`` share."""
+    differs = (a[:limit] != b[:limit]).nonzero()
+    return int(differs[0, 0]) if len(differs) else limit
+
+
+class PrefixRuns:
+    """Consecutive rows grouped into runs that begin with the same tokens, fed one row at a
+    time (greedy, so a pass's runs are the same whether its rows come one by one, as a token
+    budget adds them, or all at once). A row joins the run before it when they share at least
+    ``MIN_SHARED_PREFIX`` tokens and the run then saves no fewer tokens than without it: a
+    group's rows sharing their prompt form a run, the next group (another prompt) starts its
+    own, and groups sharing few-shot examples before their questions share those."""
+
+    def __init__(self) -> None:
+        self.runs: list[list[int]] = []  # [first row, rows, shared tokens]
+        self._first: torch.Tensor | None = None  # the last run's first row's tokens
+        self._rows = 0
+
+    def add(self, ids: torch.Tensor, length: int) -> None:
+        """The next row: its tokens (1-D, ``length`` real ones first)."""
+        row, self._rows = self._rows, self._rows + 1
+        if self.runs and self._first is not None:
+            first, count, shared = self.runs[-1]
+            limit = min(shared if count > 1 else int(self._first.shape[0]), length)
+            common = _common(self._first, ids, limit)
+            if common >= MIN_SHARED_PREFIX and count * common >= (count - 1) * shared:
+                self.runs[-1] = [first, count + 1, common]
+                return
+        self.runs.append([row, 1, 0])
+        self._first = ids[:length]
+
+    def copy(self) -> PrefixRuns:
+        """The runs so far, to add to without changing these (the tokens are not copied)."""
+        other = PrefixRuns()
+        other.runs = [list(run) for run in self.runs]
+        other._first, other._rows = self._first, self._rows
+        return other
+
+    @property
+    def saved(self) -> int:
+        """Tokens the runs save: each run's prefix runs once instead of once a row."""
+        return sum((count - 1) * shared for _, count, shared in self.runs if count > 1)
+
+
 @dataclass(frozen=True)
 class Packed:
-    """A padded micro-batch's real tokens as one sequence, and how to find them again."""
+    """A padded micro-batch's real tokens as one sequence, and how to find them again.
+
+    With shared prefixes (``prefix_of`` > 0 somewhere: ``PrefixRuns``), the tokens a run of
+    rows all begin with are packed once, as a segment before the run's rows, and each of those
+    rows' segments holds the rest of the row, at positions from the prefix's length; its
+    attention reads its prefix's keys, then its own causally. A GRPO group's rows share their
+    whole prompt, and few-shot prompts share their examples across groups: that work is then
+    done once a pass instead of once a row. The results are the unshared pass's: every row's
+    token meets the same weights, positions and keys, and the gradient reaching a prefix is
+    the sum over the rows that read it.
+    """
 
     input_ids: torch.Tensor  # (1, N) long
-    position_ids: torch.Tensor  # (1, N) long, from 0 in each row
-    bounds: torch.Tensor  # (rows + 1,) int32: row i is [bounds[i], bounds[i + 1])
-    lengths: list[int]
+    position_ids: (
+        torch.Tensor
+    )  # (1, N) long, from 0 in each row (from its prefix's length after one)
+    bounds: torch.Tensor  # (segments + 1,) int32: the segments, prefixes and rows, in order
+    lengths: list[int]  # each row's whole length, its prefix included
+    prefix_of: list[int] = field(default_factory=list)  # each row's shared tokens (0: none)
+    prefix_at: list[int] = field(default_factory=list)  # where each row's prefix starts
+    own_at: list[int] = field(default_factory=list)  # where each row's own segment starts
+    segment_prefix: list[tuple[int, int]] = field(default_factory=list)  # per segment
 
     @property
     def tokens(self) -> int:
         return int(self.bounds[-1])
 
+    @property
+    def shared(self) -> bool:
+        return any(self.prefix_of)
+
     def forward_kwargs(self) -> dict:
         """What the model's forward takes to run the rows packed."""
         longest = max(self.lengths, default=0)
-        edges = [0]
-        for n in self.lengths:
-            edges.append(edges[-1] + n)
         return {
-            "packed_row_edges": edges,
+            "packed_row_edges": [int(e) for e in self.bounds.tolist()],
+            "packed_prefixes": self.segment_prefix if self.shared else None,
             "input_ids": self.input_ids,
             "position_ids": self.position_ids,
             "cu_seq_lens_q": self.bounds,
@@ -188,8 +270,15 @@ class Packed:
         }
 
     def flat_index(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-        """The packed positions of padded positions (rows[i], cols[i]) (real tokens only)."""
-        return self.bounds[:-1].to(rows.device, torch.long)[rows] + cols
+        """The packed positions of padded positions (rows[i], cols[i]) (real tokens only); a
+        position inside a row's shared prefix is the prefix's, whichever row of it asks."""
+        device = rows.device
+        own = torch.tensor(self.own_at, device=device, dtype=torch.long)[rows]
+        if not self.shared:
+            return own + cols
+        shared = torch.tensor(self.prefix_of, device=device, dtype=torch.long)[rows]
+        at = torch.tensor(self.prefix_at, device=device, dtype=torch.long)[rows]
+        return torch.where(cols < shared, at + cols, own + cols - shared)
 
     def unpack(self, flat: torch.Tensor, width: int) -> torch.Tensor:
         """(1, N, ...) -> (rows, width, ...), zeros past each row's end (differentiable)."""
@@ -199,29 +288,61 @@ class Packed:
             torch.arange(rows, device=flat.device),
             torch.tensor(self.lengths, device=flat.device),
         )
-        col_of = (
-            torch.arange(self.tokens, device=flat.device)
-            - self.bounds[:-1].to(flat.device, torch.long)[row_of]
+        col_of = torch.cat(
+            [torch.arange(n, device=flat.device) for n in self.lengths]
+            or [torch.zeros(0, dtype=torch.long, device=flat.device)]
         )
-        return out.index_put((row_of, col_of), flat[0])
+        return out.index_put((row_of, col_of), flat[0][self.flat_index(row_of, col_of)])
 
 
-def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Packed:
-    """The rows of a right-padded (b, T) batch, packed (rows keep their order)."""
+def pack(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, *, share_prefix: bool = False
+) -> Packed:
+    """The rows of a right-padded (b, T) batch, packed (rows keep their order); with
+    ``share_prefix``, the tokens each run of rows begins with packed once (``PrefixRuns``)."""
     lengths = [int(n) for n in attention_mask.sum(-1).tolist()]
     real = attention_mask.to(torch.bool)
     if not all(bool(real[i, :n].all()) for i, n in enumerate(lengths)):
         raise ValueError("packing needs right-padded rows (real tokens first, then padding)")
     device = input_ids.device
-    bounds = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=device)
-    bounds[1:] = torch.tensor(lengths, device=device).cumsum(0)
-    positions = torch.cat(
-        [torch.arange(n, device=device) for n in lengths]
-        or [torch.zeros(0, dtype=torch.long, device=device)]
-    )
+    runs = PrefixRuns()
+    if share_prefix:
+        for i, n in enumerate(lengths):
+            runs.add(input_ids[i], n)
+    else:
+        runs.runs = [[i, 1, 0] for i in range(len(lengths))]
+    pieces, positions, sizes = [], [], []
+    prefix_of, prefix_at, own_at, segment_prefix = [], [], [], []
+    at = 0
+    for first, count, shared in runs.runs:
+        shared = shared if count > 1 else 0
+        start = at
+        if shared:
+            pieces.append(input_ids[first, :shared])
+            positions.append(torch.arange(shared, device=device))
+            sizes.append(shared)
+            segment_prefix.append((start, 0))  # a prefix: causal on its own
+            at += shared
+        for row in range(first, first + count):
+            n = lengths[row]
+            pieces.append(input_ids[row, shared:n])
+            positions.append(torch.arange(shared, n, device=device))
+            sizes.append(n - shared)
+            segment_prefix.append((start, shared))
+            prefix_of.append(shared)
+            prefix_at.append(start)
+            own_at.append(at)
+            at += n - shared
+    bounds = torch.zeros(len(sizes) + 1, dtype=torch.int32, device=device)
+    bounds[1:] = torch.tensor(sizes, device=device, dtype=torch.long).cumsum(0)
+    empty = torch.zeros(0, dtype=torch.long, device=device)
     return Packed(
-        input_ids=input_ids[real][None],
-        position_ids=positions[None],
+        input_ids=torch.cat(pieces or [empty])[None],
+        position_ids=torch.cat(positions or [empty])[None],
         bounds=bounds,
         lengths=lengths,
+        prefix_of=prefix_of,
+        prefix_at=prefix_at,
+        own_at=own_at,
+        segment_prefix=segment_prefix,
     )

@@ -51,6 +51,7 @@ class StepSettings:
     micro_batch_size: int = _default("micro_batch_size")
     max_tokens_per_micro_batch: int = _default("max_tokens_per_micro_batch")
     pack_rows: bool = _default("pack_rows")
+    share_prefix: bool = _default("share_prefix")
     grad_clip: float = _default("grad_clip")
     lr: float = _default("lr")
     weight_decay: float = _default("weight_decay")
@@ -220,6 +221,7 @@ def forward_backward(
             settings.micro_batch_size,
             max_tokens=settings.max_tokens_per_micro_batch,
             packed=packing.enabled(causal_lm(model)),
+            share_prefix=settings.share_prefix,
         )
     for micro in micro_batches:
         mb = micro.to(device)
@@ -231,6 +233,7 @@ def forward_backward(
             chunk=settings.logprob_chunk,
             entropy_grad=settings.entropy_coef > 0,
             bf16_autocast=settings.bf16_autocast,
+            share_prefix=settings.share_prefix,
         )
         logprobs = stats.logprobs  # (b, T-1)
         mask = mb.loss_mask[:, 1:]  # (b, T-1): position t predicts token t + 1
@@ -252,6 +255,7 @@ def forward_backward(
                     chunk=settings.logprob_chunk,
                     entropy=False,
                     bf16_autocast=settings.bf16_autocast,
+                    share_prefix=settings.share_prefix,
                 ).logprobs  # (b, T-1)
         entropy = stats.entropy if settings.entropy_coef > 0 else None  # (b, T-1), with gradient
         loss, part = grpo_loss(
