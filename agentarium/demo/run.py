@@ -325,6 +325,7 @@ async def _feed_and_watch(
         step = 0
         row = None
         stored, next_count = 0, 0.0
+        waiting = (0, time.monotonic())  # (step, since): every job published done, no new step
         while step < args.steps and time.monotonic() < deadline and trainer.proc.poll() is None:
             if task is not None and task.cancelling():
                 # Ctrl-C cancelled the feed (STOP.run), but a call swallowed it: 3.11's
@@ -366,6 +367,23 @@ async def _feed_and_watch(
                     # A status line must not end the run: a loaded machine's broker can take
                     # longer than a request's timeout (a smol run in a loaded suite did).
                     pass
+            # The feed above follows the trainer's steps, but groups the trainer drops as too
+            # stale (--max-staleness: the engine still served old weights, as on a loaded
+            # machine) are never trained: with every job published done and no step for three
+            # steps' time, the trainer waits for groups that would never come. A step's worth
+            # more lets it go on (a multi-task suite run stalled at step 6 of 60 that way).
+            waiting, starved = _starved(
+                waiting,
+                step=step,
+                done=not args.sync_rollouts and stored >= published_groups * args.group_size,
+                step_s=float(row["step_s"]) if row else None,
+                now=time.monotonic(),
+            )
+            if starved:
+                for agent, batch in _step_batches(args, rng, published_groups):
+                    await producer.submit(agent, batch, run=args.run, group_size=args.group_size)
+                published_groups += args.groups_per_step
+                next_count = 0.0  # count the new jobs' trajectories from the next tick
             elapsed = time.monotonic() - started
             if row:
                 info = (
@@ -383,6 +401,19 @@ async def _feed_and_watch(
         for refill in refills:
             await refill.close()
         await session.close()
+
+
+def _starved(
+    waiting: tuple[int, float], *, step: int, done: bool, step_s: float | None, now: float
+) -> tuple[tuple[int, float], bool]:
+    """Whether the trainer waits for groups that will not come: every job published is
+    ``done`` and no step came for three steps' time (5 s at least; 30 s before the first).
+    ``waiting`` is (step, since when) from the last call; returns the next one with it."""
+    if not done or waiting[0] != step:
+        return (step, now), False
+    if now - waiting[1] > (max(5.0, 3 * step_s) if step_s is not None else 30.0):
+        return (step, now), True
+    return waiting, False
 
 
 def _refill_source(args: DemoConfig, rng: random.Random, agent: str):
