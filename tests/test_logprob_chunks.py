@@ -23,6 +23,28 @@ torch.set_num_threads(1)
 V = 263  # the tiny model's vocabulary
 
 
+def five_row(i: int, prompt: list[int], response: list[int], *, observation_at: int, stale: int,
+             job_id: str) -> Row:  # fmt: skip
+    """Row ``i`` of a five-row batch: model tokens at temperature 0.6-1.3 by ``i``, row 3 with a
+    two-token observation ``observation_at`` tokens into its response, row 4 with its first
+    ``stale`` model tokens too stale (tis), advantages of alternating sign."""
+    mask = [0] * len(prompt) + [1] * len(response)
+    if i == 3:
+        at = len(prompt) + observation_at
+        mask[at : at + 2] = [0, 0]
+    temperature = [1.0] * len(prompt) + [(0.6, 1.0, 1.3, 0.8, 1.0)[i]] * len(response)
+    old = [0.0] * len(prompt) + [-5.0 + 0.3 * j for j in range(len(response))]
+    return Row(
+        input_ids=prompt + response,
+        loss_mask=mask,
+        old_logprobs=[o if m else 0.0 for o, m in zip(old, mask, strict=True)],
+        temperature=temperature,
+        advantage=(-1) ** i * 0.4 * (i + 1),
+        tis=[0] * len(prompt) + [int(i == 4 and j < stale) for j in range(len(response))],
+        job_id=job_id,
+    )
+
+
 def batch() -> Batch:
     """Five rows of different lengths: prompts, responses of one to four calls' worth of model
     tokens at temperatures 0.6-1.3, an observation in the middle of one, a row whose first
@@ -32,23 +54,10 @@ def batch() -> Batch:
     for i in range(5):
         prompt = torch.randint(0, 256, (6 + 3 * i,), generator=g).tolist()
         response = torch.randint(0, 256, (2 + 2 * i,), generator=g).tolist()
-        mask = [0] * len(prompt) + [1] * len(response)
-        if i == 3:  # tokens 3-4 of the response are an observation
-            mask[len(prompt) + 2 : len(prompt) + 4] = [0, 0]
-        temperature = [1.0] * len(prompt) + [(0.6, 1.0, 1.3, 0.8, 1.0)[i]] * len(response)
-        old = [0.0] * len(prompt) + [-5.0 + 0.3 * j for j in range(len(response))]
         rows.append(
-            Row(
-                input_ids=prompt + response,
-                loss_mask=mask,
-                old_logprobs=[o if m else 0.0 for o, m in zip(old, mask, strict=True)],
-                temperature=temperature,
-                advantage=(-1) ** i * 0.4 * (i + 1),
-                tis=[0] * len(prompt)
-                + [int(i == 4 and j < len(response) // 2) for j in range(len(response))],
-                job_id=f"j{i}",
-            )
-        )
+            five_row(i, prompt, response, observation_at=2, stale=len(response) // 2,
+                     job_id=f"j{i}")
+        )  # fmt: skip
     return collate(rows, pad_id=256)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_logprob_chunks import TOL, V, assert_same_update, batch, update
+from test_logprob_chunks import TOL, V, assert_same_update, batch, five_row, update
 
 from agentarium.tiny import ensure_tiny_model
 from agentarium.trainer import packing
@@ -128,22 +128,8 @@ def group_batch(shared_response: int = 0) -> Batch:
     rows = []
     for i in range(5):
         response = common + torch.randint(0, 256, (3 + 2 * i,), generator=g).tolist()
-        mask = [0] * len(prompt) + [1] * len(response)
-        if i == 3:
-            mask[-3:-1] = [0, 0]  # an observation inside the response
-        temperature = [1.0] * len(prompt) + [(0.6, 1.0, 1.3, 0.8, 1.0)[i]] * len(response)
-        old = [0.0] * len(prompt) + [-5.0 + 0.3 * j for j in range(len(response))]
-        rows.append(
-            Row(
-                input_ids=prompt + response,
-                loss_mask=mask,
-                old_logprobs=[o if m else 0.0 for o, m in zip(old, mask, strict=True)],
-                temperature=temperature,
-                advantage=(-1) ** i * 0.4 * (i + 1),
-                tis=[0] * len(prompt) + [int(i == 4 and j < 2) for j in range(len(response))],
-                job_id=f"g{i}",
-            )
-        )
+        at = len(response) - 3  # an observation inside the response (row 3)
+        rows.append(five_row(i, prompt, response, observation_at=at, stale=2, job_id=f"g{i}"))
     return collate(rows, pad_id=256)
 
 
