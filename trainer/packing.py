@@ -237,9 +237,7 @@ class Packed:
     """
 
     input_ids: torch.Tensor  # (1, N) long
-    position_ids: (
-        torch.Tensor
-    )  # (1, N) long, from 0 in each row (from its prefix's length after one)
+    position_ids: torch.Tensor  # (1, N) long, from 0 in each row (from its prefix's length)
     bounds: torch.Tensor  # (segments + 1,) int32: the segments, prefixes and rows, in order
     lengths: list[int]  # each row's whole length, its prefix included
     prefix_of: list[int] = field(default_factory=list)  # each row's shared tokens (0: none)
