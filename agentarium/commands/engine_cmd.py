@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import socket
 from dataclasses import dataclass
 
 from agentarium.broker import free_port, setup_logging, setup_tracing, shutdown_tracing
@@ -57,8 +58,6 @@ KEYS = ConfigKeys.of("engine", EngineCommand)
 
 
 def cmd_engine(args: argparse.Namespace) -> int:
-    from agentarium.inference.engine import serve  # torch + transformers: imported only here
-
     command: EngineCommand = resolve(args, KEYS).build(EngineCommand)
     setup_logging()
     if command.backend == "vllm":
@@ -67,6 +66,15 @@ def cmd_engine(args: argparse.Namespace) -> int:
     model_dir = resolve_model(command.model)
     if command.vllm_arg:
         raise ValueError("--vllm-arg is for --backend vllm; the local engine takes none")
+    settings = command.engine
+    if settings.port:  # a taken port or a host that is no address here: said before the model
+        try:  # loads (seconds); the server's own bind below still reports a later race
+            with socket.create_server((settings.host, settings.port)):
+                pass
+        except OSError as exc:
+            raise ValueError(f"--host {settings.host} --port {settings.port}: {exc}") from None
+    from agentarium.inference.engine import serve  # torch + transformers: imported only here
+
     setup_tracing("agentarium-engine")  # spans over OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set
     try:
         asyncio.run(serve(model_dir, command.engine))
