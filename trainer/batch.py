@@ -247,8 +247,8 @@ class Batch:
     ) -> Iterator[Batch]:
         """Consecutive rows, at most ``size`` of them (0: no limit) costing at most
         ``max_tokens`` (0: no limit) in a pass: the rows' real tokens when ``packed`` (with
-        ``share_prefix``, the tokens they all begin with counted once, as the pass will run
-        them: trainer/packing.py), rows x the longest row when padded. A row over
+        ``share_prefix``, each run of rows' common prefix counted once, as the pass will run
+        it: ``packing.PrefixRuns``), rows x the longest row when padded. A row over
         ``max_tokens`` alone is a pass of its own."""
         from .packing import PrefixRuns
 

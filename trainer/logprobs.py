@@ -82,8 +82,8 @@ def token_stats(
     ``entropy``; differentiable when ``entropy_grad``): chunked at the loss mask's positions
     (``chunk`` > 0), or at every position over the whole vocabulary (``chunk`` = 0). A model
     set up for packed rows (trainer/packing.py) runs ``mb``'s rows as one sequence without
-    their padding, and with ``share_prefix`` the tokens all its rows begin with once
-    (``packing.pack``); the results are laid out as ``mb``'s either way."""
+    their padding, and with ``share_prefix`` the tokens each run of its rows begins with once
+    (``packing.PrefixRuns``); the results are laid out as ``mb``'s either way."""
     device_type = mb.input_ids.device.type
     autocast = torch.autocast(device_type=device_type, dtype=torch.bfloat16, enabled=bf16_autocast)
     packed = (

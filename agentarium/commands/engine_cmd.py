@@ -67,12 +67,8 @@ def cmd_engine(args: argparse.Namespace) -> int:
     if command.vllm_arg:
         raise ValueError("--vllm-arg is for --backend vllm; the local engine takes none")
     settings = command.engine
-    if settings.port:  # a taken port or a host that is no address here: said before the model
-        try:  # loads (seconds); the server's own bind below still reports a later race
-            with socket.create_server((settings.host, settings.port)):
-                pass
-        except OSError as exc:
-            raise ValueError(f"--host {settings.host} --port {settings.port}: {exc}") from None
+    if settings.port:  # said before the model loads (seconds); the server's own bind below
+        check_bindable(settings.host, settings.port)  # still reports a later race
     from agentarium.inference.engine import serve  # torch + transformers: imported only here
 
     setup_tracing("agentarium-engine")  # spans over OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set
@@ -86,6 +82,16 @@ def cmd_engine(args: argparse.Namespace) -> int:
     finally:
         shutdown_tracing()  # the last spans leave before the process does
     return 0
+
+
+def check_bindable(host: str, port: int) -> None:
+    """A port another server holds, or a host that is no address here, refused in one line
+    naming both flags: never that server adopted as ours."""
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as exc:
+        raise ValueError(f"--host {host} --port {port}: {exc}") from None
 
 
 def vllm_settings(command: EngineCommand) -> tuple[list[str], dict[str, str]]:
@@ -130,7 +136,6 @@ def serve_vllm(
     'engine ready on URL' once its /health answers; returns 0 after a stop, else its exit
     status, 1 when it ended by itself with 0 (a server should not end)."""
     import signal
-    import socket
     import subprocess
     import time
     import urllib.request
@@ -139,11 +144,7 @@ def serve_vllm(
 
     settings = command.engine
     port = settings.port or free_port(settings.host)
-    try:  # a port another server holds is an error, never that server adopted as ours
-        with socket.create_server((settings.host, port)):
-            pass
-    except OSError as exc:
-        raise ValueError(f"--host {settings.host} --port {port}: {exc}") from None
+    check_bindable(settings.host, port)
     try:
         python = vllm_python()
     except VllmUnavailable as exc:
