@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from agentarium.formats.chat_template import ChatTemplate
 from agentarium.inference.engine import EngineSettings, LocalEngine
 from agentarium.inference.engine.prefix_cache import PrefixCache
+from agentarium.inference.engine.scheduler import SHARE_MIN_TOKENS, _common_length
 
 pytestmark = pytest.mark.kernels  # run again under ATEN_CPU_CAPABILITY=avx2 (ops/test.sh)
 
@@ -73,7 +74,7 @@ async def conversations(engine: LocalEngine, template: ChatTemplate, n: int) -> 
                 "return_logprob": True,
             }
             out = await engine.generate(body)
-            turns.append(out)
+            turns.append({**out, "prompt_ids": ids})
             more = f"<|im_end|>\n<|im_start|>user\nAnd then ({turn})?<|im_end|>\n"
             ids = ids + out["output_ids"] + template.encode_piece(more + "<|im_start|>assistant\n")
         return turns
@@ -87,6 +88,7 @@ async def test_a_later_turn_reuses_the_earlier_one_with_the_same_outputs(tiny_di
     for tokens in (0, 32768):
         async with LocalEngine(tiny_dir, prefix_cache_tokens=tokens) as engine:
             runs[tokens] = await conversations(engine, template, 4)
+    first_turns_share = _common_length([c[0]["prompt_ids"] for c in runs[0]])
     for without, with_cache in zip(runs[0], runs[32768], strict=True):
         for turn, (a, b) in enumerate(zip(without, with_cache, strict=True)):
             assert a["output_ids"] == b["output_ids"]
@@ -98,12 +100,52 @@ async def test_a_later_turn_reuses_the_earlier_one_with_the_same_outputs(tiny_di
             # the wrong prefix or position moves a log-prob by ~0.07 (median), 70x over it
             assert lp_b == pytest.approx(lp_a, abs=1e-3)
             assert a["meta_info"]["cached_tokens"] == 0
-            if turn == 0:
-                assert b["meta_info"]["cached_tokens"] == 0
+            if turn == 0:  # first turns prefilled together read their common start from one
+                assert b["meta_info"]["cached_tokens"] in (0, first_turns_share)
             else:  # all of the previous turn but the token it sampled last
                 previous = with_cache[turn - 1]["meta_info"]
                 want = previous["prompt_tokens"] + previous["completion_tokens"] - 1
                 assert b["meta_info"]["cached_tokens"] == want
+
+
+async def test_a_burst_that_starts_alike_computes_its_common_start_once(tiny_dir, template):
+    """A GRPO group's rows and few-shot prompts arrive together with the same first tokens: one
+    prefill computes those once (every row but one reports them as cached_tokens), with the
+    outputs the engine gives when each row computes its own."""
+    system = {"role": "system", "content": "You answer in one short sentence. " * 3}
+    questions = [f"What is {i} plus {i}?" for i in range(3)]
+    prompts = [  # a group of four rows, then two other questions
+        template.encode_chat([system, {"role": "user", "content": q}], add_generation_prompt=True)
+        for q in [questions[0]] * 4 + questions[1:]
+    ]
+    shared = _common_length(prompts)
+    assert shared >= SHARE_MIN_TOKENS and shared < min(len(p) for p in prompts) - 4
+    runs = {}
+    for tokens in (0, 4096):
+        async with LocalEngine(tiny_dir, prefix_cache_tokens=tokens) as engine:
+            # held while the burst arrives, so it is one prefill whatever the machine's speed
+            await engine.pause_generation({"mode": "in_place"})
+            body = {"sampling_params": {"max_new_tokens": 8, "temperature": 0.0}}
+            burst = [
+                asyncio.ensure_future(
+                    engine.generate({**body, "input_ids": ids, "return_logprob": True})
+                )
+                for ids in prompts
+            ]
+            await engine.scheduler.wait_for(lambda: engine.scheduler.num_waiting == len(prompts))
+            await engine.continue_generation()
+            runs[tokens] = await asyncio.gather(*burst)
+            if tokens:  # the common start stays cached for later arrivals
+                later = await engine.generate({**body, "input_ids": prompts[-1][:-1] + [7]})
+                assert later["meta_info"]["cached_tokens"] >= shared
+    cached = sorted(out["meta_info"]["cached_tokens"] for out in runs[4096])
+    assert cached == [0] + [shared] * (len(prompts) - 1)
+    assert all(out["meta_info"]["cached_tokens"] == 0 for out in runs[0])
+    for a, b in zip(runs[0], runs[4096], strict=True):
+        assert a["output_ids"] == b["output_ids"]
+        lp_a = [x[0] for x in a["meta_info"]["output_token_logprobs"]]
+        lp_b = [x[0] for x in b["meta_info"]["output_token_logprobs"]]
+        assert lp_b == pytest.approx(lp_a, abs=1e-3)  # the bound of the test above
 
 
 async def test_changed_weights_and_flush_cache_empty_it(tiny_dir, template, tmp_path):

@@ -13,7 +13,10 @@ start of the next step.
 
 Prefix cache (prefix_cache.py): a joining request whose prompt starts with a finished
 sequence's tokens (its previous turn) takes that KV and computes only the rest; each sequence
-that finishes (not aborted) leaves its KV there. A weight change flushes it.
+that finishes (not aborted) leaves its KV there. Joiners of one prefill that begin with the
+same 16 tokens or more beyond what the cache holds for them (a GRPO group's prompt, few-shot
+examples) have their common prefix computed once, as a row of its own, and read it as a cached
+prefix; it is kept in the cache too. A weight change flushes it.
 
 Each request's phases are stamped on its Sequence (admitted, each prefill pass) and every
 weight update or pause it waits through is recorded on it as a stall (tracing.py turns them into
@@ -45,7 +48,7 @@ from opentelemetry.trace import Status, StatusCode
 from .errors import WeightLoadError
 from .kv import PaddedKV
 from .model import EngineModel
-from .prefix_cache import PrefixCache
+from .prefix_cache import CachedPrefix, PrefixCache
 from .sampling import sample
 from .sequence import Sequence
 from .tracing import Stall, stall_everyone, tracer
@@ -53,6 +56,8 @@ from .tracing import Stall, stall_everyone, tracer
 log = structlog.get_logger("agentarium.engine")
 
 PAUSE_MODES = ("abort", "retract", "in_place")
+# rows of one prefill that begin with at least this many equal tokens compute them once
+SHARE_MIN_TOKENS = 16
 
 
 class Scheduler:
@@ -373,10 +378,13 @@ class Scheduler:
         prompts = [seq.all_ids for seq in group]
         # prompt logprobs need logits at every prompt position: computed, not looked up
         prefixes = [None if scoring else self.prefix_cache.lookup(ids) for ids in prompts]
-        for seq, prefix in zip(group, prefixes, strict=True):
+        skipped = [0 if prefix is None else prefix.length for prefix in prefixes]
+        if not scoring and self.prefix_cache.max_tokens:
+            self._share_prefixes(prompts, prefixes, skipped)
+        for seq, skip in zip(group, skipped, strict=True):
             seq.kv_epoch = self.prefix_cache.epoch
             if not seq.output_ids:  # a retracted row re-runs its prompt: counted once
-                seq.cached_tokens = 0 if prefix is None else prefix.length
+                seq.cached_tokens = skip
         started = time.time_ns()
         logits, kv = self.model.prefill(prompts, all_logits=scoring, prefixes=prefixes)
         pass_ns = (started, time.time_ns())
@@ -395,6 +403,37 @@ class Scheduler:
         self._append(group, logits[:, -1], version, skip=fresh)
         self._kv = kv if self._kv is None else PaddedKV.concat(self._kv, kv)
         self._running.extend(group)
+
+    def _share_prefixes(
+        self, prompts: list[list[int]], prefixes: list[CachedPrefix | None], skipped: list[int]
+    ) -> None:
+        """Rows of one prefill that begin with the same ``SHARE_MIN_TOKENS`` tokens or more (a
+        GRPO group's prompt, few-shot examples every prompt repeats), beyond what the prefix
+        cache holds for them: compute their common prefix once, as a row of its own, and give
+        it to each of them as a cached prefix. In place: ``prefixes[i]`` becomes the shared
+        one where it is longer, ``skipped[i]`` the tokens row i does not compute (the row whose
+        prefix pass it was counts only what that pass found cached, as SGLang's first request
+        of a prefix counts 0 and the next ones read it from its radix cache). The prefix is
+        kept in the prefix cache too, for later arrivals."""
+        clusters: dict[tuple[int, ...], list[int]] = {}
+        for row, ids in enumerate(prompts):
+            if len(ids) > SHARE_MIN_TOKENS:
+                clusters.setdefault(tuple(ids[:SHARE_MIN_TOKENS]), []).append(row)
+        for rows in clusters.values():
+            length = _common_length([prompts[r] for r in rows])
+            rows = [r for r in rows if skipped[r] < length]
+            length = _common_length([prompts[r] for r in rows])  # rows needing it may share more
+            if len(rows) < 2 or length < SHARE_MIN_TOKENS:
+                continue
+            ids = prompts[rows[0]][:length]
+            base = self.prefix_cache.lookup(ids)
+            _, kv = self.model.prefill([ids], all_logits=False, prefixes=[base])
+            keys, values = [k[0] for k in kv.keys], [v[0] for v in kv.values]  # (H_kv, L, D)
+            shared = CachedPrefix(keys=keys, values=values, length=length)
+            self.prefix_cache.store(ids, keys, values, self.prefix_cache.epoch)
+            for r in rows:
+                prefixes[r], skipped[r] = shared, length
+            skipped[rows[0]] = 0 if base is None else base.length
 
     def _append(self, seqs: list[Sequence], logits: torch.Tensor, version: str, skip=()) -> None:
         draws = sample(
@@ -448,6 +487,20 @@ class Scheduler:
 
     def _drop_finished_waiting(self) -> None:
         self._waiting = deque(s for s in self._waiting if not s.finished)
+
+
+def _common_length(prompts: list[list[int]]) -> int:
+    """The length of the prompts' common prefix, short of the shortest one's last token (whose
+    logits each row's prefill must produce)."""
+    if not prompts:
+        return 0
+    limit = min(len(p) for p in prompts) - 1
+    first = prompts[0]
+    for i in range(limit):
+        token = first[i]
+        if any(p[i] != token for p in prompts):
+            return i
+    return max(limit, 0)
 
 
 def _log_crash(task: asyncio.Task) -> None:
