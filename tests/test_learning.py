@@ -20,7 +20,7 @@ from agentarium.schemas import WeightIdentity
 
 
 def run_demo(out, *extra: str) -> list[float]:
-    # the steps end each run, never the clock (as in test_real_model_learning): --minutes and
+    # the steps end each run, never the clock (as in test_calc_learning): --minutes and
     # the timeouts only stop a run that hangs
     rows = run_micro_demo(out, "--minutes", "10", "--run", "learn", *extra, timeout=660)
     return [float(row["reward_mean_trained"]) for row in rows]
