@@ -108,6 +108,15 @@ async def test_a_later_turn_reuses_the_earlier_one_with_the_same_outputs(tiny_di
                 assert b["meta_info"]["cached_tokens"] == want
 
 
+def test_the_common_start_stops_short_of_the_shortest_prompts_last_token():
+    assert _common_length([]) == 0
+    assert _common_length([[1, 2, 3]]) == 2  # a row alone: all but its last token
+    assert _common_length([[1, 2, 3, 4], [1, 2, 3, 4, 5]]) == 3  # the shorter one's last runs
+    assert _common_length([[1, 2, 3, 4], [1, 2, 9, 4, 5], [1, 2, 3, 4]]) == 2
+    assert _common_length([[7, 2], [8, 2]]) == 0
+    assert _common_length([[5], [5]]) == 0
+
+
 async def test_a_burst_that_starts_alike_computes_its_common_start_once(tiny_dir, template):
     """A GRPO group's rows and few-shot prompts arrive together with the same first tokens: one
     prefill computes those once (every row but one reports them as cached_tokens), with the

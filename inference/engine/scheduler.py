@@ -41,6 +41,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+import numpy as np
 import structlog
 import torch
 from opentelemetry.trace import Status, StatusCode
@@ -491,16 +492,21 @@ class Scheduler:
 
 def _common_length(prompts: list[list[int]]) -> int:
     """The length of the prompts' common prefix, short of the shortest one's last token (whose
-    logits each row's prefill must produce)."""
+    logits each row's prefill must produce). Compared in numpy: a long agent's prompts hold tens
+    of thousands of tokens, which a Python loop would walk for every prefill."""
     if not prompts:
         return 0
-    limit = min(len(p) for p in prompts) - 1
-    first = prompts[0]
-    for i in range(limit):
-        token = first[i]
-        if any(p[i] != token for p in prompts):
-            return i
-    return max(limit, 0)
+    length = min(len(p) for p in prompts) - 1
+    if length <= 0:
+        return 0
+    first = np.asarray(prompts[0][:length], dtype=np.int64)
+    for ids in prompts[1:]:
+        differ = np.flatnonzero(np.asarray(ids[:length], dtype=np.int64) != first[:length])
+        if differ.size:
+            length = int(differ[0])
+            if length == 0:
+                break
+    return length
 
 
 def _log_crash(task: asyncio.Task) -> None:
