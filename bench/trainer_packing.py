@@ -77,12 +77,6 @@ CONFIGS["small-mapped"] = CONFIGS["small"]  # in a process started with TRAINER_
 # a configuration's process environment on top of the bench's: glibc's mmap threshold fixed at
 # 1 MiB with huge pages (trainer/heap.py), so a pass's freed tensors leave the process at once
 CHILD_ENV = {"small-mapped": TRAINER_MALLOC_ENV}
-# the same in a process on jemalloc (Debian's libjemalloc2, preloaded) instead of glibc's malloc
-JEMALLOC = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
-CONFIGS["small-jemalloc"] = CONFIGS["small"]
-CHILD_ENV["small-jemalloc"] = {"LD_PRELOAD": JEMALLOC}
-CONFIGS["packed-jemalloc"] = CONFIGS["packed"]
-CHILD_ENV["packed-jemalloc"] = {"LD_PRELOAD": JEMALLOC}
 
 
 def trl_child(args: argparse.Namespace, model_dir: Path, batch) -> dict:
