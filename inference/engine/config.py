@@ -23,8 +23,9 @@ class EngineSettings:
         metavar="TOKENS",
         help="tokens of finished sequences' KV kept for later prompts that start with them (a "
         "multi-turn rollout's previous turn, a group's shared prompt), least recently used out; "
-        "reused tokens are reported as cached_tokens; a token holds 2 x layers x KV heads x "
-        "head dim floats (45 KiB for SmolLM2-135M); 0 turns the prefix cache off",
+        "requests prefilled together that begin alike compute their common prefix once and "
+        "keep it there too; reused tokens are reported as cached_tokens; a token holds 2 x "
+        "layers x KV heads x head dim floats (45 KiB for SmolLM2-135M); 0 turns both off",
     )
 
     def __post_init__(self) -> None:
