@@ -58,10 +58,11 @@ RUN pip install --no-deps --no-build-isolation ".[${EXTRAS}]" \
 
 FROM ${PYTHON_IMAGE} AS runtime
 # tini as PID 1: forwards SIGTERM (consumers drain on it) and reaps children. bubblewrap: the
-# shell environment's per-session namespaces (docs/design.md, "The sandbox").
+# shell environment's per-session namespaces (docs/design.md, "The sandbox"). libjemalloc2: the
+# trainer's allocator under --memory small (trainer/heap.py).
 # hadolint ignore=DL3008
 RUN apt-get update \
- && apt-get install -y --no-install-recommends tini bubblewrap \
+ && apt-get install -y --no-install-recommends tini bubblewrap libjemalloc2 \
  && rm -rf /var/lib/apt/lists/* \
  && useradd --create-home --uid 10001 --user-group agentarium \
  && mkdir -p /var/lib/agentarium /weights \

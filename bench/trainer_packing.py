@@ -47,7 +47,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trainer_memory import bench_batch, cell, peak_rss_mb  # noqa: E402
 
-from agentarium.trainer.heap import TRAINER_MALLOC_ENV  # noqa: E402
+from agentarium.trainer.heap import TRAINER_MALLOC_ENV, running_allocator  # noqa: E402
 
 # Our trainer's settings per configuration; "trl" is TRL's GRPOTrainer (trl_child). Every
 # configuration uses the loss TRL's "dapo" computes: the clipped surrogate at ratio clip 0.2
@@ -55,22 +55,20 @@ from agentarium.trainer.heap import TRAINER_MALLOC_ENV  # noqa: E402
 # no KL, no entropy term; AdamW (lr 1e-5, betas 0.9/0.999, no weight decay), grad clip 1.0.
 SAME_LOSS = {"clip_low": 0.2, "clip_high": 0.2, "dual_clip": None, "loss_agg": "token-mean"}
 CONFIGS = {
-    "padded": {"pack_rows": False},
-    "packed": {"pack_rows": True},
+    "padded": {"pack_rows": False, "memory": "fast"},
+    "packed": {"pack_rows": True, "memory": "fast"},
     # packed, a prompt every row of a pass begins with packed with each row (a shared prefix
     # runs once a pass by default: trainer/packing.py); the same as "packed" without
     # --group-prompt, whose rows share nothing
-    "packed-unshared": {"pack_rows": True, "share_prefix": False},
-    "packed-ckpt": {"pack_rows": True, "activation_checkpointing": True},
-    # the least memory: checkpointed, AdamW's moments in 3 bytes a parameter (trainer/optim.py),
-    # passes of at most 1,024 real tokens, log-probs 128 positions at a time
-    "small": {
-        "pack_rows": True,
-        "activation_checkpointing": True,
-        "optimizer_state": "fp8",
-        "max_tokens_per_micro_batch": 1024,
-        "logprob_chunk": 128,
-    },
+    "packed-unshared": {"pack_rows": True, "share_prefix": False, "memory": "fast"},
+    "packed-ckpt": {"pack_rows": True, "activation_checkpointing": True, "memory": "fast"},
+    # --memory small (trainer/memory.py): checkpointed, AdamW's moments in 3 bytes a parameter
+    # (trainer/optim.py), passes of at most 1,024 real tokens, log-probs 128 positions at a
+    # time, on glibc's malloc
+    "small": {"memory": "small"},
+    # the trainer's defaults, on the allocator `agentarium trainer` picks for them
+    # (trainer/process.py, allocator_for: jemalloc for SmolLM2's full fine-tuning)
+    "defaults": {},
     "trl": {},
 }
 CONFIGS["small-mapped"] = CONFIGS["small"]  # in a process started with TRAINER_MALLOC_ENV
@@ -164,6 +162,7 @@ def child(args: argparse.Namespace) -> None:
     import torch
 
     from agentarium.models import resolve_model
+    from agentarium.trainer import TrainerProcess, allocator_for, use_allocator
     from agentarium.trainer.config import TrainerConfig
     from agentarium.trainer.step import LocalUpdater
 
@@ -185,6 +184,8 @@ def child(args: argparse.Namespace) -> None:
             lr=1e-5,
             **{"max_tokens_per_micro_batch": args.max_tokens, **SAME_LOSS, **CONFIGS[args.child]},
         )
+        if args.child == "defaults":  # as `agentarium trainer` starts: this process again, on it
+            use_allocator(allocator_for(config, TrainerProcess()))
         updater = LocalUpdater(config)
         params = sum(p.numel() for p in updater.model.parameters() if p.requires_grad)
         t0 = time.monotonic()
@@ -203,6 +204,7 @@ def child(args: argparse.Namespace) -> None:
                 "step_s": round(step_s, 2),
                 "gflops": round(6 * params * batch.tokens / step_s / 1e9, 2),
                 "rss_mb": round(peak_rss_mb()),
+                "allocator": running_allocator(),
                 "loss": step["loss"],
                 "grad_norm": step["grad_norm"],
                 "params": params,

@@ -86,6 +86,16 @@ if ! command -v bwrap >/dev/null 2>&1; then
     echo "note: bubblewrap not installed (sudo apt-get install bubblewrap): the shell environment needs it, and root, for its full sandbox"
   fi
 fi
+if ! ldconfig -p 2>/dev/null | grep -q 'libjemalloc\.so\.2 '; then
+  # The trainer's allocator under --memory small (trainer/heap.py: a step of SmolLM2 in under
+  # 2 GiB); without it the trainer runs on glibc's malloc, which keeps more.
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libjemalloc2 >/dev/null) \
+      || echo "note: libjemalloc2 could not be installed; the trainer will run on glibc's malloc"
+  else
+    echo "note: libjemalloc2 not installed (sudo apt-get install libjemalloc2): the trainer runs on glibc's malloc, which keeps more memory"
+  fi
+fi
 if [ -n "$testing" ] && ! command -v docker-compose >/dev/null 2>&1; then
   # The deploy-file tests validate docker-compose.yml with `docker-compose config` (no engine needed).
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

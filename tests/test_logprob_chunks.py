@@ -210,3 +210,30 @@ def test_under_bf16_autocast_the_chunked_head_runs_in_fp32(tiny):
     err_whole = float((whole_bf16 - fp32).abs().max())
     err_chunked = float((chunked_bf16 - fp32).abs().max())
     assert err_chunked < err_whole, (err_chunked, err_whole)
+
+
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_the_heads_one_node_has_autograds_gradient_bias_included(entropy_grad):
+    """``HeadStats`` (a plain Linear head, chunks in one autograd node) against torch's
+    numerical gradient (``gradcheck``, fp64), with a bias, per-position temperatures, a chunk
+    that does not divide the positions, and the entropy differentiated or not."""
+    from agentarium.trainer.logprobs import HeadStats
+
+    g = torch.Generator().manual_seed(5)
+    n, h, v = 7, 4, 11
+    hidden = torch.randn(n, h, dtype=torch.float64, generator=g, requires_grad=True)
+    weight = torch.randn(v, h, dtype=torch.float64, generator=g, requires_grad=True)
+    bias = torch.randn(v, dtype=torch.float64, generator=g, requires_grad=True)
+    targets = torch.randint(0, v, (n,), generator=g)
+    temperature = torch.rand(n, dtype=torch.float64, generator=g) + 0.5
+
+    def stats(hidden, weight, bias):
+        lp, ent = HeadStats.apply(hidden, weight, bias, targets, temperature, 3, True, entropy_grad)
+        return (lp, ent) if entropy_grad else lp
+
+    assert torch.autograd.gradcheck(stats, (hidden, weight, bias))
+    lp, ent = HeadStats.apply(hidden, weight, bias, targets, temperature, 3, True, entropy_grad)
+    logp = torch.log_softmax((hidden @ weight.T + bias) / temperature[:, None], dim=-1)
+    torch.testing.assert_close(lp, logp.gather(-1, targets[:, None]).squeeze(-1))
+    torch.testing.assert_close(ent, -(logp.exp() * logp).sum(-1))
+    assert ent.requires_grad == entropy_grad

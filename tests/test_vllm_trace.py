@@ -423,7 +423,12 @@ async def check_streaming(url: str, template: ChatTemplate) -> None:
             [call, asyncio.create_task(first.wait())], timeout=60, return_when="FIRST_COMPLETED"
         )
         assert first.is_set() and not call.done()
-        assert await _running(backend, url) == 1
+        # vLLM's gauge follows its engine's steps: the first chunk can reach us before the
+        # step's stats reach /metrics (read 0 once in a loaded suite), so wait for it to say 1
+        seen = time.monotonic()
+        while (running := await _running(backend, url)) != 1:
+            assert not call.done() and time.monotonic() - seen < 30, (running, call.done())
+            await asyncio.sleep(0.02)
         call.cancel()
         cancelled = time.monotonic()
         with pytest.raises(asyncio.CancelledError):

@@ -28,9 +28,10 @@ from .errors import (
     TrainerConfigError,
     TrainerError,
 )
-from .heap import TRAINER_MALLOC_ENV
+from .heap import ALLOCATORS, TRAINER_MALLOC_ENV, allocator_env, use_allocator
+from .memory import MEMORY_PLANS
 from .metrics import plot_metrics, read_metrics
-from .process import TrainerProcess, publisher_for
+from .process import TrainerProcess, allocator_for, publisher_for
 from .rows import (
     HOW,
     MULTI_TURN,
@@ -52,7 +53,12 @@ _LAZY = {  # torch + transformers
 }
 
 __all__ = [
+    "ALLOCATORS",
+    "MEMORY_PLANS",
     "TRAINER_MALLOC_ENV",
+    "allocator_env",
+    "allocator_for",
+    "use_allocator",
     "DEVICES",
     "OPTIMIZER_STATES",
     "HOW",

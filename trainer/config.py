@@ -17,6 +17,7 @@ from agentarium.schemas import SettingError, check_name, check_settings, setting
 
 from .errors import TrainerConfigError
 from .heap import HEAP_MODES
+from .memory import MEMORY_PLANS
 from .mix import TaskMix
 from .rows import MULTI_TURN
 from .trackers import TRACKERS, check_installed, parse_report_to
@@ -119,12 +120,14 @@ class TrainerConfig:
         flagless="AdamW's (beta1, beta2), rarely changed: adam_betas: [0.9, 0.95]",
     )
     optimizer_state: str = setting(
-        "fp32",
-        choices=OPTIMIZER_STATES,
+        "auto",
+        choices=("auto", *OPTIMIZER_STATES),
         group=BATCH,
         help="how AdamW keeps its two moments: fp32 (8 bytes a trained parameter), or fp8: "
-        "8-bit floats with an fp32 scale per 256 values, rounded stochastically (2.03 bytes: "
-        "trainer/optim.py); fp8 takes --dtype float32 and --parallel replicated",
+        "the first as 8-bit floats with an fp32 scale per 256 values, the second's root as "
+        "bfloat16, rounded stochastically (3.02 bytes: trainer/optim.py); fp8 takes --dtype "
+        "float32 and --parallel replicated; auto: fp8 where it may be under --memory small, "
+        "else fp32",
     )
     grad_clip: float = setting(
         1.0, ge=0, group=BATCH, help="clip the gradient's global norm to this; 0 = off"
@@ -433,6 +436,17 @@ class TrainerConfig:
         group=COMPUTE,
         help="recompute each decoder layer's activations in the backward pass instead of "
         "keeping them (less memory, about a third more compute), in every --parallel mode",
+    )
+    memory: str = setting(
+        "auto",
+        choices=MEMORY_PLANS,
+        group=COMPUTE,
+        help="the memory plan: fast takes the settings as given; small adds activation "
+        "checkpointing, --optimizer-state fp8 (where auto and allowed), passes of 1,024 real "
+        "tokens when no --max-tokens-per-micro-batch or --micro-batch-size is set, and "
+        "log-probs 128 positions at a time at most (SmolLM2-135M's step in under 2 GiB, about "
+        "a fifth slower: trainer/memory.py); auto: small when every weight of a model of 100M "
+        "parameters or more is trained, else fast (LoRA, small models)",
     )
     heap: str = setting(
         "release",

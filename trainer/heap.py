@@ -27,9 +27,18 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import os
 import sys
 
 HEAP_MODES = ("release", "default")
+ALLOCATORS = ("auto", "jemalloc", "glibc")
+_JEMALLOC = "libjemalloc.so.2"  # Debian's libjemalloc2 (ops/setup.sh installs it)
+_EXECED = "AGENTARIUM_ALLOCATOR_EXEC"  # set across the one re-exec: never a second
+# jemalloc's settings for the trainer (``MALLOC_CONF``, unless the environment sets its own):
+# freed pages kept for reuse, never purged by time (``release`` purges them after each pass
+# and step), every size in the ordinary arenas (jemalloc's default gives requests over 8 MiB
+# an arena that unmaps them at once: a fault per page every pass), transparent huge pages
+JEMALLOC_CONF = "thp:always,oversize_threshold:0,dirty_decay_ms:-1,muzzy_decay_ms:-1"
 # glibc's settings for a trainer process's environment (read at its start: the module docstring)
 TRAINER_MALLOC_ENV = {
     "MALLOC_MMAP_THRESHOLD_": "1048576",
@@ -51,7 +60,81 @@ def _libc() -> ctypes.CDLL | None:
     return libc
 
 
+@functools.cache
+def _mallctl():  # type: ignore[no-untyped-def]
+    """jemalloc's ``mallctl``, when this process runs on jemalloc; else None."""
+    if running_allocator() != "jemalloc":
+        return None
+    try:
+        return ctypes.CDLL(None).mallctl
+    except AttributeError:
+        return None
+
+
 def release() -> bool:
-    """Hand the heap's free pages back to the system; False where nothing was released."""
+    """Hand the heap's free pages back to the system; False where nothing was released. On
+    jemalloc: purge every arena's unused pages (``arena.<all>.purge``)."""
+    mallctl = _mallctl()
+    if mallctl is not None:
+        return mallctl(b"arena.4096.purge", None, None, None, 0) == 0
     libc = _libc()
     return libc is not None and bool(libc.malloc_trim(0))
+
+
+def find_jemalloc() -> str | None:
+    """jemalloc's shared library, as ``LD_PRELOAD`` takes it; None where it is not installed."""
+    if not sys.platform.startswith("linux"):
+        return None
+    # not dlopen: jemalloc cannot be loaded after a process starts (its static TLS)
+    return _JEMALLOC if ctypes.util.find_library("jemalloc") == _JEMALLOC else None
+
+
+def running_allocator() -> str:
+    """The malloc this process runs on: ``jemalloc`` when its library is mapped, else ``glibc``
+    (or the platform's own)."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            return "jemalloc" if any("libjemalloc" in line for line in maps) else "glibc"
+    except OSError:
+        return "glibc"
+
+
+def wanted_allocator(name: str) -> str:
+    """``jemalloc`` or ``glibc``: ``auto`` is jemalloc where it is installed. A named jemalloc
+    that is missing raises ValueError, saying how to install it."""
+    if name == "glibc":
+        return "glibc"
+    if find_jemalloc() is None:
+        if name == "jemalloc":
+            raise ValueError(
+                "--allocator jemalloc: libjemalloc.so.2 is not installed (apt-get install "
+                "libjemalloc2), or pass --allocator glibc"
+            )
+        return "glibc"
+    return "jemalloc"
+
+
+def allocator_env(name: str) -> dict[str, str]:
+    """The environment a process must start with to run on allocator ``name`` (``auto``,
+    ``jemalloc`` or ``glibc``): jemalloc preloaded, or nothing."""
+    if wanted_allocator(name) != "jemalloc":
+        return {}
+    env = {} if os.environ.get("MALLOC_CONF") else {"MALLOC_CONF": JEMALLOC_CONF}
+    preload = os.environ.get("LD_PRELOAD", "")
+    if _JEMALLOC not in preload.replace(":", " ").split():
+        env["LD_PRELOAD"] = f"{_JEMALLOC} {preload}".strip()
+    return env
+
+
+def use_allocator(name: str) -> None:
+    """Run this process on allocator ``name``: when it asks for jemalloc and runs on another,
+    re-execute it (the same pid, arguments and environment, jemalloc preloaded), once. Call it
+    before anything else starts (threads, sockets, child processes)."""
+    if wanted_allocator(name) != "jemalloc" or running_allocator() == "jemalloc":
+        return
+    if os.environ.get(_EXECED):  # preloaded and still not mapped: say so, never loop
+        raise RuntimeError(f"{_JEMALLOC} was preloaded but is not in use; --allocator glibc")
+    env = {**os.environ, **allocator_env(name), _EXECED: "1"}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)

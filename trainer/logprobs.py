@@ -135,6 +135,15 @@ def token_stats(
     temperature = mb.temperature[:, 1:][rows, cols]  # (N,)
     head = causal.get_output_embeddings()
     grad = torch.is_grad_enabled()
+    if type(head) is torch.nn.Linear:  # the usual case: one autograd node for every chunk
+        lp, ent = HeadStats.apply(
+            hidden, head.weight, head.bias, targets, temperature, chunk, entropy, entropy_grad
+        )
+        zeros = torch.zeros(mask.shape, dtype=lp.dtype, device=mask.device)
+        return TokenStats(
+            zeros.index_put((rows, cols), lp),
+            zeros.index_put((rows, cols), ent) if entropy else None,
+        )
     lp_parts, ent_parts = [], []
     # At least one chunk, even empty: the head's weight then gets its (zero) gradient on a
     # rank with no loss token, so sharded ranks reduce the same set of gradients.
@@ -172,6 +181,86 @@ def _chunk_stats(
             return lp, torch.zeros_like(lp)
         src = logp if entropy_grad else logp.detach()
         return lp, -(src.exp() * src).sum(-1)  # (n,)
+
+
+class HeadStats(torch.autograd.Function):
+    """A plain ``Linear`` head's log-probs of ``targets`` and entropies at (N, H) hidden states,
+    ``chunk`` positions at a time, in fp32 (fp64 for a float64 model), as one autograd node.
+
+    Forward keeps no (chunk, V) tensor; backward recomputes each chunk's softmax and adds the
+    chunk's share of the head's weight gradient into one (V, H) buffer (``addmm_``). Autograd
+    over per-chunk checkpoints (what wrapped heads still take) makes a (V, H) gradient for every
+    chunk and sums them in a buffer of its own: for SmolLM2's tied 49,152 x 576 head, 113 MB
+    each, at the step's peak (docs/benchmarks.md, issue 35's section). With z = logits / T,
+    p = softmax(z): d log p[y] / dz = onehot(y) - p, and d entropy / dz = -p (log p + entropy).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk, entropy, entropy_grad):  # type: ignore[no-untyped-def,override]
+        dtype = at_least_fp32(hidden).dtype
+        w = weight.to(dtype)
+        b = None if bias is None else bias.to(dtype)
+        n = hidden.shape[0]
+        lp = hidden.new_zeros(n, dtype=dtype)
+        ent = hidden.new_zeros(n, dtype=dtype)
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            for start in range(0, n, chunk):
+                part = slice(start, start + chunk)
+                logp = _chunk_logp(hidden[part].to(dtype), w, b, temperature[part])  # (n, V)
+                lp[part] = logp.gather(-1, targets[part].unsqueeze(-1)).squeeze(-1)
+                if entropy:
+                    ent[part] = -(logp.exp() * logp).sum(-1)
+        ctx.save_for_backward(hidden, weight, bias, targets, temperature)
+        ctx.chunk, ctx.entropy_grad = chunk, entropy and entropy_grad
+        if not ctx.entropy_grad:
+            ctx.mark_non_differentiable(ent)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, grad_lp, grad_ent):  # type: ignore[no-untyped-def,override]
+        hidden, weight, bias, targets, temperature = ctx.saved_tensors
+        dtype = at_least_fp32(hidden).dtype
+        w = weight.to(dtype)
+        b = None if bias is None else bias.to(dtype)
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.zeros_like(hidden, dtype=dtype) if need_h else None
+        grad_w = torch.zeros_like(w) if need_w else None
+        grad_b = torch.zeros_like(b) if need_b and b is not None else None
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            for start in range(0, hidden.shape[0], ctx.chunk):
+                part = slice(start, start + ctx.chunk)
+                h = hidden[part].to(dtype)
+                logp = _chunk_logp(h, w, b, temperature[part])  # (n, V)
+                probs = logp.exp()
+                # dz = g_lp (onehot - p) [- g_ent p (log p + entropy)], then / T for the logits
+                dz = probs.mul_(-grad_lp[part].to(dtype).unsqueeze(-1))
+                dz.scatter_add_(-1, targets[part].unsqueeze(-1),
+                                grad_lp[part].to(dtype).unsqueeze(-1))  # fmt: skip
+                if ctx.entropy_grad and grad_ent is not None:
+                    p = logp.exp()
+                    ent = -(p * logp).sum(-1, keepdim=True)
+                    dz.sub_(p.mul_(logp.add_(ent)).mul_(grad_ent[part].to(dtype).unsqueeze(-1)))
+                dz.div_(temperature[part].to(dtype).unsqueeze(-1))  # d loss / d logits
+                if grad_h is not None:
+                    grad_h[part] = dz @ w
+                if grad_w is not None:
+                    grad_w.addmm_(dz.t(), h)
+                if grad_b is not None:
+                    grad_b.add_(dz.sum(0))
+        return (
+            None if grad_h is None else grad_h.to(hidden.dtype),
+            None if grad_w is None else grad_w.to(weight.dtype),
+            None if grad_b is None else grad_b.to(bias.dtype),
+            None, None, None, None, None,
+        )  # fmt: skip
+
+
+def _chunk_logp(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature
+) -> torch.Tensor:
+    """(n, H) hidden states -> (n, V) log-softmax of the tempered logits."""
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    return torch.log_softmax(logits.div_(temperature.to(logits.dtype).unsqueeze(-1)), dim=-1)
 
 
 def _head_fp32(head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:

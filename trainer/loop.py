@@ -58,13 +58,15 @@ from .config import TrainerConfig
 from .draws import Draws, NoDraws
 from .errors import TrainerConfigError
 from .groups import Group, Selection
+from .heap import running_allocator
 from .live import LiveMetrics
 from .lora import AdapterExport
+from .memory import plan_for
 from .metrics import MetricsSink, StepMetrics
 from .prometheus import BUFFERS
 from .publishing import WeightPublisher, publishing_for
 from .rows import pad_token_id
-from .step import StepStats
+from .step import StepSettings, StepStats
 from .step_report import (
     ReceivedRewards,
     StepReporter,
@@ -457,6 +459,16 @@ class Trainer:
 
 
 def _make_updater(config: TrainerConfig):
+    settings = StepSettings.from_config(config)
+    log.info(
+        "trainer memory",
+        plan=plan_for(config.memory, lora_rank=config.lora_rank, model_dir=config.model_dir),
+        allocator=running_allocator(),
+        activation_checkpointing=settings.activation_checkpointing,
+        optimizer_state=settings.optimizer_state,
+        max_tokens_per_micro_batch=settings.max_tokens_per_micro_batch,
+        logprob_chunk=settings.logprob_chunk,
+    )
     if config.parallel == "fsdp":
         from .fsdp import FsdpParallel
 

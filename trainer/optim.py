@@ -20,7 +20,9 @@ it less than half a code, and stop following the gradients.
 Every step's update is clamped to the largest |m̂ / sqrt(v̂)| exact Adam can produce (``bound``),
 so a decoding error cannot become a step of lr / eps. The update, weight decay included, is
 ``torch.optim.AdamW``'s, and the first step (moments zero, decoded exactly) is AdamW's to fp32
-rounding (tests/test_optim.py). Chunks of ``chunk`` values bound the step's temporary memory.
+rounding (tests/test_optim.py). Chunks of ``chunk`` values (1M: about 40 MB of fp32
+temporaries) bound the step's temporary memory, and ``release_grads`` drops each parameter's
+gradient once its update is taken.
 The rounding draws come from a generator seeded by the trainer's seed, the step and the
 parameter (``_generator``).
 """
@@ -128,7 +130,8 @@ class Fp8AdamW(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
-        chunk: int = 1 << 22,
+        chunk: int = 1 << 20,
+        release_grads: bool = False,
     ) -> None:
         if chunk <= 0 or chunk % BLOCK:
             raise ValueError(f"chunk must be a positive multiple of {BLOCK}, got {chunk}")
@@ -141,6 +144,10 @@ class Fp8AdamW(torch.optim.Optimizer):
             "moments": _MOMENTS,
         }
         super().__init__(params, defaults)
+        # drop each parameter's gradient once its update is taken: the step's memory falls as
+        # it goes, where it would otherwise peak at its end (the gradients, the moments and a
+        # chunk's temporaries at once); for a caller that zeroes the gradients after the step
+        self.release_grads = release_grads
         for group in self.param_groups:
             for p in group["params"]:
                 if p.dtype != torch.float32:
@@ -186,6 +193,8 @@ class Fp8AdamW(torch.optim.Optimizer):
                     self._update(state, flat, grad, start, min(start + chunk, flat.numel()),
                                  (beta1, beta2), (lr, eps), (correction1, root2), limit,
                                  generator)  # fmt: skip
+                if self.release_grads:
+                    p.grad = None
         return loss
 
     @staticmethod

@@ -16,6 +16,9 @@ from agentarium.schemas import SettingError, check_settings, setting
 from .app import PublisherFactory, store_publisher
 from .config import BATCH, COMPUTE, OUTPUTS, TrainerConfig
 from .errors import TrainerConfigError
+from . import heap
+from .heap import ALLOCATORS
+from .memory import plan_for
 from .weight_stream import WEIGHT_TRANSPORTS, StreamConfig, stream_publisher
 
 STREAM_BACKENDS = ("gloo", "nccl")
@@ -105,6 +108,17 @@ class TrainerProcess:
         help="torch CPU threads in this process (default: torch's choice)",
     )
 
+    allocator: str = setting(
+        "auto",
+        choices=ALLOCATORS,
+        group=COMPUTE,
+        help="the malloc this process runs on: jemalloc (Debian's libjemalloc2, preloaded: the "
+        "process executes itself again once, at its start), whose freed tensors are reused "
+        "and handed back where glibc's heap keeps them (SmolLM2's step under --memory small: "
+        "trainer/heap.py); glibc; auto: jemalloc where --memory resolves to small and "
+        "libjemalloc.so.2 is installed, else glibc",
+    )
+
     def __post_init__(self) -> None:
         try:
             check_settings(self)
@@ -150,3 +164,12 @@ def publisher_for(config: TrainerConfig, process: TrainerProcess) -> PublisherFa
     except ValueError as exc:
         raise TrainerConfigError(str(exc)) from None
     return stream_publisher(stream, weights_dir, process.keep_versions)
+
+
+def allocator_for(config: TrainerConfig, process: TrainerProcess) -> str:
+    """The allocator this trainer runs on (``heap.use_allocator`` takes it): the one named, or
+    for ``auto`` jemalloc where ``--memory`` resolves to small and jemalloc is installed."""
+    if process.allocator != "auto":
+        return process.allocator
+    plan = plan_for(config.memory, lora_rank=config.lora_rank, model_dir=config.model_dir)
+    return "jemalloc" if plan == "small" and heap.find_jemalloc() else "glibc"

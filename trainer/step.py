@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from . import heap, packing
+from . import heap, memory, packing
 from .batch import Batch
 from .checkpoint import Loaded, write_full
 from .config import TrainerConfig
@@ -56,7 +56,7 @@ class StepSettings:
     lr: float = _default("lr")
     weight_decay: float = _default("weight_decay")
     adam_betas: tuple[float, float] = _default("adam_betas")
-    optimizer_state: str = _default("optimizer_state")
+    optimizer_state: str = "fp32"  # resolved: TrainerConfig's "auto" is --memory's to decide
     activation_checkpointing: bool = _default("activation_checkpointing")
     lora_rank: int = _default("lora_rank")
     lora_alpha: float = _default("lora_alpha")
@@ -69,7 +69,10 @@ class StepSettings:
         # packed only where the model's attention allows it: every process (a sharded rank,
         # the driver counting their passes) then counts a pass's cost the same way
         values["pack_rows"] = config.pack_rows and packing.model_dir_supported(config.model_dir)
-        return cls(**values)
+        plan = memory.plan_for(
+            config.memory, lora_rank=config.lora_rank, model_dir=config.model_dir
+        )
+        return cls(**memory.step_values(values, plan, dtype=config.dtype, parallel=config.parallel))
 
 
 @dataclass(frozen=True)
@@ -288,14 +291,17 @@ def forward_backward(
 
 
 def make_optimizer(model, settings: StepSettings) -> torch.optim.Optimizer:
-    """AdamW over the trained parameters, its moments kept as ``optimizer_state`` says."""
-    kind = Fp8AdamW if settings.optimizer_state == "fp8" else torch.optim.AdamW
-    return kind(
-        [p for p in model.parameters() if p.requires_grad],
-        lr=settings.lr,
-        betas=(settings.adam_betas[0], settings.adam_betas[1]),
-        weight_decay=settings.weight_decay,
-    )
+    """AdamW over the trained parameters, its moments kept as ``optimizer_state`` says (fp8:
+    each gradient dropped once its update is taken; ``apply_update`` zeroes them all after the
+    step in any case)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    betas = (settings.adam_betas[0], settings.adam_betas[1])
+    if settings.optimizer_state == "fp8":
+        return Fp8AdamW(
+            params, lr=settings.lr, betas=betas, weight_decay=settings.weight_decay,
+            release_grads=True,
+        )  # fmt: skip
+    return torch.optim.AdamW(params, lr=settings.lr, betas=betas, weight_decay=settings.weight_decay)
 
 
 def check_moments(state: dict, settings: StepSettings) -> None:

@@ -86,6 +86,12 @@ async def train(args: argparse.Namespace, nats: NatsSettings) -> int:
 
 
 def cmd_trainer(args: argparse.Namespace) -> int:
+    try:  # the allocator first: a process that needs another executes itself again, here
+        config, process, _ = resolve_args(args)
+        trainer.use_allocator(trainer.allocator_for(config, process))
+    except (trainer.TrainerError, ValueError) as exc:  # TrainerConfigError, ConfigError
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return run_async(lambda: train(args, settings_from_args(args)), service="agentarium-trainer")
 
 

@@ -200,10 +200,11 @@ class DemoConfig:
         "it; 0 = full fine-tuning",
     )
     optimizer_state: str = setting(
-        "fp32",
-        choices=OPTIMIZER_STATES,
+        "auto",
+        choices=("auto", *OPTIMIZER_STATES),
         help="how the trainer keeps AdamW's moments (the trainer's --optimizer-state): fp32, "
-        "or fp8 (3 bytes a parameter instead of 8: trainer/optim.py)",
+        "or fp8 (3 bytes a parameter instead of 8: trainer/optim.py); auto: the trainer's "
+        "--memory plan decides (fp8 for --model smol's full fine-tuning)",
     )
     engine: str | None = setting(
         None,
@@ -725,7 +726,7 @@ def trainer_argv(
         *(["--sync-rollouts"] if args.sync_rollouts else []),
         *(["--dynamic-sampling"] if args.dynamic_sampling else []),
         *(["--lora-rank", str(args.lora_rank)] if args.lora_rank else []),
-        *(["--optimizer-state", args.optimizer_state] if args.optimizer_state != "fp32" else []),
+        *(["--optimizer-state", args.optimizer_state] if args.optimizer_state != "auto" else []),
         *(
             ["--max-tokens-per-micro-batch", str(args.preset.max_tokens_per_micro_batch)]
             if args.preset.max_tokens_per_micro_batch

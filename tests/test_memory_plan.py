@@ -1,0 +1,154 @@
+"""The trainer's memory plan (``--memory``, trainer/memory.py) and its allocator
+(``--allocator``, trainer/heap.py): what the defaults resolve to by the model's size, what a
+plan changes and what it leaves as given, and a trainer process that runs on jemalloc by
+executing itself again, its pid the same."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import pytest
+from trainlib import ROOT, child_env
+
+from agentarium.tiny import ensure_tiny_model
+from agentarium.trainer import TrainerConfig, TrainerProcess, allocator_for
+from agentarium.trainer import heap, memory
+from agentarium.trainer.step import StepSettings
+
+
+def header_only(path, shapes: dict[str, list[int]]) -> None:
+    """A safetensors file's header (what ``checkpoint_parameters`` reads), without the data."""
+    header = {
+        name: {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}
+        for name, shape in shapes.items()
+    }
+    header["__metadata__"] = {"format": "pt"}
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text)
+
+
+def config(model_dir, **values) -> TrainerConfig:
+    return TrainerConfig(run="r", agent="a", model_dir=str(model_dir), **values)
+
+
+def test_the_parameters_are_counted_in_every_shards_header(tmp_path):
+    header_only(tmp_path / "model-00001-of-00002.safetensors", {"a": [1000, 60_000], "b": [7]})
+    header_only(tmp_path / "model-00002-of-00002.safetensors", {"c": [40_000_000]})
+    assert memory.checkpoint_parameters(tmp_path) == 60_000_000 + 7 + 40_000_000
+    assert memory.plan_for("auto", lora_rank=0, model_dir=tmp_path) == "small"
+    (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"\x01")  # cut short
+    assert memory.checkpoint_parameters(tmp_path) is None
+    assert memory.plan_for("auto", lora_rank=0, model_dir=tmp_path) == "fast"
+    assert memory.checkpoint_parameters(tmp_path / "missing") is None
+
+
+def test_auto_is_small_only_for_a_large_model_trained_whole(tmp_path):
+    header_only(tmp_path / "model.safetensors", {"w": [memory.SMALL_FROM - 1]})
+    assert memory.plan_for("auto", lora_rank=0, model_dir=tmp_path) == "fast"
+    header_only(tmp_path / "model.safetensors", {"w": [memory.SMALL_FROM]})
+    assert memory.plan_for("auto", lora_rank=0, model_dir=tmp_path) == "small"
+    assert memory.plan_for("auto", lora_rank=16, model_dir=tmp_path) == "fast"  # LoRA
+    assert memory.plan_for("fast", lora_rank=0, model_dir=tmp_path) == "fast"
+    tiny = ensure_tiny_model()
+    assert memory.plan_for("auto", lora_rank=0, model_dir=tiny) == "fast"
+    assert memory.plan_for("small", lora_rank=0, model_dir=tiny) == "small"
+
+
+def test_the_defaults_on_a_small_model_are_the_settings_as_given():
+    settings = StepSettings.from_config(config(ensure_tiny_model()))
+    assert settings.activation_checkpointing is False
+    assert settings.optimizer_state == "fp32"
+    assert settings.max_tokens_per_micro_batch == 0
+    assert settings.logprob_chunk == 512
+
+
+def test_small_adds_what_saves_memory_and_keeps_what_was_given():
+    tiny = ensure_tiny_model()
+    small = StepSettings.from_config(config(tiny, memory="small"))
+    assert small.activation_checkpointing is True
+    assert small.optimizer_state == "fp8"
+    assert small.max_tokens_per_micro_batch == memory.SMALL_TOKENS
+    assert small.logprob_chunk == memory.SMALL_CHUNK
+    given = StepSettings.from_config(
+        config(
+            tiny, memory="small", optimizer_state="fp32", max_tokens_per_micro_batch=4096,
+            logprob_chunk=0,
+        )
+    )  # fmt: skip
+    assert (given.optimizer_state, given.max_tokens_per_micro_batch) == ("fp32", 4096)
+    assert given.logprob_chunk == 0  # the whole-vocabulary path, as asked
+    rows = StepSettings.from_config(config(tiny, memory="small", micro_batch_size=4))
+    assert (rows.micro_batch_size, rows.max_tokens_per_micro_batch) == (4, 0)
+    # fp8 moments are for fp32 weights in a replicated trainer: elsewhere auto keeps fp32
+    wide = StepSettings.from_config(config(tiny, memory="small", dtype="float64"))
+    assert wide.optimizer_state == "fp32" and wide.activation_checkpointing is True
+
+
+def test_auto_allocator_is_jemalloc_only_under_the_small_plan(monkeypatch):
+    tiny = ensure_tiny_model()
+    process = TrainerProcess()
+    assert allocator_for(config(tiny), process) == "glibc"
+    expected = "jemalloc" if heap.find_jemalloc() else "glibc"
+    assert allocator_for(config(tiny, memory="small"), process) == expected
+    assert allocator_for(config(tiny), TrainerProcess(allocator="jemalloc")) == "jemalloc"
+    monkeypatch.setattr(heap, "find_jemalloc", lambda: None)
+    assert allocator_for(config(tiny, memory="small"), process) == "glibc"
+    with pytest.raises(ValueError, match="apt-get install libjemalloc2"):
+        heap.wanted_allocator("jemalloc")
+
+
+def test_a_named_jemalloc_that_is_missing_is_a_clear_error(monkeypatch, capsys):
+    from agentarium.cli import build_parser
+    from agentarium.commands import trainer_cmd
+
+    monkeypatch.setattr(heap, "find_jemalloc", lambda: None)
+    args = build_parser().parse_args(
+        ["trainer", "--run", "r", "--agent", "a", "--model", str(ensure_tiny_model()),
+         "--allocator", "jemalloc"]
+    )  # fmt: skip
+    assert trainer_cmd.cmd_trainer(args) == 2
+    assert "libjemalloc2" in capsys.readouterr().err
+
+
+def test_the_trainer_runs_on_jemalloc_by_executing_itself_again(tmp_path, nats_url):
+    """``--allocator jemalloc`` on the tiny model: the process preloads jemalloc into itself
+    (one exec, the same pid, whose parent sees nothing), sets up and stops (``--max-steps
+    0``), and says what it runs on; without it, glibc and no exec."""
+    if heap.find_jemalloc() is None:
+        if os.environ.get("CI"):
+            pytest.fail("libjemalloc.so.2 is missing: ops/setup.sh installs libjemalloc2")
+        pytest.skip("libjemalloc2 is not installed")
+    probe = (
+        "import os, sys, runpy; print('pid', os.getpid(), flush=True); "
+        "sys.argv = ['agentarium', *sys.argv[1:]]; runpy.run_module('agentarium', run_name='__main__')"
+    )
+
+    def run(*extra: str) -> tuple[list[str], list[dict]]:
+        done = subprocess.run(
+            [sys.executable, "-c", probe, "trainer", "--nats-url", nats_url, "--run", "r",
+             "--agent", "a", "--model", str(ensure_tiny_model()), "--max-steps", "0",
+             "--checkpoint-dir", str(tmp_path / f"ckpt{len(extra)}"), "--torch-threads", "1",
+             *extra],
+            cwd=ROOT, env=child_env(PYTHONPATH=str(ROOT), AGENTARIUM_LOG_FORMAT="json"),
+            capture_output=True, text=True, timeout=300, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        pids = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("pid ")]
+        events = []
+        for line in done.stderr.splitlines():
+            try:
+                events.append(json.loads(line))
+            except ValueError:
+                continue
+        return pids, [e for e in events if e.get("event") == "trainer memory"]
+
+    pids, events = run("--allocator", "jemalloc")
+    assert len(pids) == 2 and len(set(pids)) == 1, pids  # started twice (the exec), one pid
+    assert [e["allocator"] for e in events] == ["jemalloc"]
+    assert events[0]["plan"] == "fast"  # the tiny model: the allocator was named, not chosen
+    pids, events = run()
+    assert len(pids) == 1 and [e["allocator"] for e in events] == ["glibc"]

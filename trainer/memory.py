@@ -1,0 +1,87 @@
+"""``--memory``: the trainer's memory plan, chosen from the model's size unless named.
+
+A step holds the weights, their gradients and AdamW's two moments (16 bytes a trained
+parameter in fp32), and a pass's activations on top. For a model the size of SmolLM2-135M
+that is 2.15 GB before the first activation, and the activations of a whole batch in one pass
+(16 rows of GRPO, 3,400 tokens) are 4-5 GB more: 6.9 GB of RSS for one step
+(docs/benchmarks.md, "Trainer step padded vs packed"). Two plans:
+
+- ``fast``: the settings as given (no checkpointing, fp32 moments, the batch in one pass unless
+  ``--max-tokens-per-micro-batch`` / ``--micro-batch-size`` split it);
+- ``small``: activation checkpointing on, AdamW's moments in 3 bytes a parameter
+  (``--optimizer-state fp8``, trainer/optim.py) where they may be (fp32 weights, a replicated
+  trainer), passes of at most ``SMALL_TOKENS`` real tokens when no limit was set, and
+  log-probs ``SMALL_CHUNK`` positions at a time at most. SmolLM2's step: 1.9 GiB of RSS
+  against 6.9, about a fifth slower (docs/benchmarks.md, issue 35's section).
+
+``auto`` (the default) is ``small`` when every weight of a model of ``SMALL_FROM`` parameters or
+more is trained (counted in its safetensors files' headers), and ``fast`` otherwise: LoRA
+adapters (a few MB of gradients and moments, the base frozen) and small models, whose steps
+are short and whose memory is not the bound (the tiny model's demo).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+from typing import Any
+
+MEMORY_PLANS = ("auto", "fast", "small")
+SMALL_FROM = 100_000_000  # parameters: SmolLM2-135M and up
+SMALL_TOKENS = 1024  # real tokens a pass, when no limit was set
+SMALL_CHUNK = 128  # log-prob positions at a time, at most
+# the header of a safetensors file: an 8-byte little-endian length, then that many bytes of JSON
+_HEADER_LIMIT = 100 * 2**20
+
+
+def checkpoint_parameters(model_dir: str | Path) -> int | None:
+    """The parameters stored in ``model_dir``'s safetensors files (every shard; a tied weight
+    is stored once), read from their headers; None where there are none or one is unreadable."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        return None
+    total = 0
+    try:
+        for file in files:
+            with file.open("rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                if length > _HEADER_LIMIT:
+                    return None
+                header = json.loads(f.read(length))
+            total += sum(
+                math.prod(entry["shape"])
+                for name, entry in header.items()
+                if name != "__metadata__"
+            )
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return None
+    return total
+
+
+def plan_for(memory: str, *, lora_rank: int, model_dir: str | Path) -> str:
+    """``fast`` or ``small``: ``memory`` itself unless it is ``auto`` (the module docstring)."""
+    if memory != "auto":
+        return memory
+    if lora_rank > 0:
+        return "fast"
+    params = checkpoint_parameters(model_dir)
+    return "small" if params is not None and params >= SMALL_FROM else "fast"
+
+
+def step_values(values: dict[str, Any], plan: str, *, dtype: str, parallel: str) -> dict[str, Any]:
+    """A step's settings (``StepSettings``' fields) under ``plan``, ``optimizer_state`` "auto"
+    resolved: fp8 under ``small`` where fp8 moments may be (fp32 weights, not FSDP shards)."""
+    values = dict(values)
+    small = plan == "small"
+    if values["optimizer_state"] == "auto":
+        fits = dtype == "float32" and parallel != "fsdp"
+        values["optimizer_state"] = "fp8" if small and fits else "fp32"
+    if small:
+        values["activation_checkpointing"] = True
+        if values["max_tokens_per_micro_batch"] == 0 and values["micro_batch_size"] == 0:
+            values["max_tokens_per_micro_batch"] = SMALL_TOKENS
+        if values["logprob_chunk"] > SMALL_CHUNK:
+            values["logprob_chunk"] = SMALL_CHUNK
+    return values
