@@ -143,6 +143,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0,
         help="the trainer's token budget per pass (0 = none: --micro-batch-size rows)",
     )
+    parser.add_argument(
+        "--memory",
+        choices=("fast", "small"),
+        default="fast",
+        help="the trainer's --memory plan (trainer/memory.py): small adds checkpointing, "
+        "passes of 1,024 tokens where no budget or row count is set, 128-position log-prob "
+        "chunks, and fp8 AdamW moments with --dtype float32 (the trainer's auto picks by the "
+        "checkpoint's size; this model is built in memory, so it is named here)",
+    )
     args = parser.parse_args(argv)
     try:
         args.micro_batch_sizes = [int(x) for x in str(args.micro_batch_size).split(",") if x]
@@ -278,6 +287,9 @@ def run_config(args, mbs, model, batch, model_dir, device, started, flops_per_st
         pack_rows=args.pack_rows,
         activation_checkpointing=args.activation_checkpointing,
         max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
+        memory=args.memory,
+        # fp8 moments are for fp32 weights (trainer/optim.py): the bf16 model keeps fp32 ones
+        optimizer_state="auto" if args.dtype == "float32" else "fp32",
     )
     settings = StepSettings.from_config(config)
     # LocalUpdater around the in-memory model (its __init__ would load model_dir in float32).
@@ -289,7 +301,9 @@ def run_config(args, mbs, model, batch, model_dir, device, started, flops_per_st
     updater.optimizer = make_optimizer(model, settings)
 
     micros = list(
-        batch.micro_batches(mbs, max_tokens=args.max_tokens_per_micro_batch, packed=args.pack_rows)
+        batch.micro_batches(
+            mbs, max_tokens=settings.max_tokens_per_micro_batch, packed=settings.pack_rows
+        )
     )
     result = {
         "micro_batch_size": mbs,
@@ -394,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         from agentarium.trainer import packing
 
         packing.enable(model)
-    if args.activation_checkpointing:
+    if args.activation_checkpointing or args.memory == "small":  # as the trainer's settings
         model.activation_checkpointing_enable(
             activation_checkpointing_kwargs={"use_reentrant": False}
         )
@@ -445,7 +459,8 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": args.warmup,
         "steps": args.steps,
         "optimizer": "AdamW (trainer defaults: lr 1e-5, betas 0.9/0.999, wd 0, clip 1.0)",
-        "gradient_checkpointing": args.activation_checkpointing,
+        "gradient_checkpointing": args.activation_checkpointing or args.memory == "small",
+        "memory": args.memory,
         "pack_rows": args.pack_rows,
         "max_tokens_per_micro_batch": args.max_tokens_per_micro_batch,
         "notes": notes,

@@ -15,8 +15,7 @@ import pytest
 from trainlib import ROOT, child_env
 
 from agentarium.tiny import ensure_tiny_model
-from agentarium.trainer import TrainerConfig, TrainerProcess, allocator_for
-from agentarium.trainer import heap, memory
+from agentarium.trainer import TrainerConfig, TrainerProcess, allocator_for, heap, memory
 from agentarium.trainer.step import StepSettings
 
 
@@ -152,3 +151,32 @@ def test_the_trainer_runs_on_jemalloc_by_executing_itself_again(tmp_path, nats_u
     assert events[0]["plan"] == "fast"  # the tiny model: the allocator was named, not chosen
     pids, events = run()
     assert len(pids) == 1 and [e["allocator"] for e in events] == ["glibc"]
+
+
+def test_on_jemalloc_freed_pages_stay_for_reuse_until_release_hands_them_back():
+    """The trainer's jemalloc settings (``heap.JEMALLOC_CONF``): a freed 64 MiB tensor's pages
+    stay with the process (reused by the next pass, no page faults), and ``release()`` (after
+    each pass and step) purges them."""
+    if heap.find_jemalloc() is None:
+        if os.environ.get("CI"):
+            pytest.fail("libjemalloc.so.2 is missing: ops/setup.sh installs libjemalloc2")
+        pytest.skip("libjemalloc2 is not installed")
+    code = (
+        "import os, torch; from agentarium.trainer import heap\n"
+        "rss = lambda: int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE')\n"
+        "assert heap.running_allocator() == 'jemalloc'\n"
+        "x = torch.ones(2**24); touched = rss(); del x; freed = rss()\n"
+        "assert heap.release(); print(touched, freed, rss())\n"
+    )
+    env = child_env(PYTHONPATH=str(ROOT))
+    env.pop("MALLOC_CONF", None)
+    env.pop("LD_PRELOAD", None)
+    env.update(heap.allocator_env("jemalloc"))
+    assert env["MALLOC_CONF"] == heap.JEMALLOC_CONF
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=120, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    touched, freed, released = (int(x) for x in done.stdout.split())
+    mib = 2**20
+    assert touched - freed < 8 * mib, (touched, freed)  # kept for reuse
+    assert freed - released > 56 * mib, (freed, released)  # handed back

@@ -194,6 +194,28 @@ def test_the_rounding_depends_on_the_steps_seed_not_on_what_was_drawn_before():
     assert torch.equal(params[0], params[1])
 
 
+def test_released_gradients_leave_the_step_the_same_and_a_chunk_smaller_than_a_parameter():
+    """``release_grads`` drops each gradient once its update is taken (the trainer zeroes them
+    after the step anyway): the same parameters and moments, bit for bit, chunks of 2 blocks
+    over parameters of 5 and 1 blocks included."""
+    results = []
+    for release in (False, True):
+        torch.manual_seed(3)
+        params = [torch.nn.Parameter(torch.linspace(-1, 1, 5 * BLOCK)),
+                  torch.nn.Parameter(torch.linspace(2, 0, BLOCK - 7))]  # fmt: skip
+        optimizer = Fp8AdamW(params, lr=1e-2, chunk=2 * BLOCK, release_grads=release)
+        for step in range(3):
+            for i, p in enumerate(params):
+                p.grad = torch.cos(torch.arange(p.numel()) * (0.1 + step + i))
+            optimizer.step()
+            assert all((p.grad is None) == release for p in params)
+        results.append(([p.detach().clone() for p in params], optimizer.state_dict()))
+    (kept, kept_state), (dropped, dropped_state) = results
+    assert all(torch.equal(a, b) for a, b in zip(kept, dropped, strict=True))
+    for a, b in zip(kept_state["state"].values(), dropped_state["state"].values(), strict=True):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def tiny_config(**extra) -> TrainerConfig:
     return TrainerConfig(run="r", agent="a", model_dir=str(ensure_tiny_model()), **extra)
 

@@ -1,4 +1,5 @@
-"""Returning the trainer's freed memory to the system (glibc only; elsewhere nothing is done).
+"""The trainer's memory allocator: jemalloc under ``--memory small``, and freed memory handed
+back to the system after each pass and step.
 
 A step allocates and frees tens of gigabytes of activations and gradients, each tensor a
 separate ``malloc``. glibc serves a large request with its own ``mmap`` (returned to the system
@@ -9,17 +10,29 @@ the process. The calculator recipe's trainer held 14-15 GB between steps that wa
 1.1 GB its tensors take (docs/benchmarks.md, "Trainer memory held by the allocator").
 
 ``--heap release`` (the default): ``release()`` after each pass's backward and after each
-optimizer step, ``malloc_trim(0)``, which hands the free pages inside every arena back to the
-system. It costs no measurable step time and leaves about what the tensors hold between steps;
-within a pass the heap still grows past what the pass needs (a peak of 12 GB where 7 GB are
-live). Fixing the mmap threshold from inside the process (glibc's ``mallopt``, 8 MiB) brought
-the peak down too, but its steps took 51-57 s against glibc's 43-47 s (page faults); set in the process's environment
-before it starts, with glibc asked for transparent huge pages
+optimizer step. On glibc, ``malloc_trim(0)``, which hands the free pages inside every arena back
+to the system; it costs no measurable step time, but within a pass glibc's heap still grows past
+what the pass needs (a peak of 12 GB where 7 GB are live; SmolLM2's first step under
+``--memory small``: 2,099-2,234 MiB where jemalloc needs 1,875).
+
+``--allocator jemalloc`` (``auto`` picks it under ``--memory small`` where Debian's libjemalloc2
+is installed): the trainer process preloads jemalloc by executing itself again at its start
+(``use_allocator``; a preload must be in place before the process starts), with
+``JEMALLOC_CONF``: freed pages are kept for reuse and never purged by time, every size is served
+from the ordinary arenas, transparent huge pages are asked for, and ``release()`` purges every
+arena (``mallctl("arena.4096.purge")``). Its size classes reuse a pass's freed tensors where
+glibc's heap fragments: SmolLM2's first step peaks at 1,871-1,880 MiB in 51-54 s (glibc:
+2,099-2,234 MiB in 53-55 s; docs/benchmarks.md, "The defaults"). jemalloc's own defaults were
+slower: a request over 8 MiB gets an arena that unmaps it when freed, and dirty pages are
+purged after 10 s, so a pass faults its pages in again (60-63 s a step).
+
+Fixing glibc's mmap threshold from inside the process (``mallopt``, 8 MiB) brought the peak
+down too, but its steps took 51-57 s against glibc's 43-47 s (page faults); set in the
+process's environment before it starts, with glibc asked for transparent huge pages
 (``MALLOC_MMAP_THRESHOLD_=1048576 GLIBC_TUNABLES=glibc.malloc.hugetlb=1``:
-``TRAINER_MALLOC_ENV``), the same threshold cost nothing measurable on that large step and
-halved its peak. It is opt-in: the tiny model's demo, whose trainer takes many small steps
-beside the engine and the consumers, ran 1.7 times slower with it (457 s against 262 s).
-``--heap default`` leaves glibc as it is.
+``TRAINER_MALLOC_ENV``), the same threshold cost nothing measurable on a large LoRA step and
+halved its peak, but made the tiny model's demo 1.7 times slower (457 s against 262 s), and
+SmolLM2's full step 1.5 times. ``--heap default`` leaves the allocator as it is.
 """
 
 from __future__ import annotations

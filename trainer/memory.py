@@ -11,8 +11,12 @@ that is 2.15 GB before the first activation, and the activations of a whole batc
 - ``small``: activation checkpointing on, AdamW's moments in 3 bytes a parameter
   (``--optimizer-state fp8``, trainer/optim.py) where they may be (fp32 weights, a replicated
   trainer), passes of at most ``SMALL_TOKENS`` real tokens when no limit was set, and
-  log-probs ``SMALL_CHUNK`` positions at a time at most. SmolLM2's step: 1.9 GiB of RSS
-  against 6.9, about a fifth slower (docs/benchmarks.md, issue 35's section).
+  log-probs ``SMALL_CHUNK`` positions at a time at most, on jemalloc (trainer/heap.py).
+  SmolLM2's step, 16 rows: 1,875 MiB of RSS at the first step and 2,261-2,267 MiB from the
+  second on (AdamW's moments, made at the first update, are held from then on), against
+  6.9 GB at the first step with ``fast``; 53 s a step, 1.6 times as fast as TRL's GRPOTrainer
+  on the same batch (``fast``: 41-42 s on another machine of the same kind; docs/benchmarks.md,
+  "The defaults").
 
 ``auto`` (the default) is ``small`` when every weight of a model of ``SMALL_FROM`` parameters or
 more is trained (counted in its safetensors files' headers), and ``fast`` otherwise: LoRA

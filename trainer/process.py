@@ -13,10 +13,10 @@ from pathlib import Path
 
 from agentarium.schemas import SettingError, check_settings, setting
 
+from . import heap
 from .app import PublisherFactory, store_publisher
 from .config import BATCH, COMPUTE, OUTPUTS, TrainerConfig
 from .errors import TrainerConfigError
-from . import heap
 from .heap import ALLOCATORS
 from .memory import plan_for
 from .weight_stream import WEIGHT_TRANSPORTS, StreamConfig, stream_publisher

@@ -301,7 +301,9 @@ def make_optimizer(model, settings: StepSettings) -> torch.optim.Optimizer:
             params, lr=settings.lr, betas=betas, weight_decay=settings.weight_decay,
             release_grads=True,
         )  # fmt: skip
-    return torch.optim.AdamW(params, lr=settings.lr, betas=betas, weight_decay=settings.weight_decay)
+    return torch.optim.AdamW(
+        params, lr=settings.lr, betas=betas, weight_decay=settings.weight_decay
+    )
 
 
 def check_moments(state: dict, settings: StepSettings) -> None:
