@@ -237,3 +237,40 @@ def test_the_heads_one_node_has_autograds_gradient_bias_included(entropy_grad):
     torch.testing.assert_close(lp, logp.gather(-1, targets[:, None]).squeeze(-1))
     torch.testing.assert_close(ent, -(logp.exp() * logp).sum(-1))
     assert ent.requires_grad == entropy_grad
+
+
+def test_a_tied_weights_gradient_added_into_grad_is_autograds(tiny, monkeypatch):
+    """trainer/fused_grads.py on a tied embedding and head (the tiny model tied by hand, fp64):
+    the embedding lookup (``FusedEmbedding``) and the head (``HeadStats``) add their gradients
+    into ``.grad`` over passes of two rows, and the update is autograd's own (the same sums in
+    another order: ``TOL``)."""
+    from agentarium.trainer import fused_grads, logprobs
+
+    model = load_model(tiny, "cpu", dtype="float64")
+    model.lm_head.weight = model.get_input_embeddings().weight  # tied
+    assert fused_grads.fuse_embedding(model)
+    assert type(model.get_input_embeddings()) is fused_grads.FusedEmbedding
+    assert fused_grads.fusable(model.lm_head.weight, model)  # both paths add into .grad
+    settings = StepSettings(logprob_chunk=7, micro_batch_size=2, entropy_coef=0.01)
+    fused = update(model, None, batch(), settings)
+    for module in (fused_grads, logprobs):
+        monkeypatch.setattr(module, "fusable", lambda weight, model: False)
+    plain = update(model, None, batch(), settings)
+    assert_same_update(plain, fused)
+
+
+def test_the_embeddings_gradient_added_into_grad_skips_padding_and_accumulates():
+    from agentarium.trainer.fused_grads import EmbeddingIntoGrad
+
+    g = torch.Generator().manual_seed(7)
+    weight = torch.randn(11, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    ids = torch.tensor([[1, 3, 3, 0, 10], [3, 0, 0, 5, 1]])
+    scale = torch.randn(2, 5, 4, dtype=torch.float64, generator=g)
+    expected = torch.autograd.grad((torch.nn.functional.embedding(ids, weight, 0) * scale).sum(),
+                                   weight)[0]  # fmt: skip
+    for times in (1, 2):  # a second pass adds into the first's gradient
+        out = EmbeddingIntoGrad.apply(ids, weight, 0)
+        torch.testing.assert_close(out, torch.nn.functional.embedding(ids, weight, 0))
+        (out * scale).sum().backward()
+        torch.testing.assert_close(weight.grad, times * expected, rtol=1e-12, atol=1e-12)
+    assert float(weight.grad[0].abs().sum()) == 0.0  # the padding row

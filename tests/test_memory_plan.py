@@ -30,6 +30,14 @@ def header_only(path, shapes: dict[str, list[int]]) -> None:
     path.write_bytes(struct.pack("<Q", len(text)) + text)
 
 
+def needs_jemalloc() -> None:
+    """Skip where libjemalloc2 is not installed; under CI (whose setup installs it) fail."""
+    if heap.find_jemalloc() is None:
+        if os.environ.get("CI"):
+            pytest.fail("libjemalloc.so.2 is missing: ops/setup.sh installs libjemalloc2")
+        pytest.skip("libjemalloc2 is not installed")
+
+
 def config(model_dir, **values) -> TrainerConfig:
     return TrainerConfig(run="r", agent="a", model_dir=str(model_dir), **values)
 
@@ -117,10 +125,7 @@ def test_the_trainer_runs_on_jemalloc_by_executing_itself_again(tmp_path, nats_u
     """``--allocator jemalloc`` on the tiny model: the process preloads jemalloc into itself
     (one exec, the same pid, whose parent sees nothing), sets up and stops (``--max-steps
     0``), and says what it runs on; without it, glibc and no exec."""
-    if heap.find_jemalloc() is None:
-        if os.environ.get("CI"):
-            pytest.fail("libjemalloc.so.2 is missing: ops/setup.sh installs libjemalloc2")
-        pytest.skip("libjemalloc2 is not installed")
+    needs_jemalloc()
     probe = (
         "import os, sys, runpy; print('pid', os.getpid(), flush=True); "
         "sys.argv = ['agentarium', *sys.argv[1:]]; runpy.run_module('agentarium', run_name='__main__')"
@@ -157,10 +162,7 @@ def test_on_jemalloc_freed_pages_stay_for_reuse_until_release_hands_them_back():
     """The trainer's jemalloc settings (``heap.JEMALLOC_CONF``): a freed 64 MiB tensor's pages
     stay with the process (reused by the next pass, no page faults), and ``release()`` (after
     each pass and step) purges them."""
-    if heap.find_jemalloc() is None:
-        if os.environ.get("CI"):
-            pytest.fail("libjemalloc.so.2 is missing: ops/setup.sh installs libjemalloc2")
-        pytest.skip("libjemalloc2 is not installed")
+    needs_jemalloc()
     code = (
         "import os, torch; from agentarium.trainer import heap\n"
         "rss = lambda: int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE')\n"

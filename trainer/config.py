@@ -444,7 +444,7 @@ class TrainerConfig:
         help="the memory plan: fast takes the settings as given; small adds activation "
         "checkpointing, --optimizer-state fp8 (where auto and allowed), passes of 1,024 real "
         "tokens when no --max-tokens-per-micro-batch or --micro-batch-size is set, and "
-        "log-probs 128 positions at a time at most (SmolLM2-135M, 16 rows: 1.9-2.2 GiB of RSS "
+        "log-probs 128 positions at a time at most (SmolLM2-135M, 16 rows: 1.7-2.1 GiB of RSS "
         "against 7-8 GB, a slower step: trainer/memory.py); auto: small when "
         "every weight of a model of 100M parameters or more is trained, else fast (LoRA, small "
         "models)",

@@ -33,6 +33,7 @@ from torch.utils.checkpoint import checkpoint
 
 from . import packing
 from .batch import Batch
+from .fused_grads import fusable
 from .grpo import at_least_fp32, token_entropy, token_logprobs
 from .packing import pack
 
@@ -136,9 +137,11 @@ def token_stats(
     head = causal.get_output_embeddings()
     grad = torch.is_grad_enabled()
     if type(head) is torch.nn.Linear:  # the usual case: one autograd node for every chunk
+        into_grad = fusable(head.weight, model) and fusable(head.weight, causal)
         lp, ent = HeadStats.apply(
-            hidden, head.weight, head.bias, targets, temperature, chunk, entropy, entropy_grad
-        )
+            hidden, head.weight, head.bias, targets, temperature, chunk, entropy, entropy_grad,
+            into_grad,
+        )  # fmt: skip
         zeros = torch.zeros(mask.shape, dtype=lp.dtype, device=mask.device)
         return TokenStats(
             zeros.index_put((rows, cols), lp),
@@ -188,7 +191,8 @@ class HeadStats(torch.autograd.Function):
     ``chunk`` positions at a time, in fp32 (fp64 for a float64 model), as one autograd node.
 
     Forward keeps no (chunk, V) tensor; backward recomputes each chunk's softmax and adds the
-    chunk's share of the head's weight gradient into one (V, H) buffer (``addmm_``). Autograd
+    chunk's share of the head's weight gradient into one (V, H) buffer (``addmm_``): with
+    ``into_grad``, the weight's ``.grad`` itself (trainer/fused_grads.py). Autograd
     over per-chunk checkpoints (what wrapped heads still take) makes a (V, H) gradient for every
     chunk and sums them in a buffer of its own: for SmolLM2's tied 49,152 x 576 head, 113 MB
     each, at the step's peak (docs/benchmarks.md, issue 35's section). With z = logits / T,
@@ -196,7 +200,8 @@ class HeadStats(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk, entropy, entropy_grad):  # type: ignore[no-untyped-def,override]
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk, entropy, entropy_grad,  # type: ignore[no-untyped-def,override]
+                into_grad=False):  # fmt: skip
         dtype = at_least_fp32(hidden).dtype
         w = weight.to(dtype)
         b = None if bias is None else bias.to(dtype)
@@ -212,6 +217,7 @@ class HeadStats(torch.autograd.Function):
                     ent[part] = -(logp.exp() * logp).sum(-1)
         ctx.save_for_backward(hidden, weight, bias, targets, temperature)
         ctx.chunk, ctx.entropy_grad = chunk, entropy and entropy_grad
+        ctx.into_grad = into_grad and weight.dtype == dtype
         if not ctx.entropy_grad:
             ctx.mark_non_differentiable(ent)
         return lp, ent
@@ -224,7 +230,13 @@ class HeadStats(torch.autograd.Function):
         b = None if bias is None else bias.to(dtype)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.zeros_like(hidden, dtype=dtype) if need_h else None
-        grad_w = torch.zeros_like(w) if need_w else None
+        grad_w = None
+        if need_w and ctx.into_grad:
+            if weight.grad is None:
+                weight.grad = torch.zeros_like(weight)
+            grad_w = weight.grad
+        elif need_w:
+            grad_w = torch.zeros_like(w)
         grad_b = torch.zeros_like(b) if need_b and b is not None else None
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             for start in range(0, hidden.shape[0], ctx.chunk):
@@ -249,9 +261,9 @@ class HeadStats(torch.autograd.Function):
                     grad_b.add_(dz.sum(0))
         return (
             None if grad_h is None else grad_h.to(hidden.dtype),
-            None if grad_w is None else grad_w.to(weight.dtype),
+            None if grad_w is None or ctx.into_grad else grad_w.to(weight.dtype),
             None if grad_b is None else grad_b.to(bias.dtype),
-            None, None, None, None, None,
+            None, None, None, None, None, None,
         )  # fmt: skip
 
 

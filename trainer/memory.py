@@ -12,8 +12,8 @@ that is 2.15 GB before the first activation, and the activations of a whole batc
   (``--optimizer-state fp8``, trainer/optim.py) where they may be (fp32 weights, a replicated
   trainer), passes of at most ``SMALL_TOKENS`` real tokens when no limit was set, and
   log-probs ``SMALL_CHUNK`` positions at a time at most, on jemalloc (trainer/heap.py).
-  SmolLM2's step, 16 rows: 1,875 MiB of RSS at the first step and 2,261-2,267 MiB from the
-  second on (AdamW's moments, made at the first update, are held from then on), against
+  SmolLM2's step, 16 rows: 1,760-1,764 MiB of RSS at the first step and 2,150-2,152 MiB from
+  the second on (AdamW's moments, made at the first update, are held from then on), against
   6.9 GB at the first step with ``fast``; 53 s a step, 1.6 times as fast as TRL's GRPOTrainer
   on the same batch (``fast``: 41-42 s on another machine of the same kind; docs/benchmarks.md,
   "The defaults").

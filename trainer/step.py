@@ -20,6 +20,7 @@ from .batch import Batch
 from .checkpoint import Loaded, write_full
 from .config import TrainerConfig
 from .errors import TrainerConfigError
+from .fused_grads import fuse_embedding
 from .grpo import LossSums, grpo_loss, truncated_is_weights
 from .logprobs import causal_lm, token_stats
 from .optim import Fp8AdamW, moments_of
@@ -176,6 +177,7 @@ def load_policy(model_dir: str | Path, device: str | torch.device, settings: Ste
     checkpointing (``activation_checkpointing``), wrapped with LoRA adapters when
     ``lora_rank`` > 0."""
     model = _packing(load_model(model_dir, device, dtype=settings.dtype), settings)
+    fuse_embedding(model)  # its weight gradient added into .grad (trainer/fused_grads.py)
     if settings.activation_checkpointing:
         non_reentrant = {"use_reentrant": False}
         if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.x's name

@@ -1,0 +1,96 @@
+"""The embedding's and the head's weight gradients added straight into ``.grad`` as they are
+computed (what Megatron calls gradient accumulation fusion), for the two (V, H) weights.
+
+Every pass makes the input embedding's gradient as a dense (V, H) tensor at the end of the
+backward pass, and the head's (trainer/logprobs.py, ``HeadStats``) at its start; where the two
+share one weight (SmolLM2, Qwen2.5's small models, Llama 3.2 1B and 3B), autograd holds the
+head's contribution through the whole backward pass until the embedding's arrives, sums them,
+and adds the sum into ``.grad``: three (V, H) tensors at once, 113 MB each for SmolLM2, at the
+step's peak (docs/benchmarks.md, "The defaults"). Added into ``weight.grad`` where they are
+computed, neither is held, and autograd is handed nothing for the weight.
+
+Only where nothing else reads the weight's gradient on its way (``fusable``): a plain leaf
+parameter that is trained, no post-accumulate-grad hooks, the model not sharded by FSDP2
+(whose hooks reduce-scatter the gradients); elsewhere autograd's own path runs. The gradient is
+the same sum in another order of additions (fp32 rounding; tests/test_logprob_chunks.py).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import cast
+
+import torch
+
+
+def fusable(weight: torch.Tensor, model) -> bool:  # type: ignore[no-untyped-def]
+    """Whether ``weight``'s gradient may be added into ``weight.grad`` directly in ``model``."""
+    if not (torch.is_grad_enabled() and weight.requires_grad and weight.is_leaf):
+        return False
+    if type(weight) not in (torch.Tensor, torch.nn.Parameter):  # a DTensor, a subclass
+        return False
+    if getattr(weight, "_post_accumulate_grad_hooks", None):
+        return False
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without distributed: nothing can shard the model
+        return True
+    return not isinstance(model, FSDPModule)
+
+
+def add_into_grad(weight: torch.Tensor, add: Callable[[torch.Tensor], None]) -> None:
+    """``add(weight.grad)``, the gradient made (zeros) first where there is none yet."""
+    if weight.grad is None:
+        weight.grad = torch.zeros_like(weight)
+    add(weight.grad)
+
+
+class EmbeddingIntoGrad(torch.autograd.Function):
+    """``nn.Embedding``'s lookup (no max_norm, dense), its weight gradient added into
+    ``weight.grad`` row by row (``index_add_``) instead of returned as a dense (V, H) tensor;
+    ``padding_idx``'s row gets none, as ``F.embedding``'s."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, padding_idx):  # type: ignore[no-untyped-def,override]
+        ctx.save_for_backward(ids)
+        ctx.weight, ctx.padding_idx = weight, padding_idx
+        return torch.nn.functional.embedding(ids, weight, padding_idx)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[no-untyped-def,override]
+        (ids,) = ctx.saved_tensors
+        weight = ctx.weight
+        flat_ids = ids.reshape(-1)
+        rows = grad_out.reshape(-1, weight.shape[1]).to(weight.dtype)
+        if ctx.padding_idx is not None:
+            rows = rows.masked_fill((flat_ids == ctx.padding_idx).unsqueeze(-1), 0)
+        add_into_grad(weight, lambda grad: grad.index_add_(0, flat_ids, rows))
+        return None, None, None
+
+
+class FusedEmbedding(torch.nn.Embedding):
+    """An ``nn.Embedding`` whose lookup adds its weight gradient into ``.grad``
+    (``EmbeddingIntoGrad``) whenever ``fusable`` holds for the model it was set in."""
+
+    _root: weakref.ref
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        model = self._root()
+        if model is not None and fusable(self.weight, model):
+            return EmbeddingIntoGrad.apply(ids, self.weight, self.padding_idx)
+        return super().forward(ids)
+
+
+def fuse_embedding(model) -> bool:  # type: ignore[no-untyped-def]
+    """Make ``model``'s input embedding, a plain ``nn.Embedding``, a ``FusedEmbedding`` (the
+    same module, weight and state dict); False where it is not one."""
+    embedding = model.get_input_embeddings()
+    if type(embedding) is not torch.nn.Embedding or embedding.max_norm is not None:
+        return False
+    if embedding.sparse or embedding.scale_grad_by_freq:
+        return False
+    embedding.__class__ = FusedEmbedding
+    fused = cast(FusedEmbedding, embedding)
+    fused._root = weakref.ref(model)
+    return True
