@@ -380,8 +380,9 @@ async def check_streaming(url: str, template: ChatTemplate) -> None:
     """VLLMBackend streaming from vLLM on the tiny model (byte tokens: a character of several
     bytes is several tokens, so the chunks' text is decoded across token boundaries): a streamed
     call answers what the unstreamed one does with the same seed, its chunks before the end; a
-    cancelled stream is aborted (``/inference/v1/abort_requests``) and vLLM stops generating it
-    within a second; the abort route takes the id the backend sends."""
+    cancelled stream is aborted (``/inference/v1/abort_requests``): vLLM stops generating it
+    short of its tokens (how soon is printed, not asserted: a loaded machine decides it); the
+    abort route takes the id the backend sends."""
     prompt = template.encode("Hello, 12+34=")
     backend = VLLMBackend([url], decode=template.decode, retries=0)
     try:
@@ -412,6 +413,7 @@ async def check_streaming(url: str, template: ChatTemplate) -> None:
         assert streamed.text.startswith("".join(c.text for c in chunks))
 
         long = {"max_new_tokens": 1900, "temperature": 1.0, "ignore_eos": True}
+        before = await _generated(backend, url)
         first = asyncio.Event()
         call = asyncio.create_task(
             backend.generate(
@@ -423,25 +425,28 @@ async def check_streaming(url: str, template: ChatTemplate) -> None:
             [call, asyncio.create_task(first.wait())], timeout=60, return_when="FIRST_COMPLETED"
         )
         assert first.is_set() and not call.done()
-        # vLLM's gauge follows its engine's steps: the first chunk can reach us before the
-        # step's stats reach /metrics (read 0 once in a loaded suite), so wait for it to say 1
-        seen = time.monotonic()
-        while (running := await _running(backend, url)) != 1:
-            assert not call.done() and time.monotonic() - seen < 30, (running, call.done())
-            await asyncio.sleep(0.02)
         call.cancel()
         cancelled = time.monotonic()
         with pytest.raises(asyncio.CancelledError):
             await call
-        while running := await _running(backend, url):
-            waited = time.monotonic() - cancelled
-            assert waited < 1.0, f"vLLM still runs {running} request(s) {waited:.2f} s after"
-            await asyncio.sleep(0.02)
-        print(f"vLLM stopped generating {time.monotonic() - cancelled:.3f} s after the cancel")
-        # and it stays stopped: no token generated since
-        tokens = await _generated(backend, url)
-        await asyncio.sleep(0.3)
-        assert await _generated(backend, url) == tokens
+        # vLLM's gauges and counters follow its engine's steps and reach /metrics later than
+        # the stream reaches us (by seconds in a loaded suite, where reading the running gauge
+        # at once gave 0): wait until it runs nothing and its token count holds still, then
+        # the cancelled call must have ended short of its 1,900 tokens (ignore_eos: a call
+        # that was not aborted generates every one)
+        last = None
+        while True:
+            running, tokens = await _running(backend, url), await _generated(backend, url)
+            if running == 0 and tokens == last:
+                break
+            assert time.monotonic() - cancelled < 120, (running, tokens - before)
+            last = tokens
+            await asyncio.sleep(0.5)
+        print(
+            f"vLLM stopped within {time.monotonic() - cancelled:.1f} s of the cancel, after "
+            f"{tokens - before:.0f} tokens"
+        )
+        assert 0 < tokens - before < long["max_new_tokens"], tokens - before
 
         # the abort alone, its client still reading: the route and the id the backend sends
         body = {
