@@ -146,7 +146,7 @@ def use_allocator(name: str) -> None:
     if wanted_allocator(name) != "jemalloc" or running_allocator() == "jemalloc":
         return
     if os.environ.get(_EXECED):  # preloaded and still not mapped: say so, never loop
-        raise RuntimeError(f"{_JEMALLOC} was preloaded but is not in use; --allocator glibc")
+        raise ValueError(f"{_JEMALLOC} was preloaded but is not in use: pass --allocator glibc")
     env = {**os.environ, **allocator_env(name), _EXECED: "1"}
     sys.stdout.flush()
     sys.stderr.flush()

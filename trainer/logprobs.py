@@ -195,7 +195,7 @@ class HeadStats(torch.autograd.Function):
     ``into_grad``, the weight's ``.grad`` itself (trainer/fused_grads.py). Autograd
     over per-chunk checkpoints (what wrapped heads still take) makes a (V, H) gradient for every
     chunk and sums them in a buffer of its own: for SmolLM2's tied 49,152 x 576 head, 113 MB
-    each, at the step's peak (docs/benchmarks.md, issue 35's section). With z = logits / T,
+    each, at the step's peak (docs/benchmarks.md, "The defaults"). With z = logits / T,
     p = softmax(z): d log p[y] / dz = onehot(y) - p, and d entropy / dz = -p (log p + entropy).
     """
 
