@@ -148,8 +148,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=("fast", "small"),
         default="fast",
         help="the trainer's --memory plan (trainer/memory.py): small adds checkpointing, "
-        "passes of 1,024 tokens where no budget or row count is set, 128-position log-prob "
-        "chunks, and fp8 AdamW moments with --dtype float32 (the trainer's auto picks by the "
+        "passes of 256 tokens where no budget or row count is set, 32-position log-prob "
+        "chunks, feed-forward blocks 512 positions at a time in longer passes, and fp8 AdamW moments with --dtype float32 (the trainer's auto picks by the "
         "checkpoint's size; this model is built in memory, so it is named here)",
     )
     args = parser.parse_args(argv)

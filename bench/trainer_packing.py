@@ -63,8 +63,8 @@ CONFIGS = {
     "packed-unshared": {"pack_rows": True, "share_prefix": False, "memory": "fast"},
     "packed-ckpt": {"pack_rows": True, "activation_checkpointing": True, "memory": "fast"},
     # --memory small (trainer/memory.py): checkpointed, AdamW's moments in 3 bytes a parameter
-    # (trainer/optim.py), passes of at most 1,024 real tokens, log-probs 128 positions at a
-    # time, on glibc's malloc
+    # (trainer/optim.py), passes of at most 256 real tokens, log-probs 32 positions at a
+    # time, a longer pass's feed-forward blocks 512 positions at a time, on glibc's malloc
     "small": {"memory": "small"},
     # the trainer's defaults, on the allocator `agentarium trainer` picks for them
     # (trainer/process.py, allocator_for: jemalloc for SmolLM2's full fine-tuning)

@@ -5,6 +5,7 @@ executing itself again, its pid the same."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
@@ -12,11 +13,22 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from test_logprob_chunks import assert_same_update, batch, update
+from test_packing import BASE
 from trainlib import ROOT, child_env
 
 from agentarium.tiny import ensure_tiny_model
-from agentarium.trainer import TrainerConfig, TrainerProcess, allocator_for, heap, memory
-from agentarium.trainer.step import StepSettings
+from agentarium.trainer import (
+    TrainerConfig,
+    TrainerProcess,
+    allocator_for,
+    chunked_mlp,
+    heap,
+    memory,
+)
+from agentarium.trainer.logprobs import token_stats
+from agentarium.trainer.step import StepSettings, load_model, load_policy, load_reference
 
 
 def header_only(path, shapes: dict[str, list[int]]) -> None:
@@ -71,6 +83,7 @@ def test_the_defaults_on_a_small_model_are_the_settings_as_given():
     assert settings.optimizer_state == "fp32"
     assert settings.max_tokens_per_micro_batch == 0
     assert settings.logprob_chunk == 512
+    assert settings.mlp_chunk == 0
 
 
 def test_small_adds_what_saves_memory_and_keeps_what_was_given():
@@ -80,13 +93,15 @@ def test_small_adds_what_saves_memory_and_keeps_what_was_given():
     assert small.optimizer_state == "fp8"
     assert small.max_tokens_per_micro_batch == memory.SMALL_TOKENS
     assert small.logprob_chunk == memory.SMALL_CHUNK
+    assert small.mlp_chunk == memory.SMALL_MLP_CHUNK
     given = StepSettings.from_config(
         config(
             tiny, memory="small", optimizer_state="fp32", max_tokens_per_micro_batch=4096,
-            logprob_chunk=0,
+            logprob_chunk=0, mlp_chunk=2048,
         )
     )  # fmt: skip
     assert (given.optimizer_state, given.max_tokens_per_micro_batch) == ("fp32", 4096)
+    assert given.mlp_chunk == 2048
     assert given.logprob_chunk == 0  # the whole-vocabulary path, as asked
     rows = StepSettings.from_config(config(tiny, memory="small", micro_batch_size=4))
     assert (rows.micro_batch_size, rows.max_tokens_per_micro_batch) == (4, 0)
@@ -182,3 +197,55 @@ def test_on_jemalloc_freed_pages_stay_for_reuse_until_release_hands_them_back():
     mib = 2**20
     assert touched - freed < 8 * mib, (touched, freed)  # kept for reuse
     assert freed - released > 56 * mib, (freed, released)  # handed back
+
+
+@pytest.mark.kernels  # gradients compared: run again under ATEN_CPU_CAPABILITY=avx2
+def test_a_long_rows_feed_forward_runs_a_slice_at_a_time_and_trains_the_same():
+    """--mlp-chunk (trainer/chunked_mlp.py) under activation checkpointing, fp64: the same
+    loss, statistics and gradients as the whole block (test_logprob_chunks' tolerance: only
+    the order of the gradients' additions changes), while no feed-forward projection ever
+    sees more than the chunk's positions of a pass with gradients; without gradients (a
+    reference model's pass) the block runs whole."""
+    tiny = ensure_tiny_model()
+    data = batch()  # rows of 14-25 tokens, packed into one pass of more than 7
+    whole_settings = StepSettings(dtype="float64", activation_checkpointing=True, **BASE)
+    whole = update(*policy_and_reference(tiny, whole_settings), data, whole_settings)
+    sliced_settings = dataclasses.replace(whole_settings, mlp_chunk=7)
+    model, ref = policy_and_reference(tiny, sliced_settings)
+    widths: list[int] = []
+    blocks = chunked_mlp.feed_forward_blocks(model)
+    assert blocks and all("_agentarium_whole_forward" in b.__dict__ for b in blocks)
+    first = next(m for m in blocks[0].modules() if isinstance(m, torch.nn.Linear))
+    first.register_forward_hook(lambda _m, args, _out: widths.append(args[0].shape[-2]))
+    sliced = update(model, ref, data, sliced_settings)
+    assert_same_update(whole, sliced)
+    assert widths and max(widths) == 7  # forward, and again in each slice's backward
+    widths.clear()
+    with torch.no_grad():
+        token_stats(model, data.to("cpu"), chunk=0)
+    assert max(widths) == data.tokens  # one packed sequence, the block whole
+
+
+def test_a_mixture_of_experts_keeps_its_blocks_whole():
+    """A mixture's routing and load balancing see all of a pass's positions at once: its
+    blocks are not sliced (their class names experts)."""
+    from agentarium.tiny_families import ensure_tiny_architecture
+
+    moe = load_model(ensure_tiny_architecture("qwen3_moe"), "cpu")
+    assert chunked_mlp.feed_forward_blocks(moe) == []
+    assert chunked_mlp.enable(moe, 4) == 0
+    dense = load_model(ensure_tiny_model(), "cpu")
+    assert chunked_mlp.enable(dense, 0) == 0  # 0: nothing changes
+    assert chunked_mlp.enable(dense, 4) == dense.config.num_hidden_layers
+
+
+def policy_and_reference(tiny, settings: StepSettings):
+    """The policy as the trainer loads it under ``settings``, and a perturbed reference (the
+    KL term not 0)."""
+    model, ref = load_policy(tiny, "cpu", settings), load_reference(tiny, "cpu", settings)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(
+                0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)).to(p.dtype)
+            )
+    return model, ref

@@ -431,6 +431,16 @@ class TrainerConfig:
         "backward pass (memory: a chunk's logits, not the batch's); 0 = the whole vocabulary at "
         "every position at once, the model's own logits (trainer/logprobs.py)",
     )
+    mlp_chunk: int = setting(
+        0,
+        ge=0,
+        group=COMPUTE,
+        metavar="POSITIONS",
+        help="with activation checkpointing, run each decoder layer's feed-forward block this "
+        "many positions at a time in a longer pass, each slice recomputed in the backward "
+        "pass (memory: a slice's activations, not a long row's; a little more compute, for "
+        "long passes only: trainer/chunked_mlp.py); 0 = whole (--memory small sets 512)",
+    )
     activation_checkpointing: bool = setting(
         False,
         group=COMPUTE,
@@ -442,10 +452,11 @@ class TrainerConfig:
         choices=MEMORY_PLANS,
         group=COMPUTE,
         help="the memory plan: fast takes the settings as given; small adds activation "
-        "checkpointing, --optimizer-state fp8 (where auto and allowed), passes of 1,024 real "
-        "tokens when no --max-tokens-per-micro-batch or --micro-batch-size is set, and "
-        "log-probs 128 positions at a time at most (SmolLM2-135M, 16 rows: 1.7-2.1 GiB of RSS "
-        "against 7-8 GB, a slower step: trainer/memory.py); auto: small when "
+        "checkpointing, --optimizer-state fp8 (where auto and allowed), passes of 256 real "
+        "tokens when no --max-tokens-per-micro-batch or --micro-batch-size is set, "
+        "log-probs 32 positions at a time at most, and --mlp-chunk 512 when it is 0 "
+        "(SmolLM2-135M, 16 rows: under 2 GiB of RSS against 7-8 GB, a slower step: "
+        "trainer/memory.py); auto: small when "
         "every weight of a model of 100M parameters or more is trained, else fast (LoRA, small "
         "models)",
     )

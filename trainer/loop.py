@@ -468,6 +468,7 @@ def _make_updater(config: TrainerConfig):
         optimizer_state=settings.optimizer_state,
         max_tokens_per_micro_batch=settings.max_tokens_per_micro_batch,
         logprob_chunk=settings.logprob_chunk,
+        mlp_chunk=settings.mlp_chunk,
     )
     if config.parallel == "fsdp":
         from .fsdp import FsdpParallel

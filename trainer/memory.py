@@ -10,13 +10,18 @@ that is 2.15 GB before the first activation, and the activations of a whole batc
   ``--max-tokens-per-micro-batch`` / ``--micro-batch-size`` split it);
 - ``small``: activation checkpointing on, AdamW's moments in 3 bytes a parameter
   (``--optimizer-state fp8``, trainer/optim.py) where they may be (fp32 weights, a replicated
-  trainer), passes of at most ``SMALL_TOKENS`` real tokens when no limit was set, and
-  log-probs ``SMALL_CHUNK`` positions at a time at most, on jemalloc (trainer/heap.py).
-  SmolLM2's step, 16 rows: 1,760-1,764 MiB of RSS at the first step and 2,150-2,152 MiB from
-  the second on (AdamW's moments, made at the first update, are held from then on), against
-  6.9 GB at the first step with ``fast``; 53 s a step, 1.6 times as fast as TRL's GRPOTrainer
-  on the same batch (``fast``: 41-42 s on another machine of the same kind; docs/benchmarks.md,
-  "The defaults").
+  trainer), passes of at most ``SMALL_TOKENS`` real tokens when no limit was set, log-probs
+  ``SMALL_CHUNK`` positions at a time at most, a longer pass's feed-forward blocks
+  ``SMALL_MLP_CHUNK`` positions at a time (``--mlp-chunk``, trainer/chunked_mlp.py: a row
+  longer than a pass's budget runs alone), on jemalloc (trainer/heap.py).
+
+  What a step holds for SmolLM2 beside its pass: the weights (513 MiB), their gradients (513,
+  from the first pass's backward), the moments (387, from the first update on), torch and
+  the libraries (about 290) and about 180 of allocations that are no tensor's (measured:
+  docs/benchmarks.md, "The defaults on an AVX-512 machine"). That leaves a pass about 160 MiB
+  under 2 GiB, so the pass budget and the chunks are small: 256-token passes and 32-position
+  chunks held the 16-row step at 1,991 MiB from the second step on where 512 and 64 held it at
+  2,057 and 1,024 and 128 at 2,244, at 10 % more time a step than 1,024 and 128.
 
 ``auto`` (the default) is ``small`` when every weight of a model of ``SMALL_FROM`` parameters or
 more is trained (counted in its safetensors files' headers), and ``fast`` otherwise: LoRA
@@ -34,8 +39,9 @@ from typing import Any
 
 MEMORY_PLANS = ("auto", "fast", "small")
 SMALL_FROM = 100_000_000  # parameters: SmolLM2-135M and up
-SMALL_TOKENS = 1024  # real tokens a pass, when no limit was set
-SMALL_CHUNK = 128  # log-prob positions at a time, at most
+SMALL_TOKENS = 256  # real tokens a pass, when no limit was set
+SMALL_CHUNK = 32  # log-prob positions at a time, at most
+SMALL_MLP_CHUNK = 512  # feed-forward positions at a time in a longer pass (trainer/chunked_mlp.py)
 # the header of a safetensors file: an 8-byte little-endian length, then that many bytes of JSON
 _HEADER_LIMIT = 100 * 2**20
 
@@ -88,4 +94,6 @@ def step_values(values: dict[str, Any], plan: str, *, dtype: str, parallel: str)
             values["max_tokens_per_micro_batch"] = SMALL_TOKENS
         if values["logprob_chunk"] > SMALL_CHUNK:
             values["logprob_chunk"] = SMALL_CHUNK
+        if values["mlp_chunk"] == 0:
+            values["mlp_chunk"] = SMALL_MLP_CHUNK
     return values

@@ -18,6 +18,7 @@ import torch
 from . import heap, memory, packing
 from .batch import Batch
 from .checkpoint import Loaded, write_full
+from .chunked_mlp import enable as chunk_feed_forward
 from .config import TrainerConfig
 from .errors import TrainerConfigError
 from .fused_grads import fuse_embedding
@@ -59,6 +60,7 @@ class StepSettings:
     adam_betas: tuple[float, float] = _default("adam_betas")
     optimizer_state: str = "fp32"  # resolved: TrainerConfig's "auto" is --memory's to decide
     activation_checkpointing: bool = _default("activation_checkpointing")
+    mlp_chunk: int = _default("mlp_chunk")
     lora_rank: int = _default("lora_rank")
     lora_alpha: float = _default("lora_alpha")
     lora_target_modules: tuple[str, ...] = _default("lora_target_modules")
@@ -184,6 +186,8 @@ def load_policy(model_dir: str | Path, device: str | torch.device, settings: Ste
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=non_reentrant)
         else:  # gradient_checkpointing_enable: deprecated in 5.x, gone in v6
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=non_reentrant)
+        # a long row's feed-forward activations, a slice at a time (trainer/chunked_mlp.py)
+        chunk_feed_forward(model, settings.mlp_chunk)
     if settings.lora_rank > 0:
         from .lora import with_lora
 
