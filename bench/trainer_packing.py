@@ -16,7 +16,9 @@ table gives median (min-max) over rounds of:
 - GFLOP/s: 6 x trainable parameters x real tokens / step s, the usual count of a step's
   matrix work (attention's own, small at these lengths, is left out), so padding is work that
   earns nothing;
-- peak RSS after the step (model, gradients, AdamW's state, activations, libraries), in MiB
+- peak RSS after the step (model, gradients, AdamW's state, activations, libraries), in MiB;
+  with ``--steps N``, after N steps on the batch (our configurations; TRL's runs one), so
+  AdamW's moments, made at the first update, are held through the later ones
   (``ru_maxrss``).
 
 Before the rounds, the machine's fp32 matmul rate is measured with torch (square 2048
@@ -27,6 +29,7 @@ is printed.
 
     PYTHONPATH=. python bench/trainer_packing.py [--model smol|tiny|DIR] [--configs padded,packed,packed-ckpt,trl]
         [--repeat 5] [--rows 16] [--prompt 60] [--response 64:256] [--threads 1] [--json OUT]
+        [--steps 3]   # the peak over three steps: the later ones hold AdamW's moments too
         # the least memory: --configs packed,small,small-mapped,trl (``CONFIGS``, ``CHILD_ENV``)
         [--long-row 8192 --max-tokens 2048]   # one 8,192-token row among short ones
         [--group-prompt]   # each group of 8 rows shares its prompt, as GRPO's do
@@ -196,6 +199,13 @@ def child(args: argparse.Namespace) -> None:
             "grad_norm": stats.grad_norm,
             "params": params,
         }
+        # --steps: the same batch again; from the second step AdamW's moments are held too
+        later = []
+        for seed in range(1, args.steps):
+            t1 = time.monotonic()
+            updater.step(batch, seed=seed)
+            later.append(round(time.monotonic() - t1, 2))
+        step["later_s"] = later
     step_s, params = step["step_s"], step["params"]
     print(
         json.dumps(
@@ -204,6 +214,8 @@ def child(args: argparse.Namespace) -> None:
                 "step_s": round(step_s, 2),
                 "gflops": round(6 * params * batch.tokens / step_s / 1e9, 2),
                 "rss_mb": round(peak_rss_mb()),
+                "steps": 1 + len(step.get("later_s", [])),
+                "later_s": step.get("later_s", []),
                 "allocator": running_allocator(),
                 "loss": step["loss"],
                 "grad_norm": step["grad_norm"],
@@ -219,7 +231,16 @@ def child(args: argparse.Namespace) -> None:
 
 def run_child(name: str, args: argparse.Namespace) -> dict:
     command = [sys.executable, __file__, "--child", name]
-    for flag in ("model", "rows", "prompt", "response", "threads", "long_row", "max_tokens"):
+    for flag in (
+        "model",
+        "rows",
+        "prompt",
+        "response",
+        "threads",
+        "long_row",
+        "max_tokens",
+        "steps",
+    ):
         command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     command += ["--group-prompt"] if args.group_prompt else []
     load = os.getloadavg()[0]
@@ -261,13 +282,21 @@ def main() -> None:
         help="the rows of each group of 8 share one prompt, as a GRPO group's samples do "
         "(default: every row its own)",
     )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=1,
+        help="our configurations train this many steps on the batch (TRL's one): the step "
+        "time is the first's, the peak RSS over all of them (AdamW's moments exist from the "
+        "second step on)",
+    )
     parser.add_argument("--json", default="", help="also write the rows here")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
         child(args)
         return
-    for name in ("repeat", "rows", "prompt", "threads"):
+    for name in ("repeat", "rows", "prompt", "threads", "steps"):
         if getattr(args, name) < 1:
             parser.error(
                 f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}"
@@ -291,7 +320,10 @@ def main() -> None:
         f"tokens, {first['params']:,} parameters, {args.threads} thread(s); {args.repeat} "
         f"round(s), median (min-max); load average {min(loads):.1f}-{max(loads):.1f}"
     )
-    print("| config | step s | GFLOP/s on real tokens | share of 1-thread matmul | peak RSS MiB |")
+    over = f", over {args.steps} steps (TRL: 1)" if args.steps > 1 else ""
+    print(
+        f"| config | step s | GFLOP/s on real tokens | share of 1-thread matmul | peak RSS MiB{over} |"
+    )
     print("|---|---|---|---|---|")
     for name in names:
         same = [r for r in rows if r["config"] == name]

@@ -9,14 +9,14 @@ as much again for their gradients. The block is position-wise (each position's o
 function of that position's input alone), so running it on slices of the positions and joining
 the outputs gives the same values, and gradients that are the same sums in another order of
 additions (``tests/test_memory_plan.py``). Each slice is itself checkpointed, so a layer's
-backward holds one slice's activations at a time.
+backward holds one slice's activations at a time; without gradients the slices simply run in
+turn.
 
 Only dense feed-forward blocks: a mixture of experts routes and balances over all of a pass's
 positions at once (its load-balancing loss is not position-wise), so ``enable`` leaves a block
 whose class names experts (``Moe``, ``Sparse``, ``Expert``) alone, and every block whose
 ``forward`` returns anything but one tensor of its input's shape runs whole. A pass of
-``chunk`` positions or fewer, or one without gradients (a reference model, evaluation), runs
-as the block always did.
+``chunk`` positions or fewer runs as the block always did.
 """
 
 from __future__ import annotations
@@ -47,8 +47,13 @@ def _chunked(block: torch.nn.Module, hidden: torch.Tensor, *args, whole, chunk: 
     """``block``'s forward: ``whole`` (its own) on ``chunk`` positions at a time, each slice
     checkpointed, where a pass with gradients has more positions than that."""
     positions = hidden.shape[-2] if hidden.dim() >= 2 else 0
-    if args or kwargs or not torch.is_grad_enabled() or positions <= chunk:
+    if args or kwargs or positions <= chunk:
         return whole(hidden, *args, **kwargs)
+    if not torch.is_grad_enabled():  # nothing to keep: the slices one after another
+        slices = [whole(hidden[..., s : s + chunk, :]) for s in range(0, positions, chunk)]
+        if all(isinstance(p, torch.Tensor) for p in slices):
+            return torch.cat(slices, dim=-2)
+        return whole(hidden)
     parts = []
     for start in range(0, positions, chunk):
         part = checkpoint(whole, hidden[..., start : start + chunk, :], use_reentrant=False)

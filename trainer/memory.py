@@ -17,11 +17,14 @@ that is 2.15 GB before the first activation, and the activations of a whole batc
 
   What a step holds for SmolLM2 beside its pass: the weights (513 MiB), their gradients (513,
   from the first pass's backward), the moments (387, from the first update on), torch and
-  the libraries (about 290) and about 180 of allocations that are no tensor's (measured:
-  docs/benchmarks.md, "The defaults on an AVX-512 machine"). That leaves a pass about 160 MiB
-  under 2 GiB, so the pass budget and the chunks are small: 256-token passes and 32-position
-  chunks held the 16-row step at 1,991 MiB from the second step on where 512 and 64 held it at
-  2,057 and 1,024 and 128 at 2,244, at 10 % more time a step than 1,024 and 128.
+  the libraries (about 290) and about 50 that jemalloc counts as allocated between steps while
+  no tensor holds them (measured: docs/benchmarks.md, "The defaults on an AVX-512 machine").
+  That leaves a pass about 160 MiB under 2 GiB, so the pass budget and the chunks are small:
+  256-token passes and 32-position chunks held the 16-row step at 1,991 MiB from the second
+  step on where 512 and 64 held it at 2,057 and 1,024 and 128 at 2,244, at 14 % more time a
+  step than 1,024 and 128 (30.4 s against 26.6 s). One 8,192-token row among short ones fits
+  at the first step and not from the second (2,434 MiB: the 540 MiB of its checkpointed
+  layers' inputs beside the moments).
 
 ``auto`` (the default) is ``small`` when every weight of a model of ``SMALL_FROM`` parameters or
 more is trained (counted in its safetensors files' headers), and ``fast`` otherwise: LoRA
