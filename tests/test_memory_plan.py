@@ -5,6 +5,7 @@ executing itself again, its pid the same."""
 
 from __future__ import annotations
 
+import copy as copy_module
 import dataclasses
 import json
 import os
@@ -213,7 +214,7 @@ def test_a_long_rows_feed_forward_runs_a_slice_at_a_time_and_trains_the_same():
     model, ref = policy_and_reference(tiny, sliced_settings)
     widths: list[int] = []
     blocks = chunked_mlp.feed_forward_blocks(model)
-    assert blocks and all("_agentarium_whole_forward" in b.__dict__ for b in blocks)
+    assert blocks and all("forward" in b.__dict__ for b in blocks)
     first = next(m for m in blocks[0].modules() if isinstance(m, torch.nn.Linear))
     first.register_forward_hook(lambda _m, args, _out: widths.append(args[0].shape[-2]))
     sliced = update(model, ref, data, sliced_settings)
@@ -236,6 +237,14 @@ def test_a_mixture_of_experts_keeps_its_blocks_whole():
     dense = load_model(ensure_tiny_model(), "cpu")
     assert chunked_mlp.enable(dense, 0) == 0  # 0: nothing changes
     assert chunked_mlp.enable(dense, 4) == dense.config.num_hidden_layers
+    # a copy of the model runs its own weights (the slices call the copy's block)
+    copy = copy_module.deepcopy(dense)
+    with torch.no_grad():
+        for p in copy.parameters():
+            p.zero_()
+        hidden = torch.randn(1, 9, dense.config.hidden_size)
+        assert torch.equal(copy.model.layers[0].mlp(hidden), torch.zeros_like(hidden))
+        assert not torch.equal(dense.model.layers[0].mlp(hidden), torch.zeros_like(hidden))
 
 
 def policy_and_reference(tiny, settings: StepSettings):

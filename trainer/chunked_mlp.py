@@ -43,9 +43,10 @@ def feed_forward_blocks(model) -> list[torch.nn.Module]:  # type: ignore[no-unty
     return blocks
 
 
-def _chunked(block: torch.nn.Module, hidden: torch.Tensor, *args, whole, chunk: int, **kwargs):  # type: ignore[no-untyped-def]
-    """``block``'s forward: ``whole`` (its own) on ``chunk`` positions at a time, each slice
-    checkpointed, where a pass with gradients has more positions than that."""
+def _chunked(block: torch.nn.Module, hidden: torch.Tensor, *args, chunk: int, **kwargs):  # type: ignore[no-untyped-def]
+    """``block``'s forward: its class's own on ``chunk`` positions at a time where a pass has
+    more, each slice checkpointed where the pass has gradients."""
+    whole = functools.partial(type(block).forward, block)  # the block's own, a copy's its own
     positions = hidden.shape[-2] if hidden.dim() >= 2 else 0
     if args or kwargs or positions <= chunk:
         return whole(hidden, *args, **kwargs)
@@ -71,10 +72,6 @@ def enable(model, chunk: int) -> int:  # type: ignore[no-untyped-def]
         return 0
     blocks = feed_forward_blocks(model)
     for block in blocks:
-        whole = block.__dict__.get("_agentarium_whole_forward", block.forward)
-        block._agentarium_whole_forward = whole
         # an instance attribute: the module's class, parameters and names stay as they were
-        block.forward = types.MethodType(
-            functools.partial(_chunked, whole=whole, chunk=chunk), block
-        )
+        block.forward = types.MethodType(functools.partial(_chunked, chunk=chunk), block)
     return len(blocks)
