@@ -123,6 +123,9 @@ async def test_vllm_one_trace_token_exact_rollouts_and_a_verified_weight_update(
                 env=env,
             )  # fmt: skip
 
+            # a cancelled stream, aborted on the server
+            await check_abort(vllm.url, ChatTemplate.from_model_dir(smol_dir))
+
             # a weight update: published, synced into vLLM (pause, reload, version, resume),
             # verified, then served
             updated = await sync_a_trained_policy(js, topology, vllm.url, smol_dir, tmp_path)
@@ -379,10 +382,7 @@ async def sync_a_trained_policy(js, topology, url: str, model_dir, tmp_path, pro
 async def check_streaming(url: str, template: ChatTemplate) -> None:
     """VLLMBackend streaming from vLLM on the tiny model (byte tokens: a character of several
     bytes is several tokens, so the chunks' text is decoded across token boundaries): a streamed
-    call answers what the unstreamed one does with the same seed, its chunks a prefix of it; a
-    cancelled stream is aborted (``/inference/v1/abort_requests``): vLLM stops generating it
-    short of its tokens (how soon is printed, not asserted: a loaded machine decides it); the
-    abort route takes the id the backend sends."""
+    call answers what the unstreamed one does with the same seed, its chunks a prefix of it."""
     prompt = template.encode("Hello, 12+34=")
     backend = VLLMBackend([url], decode=template.decode, retries=0)
     try:
@@ -416,7 +416,20 @@ async def check_streaming(url: str, template: ChatTemplate) -> None:
         ahead = [t for c in chunks for t in c.output_ids]
         assert ahead == streamed.output_ids[: len(ahead)] and len(ahead) < len(streamed.output_ids)
         assert streamed.text.startswith("".join(c.text for c in chunks))
+    finally:
+        await backend.aclose()
 
+
+async def check_abort(url: str, template: ChatTemplate) -> None:
+    """A cancelled VLLMBackend stream is aborted (``/inference/v1/abort_requests``): vLLM stops
+    generating it short of its tokens (how soon is printed, not asserted: a loaded machine
+    decides it); the abort route takes the id the backend sends. On SmolLM2, whose 1,900 tokens
+    take vLLM's CPU build most of a minute: the tiny model's took it under 3 s, and a loaded
+    suite once delivered the first chunk after vLLM had made them all (1,900 tokens, nothing
+    left to abort)."""
+    prompt = template.encode("Hello, 12+34=")
+    backend = VLLMBackend([url], decode=template.decode, retries=0)
+    try:
         long = {"max_new_tokens": 1900, "temperature": 1.0, "ignore_eos": True}
         before = await _generated(backend, url)
         first = asyncio.Event()
