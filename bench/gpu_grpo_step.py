@@ -149,8 +149,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="fast",
         help="the trainer's --memory plan (trainer/memory.py): small adds checkpointing, "
         "passes of 256 tokens where no budget or row count is set, 32-position log-prob "
-        "chunks, feed-forward blocks 512 positions at a time in longer passes, and fp8 AdamW moments with --dtype float32 (the trainer's auto picks by the "
-        "checkpoint's size; this model is built in memory, so it is named here)",
+        "chunks, feed-forward blocks 512 positions at a time in longer passes, and fp8 AdamW "
+        "moments with --dtype float32 (the trainer's auto picks by the checkpoint's size; "
+        "this model is built in memory, so it is named here)",
     )
     args = parser.parse_args(argv)
     try:

@@ -247,6 +247,14 @@ def test_a_mixture_of_experts_keeps_its_blocks_whole():
         assert not torch.equal(dense.model.layers[0].mlp(hidden), torch.zeros_like(hidden))
 
 
+def test_the_feed_forward_slices_do_not_wait_for_checkpointing():
+    """``--mlp-chunk`` alone (``--memory fast``, no checkpointing) still slices the blocks: a
+    flag that is given is never silently left unused."""
+    model = load_policy(ensure_tiny_model(), "cpu", StepSettings(mlp_chunk=4))
+    blocks = chunked_mlp.feed_forward_blocks(model)
+    assert blocks and all("forward" in b.__dict__ for b in blocks)
+
+
 def policy_and_reference(tiny, settings: StepSettings):
     """The policy as the trainer loads it under ``settings``, and a perturbed reference (the
     KL term not 0)."""

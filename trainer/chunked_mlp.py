@@ -2,8 +2,9 @@
 recomputed in the backward pass (``--mlp-chunk``; ``--memory small`` sets it).
 
 Under activation checkpointing a layer keeps only its input; the backward pass runs the layer
-again and keeps all of its activations for the time of that layer's backward. For a long row
-those are mostly the feed-forward block's: gate, up, the activation and their product, four
+again and keeps all of its activations for the time of that layer's backward (without
+checkpointing, every layer's, from the forward pass on). For a long row those are mostly the
+feed-forward block's: gate, up, the activation and their product, four
 (T, I) tensors (I = 1,536 for SmolLM2, 2.7 times the width): 200 MB at 8,192 positions, and
 as much again for their gradients. The block is position-wise (each position's output is a
 function of that position's input alone), so running it on slices of the positions and joining
@@ -34,7 +35,7 @@ def feed_forward_blocks(model) -> list[torch.nn.Module]:  # type: ignore[no-unty
     """The dense feed-forward blocks of ``model``'s decoder layers (``layers[i].mlp``)."""
     blocks = []
     for name, module in model.named_modules():
-        if not name.endswith(".mlp") or not isinstance(module, torch.nn.Module):
+        if not name.endswith(".mlp"):
             continue
         kind = type(module).__name__.lower()
         if any(word in kind for word in _EXPERTS):
@@ -50,14 +51,12 @@ def _chunked(block: torch.nn.Module, hidden: torch.Tensor, *args, chunk: int, **
     positions = hidden.shape[-2] if hidden.dim() >= 2 else 0
     if args or kwargs or positions <= chunk:
         return whole(hidden, *args, **kwargs)
-    if not torch.is_grad_enabled():  # nothing to keep: the slices one after another
-        slices = [whole(hidden[..., s : s + chunk, :]) for s in range(0, positions, chunk)]
-        if all(isinstance(p, torch.Tensor) for p in slices):
-            return torch.cat(slices, dim=-2)
-        return whole(hidden)
+    run = whole  # without gradients there is nothing to keep: the slices one after another
+    if torch.is_grad_enabled():
+        run = functools.partial(checkpoint, whole, use_reentrant=False)
     parts = []
     for start in range(0, positions, chunk):
-        part = checkpoint(whole, hidden[..., start : start + chunk, :], use_reentrant=False)
+        part = run(hidden[..., start : start + chunk, :])
         if not isinstance(part, torch.Tensor) or part.shape[-2] != min(chunk, positions - start):
             return whole(hidden)  # not a position-wise block after all: run it whole
         parts.append(part)

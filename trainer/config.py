@@ -436,10 +436,10 @@ class TrainerConfig:
         ge=0,
         group=COMPUTE,
         metavar="POSITIONS",
-        help="with activation checkpointing, run each decoder layer's feed-forward block this "
-        "many positions at a time in a longer pass, each slice recomputed in the backward "
-        "pass (memory: a slice's activations, not a long row's; a little more compute, for "
-        "long passes only: trainer/chunked_mlp.py); 0 = whole (--memory small sets 512)",
+        help="run each decoder layer's feed-forward block this many positions at a time in a "
+        "longer pass, each slice recomputed in the backward pass (memory: a slice's "
+        "activations, not a long row's; one more feed-forward pass, for long passes only: "
+        "trainer/chunked_mlp.py); 0 = whole (--memory small sets 512)",
     )
     activation_checkpointing: bool = setting(
         False,

@@ -39,11 +39,16 @@ def fusable(weight: torch.Tensor, model) -> bool:  # type: ignore[no-untyped-def
     return not isinstance(model, FSDPModule)
 
 
-def add_into_grad(weight: torch.Tensor, add: Callable[[torch.Tensor], None]) -> None:
-    """``add(weight.grad)``, the gradient made (zeros) first where there is none yet."""
+def grad_of(weight: torch.Tensor) -> torch.Tensor:
+    """``weight.grad``, made (zeros) first where there is none yet."""
     if weight.grad is None:
         weight.grad = torch.zeros_like(weight)
-    add(weight.grad)
+    return weight.grad
+
+
+def add_into_grad(weight: torch.Tensor, add: Callable[[torch.Tensor], None]) -> None:
+    """``add(weight.grad)``, the gradient made first where there is none yet."""
+    add(grad_of(weight))
 
 
 class EmbeddingIntoGrad(torch.autograd.Function):

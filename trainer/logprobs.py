@@ -33,7 +33,7 @@ from torch.utils.checkpoint import checkpoint
 
 from . import packing
 from .batch import Batch
-from .fused_grads import fusable
+from .fused_grads import fusable, grad_of
 from .grpo import at_least_fp32, token_entropy, token_logprobs
 from .packing import pack
 
@@ -231,12 +231,8 @@ class HeadStats(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.zeros_like(hidden, dtype=dtype) if need_h else None
         grad_w = None
-        if need_w and ctx.into_grad:
-            if weight.grad is None:
-                weight.grad = torch.zeros_like(weight)
-            grad_w = weight.grad
-        elif need_w:
-            grad_w = torch.zeros_like(w)
+        if need_w:
+            grad_w = grad_of(weight) if ctx.into_grad else torch.zeros_like(w)
         grad_b = torch.zeros_like(b) if need_b and b is not None else None
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             for start in range(0, hidden.shape[0], ctx.chunk):

@@ -176,7 +176,8 @@ def load_reference(model_dir: str | Path, device: str | torch.device, settings: 
 
 def load_policy(model_dir: str | Path, device: str | torch.device, settings: StepSettings):
     """The model trained: the base, set up for packed rows (``pack_rows``) and activation
-    checkpointing (``activation_checkpointing``), wrapped with LoRA adapters when
+    checkpointing (``activation_checkpointing``), its feed-forward blocks run ``mlp_chunk``
+    positions at a time (trainer/chunked_mlp.py), wrapped with LoRA adapters when
     ``lora_rank`` > 0."""
     model = _packing(load_model(model_dir, device, dtype=settings.dtype), settings)
     fuse_embedding(model)  # its weight gradient added into .grad (trainer/fused_grads.py)
@@ -186,8 +187,8 @@ def load_policy(model_dir: str | Path, device: str | torch.device, settings: Ste
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=non_reentrant)
         else:  # gradient_checkpointing_enable: deprecated in 5.x, gone in v6
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=non_reentrant)
-        # a long row's feed-forward activations, a slice at a time (trainer/chunked_mlp.py)
-        chunk_feed_forward(model, settings.mlp_chunk)
+    # a long row's feed-forward activations, a slice at a time (trainer/chunked_mlp.py)
+    chunk_feed_forward(model, settings.mlp_chunk)
     if settings.lora_rank > 0:
         from .lora import with_lora
 
