@@ -30,6 +30,7 @@ is printed.
     PYTHONPATH=. python bench/trainer_packing.py [--model smol|tiny|DIR] [--configs padded,packed,packed-ckpt,trl]
         [--repeat 5] [--rows 16] [--prompt 60] [--response 64:256] [--threads 1] [--json OUT]
         [--steps 3]   # the peak over three steps: the later ones hold AdamW's moments too
+        [--timeline]   # where in each step the peak RSS fell (bench/memory_timeline.py)
         # the least memory: --configs packed,small,small-mapped,trl (``CONFIGS``, ``CHILD_ENV``)
         [--long-row 8192 --max-tokens 2048]   # one 8,192-token row among short ones
         [--group-prompt]   # each group of 8 rows shares its prompt, as GRPO's do
@@ -48,6 +49,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from memory_timeline import Timeline, table  # noqa: E402
 from trainer_memory import bench_batch, cell, peak_rss_mb  # noqa: E402
 
 from agentarium.trainer.heap import TRAINER_MALLOC_ENV, running_allocator  # noqa: E402
@@ -191,6 +193,9 @@ def child(args: argparse.Namespace) -> None:
             use_allocator(allocator_for(config, TrainerProcess()))
         updater = LocalUpdater(config)
         params = sum(p.numel() for p in updater.model.parameters() if p.requires_grad)
+        timeline = Timeline(updater.model, updater.optimizer) if args.timeline else None
+        if timeline:
+            timeline.step()
         t0 = time.monotonic()
         stats = updater.step(batch, seed=0)
         step = {
@@ -202,10 +207,14 @@ def child(args: argparse.Namespace) -> None:
         # --steps: the same batch again; from the second step AdamW's moments are held too
         later = []
         for seed in range(1, args.steps):
+            if timeline:
+                timeline.step()
             t1 = time.monotonic()
             updater.step(batch, seed=seed)
             later.append(round(time.monotonic() - t1, 2))
         step["later_s"] = later
+        if timeline:
+            step["timeline"] = timeline.close()
     step_s, params = step["step_s"], step["params"]
     print(
         json.dumps(
@@ -223,6 +232,7 @@ def child(args: argparse.Namespace) -> None:
                 "rows": batch.rows,
                 "positions": int(batch.input_ids.shape[1]),
                 "tokens": batch.tokens,
+                **({"timeline": step["timeline"]} if "timeline" in step else {}),
             }
         ),
         flush=True,
@@ -243,6 +253,7 @@ def run_child(name: str, args: argparse.Namespace) -> dict:
     ):
         command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     command += ["--group-prompt"] if args.group_prompt else []
+    command += ["--timeline"] if args.timeline else []
     load = os.getloadavg()[0]
     env = {**os.environ, **CHILD_ENV.get(name, {})}
     done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
@@ -290,6 +301,12 @@ def main() -> None:
         "time is the first's, the peak RSS over all of them (AdamW's moments exist from the "
         "second step on)",
     )
+    parser.add_argument(
+        "--timeline",
+        action="store_true",
+        help="our configurations also sample their RSS every millisecond, and each run "
+        "prints where in its steps the highest readings fell (bench/memory_timeline.py)",
+    )
     parser.add_argument("--json", default="", help="also write the rows here")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -312,7 +329,10 @@ def main() -> None:
         for name in names if repeat % 2 == 0 else names[::-1]:
             row = {**run_child(name, args), "repeat": repeat}
             rows.append(row)
-            print(json.dumps(row), flush=True)
+            print(json.dumps({k: v for k, v in row.items() if k != "timeline"}), flush=True)
+            if row.get("timeline"):
+                print(f"{name}, round {repeat + 1}: the highest readings ({row['rss_mb']} "
+                      f"MiB ru_maxrss)\n{table(row['timeline'])}", flush=True)  # fmt: skip
     first = rows[0]
     loads = [r["load"] for r in rows]
     print(
