@@ -244,3 +244,16 @@ def test_with_vllm_an_untied_output_head_gets_no_adapter(tiny_dir, tmp_path):
     assert lora_targets(with_vllm, tmp_path) == LORA_TARGETS
     argv = trainer_argv(with_vllm, tiny_dir, Path("/o"), "nats://x")
     assert "lm_head" not in argv and "q_proj" in argv
+
+
+def test_the_calculator_plot_is_written_and_leaves_no_figure_open(tmp_path):
+    import matplotlib.pyplot as plt
+
+    from agentarium.demo.report import REWARD, TOOL_RATE, plot_tool_agent
+
+    rows = [{"step": str(s), REWARD: str(s / 10), TOOL_RATE: "" if s == 3 else "0.5"}
+            for s in range(10)]  # fmt: skip
+    png = plot_tool_agent(rows, tmp_path / "deep" / "reward.png", {"base": 0.1, "trained": 0.8})
+    assert png == tmp_path / "deep" / "reward.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plt.get_fignums() == []  # closed: a long demo process leaks no figures

@@ -30,7 +30,7 @@ from .errors import (
 )
 from .heap import ALLOCATORS, TRAINER_MALLOC_ENV, allocator_env, use_allocator
 from .memory import MEMORY_PLANS
-from .metrics import plot_metrics, read_metrics
+from .metrics import plot_metrics, read_metrics, step_figure
 from .process import TrainerProcess, allocator_for, publisher_for
 from .rows import (
     HOW,
@@ -92,6 +92,7 @@ __all__ = [
     "refusal",
     "rows_of",
     "run_trainer",
+    "step_figure",
     "store_publisher",
     "stream_publisher",
 ]

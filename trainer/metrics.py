@@ -63,9 +63,10 @@ killed trainer appear twice; ``read_metrics`` keeps the last row of each step.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -403,15 +404,16 @@ def plot_metrics(
     if column not in rows[0] and not per_task:
         raise ValueError(f"{csv_path} has no column {column!r}; columns: {', '.join(rows[0])}")
     curves = per_task if len(per_task) >= 2 else [column if column in rows[0] else per_task[0]]
-    png_path = Path(png_path)
-    png_path.parent.mkdir(parents=True, exist_ok=True)
-    import matplotlib  # here, not at the top: only a plot pays its import
-
-    matplotlib.use("Agg", force=True)  # a file, never a window (headless trainers, CI)
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
     several = len(curves) > 1
+    title = f"{column} per task vs step" if several else f"{column} vs step"
+    with step_figure(png_path, title) as ax:
+        _plot_curves(ax, rows, curves, several)
+        ax.set_ylabel(column)
+    return Path(png_path)
+
+
+def _plot_curves(ax, rows: list[dict[str, str]], curves: list[str], several: bool) -> None:  # type: ignore[no-untyped-def]
+    """Each curve's steps, and its moving mean once there are 40+ of them."""
     for i, name in enumerate(curves):
         points = [(float(r["step"]), float(r[name])) for r in rows if r.get(name) not in ("", None)]
         xs, ys = [x for x, _ in points], [y for _, y in points]
@@ -428,12 +430,28 @@ def plot_metrics(
             smooth = [sum(w) / len(w) for w in windows]
             text = label if several else f"{label} (mean of {window})"
             ax.plot(xs, smooth, color=dark, linewidth=2, label=text)
-    ax.set_xlabel("step")
-    ax.set_ylabel(column)
-    ax.set_title(f"{column} per task vs step" if several else f"{column} vs step")
-    ax.grid(alpha=0.3)
-    ax.legend(loc="best")
-    fig.tight_layout()
-    fig.savefig(png_path)
-    plt.close(fig)
-    return png_path
+
+
+@contextlib.contextmanager
+def step_figure(png_path: str | Path, title: str) -> Iterator:
+    """A figure of something against the step, written to ``png_path`` (its folder made) once
+    the block has drawn on the axes it is given: the step axis, a grid, a legend and the title
+    added; no window is ever opened (headless trainers, CI)."""
+    png_path = Path(png_path)
+    png_path.parent.mkdir(parents=True, exist_ok=True)
+    import matplotlib  # here, not at the top: only a plot pays its import
+
+    matplotlib.use("Agg", force=True)  # a file, never a window
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    try:
+        yield ax
+        ax.set_xlabel("step")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best")
+        fig.tight_layout()
+        fig.savefig(png_path)
+    finally:
+        plt.close(fig)

@@ -78,37 +78,28 @@ def plot_tool_agent(
     """The tool agent's plot: the policy's exact answers and the fraction of rollouts that
     called the tool against the step, and the held-out evals (base at step 0, trained at the
     last step)."""
-    import matplotlib
+    from agentarium.trainer import step_figure
 
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
-    for column, label, colour in (
-        (REWARD, "exact answers (the policy's rollouts)", "C0"),
-        (TOOL_RATE, "rollouts that called the tool", "C1"),
-    ):
-        points = [(int(r["step"]), _number(r.get(column))) for r in rows]
-        known = [(x, y) for x, y in points if y is not None]
-        ax.plot([x for x, _ in known], [y for _, y in known], color=colour, label=label)
-    last = int(rows[-1]["step"])
-    marks = [(0, held_out.get("base")), (last, held_out.get("trained"))]
-    shown = [(x, y) for x, y in marks if y is not None]
-    if shown:
-        ax.plot(
-            [x for x, _ in shown], [y for _, y in shown], "o--", color="C2",
-            label="held-out exact answers (base, trained)",
-        )  # fmt: skip
-        for x, y in shown:
-            ax.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(4, 6))
-    ax.set_xlabel("step")
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_title("calculator agent: reward, tool use and held-out accuracy vs step")
-    ax.grid(alpha=0.3)
-    ax.legend(loc="best")
-    fig.tight_layout()
-    fig.savefig(png_path)
-    plt.close(fig)
+    title = "calculator agent: reward, tool use and held-out accuracy vs step"
+    with step_figure(png_path, title) as ax:
+        for column, label, colour in (
+            (REWARD, "exact answers (the policy's rollouts)", "C0"),
+            (TOOL_RATE, "rollouts that called the tool", "C1"),
+        ):
+            points = [(int(r["step"]), _number(r.get(column))) for r in rows]
+            known = [(x, y) for x, y in points if y is not None]
+            ax.plot([x for x, _ in known], [y for _, y in known], color=colour, label=label)
+        last = int(rows[-1]["step"])
+        marks = [(0, held_out.get("base")), (last, held_out.get("trained"))]
+        shown = [(x, y) for x, y in marks if y is not None]
+        if shown:
+            ax.plot(
+                [x for x, _ in shown], [y for _, y in shown], "o--", color="C2",
+                label="held-out exact answers (base, trained)",
+            )  # fmt: skip
+            for x, y in shown:
+                ax.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(4, 6))
+        ax.set_ylim(-0.02, 1.02)
     return png_path
 
 
