@@ -238,7 +238,7 @@ async def test_vllm_serves_the_tiny_model_token_exact_and_takes_its_updates(
     nats_url, js, topology, tiny_dir, tmp_path
 ):
     """The built-in tiny model (random weights, byte tokens) on vLLM: streamed calls
-    (``check_streaming``); a toy rollout batch through
+    (``check_streaming``), a stop string (``check_stop_string``); a toy rollout batch through
     ``--llm-engine vllm``, token-exact against the trainer's model; then a full update (checked
     by vLLM's digests and the syncer's probe) and a LoRA adapter, each served as the published
     model computes it."""
@@ -249,6 +249,7 @@ async def test_vllm_serves_the_tiny_model_token_exact_and_takes_its_updates(
         extra=("--enable-lora", "--max-lora-rank=8"),
     ) as vllm:  # fmt: skip
         await check_streaming(vllm.url, ChatTemplate.from_model_dir(tiny_dir))
+        await check_stop_string(vllm.url, ChatTemplate.from_model_dir(tiny_dir))
         tokens = tmp_path / "tokens.jsonl"
         tokens.write_text("".join(json.dumps(row) + "\n" for row in TOY_ROWS))
         await _run("produce", "--agent", "toyt", "--run", "toyt", "--file", str(tokens), "--nats-url", nats_url, env=env)  # fmt: skip
@@ -416,6 +417,51 @@ async def check_streaming(url: str, template: ChatTemplate) -> None:
         ahead = [t for c in chunks for t in c.output_ids]
         assert ahead == streamed.output_ids[: len(ahead)] and len(ahead) < len(streamed.output_ids)
         assert streamed.text.startswith("".join(c.text for c in chunks))
+    finally:
+        await backend.aclose()
+
+
+async def check_stop_string(url: str, template: ChatTemplate) -> None:
+    """A stop string on vLLM, streamed and not: the call ends at the string's first whole
+    occurrence in what an unstopped call with the same seed writes (``finish_reason`` stop,
+    vLLM's ``stop_reason`` the string), its text cut where the string begins, its tokens that
+    call's up to and including the one that completed the string (what the model made: the
+    trainer's tokens), and no chunk ever shows text of the string. The stop is the first
+    printable ASCII character that the unstopped text first shows after its first token: a
+    byte-token model's random reply may hold nothing longer, and which character it is depends
+    on the machine's kernels, not on the check."""
+    prompt = template.encode("Hello, 12+34=")
+    backend = VLLMBackend([url], decode=template.decode, retries=0)
+    try:
+        sampling = {"max_new_tokens": 48, "temperature": 1.0, "ignore_eos": True}
+        for seed in range(11, 21):  # a reply with a printable character past its first token
+            plain = await backend.generate(
+                GenerateRequest(input_ids=prompt, sampling={**sampling, "sampling_seed": seed})
+            )
+            start = len(template.decode(plain.output_ids[:1]))
+            found = [
+                c for i, c in enumerate(plain.text)
+                if i >= start and c.isascii() and c.isprintable() and plain.text.index(c) == i
+            ]  # fmt: skip
+            if found:
+                break
+        assert found, plain.text
+        stop = found[0]
+        completed = next(
+            n for n in range(1, len(plain.output_ids) + 1)
+            if stop in template.decode(plain.output_ids[:n])
+        )  # fmt: skip
+        stopped_sampling = {**sampling, "sampling_seed": seed, "stop": [stop]}
+        chunks: list[GenerateChunk] = []
+        for on_chunk in (None, chunks.append):
+            stopped = await backend.generate(
+                GenerateRequest(input_ids=prompt, sampling=stopped_sampling), on_chunk=on_chunk
+            )
+            assert (stopped.finish_reason, stopped.meta_info["stop_reason"]) == ("stop", stop)
+            assert stopped.text == plain.text[: plain.text.index(stop)]
+            assert stopped.output_ids == plain.output_ids[:completed]
+        assert stop not in "".join(c.text for c in chunks)
+        assert stopped.text.startswith("".join(c.text for c in chunks))
     finally:
         await backend.aclose()
 
