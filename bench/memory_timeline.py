@@ -2,12 +2,14 @@
 millisecond, each sample tagged with the phase of the step it fell in.
 
 ``Timeline(model)`` marks, with forward pre-hooks on the model and on each decoder layer
-(``model.model.layers``), which step and pass is running and which layer it is in, and whether
-that layer runs forward or is recomputed for the backward pass (activation checkpointing runs a
-layer's forward again inside the backward: autograd is then running a node). A thread reads
+(``model.model.layers``), which step and pass is running and which layer's forward or backward
+it is in (hooks on each layer's output gradient). A thread reads
 ``/proc/self/statm`` every ``interval`` seconds and keeps, per (step, pass), the highest RSS
 and the phase it was reached in, plus, on jemalloc, the bytes its tensors and everything else
-hold then (``stats.allocated``: sampled every tenth reading, as a ``mallctl`` epoch costs more).
+hold then (``stats.allocated``) and the pages it keeps for them, freed ones not yet purged
+included (``stats.resident``), both sampled every tenth reading (a ``mallctl`` epoch costs
+more). A layer's backward phase starts when the gradient of its output arrives: under
+activation checkpointing its recomputation, then its backward.
 
 bench/trainer_packing.py ``--timeline`` prints the table after its steps. The sampler sees
 what it sees: a peak shorter than ``interval`` can fall between two readings, so the table's
@@ -41,10 +43,15 @@ def _jemalloc_allocated():  # type: ignore[no-untyped-def]
     value = ctypes.c_size_t(0)
     size = ctypes.c_size_t(ctypes.sizeof(value))
 
-    def allocated() -> int:
+    def allocated() -> tuple[int, int]:
+        """(allocated, resident): what the program holds, and the pages jemalloc holds for
+        it, freed ones it has not purged yet included."""
         mallctl(b"epoch", None, None, ctypes.byref(epoch), ctypes.sizeof(epoch))
-        mallctl(b"stats.allocated", ctypes.byref(value), ctypes.byref(size), None, 0)
-        return value.value
+        read = []
+        for name in (b"stats.allocated", b"stats.resident"):
+            mallctl(name, ctypes.byref(value), ctypes.byref(size), None, 0)
+            read.append(value.value)
+        return read[0], read[1]
 
     return allocated
 
@@ -78,10 +85,22 @@ class Timeline:
         for index, layer in enumerate(layers):
 
             def on_layer(_module, _args, index=index):  # type: ignore[no-untyped-def]
-                backward = torch._C._current_autograd_node() is not None
-                self.phase = f"{'recompute' if backward else 'forward'} L{index}"
+                if torch._C._current_autograd_node() is None:
+                    self.phase = f"forward L{index}"
+
+            def after_layer(_module, _args, output, index=index):  # type: ignore[no-untyped-def]
+                # the gradient of a layer's output arrives when its backward (and, under
+                # checkpointing, its recomputation) is next: that phase starts then
+                hidden = output[0] if isinstance(output, tuple) else output
+                if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+
+                    def on_grad(grad, index=index):  # type: ignore[no-untyped-def]
+                        self.phase = f"backward L{index}"
+
+                    hidden.register_hook(on_grad)
 
             self._hooks.append(layer.register_forward_pre_hook(on_layer))
+            self._hooks.append(layer.register_forward_hook(after_layer))
         if layers:
 
             def after_layers(_module, _args, _output):  # type: ignore[no-untyped-def]
@@ -105,12 +124,12 @@ class Timeline:
 
     def _sample(self) -> None:
         count = 0
-        allocated = 0
+        allocated = resident = 0
         while not self._stop.wait(self.interval):
             rss = _rss()
             count += 1
             if self._allocated is not None and count % 10 == 0:
-                allocated = self._allocated()
+                allocated, resident = self._allocated()
             key = (self.step_index, self.pass_index)
             best = self.peaks.get(key)
             if best is None or rss > best["rss"]:
@@ -119,6 +138,7 @@ class Timeline:
                     "phase": self.phase,
                     "tokens": self.pass_tokens,
                     "allocated": allocated,
+                    "resident": resident,
                 }
 
     def close(self) -> list[dict]:
@@ -128,7 +148,8 @@ class Timeline:
             hook.remove()
         return [
             {"step": step, "pass": index, **peak, "rss_mib": round(peak["rss"] / MIB),
-             "allocated_mib": round(peak["allocated"] / MIB)}
+             "allocated_mib": round(peak["allocated"] / MIB),
+             "resident_mib": round(peak["resident"] / MIB)}
             for (step, index), peak in sorted(self.peaks.items())
         ]  # fmt: skip
 
@@ -136,14 +157,14 @@ class Timeline:
 def table(rows: list[dict], top: int = 3) -> str:
     """Each step's ``top`` passes by peak RSS, as a Markdown table."""
     lines = [
-        "| step | pass | tokens | peak RSS MiB | at | jemalloc allocated MiB |",
-        "|---|---|---|---|---|---|",
+        "| step | pass | tokens | peak RSS MiB | at | jemalloc allocated | jemalloc resident |",
+        "|---|---|---|---|---|---|---|",
     ]
     for step in sorted({row["step"] for row in rows}):
         ranked = sorted((r for r in rows if r["step"] == step), key=lambda r: -r["rss"])
         for row in ranked[:top]:
             lines.append(
                 f"| {step + 1} | {row['pass'] + 1} | {row['tokens']} | {row['rss_mib']:,} | "
-                f"{row['phase']} | {row['allocated_mib']:,} |"
+                f"{row['phase']} | {row['allocated_mib']:,} | {row['resident_mib']:,} |"
             )
     return "\n".join(lines)
