@@ -23,7 +23,11 @@ table gives median (min-max) over rounds of:
 
 Before the rounds, the machine's fp32 matmul rate is measured with torch (square 2048
 matrices, median of 5) on one thread and on all, and each configuration's rate is printed as a
-share of the one-thread rate (the children train on ``--threads``, 1 by default). The first
+share of the one-thread rate (the children train on ``--threads``, 1 by default). Each child
+also measures the rate on its own threads right before and right after its steps: a shared
+machine's rate moves by a sixth from one minute to the next (84 and 98 GFLOP/s in two runs
+minutes apart, docs/benchmarks.md), so the table gives each run's share of the mean of the two
+readings beside it as well. The first
 step's losses must agree across configurations (the same update): their largest difference
 is printed.
 
@@ -179,6 +183,8 @@ def child(args: argparse.Namespace) -> None:
         args.rows, args.prompt, (low, high), vocab, long_row=args.long_row,
         group_prompt=args.group_prompt,
     )  # fmt: skip
+    # the machine's rate beside this run: a shared machine's varies from minute to minute
+    rate_before = matmul_gflops(args.threads)
     if args.child == "trl":
         step = trl_child(args, model_dir, batch)
     else:
@@ -215,6 +221,7 @@ def child(args: argparse.Namespace) -> None:
         step["later_s"] = later
         if timeline:
             step["timeline"] = timeline.close()
+    rate = (rate_before + matmul_gflops(args.threads)) / 2
     step_s, params = step["step_s"], step["params"]
     print(
         json.dumps(
@@ -222,6 +229,7 @@ def child(args: argparse.Namespace) -> None:
                 "config": args.child,
                 "step_s": round(step_s, 2),
                 "gflops": round(6 * params * batch.tokens / step_s / 1e9, 2),
+                "matmul_gflops": round(rate, 1),
                 "rss_mb": round(peak_rss_mb()),
                 "steps": 1 + len(step.get("later_s", [])),
                 "later_s": step.get("later_s", []),
@@ -342,15 +350,18 @@ def main() -> None:
     )
     over = f", over {args.steps} steps (TRL: 1)" if args.steps > 1 else ""
     print(
-        f"| config | step s | GFLOP/s on real tokens | share of 1-thread matmul | peak RSS MiB{over} |"
+        f"| config | step s | GFLOP/s on real tokens | share of {one:.1f} | matmul beside the "
+        f"run | share of it | peak RSS MiB{over} |"
     )
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for name in names:
         same = [r for r in rows if r["config"] == name]
         share = [100 * r["gflops"] / one for r in same]
+        beside = [100 * r["gflops"] / r["matmul_gflops"] for r in same]
         print(
             f"| {name} | {cell([r['step_s'] for r in same], 2)} | "
             f"{cell([r['gflops'] for r in same], 1)} | {cell(share, 0)} % | "
+            f"{cell([r['matmul_gflops'] for r in same], 1)} | {cell(beside, 0)} % | "
             f"{cell([r['rss_mb'] for r in same], 0)} |"
         )
     for key in ("loss", "grad_norm"):
