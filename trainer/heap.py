@@ -10,8 +10,7 @@ the process. The calculator recipe's trainer held 14-15 GB between steps that wa
 1.1 GB its tensors take (docs/benchmarks.md, "Trainer memory held by the allocator").
 
 ``--heap release`` (the default): ``release()`` after each pass's backward and after each
-optimizer step, and in a pass over the token budget (a long row alone) before its backward
-and through each decoder layer of it too (``trainer.step.released_per_layer``). On glibc, ``malloc_trim(0)``, which hands the free pages inside every arena back
+optimizer step. On glibc, ``malloc_trim(0)``, which hands the free pages inside every arena back
 to the system; it costs no measurable step time, but within a pass glibc's heap still grows past
 what the pass needs (a peak of 12 GB where 7 GB are live; SmolLM2's first step under
 ``--memory small``: 2,099-2,234 MiB where jemalloc needs 1,875).
