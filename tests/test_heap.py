@@ -10,7 +10,6 @@ import sys
 import textwrap
 
 import pytest
-import torch
 from test_ray_dp import batch_of
 
 from agentarium.tiny import ensure_tiny_model
@@ -71,35 +70,3 @@ def test_the_trainer_releases_after_each_pass_and_each_step(mode, monkeypatch):
     updater = LocalUpdater(config)
     updater.step(batch_of(5), seed=1)  # 3 passes of at most 2 rows
     assert len(calls) == (3 + 1 if mode == "release" else 0)
-
-
-def test_a_long_rows_pass_releases_as_its_backward_goes_through_each_layer(monkeypatch):
-    """A row over the pass's budget runs alone, and its pass releases before its backward and
-    once through each decoder layer (``released_per_layer``), besides after the pass; the short
-    passes only after themselves. The update is the one ``--heap default`` makes."""
-    calls = []
-    real = heap.release
-    monkeypatch.setattr(heap, "release", lambda: calls.append(1) or real())
-    batch = batch_of(5)  # rows of 5, 6, 7, 5 and 6 tokens
-    assert sorted(batch.attention_mask.sum(-1).tolist()) == [5, 5, 6, 6, 7]
-
-    def trained(mode: str) -> tuple[float, LocalUpdater]:
-        config = TrainerConfig(
-            run="r", agent="a", model_dir=str(ensure_tiny_model()), heap=mode,
-            max_tokens_per_micro_batch=6, memory="fast",
-        )  # fmt: skip
-        updater = LocalUpdater(config)
-        return updater.step(batch, seed=1).loss, updater
-
-    loss, released = trained("release")
-    layers = released.model.config.num_hidden_layers
-    # five passes (the 7-token row alone, over the budget), each released after itself, the
-    # step once, and the long pass before its backward and through each of its layers
-    assert len(calls) == 5 + 1 + 1 + layers
-    calls.clear()
-    plain_loss, plain = trained("default")
-    assert calls == [] and plain_loss == loss
-    for (name, a), (_, b) in zip(
-        released.model.named_parameters(), plain.model.named_parameters(), strict=True
-    ):
-        assert torch.equal(a, b), name

@@ -7,9 +7,8 @@ loss normalised by the *whole* batch's counts, so shards' gradients sum to the f
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import MISSING, asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -236,110 +235,66 @@ def forward_backward(
         )
     for micro in micro_batches:
         mb = micro.to(device)
-        # a row over the pass's budget, alone in its pass: its freed memory back to the system
-        # as the pass goes, not only after it (``released_per_layer``)
-        long_pass = (
-            settings.heap == "release" and 0 < settings.max_tokens_per_micro_batch < mb.tokens
+        # Log-probs at the loss's positions only, `logprob_chunk` positions at a time, the head
+        # in fp32 even under bf16 autocast (trainer/logprobs.py; 0: the whole-vocabulary path).
+        stats = token_stats(
+            model,
+            mb,
+            chunk=settings.logprob_chunk,
+            entropy_grad=settings.entropy_coef > 0,
+            bf16_autocast=settings.bf16_autocast,
+            share_prefix=settings.share_prefix,
         )
-        releasing = released_per_layer(model) if long_pass else contextlib.nullcontext()
-        with releasing:
-            # Log-probs at the loss's positions only, `logprob_chunk` positions at a time, the head
-            # in fp32 even under bf16 autocast (trainer/logprobs.py; 0: the whole-vocabulary path).
-            stats = token_stats(
-                model,
-                mb,
-                chunk=settings.logprob_chunk,
-                entropy_grad=settings.entropy_coef > 0,
-                bf16_autocast=settings.bf16_autocast,
-                share_prefix=settings.share_prefix,
-            )
-            logprobs = stats.logprobs  # (b, T-1)
-            mask = mb.loss_mask[:, 1:]  # (b, T-1): position t predicts token t + 1
-            behaviour = mb.old_logprobs[:, 1:]  # (b, T-1)
-            tis = mb.tis[:, 1:]  # (b, T-1): too-stale tokens, each by its own version
-            # Too-stale tokens (stale_policy tis): ratio against the current policy, weighted by
-            # min(pi_current / pi_rollout, tis_clip); see trainer/grpo.py.
-            old = torch.where(tis, logprobs.detach(), behaviour)  # (b, T-1)
-            is_weights = None
-            if bool(tis.any()):
-                w = truncated_is_weights(logprobs.detach(), behaviour, clip=settings.tis_clip)
-                is_weights = torch.where(tis, w, torch.ones_like(w))  # (b, T-1)
-            ref = None
-            if ref_model is not None and settings.kl_coef > 0:
-                with torch.no_grad():
-                    ref = token_stats(
-                        ref_model,
-                        mb,
-                        chunk=settings.logprob_chunk,
-                        entropy=False,
-                        bf16_autocast=settings.bf16_autocast,
-                        share_prefix=settings.share_prefix,
-                    ).logprobs  # (b, T-1)
-            # (b, T-1), with gradient
-            entropy = stats.entropy if settings.entropy_coef > 0 else None
-            loss, part = grpo_loss(
-                logprobs,
-                old,
-                mb.advantages[:, 1:],
-                mask,
-                clip_low=settings.clip_low,
-                clip_high=settings.clip_high,
-                dual_clip=settings.dual_clip,
-                mode=settings.loss_agg,
-                is_weights=is_weights,
-                ref_logprobs=ref,
-                kl_coef=settings.kl_coef,
-                entropy=entropy,
-                entropy_coef=settings.entropy_coef,
-                total_tokens=totals.tokens,
-                total_seqs=totals.seqs,
-                norm_tokens=settings.loss_norm_tokens,
-            )
-            assert stats.entropy is not None
-            part.entropy = float(stats.entropy.detach()[mask].sum())
-            if long_pass:
-                heap.release()  # the forward pass's freed temporaries, before the backward
-            loss.backward()
+        logprobs = stats.logprobs  # (b, T-1)
+        mask = mb.loss_mask[:, 1:]  # (b, T-1): position t predicts token t + 1
+        behaviour = mb.old_logprobs[:, 1:]  # (b, T-1)
+        tis = mb.tis[:, 1:]  # (b, T-1): too-stale tokens, each by its own version
+        # Too-stale tokens (stale_policy tis): ratio against the current policy, weighted by
+        # min(pi_current / pi_rollout, tis_clip); see trainer/grpo.py.
+        old = torch.where(tis, logprobs.detach(), behaviour)  # (b, T-1)
+        is_weights = None
+        if bool(tis.any()):
+            w = truncated_is_weights(logprobs.detach(), behaviour, clip=settings.tis_clip)
+            is_weights = torch.where(tis, w, torch.ones_like(w))  # (b, T-1)
+        ref = None
+        if ref_model is not None and settings.kl_coef > 0:
+            with torch.no_grad():
+                ref = token_stats(
+                    ref_model,
+                    mb,
+                    chunk=settings.logprob_chunk,
+                    entropy=False,
+                    bf16_autocast=settings.bf16_autocast,
+                    share_prefix=settings.share_prefix,
+                ).logprobs  # (b, T-1)
+        entropy = stats.entropy if settings.entropy_coef > 0 else None  # (b, T-1), with gradient
+        loss, part = grpo_loss(
+            logprobs,
+            old,
+            mb.advantages[:, 1:],
+            mask,
+            clip_low=settings.clip_low,
+            clip_high=settings.clip_high,
+            dual_clip=settings.dual_clip,
+            mode=settings.loss_agg,
+            is_weights=is_weights,
+            ref_logprobs=ref,
+            kl_coef=settings.kl_coef,
+            entropy=entropy,
+            entropy_coef=settings.entropy_coef,
+            total_tokens=totals.tokens,
+            total_seqs=totals.seqs,
+            norm_tokens=settings.loss_norm_tokens,
+        )
+        assert stats.entropy is not None
+        part.entropy = float(stats.entropy.detach()[mask].sum())
+        loss.backward()
         loss_total += float(loss.detach())
         sums += part
         del stats, logprobs, loss, ref, entropy, mb
         if settings.heap == "release":
             heap.release()  # this pass's activations, back to the system (trainer/heap.py)
     return loss_total, sums
-
-
-def _release_once_through(grad: torch.Tensor) -> None:
-    heap.release()
-
-
-@contextlib.contextmanager
-def released_per_layer(model) -> Iterator[int]:  # type: ignore[no-untyped-def]
-    """While a long pass runs: ``heap.release()`` each time its backward pass is through a
-    decoder layer (the gradient of the layer's input made); yields how many layers are
-    watched.
-
-    Within a pass the allocator keeps what the pass frees, for the pass to reuse (jemalloc as
-    the trainer sets it never purges by time: trainer/heap.py). For a short pass that is the
-    fast choice. A long row's pass frees and allocates different sizes as it goes: its
-    backward frees the checkpointed layers' inputs and recomputed activations at 8,192
-    positions while it allocates the weights' gradients, and SmolLM2's second step held 272
-    MiB of freed pages at its peak (docs/benchmarks.md, "The 8,192-token row"). A purge per
-    layer costs a few milliseconds against seconds of the layer's backward at such lengths.
-    The gradients are untouched: the hook returns nothing."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    def watch(_module, args, kwargs):  # type: ignore[no-untyped-def]
-        hidden = args[0] if args else kwargs.get("hidden_states")
-        if isinstance(hidden, torch.Tensor) and hidden.requires_grad and torch.is_grad_enabled():
-            hidden.register_hook(_release_once_through)
-
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-    handles = [layer.register_forward_pre_hook(watch, with_kwargs=True) for layer in layers]
-    try:
-        yield len(layers)
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def make_optimizer(model, settings: StepSettings) -> torch.optim.Optimizer:
