@@ -23,11 +23,11 @@ table gives median (min-max) over rounds of:
 
 Before the rounds, the machine's fp32 matmul rate is measured with torch (square 2048
 matrices, median of 5) on one thread and on all, and each configuration's rate is printed as a
-share of the one-thread rate (the children train on ``--threads``, 1 by default). Each child
-also measures the rate on its own threads right before and right after its steps: a shared
-machine's rate moves by a sixth from one minute to the next (84 and 98 GFLOP/s in two runs
-minutes apart, docs/benchmarks.md), so the table gives each run's share of the mean of the two
-readings beside it as well. The first
+share of the one-thread rate (the children train on ``--threads``, 1 by default). The rate is
+also measured right before and right after each child, on its threads, in a process of its
+own: a shared machine's rate moves (89-98 GFLOP/s in two runs an hour apart,
+docs/benchmarks.md), so the table gives each run's share of the mean of the two readings
+beside it as well. The first
 step's losses must agree across configurations (the same update): their largest difference
 is printed.
 
@@ -183,8 +183,6 @@ def child(args: argparse.Namespace) -> None:
         args.rows, args.prompt, (low, high), vocab, long_row=args.long_row,
         group_prompt=args.group_prompt,
     )  # fmt: skip
-    # the machine's rate beside this run: a shared machine's varies from minute to minute
-    rate_before = matmul_gflops(args.threads)
     if args.child == "trl":
         step = trl_child(args, model_dir, batch)
     else:
@@ -221,7 +219,6 @@ def child(args: argparse.Namespace) -> None:
         step["later_s"] = later
         if timeline:
             step["timeline"] = timeline.close()
-    rate = (rate_before + matmul_gflops(args.threads)) / 2
     step_s, params = step["step_s"], step["params"]
     print(
         json.dumps(
@@ -229,7 +226,6 @@ def child(args: argparse.Namespace) -> None:
                 "config": args.child,
                 "step_s": round(step_s, 2),
                 "gflops": round(6 * params * batch.tokens / step_s / 1e9, 2),
-                "matmul_gflops": round(rate, 1),
                 "rss_mb": round(peak_rss_mb()),
                 "steps": 1 + len(step.get("later_s", [])),
                 "later_s": step.get("later_s", []),
@@ -264,10 +260,22 @@ def run_child(name: str, args: argparse.Namespace) -> dict:
     command += ["--timeline"] if args.timeline else []
     load = os.getloadavg()[0]
     env = {**os.environ, **CHILD_ENV.get(name, {})}
+    before = rate_beside(args.threads)
     done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
     if done.returncode != 0:
         sys.exit(f"{name}: exit {done.returncode}\n{done.stderr[-4000:]}")
-    return {**json.loads(done.stdout.strip().splitlines()[-1]), "load": round(load, 2)}
+    rate = (before + rate_beside(args.threads)) / 2
+    row = json.loads(done.stdout.strip().splitlines()[-1])
+    return {**row, "matmul_gflops": round(rate, 1), "load": round(load, 2)}
+
+
+def rate_beside(threads: int) -> float:
+    """The matmul rate on ``threads`` threads, measured in a process of its own: in a child,
+    its three freed 16 MiB matrices would raise glibc's mmap threshold for the step after them
+    (TRL's runs on glibc), and the child would no longer be the step alone."""
+    command = [sys.executable, __file__, "--rate-only", str(threads)]
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    return float(done.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -317,7 +325,11 @@ def main() -> None:
     )
     parser.add_argument("--json", default="", help="also write the rows here")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--rate-only", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.rate_only:
+        print(matmul_gflops(args.rate_only))
+        return
     if args.child is not None:
         child(args)
         return

@@ -421,36 +421,41 @@ async def check_streaming(url: str, template: ChatTemplate) -> None:
         await backend.aclose()
 
 
+def _two_token_stop(ids: list[int], text: str, template: ChatTemplate) -> tuple[str, int]:
+    """Two printable ASCII characters that two consecutive tokens after the first write, one
+    each, where the text shows them first; and how many tokens it takes to complete them.
+    ("", 0) where there are none."""
+    for i in range(1, len(ids) - 1):
+        pair = [template.decode([ids[i]]), template.decode([ids[i + 1]])]
+        if not all(len(c) == 1 and c.isascii() and c.isprintable() for c in pair):
+            continue
+        stop = "".join(pair)
+        if text.find(stop) == len(template.decode(ids[:i])):
+            return stop, i + 2
+    return "", 0
+
+
 async def check_stop_string(url: str, template: ChatTemplate) -> None:
     """A stop string on vLLM, streamed and not: the call ends at the string's first whole
     occurrence in what an unstopped call with the same seed writes (``finish_reason`` stop,
     vLLM's ``stop_reason`` the string), its text cut where the string begins, its tokens that
     call's up to and including the one that completed the string (what the model made: the
-    trainer's tokens), and no chunk ever shows text of the string. The stop is the first
-    printable ASCII character that the unstopped text first shows after its first token: a
-    byte-token model's random reply may hold nothing longer, and which character it is depends
-    on the machine's kernels, not on the check."""
+    trainer's tokens), and the streamed chunks never show the string's first character, which a
+    token before the completing one wrote (held back until the call ends). The stop is two
+    printable ASCII characters that two consecutive byte tokens write, where the unstopped text
+    first shows them; which ones depends on the machine's kernels, not on the check."""
     prompt = template.encode("Hello, 12+34=")
     backend = VLLMBackend([url], decode=template.decode, retries=0)
     try:
         sampling = {"max_new_tokens": 48, "temperature": 1.0, "ignore_eos": True}
-        for seed in range(11, 21):  # a reply with a printable character past its first token
+        for seed in range(11, 21):  # a reply with such a pair
             plain = await backend.generate(
                 GenerateRequest(input_ids=prompt, sampling={**sampling, "sampling_seed": seed})
             )
-            start = len(template.decode(plain.output_ids[:1]))
-            found = [
-                c for i, c in enumerate(plain.text)
-                if i >= start and c.isascii() and c.isprintable() and plain.text.index(c) == i
-            ]  # fmt: skip
-            if found:
+            stop, completed = _two_token_stop(plain.output_ids, plain.text, template)
+            if stop:
                 break
-        assert found, plain.text
-        stop = found[0]
-        completed = next(
-            n for n in range(1, len(plain.output_ids) + 1)
-            if stop in template.decode(plain.output_ids[:n])
-        )  # fmt: skip
+        assert stop, plain.text
         stopped_sampling = {**sampling, "sampling_seed": seed, "stop": [stop]}
         chunks: list[GenerateChunk] = []
         for on_chunk in (None, chunks.append):
