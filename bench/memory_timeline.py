@@ -34,7 +34,8 @@ def _rss() -> int:
 
 
 def _jemalloc_allocated():  # type: ignore[no-untyped-def]
-    """A function returning jemalloc's ``stats.allocated`` (bytes), or None off jemalloc."""
+    """A function returning jemalloc's ``stats.allocated`` and ``stats.resident`` (bytes), or
+    None where the process does not run on jemalloc."""
     try:
         mallctl = ctypes.CDLL(None).mallctl
     except AttributeError:

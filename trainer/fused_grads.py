@@ -18,7 +18,6 @@ the same sum in another order of additions (fp32 rounding; tests/test_logprob_ch
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -46,11 +45,6 @@ def grad_of(weight: torch.Tensor) -> torch.Tensor:
     return weight.grad
 
 
-def add_into_grad(weight: torch.Tensor, add: Callable[[torch.Tensor], None]) -> None:
-    """``add(weight.grad)``, the gradient made first where there is none yet."""
-    add(grad_of(weight))
-
-
 class EmbeddingIntoGrad(torch.autograd.Function):
     """``nn.Embedding``'s lookup (no max_norm, dense), its weight gradient added into
     ``weight.grad`` row by row (``index_add_``) instead of returned as a dense (V, H) tensor;
@@ -70,7 +64,7 @@ class EmbeddingIntoGrad(torch.autograd.Function):
         rows = grad_out.reshape(-1, weight.shape[1]).to(weight.dtype)
         if ctx.padding_idx is not None:
             rows = rows.masked_fill((flat_ids == ctx.padding_idx).unsqueeze(-1), 0)
-        add_into_grad(weight, lambda grad: grad.index_add_(0, flat_ids, rows))
+        grad_of(weight).index_add_(0, flat_ids, rows)
         return None, None, None
 
 

@@ -69,6 +69,7 @@ import time
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from opentelemetry import metrics as otel_metrics
 
@@ -412,7 +413,7 @@ def plot_metrics(
     return Path(png_path)
 
 
-def _plot_curves(ax, rows: list[dict[str, str]], curves: list[str], several: bool) -> None:  # type: ignore[no-untyped-def]
+def _plot_curves(ax: Any, rows: list[dict[str, str]], curves: list[str], several: bool) -> None:
     """Each curve's steps, and its moving mean once there are 40+ of them."""
     for i, name in enumerate(curves):
         points = [(float(r["step"]), float(r[name])) for r in rows if r.get(name) not in ("", None)]
@@ -433,7 +434,7 @@ def _plot_curves(ax, rows: list[dict[str, str]], curves: list[str], several: boo
 
 
 @contextlib.contextmanager
-def step_figure(png_path: str | Path, title: str) -> Iterator:
+def step_figure(png_path: str | Path, title: str) -> Iterator[Any]:
     """A figure of something against the step, written to ``png_path`` (its folder made) once
     the block has drawn on the axes it is given: the step axis, a grid, a legend and the title
     added; no window is ever opened (headless trainers, CI)."""
