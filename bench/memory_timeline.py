@@ -28,9 +28,12 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 MIB = 2**20
 
 
-def _rss() -> int:
+def _rss() -> tuple[int, int]:
+    """(resident, file-backed): the process's resident bytes, and those of them that are
+    pages of mapped files (shared libraries, a mapped weights file) rather than its heap."""
     with open("/proc/self/statm", "rb") as f:
-        return int(f.read().split()[1]) * PAGE
+        fields = f.read().split()
+    return int(fields[1]) * PAGE, int(fields[2]) * PAGE
 
 
 def _jemalloc_allocated():  # type: ignore[no-untyped-def]
@@ -130,7 +133,7 @@ class Timeline:
 
     def _sample(self) -> None:
         while not self._stop.wait(self.interval):
-            rss = _rss()
+            rss, file_backed = _rss()
             step, index, tokens, phase = self.state
             best = self.peaks.get((step, index))
             if best is None or rss > best["rss"]:
@@ -138,7 +141,7 @@ class Timeline:
                 # microseconds: only on a new peak)
                 allocated, resident = self._allocated() if self._allocated else (0, 0)
                 self.peaks[(step, index)] = {
-                    "rss": rss, "phase": phase, "tokens": tokens,
+                    "rss": rss, "file": file_backed, "phase": phase, "tokens": tokens,
                     "allocated": allocated, "resident": resident,
                 }  # fmt: skip
 
@@ -150,7 +153,8 @@ class Timeline:
         return [
             {"step": step, "pass": index, **peak, "rss_mib": round(peak["rss"] / MIB),
              "allocated_mib": round(peak["allocated"] / MIB),
-             "resident_mib": round(peak["resident"] / MIB)}
+             "resident_mib": round(peak["resident"] / MIB),
+             "file_mib": round(peak["file"] / MIB)}
             for (step, index), peak in sorted(self.peaks.items())
             if step >= 0
         ]  # fmt: skip
@@ -163,8 +167,9 @@ def _pass_label(index: int) -> str:
 def table(rows: list[dict], top: int = 3) -> str:
     """Each step's ``top`` passes by peak RSS, as a Markdown table."""
     lines = [
-        "| step | pass | tokens | peak RSS MiB | at | jemalloc allocated | jemalloc resident |",
-        "|---|---|---|---|---|---|---|",
+        "| step | pass | tokens | peak RSS MiB | at | jemalloc allocated | jemalloc resident "
+        "| file-backed |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for step in sorted({row["step"] for row in rows}):
         ranked = sorted((r for r in rows if r["step"] == step), key=lambda r: -r["rss"])
@@ -172,6 +177,6 @@ def table(rows: list[dict], top: int = 3) -> str:
             lines.append(
                 f"| {step + 1} | {_pass_label(row['pass'])} | {row['tokens']} | "
                 f"{row['rss_mib']:,} | {row['phase']} | {row['allocated_mib']:,} | "
-                f"{row['resident_mib']:,} |"
+                f"{row['resident_mib']:,} | {row['file_mib']:,} |"
             )
     return "\n".join(lines)
