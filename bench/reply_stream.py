@@ -21,7 +21,7 @@ from pathlib import Path
 from agentarium.formats import ReplyStream
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_reply_stream import whole_text_deltas  # noqa: E402
+from formatcases import whole_text_deltas  # noqa: E402
 
 
 def reply_pieces(n: int) -> list[str]:

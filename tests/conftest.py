@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from httplib import serve  # noqa: F401 (the fixture: byte-for-byte HTTP servers, tests/httplib.py)
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -22,6 +23,9 @@ from agentarium.broker import NatsServer, NatsSettings, Topology, find_nats_serv
 from agentarium.broker.errors import ServerLaunchError
 from agentarium.broker.server import ENV_BINARY
 from agentarium.broker.version import binary_version, format_version
+
+# Helpers moved out of test modules assert as the tests do: pytest explains their failures too.
+pytest.register_assert_rewrite("otlp", "updatelib")
 
 _EXPORTER = InMemorySpanExporter()
 

@@ -7,7 +7,8 @@ number that raises), ``done_after`` (steps), ``mark`` (a key under which the tes
 ran). Counts live on the class, so a test in the same process can assert a step ran once.
 
 ``solve_sql`` is a scripted policy for the shipped ``sql`` tasks (tests/fake_sglang.py's
-``scripted`` serves it as a model). ``serve_process`` runs `agentarium env serve` as a child.
+``scripted`` serves it as a model). ``serve_process`` runs `agentarium env serve` as a child;
+``sql_worker`` runs an `sql` environment worker in the test's own process.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from agentarium.environments import Environment
+from agentarium.broker import Topology
+from agentarium.environments import Environment, EnvWorker, EnvWorkerConfig, SqlEnvironment
 from agentarium.environments.sql import load_tasks as load_sql_tasks
 from agentarium.schemas import Observation, SessionOutcome, StepResult
 
@@ -148,3 +150,17 @@ async def serve_process(
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+@asynccontextmanager
+async def sql_worker(settings, **options):
+    """An in-process `sql` worker on its own connection."""
+    nc = await settings.connect(name="env-worker")
+    config = EnvWorkerConfig(name="sql", janitor_interval_s=0.05, **options)
+    worker = EnvWorker(nc, Topology(), SqlEnvironment, config)
+    await worker.start()
+    try:
+        yield worker
+    finally:
+        await worker.stop(grace_s=0)
+        await nc.close()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_ray_dp import batch_of
+from updatelib import batch_of
 
 from agentarium.inference import sha256_file
 from agentarium.inference.engine import LocalEngine

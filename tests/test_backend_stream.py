@@ -17,7 +17,7 @@ import orjson
 import pytest
 from aiohttp import web
 from fake_sglang import FakeSGLang
-from test_http_pool import _ok, _read_request, serve  # noqa: F401 (serve: the fixture)
+from httplib import ok, read_request
 
 from agentarium.consumers.backends import CrossSamplingBackend, SGLangBackend, VLLMBackend
 from agentarium.consumers.backends.base import GenerateChunk, GenerateRequest, streams
@@ -51,12 +51,12 @@ def _chunk(data: bytes) -> bytes:
 
 
 async def test_a_chunked_stream_arrives_as_it_is_written_and_leaves_the_connection_reusable(
-    serve,  # noqa: F811
+    serve,
 ):
     seen = asyncio.Event()
 
     async def sse(reader, writer):
-        await _read_request(reader)
+        await read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n")
         writer.write(b"Transfer-Encoding: chunked\r\n\r\n")
         writer.write(_chunk(b'data: {"n": 1}\n\ndata: {"n"'))  # one event and half another
@@ -71,8 +71,8 @@ async def test_a_chunked_stream_arrives_as_it_is_written_and_leaves_the_connecti
             await writer.drain()
         writer.write(b"0\r\n\r\n")
         await writer.drain()
-        path, _ = await _read_request(reader)
-        writer.write(_ok(b'{"again": true}'))
+        path, _ = await read_request(reader)
+        writer.write(ok(b'{"again": true}'))
         await writer.drain()
 
     url, stats = await serve(sse)
@@ -89,15 +89,15 @@ async def test_a_chunked_stream_arrives_as_it_is_written_and_leaves_the_connecti
     await pool.close()
 
 
-async def test_content_length_and_until_close_bodies_stream(serve):  # noqa: F811
+async def test_content_length_and_until_close_bodies_stream(serve):
     async def sized(reader, writer):
-        await _read_request(reader)
+        await read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 12\r\n\r\ndata: a\n\n")
         await writer.drain()
         await asyncio.sleep(0.01)
         writer.write(b"abc")
         await writer.drain()
-        await _read_request(reader)
+        await read_request(reader)
         writer.write(b"HTTP/1.1 503 Busy\r\nConnection: close\r\n\r\ndata: b\n\n")
         await writer.drain()
 
@@ -113,11 +113,11 @@ async def test_content_length_and_until_close_bodies_stream(serve):  # noqa: F81
     await pool.close()
 
 
-async def test_a_body_read_slowly_pushes_back_and_arrives_whole(serve):  # noqa: F811
+async def test_a_body_read_slowly_pushes_back_and_arrives_whole(serve):
     body = bytes(range(256)) * 16384  # 4 MiB, past the point where the socket is not read
 
     async def big(reader, writer):
-        await _read_request(reader)
+        await read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
         for at in range(0, len(body), 65536):
             writer.write(_chunk(body[at : at + 65536]))
@@ -137,18 +137,18 @@ async def test_a_body_read_slowly_pushes_back_and_arrives_whole(serve):  # noqa:
 
 async def _echo(reader, writer):
     while True:
-        await _read_request(reader)
-        writer.write(_ok(b"{}"))
+        await read_request(reader)
+        writer.write(ok(b"{}"))
         await writer.drain()
 
 
 async def test_a_stream_left_early_cancelled_cut_or_timed_out_drops_its_connection(
-    serve,  # noqa: F811
+    serve,
 ):
     closed = asyncio.Queue()
 
     async def endless(reader, writer):
-        await _read_request(reader)
+        await read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
         writer.write(_chunk(b"data: 1\n\n"))
         await writer.drain()

@@ -20,13 +20,13 @@ from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
 import pytest
-from envlib import serve_process, solve_sql, tool_call_text
+from clilib import cli, consume
+from envlib import serve_process, solve_sql, sql_worker, tool_call_text
 from fake_sglang import FakeSGLang, scripted
 
-from agentarium.broker import Topology, collect_env_status
-from agentarium.cli import build_parser
+from agentarium.broker import collect_env_status
 from agentarium.commands import consumer_cmd, produce_cmd
-from agentarium.environments import EnvWorker, EnvWorkerConfig, SqlEnvironment
+from agentarium.environments import SqlEnvironment
 from agentarium.environments.sql import load_tasks
 from agentarium.producers import TaskProducer, TrajectoryReader
 from agentarium.schemas import Sampling
@@ -39,20 +39,6 @@ SQL = ("serve", "sql")  # `agentarium env serve sql`
 
 
 @asynccontextmanager
-async def sql_worker(settings, **options):
-    """An in-process `sql` worker on its own connection."""
-    nc = await settings.connect(name="env-worker")
-    config = EnvWorkerConfig(name="sql", janitor_interval_s=0.05, **options)
-    worker = EnvWorker(nc, Topology(), SqlEnvironment, config)
-    await worker.start()
-    try:
-        yield worker
-    finally:
-        await worker.stop(grace_s=0)
-        await nc.close()
-
-
-@asynccontextmanager
 async def fake_model(**kwargs):
     server = FakeSGLang(**kwargs)
     await server.start()
@@ -62,19 +48,8 @@ async def fake_model(**kwargs):
         await server.close()
 
 
-def cli(*argv: str):
-    return build_parser().parse_args(list(argv))
-
-
 async def produce(nats_url: str, settings, *argv: str) -> int:
     return await produce_cmd.run_produce(cli("produce", *argv, "--nats-url", nats_url), settings)
-
-
-async def consume(nats_url: str, *argv: str) -> int:
-    """`agentarium consumer ... --burst` in this process: runs until the queue is empty."""
-    args = cli("consumer", *argv, "--burst", "--retry-delay", "0.05", "--nats-url", nats_url)
-    config, source = consumer_cmd.config_from_args(args)
-    return await consumer_cmd.consume(args, config, source)
 
 
 def trained_spans(row) -> list[list[int]]:

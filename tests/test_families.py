@@ -9,23 +9,10 @@ import json
 import re
 
 import pytest
+from familytools import TOOLS
 
 from agentarium.formats import ChatTemplate, parse_reply
 from agentarium.formats.families import FAMILIES, Family
-
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather of a city for some days.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-            "required": ["city"],
-        },
-    },
-}
-TOOLS = [WEATHER]
 
 
 def call(n: int, city: str, days: int) -> dict:

@@ -14,7 +14,7 @@ import json
 import openai
 import pytest
 from fake_sglang import scripted, serving
-from test_families import TOOLS
+from familytools import TOOLS
 from worker_env import worker_for
 
 from agentarium.formats import ChatTemplate

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_ray_dp import batch_of
 from trainlib import one_call_group, publish
+from updatelib import batch_of
 
 from agentarium.tiny import ensure_tiny_model
 from agentarium.trainer.checkpoint import SHARDS, Checkpoints

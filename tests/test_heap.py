@@ -10,7 +10,7 @@ import sys
 import textwrap
 
 import pytest
-from test_ray_dp import batch_of
+from updatelib import batch_of
 
 from agentarium.tiny import ensure_tiny_model
 from agentarium.trainer import heap

@@ -4,62 +4,18 @@ written here byte for byte, so every way a response can end is exercised."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 
 import pytest
+from httplib import ok, read_request
 
 from agentarium.broker import free_port
 from agentarium.consumers.backends.http import HttpError, HttpPool
 
-Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
-
-
-async def _read_request(reader: asyncio.StreamReader) -> tuple[str, bytes]:
-    head = await reader.readuntil(b"\r\n\r\n")
-    length = 0
-    for line in head.decode().split("\r\n"):
-        if line.lower().startswith("content-length:"):
-            length = int(line.split(":", 1)[1])
-    body = await reader.readexactly(length) if length else b""
-    return head.decode().split(" ")[1], body
-
-
-def _ok(body: bytes, extra: str = "") -> bytes:
-    return (
-        f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-        f"{extra}\r\n"
-    ).encode() + body
-
-
-@pytest.fixture
-async def serve():
-    servers: list[asyncio.Server] = []
-
-    async def start(handler: Handler) -> tuple[str, dict]:
-        stats = {"connections": 0}
-
-        async def on_connect(reader, writer):
-            stats["connections"] += 1
-            try:
-                await handler(reader, writer)
-            except (asyncio.IncompleteReadError, ConnectionError):
-                pass
-            finally:
-                writer.close()
-
-        server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
-        servers.append(server)
-        return f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", stats
-
-    yield start
-    for server in servers:
-        server.close()
-
 
 async def _echo_forever(reader, writer):
     while True:
-        path, body = await _read_request(reader)
-        writer.write(_ok(b'{"path": "%s", "body": %s}' % (path.encode(), body or b"null")))
+        path, body = await read_request(reader)
+        writer.write(ok(b'{"path": "%s", "body": %s}' % (path.encode(), body or b"null")))
         await writer.drain()
 
 
@@ -77,7 +33,7 @@ async def test_json_round_trips_reuse_one_connection(serve):
 
 async def test_chunked_body(serve):
     async def chunked(reader, writer):
-        await _read_request(reader)
+        await read_request(reader)
         writer.write(
             b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
             b'4\r\n{"a"\r\n6;ext=1\r\n: [1, \r\n3\r\n2]}\r\n0\r\n\r\n'
@@ -95,7 +51,7 @@ async def test_chunked_body(serve):
 
 async def test_connection_close_and_body_until_eof(serve):
     async def closing(reader, writer):
-        await _read_request(reader)
+        await read_request(reader)
         writer.write(b'HTTP/1.1 503 Busy\r\nConnection: close\r\n\r\n{"busy": true}')
         await writer.drain()
 
@@ -111,8 +67,8 @@ async def test_connection_close_and_body_until_eof(serve):
 
 async def test_server_closing_an_idle_connection_is_not_an_error(serve):
     async def one_per_connection(reader, writer):
-        await _read_request(reader)
-        writer.write(_ok(b"{}"))
+        await read_request(reader)
+        writer.write(ok(b"{}"))
         await writer.drain()  # then closes, as a keep-alive timeout would
 
     url, stats = await serve(one_per_connection)
@@ -140,7 +96,7 @@ async def test_failures_raise_http_error_or_timeout(serve):
         await pool.request("GET", f"http://127.0.0.1:{free_port()}/x")
 
     async def half(reader, writer):
-        await _read_request(reader)
+        await read_request(reader)
         writer.write(b'HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{"cut')
         await writer.drain()
 
@@ -149,7 +105,7 @@ async def test_failures_raise_http_error_or_timeout(serve):
         await pool.request("GET", f"{url}/x")
 
     async def silent(reader, writer):
-        await _read_request(reader)
+        await read_request(reader)
         await asyncio.sleep(5)
 
     url, _ = await serve(silent)
@@ -158,7 +114,7 @@ async def test_failures_raise_http_error_or_timeout(serve):
     assert pool.open_connections == 0  # a timed-out connection is dropped, not reused
 
     async def garbage(reader, writer):
-        await _read_request(reader)
+        await read_request(reader)
         writer.write(b"HTTP/1.1 abc\r\n\r\n")
         await writer.drain()
         await asyncio.sleep(1)
@@ -177,10 +133,10 @@ async def test_max_connections_queues_requests_and_cancellation_frees_slots(serv
 
     async def gated(reader, writer):
         while True:
-            path, _ = await _read_request(reader)
+            path, _ = await read_request(reader)
             await arrived.put(path)
             await gate.wait()
-            writer.write(_ok(b"{}"))
+            writer.write(ok(b"{}"))
             await writer.drain()
 
     url, stats = await serve(gated)

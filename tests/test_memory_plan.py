@@ -15,9 +15,8 @@ import sys
 
 import pytest
 import torch
-from test_logprob_chunks import assert_same_update, batch, update
-from test_packing import BASE
 from trainlib import ROOT, child_env
+from updatelib import BASE, assert_same_update, batch, update
 
 from agentarium.tiny import ensure_tiny_model
 from agentarium.trainer import (
@@ -203,7 +202,7 @@ def test_on_jemalloc_freed_pages_stay_for_reuse_until_release_hands_them_back():
 @pytest.mark.kernels  # gradients compared: run again under ATEN_CPU_CAPABILITY=avx2
 def test_a_long_rows_feed_forward_runs_a_slice_at_a_time_and_trains_the_same():
     """--mlp-chunk (trainer/chunked_mlp.py) under activation checkpointing, fp64: the same
-    loss, statistics and gradients as the whole block (test_logprob_chunks' tolerance: only
+    loss, statistics and gradients as the whole block (updatelib's tolerance: only
     the order of the gradients' additions changes), while no feed-forward projection ever
     sees more than the chunk's positions, with gradients or without."""
     tiny = ensure_tiny_model()

@@ -221,7 +221,7 @@ def tiny_config(**extra) -> TrainerConfig:
 
 
 def test_a_trainer_holds_3_bytes_a_parameter_resumes_it_and_refuses_the_other_kind():
-    from test_ray_dp import batch_of
+    from updatelib import batch_of
 
     fp8 = LocalUpdater(tiny_config(optimizer_state="fp8", lr=1e-3))
     fp32 = LocalUpdater(tiny_config(lr=1e-3))

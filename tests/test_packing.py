@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_logprob_chunks import TOL, V, assert_same_update, batch, five_row, update
+from updatelib import BASE, TOL, V, assert_same_update, batch, five_row, update
 
 from agentarium.tiny import ensure_tiny_model
 from agentarium.trainer import packing
@@ -19,7 +19,6 @@ from agentarium.trainer.step import StepSettings, load_model, load_policy, load_
 pytestmark = pytest.mark.kernels  # run again under ATEN_CPU_CAPABILITY=avx2 (ops/test.sh)
 
 torch.set_num_threads(1)
-BASE = dict(kl_coef=0.1, entropy_coef=0.01, clip_low=0.1, clip_high=0.3)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +41,7 @@ def models(tiny, *, pack: bool, dtype: str = "float64", **settings):
 
 @pytest.mark.parametrize("chunk", [0, 7])
 def test_packed_rows_give_the_padded_paths_loss_stats_and_gradient(tiny, chunk):
-    """fp64, so the tolerance is test_logprob_chunks's (derived there): packing changes only
+    """fp64, so the tolerance is updatelib's (derived there): packing changes only
     the blocking of the linear layers' sums (N rows of work instead of b x T)."""
     padded = update(*models(tiny, pack=False), batch(), StepSettings(logprob_chunk=chunk, **BASE))
     model, ref = models(tiny, pack=True)
@@ -79,7 +78,7 @@ def test_fp32_packed_gradients_match_within_rounding(tiny):
     """fp32, as the trainer runs: each parameter's gradient within 1e-5 of its norm, the loss
     and statistics within 1e-5 relative. The fp64 test above bounds the paths' difference by
     rounding alone; in fp32 (u = 6e-8) that rounding over the longest chain (n < 600 terms,
-    test_logprob_chunks) is at most 600 * 6e-8 = 3.6e-5 of a quantity's scale in the worst
+    updatelib's TOL) is at most 600 * 6e-8 = 3.6e-5 of a quantity's scale in the worst
     case and about sqrt(600) * 6e-8 = 1.5e-6 as errors of random sign add; norm-wise over a
     tensor the random case is what counts. Measured (default and AVX2 kernels, AVX-512 machine):
     gradients <= 2.5e-7 of their norm, the KL sum 5.3e-7 relative, the loss 6e-8.

@@ -26,11 +26,11 @@ import time
 from pathlib import Path
 
 import pytest
-from test_env_agent import sql_worker
-from test_worker import dead_letters
+from clilib import cli, consume
+from envlib import sql_worker
+from worker_env import dead_letters
 
 from agentarium.broker import NatsSettings
-from agentarium.cli import build_parser
 from agentarium.commands import consumer_cmd
 from agentarium.consumers import (
     AgentLoadError,
@@ -69,17 +69,6 @@ def _readable_copy(src: Path) -> Path:
 PROGRAMS = _readable_copy(Path(__file__).resolve().parent / "programs")
 TASK = {"prompt": "repeat 7", "answer": "7"}
 NODE = shutil.which("node")
-
-
-def cli(*argv: str):
-    return build_parser().parse_args(list(argv))
-
-
-async def consume(nats_url: str, *argv: str) -> int:
-    """`agentarium consumer ... --burst` in this process: runs until the queue is empty."""
-    args = cli("consumer", *argv, "--burst", "--retry-delay", "0.05", "--nats-url", nats_url)
-    config, source = consumer_cmd.config_from_args(args)
-    return await consumer_cmd.consume(args, config, source)
 
 
 def processes(marker: str) -> list[int]:

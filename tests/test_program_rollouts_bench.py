@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_program_agent import consume
+from clilib import consume
 
 _path = list(sys.path)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))

@@ -7,28 +7,13 @@ from __future__ import annotations
 import json
 
 import pytest
+from formatcases import MALFORMED, TOOLS, WELL_FORMED
 
 from agentarium.formats.harmony import split_harmony
 from agentarium.formats.reasoning import detect_reasoning_format, split_reasoning
 from agentarium.formats.reply import parse_reply
 from agentarium.formats.toolcalls import TOOL_FORMATS, detect_tool_format, parse_tool_calls
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string"},
-                "days": {"type": "integer"},
-                "metric": {"type": "boolean"},
-                "zip": {"type": "string"},
-            },
-        },
-    },
-}
-TOOLS = [WEATHER]
 CALL = {"city": "Paris", "days": 3}
 
 
@@ -36,38 +21,6 @@ def calls(parsed) -> list[tuple[str, dict]]:
     return [
         (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed.tool_calls
     ]
-
-
-# One well-formed reply per format: text before the call, the call, and what is left as content.
-WELL_FORMED = {
-    "hermes": (
-        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
-        '"days": 3}}\n</tool_call>',
-        "Let me check.",
-    ),
-    "qwen3_coder": (
-        "Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
-        "</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
-        "Let me check.",
-    ),
-    "llama3_json": ('{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}', ""),
-    "mistral": (
-        'Let me check.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", '
-        '"days": 3}}]',
-        "Let me check.",
-    ),
-    "deepseek_v3": (
-        "Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
-        '```json\n{"city": "Paris", "days": 3}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
-        "Let me check.",
-    ),
-    "harmony": (
-        "<|channel|>commentary<|message|>Let me check.<|end|><|start|>assistant<|channel|>"
-        'commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", '
-        '"days": 3}<|call|>',
-        "Let me check.",
-    ),
-}
 
 
 def test_every_format_has_a_well_formed_case():
@@ -89,18 +42,6 @@ def test_plain_text_is_content_in_every_format(fmt):
     parsed = parse_tool_calls("The weather in Paris is mild.", fmt, tools=TOOLS)
     assert parsed.content == "The weather in Paris is mild." and not parsed.tool_calls
     assert not parsed.errors
-
-
-MALFORMED = {
-    "hermes": '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>',
-    "qwen3_coder": "<tool_call>\n<parameter=city>\nParis\n</parameter>\n</tool_call>",
-    "llama3_json": '{"name": "get_weather", "parameters": {"city": "Paris"} and more',
-    "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": ]',
-    "deepseek_v3": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
-    "no fence<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
-    "harmony": "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
-    "{city: Paris}<|call|>",
-}
 
 
 @pytest.mark.parametrize("fmt", TOOL_FORMATS)

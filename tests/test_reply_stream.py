@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from test_reply_formats import MALFORMED, TOOLS, WELL_FORMED
+from formatcases import MALFORMED, TOOLS, WELL_FORMED, whole_text_deltas
 
 from agentarium.formats import THINK_CLOSE, THINK_OPEN, ReplyStream, parse_reply
 from agentarium.formats.toolcalls import TOOL_FORMATS
@@ -129,45 +129,6 @@ def test_a_final_text_that_does_not_extend_what_was_sent_is_reported():
     assert [d.text for d in reply.feed("ld ")] == ["ld"]  # the space may be trimmed: held
     assert reply.finish(None, "Help") == []
     assert reply.diverged
-
-
-def whole_text_deltas(pieces: list[str], tool_format, reasoning_format, tools, opened):
-    """The deltas of ReplyStream's first design, kept as the reference: at every piece, the
-    whole text so far (cut at a call's start, a marker's possible start held back) parsed by
-    ``split_reasoning`` and compared with what was sent."""
-    from agentarium.formats.incremental import partial_suffix
-    from agentarium.formats.reasoning import split_reasoning
-    from agentarium.formats.reply_stream import CALL_MARKERS
-    from agentarium.formats.toolcalls import PYTHON_TAG
-
-    fmt = tool_format if tools else None
-    calls = CALL_MARKERS.get(fmt or "", ())
-    markers = ((THINK_OPEN, THINK_CLOSE) if reasoning_format == "think" else ()) + calls
-    text, sent, out = "", {"reasoning": "", "content": ""}, []
-    for piece in pieces:
-        text += piece
-        if not piece:
-            out.append([])
-            continue
-        end = min([len(text)] + [at for m in calls if (at := text.find(m)) != -1])
-        split = split_reasoning(text[: end - partial_suffix(text, markers, 0, end)],
-                                reasoning_format, opened=opened)  # fmt: skip
-        deltas = []
-        targets = []
-        if split.reasoning is not None and not sent["content"]:
-            targets.append(("reasoning", split.reasoning.rstrip()))
-        start = split.content.lstrip()
-        held = fmt == "llama3_json" and (
-            start.startswith("{") or PYTHON_TAG.startswith(start[: len(PYTHON_TAG)])
-        )
-        if split.content and not held:
-            targets.append(("content", split.content.rstrip()))
-        for kind, target in targets:
-            if len(target) > len(sent[kind]) and target.startswith(sent[kind]):
-                deltas.append((kind, target[len(sent[kind]) :]))
-                sent[kind] = target
-        out.append(deltas)
-    return out
 
 
 ALPHABET = [THINK_OPEN, THINK_CLOSE, "<tool_call>", "</tool_call>", "[TOOL_CALLS]",

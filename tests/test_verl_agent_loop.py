@@ -17,7 +17,7 @@ import json
 import os
 from pathlib import Path
 
-from test_verl_compat import _ensure_venv
+from verlenv import ensure_venv
 from worker_env import worker_for
 
 from agentarium.examples.toy import messages_of
@@ -37,7 +37,7 @@ async def agent(task: dict, llm) -> dict:
 
 
 async def test_verl_agent_loop_builds_verls_own_batch(js, settings, tiny_dir, engine_url, tmp_path):
-    python = _ensure_venv()
+    python = ensure_venv()
     out = tmp_path / "report.json"
     env = {
         **os.environ,

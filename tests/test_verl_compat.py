@@ -17,20 +17,16 @@ out and mixed temperatures refused.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 from pathlib import Path
 
 import pytest
+from verlenv import ensure_venv
 
 from agentarium.orchestrator import tensorize
 from agentarium.schemas import LLMCall, Trajectory
 from agentarium.trainer import grpo_advantages
-
-ROOT = Path(__file__).resolve().parent.parent
-VENV = Path(os.environ.get("AGENTARIUM_VERL_VENV") or "~/.cache/agentarium/verl-venv").expanduser()
-VERL_PY = VENV / "bin" / "python"
 
 # Reads each batch into a DataProto, runs verl's own GRPO estimator on it, and hands the batch
 # to DataProto.to_tensordict the way verl's trainer does before an actor update (with its own
@@ -165,31 +161,10 @@ CASES = {
 }
 
 
-def _ensure_venv() -> Path:
-    if VERL_PY.exists():
-        return VERL_PY
-    how = f"build it with ops/verl_venv.sh (ops/setup.sh --test runs it) at {VENV}"
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"verl's virtualenv {VENV} is missing, and CI must run the verl tests: {how}")
-    if os.environ.get("AGENTARIUM_TEST_VERL") != "1":
-        reason = (
-            f"verl's virtualenv {VENV} does not exist: {how}, or set AGENTARIUM_TEST_VERL=1 "
-            "(verl 0.9.1 pins transformers < 5.11, so it cannot share .venv)"
-        )
-        print(reason)
-        pytest.skip(reason)
-    subprocess.run(
-        ["bash", str(ROOT / "ops" / "verl_venv.sh")],
-        check=True,
-        env={**os.environ, "AGENTARIUM_VERL_VENV": str(VENV)},
-    )
-    return VERL_PY
-
-
 @pytest.fixture(scope="module")
 def verl(tmp_path_factory) -> dict[str, dict]:
     """Every case's batch through verl 0.9.1, in one verl process: case -> verl's results."""
-    python = _ensure_venv()
+    python = ensure_venv()
     tmp = tmp_path_factory.mktemp("verl")
     paths = {}
     for name, (make, kwargs) in CASES.items():

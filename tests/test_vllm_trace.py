@@ -31,7 +31,7 @@ import orjson
 import pytest
 import torch
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as ProtoSpan
-from test_one_trace import OtlpReceiver, _run, one_job_trace
+from otlp import OtlpReceiver, one_job_trace, run_agentarium
 from vllm_server import start_vllm, vllm_python
 
 from agentarium.consumers.backends import VLLMBackend
@@ -80,11 +80,11 @@ async def test_vllm_one_trace_token_exact_rollouts_and_a_verified_weight_update(
             print(f"vLLM healthy after {vllm.started_s:.1f} s")
             tasks = tmp_path / "tasks.jsonl"
             tasks.write_text(json.dumps({"task_id": "t0", "prompt": "repeat 7", "answer": "7"}))
-            await _run(
+            await run_agentarium(
                 "produce", "--agent", "toy", "--file", str(tasks), "--nats-url", nats_url,
                 env={**env, "OTEL_SERVICE_NAME": "producer-under-test"},
             )  # fmt: skip
-            await _run(
+            await run_agentarium(
                 "consumer", "--agent", "toy=agentarium.examples.toy:rollout",
                 "--openai-base", f"{vllm.url}/v1", "--model", "smol", "--burst",
                 "--nats-url", nats_url,
@@ -102,8 +102,8 @@ async def test_vllm_one_trace_token_exact_rollouts_and_a_verified_weight_update(
             tokens = tmp_path / "tokens.jsonl"
             tokens.write_text("".join(json.dumps(row) + "\n" for row in TOY_ROWS))
             env = {k: v for k, v in env.items() if not k.startswith("OTEL_")}  # one trace above
-            await _run("produce", "--agent", "toyv", "--run", "toyv", "--file", str(tokens), "--nats-url", nats_url, env=env)  # fmt: skip
-            await _run(
+            await run_agentarium("produce", "--agent", "toyv", "--run", "toyv", "--file", str(tokens), "--nats-url", nats_url, env=env)  # fmt: skip
+            await run_agentarium(
                 "consumer", "--agent", "toyv=agentarium.examples.toy:rollout",
                 "--llm", vllm.url, "--llm-engine", "vllm", "--model", "smol", "--burst",
                 "--nats-url", nats_url,
@@ -115,8 +115,8 @@ async def test_vllm_one_trace_token_exact_rollouts_and_a_verified_weight_update(
             problems = calc_tasks(random.Random(7), 12, "c")
             calc = tmp_path / "calc.jsonl"
             calc.write_text("".join(json.dumps(row) + "\n" for row in problems))
-            await _run("produce", "--agent", "calc", "--run", "calcv", "--file", str(calc), "--nats-url", nats_url, env=env)  # fmt: skip
-            await _run(
+            await run_agentarium("produce", "--agent", "calc", "--run", "calcv", "--file", str(calc), "--nats-url", nats_url, env=env)  # fmt: skip
+            await run_agentarium(
                 "consumer", "--agent", "calc=agentarium.examples.calculator_agent:rollout",
                 "--llm", vllm.url, "--llm-engine", "vllm", "--model", "smol", "--tool-fallback",
                 "--burst", "--nats-url", nats_url,
@@ -252,8 +252,8 @@ async def test_vllm_serves_the_tiny_model_token_exact_and_takes_its_updates(
         await check_stop_string(vllm.url, ChatTemplate.from_model_dir(tiny_dir))
         tokens = tmp_path / "tokens.jsonl"
         tokens.write_text("".join(json.dumps(row) + "\n" for row in TOY_ROWS))
-        await _run("produce", "--agent", "toyt", "--run", "toyt", "--file", str(tokens), "--nats-url", nats_url, env=env)  # fmt: skip
-        await _run(
+        await run_agentarium("produce", "--agent", "toyt", "--run", "toyt", "--file", str(tokens), "--nats-url", nats_url, env=env)  # fmt: skip
+        await run_agentarium(
             "consumer", "--agent", "toyt=agentarium.examples.toy:rollout", "--llm", vllm.url,
             "--llm-engine", "vllm", "--model", "tiny", "--burst", "--nats-url", nats_url,
             env=env,

@@ -11,15 +11,14 @@ import nats.js.errors
 import pytest
 import structlog.testing
 from fake_sglang import FakeSGLang
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from worker_env import tiny_template, worker_for
+from worker_env import dead_letters, tiny_template, worker_for
 
 from agentarium.broker import Limits, provision
 from agentarium.broker.errors import ERR_STREAM_FULL
 from agentarium.consumers.redact import log_safe
 from agentarium.examples import calculator, openai_agent
 from agentarium.producers import TaskProducer, TrajectoryReader
-from agentarium.schemas import DeadLetter, Job, decode, encode
+from agentarium.schemas import Job, encode
 
 
 @pytest.fixture
@@ -30,21 +29,6 @@ async def two_fakes():
     yield servers
     for s in servers:
         await s.close()
-
-
-async def dead_letters(js, topology) -> list[DeadLetter]:
-    info = await js.stream_info(topology.dead_stream)
-    if not info.state.messages:
-        return []
-    sub = await js.pull_subscribe(
-        f"{topology.prefix}.dead.>",
-        durable=None,
-        stream=topology.dead_stream,
-        config=ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL),
-    )
-    msgs = await sub.fetch(info.state.messages, timeout=5)
-    await sub.unsubscribe()
-    return [decode(DeadLetter, m.data) for m in msgs]
 
 
 @pytest.mark.nats_semantics

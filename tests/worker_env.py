@@ -1,10 +1,13 @@
 """Building an in-process rollout worker for tests: real NATS, real worker loop, with the
-LLM fleet being either the real local engine or a fake that follows SGLang's shapes."""
+LLM fleet being either the real local engine or a fake that follows SGLang's shapes; and
+``dead_letters``, which reads back the dead letters workers published (the dead stream)."""
 
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
 from functools import lru_cache
+
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from agentarium.broker import Topology
 from agentarium.consumers import ConsumerSettings
@@ -14,6 +17,7 @@ from agentarium.consumers.rollout import RolloutEnv
 from agentarium.consumers.tracing.proxy import TracingProxy
 from agentarium.consumers.worker.worker import Worker
 from agentarium.formats.chat_template import ChatTemplate
+from agentarium.schemas import DeadLetter, decode
 
 
 @lru_cache(maxsize=1)
@@ -78,3 +82,18 @@ async def worker_for(
         runner.close()
         await proxy.stop()
         await backend.aclose()
+
+
+async def dead_letters(js, topology) -> list[DeadLetter]:
+    info = await js.stream_info(topology.dead_stream)
+    if not info.state.messages:
+        return []
+    sub = await js.pull_subscribe(
+        f"{topology.prefix}.dead.>",
+        durable=None,
+        stream=topology.dead_stream,
+        config=ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL),
+    )
+    msgs = await sub.fetch(info.state.messages, timeout=5)
+    await sub.unsubscribe()
+    return [decode(DeadLetter, m.data) for m in msgs]
