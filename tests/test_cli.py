@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import io
 import re
+import subprocess
+import sys
+from pathlib import Path
 
+import aiohttp
 import pytest
 
 from agentarium.broker import free_port
@@ -303,3 +308,37 @@ def test_a_broken_agent_module_is_one_line_naming_the_module(source, says, tmp_p
     lines = [line for line in result.stderr.splitlines() if not line.startswith("{")]
     assert result.returncode == 2 and len(lines) == 1, result.stderr
     assert "'broken_agent'" in lines[0] and says in lines[0] and "Traceback" not in result.stderr
+
+
+def test_the_engine_command_serves_the_tiny_model(tiny_dir):
+    """`agentarium engine` prints the URL it serves on, and answers /generate there (not a
+    `kernels` test: what it asserts holds on any kernels)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agentarium", "engine", "--model", str(tiny_dir), "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("engine ready on http://127.0.0.1:"), proc.stderr.read()
+        url = line.split()[-1]
+
+        async def check() -> dict:
+            async with aiohttp.ClientSession() as http:
+                async with http.post(
+                    f"{url}/generate",
+                    json={
+                        "text": "1+1=",
+                        "sampling_params": {"max_new_tokens": 2, "temperature": 0.0},
+                    },
+                ) as resp:
+                    assert resp.status == 200
+                    return await resp.json()
+
+        assert len(asyncio.run(check())["output_ids"]) == 2
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+    assert '"event": "engine listening"' in proc.stderr.read()

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import aiohttp
@@ -442,31 +440,3 @@ async def test_in_process_engine(tiny):
         out = await engine.generate({"input_ids": PROMPT, "sampling_params": greedy(4)})
         assert len(out["output_ids"]) == 4
         assert "steps=" in repr(engine)
-
-
-def test_module_entry_point(tiny):
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "agentarium", "engine", "--model", str(tiny), "--port", "0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=Path(__file__).resolve().parents[1],
-    )
-    try:
-        line = proc.stdout.readline()
-        assert line.startswith("engine ready on http://127.0.0.1:"), proc.stderr.read()
-        url = line.split()[-1]
-
-        async def check() -> dict:
-            async with aiohttp.ClientSession() as http:
-                async with http.post(
-                    f"{url}/generate", json={"text": "1+1=", "sampling_params": greedy(2)}
-                ) as resp:
-                    assert resp.status == 200
-                    return await resp.json()
-
-        assert len(asyncio.run(check())["output_ids"]) == 2
-    finally:
-        proc.terminate()
-        assert proc.wait(timeout=30) == 0
-    assert '"event": "engine listening"' in proc.stderr.read()

@@ -8,14 +8,11 @@ import copy
 import pytest
 import torch
 from trainlib import one_call_group, publish
+from updatelib import batch_of
 
-from agentarium.schemas import LLMCall, Trajectory
 from agentarium.tiny import ensure_tiny_model
-from agentarium.trainer.batch import Sample, build_rows, collate
 from agentarium.trainer.config import TrainerConfig
 from agentarium.trainer.step import LocalUpdater
-
-pytestmark = pytest.mark.kernels  # run again under ATEN_CPU_CAPABILITY=avx2 (ops/test.sh)
 
 ray = pytest.importorskip("ray")
 torch.set_num_threads(1)
@@ -48,30 +45,6 @@ def scale(adam: list[dict], i: int, t: int) -> float:
     return float((adam[t][i]["exp_avg_sq"] / (1 - BETA2)).sqrt().max())
 
 
-def batch_of(rows: int):
-    samples = []
-    for i in range(rows):
-        n = 1 + i % 3  # uneven lengths, so the shards pad differently
-        call = LLMCall(
-            prompt_ids=[257, 60 + i, 61, 62 + i % 2],
-            response_ids=[48 + i % 10, 49, 258][-n:],
-            response_logprobs=[-5.0, -4.0, -6.0][:n],
-            finish_reason="stop",
-            temperature=1.0 if i % 2 else 0.8,
-        )
-        traj = Trajectory(
-            job_id=f"j{i}",
-            agent="a",
-            task_id="t",
-            group_id="g",
-            status="ok",
-            reward=float(i % 2),
-            calls=[call],
-        )
-        samples.append(Sample(traj, advantage=(i % 4 - 1.5) / 1.1, tis=i == 3))
-    return collate(build_rows(samples)[0], pad_id=256)
-
-
 @pytest.fixture(scope="module")
 def ray_local():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -79,6 +52,7 @@ def ray_local():
     ray.shutdown()
 
 
+@pytest.mark.kernels  # gradients compared: run again under ATEN_CPU_CAPABILITY=avx2 (ops/test.sh)
 @pytest.mark.long(75)
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
 def test_two_ray_workers_match_one_worker(ray_local, loss_agg):
