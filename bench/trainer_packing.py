@@ -327,6 +327,8 @@ def main() -> None:
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--rate-only", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.rate_only < 0:
+        parser.error(f"--rate-only takes a thread count, got {args.rate_only}")
     if args.rate_only:
         print(matmul_gflops(args.rate_only))
         return
