@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,7 +81,7 @@ class ConfigKeys:
         for klass in classes:
             for key in settings.keys(klass):
                 assert key.name not in kinds, f"{key.name} is a key of two config classes"
-                kinds[key.name] = typing.get_type_hints(key.owner)[key.path[-1]]
+                kinds[key.name] = settings.type_hints(key.owner)[key.path[-1]]
                 if key.field.default is not dataclasses.MISSING:
                     defaults[key.name] = key.field.default
                 elif key.field.default_factory is not dataclasses.MISSING:

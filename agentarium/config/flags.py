@@ -48,7 +48,7 @@ def _flag_names(key: settings.Key) -> list[str]:
 
 def _flag_options(key: settings.Key) -> dict[str, Any]:
     meta, f = key.meta, key.field
-    kind = _base(typing.get_type_hints(key.owner)[key.path[-1]])
+    kind = _base(settings.type_hints(key.owner)[key.path[-1]])
     default = f.default if f.default is not dataclasses.MISSING else None
     options: dict[str, Any] = {"dest": key.name, "default": default}
     if key.required:
