@@ -150,4 +150,11 @@ for job in "${venv_jobs[@]}"; do
   fi
 done
 venv_jobs=()
+# The project's own modules as bytecode, written once here: where PYTHONDONTWRITEBYTECODE is set
+# (this project's machines set it) Python never writes any, so every process (each `agentarium`
+# command, test worker, trainer, Ray worker) compiled the hundreds of modules it imports anew,
+# about 0.3 s of CPU for the command line alone. compileall writes it whatever that variable says,
+# in about a second; __pycache__ is gitignored, and Python never runs the bytecode of a source
+# edited since (it compares the source's mtime).
+.venv/bin/python -m compileall -q -j 0 */ >/dev/null
 echo "setup done: .venv ready, nats-server at $(command -v nats-server || echo /usr/sbin/nats-server)"
