@@ -9,7 +9,8 @@ is a phase of its own. A thread reads ``/proc/self/statm`` every ``interval`` se
 keeps, per (step, pass), the highest RSS and the phase it was reached in, and, on jemalloc,
 the bytes the program holds at that reading (``stats.allocated``) and the pages jemalloc keeps
 for them, freed ones not yet purged included (``stats.resident``), read whenever a reading is
-a new peak.
+a new peak; with them, the part of that RSS that is pages of mapped files (``statm``'s shared
+pages: the libraries, and the weights while they are still the safetensors file's pages).
 
 bench/trainer_packing.py ``--timeline`` prints the table after its steps. The sampler sees
 what it sees: a peak shorter than ``interval`` can fall between two readings, so the table's
