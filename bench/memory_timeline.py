@@ -9,8 +9,9 @@ is a phase of its own. A thread reads ``/proc/self/statm`` every ``interval`` se
 keeps, per (step, pass), the highest RSS and the phase it was reached in, and, on jemalloc,
 the bytes the program holds at that reading (``stats.allocated``) and the pages jemalloc keeps
 for them, freed ones not yet purged included (``stats.resident``), read whenever a reading is
-a new peak; with them, the part of that RSS that is pages of mapped files (``statm``'s shared
-pages: the libraries, and the weights while they are still the safetensors file's pages).
+a new peak; with them, the part of that RSS that is pages of mapped files or shared memory
+(``statm``'s shared pages: the libraries, and the weights while they are still the safetensors
+file's pages; a trainer step maps no shared memory).
 
 bench/trainer_packing.py ``--timeline`` prints the table after its steps. The sampler sees
 what it sees: a peak shorter than ``interval`` can fall between two readings, so the table's
@@ -31,7 +32,8 @@ MIB = 2**20
 
 def _rss() -> tuple[int, int]:
     """(resident, file-backed): the process's resident bytes, and those of them that are
-    pages of mapped files (shared libraries, a mapped weights file) rather than its heap."""
+    pages of mapped files (shared libraries, a mapped weights file) or shared memory, rather
+    than its heap (``statm``'s third field: RssFile plus RssShmem)."""
     with open("/proc/self/statm", "rb") as f:
         fields = f.read().split()
     return int(fields[1]) * PAGE, int(fields[2]) * PAGE

@@ -195,6 +195,7 @@ def test_tools_offered_to_a_template_without_tools_are_an_error(smol_template):
     assert smol_template.encode_chat(PROMPTS[0], tools=[]) == smol_template.encode_chat(PROMPTS[0])
 
 
+@pytest.mark.kernels  # the engine's log-probs against transformers': run again under avx2
 async def test_published_weights_reach_the_engine_and_change_what_eval_reads(
     js, topology, smol_dir, smol_url, tmp_path
 ):
