@@ -69,8 +69,8 @@ UPDATE = 1_000_000  # the pass number the optimizer's update is filed under
 
 
 class Timeline:
-    """Per (step, pass): the highest RSS sampled, the phase it fell in, jemalloc's allocated
-    and resident bytes read at that reading. ``step()`` starts the next step's count;
+    """Per (step, pass): the highest RSS sampled, its file-backed part, the phase it fell in,
+    jemalloc's allocated and resident bytes read at that reading. ``step()`` starts the next step's count;
     ``close()`` stops the sampler. Pass -1 is a step's start, ``UPDATE`` its update."""
 
     def __init__(self, model, optimizer=None, interval: float = 0.001) -> None:  # type: ignore[no-untyped-def]

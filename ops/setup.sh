@@ -150,14 +150,11 @@ for job in "${venv_jobs[@]}"; do
   fi
 done
 venv_jobs=()
-# The project's own modules as bytecode, written once here: where PYTHONDONTWRITEBYTECODE is set
-# (this project's machines set it) Python never writes any, so every process (each `agentarium`
-# command, test worker, trainer, Ray worker) compiled the hundreds of modules it imports anew,
-# about 0.3 s of CPU for the command line alone. compileall writes it whatever that variable says,
-# in about a second; __pycache__ is gitignored, and Python never runs the bytecode of a source
-# edited since (it compares the source's mtime).
-# Bytecode is a speed-up, never a reason for setup to fail: compileall's errors are shown, and
-# a file it cannot write is a note.
+# The project's own modules as bytecode, written once here (about a second): where
+# PYTHONDONTWRITEBYTECODE is set, as on this project's machines, Python never writes any, and
+# every process (each `agentarium` command, test worker, trainer, Ray worker) compiled what it
+# imports anew. compileall writes regardless; __pycache__ is gitignored, and Python recompiles a
+# source whose mtime or size changed since. A speed-up, never a reason for setup to fail.
 .venv/bin/python -m compileall -q -j 0 -x '/node_modules/' */ \
   || echo "note: compileall could not write the project's bytecode (above); every process compiles it anew"
 echo "setup done: .venv ready, nats-server at $(command -v nats-server || echo /usr/sbin/nats-server)"

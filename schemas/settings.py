@@ -176,8 +176,8 @@ def shared(klass: type, name: str) -> Any:
 def type_hints(klass: type) -> types.MappingProxyType[str, Any]:
     """``typing.get_type_hints(klass)``, read-only and worked out once a class: it evaluates
     every annotation of the class's hierarchy anew on each call, and the command line's parser
-    asks it once for each of its hundreds of flags (0.2 s of every `agentarium` command's
-    start before it was kept)."""
+    asks it once for each of its hundreds of flags (bench/cli_parser.py: a parser build's CPU
+    with and without this cache)."""
     return types.MappingProxyType(typing.get_type_hints(klass))
 
 

@@ -310,19 +310,21 @@ def test_a_broken_agent_module_is_one_line_naming_the_module(source, says, tmp_p
     assert "'broken_agent'" in lines[0] and says in lines[0] and "Traceback" not in result.stderr
 
 
-def test_the_engine_command_serves_the_tiny_model(tiny_dir):
+def test_the_engine_command_serves_the_tiny_model(tiny_dir, tmp_path):
     """`agentarium engine` prints the URL it serves on, and answers /generate there (not a
     `kernels` test: what it asserts holds on any kernels)."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "agentarium", "engine", "--model", str(tiny_dir), "--port", "0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=Path(__file__).resolve().parents[1],
-    )
+    log = tmp_path / "engine.err"  # a file, not a pipe: nothing reads it while the engine runs
+    with log.open("w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "agentarium", "engine", "--model", str(tiny_dir), "--port", "0"],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            cwd=Path(__file__).resolve().parents[1],
+        )
     try:
         line = proc.stdout.readline()
-        assert line.startswith("engine ready on http://127.0.0.1:"), proc.stderr.read()
+        assert line.startswith("engine ready on http://127.0.0.1:"), log.read_text()
         url = line.split()[-1]
 
         async def check() -> dict:
@@ -341,4 +343,4 @@ def test_the_engine_command_serves_the_tiny_model(tiny_dir):
     finally:
         proc.terminate()
         assert proc.wait(timeout=30) == 0
-    assert '"event": "engine listening"' in proc.stderr.read()
+    assert '"event": "engine listening"' in log.read_text()
