@@ -441,6 +441,17 @@ class TrainerConfig:
         "activations, not a long row's; one more feed-forward pass, for long passes only: "
         "trainer/chunked_mlp.py); 0 = whole (--memory small sets 512)",
     )
+    layer_chunk: int = setting(
+        0,
+        ge=0,
+        group=COMPUTE,
+        metavar="POSITIONS",
+        help="under activation checkpointing, run each decoder layer of a longer pass this "
+        "many positions at a time (its keys and values computed once for the pass) and keep "
+        "every second layer's input only (memory: a slice's activations, half the inputs; "
+        "more work in long passes only: trainer/sliced_layers.py); packed rows of a "
+        "plain causal model only, others run as before; 0 = whole (--memory small sets 512)",
+    )
     activation_checkpointing: bool = setting(
         False,
         group=COMPUTE,
@@ -454,7 +465,8 @@ class TrainerConfig:
         help="the memory plan: fast takes the settings as given; small adds activation "
         "checkpointing, --optimizer-state fp8 (where auto and allowed), passes of 256 real "
         "tokens when no --max-tokens-per-micro-batch or --micro-batch-size is set, "
-        "log-probs 32 positions at a time at most, and --mlp-chunk 512 when it is 0 "
+        "log-probs 32 positions at a time at most, and --mlp-chunk and --layer-chunk 512 "
+        "when they are 0 "
         "(SmolLM2-135M, 16 rows: under 2 GiB of RSS against 7-8 GB, a slower step: "
         "trainer/memory.py); auto: small when "
         "every weight of a model of 100M parameters or more is trained, else fast (LoRA, small "

@@ -469,6 +469,7 @@ def _make_updater(config: TrainerConfig):
         max_tokens_per_micro_batch=settings.max_tokens_per_micro_batch,
         logprob_chunk=settings.logprob_chunk,
         mlp_chunk=settings.mlp_chunk,
+        layer_chunk=settings.layer_chunk,
     )
     if config.parallel == "fsdp":
         from .fsdp import FsdpParallel

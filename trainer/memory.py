@@ -45,6 +45,7 @@ SMALL_FROM = 100_000_000  # parameters: SmolLM2-135M and up
 SMALL_TOKENS = 256  # real tokens a pass, when no limit was set
 SMALL_CHUNK = 32  # log-prob positions at a time, at most
 SMALL_MLP_CHUNK = 512  # feed-forward positions at a time in a longer pass (trainer/chunked_mlp.py)
+SMALL_LAYER_CHUNK = 512  # a layer's positions at a time in a longer pass (trainer/sliced_layers.py)
 # the header of a safetensors file: an 8-byte little-endian length, then that many bytes of JSON
 _HEADER_LIMIT = 100 * 2**20
 
@@ -99,4 +100,6 @@ def step_values(values: dict[str, Any], plan: str, *, dtype: str, parallel: str)
             values["logprob_chunk"] = SMALL_CHUNK
         if values["mlp_chunk"] == 0:
             values["mlp_chunk"] = SMALL_MLP_CHUNK
+        if values["layer_chunk"] == 0:
+            values["layer_chunk"] = SMALL_LAYER_CHUNK
     return values

@@ -36,6 +36,88 @@ _SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 _PACKED_FORWARD: contextvars.ContextVar[bool] = contextvars.ContextVar("packed", default=False)
 
 
+class KeysCaptured(Exception):
+    """Raised by the attention under ``capture_keys``, once it has the keys and values: the
+    rest of the layer need not run."""
+
+
+@dataclass
+class _Captured:
+    key: torch.Tensor | None = None
+    value: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class _Queries:
+    key: torch.Tensor  # (1, kv_heads, N, d): every position's keys of the pass
+    value: torch.Tensor
+    start: int  # the packed position of the first query
+
+
+# Set by trainer/sliced_layers.py around a layer's forward on a slice of a pass's positions:
+# the attention hands over its keys and values (``_Captured``), or reads the whole pass's
+# (``_Queries``) for the slice's queries.
+_SLICE: contextvars.ContextVar[_Captured | _Queries | None] = contextvars.ContextVar(
+    "slice", default=None
+)
+
+
+@contextlib.contextmanager
+def capture_keys():
+    """Around a layer's forward: its attention records the keys and values it is given in the
+    object yielded and raises ``KeysCaptured``."""
+    captured = _Captured()
+    token = _SLICE.set(captured)
+    try:
+        yield captured
+    finally:
+        _SLICE.reset(token)
+
+
+@contextlib.contextmanager
+def slice_queries(key: torch.Tensor, value: torch.Tensor, start: int):
+    """Around a layer's forward on positions ``start:`` of a packed pass: its attention reads
+    ``key`` and ``value`` (every position's) instead of the slice's own."""
+    token = _SLICE.set(_Queries(key, value, start))
+    try:
+        yield
+    finally:
+        _SLICE.reset(token)
+
+
+def _lower_right(queries: int, keys: int, device) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """(queries, keys) causal mask of the last ``queries`` positions of ``keys``."""
+    return torch.ones(queries, keys, dtype=torch.bool, device=device).tril(keys - queries)
+
+
+def _sliced_attention(
+    query: torch.Tensor, sliced: _Queries, edges: list[int], prefixes, scaling, gqa: dict
+) -> torch.Tensor:
+    """Causal attention of the queries at packed positions ``sliced.start:`` within their
+    rows, over the whole pass's keys: what the whole pass's attention gives those positions."""
+    first, last = sliced.start, sliced.start + query.shape[2]
+    key, value, parts = sliced.key, sliced.value, []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    for (start, stop), (at, shared) in zip(
+        zip(edges[:-1], edges[1:], strict=True), prefixes, strict=True
+    ):
+        a, b = max(start, first), min(stop, last)
+        if b <= a:
+            continue
+        q = query[:, :, a - first : b - first]
+        keys, values = key[:, :, start:b], value[:, :, start:b]
+        if shared:
+            seen = slice(at, at + shared)
+            keys = torch.cat([key[:, :, seen], keys], dim=2)
+            values = torch.cat([value[:, :, seen], values], dim=2)
+        if a == start and not shared:  # from the row's first position: plain causal
+            parts.append(sdpa(q, keys, values, is_causal=True, scale=scaling, **gqa))
+            continue
+        keep = _lower_right(b - a, keys.shape[2], query.device)
+        parts.append(sdpa(q, keys, values, attn_mask=keep, scale=scaling, **gqa))
+    return torch.cat(parts, dim=2)
+
+
 @contextlib.contextmanager
 def packed_forward():
     """Around a forward pass of packed rows. (A checkpointed layer's recomputation in the
@@ -71,6 +153,10 @@ def packed_attention(
     # (heads, N, d) copies, kept for the backward pass: 38 MB a layer at 8,192 positions for
     # SmolLM2), else repeated for each head
     gqa: dict = {"enable_gqa": True} if groups > 1 and _SDPA_GQA else {}
+    sliced = _SLICE.get()
+    if isinstance(sliced, _Captured):
+        sliced.key, sliced.value = key, value
+        raise KeysCaptured
     if not gqa:
         key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
     other = [k for k in ("softcap", "sliding_window", "s_aux") if kwargs.get(k) is not None]
@@ -82,6 +168,17 @@ def packed_attention(
     dropout = dropout if module.training else 0.0
     sdpa = torch.nn.functional.scaled_dot_product_attention
     bounds = kwargs.get("cu_seq_lens_q")
+    if sliced is not None:
+        if bounds is None or dropout:
+            raise RuntimeError("a sliced layer's attention needs the rows' boundaries, no dropout")
+        edges = kwargs.get("packed_row_edges") or bounds.tolist()
+        prefixes = kwargs.get("packed_prefixes") or [(0, 0)] * (len(edges) - 1)
+        if not gqa:
+            sliced = _Queries(
+                _repeat_kv(sliced.key, groups), _repeat_kv(sliced.value, groups), sliced.start
+            )
+        out = _sliced_attention(query, sliced, edges, prefixes, scaling, gqa)
+        return out.transpose(1, 2).contiguous(), None
     if bounds is None and _PACKED_FORWARD.get():
         raise RuntimeError(  # the rows would attend to each other: never silently
             "packed rows: the model's layers did not pass the rows' boundaries "

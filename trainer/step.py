@@ -25,6 +25,7 @@ from .fused_grads import fuse_embedding
 from .grpo import LossSums, grpo_loss, truncated_is_weights
 from .logprobs import causal_lm, token_stats
 from .optim import Fp8AdamW, moments_of
+from .sliced_layers import enable as slice_layers
 
 
 def _default(name: str) -> Any:
@@ -61,6 +62,7 @@ class StepSettings:
     optimizer_state: str = "fp32"  # resolved: TrainerConfig's "auto" is --memory's to decide
     activation_checkpointing: bool = _default("activation_checkpointing")
     mlp_chunk: int = _default("mlp_chunk")
+    layer_chunk: int = _default("layer_chunk")
     lora_rank: int = _default("lora_rank")
     lora_alpha: float = _default("lora_alpha")
     lora_target_modules: tuple[str, ...] = _default("lora_target_modules")
@@ -187,6 +189,8 @@ def load_policy(model_dir: str | Path, device: str | torch.device, settings: Ste
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=non_reentrant)
         else:  # gradient_checkpointing_enable: deprecated in 5.x, gone in v6
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=non_reentrant)
+        # a long pass's layers, a slice of positions at a time (trainer/sliced_layers.py)
+        slice_layers(model, settings.layer_chunk)
     # a long row's feed-forward activations, a slice at a time (trainer/chunked_mlp.py)
     chunk_feed_forward(model, settings.mlp_chunk)
     if settings.lora_rank > 0:
