@@ -34,6 +34,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("--max-tokens-per-micro-batch", "0"): "no limit in tokens per pass",
     ("--logprob-chunk", "0"): "log-probs over the whole vocabulary at every position",
     ("--mlp-chunk", "0"): "feed-forward blocks whole (--memory small makes it 512)",
+    ("--layer-chunk", "0"): "decoder layers whole (--memory small makes it 512)",
     ("--lora-rank", "0"): "full fine-tuning",
     ("--ray-workers", "0"): "train in this process",
     ("--task-wait", "0"): "never wait for a short task's groups",

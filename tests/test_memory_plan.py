@@ -84,6 +84,7 @@ def test_the_defaults_on_a_small_model_are_the_settings_as_given():
     assert settings.max_tokens_per_micro_batch == 0
     assert settings.logprob_chunk == 512
     assert settings.mlp_chunk == 0
+    assert settings.layer_chunk == 0
 
 
 def test_small_adds_what_saves_memory_and_keeps_what_was_given():
@@ -94,14 +95,15 @@ def test_small_adds_what_saves_memory_and_keeps_what_was_given():
     assert small.max_tokens_per_micro_batch == memory.SMALL_TOKENS
     assert small.logprob_chunk == memory.SMALL_CHUNK
     assert small.mlp_chunk == memory.SMALL_MLP_CHUNK
+    assert small.layer_chunk == memory.SMALL_LAYER_CHUNK
     given = StepSettings.from_config(
         config(
             tiny, memory="small", optimizer_state="fp32", max_tokens_per_micro_batch=4096,
-            logprob_chunk=0, mlp_chunk=2048,
+            logprob_chunk=0, mlp_chunk=2048, layer_chunk=1024,
         )
     )  # fmt: skip
     assert (given.optimizer_state, given.max_tokens_per_micro_batch) == ("fp32", 4096)
-    assert given.mlp_chunk == 2048
+    assert (given.mlp_chunk, given.layer_chunk) == (2048, 1024)
     assert given.logprob_chunk == 0  # the whole-vocabulary path, as asked
     rows = StepSettings.from_config(config(tiny, memory="small", micro_batch_size=4))
     assert (rows.micro_batch_size, rows.max_tokens_per_micro_batch) == (4, 0)

@@ -185,14 +185,16 @@ class _Call:
 class _Block:
     """``LAYERS_PER_CHECKPOINT`` consecutive layers whose first input alone is kept."""
 
-    first: torch.Tensor  # the first layer's input (detached)
-    calls: list[_Call] = field(default_factory=list)
+    first: torch.Tensor | None  # the first layer's input (detached), until its backward
+    calls: list[_Call | None] = field(default_factory=list)  # None once its backward ran
     last: weakref.ref | None = None  # the last layer's output, to check the next's input
 
     def input_of(self, index: int) -> torch.Tensor:
         """The input of the block's ``index``-th layer, the layers before it run again."""
         hidden = self.first
+        assert hidden is not None, "a block's first layer runs its backward last"
         for call in self.calls[:index]:
+            assert call is not None, "a block's layers run their backward last to first"
             hidden = call.output(hidden)
         return hidden
 
@@ -210,13 +212,18 @@ class _SlicedLayer(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[no-untyped-def,override]
-        block, index = ctx.block, ctx.index
+        # autograd keeps a node until the whole backward pass is done, and frees only its
+        # saved tensors as it goes: what ctx holds is let go of here, or every block's first
+        # input would stay to the end
+        block, index, ctx.block = ctx.block, ctx.index, None
         if index == 0:
             (hidden,) = ctx.saved_tensors
             hidden = hidden.detach()
+            block.first = None  # the block's last backward: its later layers' are done
         else:
             hidden = block.input_of(index)
         grad_in = block.calls[index].backward(hidden, grad)
+        block.calls[index] = None
         return grad_in, None, None
 
 
