@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -188,6 +189,7 @@ class _Block:
     first: torch.Tensor | None  # the first layer's input (detached), until its backward
     calls: list[_Call | None] = field(default_factory=list)  # None once its backward ran
     last: weakref.ref | None = None  # the last layer's output, to check the next's input
+    release: Callable[[], object] | None = None  # hands freed memory back (trainer/heap.py)
 
     def input_of(self, index: int) -> torch.Tensor:
         """The input of the block's ``index``-th layer, the layers before it run again."""
@@ -224,6 +226,9 @@ class _SlicedLayer(torch.autograd.Function):
             hidden = block.input_of(index)
         grad_in = block.calls[index].backward(hidden, grad)
         block.calls[index] = None
+        del hidden
+        if block.release is not None:
+            block.release()  # this layer's freed pages, before the next layer's backward
         return grad_in, None, None
 
 
@@ -231,9 +236,10 @@ class Slicer:
     """The checkpointing function of a model's decoder layers: a pass of more than ``chunk``
     positions runs sliced (the module docstring), any other as ``checkpoint`` runs it."""
 
-    def __init__(self, chunk: int, plain) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, chunk: int, plain, release: Callable[[], object] | None = None) -> None:  # type: ignore[no-untyped-def]
         self.chunk = chunk
         self.plain = plain  # the checkpointing function the layers had
+        self.release = release  # after each sliced layer's backward (``enable``)
         # the block the last sliced layer joined, while its pass's graph holds it
         self.open: weakref.ref[_Block] | None = None
         self.unsliceable: set[int] = set()  # layers whose calls ran plain: don't try again
@@ -257,7 +263,7 @@ class Slicer:
             if follows and len(block.calls) < LAYERS_PER_CHECKPOINT:  # type: ignore[union-attr]
                 at = len(block.calls)  # type: ignore[union-attr]
             else:
-                block = _Block(first=hidden.detach())
+                block = _Block(first=hidden.detach(), release=self.release)
             block.calls.append(call)  # type: ignore[union-attr]
             out = _SlicedLayer.apply(hidden, block, at)
         except _NotSliceable:
@@ -298,16 +304,19 @@ def sliceable(model) -> bool:  # type: ignore[no-untyped-def]
     return True
 
 
-def enable(model, chunk: int) -> int:  # type: ignore[no-untyped-def]
+def enable(model, chunk: int, release: Callable[[], object] | None = None) -> int:  # type: ignore[no-untyped-def]
     """Run ``model``'s checkpointed decoder layers sliced in passes of more than ``chunk``
     positions; returns how many layers now may. ``chunk`` 0, a model without checkpointing on
-    or not ``sliceable``: nothing changes. Call it after checkpointing is enabled."""
+    or not ``sliceable``: nothing changes. Call it after checkpointing is enabled.
+    ``release``: called after each sliced layer's backward (``heap.release``: the pages the
+    layer freed go back to the system before the next layer's backward allocates in other
+    sizes)."""
     if chunk <= 0 or not sliceable(model):
         return 0
     layers = decoder_layers(model)
     if not layers:
         return 0
-    slicer = Slicer(chunk, layers[0]._gradient_checkpointing_func)
+    slicer = Slicer(chunk, layers[0]._gradient_checkpointing_func, release)
     for index, layer in enumerate(layers):
         layer._gradient_checkpointing_func = functools.partial(slicer, index)
     return len(layers)

@@ -190,7 +190,8 @@ def load_policy(model_dir: str | Path, device: str | torch.device, settings: Ste
         else:  # gradient_checkpointing_enable: deprecated in 5.x, gone in v6
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=non_reentrant)
         # a long pass's layers, a slice of positions at a time (trainer/sliced_layers.py)
-        slice_layers(model, settings.layer_chunk)
+        release = heap.release if settings.heap == "release" else None
+        slice_layers(model, settings.layer_chunk, release)
     # a long row's feed-forward activations, a slice at a time (trainer/chunked_mlp.py)
     chunk_feed_forward(model, settings.mlp_chunk)
     if settings.lora_rank > 0:
