@@ -94,6 +94,17 @@ def test_sliced_layers_train_as_the_whole_layers(norms_in_fp64, monkeypatch, fam
     assert rebuilt == [1]  # two layers, one block: the second's input was not kept
 
 
+def test_freed_memory_goes_back_after_each_sliced_layers_forward_and_backward():
+    """``--heap release``: the pages a long layer freed are handed back before the next layer
+    allocates (a sliced layer's slices free and allocate in other sizes than the next's)."""
+    settings = StepSettings(activation_checkpointing=True, layer_chunk=CHUNK, heap="default")
+    model, ref = policy_and_reference(ensure_tiny_model(), settings)
+    released: list[int] = []
+    layers = sliced_layers.enable(model, CHUNK, lambda: released.append(1))
+    update(model, ref, batch(), settings)  # one pass
+    assert layers == 2 and len(released) == 2 * layers
+
+
 def test_a_layer_whose_input_has_no_gradient_runs_under_plain_checkpointing():
     """Its backward would never run, and the weights' gradients are added in it."""
     plain: list[torch.Tensor] = []

@@ -18,6 +18,11 @@ positions at once (its load-balancing loss is not position-wise), so ``enable`` 
 whose class names experts (``Moe``, ``Sparse``, ``Expert``) alone, and every block whose
 ``forward`` returns anything but one tensor of its input's shape runs whole. A pass of
 ``chunk`` positions or fewer runs as the block always did.
+
+Under ``--layer-chunk`` (trainer/sliced_layers.py: ``--memory small`` sets both to 512) a long
+pass's whole layers run sliced, so the block sees one layer slice at a time and slices further
+only where ``--mlp-chunk`` is the smaller; the blocks of a layer that cannot run sliced are
+still sliced here.
 """
 
 from __future__ import annotations
