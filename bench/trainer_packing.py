@@ -84,6 +84,13 @@ CONFIGS["small-mapped"] = CONFIGS["small"]  # in a process started with TRAINER_
 # a configuration's process environment on top of the bench's: glibc's mmap threshold fixed at
 # 1 MiB with huge pages (trainer/heap.py), so a pass's freed tensors leave the process at once
 CHILD_ENV = {"small-mapped": TRAINER_MALLOC_ENV}
+# the defaults on jemalloc with and without transparent huge pages, whatever heap.JEMALLOC_CONF
+# says (its "thp:always" held up to about 180 MiB of RSS that jemalloc's counters do not see)
+for _name, _thp in (("defaults-thp", "thp:always,"), ("defaults-no-thp", "")):
+    CONFIGS[_name] = {}
+    CHILD_ENV[_name] = {
+        "MALLOC_CONF": f"{_thp}oversize_threshold:0,dirty_decay_ms:-1,muzzy_decay_ms:-1"
+    }
 
 
 def trl_child(args: argparse.Namespace, model_dir: Path, batch) -> dict:
@@ -193,7 +200,7 @@ def child(args: argparse.Namespace) -> None:
             lr=1e-5,
             **{"max_tokens_per_micro_batch": args.max_tokens, **SAME_LOSS, **CONFIGS[args.child]},
         )
-        if args.child == "defaults":  # as `agentarium trainer` starts: this process again, on it
+        if args.child.startswith("defaults"):  # as `agentarium trainer` starts: this again, on it
             use_allocator(allocator_for(config, TrainerProcess()))
         updater = LocalUpdater(config)
         params = sum(p.numel() for p in updater.model.parameters() if p.requires_grad)

@@ -27,6 +27,7 @@ from agentarium.trainer import (
     heap,
     memory,
 )
+from agentarium.trainer.errors import TrainerConfigError
 from agentarium.trainer.logprobs import token_stats
 from agentarium.trainer.step import StepSettings, load_model, load_policy, load_reference
 
@@ -110,6 +111,11 @@ def test_small_adds_what_saves_memory_and_keeps_what_was_given():
     # fp8 moments are for fp32 weights in a replicated trainer: elsewhere auto keeps fp32
     wide = StepSettings.from_config(config(tiny, memory="small", dtype="float64"))
     assert wide.optimizer_state == "fp32" and wide.activation_checkpointing is True
+    # sharded layers run whole: small leaves --layer-chunk 0 there, and a given one is refused
+    sharded = config(tiny, memory="small", parallel="fsdp", ray_workers=2)
+    assert StepSettings.from_config(sharded).layer_chunk == 0
+    with pytest.raises(TrainerConfigError, match="--layer-chunk 512 .* --parallel fsdp"):
+        config(tiny, parallel="fsdp", ray_workers=2, layer_chunk=512)
 
 
 def test_auto_allocator_is_jemalloc_only_under_the_small_plan(monkeypatch):

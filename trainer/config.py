@@ -450,7 +450,8 @@ class TrainerConfig:
         "many positions at a time (its keys and values computed once for the pass) and keep "
         "every second layer's input only (memory: a slice's activations, half the inputs; "
         "more work in long passes only: trainer/sliced_layers.py); packed rows of a "
-        "plain causal model only, others run as before; 0 = whole (--memory small sets 512)",
+        "plain causal model only, others run as before; not with --parallel fsdp; 0 = whole "
+        "(--memory small sets 512 in a replicated trainer)",
     )
     activation_checkpointing: bool = setting(
         False,
@@ -555,6 +556,12 @@ class TrainerConfig:
                 "--optimizer-state fp8 keeps fp32 weights' moments in a replicated trainer: "
                 f"not with --parallel {self.parallel} --dtype {self.dtype} (use "
                 "--optimizer-state fp32 there)"
+            )
+        if self.layer_chunk and self.parallel == "fsdp":
+            raise TrainerConfigError(
+                f"--layer-chunk {self.layer_chunk} runs a replicated trainer's layers sliced: "
+                "not with --parallel fsdp, whose sharded layers run whole (drop it; "
+                "--memory small leaves it 0 there)"
             )
         if self.parallel == "fsdp" and self.ray_workers < 1:
             raise TrainerConfigError(

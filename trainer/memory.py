@@ -100,6 +100,6 @@ def step_values(values: dict[str, Any], plan: str, *, dtype: str, parallel: str)
             values["logprob_chunk"] = SMALL_CHUNK
         if values["mlp_chunk"] == 0:
             values["mlp_chunk"] = SMALL_MLP_CHUNK
-        if values["layer_chunk"] == 0:
+        if values["layer_chunk"] == 0 and parallel != "fsdp":  # sharded layers run whole
             values["layer_chunk"] = SMALL_LAYER_CHUNK
     return values

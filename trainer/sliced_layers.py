@@ -259,6 +259,12 @@ class Slicer:
         ):
             self.open = None
             return self.plain(forward, *args)
+        layer = forward.args[0] if forward.args else None
+        if not isinstance(layer, torch.nn.Module) or any(
+            type(p) not in (torch.Tensor, torch.nn.Parameter) for p in layer.parameters()
+        ):  # sharded (DTensor) weights: their hooks gather and reduce around the layer's own call
+            self.unsliceable.add(index)
+            return self.plain(forward, *args)
         try:
             call = _Call(forward, positions, self.chunk)
             block, at = self.open() if self.open is not None else None, 0
