@@ -19,7 +19,7 @@ what the pass needs (a peak of 12 GB where 7 GB are live; SmolLM2's first step u
 is installed): the trainer process preloads jemalloc by executing itself again at its start
 (``use_allocator``; a preload must be in place before the process starts), with
 ``JEMALLOC_CONF``: freed pages are kept for reuse and never purged by time, every size is served
-from the ordinary arenas, transparent huge pages are asked for, and ``release()`` purges every
+from the ordinary arenas, no transparent huge pages are asked for, and ``release()`` purges every
 arena (``mallctl("arena.4096.purge")``). Its size classes reuse a pass's freed tensors where
 glibc's heap fragments: SmolLM2's first step peaks at 1,871-1,880 MiB in 51-54 s (glibc:
 2,099-2,234 MiB in 53-55 s; docs/benchmarks.md, "The defaults"). jemalloc's own defaults were
@@ -50,8 +50,11 @@ _EXECED = "AGENTARIUM_ALLOCATOR_EXEC"  # set across the one re-exec: never a sec
 # jemalloc's settings for the trainer (``MALLOC_CONF``, unless the environment sets its own):
 # freed pages kept for reuse, never purged by time (``release`` purges them after each pass
 # and step), every size in the ordinary arenas (jemalloc's default gives requests over 8 MiB
-# an arena that unmaps them at once: a fault per page every pass), transparent huge pages
-JEMALLOC_CONF = "thp:always,oversize_threshold:0,dirty_decay_ms:-1,muzzy_decay_ms:-1"
+# an arena that unmaps them at once: a fault per page every pass). No transparent huge pages:
+# with "thp:always" a step's RSS held 180-340 MiB more than jemalloc's pages (SmolLM2's second
+# step with an 8,192-token row: 2,241 MiB against 2,020-2,036 without, at the same step time on
+# the 16-row batch: docs/benchmarks.md, "A long pass's layers sliced")
+JEMALLOC_CONF = "oversize_threshold:0,dirty_decay_ms:-1,muzzy_decay_ms:-1"
 # glibc's settings for a trainer process's environment (read at its start: the module docstring)
 TRAINER_MALLOC_ENV = {
     "MALLOC_MMAP_THRESHOLD_": "1048576",

@@ -13,7 +13,8 @@ that is 2.15 GB before the first activation, and the activations of a whole batc
   trainer), passes of at most ``SMALL_TOKENS`` real tokens when no limit was set, log-probs
   ``SMALL_CHUNK`` positions at a time at most, a longer pass's feed-forward blocks
   ``SMALL_MLP_CHUNK`` positions at a time (``--mlp-chunk``, trainer/chunked_mlp.py: a row
-  longer than a pass's budget runs alone), on jemalloc (trainer/heap.py).
+  longer than a pass's budget runs alone) and its layers ``SMALL_LAYER_CHUNK`` at a time
+  (``--layer-chunk``, a replicated trainer's), on jemalloc (trainer/heap.py).
 
   What a step holds for SmolLM2 beside its pass: the weights (513 MiB), their gradients (513,
   from the first pass's backward), the moments (387, from the first update on), torch and
@@ -22,9 +23,11 @@ that is 2.15 GB before the first activation, and the activations of a whole batc
   That leaves a pass about 160 MiB under 2 GiB, so the pass budget and the chunks are small:
   256-token passes and 32-position chunks held the 16-row step at 1,991 MiB from the second
   step on where 512 and 64 held it at 2,057 and 1,024 and 128 at 2,244, at 14 % more time a
-  step than 1,024 and 128 (30.4 s against 26.6 s). One 8,192-token row among short ones fits
-  at the first step and not from the second (2,434 MiB: the 540 MiB of its checkpointed
-  layers' inputs beside the moments).
+  step than 1,024 and 128 (30.4 s against 26.6 s). One 8,192-token row among short ones, alone
+  in its pass, runs its layers ``SMALL_LAYER_CHUNK`` positions at a time and keeps every
+  second layer's input (``--layer-chunk``, trainer/sliced_layers.py): 2,020-2,036 MiB at the
+  second step in two runs, where whole layers held 2,388-2,434 (the 540 MiB of their inputs
+  and a layer's 460 MiB of recomputation beside the moments).
 
 ``auto`` (the default) is ``small`` when every weight of a model of ``SMALL_FROM`` parameters or
 more is trained (counted in its safetensors files' headers), and ``fast`` otherwise: LoRA
