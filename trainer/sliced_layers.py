@@ -164,6 +164,7 @@ class _Call:
                 with packing.slice_queries(key, value, a):
                     out = self.run(part, a, b)
                 torch.autograd.backward(out, grad[:, a:b])
+                assert part.grad is not None, "a slice's input reaches its output"
                 grad_in[:, a:b] = part.grad
                 del out, part
             key_grad, value_grad = key.grad, value.grad
@@ -272,7 +273,7 @@ class Slicer:
             if follows and len(block.calls) < LAYERS_PER_CHECKPOINT:  # type: ignore[union-attr]
                 at = len(block.calls)  # type: ignore[union-attr]
             else:
-                block = _Block(first=hidden.detach(), release=self.release)
+                block = _Block(first=hidden.detach(), release=self.release)  # type: ignore[union-attr]
             block.calls.append(call)  # type: ignore[union-attr]
             out = _SlicedLayer.apply(hidden, block, at)
         except _NotSliceable:
@@ -331,5 +332,5 @@ def enable(model, chunk: int, release: Callable[[], object] | None = None) -> in
         plain = plain.func.plain  # enabled before: set up anew over the same checkpointing
     slicer = Slicer(chunk, plain, release)
     for index, layer in enumerate(layers):
-        layer._gradient_checkpointing_func = functools.partial(slicer, index)
+        layer._gradient_checkpointing_func = functools.partial(slicer, index)  # type: ignore[assignment]
     return len(layers)
