@@ -47,7 +47,7 @@ import torch
 from opentelemetry.trace import Status, StatusCode
 
 from .errors import WeightLoadError
-from .kv import PaddedKV
+from .kv import PaddedKV, fill_order
 from .model import EngineModel
 from .prefix_cache import CachedPrefix, PrefixCache
 from .sampling import sample
@@ -459,8 +459,9 @@ class Scheduler:
                 ended = (seq.finish_reason or {}).get("type")
                 if ended is not None and ended != "abort" and not seq.cancelled:
                     self._keep_prefix(seq, row)
-        self._running = [self._running[i] for i in keep]
-        self._kv = self._kv.select(keep) if keep and self._kv is not None else None
+        order = fill_order(keep, len(self._running))  # as few rows move in the cache as left
+        self._running = [self._running[i] for i in order]
+        self._kv = self._kv.select(order) if order and self._kv is not None else None
         return done
 
     def _keep_prefix(self, seq: Sequence, row: int) -> None:
