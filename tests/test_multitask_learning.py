@@ -42,10 +42,13 @@ too (``next`` near 0.5 with almost no exact answer in at least half of the windo
 learns 7 is never flagged, so the pipeline fault above still fails at once.
 
 False-failure rate. The trap or a late climb out of it: 2 in about 26 runs of these flags (24
-here, CI's and the suite's of 2026-12-06), whose 95% upper bound is 0.251 (Clopper-Pearson, two
-events in 26). The runs are independent (the engine's sampling is seeded by the OS), so failing
-the test needs six such runs in a row: 0.077^6 = 2e-7 at the estimate, 0.251^6 = 2.5e-4 at the
-bound (five in a row, as before: 1.0e-3 at the bound). Learning too slowly without the trap:
+here, CI's and the suite's of 2026-12-06); on 2026-12-07, 0 in 4 more at 14a8139 and 2 in 18
+since da850c2 (the engine's KV cache in place, which reorders the batch's rows: the same
+rate, as far as 2 of 30 against 2 of 18 can tell). Pooled, 4 in 48, whose 95% upper bound is
+0.200 (Clopper-Pearson). The runs are independent (the engine's sampling is seeded by the OS),
+so failing the test needs six such runs in a row: 0.083^6 = 3e-7 at the estimate, 0.200^6 =
+6.4e-5 at the bound (da850c2's 18 runs alone: 0.111^6 = 1.9e-6, and 1.7e-3 at their own
+bound of 0.347). Learning too slowly without the trap:
 none in the 24 runs of these flags (and the 5 failures among the 63 variants' runs were all
 traps), which by itself bounds it only to 3/24 = 12.5% (95%). The margins: 4 more runs (two
 cores shared with 6 runs of tests/test_trl_integration.py and other sessions' tests, load
