@@ -27,12 +27,12 @@ positions at a time:
 
 So a layer's backward holds one slice's activations, the pass's keys and values and their
 gradients (four (T, kv_heads * head_dim) tensors: 25 MB at 8,192 positions for SmolLM2), and
-its input and output gradients: 83 MiB above its start (bench/sliced_layer.py). The values are the whole layer's (each position meets the same
-weights and keys); the gradients are the same sums in another order of additions
-(tests/test_sliced_layers.py). The cost is in long passes only: the queries', keys' and
-values' projections run twice more (a layer's backward took 16.7 s against plain
-checkpointing's 13.4 s, median of five alternated rounds, bench/sliced_layer.py), and every
-second layer's forward once more.
+its input and output gradients: 83 MiB above its start (bench/sliced_layer.py). The values
+are the whole layer's (each position meets the same weights and keys); the gradients are
+the same sums in another order of additions (tests/test_sliced_layers.py). The cost is in
+long passes only: the queries', keys' and values' projections run twice more (a layer's
+backward took 16.7 s against plain checkpointing's 13.4 s, median of five alternated rounds,
+bench/sliced_layer.py), and every second layer's forward once more.
 
 **Every second layer's input** (``LAYERS_PER_CHECKPOINT``): the layer after a kept input keeps
 nothing. Its backward first runs the layer before it again (sliced, without a graph) from that
@@ -252,12 +252,13 @@ class Slicer:
 
     def __call__(self, index: int, forward, *args):  # type: ignore[no-untyped-def]
         hidden = args[0] if len(args) == 1 else None
-        positions = hidden.shape[1] if isinstance(hidden, torch.Tensor) and hidden.dim() == 3 else 0
         if (
-            index in self.unsliceable
-            or positions <= self.chunk
-            or hidden.shape[0] != 1  # type: ignore[union-attr]
-            or not hidden.requires_grad  # type: ignore[union-attr]
+            not isinstance(hidden, torch.Tensor)
+            or hidden.dim() != 3
+            or index in self.unsliceable
+            or hidden.shape[1] <= self.chunk
+            or hidden.shape[0] != 1
+            or not hidden.requires_grad
             or not torch.is_grad_enabled()
         ):
             self.open = None
@@ -269,21 +270,25 @@ class Slicer:
             self.unsliceable.add(index)
             return self.plain(forward, *args)
         try:
-            call = _Call(forward, positions, self.chunk)
-            block, at = self.open() if self.open is not None else None, 0
-            follows = block is not None and block.last is not None and block.last() is hidden
-            if follows and len(block.calls) < LAYERS_PER_CHECKPOINT:  # type: ignore[union-attr]
-                at = len(block.calls)  # type: ignore[union-attr]
+            call = _Call(forward, hidden.shape[1], self.chunk)
+            opened = self.open() if self.open is not None else None
+            if (
+                opened is not None
+                and opened.last is not None
+                and opened.last() is hidden
+                and len(opened.calls) < LAYERS_PER_CHECKPOINT
+            ):  # the layer after a kept input: it joins that block
+                block, at = opened, len(opened.calls)
             else:
-                block = _Block(first=hidden.detach(), release=self.release)  # type: ignore[union-attr]
-            block.calls.append(call)  # type: ignore[union-attr]
+                block, at = _Block(first=hidden.detach(), release=self.release), 0
+            block.calls.append(call)
             out = _SlicedLayer.apply(hidden, block, at)
         except _NotSliceable:
             self.unsliceable.add(index)
             self.open = None
             return self.plain(forward, *args)
-        block.last = weakref.ref(out)  # type: ignore[union-attr]
-        self.open = weakref.ref(block)  # type: ignore[arg-type]
+        block.last = weakref.ref(out)
+        self.open = weakref.ref(block)
         return out
 
 

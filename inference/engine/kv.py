@@ -31,6 +31,8 @@ SPARE_ROWS = 8
 # copied into tensors of its own size (one long row must not hold a full batch's memory).
 SHRINK_BELOW = 4
 
+Buffers = tuple[list[torch.Tensor], list[torch.Tensor]]  # per layer: keys', values'
+
 
 @dataclass
 class PaddedKV:
@@ -41,7 +43,7 @@ class PaddedKV:
     # and values are views of rows [:B], columns [start:start + L], so a decode step writes its
     # column in place (make_room) and rows leave and join in place (select, concat); None
     # until a decode step needs room (a prefill's tensors are its own)
-    buffers: tuple[list[torch.Tensor], list[torch.Tensor]] | None = field(default=None, repr=False)
+    buffers: Buffers | None = field(default=None, repr=False)
     start: int = field(default=0, repr=False)
 
     @property
@@ -75,32 +77,16 @@ class PaddedKV:
             for buffer in (*self.buffers[0], *self.buffers[1]):
                 # the sources are gathered into a new tensor first: any order is safe
                 buffer[targets, :, begin:end] = buffer[sources, :, begin:end]
-        return self._viewing(self.buffers, len(rows), begin + lead, mask[:, lead:])
+        return _within(self.buffers, len(rows), begin + lead, mask[:, lead:])
 
-    def _viewing(
-        self,
-        buffers: tuple[list[torch.Tensor], list[torch.Tensor]],
-        rows: int,
-        start: int,
-        mask: torch.Tensor,
-    ) -> PaddedKV:
-        end = start + int(mask.shape[1])
-        return PaddedKV(
-            keys=[b[:rows, :, start:end] for b in buffers[0]],
-            values=[b[:rows, :, start:end] for b in buffers[1]],
-            mask=mask,
-            buffers=buffers,
-            start=start,
-        )
-
-    def row(self, i: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def row(self, i: int) -> Buffers:
         """Row i's real tokens' keys and values per layer, (H_kv, n, D), as copies."""
         columns = self.mask[i].nonzero().squeeze(1)
         keys = [k[i].index_select(1, columns) for k in self.keys]
         return keys, [v[i].index_select(1, columns) for v in self.values]
 
     @torch.inference_mode()
-    def make_room(self, columns: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def make_room(self, columns: int) -> Buffers:
         """Views per layer whose first L columns are the keys and values, with at least
         ``columns`` free after them, for a decode step to write into (``model.in_place_layer``).
         Buffers grow ``ROOM`` columns at a time: one copy of the cache then."""
@@ -109,17 +95,13 @@ class PaddedKV:
             rows = self.batch + spare_rows(self.batch)
             self._rebuild(rows=rows, left=ROOM, right=max(columns, ROOM))
         assert self.buffers is not None
-        b, begin = self.batch, self.start
-        return (
-            [x[:b, :, begin:] for x in self.buffers[0]],
-            [x[:b, :, begin:] for x in self.buffers[1]],
-        )
+        return _views(self.buffers, self.batch, self.start, None)
 
     def _rebuild(self, *, rows: int, left: int, right: int) -> None:
         """New buffers holding this cache with ``rows`` rows in all, ``left`` columns before it
         and ``right`` after; keys and values become views of them."""
         width = self.length
-        grown: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        grown: Buffers = ([], [])
         for source, target in ((self.keys, grown[0]), (self.values, grown[1])):
             for tensor in source:
                 b, h, _, d = tensor.shape
@@ -127,8 +109,7 @@ class PaddedKV:
                 buffer[:b, :, left : left + width] = tensor
                 target.append(buffer)
         self.buffers, self.start = grown, left
-        self.keys = [x[: self.batch, :, left : left + width] for x in grown[0]]
-        self.values = [x[: self.batch, :, left : left + width] for x in grown[1]]
+        self.keys, self.values = _views(grown, self.batch, left, left + width)
 
     def append_column(self) -> None:
         """Account for one new real token per row (the decode step wrote its K/V)."""
@@ -156,7 +137,7 @@ class PaddedKV:
                     buffer[: a.batch, :, begin : a.start] = 0
                 buffer[a.batch : rows, :, begin : end - b.length] = 0
                 buffer[a.batch : rows, :, end - b.length : end] = tensor
-        return a._viewing(a.buffers, rows, begin, mask)
+        return _within(a.buffers, rows, begin, mask)
 
     def left_pad_mask(self, length: int) -> torch.Tensor:
         pad = length - self.length
@@ -171,6 +152,21 @@ class PaddedKV:
         keep = self.mask[:, None, :, None].to(self.keys[0].dtype)  # (B, 1, L, 1)
         for tensor in (*self.keys, *self.values):
             tensor.nan_to_num_().mul_(keep)
+
+
+def _views(buffers: Buffers, rows: int, start: int, end: int | None) -> Buffers:
+    """Rows ``[:rows]`` and columns ``[start:end]`` of each layer's buffers, as views."""
+    return (
+        [b[:rows, :, start:end] for b in buffers[0]],
+        [b[:rows, :, start:end] for b in buffers[1]],
+    )
+
+
+def _within(buffers: Buffers, rows: int, start: int, mask: torch.Tensor) -> PaddedKV:
+    """A cache of ``rows`` rows whose keys and values are the buffers' columns from ``start``,
+    as many as ``mask`` has."""
+    keys, values = _views(buffers, rows, start, start + int(mask.shape[1]))
+    return PaddedKV(keys=keys, values=values, mask=mask, buffers=buffers, start=start)
 
 
 def spare_rows(rows: int) -> int:
