@@ -43,6 +43,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -349,10 +350,7 @@ async def _feed_and_watch(
                     published_groups += args.groups_per_step
             # Stay `ahead` steps in front of the trainer: enough to keep rollouts busy, few
             # enough that trajectories are not many versions stale when they are trained on.
-            while (
-                not args.sync_rollouts
-                and published_groups < (step + args.ahead) * args.groups_per_step
-            ):
+            while not args.sync_rollouts and published_groups < _groups_wanted(args, step, row):
                 for agent, batch in _step_batches(args, rng, published_groups):
                     await producer.submit(agent, batch, run=args.run, group_size=args.group_size)
                 published_groups += args.groups_per_step
@@ -368,11 +366,12 @@ async def _feed_and_watch(
                     # A status line must not end the run: a loaded machine's broker can take
                     # longer than a request's timeout (a smol run in a loaded suite did).
                     pass
-            # The feed above follows the trainer's steps, but groups the trainer drops as too
-            # stale (--max-staleness: the engine still served old weights, as on a loaded
-            # machine) are never trained: with every job published done and no step for three
-            # steps' time, the trainer waits for groups that would never come. A step's worth
-            # more lets it go on (a multi-task suite run stalled at step 6 of 60 that way).
+            # The feed above replaces the groups the trainer reports dropped, but not all of
+            # them under --dynamic-sampling (whose refill replaces only those its selection
+            # drops, not a group timed out short of members): with every job published done and no step for three steps'
+            # time, the trainer waits for groups that would never come. A step's worth more
+            # lets it go on (a multi-task suite run stalled at step 6 of 60 that way, before
+            # the feed counted the groups dropped as too stale).
             waiting, starved = _starved(
                 waiting,
                 step=step,
@@ -402,6 +401,21 @@ async def _feed_and_watch(
         for refill in refills:
             await refill.close()
         await session.close()
+
+
+def _groups_wanted(args: DemoConfig, step: int, row: Mapping[str, str] | None) -> int:
+    """How many groups the feed keeps published: ``ahead`` steps' worth beyond the trainer's
+    step, plus every group the trainer dropped (too few ok members, flat, every member too
+    stale), which no step trains. Under ``--dynamic-sampling`` the trainer's own refill
+    replaces the groups its selection drops, so they are not counted twice."""
+    wanted = (step + args.ahead) * args.groups_per_step
+    if row is None or args.dynamic_sampling:
+        return wanted
+    return wanted + sum(
+        int(value)
+        for column, value in row.items()
+        if column.startswith("dropped_groups/") and value not in ("", None)
+    )
 
 
 def _starved(
