@@ -67,11 +67,13 @@ def test_with_lora_adapters_the_chunked_path_trains_the_same(tiny):
 
 
 class Shapes(TorchFunctionMode):
-    """The input shapes of every log_softmax call, and the dtype of every (.., V) projection."""
+    """The input shapes of every log_softmax call, and the shape and dtype of every (.., V)
+    projection."""
 
     def __init__(self) -> None:
         super().__init__()
         self.log_softmax: list[tuple[int, ...]] = []
+        self.head_shapes: list[tuple[int, ...]] = []
         self.head_dtypes: list[torch.dtype] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -79,11 +81,12 @@ class Shapes(TorchFunctionMode):
         if func in (torch.log_softmax, torch.nn.functional.log_softmax, torch.Tensor.log_softmax):
             self.log_softmax.append(tuple(args[0].shape))
         if func is torch.nn.functional.linear and out.shape[-1] == V:
+            self.head_shapes.append(tuple(out.shape))
             self.head_dtypes.append(out.dtype)
         return out
 
 
-def test_only_the_loss_positions_go_through_log_softmax_a_chunk_at_a_time(tiny):
+def test_only_the_loss_positions_go_through_the_head_a_chunk_at_a_time(tiny):
     model = load_model(tiny, "cpu", dtype="float64")  # the comparison below: fp64, as above
     data = batch()
     n = int(data.loss_mask[:, 1:].sum())
@@ -92,8 +95,11 @@ def test_only_the_loss_positions_go_through_log_softmax_a_chunk_at_a_time(tiny):
     assert whole.log_softmax[0] == (data.rows, data.input_ids.shape[1] - 1, V)
     with Shapes() as chunked:
         stats = token_stats(model, data, chunk=8)
-    assert [s[0] for s in chunked.log_softmax] == [8] * (n // 8) + [n % 8] * (n % 8 > 0)
-    assert all(s[1:] == (V,) for s in chunked.log_softmax)
+    # the model's own head at one position a row (logits_to_keep=1, unused), then the chunks,
+    # whose log-softmax is taken in place (HeadStats): no (.., V) tensor beyond the chunk's
+    assert chunked.head_shapes[0] == (data.rows, 1, V)
+    assert chunked.head_shapes[1:] == [(8, V)] * (n // 8) + [(n % 8, V)] * (n % 8 > 0)
+    assert chunked.log_softmax == []
     # ... and their log-probs are the model's own logits' at the sampling temperatures
     mask = data.loss_mask[:, 1:]
     with torch.no_grad():

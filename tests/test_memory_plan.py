@@ -272,3 +272,25 @@ def policy_and_reference(tiny, settings: StepSettings):
                 0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)).to(p.dtype)
             )
     return model, ref
+
+
+def test_a_pass_whose_layers_run_sliced_keeps_the_heads_chunk_small():
+    """--memory small: 128-position log-prob chunks in a short pass, 32 in a pass of more real
+    tokens than the layer chunk (the 8,192-token row's), whose layers' inputs are still held
+    when the head's backward runs; a chunk asked smaller, or the whole path (0), as asked."""
+    from types import SimpleNamespace
+
+    from agentarium.trainer.step import head_chunk
+
+    small = StepSettings.from_config(config(ensure_tiny_model(), memory="small"))
+    assert (small.logprob_chunk, small.layer_chunk) == (128, 512)
+
+    def pass_of(tokens):
+        return SimpleNamespace(attention_mask=torch.ones(1, tokens, dtype=torch.long))
+
+    assert head_chunk(small, pass_of(512)) == 128
+    assert head_chunk(small, pass_of(513)) == memory.LONG_PASS_CHUNK == 32
+    assert head_chunk(dataclasses.replace(small, logprob_chunk=16), pass_of(8192)) == 16
+    assert head_chunk(dataclasses.replace(small, logprob_chunk=0), pass_of(8192)) == 0
+    unsliced = dataclasses.replace(small, layer_chunk=0)  # nothing runs sliced
+    assert head_chunk(unsliced, pass_of(8192)) == 128

@@ -466,7 +466,7 @@ class TrainerConfig:
         help="the memory plan: fast takes the settings as given; small adds activation "
         "checkpointing, --optimizer-state fp8 (where auto and allowed), passes of 256 real "
         "tokens when no --max-tokens-per-micro-batch or --micro-batch-size is set, "
-        "log-probs 32 positions at a time at most, and --mlp-chunk and --layer-chunk 512 "
+        "log-probs 128 positions at a time at most (32 in a longer pass), and --mlp-chunk and --layer-chunk 512 "
         "when they are 0 "
         "(SmolLM2-135M, 16 rows: under 2 GiB of RSS against 7-8 GB, a slower step: "
         "trainer/memory.py); auto: small when "

@@ -191,7 +191,9 @@ class HeadStats(torch.autograd.Function):
     ``chunk`` positions at a time, in fp32 (fp64 for a float64 model), as one autograd node.
 
     Forward keeps no (chunk, V) tensor; backward recomputes each chunk's softmax and adds the
-    chunk's share of the head's weight gradient into one (V, H) buffer (``addmm_``): with
+    chunk's share of the head's weight gradient into one (V, H) buffer (``addmm_``). A chunk's
+    logits are its one (chunk, V) tensor, made into its log-softmax (forward) or its softmax
+    and then its gradient (backward) in place, beside (``ROWS``, V) temporaries: with
     ``into_grad``, the weight's ``.grad`` itself (trainer/fused_grads.py). Autograd
     over per-chunk checkpoints (what wrapped heads still take) makes a (V, H) gradient for every
     chunk and sums them in a buffer of its own: for SmolLM2's tied 49,152 x 576 head, 113 MB
@@ -211,10 +213,10 @@ class HeadStats(torch.autograd.Function):
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             for start in range(0, n, chunk):
                 part = slice(start, start + chunk)
-                logp = _chunk_logp(hidden[part].to(dtype), w, b, temperature[part])  # (n, V)
+                logp = _log_softmax_(_logits(hidden[part].to(dtype), w, b, temperature[part]))
                 lp[part] = logp.gather(-1, targets[part].unsqueeze(-1)).squeeze(-1)
                 if entropy:
-                    ent[part] = -(logp.exp() * logp).sum(-1)
+                    ent[part] = _entropy(logp)
         ctx.save_for_backward(hidden, weight, bias, targets, temperature)
         ctx.chunk, ctx.entropy_grad = chunk, entropy and entropy_grad
         ctx.into_grad = into_grad and weight.dtype == dtype
@@ -238,13 +240,17 @@ class HeadStats(torch.autograd.Function):
             for start in range(0, hidden.shape[0], ctx.chunk):
                 part = slice(start, start + ctx.chunk)
                 h = hidden[part].to(dtype)
-                logp = _chunk_logp(h, w, b, temperature[part])  # (n, V)
-                probs = logp.exp()
+                z = _logits(h, w, b, temperature[part])  # (n, V)
+                entropy_grad = ctx.entropy_grad and grad_ent is not None
+                # the chunk's one (n, V) tensor becomes p, then d loss / d z, in place; the
+                # entropy's gradient needs log p beside it
+                logp = _log_softmax_(z) if entropy_grad else None
+                probs = logp.exp() if logp is not None else _softmax_(z)
                 # dz = g_lp (onehot - p) [- g_ent p (log p + entropy)], then / T for the logits
                 dz = probs.mul_(-grad_lp[part].to(dtype).unsqueeze(-1))
                 dz.scatter_add_(-1, targets[part].unsqueeze(-1),
                                 grad_lp[part].to(dtype).unsqueeze(-1))  # fmt: skip
-                if ctx.entropy_grad and grad_ent is not None:
+                if logp is not None:
                     p = logp.exp()
                     ent = -(p * logp).sum(-1, keepdim=True)
                     dz.sub_(p.mul_(logp.add_(ent)).mul_(grad_ent[part].to(dtype).unsqueeze(-1)))
@@ -263,12 +269,42 @@ class HeadStats(torch.autograd.Function):
         )  # fmt: skip
 
 
-def _chunk_logp(
+# rows of a chunk exponentiated at a time where the result is not kept: the head's one (n, V)
+# temporary beyond its logits is (ROWS, V)
+ROWS = 32
+
+
+def _logits(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature
 ) -> torch.Tensor:
-    """(n, H) hidden states -> (n, V) log-softmax of the tempered logits."""
+    """(n, H) hidden states -> (n, V) tempered logits."""
     logits = torch.nn.functional.linear(hidden, weight, bias)
-    return torch.log_softmax(logits.div_(temperature.to(logits.dtype).unsqueeze(-1)), dim=-1)
+    return logits.div_(temperature.to(logits.dtype).unsqueeze(-1))
+
+
+def _log_softmax_(z: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(z, -1)`` of an (n, V) ``z``, written into ``z``: z - max - log sum exp(z -
+    max), as torch's kernel computes it, the sums ``ROWS`` rows at a time."""
+    z.sub_(z.amax(-1, keepdim=True))
+    sums = z.new_empty(z.shape[0], 1)
+    for start in range(0, z.shape[0], ROWS):
+        sums[start : start + ROWS] = z[start : start + ROWS].exp().sum(-1, keepdim=True)
+    return z.sub_(sums.log_())
+
+
+def _softmax_(z: torch.Tensor) -> torch.Tensor:
+    """``softmax(z, -1)`` of an (n, V) ``z``, written into ``z``."""
+    z.sub_(z.amax(-1, keepdim=True)).exp_()
+    return z.div_(z.sum(-1, keepdim=True))
+
+
+def _entropy(logp: torch.Tensor) -> torch.Tensor:
+    """(n, V) log-probs -> (n,) entropies, -sum p log p, ``ROWS`` rows of p at a time."""
+    out = logp.new_empty(logp.shape[0])
+    for start in range(0, logp.shape[0], ROWS):
+        rows = logp[start : start + ROWS]
+        out[start : start + ROWS] = rows.exp().mul_(rows).sum(-1).neg_()
+    return out
 
 
 def _head_fp32(head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,8 @@ that is 2.15 GB before the first activation, and the activations of a whole batc
 - ``small``: activation checkpointing on, AdamW's moments in 3 bytes a parameter
   (``--optimizer-state fp8``, trainer/optim.py) where they may be (fp32 weights, a replicated
   trainer), passes of at most ``SMALL_TOKENS`` real tokens when no limit was set, log-probs
-  ``SMALL_CHUNK`` positions at a time at most, a longer pass's feed-forward blocks
+  ``SMALL_CHUNK`` positions at a time at most (``LONG_PASS_CHUNK`` in a pass whose layers run
+  sliced: ``step.head_chunk``), a longer pass's feed-forward blocks
   ``SMALL_MLP_CHUNK`` positions at a time (``--mlp-chunk``, trainer/chunked_mlp.py: a row
   longer than a pass's budget runs alone) and its layers ``SMALL_LAYER_CHUNK`` at a time
   (``--layer-chunk``, a replicated trainer's), on jemalloc (trainer/heap.py).
@@ -23,7 +24,10 @@ that is 2.15 GB before the first activation, and the activations of a whole batc
   That leaves a pass about 160 MiB under 2 GiB, so the pass budget and the chunks are small:
   256-token passes and 32-position chunks held the 16-row step at 1,991 MiB from the second
   step on where 512 and 64 held it at 2,057 and 1,024 and 128 at 2,244, at 14 % more time a
-  step than 1,024 and 128 (30.4 s against 26.6 s). One 8,192-token row among short ones, alone
+  step than 1,024 and 128 (30.4 s against 26.6 s). Since the head's chunk is taken in place
+  (trainer/logprobs.py: its logits become log-probs, probabilities and gradient in one (n, V)
+  tensor), 128-position chunks cost what 32 did before within a few tens of MiB and run the
+  head's matrix products about a fifth faster (docs/benchmarks.md). One 8,192-token row among short ones, alone
   in its pass, runs its layers ``SMALL_LAYER_CHUNK`` positions at a time and keeps every
   second layer's input (``--layer-chunk``, trainer/sliced_layers.py): 2,020-2,036 MiB at the
   second step in two runs, where whole layers held 2,388-2,434 (the 540 MiB of their inputs
@@ -46,7 +50,10 @@ from typing import Any
 MEMORY_PLANS = ("auto", "fast", "small")
 SMALL_FROM = 100_000_000  # parameters: SmolLM2-135M and up
 SMALL_TOKENS = 256  # real tokens a pass, when no limit was set
-SMALL_CHUNK = 32  # log-prob positions at a time, at most
+SMALL_CHUNK = 128  # log-prob positions at a time, at most
+# ... in a pass whose layers run sliced (more real tokens than its layer chunk): it holds its
+# layers' inputs through the head's backward, so the head's (chunk, V) tensor stays small there
+LONG_PASS_CHUNK = 32
 SMALL_MLP_CHUNK = 512  # feed-forward positions at a time in a longer pass (trainer/chunked_mlp.py)
 SMALL_LAYER_CHUNK = 512  # a layer's positions at a time in a longer pass (trainer/sliced_layers.py)
 # the header of a safetensors file: an 8-byte little-endian length, then that many bytes of JSON

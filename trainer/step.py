@@ -215,6 +215,16 @@ def publishable(model, settings: StepSettings):
     return model
 
 
+def head_chunk(settings: StepSettings, mb: Batch) -> int:
+    """The log-prob chunk of pass ``mb``: ``logprob_chunk``, but at most
+    ``memory.LONG_PASS_CHUNK`` in a pass of more real tokens than ``layer_chunk``, whose layers
+    run sliced (trainer/sliced_layers.py): such a pass still holds its layers' inputs (hundreds
+    of MiB at 8,192 positions) when the head's backward makes its (chunk, V) tensors."""
+    chunk = settings.logprob_chunk
+    long_pass = settings.layer_chunk > 0 and int(mb.attention_mask.sum()) > settings.layer_chunk
+    return min(chunk, memory.LONG_PASS_CHUNK) if long_pass and chunk > 0 else chunk
+
+
 def forward_backward(
     model,
     ref_model,
@@ -245,7 +255,7 @@ def forward_backward(
         stats = token_stats(
             model,
             mb,
-            chunk=settings.logprob_chunk,
+            chunk=head_chunk(settings, mb),
             entropy_grad=settings.entropy_coef > 0,
             bf16_autocast=settings.bf16_autocast,
             share_prefix=settings.share_prefix,
@@ -267,7 +277,7 @@ def forward_backward(
                 ref = token_stats(
                     ref_model,
                     mb,
-                    chunk=settings.logprob_chunk,
+                    chunk=head_chunk(settings, mb),
                     entropy=False,
                     bf16_autocast=settings.bf16_autocast,
                     share_prefix=settings.share_prefix,
