@@ -206,3 +206,49 @@ def test_the_embeddings_gradient_added_into_grad_skips_padding_and_accumulates()
         (out * scale).sum().backward()
         torch.testing.assert_close(weight.grad, times * expected, rtol=1e-12, atol=1e-12)
     assert float(weight.grad[0].abs().sum()) == 0.0  # the padding row
+
+
+def test_every_linears_gradient_added_into_grad_is_autograds(tiny, monkeypatch):
+    """trainer/fused_grads.py's ``FusedLinear``: every Linear of the decoder adds its weight
+    gradient into ``.grad`` (``addmm_``) over passes of two rows, under activation
+    checkpointing (its forward runs again in the backward pass), and the update is autograd's
+    own (the same sums in another order: ``TOL``, fp64)."""
+    from agentarium.trainer import fused_grads
+
+    model = load_model(tiny, "cpu", dtype="float64")
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    assert fused_grads.fuse_linears(model) == len(linears) - 1  # all but the output head
+    assert type(model.get_output_embeddings()) is torch.nn.Linear
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    calls = []
+    apply = fused_grads.LinearIntoGrad.apply
+    monkeypatch.setattr(
+        fused_grads.LinearIntoGrad, "apply", lambda *a: calls.append(1) or apply(*a)
+    )
+    settings = StepSettings(logprob_chunk=7, micro_batch_size=2, entropy_coef=0.01)
+    fused = update(model, None, batch(), settings)
+    assert len(calls) >= 2 * 3 * (len(linears) - 1)  # three passes, each forward run twice
+    monkeypatch.setattr(fused_grads, "fusable", lambda weight, model: False)
+    calls.clear()
+    plain = update(model, None, batch(), settings)
+    assert calls == []
+    assert_same_update(plain, fused)
+
+
+def test_a_linears_gradient_added_into_grad_accumulates_with_its_bias():
+    from agentarium.trainer.fused_grads import LinearIntoGrad
+
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(2, 5, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    weight = torch.randn(3, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    bias = torch.randn(3, dtype=torch.float64, generator=g, requires_grad=True)
+    scale = torch.randn(2, 5, 3, dtype=torch.float64, generator=g)
+    out = torch.nn.functional.linear(x, weight, bias)
+    want = torch.autograd.grad((out * scale).sum(), (x, weight, bias))
+    for times in (1, 2):  # a second pass adds into the first's gradients
+        out = LinearIntoGrad.apply(x, weight, bias)
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, bias))
+        (grad_x,) = torch.autograd.grad((out * scale).sum(), x)
+        torch.testing.assert_close(grad_x, want[0], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(weight.grad, times * want[1], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(bias.grad, times * want[2], rtol=1e-12, atol=1e-12)

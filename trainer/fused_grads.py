@@ -1,5 +1,6 @@
-"""The embedding's and the head's weight gradients added straight into ``.grad`` as they are
-computed (what Megatron calls gradient accumulation fusion), for the two (V, H) weights.
+"""Weight gradients added straight into ``.grad`` as they are computed (what Megatron calls
+gradient accumulation fusion): the embedding's and the head's, the two (V, H) weights, and
+every other plain ``Linear``'s (``LinearIntoGrad``).
 
 Every pass makes the input embedding's gradient as a dense (V, H) tensor at the end of the
 backward pass, and the head's (trainer/logprobs.py, ``HeadStats``) at its start; where the two
@@ -8,6 +9,12 @@ head's contribution through the whole backward pass until the embedding's arrive
 and adds the sum into ``.grad``: three (V, H) tensors at once, 113 MB each for SmolLM2, at the
 step's peak (docs/benchmarks.md, "The defaults"). Added into ``weight.grad`` where they are
 computed, neither is held, and autograd is handed nothing for the weight.
+
+A plain ``Linear``'s weight gradient is an (out, in) matrix product a pass that autograd
+makes as a tensor of its own and then adds into ``.grad``; with ``LinearIntoGrad`` the product
+is added there by ``addmm_`` itself. For SmolLM2's step of 16 passes those additions read and
+wrote every layer's gradient 16 times: about half a second of a 50 s step (``aten::add_``,
+profiled).
 
 Only where nothing else reads the weight's gradient on its way (``fusable``): a plain leaf
 parameter that is trained, no post-accumulate-grad hooks, the model not sharded by FSDP2
@@ -93,3 +100,66 @@ def fuse_embedding(model) -> bool:  # type: ignore[no-untyped-def]
     fused = cast(FusedEmbedding, embedding)
     fused._root = weakref.ref(model)
     return True
+
+
+class LinearIntoGrad(torch.autograd.Function):
+    """``F.linear``, its weight's (and bias's) gradient added into ``.grad`` in the backward
+    pass (``addmm_``) instead of returned; the input's gradient as autograd's linear makes it."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):  # type: ignore[no-untyped-def,override]
+        ctx.save_for_backward(x)
+        # the parameters themselves, not saved tensors: under activation checkpointing a saved
+        # tensor comes back as another tensor object, whose .grad is not the parameter's
+        ctx.weight, ctx.bias = weight, bias
+        return torch.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[no-untyped-def,override]
+        (x,) = ctx.saved_tensors
+        weight = ctx.weight
+        grad_x = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
+        rows = grad_out.reshape(-1, grad_out.shape[-1])  # (positions, out)
+        grad_of(weight).addmm_(rows.t(), x.reshape(-1, x.shape[-1]))
+        if ctx.bias is not None:
+            grad_of(ctx.bias).add_(rows.sum(0))
+        return grad_x, None, None
+
+
+class FusedLinear(torch.nn.Linear):
+    """An ``nn.Linear`` whose weight (and bias) gradient goes into ``.grad``
+    (``LinearIntoGrad``) whenever ``fusable`` holds for both in the model it was set in and
+    autocast is off (under autocast, and elsewhere, ``nn.Linear``'s own forward)."""
+
+    _root: weakref.ref
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        model = self._root()
+        if (
+            model is not None
+            and fusable(self.weight, model)
+            and (self.bias is None or fusable(self.bias, model))
+            and not torch.is_autocast_enabled(x.device.type)
+        ):
+            return LinearIntoGrad.apply(x, self.weight, self.bias)
+        return super().forward(x)
+
+
+def fuse_linears(model) -> int:  # type: ignore[no-untyped-def]
+    """Make every plain ``nn.Linear`` of ``model`` but its output head (trainer/logprobs.py
+    adds the head's gradient itself) a ``FusedLinear`` (the same module, weights and state
+    dict); returns how many. Call it before adapters wrap the layers (LoRA's frozen base
+    layers are not ``fusable``: they run as ``nn.Linear``)."""
+    head = (
+        model.get_output_embeddings()
+        if callable(getattr(model, "get_output_embeddings", None))
+        else None
+    )
+    count = 0
+    for module in model.modules():
+        if type(module) is not torch.nn.Linear or module is head:
+            continue
+        module.__class__ = FusedLinear
+        cast(FusedLinear, module)._root = weakref.ref(model)
+        count += 1
+    return count

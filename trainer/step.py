@@ -21,7 +21,7 @@ from .checkpoint import Loaded, write_full
 from .chunked_mlp import enable as chunk_feed_forward
 from .config import TrainerConfig
 from .errors import TrainerConfigError
-from .fused_grads import fuse_embedding
+from .fused_grads import fuse_embedding, fuse_linears
 from .grpo import LossSums, grpo_loss, truncated_is_weights
 from .logprobs import causal_lm, token_stats
 from .optim import Fp8AdamW, moments_of
@@ -182,7 +182,9 @@ def load_policy(model_dir: str | Path, device: str | torch.device, settings: Ste
     positions at a time (trainer/chunked_mlp.py), wrapped with LoRA adapters when
     ``lora_rank`` > 0."""
     model = _packing(load_model(model_dir, device, dtype=settings.dtype), settings)
-    fuse_embedding(model)  # its weight gradient added into .grad (trainer/fused_grads.py)
+    # the embedding's and every Linear's weight gradients added into .grad (trainer/fused_grads.py)
+    fuse_embedding(model)
+    fuse_linears(model)
     if settings.activation_checkpointing:
         non_reentrant = {"use_reentrant": False}
         if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.x's name
