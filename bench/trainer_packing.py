@@ -16,6 +16,9 @@ table gives median (min-max) over rounds of:
 - GFLOP/s: 6 x trainable parameters x real tokens / step s, the usual count of a step's
   matrix work (attention's own, small at these lengths, is left out), so padding is work that
   earns nothing;
+- the step's user and kernel CPU seconds and minor page faults (a line per configuration
+  under the table: a step whose allocator returns its tensors' pages to the system faults
+  them in again, in the kernel);
 - peak RSS after the step (model, gradients, AdamW's state, activations, libraries), in MiB;
   with ``--steps N``, after N steps on the batch (our configurations; TRL's runs one), so
   AdamW's moments, made at the first update, are held through the later ones
@@ -146,14 +149,34 @@ def trl_child(args: argparse.Namespace, model_dir: Path, batch) -> dict:
     }
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.999), weight_decay=0)
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    t0 = time.monotonic()
+    t0, before = time.monotonic(), usage()
     loss = trainer.compute_loss(model, inputs)
     loss.backward()
     grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     step_s = time.monotonic() - t0
-    return {"step_s": step_s, "loss": float(loss), "grad_norm": grad_norm, "params": params}
+    return {"step_s": step_s, "loss": float(loss), "grad_norm": grad_norm, "params": params,
+            **usage_since(before)}  # fmt: skip
+
+
+def usage() -> tuple[float, float, int]:
+    """This process's user and kernel CPU seconds and minor page faults so far."""
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime, ru.ru_stime, ru.ru_minflt
+
+
+def usage_since(before: tuple[float, float, int]) -> dict:
+    """User and kernel seconds and minor page faults since ``before`` (``usage()``): a step
+    that maps and frees its tensors spends kernel time faulting their pages in again."""
+    now = usage()
+    return {
+        "user_s": round(now[0] - before[0], 2),
+        "sys_s": round(now[1] - before[1], 2),
+        "minflt": now[2] - before[2],
+    }
 
 
 def matmul_gflops(threads: int, n: int = 2048, repeat: int = 5) -> float:
@@ -207,13 +230,14 @@ def child(args: argparse.Namespace) -> None:
         timeline = Timeline(updater.model, updater.optimizer) if args.timeline else None
         if timeline:
             timeline.step()
-        t0 = time.monotonic()
+        t0, before = time.monotonic(), usage()
         stats = updater.step(batch, seed=0)
         step = {
             "step_s": time.monotonic() - t0,
             "loss": stats.loss,
             "grad_norm": stats.grad_norm,
             "params": params,
+            **usage_since(before),
         }
         # --steps: the same batch again; from the second step AdamW's moments are held too
         later = []
@@ -236,6 +260,7 @@ def child(args: argparse.Namespace) -> None:
                 "rss_mb": round(peak_rss_mb()),
                 "steps": 1 + len(step.get("later_s", [])),
                 "later_s": step.get("later_s", []),
+                **{k: step[k] for k in ("user_s", "sys_s", "minflt")},
                 "allocator": running_allocator(),
                 "loss": step["loss"],
                 "grad_norm": step["grad_norm"],
@@ -385,6 +410,11 @@ def main() -> None:
             f"{cell([r['matmul_gflops'] for r in same], 1)} | {cell(beside, 0)} % | "
             f"{cell([r['rss_mb'] for r in same], 0)} |"
         )
+    for name in names:
+        same = [r for r in rows if r["config"] == name]
+        print(f"{name}, the first step: user {cell([r['user_s'] for r in same], 1)} s, kernel "
+              f"{cell([r['sys_s'] for r in same], 1)} s, minor page faults "
+              f"{cell([r['minflt'] / 1e6 for r in same], 2)} M")  # fmt: skip
     for key in ("loss", "grad_norm"):
         values = [r[key] for r in rows]
         print(f"first step's {key}: max abs difference {max(values) - min(values):.3g} "
