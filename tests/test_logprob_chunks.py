@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
-from updatelib import TOL, V, assert_same_update, batch, update
+from updatelib import BASE, TOL, V, assert_same_update, batch, update
 
 from agentarium.tiny import ensure_tiny_model
 from agentarium.trainer.grpo import token_logprobs
@@ -252,3 +252,88 @@ def test_a_linears_gradient_added_into_grad_accumulates_with_its_bias():
         torch.testing.assert_close(grad_x, want[0], rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(weight.grad, times * want[1], rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(bias.grad, times * want[2], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(BASE),  # the KL term, the entropy bonus (its gradient), stale tokens (in batch())
+        dict(clip_low=0.2, clip_high=0.2, loss_agg="seq-mean-token-mean"),
+        dict(BASE, loss_agg="seq-mean-token-sum-norm", loss_norm_tokens=64, micro_batch_size=2),
+    ],
+    ids=["kl-entropy", "seq-mean", "norm-tokens-passes"],
+)
+def test_given_the_loss_the_head_makes_its_gradient_in_the_forward(tiny, monkeypatch, settings):
+    """``forward_backward`` hands the head its loss (``token_stats(loss=...)``): the head makes
+    each chunk's logits once (``HeadStats`` predicts the loss's gradient at them, and its
+    backward finds nothing left to make), and the update is the head's without the loss,
+    which makes every chunk's logits again in its backward (the same sums in another order:
+    ``TOL``, fp64)."""
+    from agentarium.trainer import logprobs, step
+
+    model = load_model(tiny, "cpu", dtype="float64")
+    ref = load_model(tiny, "cpu", trainable=False, dtype="float64")
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    data, chunk = batch(), 7
+    calls = []
+    made = logprobs._logits
+    monkeypatch.setattr(logprobs, "_logits", lambda *a: calls.append(1) or made(*a))
+    run = StepSettings(logprob_chunk=chunk, **{"micro_batch_size": 8, **settings})
+    fused = update(model, ref, data, run)
+    policy_calls = len(calls)
+    passes = data.micro_batches(run.micro_batch_size, max_tokens=run.max_tokens_per_micro_batch,
+                                packed=False, share_prefix=run.share_prefix)  # fmt: skip
+    chunks = sum(-(-int(mb.loss_mask[:, 1:].sum()) // chunk) for mb in passes)
+    ref_calls = chunks if run.kl_coef > 0 else 0  # the reference's log-probs: a forward alone
+    assert policy_calls == chunks + ref_calls  # no chunk's logits made again
+    real = step.token_stats
+    monkeypatch.setattr(
+        step,
+        "token_stats",
+        lambda *a, loss=None, **kw: real(*a, **kw),  # the loss not given
+    )
+    calls.clear()
+    plain = update(model, ref, data, run)
+    assert len(calls) > policy_calls  # the backward made them again
+    assert_same_update(plain, fused)
+
+
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_a_head_whose_predicted_gradient_is_off_still_gets_autograds(entropy_grad):
+    """``HeadStats`` handed a ``predict`` that is wrong for the loss then taken (half the true
+    gradient on some chunks, the true one on the rest, through a bias): its backward makes the
+    chunks that differ again with the difference, and the gradients are autograd's (fp64;
+    the same products summed in another order: 1e-12, as the Linear's test above)."""
+    from agentarium.trainer.logprobs import HeadStats
+
+    g = torch.Generator().manual_seed(11)
+    n, h, v = 9, 4, 13
+    hidden = torch.randn(n, h, dtype=torch.float64, generator=g, requires_grad=True)
+    weight = torch.randn(v, h, dtype=torch.float64, generator=g, requires_grad=True)
+    bias = torch.randn(v, dtype=torch.float64, generator=g, requires_grad=True)
+    targets = torch.randint(0, v, (n,), generator=g)
+    temperature = torch.rand(n, dtype=torch.float64, generator=g) + 0.5
+    c = torch.randn(n, dtype=torch.float64, generator=g)  # d loss / d lp
+    d = torch.randn(n, dtype=torch.float64, generator=g)  # d loss / d ent
+    half = (torch.arange(n) >= 6).double() * 0.5 + (torch.arange(n) < 6).double()
+
+    def predict(part, lp, ent):
+        return c[part] * half[part], (d[part] * half[part] if entropy_grad else None)
+
+    def loss_of(lp, ent):
+        return (lp * c).sum() + ((ent * d).sum() if entropy_grad else 0.0)
+
+    args = (targets, temperature, 3, True, entropy_grad)
+    want = torch.autograd.grad(loss_of(*HeadStats.apply(hidden, weight, bias, *args)),
+                               (hidden, weight, bias))  # fmt: skip
+    got = torch.autograd.grad(loss_of(*HeadStats.apply(hidden, weight, bias, *args, False, predict)),
+                              (hidden, weight, bias))  # fmt: skip
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    # into .grad: the forward added the predicted share, the backward the rest
+    lp, ent = HeadStats.apply(hidden, weight, bias, *args, True, predict)
+    (grad_h,) = torch.autograd.grad(loss_of(lp, ent), hidden)
+    torch.testing.assert_close(grad_h, want[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(weight.grad, want[1], rtol=1e-12, atol=1e-12)

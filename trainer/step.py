@@ -252,27 +252,6 @@ def forward_backward(
         )
     for micro in micro_batches:
         mb = micro.to(device)
-        # Log-probs at the loss's positions only, `logprob_chunk` positions at a time, the head
-        # in fp32 even under bf16 autocast (trainer/logprobs.py; 0: the whole-vocabulary path).
-        stats = token_stats(
-            model,
-            mb,
-            chunk=head_chunk(settings, mb),
-            entropy_grad=settings.entropy_coef > 0,
-            bf16_autocast=settings.bf16_autocast,
-            share_prefix=settings.share_prefix,
-        )
-        logprobs = stats.logprobs  # (b, T-1)
-        mask = mb.loss_mask[:, 1:]  # (b, T-1): position t predicts token t + 1
-        behaviour = mb.old_logprobs[:, 1:]  # (b, T-1)
-        tis = mb.tis[:, 1:]  # (b, T-1): too-stale tokens, each by its own version
-        # Too-stale tokens (stale_policy tis): ratio against the current policy, weighted by
-        # min(pi_current / pi_rollout, tis_clip); see trainer/grpo.py.
-        old = torch.where(tis, logprobs.detach(), behaviour)  # (b, T-1)
-        is_weights = None
-        if bool(tis.any()):
-            w = truncated_is_weights(logprobs.detach(), behaviour, clip=settings.tis_clip)
-            is_weights = torch.where(tis, w, torch.ones_like(w))  # (b, T-1)
         ref = None
         if ref_model is not None and settings.kl_coef > 0:
             with torch.no_grad():
@@ -284,34 +263,77 @@ def forward_backward(
                     bf16_autocast=settings.bf16_autocast,
                     share_prefix=settings.share_prefix,
                 ).logprobs  # (b, T-1)
-        entropy = stats.entropy if settings.entropy_coef > 0 else None  # (b, T-1), with gradient
-        loss, part = grpo_loss(
-            logprobs,
-            old,
-            mb.advantages[:, 1:],
-            mask,
-            clip_low=settings.clip_low,
-            clip_high=settings.clip_high,
-            dual_clip=settings.dual_clip,
-            mode=settings.loss_agg,
-            is_weights=is_weights,
-            ref_logprobs=ref,
-            kl_coef=settings.kl_coef,
-            entropy=entropy,
-            entropy_coef=settings.entropy_coef,
-            total_tokens=totals.tokens,
-            total_seqs=totals.seqs,
-            norm_tokens=settings.loss_norm_tokens,
+        pass_loss = _PassLoss(mb, ref, settings, totals)
+        # Log-probs at the loss's positions only, `logprob_chunk` positions at a time, the head
+        # in fp32 even under bf16 autocast (trainer/logprobs.py; 0: the whole-vocabulary path).
+        # Given the loss, the head makes its gradient while it holds each chunk's logits.
+        stats = token_stats(
+            model,
+            mb,
+            chunk=head_chunk(settings, mb),
+            entropy_grad=settings.entropy_coef > 0,
+            bf16_autocast=settings.bf16_autocast,
+            share_prefix=settings.share_prefix,
+            loss=pass_loss.value,
         )
+        loss, part = pass_loss(stats.logprobs, stats.entropy)
+        mask = mb.loss_mask[:, 1:]  # (b, T-1): position t predicts token t + 1
         assert stats.entropy is not None
         part.entropy = float(stats.entropy.detach()[mask].sum())
         loss.backward()
         loss_total += float(loss.detach())
         sums += part
-        del stats, logprobs, loss, ref, entropy, mb
+        del stats, loss, ref, pass_loss, mb
         if settings.heap == "release":
             heap.release()  # this pass's activations, back to the system (trainer/heap.py)
     return loss_total, sums
+
+
+class _PassLoss:
+    """One pass's GRPO loss as a function of its (b, T-1) log-probs and entropies, each
+    position's term reading only its own values: what ``forward_backward`` takes of the
+    policy's, and what the head differentiates a chunk at a time (``logprobs.LossGrads``)."""
+
+    def __init__(
+        self, mb: Batch, ref: torch.Tensor | None, settings: StepSettings, totals: Totals
+    ) -> None:
+        self.mb, self.ref, self.settings, self.totals = mb, ref, settings, totals
+        self.tis = mb.tis[:, 1:]  # (b, T-1): too-stale tokens, each by its own version
+        self.any_tis = bool(self.tis.any())
+
+    def __call__(
+        self, logprobs: torch.Tensor, entropy: torch.Tensor | None
+    ) -> tuple[torch.Tensor, LossSums]:
+        mb, settings = self.mb, self.settings
+        behaviour = mb.old_logprobs[:, 1:]  # (b, T-1)
+        # Too-stale tokens (stale_policy tis): ratio against the current policy, weighted by
+        # min(pi_current / pi_rollout, tis_clip); see trainer/grpo.py.
+        old = torch.where(self.tis, logprobs.detach(), behaviour)  # (b, T-1)
+        is_weights = None
+        if self.any_tis:
+            w = truncated_is_weights(logprobs.detach(), behaviour, clip=settings.tis_clip)
+            is_weights = torch.where(self.tis, w, torch.ones_like(w))  # (b, T-1)
+        return grpo_loss(
+            logprobs,
+            old,
+            mb.advantages[:, 1:],
+            mb.loss_mask[:, 1:],
+            clip_low=settings.clip_low,
+            clip_high=settings.clip_high,
+            dual_clip=settings.dual_clip,
+            mode=settings.loss_agg,
+            is_weights=is_weights,
+            ref_logprobs=self.ref,
+            kl_coef=settings.kl_coef,
+            entropy=entropy if settings.entropy_coef > 0 else None,  # with gradient
+            entropy_coef=settings.entropy_coef,
+            total_tokens=self.totals.tokens,
+            total_seqs=self.totals.seqs,
+            norm_tokens=settings.loss_norm_tokens,
+        )
+
+    def value(self, logprobs: torch.Tensor, entropy: torch.Tensor | None) -> torch.Tensor:
+        return self(logprobs, entropy)[0]
 
 
 def make_optimizer(model, settings: StepSettings) -> torch.optim.Optimizer:
