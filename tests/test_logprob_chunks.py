@@ -144,6 +144,18 @@ def test_under_bf16_autocast_the_chunked_head_runs_in_fp32(tiny):
     assert err_chunked < err_whole, (err_chunked, err_whole)
 
 
+def _head_inputs(seed: int, *, n: int, h: int, v: int):
+    """A head's inputs in fp64 (hidden states, weight, bias: with gradients), targets,
+    per-position temperatures in [0.5, 1.5), and the generator, for more draws."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, dtype=torch.float64, generator=g, requires_grad=True)
+    weight = torch.randn(v, h, dtype=torch.float64, generator=g, requires_grad=True)
+    bias = torch.randn(v, dtype=torch.float64, generator=g, requires_grad=True)
+    targets = torch.randint(0, v, (n,), generator=g)
+    temperature = torch.rand(n, dtype=torch.float64, generator=g) + 0.5
+    return hidden, weight, bias, targets, temperature, g
+
+
 @pytest.mark.parametrize("entropy_grad", [False, True])
 def test_the_heads_one_node_has_autograds_gradient_bias_included(entropy_grad):
     """``HeadStats`` (a plain Linear head, chunks in one autograd node) against torch's
@@ -151,13 +163,7 @@ def test_the_heads_one_node_has_autograds_gradient_bias_included(entropy_grad):
     that does not divide the positions, and the entropy differentiated or not."""
     from agentarium.trainer.logprobs import HeadStats
 
-    g = torch.Generator().manual_seed(5)
-    n, h, v = 7, 4, 11
-    hidden = torch.randn(n, h, dtype=torch.float64, generator=g, requires_grad=True)
-    weight = torch.randn(v, h, dtype=torch.float64, generator=g, requires_grad=True)
-    bias = torch.randn(v, dtype=torch.float64, generator=g, requires_grad=True)
-    targets = torch.randint(0, v, (n,), generator=g)
-    temperature = torch.rand(n, dtype=torch.float64, generator=g) + 0.5
+    hidden, weight, bias, targets, temperature, _ = _head_inputs(5, n=7, h=4, v=11)
 
     def stats(hidden, weight, bias):
         lp, ent = HeadStats.apply(hidden, weight, bias, targets, temperature, 3, True, entropy_grad)
@@ -308,13 +314,8 @@ def test_a_head_whose_predicted_gradient_is_off_still_gets_autograds(entropy_gra
     the same products summed in another order: 1e-12, as the Linear's test above)."""
     from agentarium.trainer.logprobs import HeadStats
 
-    g = torch.Generator().manual_seed(11)
-    n, h, v = 9, 4, 13
-    hidden = torch.randn(n, h, dtype=torch.float64, generator=g, requires_grad=True)
-    weight = torch.randn(v, h, dtype=torch.float64, generator=g, requires_grad=True)
-    bias = torch.randn(v, dtype=torch.float64, generator=g, requires_grad=True)
-    targets = torch.randint(0, v, (n,), generator=g)
-    temperature = torch.rand(n, dtype=torch.float64, generator=g) + 0.5
+    n = 9
+    hidden, weight, bias, targets, temperature, g = _head_inputs(11, n=n, h=4, v=13)
     c = torch.randn(n, dtype=torch.float64, generator=g)  # d loss / d lp
     d = torch.randn(n, dtype=torch.float64, generator=g)  # d loss / d ent
     half = (torch.arange(n) >= 6).double() * 0.5 + (torch.arange(n) < 6).double()

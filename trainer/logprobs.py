@@ -263,7 +263,10 @@ class HeadStats(torch.autograd.Function):
     (N, H)) and the weight's (into ``.grad``, or nothing where the weight is frozen). The
     backward then compares the gradient it is handed with the predicted one and makes again,
     from the hidden states, only the chunks where they differ, with the difference: the same
-    gradient, less one (chunk, H) x (H, V) product a chunk (a fifth of the head's work).
+    gradient, with three products of the chunk's size where there were four (the logits made
+    again).
+    The weight's share is then in ``.grad`` from the forward on: a caller that hands the loss
+    runs the backward (the trainer zeroes the gradients at each step's start).
     Without ``predict``, or where the weight's gradient cannot go into ``.grad`` at once, the
     backward makes every chunk again."""
 
