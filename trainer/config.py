@@ -427,8 +427,9 @@ class TrainerConfig:
         group=COMPUTE,
         metavar="POSITIONS",
         help="log-probs are taken only at the loss's (model-token) positions, through the output "
-        "head and log_softmax in fp32 this many positions at a time, each chunk recomputed in the "
-        "backward pass (memory: a chunk's logits, not the batch's); 0 = the whole vocabulary at "
+        "head and log_softmax in fp32 this many positions at a time, each chunk's gradient made "
+        "while its logits are held (recomputed in the backward pass under FSDP2 or a wrapped "
+        "head) (memory: a chunk's logits, not the batch's); 0 = the whole vocabulary at "
         "every position at once, the model's own logits (trainer/logprobs.py)",
     )
     mlp_chunk: int = setting(
