@@ -338,3 +338,24 @@ def test_a_head_whose_predicted_gradient_is_off_still_gets_autograds(entropy_gra
     (grad_h,) = torch.autograd.grad(loss_of(lp, ent), hidden)
     torch.testing.assert_close(grad_h, want[0], rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(weight.grad, want[1], rtol=1e-12, atol=1e-12)
+
+
+def test_the_heads_gradient_has_the_same_bits_made_in_the_forward_or_the_backward():
+    """In fp32, ``HeadStats``'s gradients made in the forward (``predict`` right) are the ones
+    its backward makes (no ``predict``, as under FSDP2) to the bit: both take p as
+    exp(log_softmax). An fp32 AdamW step from zero moments turns a last-bit difference in a
+    near-zero gradient into a visible one (lr * dg / eps), and a sharded and an unsharded
+    trainer are compared after one (tests/test_architecture_weights.py)."""
+    from agentarium.trainer.logprobs import HeadStats
+
+    hidden, weight, bias, targets, temperature, g = _head_inputs(13, n=10, h=8, v=300)
+    hidden, weight = hidden.float().detach().requires_grad_(), weight.float().detach()
+    temperature, c = temperature.float(), torch.randn(10, generator=g).float()
+    grads = []
+    for predict in (None, lambda part, lp, ent: (c[part], None)):
+        w = weight.clone().requires_grad_()
+        lp, _ = HeadStats.apply(hidden, w, None, targets, temperature, 3, True, False, True,
+                                predict)  # fmt: skip
+        (grad_h,) = torch.autograd.grad((lp * c).sum(), hidden)
+        grads.append((grad_h, w.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])

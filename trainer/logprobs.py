@@ -249,7 +249,9 @@ class HeadStats(torch.autograd.Function):
     ``chunk`` positions at a time, in fp32 (fp64 for a float64 model), as one autograd node.
 
     No (chunk, V) tensor outlives its chunk. A chunk's logits are its one (chunk, V) tensor,
-    made into its log-softmax, then its softmax, then d loss / d logits in place, beside
+    made into its log-softmax, then its softmax (exp of the log-softmax, in the forward and the
+    backward alike: the gradient's bits do not depend on where it is made), then d loss / d
+    logits in place, beside
     (``ROWS``, V) temporaries; the head's weight gradient is added chunk by chunk into one
     (V, H) buffer (``addmm_``): with ``into_grad``, the weight's ``.grad`` itself
     (trainer/fused_grads.py). Autograd over per-chunk checkpoints (what wrapped heads still
@@ -345,8 +347,8 @@ class HeadStats(torch.autograd.Function):
                     logp = _log_softmax_(z)
                     ent = _entropy(logp)
                     dz = _dz_(logp.exp(), targets[part], g_lp, temperature[part], logp, ent, g_ent)
-                else:
-                    dz = _dz_(_softmax_(z), targets[part], g_lp, temperature[part])
+                else:  # p as the forward makes it, exp(log_softmax): the same bits either way
+                    dz = _dz_(_log_softmax_(z).exp_(), targets[part], g_lp, temperature[part])
                 grads.add(part, dz, h, w)
         grad_h, grad_w, grad_b = grads.h, grads.w, grads.b
         return (
@@ -441,12 +443,6 @@ def _log_softmax_(z: torch.Tensor) -> torch.Tensor:
     for start in range(0, z.shape[0], ROWS):
         sums[start : start + ROWS] = z[start : start + ROWS].exp().sum(-1, keepdim=True)
     return z.sub_(sums.log_())
-
-
-def _softmax_(z: torch.Tensor) -> torch.Tensor:
-    """``softmax(z, -1)`` of an (n, V) ``z``, written into ``z``."""
-    z.sub_(z.amax(-1, keepdim=True)).exp_()
-    return z.div_(z.sum(-1, keepdim=True))
 
 
 def _entropy(logp: torch.Tensor) -> torch.Tensor:
