@@ -276,8 +276,10 @@ def grpo_loss(
     total_tokens: float | None = None,
     total_seqs: float | None = None,
     norm_tokens: float | None = None,
+    sums: bool = True,
 ) -> tuple[torch.Tensor, LossSums]:
-    """The aggregated GRPO loss of (B, T) inputs, and its summed statistics."""
+    """The aggregated GRPO loss of (B, T) inputs, and its summed statistics (empty without
+    ``sums``: they read values back from the device)."""
     m = mask.bool()
     # Padding and prompt positions hold arbitrary values; pinning them to the current log-probs
     # keeps exp() finite there, so no inf * 0 = NaN can leak into the gradient.
@@ -311,10 +313,11 @@ def grpo_loss(
         total_seqs=total_seqs,
         norm_tokens=norm_tokens,
     )
-    sums = LossSums(
+    if not sums:
+        return loss, LossSums()
+    return loss, LossSums(
         tokens=float(m.sum()),
         clipped=float(clipped[m].sum()),
         kl=float(kl.detach()[m].sum()),
         ratio=float(ratio.detach()[m].sum()),
     )
-    return loss, sums

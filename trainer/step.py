@@ -302,7 +302,7 @@ class _PassLoss:
         self.any_tis = bool(self.tis.any())
 
     def __call__(
-        self, logprobs: torch.Tensor, entropy: torch.Tensor | None
+        self, logprobs: torch.Tensor, entropy: torch.Tensor | None, sums: bool = True
     ) -> tuple[torch.Tensor, LossSums]:
         mb, settings = self.mb, self.settings
         behaviour = mb.old_logprobs[:, 1:]  # (b, T-1)
@@ -330,10 +330,12 @@ class _PassLoss:
             total_tokens=self.totals.tokens,
             total_seqs=self.totals.seqs,
             norm_tokens=settings.loss_norm_tokens,
+            sums=sums,
         )
 
     def value(self, logprobs: torch.Tensor, entropy: torch.Tensor | None) -> torch.Tensor:
-        return self(logprobs, entropy)[0]
+        """The loss alone (what the head differentiates a chunk at a time)."""
+        return self(logprobs, entropy, sums=False)[0]
 
 
 def make_optimizer(model, settings: StepSettings) -> torch.optim.Optimizer:
